@@ -1,0 +1,25 @@
+# `make test` and `make serve` are the two commands a new user runs; both are idempotent and
+# quick when nothing changed (the venv is rebuilt only when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test serve clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: an unpinned torch pulls gigabytes of CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/cleave generate
+
+clean:
+	rm -rf $(VENV)

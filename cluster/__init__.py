@@ -1,0 +1,1 @@
+"""Ray composition of Cleave: the `cleave` command line, the Serve application, autoscaling."""

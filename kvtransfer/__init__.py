@@ -1,0 +1,1 @@
+"""Moving paged KV blocks between workers (TCP, UCX, NCCL). Imports no other Cleave package."""
