@@ -1,0 +1,45 @@
+"""The `cleave` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CLEAVE = str(Path(sys.executable).with_name("cleave"))
+
+
+def run(*args: str, env_dir: Path) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, CLEAVE_CACHE_DIR=str(env_dir))
+    return subprocess.run([CLEAVE, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_make_model_then_generate_from_it(tmp_path):
+    out = tmp_path / "m"
+    made = run("make-model", "--arch", "qwen2", "--preset", "tiny", "--out", str(out),
+               env_dir=tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    gen = run("generate", "--model", str(out), "--prompt", "hi", "--max-tokens", "5",
+              "--ignore-eos", env_dir=tmp_path)
+    assert gen.returncode == 0, gen.stderr
+    line = json.loads(gen.stdout.splitlines()[0])
+    assert line["prompt"] == "hi" and len(line["token_ids"]) == 5
+
+
+def test_generate_defaults_to_the_embedded_model(tmp_path):
+    gen = run("generate", "--max-tokens", "3", env_dir=tmp_path)
+    assert gen.returncode == 0, gen.stderr
+    assert len(gen.stdout.splitlines()) == 2
+    assert any(tmp_path.iterdir())  # the default was created in the cache folder
+
+
+def test_bad_input_is_one_clear_line(tmp_path):
+    bad = run("make-model", "--arch", "gpt9", "--out", str(tmp_path / "x"), env_dir=tmp_path)
+    assert bad.returncode == 2
+    assert "gpt9" in bad.stderr and "llama" in bad.stderr
+    bad = run("generate", "--max-tokens", "0", env_dir=tmp_path)
+    assert bad.returncode == 2 and "max_tokens" in bad.stderr

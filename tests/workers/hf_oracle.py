@@ -1,0 +1,60 @@
+"""Checkpoints written by transformers itself, and transformers as the oracle for greedy tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
+    """A small random model of `arch` saved with `save_pretrained` in fp32; returns it (eval)."""
+    import transformers as tf
+
+    if arch == "llama":  # GQA with llama3 rope scaling, as Llama 3.1 ships
+        config = tf.LlamaConfig(**TINY, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+        cls = tf.LlamaForCausalLM
+    elif arch == "mistral":
+        config, cls = tf.MistralConfig(**TINY), tf.MistralForCausalLM
+    elif arch == "qwen2":
+        config, cls = tf.Qwen2Config(**TINY, tie_word_embeddings=True), tf.Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config).float().eval()
+    with torch.no_grad():  # spread the logits so greedy argmax has no near-ties
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out)
+    return model
+
+
+@dataclass(frozen=True)
+class Reference:
+    tokens: list[int]  # greedy continuation
+    logprobs: list[float]  # log p of each continuation token
+    prompt_logprobs: list[float]  # log p of prompt tokens 1..n-1 given their prefix
+
+
+@torch.no_grad()
+def greedy_reference(model: torch.nn.Module, prompt: list[int], steps: int) -> Reference:
+    """Greedy decoding by full recomputation each step: no cache, no padding, no processors."""
+    ids = list(prompt)
+    tokens, logprobs = [], []
+    first = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    prompt_lp = [first[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    last = first[-1]
+    for _ in range(steps):
+        token = int(last.argmax())
+        tokens.append(token)
+        logprobs.append(last[token].item())
+        ids.append(token)
+        last = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+    return Reference(tokens, logprobs, prompt_lp)

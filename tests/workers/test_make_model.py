@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.loader import hf_weight_shapes, load_model
+from workers.make_model import PRESETS, default_model_path, make_model
+from workers.model_config import ModelConfig
+from workers.models import LlamaForCausalLM
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("workers.tokenizer.build", reason="tokenizer builder not written yet")
+
+
+def torch_backend():  # type: ignore[no-untyped-def]
+    from workers.attention.backend import get_backend
+
+    return get_backend("torch")
+
+
+def prompt_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [len, vocab] of one fresh prompt through the real paged torch backend."""
+    from workers.attention.backend import AttentionMetadata
+
+    config, n, block_size = model.config, len(ids), 16
+    num_blocks = (n + block_size - 1) // block_size
+    caches = [torch.zeros(2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+              for _ in range(config.num_hidden_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None], num_decodes=0,
+        max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+    with torch.no_grad():
+        return model.compute_logits(model(ids, torch.arange(n), caches, meta))
+
+
+def file_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+            if p.suffix in (".safetensors", ".json") and p.name != "config.json"}
+
+
+def test_same_seed_gives_identical_files(tmp_path: Path) -> None:
+    a = file_bytes(make_model(tmp_path / "a", seed=5))
+    b = file_bytes(make_model(tmp_path / "b", seed=5))
+    c = file_bytes(make_model(tmp_path / "c", seed=6))
+    assert {"model.safetensors", "tokenizer.json", "generation_config.json"} <= set(a)
+    assert a == b
+    assert a["model.safetensors"] != c["model.safetensors"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path: Path, arch: str) -> None:
+    path = make_model(tmp_path, arch=arch)
+    config = ModelConfig.from_pretrained(path)
+    assert config.architecture == {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                   "qwen2": "Qwen2ForCausalLM"}[arch]
+    assert config.tie_word_embeddings == (arch == "qwen2")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ours = load_model(path, config, dtype=torch.float32, device="cpu",
+                      attn_backend=torch_backend())
+    ids = torch.arange(3, 40)
+    with torch.no_grad():
+        expected = hf_model(ids[None]).logits[0]
+    logits = prompt_logits(ours, ids)
+    assert (logits - expected).abs().max() < 1e-4
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_config_carries_the_tokenizer_ids(tmp_path: Path) -> None:
+    path = make_model(tmp_path, arch="llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path)
+    assert config.bos_token_id == tokenizer.bos_token_id
+    assert config.eos_token_ids[0] == tokenizer.eos_token_id
+    assert len(tokenizer) <= config.vocab_size
+    assert config.torch_dtype == "float32" and config.rope_scaling is not None
+
+
+def test_large_checkpoints_are_sharded_with_an_index(tmp_path: Path) -> None:
+    path = make_model(tmp_path / "sharded", max_shard_bytes=200_000, dtype="bfloat16")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0].endswith(f"-of-{len(files):05d}.safetensors")
+    assert not (path / "model.safetensors").exists()
+    single = make_model(tmp_path / "single", dtype="bfloat16")
+    config = ModelConfig.from_pretrained(path)
+    assert config.torch_dtype == "bfloat16"
+    models = [load_model(p, config, dtype=torch.bfloat16, device="cpu",
+                         attn_backend=torch_backend()) for p in (path, single)]
+    for (name, a), (_, b) in zip(*(m.state_dict().items() for m in models)):
+        assert torch.equal(a, b), name
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert hf_model.dtype == torch.bfloat16
+
+
+def test_overrides_change_the_written_config(tmp_path: Path) -> None:
+    path = make_model(tmp_path, arch="mistral", overrides={"num_hidden_layers": 1})
+    assert ModelConfig.from_pretrained(path).num_hidden_layers == 1
+
+
+def test_presets_have_the_advertised_sizes() -> None:
+    def num_params(preset: str) -> int:
+        p = PRESETS[preset]
+        config = ModelConfig.from_dict({
+            "architectures": ["LlamaForCausalLM"], **{
+                k: getattr(p, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                           "num_hidden_layers", "num_attention_heads",
+                                           "num_key_value_heads", "max_position_embeddings")}})
+        return sum(torch.Size(shape).numel() for _, shape in hf_weight_shapes(config))
+
+    assert num_params("llama-3-8b") == 8_030_261_248  # Meta-Llama-3-8B
+    assert 10e6 < num_params("small") < 100e6
+    assert num_params("tiny") < 1e6
+
+
+def test_unknown_arch_or_preset_lists_choices(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'gpt2'.*llama.*mistral.*qwen2"):
+        make_model(tmp_path, arch="gpt2")
+    with pytest.raises(ValueError, match="'huge'.*llama-3-8b.*small.*tiny"):
+        make_model(tmp_path, preset="huge")
+
+
+def test_default_model_is_built_once_even_when_processes_race(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CLEAVE_CACHE_DIR", str(tmp_path))
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        paths = list(pool.map(lambda _: default_model_path(), range(3)))
+    assert len(set(paths)) == 1
+    path = paths[0]
+    assert path.parent == tmp_path / "models" and path.name.startswith("tiny-llama-")
+    assert os.listdir(path.parent) == [path.name]  # losers cleaned up their temp folders
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert default_model_path() == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert ModelConfig.from_pretrained(path).hidden_size == PRESETS["tiny"].hidden_size

@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from workers.model_config import ModelConfig, RopeScaling, resolve_dtype
+from workers.models.layers import compute_inv_freq
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+)
+LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 1024}
+
+
+def write_config(folder: Path, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    if generation is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation))
+    return folder
+
+
+def legacy_llama_config(**overrides: Any) -> dict[str, Any]:
+    """A config.json as transformers 4.x wrote it: rope_theta + rope_scaling."""
+    raw = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPE,
+        "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALING},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    }
+    raw.update(overrides)
+    return raw
+
+
+def test_transformers5_and_legacy_spellings_parse_the_same(tmp_path: Path) -> None:
+    transformers.LlamaConfig(
+        **SHAPE, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3_SCALING},
+        dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+    ).save_pretrained(tmp_path / "new")
+    written = json.loads((tmp_path / "new" / "config.json").read_text())
+    assert "rope_parameters" in written and "rope_scaling" not in written  # what v5 writes
+    new = ModelConfig.from_pretrained(tmp_path / "new")
+    old = ModelConfig.from_pretrained(write_config(tmp_path / "old", legacy_llama_config()))
+    old_type_key = ModelConfig.from_pretrained(write_config(
+        tmp_path / "old2",
+        legacy_llama_config(rope_scaling={"type": "llama3", **LLAMA3_SCALING}),
+    ))
+    assert new == old == old_type_key
+    assert new.rope_theta == 500000.0
+    assert new.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 1024)
+    assert new.torch_dtype == "bfloat16"
+    assert (new.head_dim, new.num_key_value_heads) == (16, 2)
+
+
+def test_linear_and_default_rope(tmp_path: Path) -> None:
+    linear = ModelConfig.from_dict(legacy_llama_config(rope_scaling={"type": "linear", "factor": 2.0}))
+    assert linear.rope_scaling == RopeScaling("linear", 2.0)
+    default = ModelConfig.from_dict(legacy_llama_config(rope_scaling=None, rope_theta=10000.0))
+    assert default.rope_scaling is None and default.rope_theta == 10000.0
+    with pytest.raises(ValueError, match="'yarn'.*default.*linear.*llama3"):
+        ModelConfig.from_dict(legacy_llama_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+@pytest.mark.parametrize("scaling", [None, RopeScaling("linear", 4.0),
+                                     RopeScaling("llama3", 8.0, 1.0, 4.0, 256)])
+def test_inv_freq_matches_transformers(scaling: RopeScaling | None) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 500000.0}
+    if scaling is not None:
+        rope = {k: v for k, v in vars(scaling).items() if v is not None} | {"rope_theta": 500000.0}
+    hf_config = transformers.LlamaConfig(**SHAPE, rope_parameters=rope)
+    if scaling is None:
+        expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[scaling.rope_type](hf_config)
+    ours = compute_inv_freq(16, 500000.0, scaling)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+def test_architecture_from_model_type_when_architectures_missing(tmp_path: Path) -> None:
+    transformers.Qwen2Config(**SHAPE).save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert config.architecture == "Qwen2ForCausalLM"
+    assert config.attention_bias  # Qwen2 always has q/k/v bias
+    assert config.sliding_window is None  # written, but use_sliding_window is false
+
+
+def test_mistral_sliding_window_is_kept(tmp_path: Path) -> None:
+    transformers.MistralConfig(**SHAPE, sliding_window=4096).save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert (config.architecture, config.sliding_window, config.attention_bias) == (
+        "MistralForCausalLM", 4096, False)
+
+
+def test_eos_ids_merge_config_and_generation_config(tmp_path: Path) -> None:
+    folder = write_config(tmp_path, legacy_llama_config(eos_token_id=[2, 7]),
+                          generation={"eos_token_id": [7, 9], "bos_token_id": 1})
+    assert ModelConfig.from_pretrained(folder).eos_token_ids == (2, 7, 9)
+    assert ModelConfig.from_dict(legacy_llama_config(eos_token_id=None)).eos_token_ids == ()
+
+
+def test_defaults_for_missing_optional_fields() -> None:
+    raw = legacy_llama_config()
+    for key in ("num_key_value_heads", "rope_scaling", "rope_theta", "torch_dtype"):
+        raw.pop(key)
+    config = ModelConfig.from_dict(raw)
+    assert config.num_key_value_heads == config.num_attention_heads == 4
+    assert config.rope_theta == 10000.0 and config.rope_scaling is None
+    assert config.torch_dtype is None
+
+
+def test_unsupported_architecture_is_named() -> None:
+    raw = legacy_llama_config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel'.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+        ModelConfig.from_dict(raw)
+
+
+def test_missing_required_field_is_named() -> None:
+    raw = legacy_llama_config()
+    del raw["hidden_size"]
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_dict(raw)
+
+
+def test_missing_config_names_the_folder(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_resolve_dtype() -> None:
+    bf16 = ModelConfig.from_dict(legacy_llama_config())
+    unstated = ModelConfig.from_dict(legacy_llama_config(torch_dtype=None))
+    v5 = ModelConfig.from_dict(legacy_llama_config(torch_dtype=None, dtype="float16"))
+    assert resolve_dtype("auto", bf16) == torch.bfloat16
+    assert resolve_dtype("auto", unstated) == torch.float32
+    assert resolve_dtype("auto", v5) == torch.float16
+    for names, dtype in ((("float32", "fp32"), torch.float32),
+                         (("bfloat16", "bf16"), torch.bfloat16),
+                         (("float16", "fp16", "half"), torch.float16)):
+        assert all(resolve_dtype(name, bf16) == dtype for name in names)
+    assert resolve_dtype(torch.float16, bf16) == torch.float16
+    with pytest.raises(ValueError, match="'int8'.*auto.*bfloat16"):
+        resolve_dtype("int8", bf16)

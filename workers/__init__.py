@@ -1,0 +1,31 @@
+"""The Cleave inference engine.
+
+Importing this package does not import torch: the request types (`SamplingParams`, token and KV
+events) are torch-free so the router can use them; `LLM`, `Engine` and `AsyncEngine` load on
+first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.protocol import (CompletionOutput, FinishReason, InvalidRequestError,
+                              RequestOutput, SamplingParams, TokenEvent)
+
+_LAZY = {
+    "LLM": "workers.llm",
+    "Engine": "workers.engine",
+    "EngineConfig": "workers.config",
+    "AsyncEngine": "workers.async_engine",
+}
+
+__all__ = ["CompletionOutput", "FinishReason", "InvalidRequestError", "RequestOutput",
+           "SamplingParams", "TokenEvent", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'workers' has no attribute {name!r}")

@@ -1,0 +1,74 @@
+"""The attention-backend contract. GPU kernels plug in here without touching the scheduler.
+
+The KV cache of one layer is one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(index 0 keys, 1 values). A token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+
+A batch is a flat list of new tokens from several sequences. The runner orders the sequences so
+the `num_decodes` sequences with exactly one new token come first (they can be batched as one
+kernel call); the rest are prefill chunks, which may start after cached or earlier-computed
+tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step batch description, built by the runner, read by every layer. Tensors on device."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token's K/V
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: prefix sums of new tokens per sequence
+    seq_lens: torch.Tensor  # [num_seqs] int32: tokens in context after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    num_decodes: int  # leading sequences with exactly one new token
+    max_query_len: int
+    max_seq_len: int
+    # host copies of the small per-sequence lists, so backends can loop without syncs
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(abc.ABC):
+    """Writes the new K/V into the cache, then attends each new query token causally over its
+    sequence's context (cached tokens and the new tokens up to itself)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str) -> AttentionBackend:
+    # import for registration side effects
+    from workers.attention import torch_backend  # noqa: F401
+
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

@@ -1,0 +1,88 @@
+"""Paged attention in plain torch (scaled_dot_product_attention): the CPU backend and reference.
+
+Decodes are batched into one SDPA call over the gathered context; prefill chunks run one
+sequence at a time (they are long, so the loop costs little), reading cached tokens from the
+paged cache only when the chunk starts after some.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V at their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence. cache: [num_blocks, bs, Hkv, D] -> [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
+
+
+@register_backend
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+        starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in range(nd, meta.num_seqs):
+            s, e = starts[i], starts[i + 1]
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta.block_tables[i],
+                                     lens[i], scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        # q: [B, Hq, D]; one new token per sequence, attending to its whole context.
+        batch, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        group = num_heads // num_kv_heads
+        max_len = max(meta.seq_lens_cpu[:batch])
+        max_blocks = (max_len + block_size - 1) // block_size
+        tables = meta.block_tables[:batch, :max_blocks].flatten()
+        # keys/values: [B, Hkv, L, D], L = max_blocks * block_size
+        shape = (batch, max_blocks * block_size, num_kv_heads, head_dim)
+        keys = kv_cache[0].index_select(0, tables).view(shape).transpose(1, 2).to(q.dtype)
+        values = kv_cache[1].index_select(0, tables).view(shape).transpose(1, 2).to(q.dtype)
+        positions = torch.arange(keys.shape[2], device=q.device)
+        mask = positions[None, :] < meta.seq_lens[:batch, None]  # [B, L]
+        # query heads of one KV head packed along the query axis: [B, Hkv, group, D]
+        qg = q.view(batch, num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :],
+                                             scale=scale)
+        return out.reshape(batch, num_heads, head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+        # q: [Lq, Hq, D]; the chunk covers positions [seq_len - Lq, seq_len).
+        query_len = q.shape[0]
+        num_cached = seq_len - query_len
+        if num_cached == 0:
+            keys, values = k, v
+            mask = None
+        else:
+            keys = gather_context(kv_cache[0], block_table, seq_len)
+            values = gather_context(kv_cache[1], block_table, seq_len)
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(num_cached, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [Lq, L]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)

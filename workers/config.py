@@ -1,0 +1,54 @@
+"""Engine options: one frozen record, validated in the user's terms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine serves and how. Unset sizes are derived from the checkpoint and device."""
+
+    model: str  # a folder with config.json, safetensors and tokenizer files
+    dtype: str = "auto"  # auto (the checkpoint's own), float32, bfloat16, float16
+    load_format: str = "auto"  # auto / safetensors, or dummy (seeded random weights)
+    device: str = "auto"  # auto (cuda when present, else cpu), cpu, cuda, cuda:N
+    max_model_len: int | None = None  # tokens per sequence; default: the model's context
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_bytes: int | None = None  # KV budget; default 512 MiB on CPU
+    gpu_memory_utilization: float = 0.9  # on GPU: fraction of free memory (after loading) for KV
+    num_blocks: int | None = None  # overrides the budget: exactly this many KV blocks
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16, float16
+    max_num_seqs: int = 128  # running sequences at most
+    max_num_batched_tokens: int = 2048  # new tokens per step at most (chunked-prefill budget)
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
+    seed: int = 0  # for requests without a seed, and for dummy weights
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 f"block_size must be a power of two from 1 to 256, got {self.block_size}")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        _require(self.max_model_len is None or self.max_model_len >= 2,
+                 f"max_model_len must be at least 2, got {self.max_model_len}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        _require(self.num_blocks is None or self.num_blocks >= 1,
+                 f"num_blocks must be at least 1, got {self.num_blocks}")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,249 @@
+"""The inference engine: requests in, token events out, one `step()` at a time.
+
+Not thread-safe: one caller drives `add_request`, `abort` and `step` (the async engine serialises
+them for you).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.attention import get_backend
+from workers.config import EngineConfig
+from workers.kv_cache import KVCacheManager
+from workers.loader import load_model
+from workers.model_config import ModelConfig, resolve_dtype
+from workers.output_processor import OutputProcessor
+from workers.protocol import (FinishReason, InvalidRequestError, KVEvent, SamplingParams,
+                              TokenEvent)
+from workers.request import Request
+from workers.runner import KVCacheSpec, ModelRunner
+from workers.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_usage: float  # fraction of KV blocks held by requests
+    num_free_blocks: int
+    num_cached_blocks: int  # blocks findable in the prefix cache (held or free)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.device = torch.device(config.resolved_device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.tokenizer = _load_tokenizer(config.model)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        model = load_model(config.model, mc, dtype=self.dtype, device=self.device,
+                           attn_backend=get_backend(config.attention_backend),
+                           load_format=config.load_format, seed=config.seed)
+        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
+            config.kv_cache_dtype, mc)
+        spec = KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.num_key_value_heads,
+                           mc.head_dim, kv_dtype)
+        spec = dataclasses.replace(spec, num_blocks=self._num_blocks(spec))
+        self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            self.max_model_len), self.kv)
+        self.runner = ModelRunner(model, spec, self.device, seed=config.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | (
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
+        self._samples: dict[str, list[str]] = {}  # request id -> its samples' internal ids
+        self._forks: dict[str, list[Request]] = {}  # sample 0's id -> siblings not yet added
+        logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", mc.architecture,
+                    self.device, spec.num_blocks, config.block_size)
+
+    def _num_blocks(self, spec: KVCacheSpec) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if self.config.kv_cache_memory_bytes is not None:
+            budget = self.config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        num_blocks = budget // spec.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
+                             f"{spec.bytes_per_block} bytes; raise kv_cache_memory_bytes")
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt must be token ids: the model has no tokenizer",
+                                          param="prompt")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt contains token ids outside [0, {vocab}): {bad[:5]}", param="prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_tokens} in the completion).", param="max_tokens")
+        needed = self.kv.num_blocks_for(len(ids) + 1)
+        if needed > self.kv.pool.num_blocks:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens needs {needed} KV blocks; the cache has only "
+                f"{self.kv.pool.num_blocks}", param="prompt")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    *, cache_salt: str | None = None) -> list[int]:
+        """Queue a request (n samples); returns its prompt token ids. Raises
+        `InvalidRequestError` and leaves nothing behind when the input is bad."""
+        if request_id in self._samples:
+            raise InvalidRequestError(f"request id {request_id!r} is already running",
+                                      param="request_id")
+        ids = self.tokenize(prompt)
+        self._validate(ids, params)
+        reqs = []
+        for i in range(params.n):
+            p = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            rid = request_id if params.n == 1 else f"{request_id}/{i}"
+            req = Request(rid, ids, p, self.eos_token_ids, cache_salt=cache_salt)
+            self.outputs.add(req, request_id, i)
+            reqs.append(req)
+        self._samples[request_id] = [r.request_id for r in reqs]
+        self.scheduler.add(reqs[0])
+        if len(reqs) > 1:
+            # siblings join once sample 0 has computed the prompt, then hit its cached blocks
+            self._forks[reqs[0].request_id] = reqs[1:]
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel every sample of a request and free its blocks. False for unknown ids."""
+        sample_ids = self._samples.pop(request_id, None)
+        if sample_ids is None:
+            return False
+        for sid in sample_ids:
+            self.scheduler.finish(sid, FinishReason.ABORT)
+            self.outputs.remove(sid)
+        self._forks.pop(sample_ids[0], None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._samples)
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        for rid, (first, logprobs) in result.prompt_logprobs.items():
+            req = self.scheduler.requests[rid]
+            req.prompt_logprobs[first:first + len(logprobs)] = logprobs
+        events: list[TokenEvent] = []
+        for req in self.scheduler.update(out, result.sampled):
+            stop = self.outputs.find_stop_string(req)
+            if stop is not None and not req.is_finished:
+                req.stop_reason = stop
+                self.scheduler.finish(req.request_id, FinishReason.STOP)
+            event = self.outputs.event(req, result.logprobs.get(req.request_id))
+            if event is not None:
+                events.append(event)
+            if req.is_finished:
+                self._retire(event.request_id, req.request_id)
+            for sibling in self._forks.pop(req.request_id, ()):
+                self.scheduler.add(sibling)
+        return events
+
+    def _retire(self, parent_id: str, sample_id: str) -> None:
+        remaining = [s for s in self._samples.get(parent_id, ()) if s != sample_id]
+        if remaining:
+            self._samples[parent_id] = remaining
+        else:
+            self._samples.pop(parent_id, None)
+
+    # ---- observability and the transfer layer's hooks ----------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
+                           pool.usage, pool.num_free_blocks, pool.num_cached_blocks)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv.events.drain()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.runner.spec
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+        return self.runner.kv_caches
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """Block ids holding a (single-sample) request's KV, in token order."""
+        return self.kv.block_ids(request_id)
+
+    def add_request_with_remote_kv(self, request_id: str, prompt_token_ids: list[int],
+                                   first_token_id: int, params: SamplingParams) -> list[int]:
+        """Allocate blocks for a prompt whose KV another worker computed; returns the block ids
+        to fill. The request waits until `commit_remote_kv`, then decodes after
+        `first_token_id` (already sent to the client by that worker)."""
+        if params.n != 1:
+            raise InvalidRequestError("n must be 1 for a request handed off between workers",
+                                      param="n")
+        ids = list(prompt_token_ids)
+        self._validate(ids, params)
+        req = Request(request_id, ids, params, self.eos_token_ids)
+        req.append_output(first_token_id)
+        if not self.kv.allocate_slots(req, len(ids)):
+            raise RuntimeError(f"no KV blocks free for the {len(ids)}-token handoff of "
+                               f"{request_id!r}")
+        self.outputs.add(req, request_id, 0)
+        self._samples[request_id] = [request_id]
+        self.scheduler.requests[request_id] = req
+        return self.kv.block_ids(request_id)
+
+    def commit_remote_kv(self, request_id: str) -> None:
+        """The handed-off KV has landed in the request's blocks: start decoding it."""
+        req = self.scheduler.requests[request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req)
+        self.scheduler.add_running(req)
+
+
+def _load_tokenizer(model_path: str) -> object | None:
+    if not (Path(model_path) / "tokenizer.json").exists():
+        logger.warning("no tokenizer.json in %s: prompts must be token ids", model_path)
+        return None
+    from workers.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(model_path)

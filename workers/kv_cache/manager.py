@@ -1,0 +1,110 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookups."""
+
+from __future__ import annotations
+
+from workers.kv_cache.block_pool import BlockPool, KVBlock
+from workers.kv_cache.events import KVEventLog
+from workers.protocol import hash_block
+from workers.request import Request
+
+
+class KVCacheManager:
+    """Owns which blocks each request holds. Never touches tensors.
+
+    Contract: `allocate_slots` either gives a request room for its next tokens or changes
+    nothing; `free` returns every block the request holds; `cache_blocks` registers the
+    request's newly computed full blocks in the prefix cache.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.events = KVEventLog(block_size, enabled=enable_caching)
+        self.pool = BlockPool(num_blocks, self.events, enable_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._blocks
+
+    def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
+        hashes, size = req.block_hashes, self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     req.all_token_ids[i * size:(i + 1) * size],
+                                     req.cache_salt if i == 0 else None))
+
+    def get_computed_blocks(self, req: Request) -> list[KVBlock]:
+        """The longest run of the request's leading full blocks found in the prefix cache.
+
+        Leaves at least one token to compute (its logits give the next token). Requests that
+        want prompt logprobs compute everything. Takes no references.
+        """
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, max_blocks)
+        hits: list[KVBlock] = []
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed: list[KVBlock] | None = None) -> bool:
+        """Make room for `num_new_tokens` after the request's computed tokens (and after the
+        prefix hits `computed`, which this takes references on). False, and no change, when the
+        pool is short of blocks."""
+        computed = computed or []
+        blocks = self._blocks.get(req.request_id, [])
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        needed = self.num_blocks_for(total) - len(blocks) - len(computed)
+        revived = sum(1 for b in computed if b.ref_cnt == 0)  # leave the free list when touched
+        if max(needed, 0) > self.pool.num_free_blocks - revived:
+            return False
+        self.pool.touch(computed)
+        blocks = self._blocks.setdefault(req.request_id, blocks)
+        blocks.extend(computed)
+        if computed:
+            self._num_cached_blocks[req.request_id] = len(blocks)
+        if needed > 0:
+            blocks.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_blocks(self, req: Request) -> None:
+        """Register the request's full, computed blocks that are not in the cache yet."""
+        if not self.enable_caching:
+            return
+        rid = req.request_id
+        done = self._num_cached_blocks.get(rid, 0)
+        full = min(req.num_computed_tokens // self.block_size, len(self._blocks.get(rid, ())))
+        if full <= done:
+            return
+        self._extend_hashes(req, full)
+        size = self.block_size
+        self.pool.cache(self._blocks[rid][done:full], req.block_hashes[done:full],
+                        req.block_hashes[done - 1] if done else None,
+                        req.all_token_ids[done * size:full * size])
+        self._num_cached_blocks[rid] = full
+
+    def free(self, req: Request) -> None:
+        """Return every block the request holds (tail first: its last blocks evict first)."""
+        blocks = self._blocks.pop(req.request_id, [])
+        self._num_cached_blocks.pop(req.request_id, None)
+        self.pool.release(blocks[::-1])
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

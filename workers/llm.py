@@ -1,0 +1,72 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.protocol import CompletionOutput, RequestOutput, SamplingParams, TokenEvent
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs prompts to completion in one process. `model=None` uses the embedded tiny default;
+    other keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model: str | None = None, **engine_options: object) -> None:
+        if model is None:
+            from workers.make_model import default_model_path
+
+            model = str(default_model_path())
+        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> object | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            for prompt, p in zip(prompts, params_list):
+                rid = str(next(self._ids))
+                ids = self.engine.add_request(rid, prompt, p, cache_salt=cache_salt)
+                outputs[rid] = RequestOutput(
+                    rid, prompt if isinstance(prompt, str) else None, ids,
+                    [CompletionOutput(i, "", [], None) for i in range(p.n)], finished=False)
+            while self.engine.has_unfinished():
+                for event in self.engine.step():
+                    _accumulate(outputs[event.request_id], event)
+        except BaseException:
+            for rid in outputs:
+                self.engine.abort(rid)
+            raise
+        for out in outputs.values():
+            out.finished = True
+        return list(outputs.values())
+
+
+def _accumulate(out: RequestOutput, event: TokenEvent) -> None:
+    sample = out.outputs[event.index]
+    sample.token_ids.extend(event.token_ids)
+    sample.text += event.text
+    if event.logprobs is not None:
+        sample.logprobs = (sample.logprobs or []) + event.logprobs
+    if event.finish_reason is not None:
+        sample.finish_reason = event.finish_reason
+        sample.stop_reason = event.stop_reason
+    if event.prompt_logprobs is not None:
+        out.prompt_logprobs = event.prompt_logprobs
+    out.num_cached_tokens = event.num_cached_tokens

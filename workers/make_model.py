@@ -1,0 +1,231 @@
+"""Synthetic but real checkpoints: HF config, seeded safetensors weights and a trained tokenizer.
+
+`make_model` writes a folder that both Cleave and `transformers.AutoModelForCausalLM` load. The
+weights are `workers.loader.random_weights(config, seed)`, so `load_format="dummy"` with the same
+seed gives the same model without touching disk. `default_model_path()` is the embedded default
+every test and `cleave generate` uses when no model is named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from workers.loader import hf_weight_shapes, random_weight
+from workers.model_config import ModelConfig, resolve_dtype
+
+# bump when the files make_model writes change, so cached defaults are rebuilt
+_FORMAT_VERSION = 1
+_DEFAULT_SHARD_BYTES = 2 * 1024**3
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape, in the units of HF's config.json."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str
+    rope_theta: float = 10000.0
+    # llama only (the other families ignore it): transformers' rope_parameters scaling keys
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+
+
+PRESETS: dict[str, Preset] = {
+    # the embedded default: fast on 2 CPU cores, yet GQA and llama3 RoPE scaling like Llama 3.1
+    "tiny": Preset(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, max_position_embeddings=2048, dtype="float32",
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    ),
+    # ~40M parameters, for CPU benchmarks
+    "small": Preset(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=1408, vocab_size=8192, max_position_embeddings=4096, dtype="float32",
+    ),
+    # the real Meta-Llama-3-8B shape (Llama 3.1 RoPE)
+    "llama-3-8b": Preset(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
+        dtype="bfloat16", rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+}
+
+
+def make_model(
+    out_dir: str | Path,
+    *,
+    arch: str = "llama",
+    preset: str = "tiny",
+    seed: int = 0,
+    dtype: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Writes a checkpoint folder at `out_dir` (created if needed) and returns its path.
+
+    `dtype` overrides the preset's weight dtype; `overrides` replaces HF config.json fields
+    (e.g. {"num_hidden_layers": 1}). Weights larger than `max_shard_bytes` are split into
+    `model-0000i-of-0000n.safetensors` shards with an index, one shard in memory at a time.
+    The same arguments give byte-identical weight and tokenizer files.
+    """
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(_ARCHITECTURES)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = PRESETS[preset]
+    if dtype is not None:
+        shape = replace(shape, dtype=dtype)
+    from workers.tokenizer.build import write_tokenizer_files
+
+    tokenizer = write_tokenizer_files(out, arch=arch, vocab_size=shape.vocab_size)
+    hf_config = _hf_config(arch, preset, shape, tokenizer, overrides or {})
+    hf_config.save_pretrained(out)  # config.json
+    _generation_config(hf_config).save_pretrained(out)  # generation_config.json
+    config = ModelConfig.from_pretrained(out)
+    _write_weights(out, config, seed, resolve_dtype("auto", config), max_shard_bytes)
+    return out
+
+
+def _hf_config(
+    arch: str, preset: str, shape: Preset, tokenizer: Any, overrides: dict[str, Any]
+) -> Any:
+    """The transformers config object (LlamaConfig, ...) for this checkpoint."""
+    try:
+        import transformers
+    except ImportError as e:  # a test-only dependency (pip install -e '.[test]')
+        raise ImportError("make_model writes config.json with transformers; install it") from e
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if arch == "llama" and shape.rope_scaling:
+        rope = {**shape.rope_scaling, "rope_theta": shape.rope_theta}
+    stop_ids = list(tokenizer.stop_token_ids)
+    kwargs: dict[str, Any] = dict(
+        architectures=[_ARCHITECTURES[arch]],
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.hidden_size // shape.num_attention_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=arch == "qwen2" and preset in ("tiny", "small"),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=stop_ids[0] if len(stop_ids) == 1 else stop_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=shape.dtype,
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = None  # full attention, as Mistral-7B-v0.2 and later
+    kwargs.update(overrides)
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }[arch]
+    return config_class(**kwargs)
+
+
+def _generation_config(hf_config: Any) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=hf_config.bos_token_id,
+        eos_token_id=hf_config.eos_token_id,
+        pad_token_id=hf_config.pad_token_id,
+    )
+
+
+def _write_weights(
+    out: Path, config: ModelConfig, seed: int, dtype: torch.dtype, max_shard_bytes: int
+) -> None:
+    shapes = hf_weight_shapes(config)
+    itemsize = dtype.itemsize
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    shard_bytes = 0
+    for name, shape in shapes:
+        nbytes = itemsize * _numel(shape)
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((name, shape))
+        shard_bytes += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        tensors = {n: random_weight(n, s, seed).to(dtype) for n, s in shards[0]}
+        save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: random_weight(n, s, seed).to(dtype) for n, s in shard}
+        save_file(tensors, str(out / file_name), metadata=metadata)
+        del tensors
+        weight_map.update((n, file_name) for n, _ in shard)
+    total = sum(itemsize * _numel(s) for _, s in shapes)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def default_model_path() -> Path:
+    """The embedded default (tiny llama, seed 0), built on first use and cached on disk.
+
+    Lives under `$CLEAVE_CACHE_DIR/models/` (default `~/.cache/cleave/models/`), in a folder
+    named by a hash of everything that shapes its files. Safe when processes race: each builds
+    in a temp folder and renames it into place; a loser discards its copy and uses the winner's.
+    """
+    root = Path(os.environ.get("CLEAVE_CACHE_DIR") or Path.home() / ".cache" / "cleave")
+    recipe = {"version": _FORMAT_VERSION, "arch": "llama", "seed": 0,
+              "preset": asdict(PRESETS["tiny"])}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    final = root / "models" / f"tiny-llama-{digest}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        make_model(tmp, arch="llama", preset="tiny", seed=0)
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,25 @@
+"""Model implementations, registered by the HF architecture name in `config.json`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from workers.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class implementing `architecture` (e.g. "LlamaForCausalLM")."""
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {sorted(MODEL_REGISTRY)}"
+        )
+    return MODEL_REGISTRY[architecture]
+
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class"]

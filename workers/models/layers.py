@@ -1,0 +1,311 @@
+"""Model building blocks that shard over tensor-parallel ranks, as vLLM's layers do.
+
+Column-parallel layers split their output features over ranks, row-parallel layers split their
+input features and all-reduce the partial sums. With `tp_size == 1` no collective is called.
+
+Parameters are created with `torch.empty` under the caller's default device and dtype (the loader
+sets both). Every checkpoint-loaded parameter carries `param.weight_loader(param, loaded_weight,
+shard_id=None)`, which checks the full (unsharded) shape, narrows to this rank's shard and copies,
+converting dtype and device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model_config import RopeScaling
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor whose shape does not fit the parameter it is loaded into."""
+
+
+def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise WeightShapeError(
+            f"{what}: expected shape {list(expected)}, got {list(loaded.shape)}"
+        )
+
+
+def _check_divisible(total: int, tp_size: int, what: str) -> int:
+    if total % tp_size != 0:
+        raise ValueError(f"{what}={total} is not divisible by tp_size={tp_size}")
+    return total // tp_size
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+) -> None:
+    """Copies a replicated (unsharded) tensor."""
+    _check_shape(loaded_weight, tuple(param.shape), "replicated tensor")
+    param.data.copy_(loaded_weight)
+
+
+def _make_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def _sharded_copy(
+    param: nn.Parameter, loaded: torch.Tensor, dim: int, start: int, size: int,
+    dst_start: int = 0,
+) -> None:
+    """Copies `loaded[start:start+size]` along `dim` into `param[dst_start:dst_start+size]`."""
+    param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, start, size))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split over ranks; output stays sharded."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.output_size_per_rank = _check_divisible(output_size, tp_size, "output_size")
+        self.weight = _make_param((self.output_size_per_rank, input_size), self.weight_loader)
+        self.bias = _make_param((self.output_size_per_rank,), self.weight_loader) if bias else None
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        expected = (self.output_size, *param.shape[1:])
+        _check_shape(loaded_weight, expected, "column-parallel tensor")
+        size = param.shape[0]
+        _sharded_copy(param, loaded_weight, 0, self.tp_rank * size, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, input_size] -> [num_tokens, output_size / tp_size]
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (gate_up); shard_id is the index."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        for size in self.output_sizes:
+            _check_divisible(size, tp_size, "merged output size")
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"shard_id {shard_id!r} is not an index into {len(self.output_sizes)} outputs"
+            )
+        full = self.output_sizes[shard_id]
+        _check_shape(loaded_weight, (full, *param.shape[1:]), f"merged shard {shard_id}")
+        size = full // self.tp_size
+        dst = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _sharded_copy(param, loaded_weight, 0, self.tp_rank * size, size, dst_start=dst)
+
+
+def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(KV heads each rank holds, ranks holding each KV head): heads are split over ranks while
+    there are enough, then replicated (tp_size must be a multiple of the head count)."""
+    if tp_size >= total_num_kv_heads:
+        return 1, _check_divisible(tp_size, total_num_kv_heads, "tp_size")
+    return _check_divisible(total_num_kv_heads, tp_size, "num_key_value_heads"), 1
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; heads split over ranks, KV heads replicated when tp_size > them.
+
+    Output per rank: [q (num_heads * head_dim) | k (num_kv_heads * head_dim) | v (same)].
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+        bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = _check_divisible(total_num_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads, self.num_kv_head_replicas = kv_heads_per_rank(
+            total_num_kv_heads, tp_size
+        )
+        self.q_size = self.num_heads * head_dim  # per rank
+        self.kv_size = self.num_kv_heads * head_dim  # per rank
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            full, size, dst, rank = self.total_num_heads * d, self.q_size, 0, self.tp_rank
+        elif shard_id in ("k", "v"):
+            full, size = self.total_num_kv_heads * d, self.kv_size
+            dst = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            rank = self.tp_rank // self.num_kv_head_replicas
+        else:
+            raise ValueError(f"shard_id {shard_id!r} is not one of 'q', 'k', 'v'")
+        _check_shape(loaded_weight, (full, *param.shape[1:]), f"{shard_id}_proj")
+        _sharded_copy(param, loaded_weight, 0, rank * size, size, dst_start=dst)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split over ranks; sums the partials over ranks."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_rank = _check_divisible(input_size, tp_size, "input_size")
+        self.weight = _make_param((output_size, self.input_size_per_rank), self.weight_loader)
+        self.bias = _make_param((output_size,), default_weight_loader) if bias else None
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        _check_shape(loaded_weight, (self.output_size, self.input_size), "row-parallel tensor")
+        size = self.input_size_per_rank
+        _sharded_copy(param, loaded_weight, 1, self.tp_rank * size, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, input_size / tp_size] -> [num_tokens, output_size]
+        out = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with rows split over ranks (the last rank's shard is zero-padded)."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_embeddings_per_rank = math.ceil(num_embeddings / tp_size)
+        self.vocab_start = tp_rank * self.num_embeddings_per_rank
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
+        self.weight = _make_param((self.num_embeddings_per_rank, embedding_dim), self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        _check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), "vocab tensor")
+        size = self.vocab_end - self.vocab_start
+        if size < param.shape[0]:
+            param.data[size:].zero_()
+        _sharded_copy(param, loaded_weight, 0, self.vocab_start, size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [num_tokens] -> [num_tokens, embedding_dim]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        torch.distributed.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary; may share its weight with the input embedding."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, num_embeddings]
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.num_embeddings]
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization computed in fp32 then cast back, exactly as HF's LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _make_param((hidden_size,), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2] fp32, as transformers' `modeling_rope_utils`."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"unsupported rope type {scaling.rope_type!r}")
+    factor = scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate_half) RoPE with an fp32 cos/sin cache for every position."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.max_position = head_dim, max_position
+        # computed on CPU in fp32 like HF, then moved to the device the model is built on
+        inv_freq = compute_inv_freq(head_dim, theta, scaling)  # [head_dim // 2]
+        positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * inv_freq  # [max_position, head_dim // 2]
+        device = torch.get_default_device()
+        self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> same shapes, rotated
+        cos = self.cos_cache.index_select(0, positions)
+        sin = self.sin_cache.index_select(0, positions)
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,202 @@
+"""Request types shared by the engine, the router and the transfer layer. No torch here.
+
+Everything that crosses a process or package boundary is one of these typed records: sampling
+parameters in, token events and KV events out.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; `param` names the offending field (OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{param} {message}", param=param)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. Validated on construction (`InvalidRequestError`).
+
+    `top_k` of 0 or -1 (vLLM's spellings) means "all tokens", stored as None.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k in (0, -1):
+            self.top_k = None
+        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k is None or self.top_k >= 1, "top_k",
+               f"must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+               f"must be in [0, 20], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+               "prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        _check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               f"must be non-negative token ids, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one chosen token and its top alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New tokens for one sample (`index` of n) of a request, as the async engine yields them."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str  # detokenized text added by these tokens (stop strings removed)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # on a request's first event, when prompt logprobs were asked for (None for the first token)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One finished (or in-progress) sample of a request, as the offline API returns it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
+    num_cached_tokens: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Block hashes and KV events: the router rebuilds each worker's prefix cache from these.
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:
+    """Chained hash of one full KV block: the same prefix gives the same hash in every process.
+
+    64-bit, from sha256 over (parent hash, salt, tokens), so the router computes it without torch.
+    """
+    h = hashlib.sha256()
+    h.update(struct.pack("<q", -1 if parent_hash is None else parent_hash))
+    if salt is not None:
+        h.update(b"salt:" + salt.encode())
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return struct.unpack("<q", h.digest()[:8])[0]
+
+
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int,
+                       salt: str | None = None) -> list[int]:
+    """Hashes of every full block of `token_ids`, in order (the salt enters the first block)."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size],
+                            salt if start == 0 else None)
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """Base of the KV events. `epoch` is new at every engine start; `seq` counts from 0, no gaps."""
+
+    epoch: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class BlockStored(KVEvent):
+    """Full blocks entered the prefix cache, each chained to the previous (first to `parent_hash`)."""
+
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    token_ids: tuple[int, ...]  # the tokens of all the stored blocks, concatenated
+    block_size: int
+
+
+@dataclass(frozen=True)
+class BlockRemoved(KVEvent):
+    """Blocks left the prefix cache (evicted): their hashes no longer hit."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared(KVEvent):
+    """The prefix cache was emptied (reset)."""

@@ -1,0 +1,129 @@
+"""Token sampling for one step: penalties, min_tokens, temperature, top-k/top-p/min-p, seeds.
+
+Seeded requests draw their randomness from their own generator, one draw per step, so a seed
+gives the same tokens whatever else shares the batch. Logprobs are of the model's raw
+distribution (before penalties and temperature), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.protocol import SamplingParams, TokenLogprob
+from workers.request import Request
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """Chosen token's logprob plus the top `k` alternatives, per row. logprobs: [N, V]."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    if k > 0:
+        top_v, top_i = logprobs.topk(k, dim=-1)
+        tops = [dict(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+    else:
+        tops = [{} for _ in chosen_lp]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(chosen.tolist(), chosen_lp, tops)]
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+    vocab = logits.shape[1]
+    for row, req in enumerate(reqs):
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(req.all_token_ids, device=logits.device).clamp_(max=vocab - 1)
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                            vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+            out = torch.tensor(req.output_token_ids, device=logits.device).clamp_(max=vocab - 1)
+            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
+    vocab = logits.shape[1]
+    for row, req in enumerate(reqs):
+        if req.num_output_tokens < req.params.min_tokens:
+            banned = [t for t in (*req.eos_token_ids, *req.params.stop_token_ids) if t < vocab]
+            logits[row, banned] = float("-inf")
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p, by masking with -inf. logits: [N, V], temperature applied."""
+    device = logits.device
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k is not None for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[1]
+        ks = torch.tensor([min(k or vocab, vocab) for k in top_k], device=device)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= ks[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first never drops)
+        before = probs.cumsum(dim=-1) - probs
+        drop |= before >= torch.tensor(top_p, device=device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = make_generator(seed, device)  # for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        # logits: [N, V] float32, one row per request that samples this step
+        params = [r.params for r in reqs]
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        raw_logprobs = logits.log_softmax(dim=-1) if k is not None else None
+        logits = logits.clone()
+        _mask_stops_before_min_tokens(logits, reqs)
+        _apply_penalties(logits, reqs)
+
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=self.device)
+            temps = torch.tensor([params[i].temperature for i in random_rows], device=self.device)
+            scaled = _truncate(logits[rows] / temps[:, None], [params[i] for i in random_rows])
+            probs = scaled.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for j, i in enumerate(random_rows):
+                gen = self._generator_for(reqs[i])
+                if gen is not None:
+                    noise[j].exponential_(generator=gen)
+            # Gumbel-max in exponential form: argmax p / E is a draw from p
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+
+        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+        if raw_logprobs is not None:
+            computed = top_logprobs(raw_logprobs, tokens, k)
+            logprobs = [lp if p.logprobs is not None else None for lp, p in zip(computed, params)]
+            logprobs = [None if lp is None else TokenLogprob(lp.token_id, lp.logprob, dict(
+                list(lp.top.items())[:p.logprobs])) for lp, p in zip(logprobs, params)]
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def _generator_for(self, req: Request) -> torch.Generator | None:
+        if req.params.seed is None:
+            return None
+        if req.generator is None:
+            req.generator = make_generator(req.params.seed, self.device)
+        return req.generator

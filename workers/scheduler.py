@@ -1,0 +1,176 @@
+"""Continuous batching at iteration level, with chunked prefill, a token budget and preemption.
+
+Each step: running requests first (oldest first), each gets the tokens it still lacks up to the
+remaining budget; when blocks run out the newest running request is preempted (its blocks freed,
+its tokens recomputed later). Then waiting requests are admitted, reusing prefix-cache hits, as
+long as budget, sequence slots and blocks allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from workers.kv_cache import KVCacheManager
+from workers.protocol import FinishReason
+from workers.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int  # running sequences at most
+    max_num_batched_tokens: int  # new tokens per step at most (the chunked-prefill budget)
+    max_model_len: int  # tokens per sequence at most (prompt + output)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` new tokens of `request`, at positions [start, start + num_tokens)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk brings the request level: its last logits pick the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # single-token chunks (decodes) first
+    num_batched_tokens: int
+    preempted: list[str]  # request ids preempted this step
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for c in self.chunks if c.num_tokens == 1)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start, for metrics and tests
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """Join a request whose KV is already in its blocks (arrived from another worker)."""
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                chunks.append(self._chunk(req, num_new))
+                budget -= num_new
+                i += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._chunk(req, num_new))
+            budget -= num_new
+
+        chunks.sort(key=lambda c: c.num_tokens != 1)
+        return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted)
+
+    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+        return ScheduledChunk(req, req.num_computed_tokens, num_new,
+                              tuple(self.kv.block_ids(req.request_id)))
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Record a finished step: advance computed tokens, cache full blocks, append sampled
+        tokens and finish requests that hit a stop condition. Returns the requests that got a
+        token this step."""
+        advanced: list[Request] = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_blocks(req)
+            if not chunk.samples:
+                continue
+            req.append_output(sampled[req.request_id])
+            advanced.append(req)
+            reason = self._check_stop(req)
+            if reason is not None:
+                self.finish(req.request_id, reason)
+        return advanced
+
+    def _check_stop(self, req: Request) -> FinishReason | None:
+        token, params = req.output_token_ids[-1], req.params
+        if req.num_output_tokens > params.min_tokens:
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return FinishReason.STOP
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return FinishReason.STOP
+        if req.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request wherever it is and free its blocks. Unknown or finished ids: None."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        return req
