@@ -19,8 +19,8 @@ from workers.kv_cache import KVCacheManager
 from workers.loader import load_model
 from workers.model_config import ModelConfig, resolve_dtype
 from workers.output_processor import OutputProcessor
-from workers.protocol import (FinishReason, InvalidRequestError, KVEvent, SamplingParams,
-                              TokenEvent)
+from workers.protocol import (FinishReason, InvalidRequestError, KVEvent, KVSnapshot,
+                              SamplingParams, TokenEvent)
 from workers.request import Request
 from workers.runner import KVCacheSpec, ModelRunner
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -195,6 +195,11 @@ class Engine:
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """The prefix cache's hashes, consistent with the events emitted so far."""
+        return KVSnapshot(self.kv.events.epoch, self.kv.events.next_seq,
+                          frozenset(self.kv.pool.cached_hashes()))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

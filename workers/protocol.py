@@ -200,3 +200,13 @@ class BlockRemoved(KVEvent):
 @dataclass(frozen=True)
 class AllBlocksCleared(KVEvent):
     """The prefix cache was emptied (reset)."""
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Every hash in a worker's prefix cache as of event `next_seq` (exclusive) of `epoch`:
+    what a router rebuilds its view from after a gap or a restart."""
+
+    epoch: str
+    next_seq: int
+    block_hashes: frozenset[int]

@@ -62,7 +62,7 @@ def test_any_sequence_of_add_step_abort_finish_returns_every_block(ops, caching)
     # the KV events describe exactly what the prefix cache holds, numbered without gaps
     events = scheduler.kv.events.drain()
     assert [e.seq for e in events] == list(range(len(events)))
-    assert replay_events(events) == set(pool._cached)
+    assert replay_events(events) == set(pool.cached_hashes())
 
 
 def test_prefix_hit_computes_only_the_uncached_tokens():
@@ -117,9 +117,9 @@ def test_eviction_is_least_recently_used_and_reported():
     scheduler.add(create_request("new", [3] * 8 + [4], max_tokens=1))
     fake_step(scheduler)
     events = scheduler.kv.events.drain()
-    assert replay_events(events) == set(scheduler.kv.pool._cached)
+    assert replay_events(events) == set(scheduler.kv.pool.cached_hashes())
     # the older prompt's blocks were evicted to make room; the newer prompt's are cached
-    assert set(hash_prompt_blocks([3] * 8 + [4], 4)) <= set(scheduler.kv.pool._cached)
+    assert set(hash_prompt_blocks([3] * 8 + [4], 4)) <= set(scheduler.kv.pool.cached_hashes())
 
 
 def test_preemption_frees_blocks_and_the_request_resumes():

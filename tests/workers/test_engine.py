@@ -143,7 +143,7 @@ def test_kv_events_track_the_prefix_cache(tiny_model):
         llm.generate([[i + 1] * 40], SamplingParams(max_tokens=2))
     events = llm.engine.drain_kv_events()
     assert [e.seq for e in events] == list(range(len(events)))
-    assert replay_events(events) == set(llm.engine.kv.pool._cached)
+    assert replay_events(events) == set(llm.engine.kv.pool.cached_hashes())
     assert any(type(e).__name__ == "BlockRemoved" for e in events)
     assert LLM(tiny_model, num_blocks=8).engine.kv.events.epoch != events[0].epoch
 

@@ -52,6 +52,9 @@ class BlockPool:
         """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
+
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash)
 

@@ -38,6 +38,10 @@ class KVEventLog:
         if self.enabled:
             self._pending.append(AllBlocksCleared(self.epoch, self._seq()))
 
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
     def drain(self) -> list[KVEvent]:
         events, self._pending = self._pending, []
         return events
