@@ -48,7 +48,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     from workers.make_model import make_model
 
     out = make_model(args.out, arch=args.arch, preset=args.preset, seed=args.seed,
-                     dtype=args.dtype)
+                     dtype=args.dtype, weights=not args.no_weights)
     print(out)
     return 0
 
@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     make.add_argument("--out", required=True, help="output folder")
+    make.add_argument("--no-weights", action="store_true",
+                      help="write config and tokenizer only; serve with --load-format dummy")
     make.set_defaults(func=_cmd_make_model)
     return parser
 

@@ -84,13 +84,16 @@ def make_model(
     dtype: str | None = None,
     overrides: dict[str, Any] | None = None,
     max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+    weights: bool = True,
 ) -> Path:
     """Writes a checkpoint folder at `out_dir` (created if needed) and returns its path.
 
     `dtype` overrides the preset's weight dtype; `overrides` replaces HF config.json fields
     (e.g. {"num_hidden_layers": 1}). Weights larger than `max_shard_bytes` are split into
     `model-0000i-of-0000n.safetensors` shards with an index, one shard in memory at a time.
-    The same arguments give byte-identical weight and tokenizer files.
+    The same arguments give byte-identical weight and tokenizer files. `weights=False` writes
+    only config and tokenizer, for serving real shapes with `load_format="dummy"` (the same
+    weights `make_model` would have written for that seed).
     """
     if arch not in _ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(_ARCHITECTURES)}")
@@ -109,8 +112,9 @@ def make_model(
     hf_config = _hf_config(arch, preset, shape, tokenizer, overrides or {})
     hf_config.save_pretrained(out)  # config.json
     _generation_config(hf_config).save_pretrained(out)  # generation_config.json
-    config = ModelConfig.from_pretrained(out)
-    _write_weights(out, config, seed, resolve_dtype("auto", config), max_shard_bytes)
+    if weights:
+        config = ModelConfig.from_pretrained(out)
+        _write_weights(out, config, seed, resolve_dtype("auto", config), max_shard_bytes)
     return out
 
 
@@ -120,7 +124,7 @@ def _hf_config(
     """The transformers config object (LlamaConfig, ...) for this checkpoint."""
     try:
         import transformers
-    except ImportError as e:  # a test-only dependency (pip install -e '.[test]')
+    except ImportError as e:
         raise ImportError("make_model writes config.json with transformers; install it") from e
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rope_theta}
     if arch == "llama" and shape.rope_scaling:

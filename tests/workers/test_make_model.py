@@ -140,3 +140,16 @@ def test_default_model_is_built_once_even_when_processes_race(
     assert default_model_path() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
     assert ModelConfig.from_pretrained(path).hidden_size == PRESETS["tiny"].hidden_size
+
+
+def test_config_only_checkpoint_with_dummy_weights_generates_like_the_written_one(
+        tmp_path, tiny_model):
+    from workers import LLM, SamplingParams
+    from workers.make_model import make_model
+
+    bare = make_model(tmp_path / "bare", arch="llama", preset="tiny", weights=False)
+    assert not list(bare.glob("*.safetensors"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = LLM(tiny_model, num_blocks=64).generate(["hello"], params)[0].outputs[0].token_ids
+    got = LLM(str(bare), load_format="dummy", num_blocks=64).generate(["hello"], params)
+    assert got[0].outputs[0].token_ids == want
