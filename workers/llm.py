@@ -58,6 +58,16 @@ class LLM:
         return list(outputs.values())
 
 
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             **template_kwargs: object) -> RequestOutput:
+        """Render `messages` with the model's chat template (add_generation_prompt) and generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; the model folder has no tokenizer.json")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, **template_kwargs)
+        return self.generate([ids], sampling_params)[0]
+
+
 def _accumulate(out: RequestOutput, event: TokenEvent) -> None:
     sample = out.outputs[event.index]
     sample.token_ids.extend(event.token_ids)

@@ -171,3 +171,21 @@ def test_kv_handed_off_to_another_engine_continues_identically(tiny_model):
         for event in decode.step():
             tokens += event.token_ids
     assert tokens == want
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("bfloat16", "auto"), ("float16", "auto"),
+                                            ("float32", "bfloat16")])
+def test_half_precision_weights_and_kv_cache(tiny_model, dtype, kv_dtype):
+    llm = LLM(tiny_model, dtype=dtype, kv_cache_dtype=kv_dtype, num_blocks=64)
+    import torch
+
+    assert llm.engine.kv_caches[0].dtype == getattr(torch, dtype if kv_dtype == "auto" else kv_dtype)
+    out = greedy(llm, max_tokens=8)
+    assert len(out.token_ids) == 8
+
+
+def test_chat_uses_the_models_template(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    want = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = llm.chat(messages, SamplingParams(max_tokens=3))
+    assert out.prompt_token_ids == want and len(out.outputs[0].token_ids) <= 3
