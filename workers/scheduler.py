@@ -40,7 +40,7 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    chunks: list[ScheduledChunk]  # single-token chunks (decodes) first
+    chunks: list[ScheduledChunk]  # single-token chunks (decodes) first, by context length
     num_batched_tokens: int
     preempted: list[str]  # request ids preempted this step
 
@@ -112,7 +112,8 @@ class Scheduler:
             chunks.append(self._chunk(req, num_new))
             budget -= num_new
 
-        chunks.sort(key=lambda c: c.num_tokens != 1)
+        # decodes first, shortest context first (the attention backend batches similar lengths)
+        chunks.sort(key=lambda c: (c.num_tokens != 1, c.start))
         return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted)
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:

@@ -29,6 +29,23 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
 
 
+MAX_DECODE_GROUP = 16  # sequences per batched decode call
+GROUP_LENGTH_RATIO = 1.5  # a group's longest context over its shortest, at most
+
+
+def decode_groups(seq_lens: list[int]) -> list[tuple[int, int]]:
+    """Split decodes into [start, end) runs to attend together. The runner sorts decodes by
+    length, so runs of similar length are contiguous; unsorted input only pads more."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(seq_lens) + 1):
+        if (i == len(seq_lens) or i - start == MAX_DECODE_GROUP
+                or seq_lens[i] > GROUP_LENGTH_RATIO * seq_lens[start] + 16):
+            groups.append((start, i))
+            start = i
+    return groups
+
+
 @register_backend
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
@@ -49,19 +66,27 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        # q: [B, Hq, D]; one new token per sequence, attending to its whole context.
+        # q: [B, Hq, D]; one new token per sequence. Sequences of similar length are attended
+        # together, so the gathered context is padded little and stays cache-sized.
+        out = torch.empty_like(q)
+        for start, end in decode_groups(meta.seq_lens_cpu[:q.shape[0]]):
+            out[start:end] = self._decode_group(q[start:end], kv_cache, meta, start, end, scale)
+        return out
+
+    def _decode_group(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      start: int, end: int, scale: float) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
-        max_len = max(meta.seq_lens_cpu[:batch])
+        max_len = max(meta.seq_lens_cpu[start:end])
         max_blocks = (max_len + block_size - 1) // block_size
-        tables = meta.block_tables[:batch, :max_blocks].flatten()
+        tables = meta.block_tables[start:end, :max_blocks].flatten()
         # keys/values: [B, Hkv, L, D], L = max_blocks * block_size
         shape = (batch, max_blocks * block_size, num_kv_heads, head_dim)
         keys = kv_cache[0].index_select(0, tables).view(shape).transpose(1, 2).to(q.dtype)
         values = kv_cache[1].index_select(0, tables).view(shape).transpose(1, 2).to(q.dtype)
         positions = torch.arange(keys.shape[2], device=q.device)
-        mask = positions[None, :] < meta.seq_lens[:batch, None]  # [B, L]
+        mask = positions[None, :] < meta.seq_lens[start:end, None]  # [B, L]
         # query heads of one KV head packed along the query axis: [B, Hkv, group, D]
         qg = q.view(batch, num_kv_heads, group, head_dim)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :],
