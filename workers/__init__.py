@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.protocol import (CompletionOutput, FinishReason, InvalidRequestError,
-                              RequestOutput, SamplingParams, TokenEvent)
+from workers.protocol import (
+    CompletionOutput,
+    FinishReason,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenEvent,
+)
 
 _LAZY = {
     "LLM": "workers.llm",

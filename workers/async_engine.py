@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 from workers.config import EngineConfig
 from workers.engine import Engine, EngineStats
 from workers.protocol import SamplingParams, TokenEvent
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -83,6 +85,11 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def run_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the step thread, between two steps: it sees the engine at rest (the KV
+        event log, the prefix cache) and no step runs until it returns."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

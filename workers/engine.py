@@ -19,8 +19,14 @@ from workers.kv_cache import KVCacheManager
 from workers.loader import load_model
 from workers.model_config import ModelConfig, resolve_dtype
 from workers.output_processor import OutputProcessor
-from workers.protocol import (FinishReason, InvalidRequestError, KVEvent, KVSnapshot,
-                              SamplingParams, TokenEvent)
+from workers.protocol import (
+    FinishReason,
+    InvalidRequestError,
+    KVEvent,
+    KVSnapshot,
+    SamplingParams,
+    TokenEvent,
+)
 from workers.request import Request
 from workers.runner import KVCacheSpec, ModelRunner
 from workers.scheduler import Scheduler, SchedulerConfig

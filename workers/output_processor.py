@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.protocol import FinishReason, TokenEvent, TokenLogprob
+from workers.protocol import TokenEvent, TokenLogprob
 from workers.request import Request
 
 

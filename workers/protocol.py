@@ -162,14 +162,25 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str | No
 
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int,
                        salt: str | None = None) -> list[int]:
-    """Hashes of every full block of `token_ids`, in order (the salt enters the first block)."""
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size],
-                            salt if start == 0 else None)
-        hashes.append(parent)
-    return hashes
+    """Hashes of every full block of `token_ids`, in order (the salt enters the first block).
+
+    Equal to chaining `hash_block` block by block, but packs the tokens once: the router calls
+    this on every request, so it is on the hot path.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    num_tokens = len(token_ids) // block_size * block_size
+    if num_tokens == 0:
+        return []
+    data = struct.pack(f"<{num_tokens}q", *token_ids[:num_tokens])
+    stride = 8 * block_size
+    sha256 = hashlib.sha256
+    parent = struct.pack("<q", -1) + (b"salt:" + salt.encode() if salt is not None else b"")
+    digests: list[bytes] = []
+    for start in range(0, 8 * num_tokens, stride):
+        parent = sha256(parent + data[start:start + stride]).digest()[:8]
+        digests.append(parent)
+    return [h for (h,) in struct.iter_unpack("<q", b"".join(digests))]
 
 
 @dataclass(frozen=True)

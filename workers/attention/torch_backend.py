@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from workers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    register_backend,
+)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

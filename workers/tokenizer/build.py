@@ -21,7 +21,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 MAX_TOKENIZER_VOCAB = 8192
 # Llama 3's pre-tokenizer split: contractions, words, numbers in groups of three, punctuation runs.

@@ -1,0 +1,329 @@
+"""The router core shared by the HTTP and gRPC front ends: tokenizer, workers, routing, limits.
+
+One `Router` per process and event loop. It tokenizes (torch-free), hashes the prompt's full KV
+blocks, asks the routing policy for a worker, submits the request through that worker's
+`WorkerClient`, and keeps the prefix index fed from the workers' KV events (after every request
+and from a background poll).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from router.errors import (
+    AuthenticationError,
+    BadRequestError,
+    NoHealthyWorkerError,
+    NotFoundError,
+    OverloadedError,
+    WorkerUnavailableError,
+)
+from router.policy import NoHealthyWorker, WorkerLoad, get_policy
+from router.prefix_index import PrefixIndex
+from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest
+from workers.protocol import (
+    InvalidRequestError,
+    SamplingParams,
+    TokenEvent,
+    hash_prompt_blocks,
+)
+from workers.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_path: str
+    served_model_name: str | None = None  # default: the model folder's name
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    policy: str = "prefix_aware"
+    max_in_flight: int = 256  # requests admitted at once; more get 429
+    max_body_bytes: int = 16 * 1024**2  # larger HTTP bodies get 413
+    max_n: int = 16  # samples per request at most
+    retry_after_s: int = 1  # the Retry-After a 429 suggests
+    kv_poll_interval_s: float = 0.5  # background poll of the workers' KV events
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.kv_poll_interval_s > 0:
+            raise ValueError(f"kv_poll_interval_s must be > 0, got {self.kv_poll_interval_s}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain empty strings")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).resolve().name
+
+
+@dataclass
+class RouterCounters:
+    """Totals since start; tokens are prompt tokens."""
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_predicted_cached_tokens: int = 0  # what the prefix index promised at routing time
+    num_cached_tokens: int = 0  # what the workers reported serving from their prefix caches
+
+
+class Admission:
+    """One admitted request's slot; `release()` is idempotent."""
+
+    def __init__(self, router: Router) -> None:
+        self._router: Router | None = router
+
+    def release(self) -> None:
+        if self._router is not None:
+            self._router.in_flight -= 1
+            self._router = None
+
+
+class Generation:
+    """One request submitted to one worker. `events()` yields its token events (the first one
+    has already arrived when the `Generation` is returned); `aclose()` aborts what is left."""
+
+    def __init__(self, router: Router, worker_id: str, prompt_token_ids: list[int],
+                 predicted_cached_tokens: int, first: TokenEvent,
+                 stream: AsyncIterator[TokenEvent]) -> None:
+        self.worker_id = worker_id
+        self.prompt_token_ids = prompt_token_ids
+        self.predicted_cached_tokens = predicted_cached_tokens
+        self.num_cached_tokens = first.num_cached_tokens
+        self.first = first
+        self._router = router
+        self._stream = stream
+        self._closed = False
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        try:
+            yield self.first
+            async for event in self._stream:
+                yield event
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._stream.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._router._after_request(self.worker_id)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, clients: list[WorkerClient]) -> None:
+        if not clients:
+            raise ValueError("a router needs at least one worker client, got none")
+        ids = [c.worker_id for c in clients]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids must be unique, got {ids}")
+        self.config = config
+        self.tokenizer = Tokenizer.from_pretrained(config.model_path)
+        self.clients = {c.worker_id: c for c in clients}
+        self.policy = get_policy(config.policy)
+        self.index = PrefixIndex()
+        self.counters = RouterCounters()
+        self.in_flight = 0
+        self._healthy = {wid: True for wid in self.clients}
+        self._infos: dict[str, WorkerInfo] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        # one poll per worker at a time, so its events are applied in the order they were drained
+        self._poll_locks = {wid: asyncio.Lock() for wid in self.clients}
+        self._poller: asyncio.Task[None] | None = None
+        self.created = int(time.time())
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the workers' descriptions, seed the prefix index, start the KV poller."""
+        infos = await asyncio.gather(*(c.info() for c in self.clients.values()))
+        self._infos = {i.worker_id: i for i in infos}
+        shapes = {(i.block_size, i.max_model_len, i.vocab_size) for i in infos}
+        if len(shapes) != 1:
+            raise ValueError(f"workers disagree on (block_size, max_model_len, vocab_size): "
+                             f"{sorted(shapes)}; expected one model served one way")
+        for wid in self.clients:
+            await self._resync(wid)
+        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._poller, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._poller = None
+
+    @property
+    def _info(self) -> WorkerInfo:
+        if not self._infos:
+            raise RuntimeError("Router.start() has not run")
+        return next(iter(self._infos.values()))
+
+    @property
+    def max_model_len(self) -> int:
+        return self._info.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self._info.block_size
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    # ---- checks the front ends share -------------------------------------------------------
+
+    def authenticate(self, token: str | None) -> None:
+        """Raise `AuthenticationError` unless `token` is one of the API keys (when any are set)."""
+        if not self.config.api_keys:
+            return
+        given = (token or "").encode()
+        ok = False
+        for key in self.config.api_keys:  # every key compared, in constant time
+            ok |= hmac.compare_digest(given, key.encode())
+        if not ok:
+            raise AuthenticationError("Incorrect API key provided; send it as "
+                                      "'Authorization: Bearer <key>'")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise NotFoundError(f"The model `{name}` does not exist; this server serves "
+                                f"`{self.model_name}`", param="model")
+
+    def admit(self) -> Admission:
+        """Take one of `max_in_flight` slots, or raise 429. Release it when the request ends."""
+        if self.in_flight >= self.config.max_in_flight:
+            raise OverloadedError(
+                f"The server is overloaded: {self.in_flight} requests in flight, the limit is "
+                f"{self.config.max_in_flight}; retry later",
+                headers={"Retry-After": str(self.config.retry_after_s)})
+        self.in_flight += 1
+        return Admission(self)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
+        vocab = self._info.vocab_size
+        if not ids:
+            raise BadRequestError("the prompt must not be empty", param=param)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequestError(f"the prompt contains token ids outside [0, {vocab}): "
+                                  f"{bad[:5]}", param=param)
+        if len(ids) >= self.max_model_len:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(ids)} tokens, which leaves no room for a completion.",
+                param=param)
+
+    def check_n(self, n: int) -> None:
+        if not 1 <= n <= self.config.max_n:
+            raise BadRequestError(f"n must be in [1, {self.config.max_n}], got {n}", param="n")
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None,
+                       request_id: str | None = None) -> Generation:
+        """Route and submit a request; returns once the worker produced its first event.
+        Raises `BadRequestError` (the worker refused it) or `NoHealthyWorkerError`."""
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        hashes = hash_prompt_blocks(prompt_token_ids, self.block_size, cache_salt)
+        loads = await self._loads()
+        try:
+            decision = self.policy.choose(hashes, loads, self.index)
+        except NoHealthyWorker as exc:
+            raise NoHealthyWorkerError(f"no healthy worker can take the request: {exc}") from None
+        client = self.clients[decision.worker_id]
+        predicted = decision.predicted_hit_blocks * self.block_size
+        stream = client.generate(WorkerRequest(rid, tuple(prompt_token_ids), params, cache_salt))
+        try:
+            first = await stream.__anext__()
+        except InvalidRequestError as exc:
+            await stream.aclose()
+            raise BadRequestError(exc.message, param=exc.param) from None
+        except WorkerUnavailableError as exc:
+            await stream.aclose()
+            self._healthy[decision.worker_id] = False
+            raise NoHealthyWorkerError(str(exc)) from None
+        except BaseException:
+            await stream.aclose()
+            raise
+        c = self.counters
+        c.num_requests += 1
+        c.num_prompt_tokens += len(prompt_token_ids)
+        c.num_predicted_cached_tokens += predicted
+        c.num_cached_tokens += first.num_cached_tokens
+        return Generation(self, decision.worker_id, prompt_token_ids, predicted, first, stream)
+
+    async def _loads(self) -> list[WorkerLoad]:
+        async def load(wid: str, client: WorkerClient) -> WorkerLoad:
+            try:
+                s = await asyncio.wait_for(client.stats(), STATS_TIMEOUT_S)
+            except (WorkerUnavailableError, asyncio.TimeoutError) as exc:
+                logger.warning("worker %s gave no stats: %s", wid, exc)
+                self._healthy[wid] = False
+                return WorkerLoad(wid, 0, 0, 1.0, healthy=False)
+            self._healthy[wid] = True
+            return WorkerLoad(wid, s.num_waiting, s.num_running, s.kv_usage)
+
+        return list(await asyncio.gather(*(load(w, c) for w, c in self.clients.items())))
+
+    def healthy_workers(self) -> list[str]:
+        return [wid for wid, ok in self._healthy.items() if ok]
+
+    async def check_health(self) -> list[str]:
+        """Ask every worker; returns the healthy ones' ids."""
+        async def ask(wid: str, client: WorkerClient) -> None:
+            try:
+                self._healthy[wid] = await asyncio.wait_for(client.health(), STATS_TIMEOUT_S)
+            except (WorkerUnavailableError, asyncio.TimeoutError):
+                self._healthy[wid] = False
+
+        await asyncio.gather(*(ask(w, c) for w, c in self.clients.items()))
+        return self.healthy_workers()
+
+    # ---- the prefix index ------------------------------------------------------------------
+
+    def _after_request(self, worker_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._poll_worker(worker_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _poll_worker(self, worker_id: str) -> None:
+        client = self.clients[worker_id]
+        try:
+            async with self._poll_locks[worker_id]:
+                self.index.apply(worker_id, await client.kv_events())
+                if self.index.needs_resync(worker_id):
+                    await self._resync(worker_id)
+        except WorkerUnavailableError as exc:
+            logger.warning("dropping worker %s from the prefix index: %s", worker_id, exc)
+            self._healthy[worker_id] = False
+            self.index.remove_worker(worker_id)
+
+    async def _resync(self, worker_id: str) -> None:
+        self.index.resync(worker_id, await self.clients[worker_id].kv_snapshot())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.kv_poll_interval_s)
+            for wid in self.clients:
+                try:
+                    await self._poll_worker(wid)
+                except Exception:  # the poller must outlive one bad poll
+                    logger.exception("polling the KV events of worker %s failed", wid)

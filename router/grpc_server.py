@@ -1,0 +1,122 @@
+"""The gRPC front end (`cleave.v1.Generation`) over the same `Router` as the HTTP one.
+
+Errors map to status codes through `APIError.grpc_code`: INVALID_ARGUMENT, UNAUTHENTICATED,
+NOT_FOUND, RESOURCE_EXHAUSTED (overloaded), UNAVAILABLE (no healthy worker). A cancelled call
+or a passed deadline cancels the handler, which aborts the request on its worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from router.app import Generation, Router
+from router.errors import APIError, BadRequestError
+from router.proto.cleave.v1 import generate_pb2 as pb
+from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
+from workers.protocol import InvalidRequestError, SamplingParams, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+# SamplingParameters fields copied as they are when set
+_PLAIN_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed", "min_tokens", "ignore_eos",
+                 "logprobs", "prompt_logprobs", "skip_special_tokens",
+                 "include_stop_str_in_output")
+
+
+def sampling_params(msg: pb.SamplingParameters, max_tokens_default: int) -> SamplingParams:
+    """The engine's parameters from the message; raises `BadRequestError` naming the field."""
+    kwargs: dict[str, object] = {f: getattr(msg, f) for f in _PLAIN_FIELDS if msg.HasField(f)}
+    kwargs["max_tokens"] = msg.max_tokens if msg.HasField("max_tokens") else max_tokens_default
+    kwargs["stop"] = list(msg.stop)
+    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    try:
+        return SamplingParams(**kwargs)  # type: ignore[arg-type]
+    except InvalidRequestError as exc:
+        raise BadRequestError(exc.message, param=exc.param) from None
+
+
+def _response(event: TokenEvent, gen: Generation) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=event.request_id, index=event.index, token_ids=event.token_ids,
+        text=event.text,
+        logprobs=[pb.Logprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
+                  for lp in event.logprobs or ()],
+        finish_reason="" if event.finish_reason is None else event.finish_reason.value,
+        stop_reason="" if event.stop_reason is None else str(event.stop_reason),
+        num_prompt_tokens=event.num_prompt_tokens, num_cached_tokens=event.num_cached_tokens,
+        predicted_cached_tokens=gen.predicted_cached_tokens, worker_id=gen.worker_id)
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        token = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and isinstance(value, str):
+                scheme, _, rest = value.partition(" ")
+                token = rest.strip() if scheme.lower() == "bearer" else None
+        self.router.authenticate(token)
+
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return self.router.tokenize(request.text)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        raise BadRequestError("set the prompt: text or token_ids", param="prompt")
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        router = self.router
+        gen: Generation | None = None
+        slot = None
+        try:
+            self._authenticate(context)
+            router.check_model(request.model or None)
+            ids = self._prompt(request)
+            router.check_prompt(ids)
+            params = sampling_params(request.sampling, router.max_model_len - len(ids))
+            router.check_n(params.n)
+            slot = router.admit()
+            gen = await router.generate(ids, params, request.cache_salt or None,
+                                        request.request_id or None)
+            async for event in gen.events():
+                yield _response(event, gen)
+        except APIError as exc:
+            await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
+        finally:
+            if gen is not None:
+                await gen.aclose()
+            if slot is not None:
+                slot.release()
+
+    async def Models(self, request: pb.ModelsRequest,
+                     context: grpc.aio.ServicerContext) -> pb.ModelsResponse:
+        try:
+            self._authenticate(context)
+        except APIError as exc:
+            await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
+        return pb.ModelsResponse(models=[pb.Model(id=self.router.model_name,
+                                                  max_model_len=self.router.max_model_len)])
+
+    async def Health(self, request: pb.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        healthy = await self.router.check_health()
+        return pb.HealthResponse(healthy=bool(healthy), healthy_workers=healthy)
+
+
+def create_grpc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server bound to host:port (0: any free port); returns it and the bound port.
+    The caller starts and stops it."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the gRPC server to {host}:{port}")
+    return server, bound

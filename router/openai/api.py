@@ -1,0 +1,166 @@
+"""The FastAPI app: OpenAI's routes over a `Router`, every error in OpenAI's shape.
+
+Authentication and the body-size limit are checked in an ASGI middleware, before any handler
+reads or parses the body. Handlers parse bodies themselves (`parse_body`), so FastAPI's default
+`{"detail": ...}` errors never reach a client.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.app import Router
+from router.errors import (
+    APIError,
+    BadRequestError,
+    NoHealthyWorkerError,
+    RequestTooLargeError,
+)
+from router.openai.chat import create_chat_completion
+from router.openai.common import TokenStrings
+from router.openai.completions import create_completion
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+class GuardMiddleware:
+    """API keys on `/v1/*` and the body-size limit (by Content-Length, and by counting the bytes
+    of bodies sent without it), ahead of routing and parsing."""
+
+    def __init__(self, app: ASGIApp, router: Router) -> None:
+        self.app = app
+        self.router = router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.router.config.max_body_bytes
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            if scope["path"].startswith("/v1/"):
+                self.router.authenticate(_bearer(headers.get("authorization")))
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > limit:
+                raise RequestTooLargeError(_too_large(limit, int(length)))
+        except APIError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise RequestTooLargeError(_too_large(limit, received))
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def _bearer(value: str | None) -> str | None:
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _too_large(limit: int, size: int) -> str:
+    return f"the request body has more than {limit} bytes (at least {size}); send less"
+
+
+# NOTE: the endpoints find the router on `request.app.state`, not in a closure: FastAPI caches
+# endpoint functions globally, and a closure would keep the router (and in-process engines)
+# alive after the app is gone.
+
+
+def _router(request: Request) -> Router:
+    return request.app.state.router
+
+
+async def _on_api_error(request: Request, exc: APIError) -> Response:
+    return error_response(exc)
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = ".".join(str(p) for p in first["loc"])
+    return error_response(BadRequestError(f"{loc}: {first['msg']}"))
+
+
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    err = APIError(f"{request.method} {request.url.path}: {exc.detail}")
+    err.status, err.type = exc.status_code, "invalid_request_error"
+    return error_response(err)
+
+
+async def _on_crash(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error serving %s", request.url.path)
+    return error_response(APIError(f"internal error: {type(exc).__name__}: {exc}"))
+
+
+async def health(request: Request) -> Response:
+    healthy = await _router(request).check_health()
+    if not healthy:
+        return error_response(NoHealthyWorkerError("no healthy worker"))
+    return JSONResponse({"status": "ok", "healthy_workers": healthy})
+
+
+async def version() -> dict[str, str]:
+    return {"version": _version()}
+
+
+async def models(request: Request) -> dict[str, Any]:
+    router = _router(request)
+    return {"object": "list", "data": [{
+        "id": router.model_name, "object": "model", "created": router.created,
+        "owned_by": "cleave", "root": router.config.model_path, "parent": None,
+        "max_model_len": router.max_model_len}]}
+
+
+async def completions(request: Request) -> Any:
+    return await create_completion(_router(request), request.app.state.tokens, request)
+
+
+async def chat_completions(request: Request) -> Any:
+    return await create_chat_completion(_router(request), request.app.state.tokens, request)
+
+
+def create_app(router: Router) -> FastAPI:
+    """The HTTP app over `router`; the caller runs `router.start()` / `stop()` around it."""
+    app = FastAPI(title="Cleave", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.router = router
+    app.state.tokens = TokenStrings(router)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_crash)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_middleware(GuardMiddleware, router=router)
+    return app
+
+
+def _version() -> str:
+    try:
+        return metadata.version("cleave")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"

@@ -1,0 +1,154 @@
+"""`POST /v1/chat/completions`: messages through the model's chat template, then the same
+generation path as completions, answered in the chat format (or as chat.completion.chunk
+events)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from router.app import Admission, Generation, Router
+from router.errors import BadRequestError
+from router.openai.common import (
+    SSE_DONE,
+    TokenStrings,
+    default_max_tokens,
+    merge,
+    parse_body,
+    sse,
+    sse_error,
+    start_all,
+    until_disconnected,
+    usage,
+)
+from router.openai.protocol import ChatCompletionRequest
+from workers.protocol import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Choice:
+    content: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def chat_prompt(router: Router, body: ChatCompletionRequest) -> list[int]:
+    messages = [m.as_template_input() for m in body.messages]
+    try:
+        ids = router.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+    except ValueError as exc:  # no template, or the template raised on these messages
+        raise BadRequestError(f"the chat template could not format the messages: {exc}",
+                              param="messages") from None
+    return list(ids)
+
+
+async def create_chat_completion(router: Router, tokens: TokenStrings, request: Request) -> Any:
+    body = await parse_body(request, ChatCompletionRequest)
+    body.check()
+    router.check_model(body.model)
+    router.check_n(body.n)
+    ids = chat_prompt(router, body)
+    router.check_prompt(ids, param="messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.sampling_params(
+        default_max_tokens(router, body.requested_max_tokens, len(ids)), logprobs, None)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": router.model_name}
+    fmt = _Logprobs(tokens, body.logprobs)
+    slot = router.admit()
+    if not body.stream:
+        try:
+            return await until_disconnected(request, _collect(router, body, ids, params, fmt,
+                                                              meta))
+        finally:
+            slot.release()
+    try:
+        gens = await start_all(router, [ids], [params], body.cache_salt)
+    except BaseException:
+        slot.release()
+        raise
+    return StreamingResponse(_stream(gens[0], body, fmt, meta, slot),
+                             media_type="text/event-stream",
+                             background=BackgroundTask(slot.release))
+
+
+async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int], params: Any,
+                   fmt: _Logprobs, meta: dict[str, Any]) -> JSONResponse:
+    gens = await start_all(router, [ids], [params], body.cache_salt)
+    choices = [_Choice() for _ in range(body.n)]
+    async for _, event in merge(gens):
+        choice = choices[event.index]
+        choice.content += event.text
+        choice.num_tokens += len(event.token_ids)
+        choice.logprobs.extend(event.logprobs or ())
+        if event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason.value
+            choice.stop_reason = event.stop_reason
+    out = [{"index": k, "message": {"role": "assistant", "content": c.content},
+            "logprobs": fmt(c.logprobs), "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason} for k, c in enumerate(choices)]
+    return JSONResponse({**meta, "object": "chat.completion", "choices": out,
+                         "usage": usage(gens, sum(c.num_tokens for c in choices))})
+
+
+async def _stream(gen: Generation, body: ChatCompletionRequest, fmt: _Logprobs,
+                  meta: dict[str, Any], slot: Admission) -> AsyncIterator[str]:
+    head = {**meta, "object": "chat.completion.chunk"}
+    num_tokens = 0
+
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        payload = {**head, "choices": choices}
+        if body.continuous_usage:
+            payload["usage"] = usage([gen], num_tokens)
+        return sse(payload)
+
+    try:
+        yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None} for k in range(body.n)])
+        async for _, event in merge([gen]):
+            num_tokens += len(event.token_ids)
+            finish = None if event.finish_reason is None else event.finish_reason.value
+            delta = {"content": event.text} if event.text or finish is None else {}
+            yield chunk([{"index": event.index, "delta": delta,
+                          "logprobs": fmt(event.logprobs or []), "finish_reason": finish,
+                          "stop_reason": event.stop_reason}])
+        if body.include_usage:
+            yield sse({**head, "choices": [], "usage": usage([gen], num_tokens)})
+    except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
+        logger.exception("a streamed request failed")
+        yield sse_error(exc)
+    finally:
+        slot.release()
+    yield SSE_DONE
+
+
+class _Logprobs:
+    """The chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+
+    def __init__(self, tokens: TokenStrings, wanted: bool) -> None:
+        self.tokens = tokens
+        self.wanted = wanted
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self.tokens(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def __call__(self, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.wanted:
+            return None
+        return {"content": [
+            {**self._entry(lp.token_id, lp.logprob),
+             "top_logprobs": [self._entry(t, v) for t, v in lp.top.items()]}
+            for lp in logprobs]}

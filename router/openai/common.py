@@ -1,0 +1,167 @@
+"""What the completions and chat endpoints share: body parsing, starting and merging
+generations, server-sent events, usage, and watching for a client that went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from router.app import Generation, Router
+from router.errors import APIError, BadRequestError
+from workers.protocol import SamplingParams, TokenEvent
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+DISCONNECT_POLL_S = 0.25
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The body as `model`; malformed JSON, bad UTF-8 or a bad field raise `BadRequestError`."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(f"the request body is not valid UTF-8: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequestError(f"the request body must be a JSON object, got "
+                              f"{type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> BadRequestError:
+    first = exc.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    return BadRequestError(f"{loc or 'body'}: {first['msg']} (got "
+                           f"{_short(first.get('input'))}); {exc.error_count()} error(s) in all",
+                           param=str(first["loc"][0]) if first["loc"] else None)
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value, default=str) if value is not None else "null"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def default_max_tokens(router: Router, requested: int | None, prompt_len: int) -> int:
+    """What the client asked for, or (as vLLM does) all the context the prompt leaves."""
+    return requested if requested is not None else router.max_model_len - prompt_len
+
+
+async def start_all(router: Router, prompts: Sequence[list[int]],
+                    params: Sequence[SamplingParams],
+                    cache_salt: str | None) -> list[Generation]:
+    """Submit every prompt; if any is refused, abort the others and raise its error."""
+    results = await asyncio.gather(
+        *(router.generate(ids, p, cache_salt) for ids, p in zip(prompts, params)),
+        return_exceptions=True)
+    gens = [r for r in results if isinstance(r, Generation)]
+    errors = [r for r in results if not isinstance(r, Generation)]
+    if errors:
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+        raise errors[0]
+    return gens
+
+
+async def merge(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """(generation index, event) from all generations as events arrive; closing the iterator
+    aborts every generation that has not finished."""
+    if len(gens) == 1:  # the common case, without tasks
+        async for event in gens[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, TokenEvent] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for event in gen.events():
+                queue.put_nowait((i, event))
+            queue.put_nowait(None)
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """An error after the stream began (the status is already 200): one error event, as vLLM
+    sends it, before `[DONE]`."""
+    err = exc if isinstance(exc, APIError) else APIError(f"{type(exc).__name__}: {exc}")
+    return sse(err.body())
+
+
+def usage(gens: Sequence[Generation], num_completion_tokens: int) -> dict[str, Any]:
+    prompt = sum(len(g.prompt_token_ids) for g in gens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": prompt + num_completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(g.num_cached_tokens for g in gens),
+            # Cleave's extension: what the router's prefix index predicted when routing
+            "predicted_cached_tokens": sum(g.predicted_cached_tokens for g in gens),
+        },
+    }
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its generations) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise asyncio.CancelledError("the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class TokenStrings:
+    """The text of single tokens, as logprobs show them (vLLM: `decode([id])`), memoised."""
+
+    def __init__(self, router: Router) -> None:
+        self._tokenizer = router.tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text

@@ -1,0 +1,193 @@
+"""`POST /v1/completions`: prompts in, choices (or a stream of chunks) out, in OpenAI's legacy
+completions format, with prompt echo and per-token logprobs as lm-eval's completions backend
+uses them."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from router.app import Admission, Generation, Router
+from router.errors import BadRequestError
+from router.openai.common import (
+    SSE_DONE,
+    TokenStrings,
+    default_max_tokens,
+    merge,
+    parse_body,
+    sse,
+    sse_error,
+    start_all,
+    until_disconnected,
+    usage,
+)
+from router.openai.protocol import CompletionRequest
+from workers.protocol import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+def prompt_token_lists(router: Router, prompt: Any) -> list[list[int]]:
+    """The prompt(s) as token id lists, whichever of OpenAI's four shapes it came in."""
+    if isinstance(prompt, str):
+        return [router.tokenize(prompt)]
+    if not prompt:
+        raise BadRequestError("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], str):
+        return [router.tokenize(p) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+async def create_completion(router: Router, tokens: TokenStrings, request: Request) -> Any:
+    body = await parse_body(request, CompletionRequest)
+    body.check()
+    router.check_model(body.model)
+    router.check_n(body.n)
+    prompts = prompt_token_lists(router, body.prompt)
+    texts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
+        isinstance(body.prompt[0], str) else [body.prompt] * len(prompts)
+    echo_texts = [t if isinstance(t, str) else router.tokenizer.decode(ids)
+                  for t, ids in zip(texts, prompts)]
+    params = []
+    for ids in prompts:
+        router.check_prompt(ids)
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None \
+            else body.prompt_logprobs
+        params.append(body.sampling_params(default_max_tokens(router, body.max_tokens, len(ids)),
+                                           body.logprobs, prompt_logprobs))
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": router.model_name}
+    fmt = _Formatter(tokens, body, echo_texts)
+    slot = router.admit()
+    if not body.stream:
+        try:
+            return await until_disconnected(
+                request, _collect(router, body, prompts, params, fmt, meta))
+        finally:
+            slot.release()
+    try:
+        gens = await start_all(router, prompts, params, body.cache_salt)
+    except BaseException:
+        slot.release()
+        raise
+    return StreamingResponse(_stream(gens, body, fmt, meta, slot), media_type="text/event-stream",
+                             background=BackgroundTask(slot.release))
+
+
+async def _collect(router: Router, body: CompletionRequest, prompts: list[list[int]],
+                   params: list, fmt: _Formatter, meta: dict[str, Any]) -> JSONResponse:
+    gens = await start_all(router, prompts, params, body.cache_salt)
+    choices = [_Choice() for _ in range(len(gens) * body.n)]
+    prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * len(gens)
+    async for i, event in merge(gens):
+        choice = choices[i * body.n + event.index]
+        if event.prompt_logprobs is not None:
+            prompt_logprobs[i] = event.prompt_logprobs
+        choice.text += event.text
+        choice.num_tokens += len(event.token_ids)
+        choice.logprobs.extend(event.logprobs or ())
+        if event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason.value
+            choice.stop_reason = event.stop_reason
+    out = []
+    for k, choice in enumerate(choices):
+        i = k // body.n
+        echo = body.echo
+        out.append({
+            "index": k,
+            "text": (fmt.echo_texts[i] if echo else "") + choice.text,
+            "logprobs": fmt.logprobs(prompts[i] if echo else [], prompt_logprobs[i],
+                                     choice.logprobs),
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        })
+    return JSONResponse({**meta, "object": "text_completion", "choices": out,
+                         "usage": usage(gens, sum(c.num_tokens for c in choices))})
+
+
+async def _stream(gens: list[Generation], body: CompletionRequest, fmt: _Formatter,
+                  meta: dict[str, Any], slot: Admission) -> AsyncIterator[str]:
+    head = {**meta, "object": "text_completion"}
+    num_tokens = 0
+    echoed: set[int] = set()
+    try:
+        async for i, event in merge(gens):
+            k = i * body.n + event.index
+            text, prompt_ids, prompt_lps = event.text, [], None
+            if body.echo and k not in echoed:
+                echoed.add(k)
+                text = fmt.echo_texts[i] + text
+                prompt_ids, prompt_lps = gens[i].prompt_token_ids, gens[i].first.prompt_logprobs
+            num_tokens += len(event.token_ids)
+            chunk = {**head, "choices": [{
+                "index": k, "text": text,
+                "logprobs": fmt.logprobs(prompt_ids, prompt_lps, event.logprobs or []),
+                "finish_reason": None if event.finish_reason is None
+                else event.finish_reason.value,
+                "stop_reason": event.stop_reason}]}
+            if body.continuous_usage:
+                chunk["usage"] = usage(gens, num_tokens)
+            yield sse(chunk)
+        if body.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(gens, num_tokens)})
+    except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
+        logger.exception("a streamed request failed")
+        yield sse_error(exc)
+    finally:
+        slot.release()
+    yield SSE_DONE
+
+
+class _Formatter:
+    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, tokens: TokenStrings, body: CompletionRequest,
+                 echo_texts: list[str]) -> None:
+        self.tokens = tokens
+        self.wanted = body.logprobs is not None
+        self.echo_texts = echo_texts
+
+    def logprobs(self, prompt_ids: list[int], prompt: list[TokenLogprob | None] | None,
+                 output: list[TokenLogprob]) -> dict[str, list[Any]] | None:
+        """Echoed prompt tokens (the first has no logprob: None) then the output tokens."""
+        if not self.wanted:
+            return None
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": []}
+        prompt = prompt or []
+        entries = [(t, prompt[j] if j < len(prompt) else None) for j, t in enumerate(prompt_ids)]
+        entries += [(lp.token_id, lp) for lp in output]
+        offset = 0
+        for token_id, lp in entries:
+            token = self.tokens(token_id)
+            top = None
+            if lp is not None:
+                # ids whose text collides (partial UTF-8 decodes to U+FFFD) keep the best
+                top = {token: lp.logprob}
+                for t, v in lp.top.items():
+                    text = self.tokens(t)
+                    top[text] = max(v, top.get(text, v))
+            out["tokens"].append(token)
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(token)
+        return out

@@ -1,0 +1,205 @@
+"""Which worker holds which prefix-cache blocks, rebuilt from the workers' KV events.
+
+Each worker publishes `BlockStored` / `BlockRemoved` / `AllBlocksCleared` events numbered
+0, 1, 2, ... under an epoch that is new at every engine start. The index applies them in order;
+a gap means it missed something, so it marks the worker for resync and waits for a `KVSnapshot`.
+
+Layout: one dict from block hash to a bitmask of the workers holding it (one bit per worker
+slot), so `match` walks a prompt's chained hashes with one dict lookup and one AND per block,
+plus a set of hashes per worker for removal, clears and resync. Not thread-safe: use one index
+per event loop (or guard it with a lock).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from workers.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVSnapshot,
+)
+
+_MAX_RETIRED_EPOCHS = 8  # per worker: earlier engine starts whose late events are not replayed
+_PACK_HASH = struct.Struct("<q").pack
+
+
+@dataclass
+class _WorkerView:
+    """What the index believes about one worker, and where its event stream stands."""
+
+    slot: int  # this worker's bit in the hash -> bitmask map
+    epoch: str | None = None
+    next_seq: int = 0  # the seq the index expects next in `epoch`
+    needs_resync: bool = False
+    blocks: set[int] = field(default_factory=set)
+    retired_epochs: list[str] = field(default_factory=list)  # oldest first
+
+
+class PrefixIndex:
+    """The router's view of every worker's prefix cache. Mutated only by `apply`, `resync` and
+    `remove_worker`.
+
+    A worker that needs resync keeps its last known blocks in `match` (a stale hint only costs a
+    cache miss) until `resync` replaces them; events in its current epoch are ignored meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of worker slots
+        self._views: dict[str, _WorkerView] = {}
+        self._slot_owner: dict[int, str] = {}  # slot -> worker id
+        self._free_slots: list[int] = []
+
+    # -- membership ------------------------------------------------------------------------------
+
+    def _view(self, worker_id: str) -> _WorkerView:
+        view = self._views.get(worker_id)
+        if view is None:
+            if not isinstance(worker_id, str) or not worker_id:
+                raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
+            slot = self._free_slots.pop() if self._free_slots else len(self._slot_owner)
+            view = self._views[worker_id] = _WorkerView(slot)
+            self._slot_owner[slot] = worker_id
+        return view
+
+    def workers(self) -> list[str]:
+        """Every worker the index has heard of, sorted."""
+        return sorted(self._views)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker and its blocks. Unknown ids are ignored (removal may race)."""
+        view = self._views.pop(worker_id, None)
+        if view is None:
+            return
+        self._drop_blocks(view, view.blocks)
+        del self._slot_owner[view.slot]
+        self._free_slots.append(view.slot)
+
+    def worker_blocks(self, worker_id: str) -> frozenset[int]:
+        """The hashes the index believes `worker_id` holds (empty for unknown workers)."""
+        view = self._views.get(worker_id)
+        return frozenset(view.blocks) if view is not None else frozenset()
+
+    def needs_resync(self, worker_id: str) -> bool:
+        """True once the worker's event stream had a gap (or began mid-stream): call `resync`."""
+        view = self._views.get(worker_id)
+        return view is not None and view.needs_resync
+
+    @property
+    def num_blocks(self) -> int:
+        """Distinct block hashes held by at least one worker."""
+        return len(self._holders)
+
+    # -- block bookkeeping -----------------------------------------------------------------------
+
+    def _add_blocks(self, view: _WorkerView, hashes: Sequence[int]) -> None:
+        bit, holders = 1 << view.slot, self._holders
+        for h in hashes:
+            holders[h] = holders.get(h, 0) | bit
+        view.blocks.update(hashes)
+
+    def _drop_blocks(self, view: _WorkerView, hashes: Sequence[int] | set[int]) -> None:
+        keep, holders, blocks = ~(1 << view.slot), self._holders, view.blocks
+        for h in list(hashes):
+            if h not in blocks:
+                continue
+            blocks.discard(h)
+            mask = holders[h] & keep
+            if mask:
+                holders[h] = mask
+            else:
+                del holders[h]
+
+    def _start_epoch(self, view: _WorkerView, epoch: str) -> None:
+        """The worker restarted: everything known about it is gone."""
+        if epoch in view.retired_epochs:
+            view.retired_epochs.remove(epoch)
+        if view.epoch is not None:
+            view.retired_epochs.append(view.epoch)
+            del view.retired_epochs[:-_MAX_RETIRED_EPOCHS]
+        self._drop_blocks(view, view.blocks)
+        view.epoch, view.next_seq, view.needs_resync = epoch, 0, False
+
+    # -- event stream ----------------------------------------------------------------------------
+
+    def apply(self, worker_id: str, events: Sequence[KVEvent]) -> None:
+        """Apply a worker's events in order. A new epoch drops the worker's blocks first; a seq
+        below the expected one (a duplicate) is skipped; a seq above it (a gap), or a new epoch
+        that does not start at seq 0, marks the worker for resync and skips what follows in that
+        epoch. An event of an epoch the worker already left is dropped and marks it for resync
+        too (epochs carry no order, so only a snapshot says which engine is the live one)."""
+        view = self._view(worker_id)
+        for event in events:
+            if event.epoch != view.epoch:
+                if event.epoch in view.retired_epochs:
+                    # Epochs are unordered: this is either a dead engine's late event or the
+                    # live engine's after a stale epoch slipped in. Only a snapshot can tell.
+                    view.needs_resync = True
+                    continue
+                self._start_epoch(view, event.epoch)
+            if view.needs_resync or event.seq < view.next_seq:
+                continue
+            if event.seq > view.next_seq:
+                view.needs_resync = True
+                continue
+            self._apply_one(view, event)
+            view.next_seq += 1
+
+    def _apply_one(self, view: _WorkerView, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._add_blocks(view, event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self._drop_blocks(view, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self._drop_blocks(view, view.blocks)
+        else:
+            raise TypeError(f"expected BlockStored, BlockRemoved or AllBlocksCleared, "
+                            f"got {type(event).__name__}")
+
+    def resync(self, worker_id: str, snapshot: KVSnapshot) -> None:
+        """Replace the worker's blocks with `snapshot` and expect `snapshot.next_seq` next in
+        `snapshot.epoch`; buffered events older than that are then skipped as duplicates."""
+        if snapshot.next_seq < 0:
+            raise ValueError(f"snapshot.next_seq must be >= 0, got {snapshot.next_seq}")
+        view = self._view(worker_id)
+        if snapshot.epoch != view.epoch:
+            self._start_epoch(view, snapshot.epoch)
+        stale = view.blocks - snapshot.block_hashes
+        self._drop_blocks(view, stale)
+        self._add_blocks(view, list(snapshot.block_hashes - view.blocks))
+        view.next_seq, view.needs_resync = snapshot.next_seq, False
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Worker id -> how many LEADING blocks of `block_hashes` it holds (up to its first
+        miss). Only workers holding at least the first block appear."""
+        if not block_hashes:
+            return {}
+        holders = self._holders
+        mask = holders.get(block_hashes[0], 0)
+        if not mask:
+            return {}
+        owner = self._slot_owner
+        hits: dict[str, int] = {}
+        for depth in range(1, len(block_hashes)):
+            still = mask & holders.get(block_hashes[depth], 0)
+            if still != mask:
+                _credit(hits, owner, mask & ~still, depth)
+                mask = still
+                if not mask:
+                    return hits
+        _credit(hits, owner, mask, len(block_hashes))
+        return hits
+
+
+def _credit(hits: dict[str, int], owner: dict[int, str], mask: int, depth: int) -> None:
+    """Record `depth` leading hits for every worker whose bit is set in `mask`."""
+    while mask:
+        low = mask & -mask
+        hits[owner[low.bit_length() - 1]] = depth
+        mask ^= low

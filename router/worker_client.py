@@ -1,0 +1,95 @@
+"""The boundary between the router and a worker: one request record in, token events out.
+
+Torch-free. The router holds one `WorkerClient` per worker and never touches an engine directly;
+an in-process client (`workers.worker.InProcessWorkerClient`) and a remote one (gRPC, Ray) are
+interchangeable behind it. Prompts cross this boundary as token ids: the router tokenizes, so it
+can hash the prompt's blocks for routing.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from workers.protocol import KVEvent, KVSnapshot, SamplingParams, TokenEvent
+
+
+class WorkerRole(str, enum.Enum):
+    """What a worker does with a request. Only aggregated serving exists today; the prefill and
+    decode roles join here together with the KV handoff."""
+
+    BOTH = "both"  # prefill and decode on the same worker (aggregated)
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """One request as a worker receives it: already tokenized and validated by the router."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker serves; fixed for its lifetime."""
+
+    worker_id: str
+    role: WorkerRole
+    block_size: int  # tokens per KV block (the router hashes prompts in blocks of this size)
+    max_model_len: int  # tokens per sequence, prompt and output together
+    vocab_size: int  # token ids must be in [0, vocab_size)
+    num_blocks: int  # KV blocks in the worker's cache
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker's load right now."""
+
+    num_waiting: int  # requests queued, not yet scheduled
+    num_running: int  # requests being prefilled or decoded
+    kv_usage: float  # fraction of KV blocks held by requests, in [0, 1]
+    num_free_blocks: int  # KV blocks not held by any request (cached ones included)
+    num_blocks: int
+
+
+class WorkerClient(abc.ABC):
+    """How the router talks to one worker. Methods may raise `router.errors.WorkerUnavailableError`
+    when the worker cannot be reached; `generate` raises `workers.protocol.InvalidRequestError`
+    for a request the worker refuses, before the first event."""
+
+    @property
+    @abc.abstractmethod
+    def worker_id(self) -> str: ...
+
+    @abc.abstractmethod
+    async def info(self) -> WorkerInfo: ...
+
+    @abc.abstractmethod
+    def generate(self, req: WorkerRequest) -> AsyncIterator[TokenEvent]:
+        """The request's token events until all its samples finish. Closing or cancelling the
+        iterator before the end aborts the request on the worker and frees its blocks."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    async def stats(self) -> WorkerStats: ...
+
+    @abc.abstractmethod
+    async def kv_events(self) -> list[KVEvent]:
+        """Drain the KV events emitted since the last call (each event is returned once)."""
+
+    @abc.abstractmethod
+    async def kv_snapshot(self) -> KVSnapshot: ...
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the worker can take requests."""
+
+    async def close(self) -> None:
+        """Release what the client holds (connections, an in-process engine)."""

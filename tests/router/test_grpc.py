@@ -1,0 +1,105 @@
+"""The gRPC front end: generation, cancellation, deadlines and status codes."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from router.proto.cleave.v1 import generate_pb2 as pb
+from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
+from tests.router.conftest import API_KEY, all_blocks_free, wait_until
+
+AUTH = (("authorization", f"Bearer {API_KEY}"),)
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    yield pb_grpc.GenerationStub(channel)
+    channel.close()
+
+
+def request(**sampling: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="hello there",
+                              sampling=pb.SamplingParameters(**{"max_tokens": 6, **sampling}))
+
+
+def test_generate_streams_token_events(stub):
+    events = list(stub.Generate(request(temperature=0.0, ignore_eos=True, logprobs=2),
+                                metadata=AUTH, timeout=30))
+    assert sum(len(e.token_ids) for e in events) == 6
+    assert events[-1].finish_reason == "length" and events[0].num_prompt_tokens > 0
+    assert all(len(lp.top) == 2 for e in events for lp in e.logprobs)
+
+
+def test_generate_from_token_ids_with_n(stub):
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                             sampling=pb.SamplingParameters(max_tokens=3, n=2, ignore_eos=True))
+    events = list(stub.Generate(req, metadata=AUTH, timeout=30))
+    assert {e.index for e in events if e.finish_reason} == {0, 1}
+
+
+def test_models_and_health(stub, server):
+    (model,) = stub.Models(pb.ModelsRequest(), metadata=AUTH, timeout=10).models
+    assert model.id == server.router.model_name and model.max_model_len == 2048
+    assert stub.Health(pb.HealthRequest(), timeout=10).healthy
+
+
+def test_cancelling_the_call_aborts_the_request(stub, server):
+    assert wait_until(lambda: all_blocks_free(server))
+    call = stub.Generate(request(max_tokens=1400, ignore_eos=True), metadata=AUTH, timeout=60)
+    next(call)
+    call.cancel()
+    engines = [c.worker.engine for c in server.clients]
+    assert wait_until(lambda: not any(e.has_unfinished() for e in engines), 3.0)
+    assert wait_until(lambda: all_blocks_free(server))
+
+
+def test_a_passed_deadline_aborts_the_request(stub, server):
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stub.Generate(request(max_tokens=1400, ignore_eos=True), metadata=AUTH,
+                               timeout=0.3):
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    engines = [c.worker.engine for c in server.clients]
+    assert wait_until(lambda: not any(e.has_unfinished() for e in engines), 3.0)
+    assert wait_until(lambda: all_blocks_free(server))
+
+
+BAD = [
+    ("no key", request(), (), grpc.StatusCode.UNAUTHENTICATED),
+    ("bad key", request(), (("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED),
+    ("no prompt", pb.GenerateRequest(), AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+    ("bad top_p", request(top_p=0.0), AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+    ("n too large", request(n=17), AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+    ("prompt over context", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 2048)), AUTH,
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("token out of vocab", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**6])), AUTH,
+     grpc.StatusCode.INVALID_ARGUMENT),
+    ("unknown model", pb.GenerateRequest(model="gpt-9", text="x"), AUTH,
+     grpc.StatusCode.NOT_FOUND),
+]
+
+
+@pytest.mark.parametrize("name,req,metadata,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_calls_get_status_codes(stub, name, req, metadata, code):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, metadata=metadata, timeout=30))
+    assert err.value.code() == code and err.value.details()
+
+
+def test_overload_is_resource_exhausted(stub, server):
+    router = server.router
+    limit = router.config.max_in_flight
+    server.call(_fill(router, limit))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request(), metadata=AUTH, timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.call(_fill(router, -limit))
+    assert list(stub.Generate(request(), metadata=AUTH, timeout=30))
+
+
+async def _fill(router, n: int) -> None:
+    router.in_flight += n  # pretend n requests are in flight (on the router's loop)
