@@ -1,0 +1,190 @@
+"""`nccl` transport: torch.distributed point-to-point over a communicator made per pair at run
+time, so pools can grow and shrink (no fixed world). NCCL for GPU caches; the same code runs on
+gloo with CPU caches (what the CPU tests use).
+
+The source hosts a `TCPStore` and a TCP control socket; its address is
+`nccl://HOST:CONTROL_PORT/STORE_PORT`. The first pull from a source makes a two-rank process
+group (source rank 0, puller rank 1) under a fresh key (`PrefixStore`); both sides cache it
+for later pulls, and drop it on any error. Control messages (request, accept/reject, done) go
+over the control socket as in `tcp`; the bytes go as one send per view (K and V of each
+coalesced segment, per layer). Pulls from one source are serialised on the puller (NCCL
+matches sends and receives by order, not tag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import socket
+import time
+import uuid
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.errors import InvalidDescriptor, PeerGone, TransferError, TransportUnavailable
+from kvtransfer.tcp import StreamServer, connect, open_read_or_reject, request_read
+from kvtransfer.transport import BlockSource, LayerSink, TransferStats, Transport
+from kvtransfer.wire import (PairHello, ReadDone, ReadRequest, recv_message, send_message)
+
+TAG = 7
+
+
+def _parse(address: str) -> tuple[str, int, int]:
+    rest = address.removeprefix("nccl://")
+    hostport, _, store = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    if not address.startswith("nccl://") or not host or not port.isdigit() or not store.isdigit():
+        raise InvalidDescriptor(f"address {address!r}; expected nccl://HOST:PORT/STORE_PORT")
+    return host, int(port), int(store)
+
+
+def _make_group(backend: str, store: dist.Store, key: str, rank: int, host: str,
+                timeout_s: float) -> dist.ProcessGroup:
+    """A two-rank process group under `key` (blocks until both ranks have joined)."""
+    prefixed = dist.PrefixStore(f"kvtransfer/{key}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None or not torch.cuda.is_available():
+        raise TransportUnavailable("the nccl backend needs a CUDA build of torch and a GPU; "
+                                   "CPU caches use backend 'gloo'")
+    opts = nccl.Options()
+    opts._timeout = timeout
+    return nccl(prefixed, rank, 2, opts)
+
+
+async def _in_thread(fn: Callable[[], None]) -> None:
+    """Run blocking communication off the loop; if cancelled, wait for it to stop first so that
+    nothing writes into the caches after the caller returns (bounded by the op timeout)."""
+    future = asyncio.get_running_loop().run_in_executor(None, fn)
+    try:
+        await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.gather(future, return_exceptions=True)
+        raise
+
+
+def _run_ops(ops: list[Callable[[], dist.Work]], timeout_s: float, cuda: bool) -> None:
+    try:
+        for op in ops:
+            op().wait(datetime.timedelta(seconds=timeout_s))
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+    except RuntimeError as e:  # gloo/NCCL report a dead peer or a timeout this way
+        raise PeerGone(f"collective transfer failed: {e}") from None
+
+
+class CollectiveTransport(Transport):
+    name = "nccl"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, backend: str = "auto",
+                 op_timeout_s: float = 30.0) -> None:
+        if backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"collective backend {backend!r}; expected auto, nccl or gloo")
+        self._host, self._port, self._backend = host, port, backend
+        self._op_timeout_s = op_timeout_s
+        self._source: BlockSource | None = None
+        self._server: StreamServer | None = None
+        self._store: dist.TCPStore | None = None
+        self._served: dict[str, dist.ProcessGroup] = {}  # pair key -> group (we are rank 0)
+        self._pulled: dict[str, tuple[dist.TCPStore, str, dist.ProcessGroup]] = {}  # by address
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _backend_for(self, device: torch.device) -> str:
+        if self._backend != "auto":
+            return self._backend
+        return "nccl" if device.type == "cuda" else "gloo"
+
+    async def start(self, source: BlockSource) -> str:
+        self._source = source
+        self._store = await asyncio.to_thread(
+            dist.TCPStore, self._host, 0, None, True, datetime.timedelta(seconds=30), False)
+        self._server = StreamServer(self._host, self._port, self._serve)
+        return f"nccl://{self._server.host}:{self._server.port}/{self._store.port}"
+
+    async def _serve(self, conn: socket.socket) -> None:
+        hello = await recv_message(conn)
+        if not isinstance(hello, PairHello):
+            raise InvalidDescriptor(f"expected PairHello, got {type(hello).__name__}")
+        read = await open_read_or_reject(conn, self._source)
+        if read is None:
+            return
+        try:
+            group = self._served.get(hello.pair_key)
+            device = read.caches[0].device
+            if group is None:
+                group = await asyncio.to_thread(
+                    _make_group, self._backend_for(device), self._store, hello.pair_key, 0,
+                    self._host, self._op_timeout_s)
+                self._served[hello.pair_key] = group
+            for layer in range(read.num_layers):
+                views = [v.contiguous() for v in read.layer_views(layer)]
+                ops = [lambda v=v: group.send([v], 1, TAG) for v in views]
+                await _in_thread(lambda: _run_ops(ops, self._op_timeout_s, device.type == "cuda"))
+            if not isinstance(await recv_message(conn), ReadDone):
+                raise InvalidDescriptor("expected ReadDone after the last layer")
+        except (TransferError, asyncio.CancelledError):
+            self._served.pop(hello.pair_key, None)
+            raise
+        finally:
+            self._source.close_read(read)
+
+    async def fetch(self, address: str, request: ReadRequest, sink: LayerSink) -> TransferStats:
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            try:
+                return await self._fetch(address, request, sink)
+            except (TransferError, asyncio.CancelledError):
+                self._pulled.pop(address, None)
+                raise
+
+    async def _fetch(self, address: str, request: ReadRequest, sink: LayerSink) -> TransferStats:
+        start = time.perf_counter()
+        host, port, store_port = _parse(address)
+        sock = await connect(host, port)
+        try:
+            cached = self._pulled.get(address)
+            key = cached[1] if cached else uuid.uuid4().hex
+            await send_message(sock, PairHello(key))
+            await request_read(sock, request, sink)
+            device = sink.caches[0].device
+            if cached is None:
+                store = await asyncio.to_thread(
+                    dist.TCPStore, host, store_port, None, False, datetime.timedelta(seconds=30))
+                group = await asyncio.to_thread(
+                    _make_group, self._backend_for(device), store, key, 1, self._host,
+                    self._op_timeout_s)
+                cached = self._pulled[address] = (store, key, group)
+            group = cached[2]
+            messages = 0
+            for layer in range(sink.num_layers):
+                views = sink.layer_views(layer)
+                staged = [v if v.is_contiguous() else torch.empty_like(v, memory_format=
+                                                                       torch.contiguous_format)
+                          for v in views]
+                ops = [lambda s=s: group.recv([s], 0, TAG) for s in staged]
+                await _in_thread(lambda: _run_ops(ops, self._op_timeout_s, device.type == "cuda"))
+                for v, s in zip(views, staged):
+                    if s is not v:
+                        v.copy_(s)
+                messages += len(views)
+                sink.landed(layer)
+            await send_message(sock, ReadDone())
+        finally:
+            sock.close()
+        return TransferStats(sink.bytes_per_layer * sink.num_layers, messages,
+                             time.perf_counter() - start)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+        self._served.clear()
+        self._pulled.clear()
+        self._store = None

@@ -1,0 +1,142 @@
+"""The typed messages between a puller and a source, and their framing on a byte stream.
+
+A frame is a 13-byte header `(kind: u8, layer: u32, length: u64)` then `length` bytes: JSON of
+a message for control kinds, raw KV bytes for `MessageKind.LAYER`. One pull on a stream:
+
+    puller -> source   READ_REQUEST (the puller's layout and block ids, the lease id)
+    source -> puller   READ_ACCEPTED | READ_REJECTED (an ErrorKind; nothing was written)
+    source -> puller   LAYER x num_layers (a layer's views in ReadPlan order, one frame each)
+    puller -> source   READ_DONE (every layer landed; the source may end the read)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Union
+
+from kvtransfer.descriptors import KVLayout
+from kvtransfer.errors import ErrorKind, InvalidDescriptor, PeerGone
+
+HEADER = struct.Struct("!BIQ")
+
+
+class MessageKind(IntEnum):
+    READ_REQUEST = 1
+    READ_ACCEPTED = 2
+    READ_REJECTED = 3
+    READ_DONE = 4
+    PAIR_HELLO = 5
+    LAYER = 16
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    lease_id: str
+    layout: KVLayout  # the puller's layout
+    block_ids: tuple[int, ...]  # the puller's destination block ids, in token order
+
+
+@dataclass(frozen=True)
+class ReadAccepted:
+    bytes_per_layer: int
+
+
+@dataclass(frozen=True)
+class ReadRejected:
+    kind: ErrorKind
+    message: str
+
+
+@dataclass(frozen=True)
+class ReadDone:
+    pass
+
+
+@dataclass(frozen=True)
+class PairHello:
+    pair_key: str  # names the puller's side of a per-pair communicator
+
+
+Message = Union[ReadRequest, ReadAccepted, ReadRejected, ReadDone, PairHello]
+_KINDS: dict[type, MessageKind] = {
+    ReadRequest: MessageKind.READ_REQUEST, ReadAccepted: MessageKind.READ_ACCEPTED,
+    ReadRejected: MessageKind.READ_REJECTED, ReadDone: MessageKind.READ_DONE,
+    PairHello: MessageKind.PAIR_HELLO,
+}
+
+
+def encode(msg: Message) -> tuple[MessageKind, bytes]:
+    if isinstance(msg, ReadRequest):
+        body = {"lease_id": msg.lease_id, "layout": msg.layout.to_dict(),
+                "block_ids": list(msg.block_ids)}
+    elif isinstance(msg, ReadRejected):
+        body = {"kind": msg.kind.value, "message": msg.message}
+    else:
+        body = dict(msg.__dict__)
+    return _KINDS[type(msg)], json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(kind: int, payload: bytes) -> Message:
+    try:
+        body = json.loads(payload)
+        if kind == MessageKind.READ_REQUEST:
+            return ReadRequest(body["lease_id"], KVLayout.from_dict(body["layout"]),
+                               tuple(int(b) for b in body["block_ids"]))
+        if kind == MessageKind.READ_REJECTED:
+            return ReadRejected(ErrorKind(body["kind"]), str(body["message"]))
+        cls = {v: k for k, v in _KINDS.items()}[MessageKind(kind)]
+        return cls(**body)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidDescriptor(f"malformed message of kind {kind}: {e!r}") from None
+
+
+# ---- framing on a non-blocking socket driven by an asyncio loop -----------------------------
+
+async def recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    """Fill `buf` from `sock`; raises `PeerGone` on end of stream or a reset."""
+    loop = asyncio.get_running_loop()
+    got, n = 0, len(buf)
+    try:
+        while got < n:
+            k = await loop.sock_recv_into(sock, buf[got:])
+            if k == 0:
+                raise PeerGone(f"peer closed the connection after {got} of {n} bytes")
+            got += k
+    except (ConnectionError, OSError) as e:
+        raise PeerGone(f"connection lost after {got} of {n} bytes: {e}") from None
+
+
+async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
+    try:
+        await asyncio.get_running_loop().sock_sendall(sock, data)
+    except (ConnectionError, OSError) as e:
+        raise PeerGone(f"connection lost while sending: {e}") from None
+
+
+async def send_header(sock: socket.socket, kind: MessageKind, layer: int, length: int) -> None:
+    await send_all(sock, HEADER.pack(kind, layer, length))
+
+
+async def recv_header(sock: socket.socket) -> tuple[int, int, int]:
+    buf = bytearray(HEADER.size)
+    await recv_exact(sock, memoryview(buf))
+    return HEADER.unpack(buf)
+
+
+async def send_message(sock: socket.socket, msg: Message) -> None:
+    kind, payload = encode(msg)
+    await send_all(sock, HEADER.pack(kind, 0, len(payload)) + payload)
+
+
+async def recv_message(sock: socket.socket, max_bytes: int = 1 << 24) -> Message:
+    kind, _, length = await recv_header(sock)
+    if kind == MessageKind.LAYER or length > max_bytes:
+        raise InvalidDescriptor(f"expected a control message, got kind {kind} of {length} bytes")
+    buf = bytearray(length)
+    await recv_exact(sock, memoryview(buf))
+    return decode(kind, bytes(buf))

@@ -1,0 +1,145 @@
+"""The agent in one process (local and tcp transports): offers, pulls, leases and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from kvtransfer import (Handoff, InvalidDescriptor, LayoutMismatch, LeaseExpired, LocalHub,
+                        TransferAgent, TransferTimeout, TransportConfig)
+from kvtransfer.wire import ReadRequest
+from tests.kvtransfer.factories import (BlockPool, blocks_equal, make_layout, random_caches,
+                                        zero_caches)
+
+NUM_BLOCKS = 32
+
+
+class Side:
+    """One worker: an agent over its caches and a pool that frees on lease release."""
+
+    def __init__(self, agent: TransferAgent, pool: BlockPool) -> None:
+        self.agent, self.pool, self.caches = agent, pool, agent.caches
+
+
+async def make_pair(kind: str, src_layout=None, dst_layout=None) -> tuple[Side, Side]:
+    hub = LocalHub()
+    sides = []
+    for i, layout in enumerate((src_layout or make_layout(), dst_layout or make_layout())):
+        pool = BlockPool(NUM_BLOCKS)
+        caches = random_caches(layout, NUM_BLOCKS, 1) if i == 0 else zero_caches(layout,
+                                                                                  NUM_BLOCKS)
+        agent = TransferAgent(layout, caches, TransportConfig(kind), on_release=pool.free,
+                              hub=hub)
+        await agent.start()
+        sides.append(Side(agent, pool))
+    return sides[0], sides[1]
+
+
+async def close(*sides: Side) -> None:
+    for side in sides:
+        await side.agent.close()
+
+
+@pytest.mark.parametrize("kind", ["local", "tcp"])
+def test_pull_lands_scattered_blocks_and_ends_the_lease(kind: str) -> None:
+    async def run() -> None:
+        src, dst = await make_pair(kind)
+        ids = src.pool.allocate(7, scattered=True)
+        handoff = src.agent.offer("r", ids)
+        local = dst.pool.allocate(7)
+        landed: list[int] = []
+        result = await dst.agent.pull(handoff, local, on_layer=landed.append)
+        assert blocks_equal(src.caches, ids, dst.caches, local)
+        assert landed == [0, 1, 2]
+        assert src.pool.num_free == NUM_BLOCKS and src.agent.num_leases == 0
+        if kind == "tcp":  # one frame per layer however scattered the blocks
+            assert result.num_messages == 3
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["local", "tcp"])
+def test_cancel_releases_at_once_and_a_later_pull_is_refused(kind: str) -> None:
+    async def run() -> None:
+        src, dst = await make_pair(kind)
+        handoff = src.agent.offer("r", src.pool.allocate(4))
+        assert src.agent.cancel("r") == 1
+        assert src.pool.num_free == NUM_BLOCKS
+        assert src.agent.release(handoff.lease_id) is False  # release after cancel: harmless
+        with pytest.raises(LeaseExpired):
+            await dst.agent.pull(handoff, dst.pool.allocate(4))
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
+def test_expiry_timer_frees_an_unpulled_lease() -> None:
+    async def run() -> None:
+        src, dst = await make_pair("tcp")
+        src.agent.offer("r", src.pool.allocate(4), lease_s=0.05)
+        await asyncio.sleep(0.2)
+        assert src.pool.num_free == NUM_BLOCKS and src.agent.num_leases == 0
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
+def test_source_rejects_a_mismatched_layout_before_writing() -> None:
+    async def run() -> None:
+        src, dst = await make_pair("tcp")
+        handoff = src.agent.offer("r", src.pool.allocate(4))
+        # skip the puller's own check: ask the source directly with a wrong layout
+        wrong = make_layout(head_dim=16)
+        request = ReadRequest(handoff.lease_id, wrong, (0, 1, 2, 3))
+        with pytest.raises(LayoutMismatch, match="head_dim 8 vs 16"):
+            await dst.agent._transport.fetch(handoff.address, request, sink=None)
+        assert all(not c.view(-1).abs().sum() for c in dst.caches)
+        assert src.agent.num_leases == 1  # a refused pull keeps the lease for a correct one
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
+def test_puller_checks_block_counts_and_transport_before_connecting() -> None:
+    async def run() -> None:
+        src, dst = await make_pair("tcp")
+        handoff = src.agent.offer("r", src.pool.allocate(4))
+        with pytest.raises(LayoutMismatch, match="3 local blocks for a handoff of 4"):
+            await dst.agent.pull(handoff, [0, 1, 2])
+        with pytest.raises(InvalidDescriptor, match="transport 'ucx'"):
+            await dst.agent.pull(Handoff.from_dict({**handoff.to_dict(),
+                                                    "address": "ucx://127.0.0.1:1"}),
+                                 [0, 1, 2, 3])
+        with pytest.raises(InvalidDescriptor, match="offered block ids"):
+            src.agent.offer("r2", [NUM_BLOCKS])
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
+def test_a_silent_source_times_out() -> None:
+    async def run() -> None:
+        src, dst = await make_pair("tcp")
+        handoff = src.agent.offer("r", src.pool.allocate(2))
+        with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+            address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+            stuck = Handoff.from_dict({**handoff.to_dict(), "address": address})
+            with pytest.raises(TransferTimeout, match="0.2 s"):
+                await dst.agent.pull(stuck, [0, 1], timeout=0.2)
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
+def test_close_releases_every_lease() -> None:
+    async def run() -> None:
+        src, dst = await make_pair("local")
+        src.agent.offer("a", src.pool.allocate(3))
+        src.agent.offer("b", src.pool.allocate(3))
+        await close(src, dst)
+        assert src.pool.num_free == NUM_BLOCKS
+
+    asyncio.run(run())
