@@ -115,11 +115,11 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{params.max_tokens} in the completion).", param="max_tokens")
-        needed = self.kv.num_blocks_for(len(ids) + 1)
-        if needed > self.kv.pool.num_blocks:
+        needed = self.kv.num_blocks_for(len(ids) + params.max_tokens)
+        if needed > self.kv.pool.num_blocks:  # could never run, even alone
             raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens needs {needed} KV blocks; the cache has only "
-                f"{self.kv.pool.num_blocks}", param="prompt")
+                f"{len(ids)} prompt tokens plus max_tokens={params.max_tokens} need {needed} KV "
+                f"blocks; the cache has only {self.kv.pool.num_blocks}", param="max_tokens")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     *, cache_salt: str | None = None) -> list[int]:

@@ -189,3 +189,10 @@ def test_chat_uses_the_models_template(llm):
     want = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     out = llm.chat(messages, SamplingParams(max_tokens=3))
     assert out.prompt_token_ids == want and len(out.outputs[0].token_ids) <= 3
+
+
+def test_request_larger_than_the_whole_cache_is_refused(tiny_model):
+    llm = LLM(tiny_model, num_blocks=4, block_size=16)  # 64 tokens in all
+    with pytest.raises(InvalidRequestError, match="need 5 KV blocks; the cache has only 4"):
+        llm.generate([list(range(1, 40))], SamplingParams(max_tokens=30))
+    assert_all_blocks_free(llm)
