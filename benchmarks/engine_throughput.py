@@ -32,10 +32,12 @@ def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def run_cleave(model: str, requests, max_num_seqs: int, dtype: str) -> tuple[float, int]:
+def run_cleave(model: str, requests, max_num_seqs: int, dtype: str,
+               kv_bytes: int) -> tuple[float, int]:
     from workers import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+              kv_cache_memory_bytes=kv_bytes)
     llm.generate([requests[0][0][:32]], SamplingParams(max_tokens=2))  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
     start = time.perf_counter()
@@ -109,7 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint folder; default: make the `small` preset")
     parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="Cleave's running batch")
+    parser.add_argument("--max-num-seqs", type=int, default=128,
+                        help="Cleave's running batch (the engine's default)")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0,
+                        help="Cleave's KV budget: enough for every request at once, no preemption")
     parser.add_argument("--hf-batch-size", type=int, default=32, help="transformers' batch")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--prefix-requests", type=int, default=32)
@@ -131,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = min(ModelConfig.from_pretrained(model).vocab_size, 4096)
     requests = make_requests(args.num_requests, vocab, seed=0)
 
-    cleave_s, cleave_tokens = run_cleave(model, requests, args.max_num_seqs, args.dtype)
+    cleave_s, cleave_tokens = run_cleave(model, requests, args.max_num_seqs, args.dtype,
+                                         int(args.kv_cache_gib * 1024**3))
     print(f"cleave: {cleave_tokens} tokens in {cleave_s:.1f} s", file=sys.stderr)
     hf_s, hf_tokens = run_transformers(model, requests, args.hf_batch_size, args.dtype)
     print(f"transformers: {hf_tokens} tokens in {hf_s:.1f} s", file=sys.stderr)
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "engine_throughput",
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "device": "cpu", "torch_threads": torch.get_num_threads(), "dtype": args.dtype,
-        "num_requests": len(requests),
+        "num_requests": len(requests), "cleave_max_num_seqs": args.max_num_seqs,
+        "transformers_batch_size": args.hf_batch_size,
         "cleave_tokens_per_s": round(cleave_tokens / cleave_s, 1),
         "transformers_tokens_per_s": round(hf_tokens / hf_s, 1),
         "throughput_vs_transformers_ratio": round(hf_s / cleave_s, 2),

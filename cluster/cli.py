@@ -23,10 +23,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from workers import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format,
-              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=not args.no_prefix_caching)
+    llm = LLM(args.model, **_engine_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
@@ -41,6 +38,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                           "token_ids": sample.token_ids,
                           "finish_reason": sample.finish_reason.value}, ensure_ascii=False))
     print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s", file=sys.stderr)
+    return 0
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from router.serve import serve_local
+
+    model = args.model
+    if model is None:
+        from workers.make_model import default_model_path
+
+        model = str(default_model_path())
+    keys = list(args.api_key or [])
+    keys += [k for k in os.environ.get("CLEAVE_API_KEYS", "").split(",") if k]
+    router_options = {"policy": args.policy, "max_in_flight": args.max_in_flight}
+    if args.served_model_name:
+        router_options["served_model_name"] = args.served_model_name
+    print(f"cleave: serving {model} on http://{args.host}:{args.port} (OpenAI API) and "
+          f"{args.host}:{args.grpc_port} (gRPC) with {args.num_workers} worker(s)",
+          file=sys.stderr)
+    serve_local(model, args.num_workers, args.host, args.port, args.grpc_port, keys,
+                router_options=router_options, engine_options=_engine_options(args))
     return 0
 
 
@@ -67,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI HTTP and gRPC APIs locally "
+                                          "(in-process workers, no Ray)")
+    _add_engine_args(serve)
+    serve.add_argument("--num-workers", type=int, default=1, help="engines behind the router")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port")
+    serve.add_argument("--grpc-port", type=int, default=50051)
+    serve.add_argument("--api-key", action="append",
+                       help="accepted bearer key (repeatable; also CLEAVE_API_KEYS=a,b)")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--policy", default="prefix_aware",
+                       help="prefix_aware, least_loaded or round_robin")
+    serve.add_argument("--max-in-flight", type=int, default=256)
+    serve.set_defaults(func=_cmd_serve)
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint (HF format)")
     make.add_argument("--arch", default="llama", help="llama, mistral or qwen2")

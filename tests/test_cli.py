@@ -43,3 +43,42 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert "gpt9" in bad.stderr and "llama" in bad.stderr
     bad = run("generate", "--max-tokens", "0", env_dir=tmp_path)
     assert bad.returncode == 2 and "max_tokens" in bad.stderr
+
+
+def test_serve_answers_the_openai_client_then_stops(tmp_path, tiny_model):
+    import os
+    import signal
+    import socket
+    import time
+
+    import openai
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    env = dict(os.environ, CLEAVE_CACHE_DIR=str(tmp_path))
+    proc = subprocess.Popen([CLEAVE, "serve", "--model", tiny_model, "--port", str(ports[0]),
+                             "--grpc-port", str(ports[1]), "--api-key", "k1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[0]}/v1", api_key="k1",
+                               max_retries=0, timeout=10)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        name = models.data[0].id
+        assert name == Path(tiny_model).name
+        out = client.completions.create(model=name, prompt="hello", max_tokens=4,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
