@@ -13,27 +13,21 @@ import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
 
 from router.errors import (
     AuthenticationError,
     BadRequestError,
-    NoHealthyWorkerError,
     NotFoundError,
     OverloadedError,
     WorkerUnavailableError,
 )
-from router.policy import NoHealthyWorker, WorkerLoad, get_policy
+from router.orchestrator import Generation, Orchestrator
+from router.policy import WorkerLoad, get_policy
 from router.prefix_index import PrefixIndex
-from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest
-from workers.protocol import (
-    InvalidRequestError,
-    SamplingParams,
-    TokenEvent,
-    hash_prompt_blocks,
-)
+from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
+from workers.protocol import SamplingParams
 from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,8 +46,14 @@ class RouterConfig:
     max_n: int = 16  # samples per request at most
     retry_after_s: int = 1  # the Retry-After a 429 suggests
     kv_poll_interval_s: float = 0.5  # background poll of the workers' KV events
+    # prefill on a decode worker when fewer prompt tokens than this are not in the cache
+    disagg_threshold_tokens: int = 64
+    prefill_retries: int = 2  # other prefill workers tried after a failed prefill
 
     def __post_init__(self) -> None:
+        for name in ("disagg_threshold_tokens", "prefill_retries"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -75,6 +75,15 @@ class RouterCounters:
     num_prompt_tokens: int = 0
     num_predicted_cached_tokens: int = 0  # what the prefix index promised at routing time
     num_cached_tokens: int = 0  # what the workers reported serving from their prefix caches
+    num_disaggregated: int = 0  # requests whose first token came from a prefill worker
+    # requests of a deployment with prefill workers that ran on one worker, by why:
+    # short_prompt, unsupported_params, no_prefill_worker, prefill_failed
+    aggregated: dict[str, int] = field(default_factory=dict)
+    # failures worked around, by reason: prefill_error (one attempt, retried elsewhere),
+    # prefill_failed (every attempt), no_prefill_worker, kv_pull_failed (decode prefilled)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    first_tokens_by_worker: dict[str, int] = field(default_factory=dict)  # worker id -> requests
+    decodes_by_worker: dict[str, int] = field(default_factory=dict)  # who streamed the rest
 
 
 class Admission:
@@ -87,40 +96,6 @@ class Admission:
         if self._router is not None:
             self._router.in_flight -= 1
             self._router = None
-
-
-class Generation:
-    """One request submitted to one worker. `events()` yields its token events (the first one
-    has already arrived when the `Generation` is returned); `aclose()` aborts what is left."""
-
-    def __init__(self, router: Router, worker_id: str, prompt_token_ids: list[int],
-                 predicted_cached_tokens: int, first: TokenEvent,
-                 stream: AsyncIterator[TokenEvent]) -> None:
-        self.worker_id = worker_id
-        self.prompt_token_ids = prompt_token_ids
-        self.predicted_cached_tokens = predicted_cached_tokens
-        self.num_cached_tokens = first.num_cached_tokens
-        self.first = first
-        self._router = router
-        self._stream = stream
-        self._closed = False
-
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        try:
-            yield self.first
-            async for event in self._stream:
-                yield event
-        finally:
-            await self.aclose()
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._stream.aclose()  # type: ignore[attr-defined]
-        finally:
-            self._router._after_request(self.worker_id)
 
 
 class Router:
@@ -136,6 +111,7 @@ class Router:
         self.policy = get_policy(config.policy)
         self.index = PrefixIndex()
         self.counters = RouterCounters()
+        self.orchestrator = Orchestrator(self)
         self.in_flight = 0
         self._healthy = {wid: True for wid in self.clients}
         self._infos: dict[str, WorkerInfo] = {}
@@ -239,36 +215,16 @@ class Router:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None,
                        request_id: str | None = None) -> Generation:
-        """Route and submit a request; returns once the worker produced its first event.
-        Raises `BadRequestError` (the worker refused it) or `NoHealthyWorkerError`."""
+        """Route and submit a request (aggregated or split between a prefill and a decode
+        worker: `router.orchestrator`); returns once its first token arrived. Raises
+        `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        hashes = hash_prompt_blocks(prompt_token_ids, self.block_size, cache_salt)
-        loads = await self._loads()
-        try:
-            decision = self.policy.choose(hashes, loads, self.index)
-        except NoHealthyWorker as exc:
-            raise NoHealthyWorkerError(f"no healthy worker can take the request: {exc}") from None
-        client = self.clients[decision.worker_id]
-        predicted = decision.predicted_hit_blocks * self.block_size
-        stream = client.generate(WorkerRequest(rid, tuple(prompt_token_ids), params, cache_salt))
-        try:
-            first = await stream.__anext__()
-        except InvalidRequestError as exc:
-            await stream.aclose()
-            raise BadRequestError(exc.message, param=exc.param) from None
-        except WorkerUnavailableError as exc:
-            await stream.aclose()
-            self._healthy[decision.worker_id] = False
-            raise NoHealthyWorkerError(str(exc)) from None
-        except BaseException:
-            await stream.aclose()
-            raise
-        c = self.counters
-        c.num_requests += 1
-        c.num_prompt_tokens += len(prompt_token_ids)
-        c.num_predicted_cached_tokens += predicted
-        c.num_cached_tokens += first.num_cached_tokens
-        return Generation(self, decision.worker_id, prompt_token_ids, predicted, first, stream)
+        req = WorkerRequest(rid, tuple(prompt_token_ids), params, cache_salt)
+        return await self.orchestrator.generate(req)
+
+    def pool(self, *roles: WorkerRole) -> list[str]:
+        """Ids of the workers serving one of `roles` (healthy or not)."""
+        return [wid for wid, info in self._infos.items() if info.role in roles]
 
     async def _loads(self) -> list[WorkerLoad]:
         async def load(wid: str, client: WorkerClient) -> WorkerLoad:

@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from router.errors import WorkerUnavailableError
 from router.worker_client import (
-    WorkerClient,
+    HandoffWorkerClient,
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
     WorkerStats,
 )
-from workers.protocol import KVEvent, KVSnapshot, TokenEvent
+from workers.protocol import KVEvent, KVSnapshot, PrefillResult, TokenEvent
 
 if TYPE_CHECKING:
     from workers.worker import Worker
 
 
-class InProcessWorkerClient(WorkerClient):
+class InProcessWorkerClient(HandoffWorkerClient):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self._closed = False
@@ -49,6 +49,22 @@ class InProcessWorkerClient(WorkerClient):
                 yield event
         finally:
             await stream.aclose()  # aborts the request when it has not finished
+
+    async def prefill(self, req: WorkerRequest) -> PrefillResult:
+        self._check_open()
+        return await self.worker.prefill(req.request_id, list(req.prompt_token_ids), req.params,
+                                         req.cache_salt)
+
+    async def decode(self, req: WorkerRequest, first_token_id: int,
+                     handoff_json: str | None) -> AsyncIterator[TokenEvent]:
+        self._check_open()
+        stream = self.worker.decode(req.request_id, list(req.prompt_token_ids), first_token_id,
+                                    req.params, handoff_json)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
 
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)

@@ -1,5 +1,6 @@
 """Running the router: HTTP (uvicorn) and gRPC (grpc.aio) in one event loop, over in-process
-engine workers (aggregated serving on one machine).
+engine workers on one machine: aggregated ("both") workers, and/or prefill and decode pools
+joined by KV handoffs over a real transport (TCP on 127.0.0.1 by default).
 
 `serve_local` blocks until SIGINT/SIGTERM; `LocalServer` runs the same stack on a background
 thread for tests and embedding. Building the workers imports torch (in `workers`), the router
@@ -30,30 +31,58 @@ GRACEFUL_SHUTDOWN_S = 5
 @dataclass(frozen=True)
 class LocalServeConfig:
     model_path: str
-    num_workers: int = 1
+    # aggregated ("both") workers; None: 1 without prefill/decode pools, else 0
+    num_workers: int | None = None
     host: str = "127.0.0.1"
     http_port: int = 8000  # 0: any free port
     grpc_port: int = 50051  # 0: any free port
     router: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields besides model
+    num_prefill_workers: int = 0  # "prefill" workers (prompt to first token, KV handed off)
+    num_decode_workers: int = 0  # "decode" workers (continue handoffs, run short prompts)
+    transport: str = "tcp"  # the KV transport between workers (`kvtransfer.TRANSPORTS`)
+    worker: dict[str, Any] = field(default_factory=dict)  # Worker options (lease_s, ...)
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be at least 1, got {self.num_workers}")
+        for name in ("num_prefill_workers", "num_decode_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.num_both_workers + self.num_decode_workers < 1:
+            raise ValueError(
+                f"at least one worker must decode: num_workers={self.num_workers}, "
+                f"num_decode_workers={self.num_decode_workers} (num_prefill_workers="
+                f"{self.num_prefill_workers} only prefill)")
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
 
+    @property
+    def num_both_workers(self) -> int:
+        if self.num_workers is not None:
+            return self.num_workers
+        return 0 if self.num_prefill_workers or self.num_decode_workers else 1
 
-def build_workers(model_path: str, num_workers: int,
-                  engine: dict[str, Any]) -> list[InProcessWorkerClient]:
-    """One engine per worker, each with its own KV cache (blocking: loads the model)."""
+
+def build_workers(config: LocalServeConfig) -> list[InProcessWorkerClient]:
+    """One engine per worker, each with its own KV cache (blocking: loads the model). Ids:
+    `worker-i` (both), `prefill-i`, `decode-i`."""
     from workers.config import EngineConfig
     from workers.worker import Worker
 
-    config = EngineConfig(model=model_path, **engine)
-    return [InProcessWorkerClient(Worker.from_config(f"worker-{i}", config))
-            for i in range(num_workers)]
+    engine = EngineConfig(model=config.model_path, **config.engine)
+    options = {"transport": config.transport, "host": config.host, **config.worker}
+    roles = ([("worker", "both")] * config.num_both_workers
+             + [("prefill", "prefill")] * config.num_prefill_workers
+             + [("decode", "decode")] * config.num_decode_workers)
+    counts: dict[str, int] = {}
+    clients = []
+    for prefix, role in roles:
+        i = counts[prefix] = counts.get(prefix, -1) + 1
+        clients.append(InProcessWorkerClient(
+            Worker.from_config(f"{prefix}-{i}", engine, role, **options)))
+    return clients
 
 
 class _Stack:
@@ -106,17 +135,22 @@ def serve_local(model_path: str, num_workers: int = 1, host: str = "127.0.0.1",
                 http_port: int = 8000, grpc_port: int = 50051,
                 api_keys: tuple[str, ...] | list[str] = (), *,
                 router_options: dict[str, Any] | None = None,
-                engine_options: dict[str, Any] | None = None) -> None:
+                engine_options: dict[str, Any] | None = None, num_prefill_workers: int = 0,
+                num_decode_workers: int = 0, transport: str = "tcp") -> None:
     """Serve `model_path` with `num_workers` in-process engines until SIGINT or SIGTERM.
 
     `router_options` are `RouterConfig` fields (served_model_name, policy, max_in_flight,
-    max_body_bytes, max_n, ...), `engine_options` `EngineConfig` fields (block_size,
-    num_blocks, max_model_len, ...). Must run on the main thread (uvicorn takes the signals).
+    max_body_bytes, max_n, disagg_threshold_tokens, ...), `engine_options` `EngineConfig`
+    fields (block_size, num_blocks, max_model_len, ...). With prefill and decode workers, the
+    `num_workers` aggregated ones serve beside them (pass 0 for none); KV moves over
+    `transport`. Must run on the main thread (uvicorn takes the signals).
     """
     config = LocalServeConfig(model_path, num_workers, host, http_port, grpc_port,
                               router={**(router_options or {}), "api_keys": tuple(api_keys)},
-                              engine=engine_options or {})
-    stack = _Stack(config, build_workers(model_path, num_workers, config.engine))
+                              engine=engine_options or {},
+                              num_prefill_workers=num_prefill_workers,
+                              num_decode_workers=num_decode_workers, transport=transport)
+    stack = _Stack(config, build_workers(config))
     asyncio.run(stack.serve())
 
 
@@ -126,7 +160,7 @@ class LocalServer:
 
     def __init__(self, config: LocalServeConfig) -> None:
         self.config = config
-        self.clients = build_workers(config.model_path, config.num_workers, config.engine)
+        self.clients = build_workers(config)
         self._stack = _Stack(config, self.clients)
         self._ready = threading.Event()
         self._error: BaseException | None = None

@@ -13,14 +13,25 @@ import enum
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from workers.protocol import KVEvent, KVSnapshot, SamplingParams, TokenEvent
+from workers.protocol import (
+    KVEvent,
+    KVPullFailed,
+    KVSnapshot,
+    PrefillResult,
+    SamplingParams,
+    TokenEvent,
+)
+
+__all__ = ["HandoffWorkerClient", "KVPullFailed", "PrefillResult", "WorkerClient", "WorkerInfo",
+           "WorkerRequest", "WorkerRole", "WorkerStats"]
 
 
 class WorkerRole(str, enum.Enum):
-    """What a worker does with a request. Only aggregated serving exists today; the prefill and
-    decode roles join here together with the KV handoff."""
+    """What a worker does with a request."""
 
-    BOTH = "both"  # prefill and decode on the same worker (aggregated)
+    BOTH = "both"  # prefill and decode on the same worker (aggregated); may do either half
+    PREFILL = "prefill"  # prompts to their first token, then hands the KV off
+    DECODE = "decode"  # continues handed-off requests; also runs whole short ones
 
 
 @dataclass(frozen=True)
@@ -93,3 +104,21 @@ class WorkerClient(abc.ABC):
 
     async def close(self) -> None:
         """Release what the client holds (connections, an in-process engine)."""
+
+
+class HandoffWorkerClient(WorkerClient):
+    """A worker that can take either half of a disaggregated request (the KV handoff). Which
+    half it is asked for follows its `WorkerInfo.role`: prefill for PREFILL (or BOTH), decode
+    for DECODE (or BOTH); the worker refuses the other with `ValueError`."""
+
+    @abc.abstractmethod
+    async def prefill(self, req: WorkerRequest) -> PrefillResult:
+        """Run the prompt to its first token and offer its KV under a lease. Raises
+        `InvalidRequestError` for a bad request; cancelling leaves nothing held."""
+
+    @abc.abstractmethod
+    def decode(self, req: WorkerRequest, first_token_id: int,
+               handoff_json: str | None) -> AsyncIterator[TokenEvent]:
+        """The events after `first_token_id`. With `handoff_json` (from `prefill`) the prompt's
+        KV is pulled, and `KVPullFailed` is raised before any event when that fails; with None
+        the worker computes the prompt's KV itself. Closing early aborts, as `generate`."""

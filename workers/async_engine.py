@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from workers.config import EngineConfig
 from workers.engine import Engine, EngineStats
@@ -42,31 +42,102 @@ class AsyncEngine:
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def apply_soon(self, op: Callable[[], None]) -> None:
+        """Queue `op` to run on the event loop between two steps (with the adds and aborts);
+        fire and forget. Call from the event loop's thread."""
+        self._ensure_running()
+        self._submit(op)
+
+    async def apply(self, fn: Callable[[], T]) -> T:
+        """Run `fn` between two steps (queued like `apply_soon`) and return its result or raise
+        its error. If the caller is cancelled, `fn` still runs."""
+        self._ensure_running()
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        def op() -> None:
+            try:
+                result = fn()
+            except Exception as exc:  # handed to the caller
+                if not done.done():
+                    done.set_exception(exc)
+            else:
+                if not done.done():
+                    done.set_result(result)
+
+        self._submit(op)
+        return await done
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, *,
-                       cache_salt: str | None = None) -> AsyncIterator[TokenEvent]:
+                       request_id: str | None = None, *, cache_salt: str | None = None,
+                       prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
         """Yield the request's token events until all its samples finish. Bad input raises
         `InvalidRequestError` before the first event. Leaving the loop early (break, cancel,
-        client gone) aborts the request and frees its blocks."""
-        self._ensure_running()
+        client gone) aborts the request and frees its blocks. `prefill_only`: sample the first
+        token and hold the blocks for a KV handoff (`Engine.add_prefill`)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         stream: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        added: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        add = self.engine.add_prefill if prefill_only else self.engine.add_request
 
-        def add() -> None:
-            try:
-                self.engine.add_request(rid, prompt, params, cache_salt=cache_salt)
-            except Exception as exc:  # reported to the caller, nothing was queued
-                added.set_exception(exc)
-            else:
-                self._streams[rid] = stream
-                added.set_result(None)
+        def add_and_listen() -> None:
+            add(rid, prompt, params, cache_salt=cache_salt)
+            self._streams[rid] = stream
 
-        self._submit(add)
-        await added
+        async for event in self._listen(rid, stream, params.n, add_and_listen):
+            yield event
+
+    async def generate_after_handoff(
+            self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+            params: SamplingParams,
+            pull: Callable[[list[int]], Awaitable[None]] | None) -> AsyncIterator[TokenEvent]:
+        """Continue a request whose first token another worker sampled: the events after it.
+        With `pull`, allocate blocks, await `pull(block_ids)` to land the prompt's KV in them,
+        then decode; what `pull` raises is raised here (the blocks are freed). Without, compute
+        the prompt's KV here first. Leaving early aborts, as in `generate`."""
+        stream: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        e = self.engine
+
+        def listen() -> None:
+            self._streams[request_id] = stream
+
+        if pull is None:
+            def add_and_listen() -> None:
+                e.add_continuation(request_id, prompt_token_ids, first_token_id, params)
+                listen()
+
+            async for event in self._listen(request_id, stream, 1, add_and_listen):
+                yield event
+            return
+        try:
+            block_ids = await self.apply(lambda: e.add_request_with_remote_kv(
+                request_id, prompt_token_ids, first_token_id, params))
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        try:
+            await pull(block_ids)
+        except BaseException:
+            self.abort(request_id)
+            raise
+
+        def commit_and_listen() -> None:
+            e.commit_remote_kv(request_id)
+            listen()
+
+        async for event in self._listen(request_id, stream, 1, commit_and_listen):
+            yield event
+
+    async def _listen(self, rid: str, stream: asyncio.Queue[TokenEvent | BaseException],
+                      num_samples: int, start: Callable[[], None]) -> AsyncIterator[TokenEvent]:
+        """Run `start` between steps (it registers `stream`), then yield the stream's events
+        until `num_samples` finish; abort the request if the caller leaves before."""
+        try:
+            await self.apply(start)  # an error here queued nothing
+        except asyncio.CancelledError:
+            self.abort(rid)  # `start` runs anyway: undo it
+            raise
         num_finished = 0
         try:
-            while num_finished < params.n:
+            while num_finished < num_samples:
                 event = await stream.get()
                 if isinstance(event, BaseException):
                     raise event
@@ -75,7 +146,7 @@ class AsyncEngine:
                 yield event
         finally:
             self._streams.pop(rid, None)
-            if num_finished < params.n:
+            if num_finished < num_samples:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:

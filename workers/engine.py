@@ -73,6 +73,7 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
         self._samples: dict[str, list[str]] = {}  # request id -> its samples' internal ids
         self._forks: dict[str, list[Request]] = {}  # sample 0's id -> siblings not yet added
+        self._awaiting_kv: set[str] = set()  # handed-off requests whose KV is still arriving
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", mc.architecture,
                     self.device, spec.num_blocks, config.block_size)
 
@@ -155,10 +156,13 @@ class Engine:
             self.scheduler.finish(sid, FinishReason.ABORT)
             self.outputs.remove(sid)
         self._forks.pop(sample_ids[0], None)
+        self._awaiting_kv.discard(request_id)
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._samples)
+        """True while a request can make progress in `step()` (requests waiting for remote
+        KV cannot, so they leave the step loop idle)."""
+        return len(self._samples) > len(self._awaiting_kv)
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -223,32 +227,88 @@ class Engine:
         """Block ids holding a (single-sample) request's KV, in token order."""
         return self.kv.block_ids(request_id)
 
-    def add_request_with_remote_kv(self, request_id: str, prompt_token_ids: list[int],
-                                   first_token_id: int, params: SamplingParams) -> list[int]:
-        """Allocate blocks for a prompt whose KV another worker computed; returns the block ids
-        to fill. The request waits until `commit_remote_kv`, then decodes after
-        `first_token_id` (already sent to the client by that worker)."""
+    # ---- the KV handoff: prefill side ------------------------------------------------------
+
+    def add_prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    *, cache_salt: str | None = None) -> list[int]:
+        """Queue the prompt of a request another worker will decode: it samples the first token
+        only (with `params`), then its blocks are held for the KV handoff until `free_held`
+        (an abort frees them at once). Validated against the whole request. n must be 1."""
+        if params.n != 1:
+            raise InvalidRequestError(f"n must be 1 for a prefill-only request, got {params.n}",
+                                      param="n")
+        if request_id in self._samples or self.kv.held_block_ids(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already running or held",
+                                      param="request_id")
+        ids = self.tokenize(prompt)
+        self._validate(ids, params)
+        first_only = dataclasses.replace(params, max_tokens=1,
+                                         min_tokens=min(params.min_tokens, 1))
+        # max_tokens=1: the whole request, nothing to hand off
+        req = Request(request_id, ids, first_only, self.eos_token_ids, cache_salt=cache_salt,
+                      hold_kv=params.max_tokens > 1)
+        self.outputs.add(req, request_id, 0)
+        self._samples[request_id] = [request_id]
+        self.scheduler.add(req)
+        return ids
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Blocks of a finished prefill-only request, in token order ([] when none are held)."""
+        return self.kv.held_block_ids(request_id)
+
+    def free_held(self, request_id: str) -> bool:
+        """The handoff is over (pulled, cancelled or expired): free the held blocks."""
+        return self.kv.free_held(request_id)
+
+    # ---- the KV handoff: decode side -------------------------------------------------------
+
+    def _add_continuation(self, request_id: str, prompt_token_ids: list[int],
+                          first_token_id: int, params: SamplingParams) -> Request:
         if params.n != 1:
             raise InvalidRequestError("n must be 1 for a request handed off between workers",
                                       param="n")
+        if request_id in self._samples:
+            raise InvalidRequestError(f"request id {request_id!r} is already running",
+                                      param="request_id")
         ids = list(prompt_token_ids)
         self._validate(ids, params)
         req = Request(request_id, ids, params, self.eos_token_ids)
         req.append_output(first_token_id)
-        if not self.kv.allocate_slots(req, len(ids)):
-            raise RuntimeError(f"no KV blocks free for the {len(ids)}-token handoff of "
-                               f"{request_id!r}")
         self.outputs.add(req, request_id, 0)
         self._samples[request_id] = [request_id]
         self.scheduler.requests[request_id] = req
+        return req
+
+    def add_request_with_remote_kv(self, request_id: str, prompt_token_ids: list[int],
+                                   first_token_id: int, params: SamplingParams) -> list[int]:
+        """Allocate blocks for a prompt whose KV another worker computed; returns the block ids
+        to fill. The request waits (no step schedules it) until `commit_remote_kv`, then decodes
+        after `first_token_id` (already sent to the client by that worker). `abort` frees it."""
+        num_tokens = len(prompt_token_ids)
+        if self.kv.num_blocks_for(num_tokens) > self.kv.pool.num_free_blocks:
+            raise RuntimeError(f"no KV blocks free for the {num_tokens}-token handoff of "
+                               f"{request_id!r}")
+        req = self._add_continuation(request_id, prompt_token_ids, first_token_id, params)
+        self.kv.allocate_slots(req, num_tokens)
+        self._awaiting_kv.add(request_id)
         return self.kv.block_ids(request_id)
 
     def commit_remote_kv(self, request_id: str) -> None:
         """The handed-off KV has landed in the request's blocks: start decoding it."""
+        if request_id not in self._awaiting_kv:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        self._awaiting_kv.discard(request_id)
         req = self.scheduler.requests[request_id]
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_blocks(req)
         self.scheduler.add_running(req)
+
+    def add_continuation(self, request_id: str, prompt_token_ids: list[int],
+                         first_token_id: int, params: SamplingParams) -> None:
+        """Queue a request whose first token another worker sampled (and sent) but whose KV
+        did not arrive: the prompt and that token are computed here, then it decodes on."""
+        req = self._add_continuation(request_id, prompt_token_ids, first_token_id, params)
+        self.scheduler.add(req)
 
 
 def _load_tokenizer(model_path: str) -> object | None:

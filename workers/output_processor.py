@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.protocol import TokenEvent, TokenLogprob
+from workers.protocol import FinishReason, TokenEvent, TokenLogprob
 from workers.request import Request
 
 
@@ -78,7 +78,10 @@ class OutputProcessor:
         if logprob is not None:
             sample.pending_logprobs.append(logprob)
         finished = req.is_finished
-        if finished and sample.detok is not None and req.stop_reason is None:
+        # a prefill-only request cut at its first token goes on elsewhere: keep an incomplete
+        # character back, as the decode worker (re-reading that token) will
+        continues = req.hold_kv and req.finish_reason is FinishReason.LENGTH
+        if finished and sample.detok is not None and req.stop_reason is None and not continues:
             sample.text += sample.detok.flush()
         end = len(sample.text)
         if not finished and req.params.stop:

@@ -221,3 +221,27 @@ class KVSnapshot:
     epoch: str
     next_seq: int
     block_hashes: frozenset[int]
+
+
+# ---------------------------------------------------------------------------------------------
+# The prefill -> decode handoff, as the router sees it (the handoff itself is opaque JSON:
+# `kvtransfer.Handoff.to_json()`, so this module stays free of torch).
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill worker returns: the first token's event and, when the request goes on,
+    the KV handoff a decode worker pulls (None: the request finished at its first token)."""
+
+    first: TokenEvent  # finish_reason is None unless the request ended here
+    handoff_json: str | None
+
+
+class KVPullFailed(RuntimeError):
+    """A decode worker could not land a handoff's KV (lease gone, peer gone, timeout, bad
+    descriptor). Raised before the request's first event; the request left nothing behind."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"KV pull for request {request_id!r} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason

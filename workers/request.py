@@ -24,8 +24,11 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int], *, cache_salt: str | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, hold_kv: bool = False) -> None:
         self.request_id = request_id
+        # a prefill-only request: on finishing (not on abort) its blocks are held for a KV
+        # handoff instead of freed (`KVCacheManager.hold`)
+        self.hold_kv = hold_kv
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids

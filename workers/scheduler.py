@@ -163,7 +163,8 @@ class Scheduler:
         return None
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
-        """End a request wherever it is and free its blocks. Unknown or finished ids: None."""
+        """End a request wherever it is and free its blocks (hold them, for a request that
+        asked to, unless aborted). Unknown or finished ids: None."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -171,7 +172,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if req.hold_kv and reason is not FinishReason.ABORT:
+            self.kv.hold(req)
+        else:
+            self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         return req

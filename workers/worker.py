@@ -3,39 +3,80 @@
 Importing this module does not import torch; building a `Worker` does (it builds an engine). The
 router reaches a worker through `router.worker_client.WorkerClient` (in process:
 `router.inprocess.InProcessWorkerClient`), never by calling the engine.
+
+The KV handoff: a "prefill" (or "both") worker runs a prompt to its first token with
+`prefill()`, which holds the request's blocks and offers them under a lease of its
+`TransferAgent`; the lease's end (pulled, cancelled, expired) frees them between steps. A
+"decode" (or "both") worker's `decode()` allocates blocks, pulls the handoff into them, and
+decodes on. Each worker owns one agent, started on first use with the configured transport.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator
+import asyncio
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
-from workers.protocol import KVEvent, KVSnapshot, SamplingParams, TokenEvent
+from workers.protocol import (
+    FinishReason,
+    KVEvent,
+    KVPullFailed,
+    KVSnapshot,
+    PrefillResult,
+    SamplingParams,
+    TokenEvent,
+)
 
 if TYPE_CHECKING:
+    from kvtransfer import TransferAgent
     from workers.async_engine import AsyncEngine
     from workers.config import EngineConfig
     from workers.engine import EngineStats
 
-# "both": prefill and decode here (aggregated). "prefill" and "decode" join with the KV handoff.
-ROLES = ("both",)
+logger = logging.getLogger(__name__)
+
+# "both": prefill and decode here (aggregated; may also act as either side of a handoff).
+# "prefill": prompts to their first token, then hands the KV off. "decode": continues handoffs.
+ROLES = ("both", "prefill", "decode")
+PREFILL_ROLES = ("both", "prefill")
+DECODE_ROLES = ("both", "decode")
 
 
 class Worker:
     """One engine serving requests for the router. Owns the engine: `shutdown()` stops it."""
 
-    def __init__(self, worker_id: str, engine: AsyncEngine, role: str = "both") -> None:
+    def __init__(self, worker_id: str, engine: AsyncEngine, role: str = "both", *,
+                 transport: str = "tcp", host: str = "127.0.0.1", lease_s: float = 30.0,
+                 pull_timeout_s: float = 10.0) -> None:
+        """`transport`: the KV transport's name (`kvtransfer.TRANSPORTS`), bound on `host`.
+        `lease_s`: how long a prefilled request's blocks wait for their puller at most;
+        `pull_timeout_s`: how long a decode waits for its KV to land."""
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        for name, value in (("lease_s", lease_s), ("pull_timeout_s", pull_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
         self.worker_id = worker_id
         self.role = role
         self.async_engine = engine
         self.engine = engine.engine
+        self.transport = transport
+        self.host = host
+        self.lease_s = lease_s
+        self.pull_timeout_s = pull_timeout_s
+        self._agent: TransferAgent | None = None
+        self._agent_lock = asyncio.Lock()
+        # offered blocks -> the held requests they belong to (one tuple may be held twice)
+        self._leased: dict[tuple[int, ...], list[str]] = {}
 
     @classmethod
-    def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both") -> Worker:
+    def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both",
+                    **options: object) -> Worker:
+        """`options`: the keyword arguments of `Worker.__init__` (transport, lease_s, ...)."""
         from workers.async_engine import AsyncEngine
 
-        return cls(worker_id, AsyncEngine.from_config(config), role)
+        return cls(worker_id, AsyncEngine.from_config(config), role, **options)  # type: ignore[arg-type]
 
     @property
     def block_size(self) -> int:
@@ -60,7 +101,114 @@ class Worker:
                                           cache_salt=cache_salt)
 
     def abort(self, request_id: str) -> None:
+        """Cancel a request wherever it is here: running, or prefilled and leased (the lease
+        ends and its blocks are freed). Unknown ids are ignored.
+
+        NOTE: a lease cancelled while a decode worker reads it frees the blocks under that read;
+        only cancel when the decode side is being aborted too."""
+        if self._agent is not None:
+            self._agent.cancel(request_id)
         self.async_engine.abort(request_id)
+
+    # ---- the KV handoff ----------------------------------------------------------------------
+
+    def _check_role(self, allowed: tuple[str, ...], what: str) -> None:
+        if self.role not in allowed:
+            raise ValueError(f"worker {self.worker_id!r} has role {self.role!r}; {what} needs "
+                             f"one of {allowed}")
+
+    async def agent(self) -> TransferAgent:
+        """This worker's transfer agent, started (listening) on first use."""
+        async with self._agent_lock:
+            if self._agent is None:
+                from kvtransfer import KVLayout, TransferAgent, TransportConfig
+
+                caches = self.engine.kv_caches
+                agent = TransferAgent(KVLayout.from_caches(caches), caches,
+                                      TransportConfig(self.transport, self.host),
+                                      on_release=self._on_release)
+                await agent.start()
+                self._agent = agent
+            return self._agent
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, cache_salt: str | None = None) -> PrefillResult:
+        """Run the prompt to its first token (sampled with `params`) and offer its KV under a
+        lease, or return no handoff when the request ended at that token. Raises
+        `InvalidRequestError` for a bad request; nothing is held after any error or cancel."""
+        self._check_role(PREFILL_ROLES, "prefill")
+        agent = await self.agent()
+        first: TokenEvent | None = None
+        offered = False
+        try:
+            async for event in self.async_engine.generate(prompt_token_ids, params, request_id,
+                                                          cache_salt=cache_salt,
+                                                          prefill_only=True):
+                first = event
+            # finished: the blocks are held; no await from here to the offer
+            if first is None:
+                raise RuntimeError(f"prefill of {request_id!r} ended without a token")
+            if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
+                return PrefillResult(first, None)  # the request is over (blocks freed below)
+            block_ids = self.engine.held_block_ids(request_id)
+            handoff = agent.offer(request_id, block_ids, lease_s=self.lease_s)
+            self._leased.setdefault(tuple(block_ids), []).append(request_id)
+            offered = True
+            return PrefillResult(dataclasses.replace(first, finish_reason=None),
+                                 handoff.to_json())
+        finally:
+            if not offered:  # queued after the abort of an unfinished request
+                self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
+
+    def _on_release(self, block_ids: Sequence[int]) -> None:
+        """A lease ended (on the event loop): free its request's held blocks between steps."""
+        key = tuple(block_ids)
+        owners = self._leased.get(key)
+        if not owners:
+            logger.error("worker %s: a lease ended on blocks %s it never offered",
+                         self.worker_id, list(key)[:8])
+            return
+        request_id = owners.pop(0)
+        if not owners:
+            del self._leased[key]
+        self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
+
+    async def decode(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                     params: SamplingParams,
+                     handoff_json: str | None) -> AsyncIterator[TokenEvent]:
+        """The events after `first_token_id` (sampled and sent by a prefill worker). With a
+        handoff, pull the prompt's KV into fresh blocks first (`KVPullFailed` before any event
+        when that fails; nothing is left behind); without, compute the prompt's KV here."""
+        self._check_role(DECODE_ROLES, "decode")
+        pull = None
+        if handoff_json is not None:
+            pull = await self._puller(request_id, handoff_json)
+        stream = self.async_engine.generate_after_handoff(request_id, list(prompt_token_ids),
+                                                          first_token_id, params, pull)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+    async def _puller(self, request_id: str,
+                      handoff_json: str) -> Callable[[list[int]], Awaitable[None]]:
+        """The pull of one handoff into given blocks, raising `KVPullFailed`."""
+        from kvtransfer import Handoff, TransferError
+
+        try:
+            handoff = Handoff.from_json(handoff_json)
+        except TransferError as exc:
+            raise KVPullFailed(request_id, f"{type(exc).__name__}: {exc}") from None
+        agent = await self.agent()
+
+        async def pull(block_ids: list[int]) -> None:
+            try:
+                await agent.pull(handoff, block_ids, timeout=self.pull_timeout_s)
+            except TransferError as exc:
+                raise KVPullFailed(request_id, f"{type(exc).__name__}: {exc}") from None
+
+        return pull
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -72,4 +220,8 @@ class Worker:
         return await self.async_engine.run_between_steps(self.engine.kv_snapshot)
 
     async def shutdown(self) -> None:
+        """Stop serving KV (every lease ends) and stop the engine."""
+        if self._agent is not None:
+            await self._agent.close()
+            self._agent = None
         await self.async_engine.shutdown()

@@ -23,6 +23,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, self.events, enable_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
+        self._held: dict[str, list[KVBlock]] = {}  # finished requests' blocks kept for a handoff
 
     @property
     def usage(self) -> float:
@@ -105,6 +106,27 @@ class KVCacheManager:
         blocks = self._blocks.pop(req.request_id, [])
         self._num_cached_blocks.pop(req.request_id, None)
         self.pool.release(blocks[::-1])
+
+    def hold(self, req: Request) -> None:
+        """Keep a finished request's blocks (a KV handoff reads them) until `free_held`."""
+        self._held[req.request_id] = self._blocks.pop(req.request_id, [])
+        self._num_cached_blocks.pop(req.request_id, None)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The held blocks of a finished request, in token order; [] when none are held."""
+        return [b.block_id for b in self._held.get(request_id, ())]
+
+    def free_held(self, request_id: str) -> bool:
+        """Return a finished request's held blocks; False (harmless) when none are held."""
+        blocks = self._held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.release(blocks[::-1])
+        return True
+
+    @property
+    def num_held_requests(self) -> int:
+        return len(self._held)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -1,0 +1,170 @@
+"""Workers in their roles: a prefill worker hands a prompt's KV to a decode worker over real TCP
+sockets on 127.0.0.1, and every block comes back however the handoff ends."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from tests.workers.factories import create_request, create_scheduler, fake_step
+from workers.config import EngineConfig
+from workers.kv_cache import KVCacheManager
+from workers.protocol import FinishReason, KVPullFailed, SamplingParams
+from workers.worker import Worker
+
+NUM_BLOCKS = 48
+PROMPT = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 and a partial one
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def make_worker(model: str, worker_id: str, role: str, **options: object) -> Worker:
+    config = EngineConfig(model=model, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256)
+    return Worker.from_config(worker_id, config, role, **options)
+
+
+async def collect(stream) -> list[int]:
+    return [t async for event in stream for t in event.token_ids]
+
+
+async def until_all_free(*workers: Worker, timeout_s: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if all(w.stats().num_free_blocks == NUM_BLOCKS for w in workers):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+@pytest.fixture(scope="module")
+def run():
+    """Run a coroutine on the module's one event loop (the workers' agents live on it)."""
+    loop = asyncio.new_event_loop()
+    yield lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 60))
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def trio(tiny_model, run):
+    """A prefill, a decode and an aggregated worker, shared by the module's tests."""
+    workers = (make_worker(tiny_model, "p", "prefill", lease_s=5.0),
+               make_worker(tiny_model, "d", "decode", pull_timeout_s=5.0),
+               make_worker(tiny_model, "b", "both"))
+    yield workers
+    for w in workers:
+        run(w.shutdown())
+
+
+def test_roles_are_checked(tiny_model, trio, run):
+    prefill, decode, _ = trio
+    with pytest.raises(ValueError, match="role"):
+        Worker(prefill.worker_id, prefill.async_engine, role="verifier")
+
+    async def wrong_halves() -> None:
+        with pytest.raises(ValueError, match="has role 'decode'"):
+            await decode.prefill("r", PROMPT, GREEDY)
+        with pytest.raises(ValueError, match="has role 'prefill'"):
+            await collect(prefill.decode("r", PROMPT, 1, GREEDY, None))
+
+    run(wrong_halves())
+
+
+def test_handoff_over_tcp_matches_aggregated_and_frees_every_block(trio, run):
+    prefill, decode, both = trio
+
+    async def go() -> tuple[list[int], list[int]]:
+        want = await collect(both.generate("agg", PROMPT, GREEDY))
+        result = await prefill.prefill("r1", PROMPT, GREEDY)
+        assert result.handoff_json is not None and result.first.finish_reason is None
+        assert '"tcp://127.0.0.1:' in result.handoff_json
+        assert prefill.engine.kv.num_held_requests == 1  # held under the lease
+        rest = await collect(decode.decode("r1", PROMPT, result.first.token_ids[0], GREEDY,
+                                           result.handoff_json))
+        assert await until_all_free(prefill, decode, both)
+        assert prefill.engine.kv.num_held_requests == 0 and (await prefill.agent()).num_leases == 0
+        return want, result.first.token_ids + rest
+
+    want, got = run(go())
+    assert got == want and len(got) == GREEDY.max_tokens
+
+
+def test_request_over_at_its_first_token_offers_nothing(trio, run):
+    prefill = trio[0]
+
+    async def go() -> None:
+        one = dataclasses.replace(GREEDY, max_tokens=1)
+        result = await prefill.prefill("r2", PROMPT, one)
+        assert result.handoff_json is None and result.first.finish_reason is not None
+        assert await until_all_free(prefill)
+
+    run(go())
+
+
+def test_cancelled_lease_makes_the_pull_fail_and_local_prefill_continues(trio, run):
+    prefill, decode, both = trio
+
+    async def go() -> None:
+        want = await collect(both.generate("agg3", PROMPT, GREEDY))
+        result = await prefill.prefill("r3", PROMPT, GREEDY)
+        prefill.abort("r3")  # the lease ends: its blocks are freed, the pull finds nothing
+        first = result.first.token_ids[0]
+        with pytest.raises(KVPullFailed, match="LeaseExpired"):
+            await collect(decode.decode("r3", PROMPT, first, GREEDY, result.handoff_json))
+        assert await until_all_free(prefill, decode)
+        rest = await collect(decode.decode("r3", PROMPT, first, GREEDY, None))
+        assert [first, *rest] == want
+        assert await until_all_free(prefill, decode)
+
+    run(go())
+
+
+def test_expired_lease_frees_the_held_blocks(tiny_model, run):
+    async def go() -> None:
+        prefill = make_worker(tiny_model, "p-short", "prefill", lease_s=0.2)
+        try:
+            await prefill.prefill("r4", PROMPT, GREEDY)
+            assert prefill.stats().num_free_blocks < NUM_BLOCKS
+            assert await until_all_free(prefill, timeout_s=3.0)
+        finally:
+            await prefill.shutdown()
+
+    run(go())
+
+
+def test_cancelled_prefill_and_cancelled_pull_leave_nothing_behind(trio, run):
+    prefill, decode, _ = trio
+    long_params = dataclasses.replace(GREEDY, max_tokens=50)
+
+    async def go() -> None:
+        task = asyncio.ensure_future(prefill.prefill("r5", PROMPT * 8, long_params))
+        await asyncio.sleep(0)  # queued, maybe computing
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        result = await prefill.prefill("r6", PROMPT, long_params)
+        stream = decode.decode("r6", PROMPT, result.first.token_ids[0], long_params,
+                               result.handoff_json)
+        await stream.__anext__()  # the KV landed and decoding began
+        await stream.aclose()  # the client went away
+        prefill.abort("r6")
+        assert await until_all_free(prefill, decode)
+        assert prefill.engine.kv.num_held_requests == 0
+
+    run(go())
+
+
+def test_held_blocks_are_kept_on_finish_and_freed_on_abort_without_a_model():
+    sched = create_scheduler(num_blocks=8, block_size=4)
+    kv: KVCacheManager = sched.kv
+    held = create_request("held", [1, 2, 3, 4, 5, 6], max_tokens=1)
+    held.hold_kv = True
+    aborted = create_request("aborted", [1, 2, 3, 9, 9], max_tokens=1)
+    aborted.hold_kv = True
+    sched.add(held)
+    fake_step(sched)
+    assert held.is_finished and kv.held_block_ids("held") and kv.pool.num_free_blocks == 6
+    sched.add(aborted)
+    sched.finish("aborted", FinishReason.ABORT)
+    assert kv.held_block_ids("aborted") == [] and kv.pool.num_free_blocks == 6
+    assert kv.free_held("held") and not kv.free_held("held")
+    assert kv.pool.num_free_blocks == 8
