@@ -62,11 +62,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     router_options = {"policy": args.policy, "max_in_flight": args.max_in_flight}
     if args.served_model_name:
         router_options["served_model_name"] = args.served_model_name
+    num_workers = args.num_workers
+    if num_workers is None:
+        num_workers = 0 if args.prefill_workers or args.decode_workers else 1
     print(f"cleave: serving {model} on http://{args.host}:{args.port} (OpenAI API) and "
-          f"{args.host}:{args.grpc_port} (gRPC) with {args.num_workers} worker(s)",
+          f"{args.host}:{args.grpc_port} (gRPC): {num_workers} aggregated, "
+          f"{args.prefill_workers} prefill, {args.decode_workers} decode worker(s)",
           file=sys.stderr)
-    serve_local(model, args.num_workers, args.host, args.port, args.grpc_port, keys,
-                router_options=router_options, engine_options=_engine_options(args))
+    serve_local(model, num_workers, args.host, args.port, args.grpc_port, keys,
+                router_options=router_options, engine_options=_engine_options(args),
+                num_prefill_workers=args.prefill_workers,
+                num_decode_workers=args.decode_workers, transport=args.kv_transport)
     return 0
 
 
@@ -97,7 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI HTTP and gRPC APIs locally "
                                           "(in-process workers, no Ray)")
     _add_engine_args(serve)
-    serve.add_argument("--num-workers", type=int, default=1, help="engines behind the router")
+    serve.add_argument("--num-workers", type=int, default=None,
+                       help="aggregated engines (prefill and decode); default 1, or 0 when "
+                            "prefill/decode pools are given")
+    serve.add_argument("--prefill-workers", type=int, default=0,
+                       help="prefill-only engines (hand the KV off to decode workers)")
+    serve.add_argument("--decode-workers", type=int, default=0,
+                       help="decode engines (continue handoffs; run short prompts whole)")
+    serve.add_argument("--kv-transport", default="tcp", help="tcp, ucx, nccl or local")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port")
     serve.add_argument("--grpc-port", type=int, default=50051)

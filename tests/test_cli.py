@@ -60,7 +60,8 @@ def test_serve_answers_the_openai_client_then_stops(tmp_path, tiny_model):
             ports.append(s.getsockname()[1])
     env = dict(os.environ, CLEAVE_CACHE_DIR=str(tmp_path))
     proc = subprocess.Popen([CLEAVE, "serve", "--model", tiny_model, "--port", str(ports[0]),
-                             "--grpc-port", str(ports[1]), "--api-key", "k1"],
+                             "--grpc-port", str(ports[1]), "--api-key", "k1",
+                             "--prefill-workers", "1", "--decode-workers", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[0]}/v1", api_key="k1",
@@ -76,7 +77,8 @@ def test_serve_answers_the_openai_client_then_stops(tmp_path, tiny_model):
                 time.sleep(0.5)
         name = models.data[0].id
         assert name == Path(tiny_model).name
-        out = client.completions.create(model=name, prompt="hello", max_tokens=4,
+        long_prompt = "the quick brown fox jumps over the lazy dog " * 20  # past the threshold
+        out = client.completions.create(model=name, prompt=long_prompt, max_tokens=4,
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 4
     finally:
