@@ -1,16 +1,36 @@
 """`ucx` transport over UCXX (PyPI `ucxx-cu12`, imported only when this transport is built).
 
-UCX picks the wire itself: on one node host memory moves through shared memory (posix/sysv, or
-CMA zero-copy for large messages), GPU memory through CUDA IPC; across nodes RDMA where present,
-else TCP. Each view (K or V of a coalesced segment, per layer) is one tagged message sent from
-and received into tensor memory; control messages are a 13-byte header then a JSON body, in the
-order described in `wire`. Address: `ucx://HOST:PORT`.
+UCX picks the wire itself: on one node host memory moves by CMA zero-copy (the puller reads
+the source's pages with `process_vm_readv`, one copy), GPU memory through CUDA IPC; across nodes RDMA where present, else TCP. Each view
+(K or V of a coalesced segment, per layer) is one tagged message sent from and received into
+tensor memory, with up to `LAYERS_IN_FLIGHT` layers of messages posted at once on both sides;
+control messages are a 13-byte header then a JSON body, in the order described in `wire`.
+Address: `ucx://HOST:PORT`. Each pull opens its own endpoint (UCXX connect, wire-up and peer-info
+exchange: 0.15 to 0.6 s on a 2-core host), which is now most of a 1 GiB pull on one node.
+
+UCX settings (`UCX_DEFAULTS`), set in the environment when the transport is built unless the
+user already set them; they take effect only if no UCX context exists yet in the process:
+
+- `UCX_CMA_MEMORY_INVALIDATE=y`: UCXX endpoints always use peer error handling, and UCX then
+  admits a rendezvous zero-copy lane only if its memory domain advertises RMA invalidation.
+  CMA's does so only with this flag; without it every byte on one node went through loopback TCP
+  ("rendezvous fragmented copy-in copy-out | tcp/lo", about 0.1 of memcpy). The flag only
+  advertises the capability (UCX cannot revoke a peer's access), which is safe here because the
+  puller reads: the source's memory is never written, and a failed pull closes its endpoint
+  and waits for its receives before returning, so nothing writes into its blocks afterwards.
+
+Control messages stay on TCP: `UCX_MM_ERROR_HANDLING=y` would move them to sysv/posix shared
+memory, but those detect a dead peer only by keepalive, so a killed puller held its lease for
+longer than the tests allow; TCP notices at once, and the control traffic is a few hundred bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
-from typing import Any
+from collections import deque
+from typing import Any, Callable, Coroutine, Iterable
 
 import numpy as np
 import torch
@@ -23,7 +43,15 @@ from kvtransfer.wire import (HEADER, Message, ReadAccepted, ReadDone, ReadReject
                              decode, encode)
 
 
+UCX_DEFAULTS = {
+    "UCX_CMA_MEMORY_INVALIDATE": "y",
+}
+LAYERS_IN_FLIGHT = 4  # layers whose messages are posted ahead of the oldest one not yet done
+
+
 def _import_ucxx() -> Any:
+    for name, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     try:
         import ucxx
     except ImportError as e:
@@ -36,6 +64,40 @@ def _buffer(t: torch.Tensor) -> Any:
     """What UCXX sends from / receives into without a copy: a uint8 view of contiguous memory."""
     flat = t.reshape(-1).view(torch.uint8)
     return flat if flat.is_cuda else flat.numpy()  # CUDA tensors expose __cuda_array_interface__
+
+
+class _Pipeline:
+    """Posts each layer's messages while up to `LAYERS_IN_FLIGHT` earlier layers are still
+    moving, so UCX always has the next rendezvous posted. Messages are posted in plan order (one
+    endpoint, one tag: UCX matches them in that order)."""
+
+    def __init__(self) -> None:
+        self._posted: list[asyncio.Future] = []
+
+    async def run(self, num_layers: int, post: Callable[[int], Iterable[Coroutine]],
+                  done: Callable[[int], None]) -> int:
+        """`post(layer)` gives the layer's send or receive coroutines; `done(layer)` runs in
+        layer order once all of them completed. Returns the number of messages; raises the
+        first message's error."""
+        window: deque[tuple[int, list[asyncio.Future]]] = deque()
+        messages = 0
+        for layer in range(num_layers):
+            ops = [asyncio.ensure_future(op) for op in post(layer)]
+            self._posted.extend(ops)
+            window.append((layer, ops))
+            while window and (len(window) > LAYERS_IN_FLIGHT or layer == num_layers - 1):
+                oldest, ops = window.popleft()
+                await asyncio.wait(ops)  # unlike gather, a cancelled pull leaves them to settle
+                for op in ops:
+                    op.result()
+                messages += len(ops)
+                done(oldest)
+        return messages
+
+    async def settle(self) -> None:
+        """Wait for every posted message to end; call after closing the endpoint, which makes
+        UCX cancel those still in flight. Afterwards nothing reads or writes their buffers."""
+        await asyncio.gather(*self._posted, return_exceptions=True)
 
 
 class _Endpoint:
@@ -95,6 +157,7 @@ class UcxTransport(Transport):
 
     async def _serve(self, raw_ep: Any) -> None:
         ep = _Endpoint(self._ucxx, raw_ep)
+        sends = _Pipeline()
         read = None
         try:
             request = await ep.recv_message()
@@ -106,17 +169,18 @@ class UcxTransport(Transport):
                 await ep.send_message(ReadRejected(e.kind, str(e)))
                 return
             await ep.send_message(ReadAccepted(read.bytes_per_layer))
-            for layer in range(read.num_layers):
-                for view in read.layer_views(layer):
-                    await ep.send(_buffer(view.contiguous()))
+            await sends.run(read.num_layers, lambda layer: [
+                ep.send(_buffer(view.contiguous())) for view in read.layer_views(layer)],
+                lambda layer: None)
             if not isinstance(await ep.recv_message(), ReadDone):
                 raise InvalidDescriptor("expected ReadDone after the last layer")
         except TransferError:
             pass  # the puller sees its own error; the read ends below
         finally:
+            await ep.close()
+            await sends.settle()
             if read is not None:
                 self._source.close_read(read)
-            await ep.close()
 
     async def fetch(self, address: str, request: ReadRequest, sink: LayerSink) -> TransferStats:
         start = time.perf_counter()
@@ -126,7 +190,22 @@ class UcxTransport(Transport):
         except self._ucxx.exceptions.UCXError as e:
             raise PeerGone(f"cannot connect to {address}: {e!r}") from None
         ep = _Endpoint(self._ucxx, raw_ep)
-        messages = 0
+        receives = _Pipeline()
+        staged: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer: (view, staging)
+
+        def post(layer: int) -> list[Coroutine]:
+            pairs = [(view, view if view.is_contiguous() else torch.empty(
+                view.shape, dtype=view.dtype, device=view.device))
+                for view in sink.layer_views(layer)]
+            staged[layer] = pairs
+            return [ep.recv(_buffer(buf)) for _, buf in pairs]
+
+        def land(layer: int) -> None:
+            for view, buf in staged.pop(layer):
+                if buf is not view:
+                    view.copy_(buf)
+            sink.landed(layer)
+
         try:
             await ep.send_message(request)
             reply = await ep.recv_message()
@@ -135,18 +214,11 @@ class UcxTransport(Transport):
             if not isinstance(reply, ReadAccepted) or reply.bytes_per_layer != sink.bytes_per_layer:
                 raise LayoutMismatch(f"source replied {reply}; expected ReadAccepted of "
                                      f"{sink.bytes_per_layer} bytes per layer")
-            for layer in range(sink.num_layers):
-                for view in sink.layer_views(layer):
-                    staged = view if view.is_contiguous() else torch.empty(
-                        view.shape, dtype=view.dtype, device=view.device)
-                    await ep.recv(_buffer(staged))
-                    if staged is not view:
-                        view.copy_(staged)
-                    messages += 1
-                sink.landed(layer)
+            messages = await receives.run(sink.num_layers, post, land)
             await ep.send_message(ReadDone())
         finally:
             await ep.close()
+            await receives.settle()
         return TransferStats(sink.bytes_per_layer * sink.num_layers, messages,
                              time.perf_counter() - start)
 
