@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -22,8 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-
-RESULTS = Path(__file__).parent / "results"
+from results_io import RESULTS, command_line, emit
 
 
 def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -148,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "benchmark": "engine_throughput",
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line(argv),
         "device": "cpu", "torch_threads": torch.get_num_threads(), "dtype": args.dtype,
         "num_requests": len(requests), "cleave_max_num_seqs": args.max_num_seqs,
         "transformers_batch_size": args.hf_batch_size,
@@ -159,10 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ttft_cached_ms": round(cached * 1e3, 1), "ttft_uncached_ms": round(uncached * 1e3, 1),
         "prefix_cache_ttft_ratio": round(uncached / cached, 2),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

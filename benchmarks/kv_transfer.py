@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import socket
-import sys
 import time
-from pathlib import Path
 
 import torch
+from results_io import RESULTS, command_line, emit
 
 from kvtransfer import Handoff, KVLayout, TransferAgent, TransportConfig
 
-RESULTS = Path(__file__).parent / "results"
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 
 
@@ -176,16 +173,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                   figures[str(tokens)].items()), flush=True)
     result = {
         "benchmark": "kv_transfer",
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None
-                                                         else sys.argv[1:])]),
+        "command": command_line(argv),
         "layout": LAYOUT.to_dict(),
         "cpu_threads": torch.get_num_threads(),
         "figures": figures,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

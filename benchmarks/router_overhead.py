@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
+
+from results_io import RESULTS, command_line, emit
 
 from router.policy import WorkerLoad, get_policy
 from router.prefix_index import PrefixIndex
 from workers.protocol import BlockStored, hash_prompt_blocks
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZE = 16
 TARGET_DECISIONS_PER_S = 5000.0
 TARGET_P99_S = 1e-3
@@ -156,17 +154,13 @@ def main(argv: list[str] | None = None) -> dict:
         "fast_vs_reference_hash_speedup_ratio": round(sum(ref_hash_lat) / len(ref_hash_lat)
                                                       / (sum(hash_lat) / len(hash_lat)), 2),
         "match_p99_bound_ratio": round(TARGET_P99_S / percentile(match_lat, 0.99), 1),
-        "command": "python " + " ".join(
-            [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line(argv),
     }
     print(f"decision: {result['decision']}  (targets: {TARGET_DECISIONS_PER_S:.0f}/s, p99 1 ms)")
     print(f"hash (router fast): {result['hash_router_fast']}  "
           f"reference: {result['hash_protocol_reference']}")
     print(f"match: {result['match']}  match+choose: {result['match_and_choose']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import random
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from results_io import RESULTS, command_line, emit
 
 from router.policy import Decision, WorkerLoad, get_policy
 from router.prefix_index import PrefixIndex
@@ -41,7 +40,6 @@ from workers.protocol import SamplingParams, hash_prompt_blocks
 from workers.request import Request, RequestStatus
 from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZE = 16
 STEP_S, PREFILL_S_PER_TOKEN, DECODE_S_PER_SEQ = 4e-3, 50e-6, 0.2e-3  # the cost model
 VOCAB = 32000
@@ -246,13 +244,9 @@ def main(argv: list[str] | None = None) -> dict:
         # headline: the worst case over the load levels
         **{key: min(level[key] for level in loads.values())
            for key in next(iter(loads.values())) if key.endswith("_ratio")},
-        "command": "python " + " ".join(
-            [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line(argv),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
