@@ -49,9 +49,11 @@ class RouterConfig:
     # prefill on a decode worker when fewer prompt tokens than this are not in the cache
     disagg_threshold_tokens: int = 64
     prefill_retries: int = 2  # other prefill workers tried after a failed prefill
+    # times a stream moves to another decode-pool worker after the one streaming it failed
+    migration_retries: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("disagg_threshold_tokens", "prefill_retries"):
+        for name in ("disagg_threshold_tokens", "prefill_retries", "migration_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s"):
@@ -80,7 +82,8 @@ class RouterCounters:
     # short_prompt, unsupported_params, no_prefill_worker, prefill_failed
     aggregated: dict[str, int] = field(default_factory=dict)
     # failures worked around, by reason: prefill_error (one attempt, retried elsewhere),
-    # prefill_failed (every attempt), no_prefill_worker, kv_pull_failed (decode prefilled)
+    # prefill_failed (every attempt), no_prefill_worker, kv_pull_failed (decode prefilled),
+    # decode_worker_failed (a stream moved to another worker mid-way, once per move)
     fallbacks: dict[str, int] = field(default_factory=dict)
     first_tokens_by_worker: dict[str, int] = field(default_factory=dict)  # worker id -> requests
     decodes_by_worker: dict[str, int] = field(default_factory=dict)  # who streamed the rest

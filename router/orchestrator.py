@@ -17,6 +17,12 @@ The disaggregated path (see ARCHITECTURE.md, "One request, step by step"):
    repeated or lost), and the prefill worker's lease is released.
 5. Closing the generation (client gone) aborts the request on the decode worker and, unless the
    decode side already has the KV, on the prefill worker (which ends the lease).
+6. When the worker streaming a request (decode or aggregated, n = 1) fails mid-stream, the
+   request migrates: the prompt plus every token already sent goes to another decode-pool
+   worker, which computes their KV and streams on from the next token (none repeated or lost;
+   greedy output equals an uninterrupted run, seeded sampling may differ), at most
+   `RouterConfig.migration_retries` times; after that, or with no worker left, the stream ends
+   with the error.
 
 Every fallback is counted by reason in `Router.counters.fallbacks`, every aggregated request of
 a disaggregated deployment by reason in `Router.counters.aggregated`.
@@ -80,9 +86,13 @@ class Generation:
         try:
             await self._stream.aclose()  # type: ignore[attr-defined]
         finally:
+            streamed_by = [self.decode_worker_id]
+            if isinstance(self._stream, _Migration):
+                streamed_by = self._stream.worker_ids
             self._router._after_request(self.worker_id)
-            if self.decode_worker_id not in (None, self.worker_id):
-                self._router._after_request(self.decode_worker_id)
+            for wid in dict.fromkeys(streamed_by):
+                if wid not in (None, self.worker_id):
+                    self._router._after_request(wid)
 
 
 class _Handover:
@@ -135,6 +145,80 @@ class _Handover:
                 yield event
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+
+
+class _Migration:
+    """The events after a generation's first, moved to another decode-pool worker when the
+    worker streaming them fails (step 6 above): `HandoffWorkerClient.resume` gets the prompt
+    plus every token sent so far and streams on from the next one. `worker_ids`: the workers
+    that streamed part of it, in order (all but the last failed)."""
+
+    def __init__(self, orchestrator: Orchestrator, req: WorkerRequest, first: TokenEvent,
+                 stream: AsyncIterator[TokenEvent], worker_id: str) -> None:
+        self.worker_ids = [worker_id]
+        self._orchestrator = orchestrator
+        self._req = req
+        self._sent = list(first.token_ids)  # every token the client has been sent
+        self._finished = first.finish_reason is not None
+        self._stream = stream
+        self._events = self._run()
+
+    def __aiter__(self) -> _Migration:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+    async def _run(self) -> AsyncIterator[TokenEvent]:
+        retries = self._orchestrator.router.config.migration_retries
+        try:
+            while True:
+                try:
+                    async for event in self._stream:
+                        self._sent.extend(event.token_ids)
+                        self._finished = event.finish_reason is not None
+                        yield event
+                    return
+                except Exception as exc:  # any worker failure: move the stream on
+                    if self._finished or len(self.worker_ids) > retries:
+                        raise
+                    await self._move(exc)
+        finally:
+            await self._stream.aclose()  # type: ignore[attr-defined]
+
+    async def _move(self, exc: Exception) -> None:
+        """Resubmit to another healthy decode-pool worker (counted), or raise `exc` when none
+        is left. Closes the failed stream (aborting what is left of the request there)."""
+        o, r = self._orchestrator, self._orchestrator.router
+        failed = self.worker_ids[-1]
+        logger.warning("request %s: worker %s failed after %d tokens (%r); migrating",
+                       self._req.request_id, failed, len(self._sent), exc)
+        if isinstance(exc, WorkerUnavailableError):
+            r._healthy[failed] = False
+        await self._stream.aclose()  # type: ignore[attr-defined]
+        self._stream = _empty()
+        tried = set(self.worker_ids)
+        loads = [load for load in _in_pool(await r._loads(), r.pool(*DECODE_POOL))
+                 if load.worker_id not in tried
+                 and isinstance(r.clients[load.worker_id], HandoffWorkerClient)]
+        req = self._req
+        try:
+            decision = r.policy.choose(
+                hash_prompt_blocks(list(req.prompt_token_ids), r.block_size, req.cache_salt),
+                loads, r.index)
+        except NoHealthyWorker:
+            raise exc
+        client = r.clients[decision.worker_id]
+        if not isinstance(client, HandoffWorkerClient):  # filtered above; for the type checker
+            raise exc
+        o.count_fallback("decode_worker_failed")
+        by_worker = r.counters.decodes_by_worker
+        by_worker[decision.worker_id] = by_worker.get(decision.worker_id, 0) + 1
+        self.worker_ids.append(decision.worker_id)
+        self._stream = client.resume(req, list(self._sent))
 
 
 class Orchestrator:
@@ -224,7 +308,8 @@ class Orchestrator:
         handover = _Handover(self, prefill, decode, req, first.token_ids[-1],
                              result.handoff_json)
         return Generation(r, prefill.worker_id, list(req.prompt_token_ids),
-                          decision.predicted_hit_blocks * r.block_size, first, handover,
+                          decision.predicted_hit_blocks * r.block_size, first,
+                          _Migration(self, req, first, handover, decode_id),
                           decode_worker_id=decode_id)
 
     async def _aggregated(self, req: WorkerRequest, hashes: Sequence[int],
@@ -248,6 +333,8 @@ class Orchestrator:
             await stream.aclose()
             raise
         self._count(req, decision, first, decision.worker_id)
+        if req.params.n == 1:  # a continuation carries one sample
+            stream = _Migration(self, req, first, stream, decision.worker_id)
         return Generation(r, decision.worker_id, list(req.prompt_token_ids),
                           decision.predicted_hit_blocks * r.block_size, first, stream,
                           decode_worker_id=decision.worker_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from workers.protocol import (
     KVEvent,
@@ -122,3 +122,11 @@ class HandoffWorkerClient(WorkerClient):
         """The events after `first_token_id`. With `handoff_json` (from `prefill`) the prompt's
         KV is pulled, and `KVPullFailed` is raised before any event when that fails; with None
         the worker computes the prompt's KV itself. Closing early aborts, as `generate`."""
+
+    @abc.abstractmethod
+    def resume(self, req: WorkerRequest,
+               sent_token_ids: Sequence[int]) -> AsyncIterator[TokenEvent]:
+        """The events after `sent_token_ids`, the request's first output tokens, which other
+        workers sampled and sent (one failed mid-stream); the worker computes the KV of the
+        prompt and those tokens itself. For DECODE (or BOTH) workers, n = 1. Greedy output
+        equals an uninterrupted run; seeded sampling may differ. Closing early aborts."""

@@ -100,11 +100,8 @@ class AsyncEngine:
             self._streams[request_id] = stream
 
         if pull is None:
-            def add_and_listen() -> None:
-                e.add_continuation(request_id, prompt_token_ids, first_token_id, params)
-                listen()
-
-            async for event in self._listen(request_id, stream, 1, add_and_listen):
+            async for event in self.generate_continuation(request_id, prompt_token_ids,
+                                                          [first_token_id], params):
                 yield event
             return
         try:
@@ -124,6 +121,23 @@ class AsyncEngine:
             listen()
 
         async for event in self._listen(request_id, stream, 1, commit_and_listen):
+            yield event
+
+    async def generate_continuation(self, request_id: str, prompt_token_ids: list[int],
+                                    sent_token_ids: list[int],
+                                    params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Continue a request whose first output tokens, `sent_token_ids`, were sampled (and
+        sent) elsewhere: compute the prompt's and their KV here, then yield the events after
+        them (`Engine.add_continuation`; greedy output equals an uninterrupted run, seeded
+        sampling may not). Bad input raises `InvalidRequestError` before the first event;
+        leaving early aborts, as in `generate`."""
+        stream: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+
+        def add_and_listen() -> None:
+            self.engine.add_continuation(request_id, prompt_token_ids, sent_token_ids, params)
+            self._streams[request_id] = stream
+
+        async for event in self._listen(request_id, stream, 1, add_and_listen):
             yield event
 
     async def _listen(self, rid: str, stream: asyncio.Queue[TokenEvent | BaseException],
@@ -188,6 +202,7 @@ class AsyncEngine:
                     stream.put_nowait(event)
 
     async def shutdown(self) -> None:
+        """Stop the step loop; every request still streaming gets `EngineShutDown`."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -195,3 +210,10 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream.put_nowait(EngineShutDown(f"the engine was shut down while {rid!r} ran"))
+
+
+class EngineShutDown(RuntimeError):
+    """Raised into the requests in flight when their engine stops."""

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -263,18 +264,38 @@ class Engine:
     # ---- the KV handoff: decode side -------------------------------------------------------
 
     def _add_continuation(self, request_id: str, prompt_token_ids: list[int],
-                          first_token_id: int, params: SamplingParams) -> Request:
+                          sent_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        """The request with `sent_token_ids` (already streamed to the client by other workers)
+        as its first output tokens; max_tokens, min_tokens and penalties count them as output,
+        and the detokenizer and stop-string state are primed with them, the first as a prefill
+        worker sends it (whole), the rest as a decoding worker streams them.
+
+        NOTE: with stop strings, text a worker held back at the first token (a possible stop
+        string's start; an aggregated worker does, a prefill worker does not) is not resent."""
         if params.n != 1:
             raise InvalidRequestError("n must be 1 for a request handed off between workers",
                                       param="n")
+        if not 1 <= len(sent_token_ids) < params.max_tokens:
+            raise InvalidRequestError(
+                f"a continued request needs between 1 and max_tokens-1={params.max_tokens - 1} "
+                f"tokens already sent, got {len(sent_token_ids)}", param="max_tokens")
         if request_id in self._samples:
             raise InvalidRequestError(f"request id {request_id!r} is already running",
                                       param="request_id")
         ids = list(prompt_token_ids)
         self._validate(ids, params)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in sent_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"sent token ids outside [0, {vocab}): {bad[:5]}",
+                                      param="sent_token_ids")
         req = Request(request_id, ids, params, self.eos_token_ids)
-        req.append_output(first_token_id)
-        self.outputs.add(req, request_id, 0)
+        req.append_output(sent_token_ids[0])
+        self.outputs.add(req, request_id, 0)  # primed as a prefill worker sent it
+        for token_id in sent_token_ids[1:]:  # replayed as a worker streamed them, one a step,
+            req.append_output(token_id)  # so the text sent so far matches to the character
+            self.outputs.find_stop_string(req)
+            self.outputs.event(req, None)
         self._samples[request_id] = [request_id]
         self.scheduler.requests[request_id] = req
         return req
@@ -288,7 +309,7 @@ class Engine:
         if self.kv.num_blocks_for(num_tokens) > self.kv.pool.num_free_blocks:
             raise RuntimeError(f"no KV blocks free for the {num_tokens}-token handoff of "
                                f"{request_id!r}")
-        req = self._add_continuation(request_id, prompt_token_ids, first_token_id, params)
+        req = self._add_continuation(request_id, prompt_token_ids, [first_token_id], params)
         self.kv.allocate_slots(req, num_tokens)
         self._awaiting_kv.add(request_id)
         return self.kv.block_ids(request_id)
@@ -304,10 +325,13 @@ class Engine:
         self.scheduler.add_running(req)
 
     def add_continuation(self, request_id: str, prompt_token_ids: list[int],
-                         first_token_id: int, params: SamplingParams) -> None:
-        """Queue a request whose first token another worker sampled (and sent) but whose KV
-        did not arrive: the prompt and that token are computed here, then it decodes on."""
-        req = self._add_continuation(request_id, prompt_token_ids, first_token_id, params)
+                         sent_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queue a request whose first output tokens, `sent_token_ids`, other workers sampled
+        (and sent) but whose KV is not here (a failed KV pull, or a decode worker lost
+        mid-stream): the prompt and those tokens are computed here, then it decodes on from
+        the next token. Greedy output equals an uninterrupted run; seeded sampling restarts
+        its generator here, so it may differ after the first token sent."""
+        req = self._add_continuation(request_id, prompt_token_ids, sent_token_ids, params)
         self.scheduler.add(req)
 
 

@@ -191,6 +191,22 @@ class Worker:
         finally:
             await stream.aclose()
 
+    async def resume(self, request_id: str, prompt_token_ids: list[int],
+                     sent_token_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """The events after `sent_token_ids`, the request's first output tokens, sampled and
+        sent to the client by other workers (one that failed mid-stream): the prompt's and
+        their KV are computed here. Greedy output equals an uninterrupted run; seeded sampling
+        may differ from here on. Leaving early aborts, as `generate`."""
+        self._check_role(DECODE_ROLES, "resume")
+        stream = self.async_engine.generate_continuation(request_id, list(prompt_token_ids),
+                                                         list(sent_token_ids), params)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
     async def _puller(self, request_id: str,
                       handoff_json: str) -> Callable[[list[int]], Awaitable[None]]:
         """The pull of one handoff into given blocks, raising `KVPullFailed`."""

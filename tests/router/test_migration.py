@@ -1,0 +1,142 @@
+"""A worker lost mid-stream: the request migrates to another decode-capable worker, and the
+client's stream goes on with no token repeated or missing (greedy: exactly the undisturbed
+output)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from router.serve import LocalServeConfig, LocalServer
+from tests.router.conftest import API_KEY, NUM_BLOCKS, wait_until
+
+STEP_DELAY_S = 0.01  # slows every engine step, so a stream is still running when its worker dies
+MAX_TOKENS = 40
+_words = itertools.count()
+
+
+def fresh_prompt() -> str:
+    """~40 tokens no worker has cached."""
+    return " ".join(f"m{next(_words)}" for _ in range(30))
+
+
+def start(model: str, **serve: object) -> LocalServer:
+    config = LocalServeConfig(model, http_port=0, grpc_port=0,
+                              router={"api_keys": (API_KEY,), "kv_poll_interval_s": 0.2,
+                                      "disagg_threshold_tokens": 24},
+                              engine={"num_blocks": NUM_BLOCKS, "max_num_batched_tokens": 512},
+                              **serve)
+    srv = LocalServer(config).start()
+    for client in srv.clients:  # slow each step down a little
+        engine = client.worker.engine
+        real_step = engine.step
+
+        def slow_step(real_step=real_step):
+            time.sleep(STEP_DELAY_S)
+            return real_step()
+
+        engine.step = slow_step
+    return srv
+
+
+@pytest.fixture(params=["aggregated", "disaggregated"])
+def srv(request, tiny_model):
+    layout = ({"num_workers": 2} if request.param == "aggregated"
+              else {"num_prefill_workers": 1, "num_decode_workers": 2})
+    server = start(tiny_model, **layout)
+    yield server
+    server.stop()
+
+
+def stream_chunks(srv: LocalServer, prompt: str):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key=API_KEY,
+                           timeout=60, max_retries=0)
+    return client.completions.create(model=srv.router.model_name, prompt=prompt,
+                                     max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+
+
+def complete(srv: LocalServer, prompt: str) -> str:
+    return "".join(c.choices[0].text for c in stream_chunks(srv, prompt))
+
+
+def streaming_worker(srv: LocalServer):
+    """The decode-capable client with the most requests running."""
+    clients = [c for c in srv.clients if c.worker.role != "prefill"]
+    return max(clients, key=lambda c: srv.call(c.stats()).num_running)
+
+
+def failures(srv: LocalServer) -> int:
+    return srv.router.counters.fallbacks.get("decode_worker_failed", 0)
+
+
+def break_engine(client) -> None:
+    """The worker's next step raises (it stays reachable; every request on it fails)."""
+    def broken():
+        raise RuntimeError("the GPU fell off the bus")
+
+    client.worker.engine.step = broken
+
+
+@pytest.mark.parametrize("kill", ["close", "engine_error"])
+def test_stream_migrates_when_its_worker_dies(srv, kill):
+    prompt = fresh_prompt()
+    expected = complete(srv, prompt)
+    chunks = stream_chunks(srv, prompt)
+    text = "".join(c.choices[0].text for c in itertools.islice(chunks, 3))
+    victim = streaming_worker(srv)
+    assert srv.call(victim.stats()).num_running == 1  # the stream is mid-way there
+    if kill == "close":
+        srv.call(victim.close())
+    else:
+        break_engine(victim)
+    text += "".join(c.choices[0].text for c in chunks)
+    assert text == expected and text
+    assert failures(srv) == 1
+    survivors = [c for c in srv.clients if c is not victim]
+    assert wait_until(lambda: all(srv.call(c.stats()).num_free_blocks == NUM_BLOCKS
+                                  for c in survivors), 10.0)
+
+
+def test_concurrent_streams_all_finish_identically_after_a_worker_dies(srv):
+    prompts = [fresh_prompt() for _ in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        expected = list(pool.map(lambda p: complete(srv, p), prompts))
+    started = threading.Semaphore(0)
+
+    def run(prompt: str) -> str:
+        chunks = stream_chunks(srv, prompt)
+        text = "".join(c.choices[0].text for c in itertools.islice(chunks, 2))
+        started.release()
+        return text + "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(run, p) for p in prompts]
+        for _ in prompts:
+            assert started.acquire(timeout=30)
+        victim = streaming_worker(srv)
+        on_victim = srv.call(victim.stats()).num_running
+        assert on_victim >= 1
+        srv.call(victim.close())
+        got = [f.result(timeout=60) for f in futures]
+    assert got == expected
+    assert 1 <= failures(srv) <= on_victim
+
+
+def test_stream_ends_with_an_error_when_no_worker_is_left(tiny_model):
+    server = start(tiny_model, num_workers=2)
+    try:
+        chunks = stream_chunks(server, fresh_prompt())
+        assert len(list(itertools.islice(chunks, 3))) == 3
+        for client in server.clients:  # the streaming worker, and the one it would move to
+            break_engine(client)
+        with pytest.raises(openai.APIError):
+            list(chunks)
+        assert failures(server) == 1  # moved once; the second failure left nowhere to go
+    finally:
+        server.stop()
