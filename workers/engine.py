@@ -23,6 +23,7 @@ from workers.output_processor import OutputProcessor
 from workers.protocol import (
     FinishReason,
     InvalidRequestError,
+    KVCacheFull,
     KVEvent,
     KVSnapshot,
     SamplingParams,
@@ -307,7 +308,7 @@ class Engine:
         after `first_token_id` (already sent to the client by that worker). `abort` frees it."""
         num_tokens = len(prompt_token_ids)
         if self.kv.num_blocks_for(num_tokens) > self.kv.pool.num_free_blocks:
-            raise RuntimeError(f"no KV blocks free for the {num_tokens}-token handoff of "
+            raise KVCacheFull(f"no KV blocks free for the {num_tokens}-token handoff of "
                                f"{request_id!r}")
         req = self._add_continuation(request_id, prompt_token_ids, [first_token_id], params)
         self.kv.allocate_slots(req, num_tokens)

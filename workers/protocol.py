@@ -22,6 +22,10 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class KVCacheFull(RuntimeError):
+    """No free KV blocks now for KV arriving from another worker (nothing was allocated)."""
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{param} {message}", param=param)

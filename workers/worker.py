@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
 from workers.protocol import (
     FinishReason,
+    KVCacheFull,
     KVEvent,
     KVPullFailed,
     KVSnapshot,
@@ -188,6 +189,8 @@ class Worker:
         try:
             async for event in stream:
                 yield event
+        except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
+            raise KVPullFailed(request_id, str(exc)) from None  # queued until blocks free up
         finally:
             await stream.aclose()
 

@@ -104,8 +104,8 @@ def test_stream_migrates_when_its_worker_dies(srv, kill):
 
 
 def test_concurrent_streams_all_finish_identically_after_a_worker_dies(srv):
-    prompts = [fresh_prompt() for _ in range(8)]
-    with ThreadPoolExecutor(8) as pool:
+    prompts = [fresh_prompt() for _ in range(32)]  # the 32 concurrent streams
+    with ThreadPoolExecutor(len(prompts)) as pool:
         expected = list(pool.map(lambda p: complete(srv, p), prompts))
     started = threading.Semaphore(0)
 
@@ -115,7 +115,7 @@ def test_concurrent_streams_all_finish_identically_after_a_worker_dies(srv):
         started.release()
         return text + "".join(c.choices[0].text for c in chunks)
 
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(run, p) for p in prompts]
         for _ in prompts:
             assert started.acquire(timeout=30)
