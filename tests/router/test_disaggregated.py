@@ -8,8 +8,8 @@ import itertools
 import openai
 import pytest
 
-from router.serve import LocalServeConfig, LocalServer
-from tests.router.conftest import API_KEY, NUM_BLOCKS, wait_until
+from router.serve import LocalServer
+from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
 from workers.protocol import PrefillResult
 
 THRESHOLD = 24  # tokens; the prompts below are longer, unless meant to be short
@@ -22,12 +22,8 @@ def long_prompt() -> str:
 
 
 def start(model: str, **serve: object) -> LocalServer:
-    config = LocalServeConfig(model, http_port=0, grpc_port=0,
-                              router={"api_keys": (API_KEY,), "kv_poll_interval_s": 0.2,
-                                      "disagg_threshold_tokens": THRESHOLD},
-                              engine={"num_blocks": NUM_BLOCKS, "max_num_batched_tokens": 512},
-                              worker={"lease_s": 10.0, "pull_timeout_s": 10.0}, **serve)
-    return LocalServer(config).start()
+    return start_pools(model, threshold=THRESHOLD,
+                       worker={"lease_s": 10.0, "pull_timeout_s": 10.0}, **serve)
 
 
 @pytest.fixture(scope="module")

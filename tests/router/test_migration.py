@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from router.serve import LocalServeConfig, LocalServer
-from tests.router.conftest import API_KEY, NUM_BLOCKS, wait_until
+from router.serve import LocalServer
+from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
 
 STEP_DELAY_S = 0.01  # slows every engine step, so a stream is still running when its worker dies
 MAX_TOKENS = 40
@@ -26,12 +26,7 @@ def fresh_prompt() -> str:
 
 
 def start(model: str, **serve: object) -> LocalServer:
-    config = LocalServeConfig(model, http_port=0, grpc_port=0,
-                              router={"api_keys": (API_KEY,), "kv_poll_interval_s": 0.2,
-                                      "disagg_threshold_tokens": 24},
-                              engine={"num_blocks": NUM_BLOCKS, "max_num_batched_tokens": 512},
-                              **serve)
-    srv = LocalServer(config).start()
+    srv = start_pools(model, threshold=24, **serve)
     for client in srv.clients:  # slow each step down a little
         engine = client.worker.engine
         real_step = engine.step
