@@ -48,31 +48,57 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import os
+    from cluster.flags import config_from_args
 
+    config = config_from_args(args)
+    if args.in_process:
+        return _serve_in_process(config)
+    from cluster.launch import serve_forever
+
+    return serve_forever(config, num_cpus=args.num_cpus)
+
+
+def _serve_in_process(config) -> int:  # noqa: ANN001 - a CleaveConfig
+    """The same deployment with every worker an engine in this process (no Ray)."""
     from router.serve import serve_local
 
-    model = args.model
+    model = config.model.path
     if model is None:
         from workers.make_model import default_model_path
 
         model = str(default_model_path())
-    keys = list(args.api_key or [])
-    keys += [k for k in os.environ.get("CLEAVE_API_KEYS", "").split(",") if k]
-    router_options = {"policy": args.policy, "max_in_flight": args.max_in_flight}
-    if args.served_model_name:
-        router_options["served_model_name"] = args.served_model_name
-    num_workers = args.num_workers
-    if num_workers is None:
-        num_workers = 0 if args.prefill_workers or args.decode_workers else 1
-    print(f"cleave: serving {model} on http://{args.host}:{args.port} (OpenAI API) and "
-          f"{args.host}:{args.grpc_port} (gRPC): {num_workers} aggregated, "
-          f"{args.prefill_workers} prefill, {args.decode_workers} decode worker(s)",
-          file=sys.stderr)
-    serve_local(model, num_workers, args.host, args.port, args.grpc_port, keys,
-                router_options=router_options, engine_options=_engine_options(args),
-                num_prefill_workers=args.prefill_workers,
-                num_decode_workers=args.decode_workers, transport=args.kv_transport)
+    pools = config.pools
+    count = {name: p.replicas.start for name, p in pools.items()}
+    some = next(p for _, p in pools.items())
+    engine = {"dtype": config.model.dtype, "load_format": config.model.load_format,
+              "max_model_len": config.model.max_model_len, **some.engine.engine_options()}
+    r = config.router
+    router_options = {"policy": r.policy, "max_in_flight": r.max_in_flight,
+                      "disagg_threshold_tokens": r.disagg_threshold_tokens,
+                      "served_model_name": config.model.served_model_name}
+    print(f"cleave: serving {model} in this process on http://{r.host}:{r.http_port} "
+          f"(OpenAI API) and {r.host}:{r.grpc_port} (gRPC): {count}", file=sys.stderr)
+    serve_local(model, count.get("aggregated", 0), r.host, r.http_port, r.grpc_port,
+                r.api_keys, router_options=router_options, engine_options=engine,
+                num_prefill_workers=count.get("prefill", 0),
+                num_decode_workers=count.get("decode", 0),
+                transport=config.kv_transfer.transport)
+    return 0
+
+
+def _cmd_build_serve_config(args: argparse.Namespace) -> int:
+    from cluster.flags import config_from_args
+    from cluster.serve_config import serve_config_yaml
+
+    print(serve_config_yaml(config_from_args(args)), end="")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from cluster.status import cluster_status, format_status
+
+    status = cluster_status(args.address)
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
 
@@ -100,27 +126,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_cmd_generate)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI HTTP and gRPC APIs locally "
-                                          "(in-process workers, no Ray)")
-    _add_engine_args(serve)
-    serve.add_argument("--num-workers", type=int, default=None,
-                       help="aggregated engines (prefill and decode); default 1, or 0 when "
-                            "prefill/decode pools are given")
-    serve.add_argument("--prefill-workers", type=int, default=0,
-                       help="prefill-only engines (hand the KV off to decode workers)")
-    serve.add_argument("--decode-workers", type=int, default=0,
-                       help="decode engines (continue handoffs; run short prompts whole)")
-    serve.add_argument("--kv-transport", default="tcp", help="tcp, ucx, nccl or local")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port")
-    serve.add_argument("--grpc-port", type=int, default=50051)
-    serve.add_argument("--api-key", action="append",
-                       help="accepted bearer key (repeatable; also CLEAVE_API_KEYS=a,b)")
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--policy", default="prefix_aware",
-                       help="prefix_aware, least_loaded or round_robin")
-    serve.add_argument("--max-in-flight", type=int, default=256)
+    from cluster.flags import add_cluster_flags
+
+    serve = sub.add_parser("serve", help=(
+        "serve the OpenAI HTTP and gRPC APIs on Ray: the router, a prefill and a decode pool "
+        "(default: local Ray, the embedded tiny model, 127.0.0.1:8000 and :50051)"))
+    add_cluster_flags(serve)
+    serve.add_argument("--num-cpus", type=float, default=None,
+                       help="CPUs of the local Ray instance (default: this machine's)")
+    serve.add_argument("--in-process", action="store_true",
+                       help="run every worker in this process instead of on Ray")
     serve.set_defaults(func=_cmd_serve)
+
+    build = sub.add_parser("build-serve-config",
+                           help="print the Ray Serve config YAML (for `serve deploy`)")
+    add_cluster_flags(build)
+    build.set_defaults(func=_cmd_build_serve_config)
+
+    status = sub.add_parser("status", help="pools, replicas, queue depth, KV occupancy and "
+                                           "prefix-hit rate of a running deployment")
+    status.add_argument("--address", default=None,
+                        help="the Ray cluster (default: RAY_ADDRESS, else the local one)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(func=_cmd_status)
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint (HF format)")
     make.add_argument("--arch", default="llama", help="llama, mistral or qwen2")

@@ -13,7 +13,9 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from workers.config import EngineConfig
 from workers.engine import Engine, EngineStats
-from workers.protocol import SamplingParams, TokenEvent
+from workers.protocol import EngineShutDown, SamplingParams, TokenEvent
+
+__all__ = ["AsyncEngine", "EngineShutDown"]
 
 T = TypeVar("T")
 
@@ -31,6 +33,11 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(Engine(config))
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the step loop has stopped: shut down, or crashed."""
+        return self._task is None or not self._task.done()
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -213,7 +220,3 @@ class AsyncEngine:
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
             stream.put_nowait(EngineShutDown(f"the engine was shut down while {rid!r} ran"))
-
-
-class EngineShutDown(RuntimeError):
-    """Raised into the requests in flight when their engine stops."""

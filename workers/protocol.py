@@ -241,6 +241,11 @@ class PrefillResult:
     handoff_json: str | None
 
 
+class EngineShutDown(RuntimeError):
+    """Raised into the requests in flight when their engine stops (the worker is going away:
+    the router treats it as the worker failing)."""
+
+
 class KVPullFailed(RuntimeError):
     """A decode worker could not land a handoff's KV (lease gone, peer gone, timeout, bad
     descriptor). Raised before the request's first event; the request left nothing behind."""

@@ -1,0 +1,293 @@
+"""The cluster's configuration: one pydantic model, loaded from YAML, every field documented.
+
+`CleaveConfig` is the single source of truth for a deployment: `cleave serve --config FILE`,
+`python -m cluster.launch --config FILE` (Ray job submission), `cleave build-serve-config` and the
+Helm chart's `serveConfigV2` (whose application `args` are this model as a dict) all read it.
+Errors are raised as `ConfigError`, one line per problem, naming the field by its dotted path
+("pools.decode.tp=3 does not divide the model's 8 KV heads").
+
+Checks against the model's own config.json (head counts, layers, context length) need the model
+folder, so they run in `check_against_model`, called where the model is present (the CLI, the
+replicas), not on load (the chart renders the config on a machine without the model).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+POOL_NAMES = ("prefill", "decode", "aggregated")
+# the worker role each pool's replicas serve (`workers.worker.ROLES`)
+POOL_ROLES = {"prefill": "prefill", "decode": "decode", "aggregated": "both"}
+
+
+class ConfigError(ValueError):
+    """A configuration the cluster cannot run; the message names each bad field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Strict):
+    path: str | None = Field(None, description=(
+        "A model folder (config.json, safetensors, tokenizer files) readable on every node. "
+        "Unset: the embedded tiny model, created on first use."))
+    served_model_name: str | None = Field(None, description=(
+        "The name clients pass as `model`; default: the model folder's name."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Weights and activations; auto: the checkpoint's own dtype."))
+    max_model_len: int | None = Field(None, ge=2, description=(
+        "Tokens per sequence, prompt and output together; default: the model's context."))
+    load_format: Literal["auto", "safetensors", "dummy"] = Field("auto", description=(
+        "dummy: seeded random weights of the checkpoint's shapes (benchmarks)."))
+
+
+class ReplicaSettings(_Strict):
+    min: int = Field(1, ge=0, description="Replicas the autoscaler keeps at least.")
+    max: int = Field(1, ge=1, description="Replicas the autoscaler grows to at most.")
+    initial: int | None = Field(None, ge=0, description="Replicas at start; default: min.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReplicaSettings:
+        if self.min > self.max:
+            raise ValueError(f"min={self.min} is more than max={self.max}")
+        if self.initial is not None and not self.min <= self.initial <= self.max:
+            raise ValueError(f"initial={self.initial} is outside [min={self.min}, "
+                             f"max={self.max}]")
+        return self
+
+    @property
+    def start(self) -> int:
+        return self.min if self.initial is None else self.initial
+
+
+class EngineSettings(_Strict):
+    """Per-replica engine options (the fields of `workers.config.EngineConfig`)."""
+
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(
+        16, description="Tokens per KV block; the same in every pool.")
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, description=(
+        "KV-cache budget per rank; default 512 MiB on CPU, from gpu_memory_utilization on GPU."))
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
+        "On GPU: the fraction of memory free after loading the model given to the KV cache."))
+    num_blocks: int | None = Field(None, ge=1, description=(
+        "Exactly this many KV blocks (overrides the memory budget)."))
+    max_num_seqs: int = Field(128, ge=1, description="Running sequences at most.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description=(
+        "New tokens per engine step at most (the chunked-prefill budget)."))
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes.")
+
+    def engine_options(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+class AutoscalingSettings(_Strict):
+    """How one pool grows and shrinks. Prefill pools scale on waiting prompt tokens per
+    replica; decode and aggregated pools on KV occupancy and running sequences per replica.
+    Replicas = ceil(current * load / target), clamped to [min, max]; a scale-down waits until
+    load has stayed below target × (1 - hysteresis) for `downscale_delay_s`."""
+
+    target_waiting_tokens: int = Field(2048, ge=1, description=(
+        "Prefill: prompt tokens waiting per replica the pool aims for."))
+    target_kv_usage: float = Field(0.7, gt=0, le=1, description=(
+        "Decode: fraction of KV blocks in use per replica the pool aims for."))
+    target_running_seqs: int = Field(32, ge=1, description=(
+        "Decode: running sequences per replica the pool aims for."))
+    upscale_delay_s: float = Field(5.0, ge=0, description=(
+        "Load must stay above target this long before replicas are added."))
+    downscale_delay_s: float = Field(30.0, ge=0, description=(
+        "Load must stay below target this long before replicas are removed."))
+    hysteresis: float = Field(0.2, ge=0, lt=1, description=(
+        "Scale down only below target × (1 - hysteresis), so the count does not flap."))
+    metrics_interval_s: float = Field(1.0, gt=0, description=(
+        "How often each replica reports its load to the autoscaler."))
+    drain_timeout_s: float = Field(120.0, ge=0, description=(
+        "A replica being removed waits this long for its requests to finish; those left "
+        "move to other workers."))
+
+
+class PoolSettings(_Strict):
+    replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
+    tp: int = Field(1, ge=1, description="Tensor-parallel ranks per replica.")
+    pp: int = Field(1, ge=1, description="Pipeline stages per replica.")
+    ep: int = Field(1, ge=1, description="Expert-parallel ranks (MoE models), within tp.")
+    gpus_per_rank: float = Field(0.0, ge=0, description=(
+        "GPUs each rank reserves; 0 runs on CPU. Set 1 on GPU clusters."))
+    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs each rank reserves.")
+    memory_per_rank_bytes: int | None = Field(None, gt=0, description=(
+        "Host memory each rank reserves (a Ray resource; unset: no reservation)."))
+    resources: dict[str, float] = Field(default_factory=dict, description=(
+        "Custom Ray resources each rank reserves, e.g. {cleave_pool_decode: 1} to keep the "
+        "pool on nodes started with that resource."))
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+
+    @model_validator(mode="after")
+    def _ep_within_tp(self) -> PoolSettings:
+        if self.ep > 1 and self.tp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide tp={self.tp} (experts are spread "
+                             f"across the tensor-parallel group)")
+        return self
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp
+
+
+class PoolsSettings(_Strict):
+    prefill: PoolSettings | None = Field(None, description=(
+        "Prompts to their first token; KV handed off to the decode pool."))
+    decode: PoolSettings | None = Field(None, description=(
+        "Continues handed-off requests; also runs short prompts whole."))
+    aggregated: PoolSettings | None = Field(None, description=(
+        "Workers that prefill and decode (no handoff); instead of prefill and decode."))
+
+    @model_validator(mode="after")
+    def _shape(self) -> PoolsSettings:
+        if self.aggregated is not None and (self.prefill or self.decode):
+            raise ValueError("give either an aggregated pool or prefill/decode pools, not both")
+        if self.aggregated is None and self.decode is None:
+            raise ValueError("a deployment needs a decode pool (with or without a prefill "
+                             "pool) or an aggregated pool")
+        sizes = {b.engine.block_size for _, b in self.items()}
+        if len(sizes) > 1:
+            raise ValueError(f"every pool must use the same engine.block_size, got "
+                             f"{sorted(sizes)}")
+        return self
+
+    def items(self) -> list[tuple[str, PoolSettings]]:
+        """(name, settings) of the pools present, in POOL_NAMES order."""
+        return [(n, p) for n in POOL_NAMES if (p := getattr(self, n)) is not None]
+
+
+class RouterSettings(_Strict):
+    replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
+    host: str = Field("127.0.0.1", description=(
+        "Address the HTTP and gRPC servers bind; 0.0.0.0 in a cluster."))
+    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC port.")
+    policy: Literal["prefix_aware", "least_loaded", "round_robin"] = Field(
+        "prefix_aware", description="How a worker is chosen for a prompt.")
+    policy_weights: dict[str, float] = Field(default_factory=dict, description=(
+        "prefix_aware: w_hit, w_queue, w_kv, queue_scale."))
+    api_keys: list[str] = Field(default_factory=list, description=(
+        "Accepted bearer keys; empty and no api_keys_env: no authentication."))
+    api_keys_env: str | None = Field(None, description=(
+        "An environment variable holding comma-separated keys (e.g. from a Secret)."))
+    disagg_threshold_tokens: int = Field(64, ge=0, description=(
+        "Prompts with fewer uncached tokens than this prefill on the decode worker."))
+    max_in_flight: int = Field(256, ge=1, description="Requests per router replica; more: 429.")
+    max_n: int = Field(16, ge=1, description="Samples per request at most.")
+    kv_poll_interval_s: float = Field(0.5, gt=0, description=(
+        "How often the router reads the workers' KV events and loads."))
+
+    @model_validator(mode="after")
+    def _ports(self) -> RouterSettings:
+        if self.http_port == self.grpc_port:
+            raise ValueError(f"http_port and grpc_port are both {self.http_port}")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api_keys must not contain empty strings")
+        allowed = {"w_hit", "w_queue", "w_kv", "queue_scale"}
+        unknown = sorted(set(self.policy_weights) - allowed)
+        if unknown:
+            raise ValueError(f"unknown policy_weights {unknown}; expected some of "
+                             f"{sorted(allowed)}")
+        if self.policy_weights and self.policy != "prefix_aware":
+            raise ValueError(f"policy_weights apply to prefix_aware, not {self.policy!r}")
+        return self
+
+
+class KVTransferSettings(_Strict):
+    transport: Literal["tcp", "ucx", "nccl", "gloo"] = Field("tcp", description=(
+        "How KV blocks move from prefill to decode workers."))
+    lease_s: float = Field(30.0, gt=0, description=(
+        "How long prefilled blocks wait for their decode worker at most."))
+    pull_timeout_s: float = Field(10.0, gt=0, description="How long a decode waits for its KV.")
+
+
+class CleaveConfig(_Strict):
+    """A whole deployment: the model, its worker pools, the router, the KV transport."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    pools: PoolsSettings = Field(default_factory=lambda: PoolsSettings(
+        prefill=PoolSettings(), decode=PoolSettings()))
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> CleaveConfig:
+        """Validate a dict (YAML's or JSON's), raising `ConfigError` naming each bad field."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a Cleave config is a mapping, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(format_errors(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> CleaveConfig:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        return cls.parse(data or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe, round-trips through `parse`."""
+        return json.loads(self.model_dump_json())
+
+    def check_against_model(self, model_config: Any) -> None:
+        """Raise `ConfigError` for pool shapes the model cannot take. `model_config`:
+        `workers.model_config.ModelConfig` (num_heads, num_kv_heads, num_layers, ...)."""
+        problems = []
+        heads = model_config.num_attention_heads
+        kv_heads = model_config.num_key_value_heads
+        layers = model_config.num_hidden_layers
+        experts = getattr(model_config, "num_experts", None)
+        for name, pool in self.pools.items():
+            if heads % pool.tp:
+                problems.append(f"pools.{name}.tp={pool.tp} does not divide the model's "
+                                f"{heads} attention heads")
+            if kv_heads % pool.tp and pool.tp % kv_heads:
+                problems.append(f"pools.{name}.tp={pool.tp} does not divide the model's "
+                                f"{kv_heads} KV heads (nor is a multiple of them)")
+            if pool.pp > layers:
+                problems.append(f"pools.{name}.pp={pool.pp} is more than the model's {layers} "
+                                f"layers")
+            if pool.ep > 1 and not experts:
+                problems.append(f"pools.{name}.ep={pool.ep} needs a mixture-of-experts model; "
+                                f"this one has no experts")
+            elif pool.ep > 1 and experts % pool.ep:
+                problems.append(f"pools.{name}.ep={pool.ep} does not divide the model's "
+                                f"{experts} experts")
+        max_len = self.model.max_model_len
+        if max_len is not None and max_len > model_config.max_position_embeddings:
+            problems.append(f"model.max_model_len={max_len} is more than the model's context "
+                            f"of {model_config.max_position_embeddings} tokens")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+
+def format_errors(exc: ValidationError) -> str:
+    """One line per problem: `pools.decode.tp: Input should be greater than or equal to 1
+    (got 0)`."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err['input']!r})"
+        if err["type"] == "model_type" or isinstance(err["input"], dict):
+            got = ""
+        lines.append(f"{where}: {msg}{got}")
+    return "; ".join(lines)

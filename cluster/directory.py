@@ -1,0 +1,62 @@
+"""Which workers exist right now: the Serve deployment every pool replica registers with and
+every router replica reads.
+
+A pool replica registers its engine actor's handle when its model is loaded and re-registers on
+a heartbeat, so a restarted directory fills again within one period; entries not refreshed for
+`ttl_s` expire (a replica killed without a goodbye). A replica being removed marks itself
+draining first: routers stop sending it new requests, it finishes (or fails over) what it holds,
+then it deregisters.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+HEARTBEAT_S = 1.0
+TTL_S = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    worker_id: str
+    pool: str  # "prefill", "decode" or "aggregated"
+    role: str  # the worker role: "prefill", "decode" or "both"
+    actor: Any  # the engine actor's handle (`cluster.engine_actor.EngineActor`)
+    node_id: str
+    draining: bool = False
+    seen: float = 0.0  # time.monotonic() of the last heartbeat, set by the directory
+
+
+class Directory:
+    """The registry. One replica; state is soft (rebuilt from heartbeats)."""
+
+    def __init__(self, ttl_s: float = TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, WorkerEntry] = {}
+
+    def register(self, entry: WorkerEntry) -> None:
+        """Add or refresh a worker. A draining worker stays draining."""
+        old = self._entries.get(entry.worker_id)
+        draining = entry.draining or (old is not None and old.draining)
+        self._entries[entry.worker_id] = replace(entry, draining=draining,
+                                                 seen=time.monotonic())
+
+    def set_draining(self, worker_id: str) -> None:
+        entry = self._entries.get(worker_id)
+        if entry is not None:
+            self._entries[worker_id] = replace(entry, draining=True)
+
+    def deregister(self, worker_id: str) -> None:
+        self._entries.pop(worker_id, None)
+
+    def entries(self) -> list[WorkerEntry]:
+        """The live workers (expired ones dropped), sorted by id."""
+        now = time.monotonic()
+        for wid in [w for w, e in self._entries.items() if now - e.seen > self.ttl_s]:
+            del self._entries[wid]
+        return sorted(self._entries.values(), key=lambda e: e.worker_id)
+
+    def check_health(self) -> None:
+        """Serve's health check: a directory that answers is healthy."""

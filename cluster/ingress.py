@@ -1,0 +1,183 @@
+"""The router as Ray Serve's ingress: the OpenAI HTTP app and the gRPC `Generation` service,
+side by side, over one `router.app.Router` per replica.
+
+Each replica keeps its worker set in step with the `Directory` (every `kv_poll_interval_s`):
+new workers are added (their prefix-cache snapshot seeds the index), draining ones get no new
+requests, gone ones are removed (their streams fail over). Requests go from here straight to the
+engine actors (`cluster.worker_client.RayWorkerClient`), with loads read live from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, AsyncIterator
+
+import grpc
+from ray import serve
+
+from cluster.config import CleaveConfig
+from cluster.directory import WorkerEntry
+from cluster.worker_client import RayWorkerClient
+from router.app import Router, RouterConfig
+from router.grpc_server import GenerationService
+from router.openai.api import create_app
+from router.proto.cleave.v1 import generate_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+WORKERS_TIMEOUT_S = 600.0  # a router replica waits this long for a first decode-capable worker
+DECODE_CAPABLE = ("decode", "both")
+
+
+def router_config(config: CleaveConfig, model_path: str) -> RouterConfig:
+    r = config.router
+    keys = list(r.api_keys)
+    if r.api_keys_env:
+        keys += [k for k in os.environ.get(r.api_keys_env, "").split(",") if k]
+    return RouterConfig(model_path, served_model_name=config.model.served_model_name,
+                        api_keys=tuple(keys), policy=r.policy,
+                        policy_options=tuple(sorted(r.policy_weights.items())),
+                        max_in_flight=r.max_in_flight, max_n=r.max_n,
+                        kv_poll_interval_s=r.kv_poll_interval_s,
+                        disagg_threshold_tokens=r.disagg_threshold_tokens)
+
+
+class _ServeGrpcContext:
+    """What `GenerationService` needs of a gRPC context, over Serve's `RayServegRPCContext`:
+    an abort sets the status the proxy returns."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return list(self._context.invocation_metadata())
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._context.set_code(code)
+        self._context.set_details(details)
+        raise _Aborted(details)
+
+
+class _Aborted(Exception):
+    """Ends a gRPC handler with the status set on its context."""
+
+
+@serve.ingress()
+class RouterIngress:
+    """The Serve deployment class of the router (named `router`)."""
+
+    async def __init__(self, config: dict[str, Any], directory: Any, *pools: Any) -> None:
+        self.config = CleaveConfig.parse(config)
+        self.directory = directory
+        self.pools = pools  # bound so Serve deploys them; requests go to the engine actors
+        self.subscriber = f"router-{serve.get_replica_context().replica_id.unique_id}"
+        model_path = self.config.model.path
+        if model_path is None:
+            from workers.make_model import default_model_path  # torch-free
+
+            model_path = str(default_model_path())
+        entries = await self._wait_for_workers()
+        self.router = Router(router_config(self.config, model_path),
+                             [self._client(e) for e in entries])
+        self.router.draining.update(e.worker_id for e in entries if e.draining)
+        await self.router.start()
+        self.grpc = GenerationService(self.router)
+        self._sync = asyncio.get_running_loop().create_task(self._sync_forever())
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.router)
+
+    def _client(self, entry: WorkerEntry) -> RayWorkerClient:
+        return RayWorkerClient(entry.worker_id, entry.actor, self.subscriber)
+
+    async def _wait_for_workers(self) -> list[WorkerEntry]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WORKERS_TIMEOUT_S
+        while True:
+            entries = await self.directory.entries.remote()
+            if any(e.role in DECODE_CAPABLE and not e.draining for e in entries):
+                return entries
+            if loop.time() > deadline:
+                raise TimeoutError(f"no decode-capable worker registered within "
+                                   f"{WORKERS_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(0.2)
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.router.kv_poll_interval_s)
+            try:
+                await self.sync_workers()
+            except Exception:  # the next round tries again
+                logger.exception("router %s: reading the directory failed", self.subscriber)
+
+    async def sync_workers(self) -> None:
+        """Bring the router's worker set in step with the directory."""
+        entries = {e.worker_id: e for e in await self.directory.entries.remote()}
+        r = self.router
+        for wid in [w for w in r.clients if w not in entries]:
+            logger.info("router %s: worker %s is gone", self.subscriber, wid)
+            await r.remove_worker(wid)
+        for wid, entry in entries.items():
+            if wid not in r.clients and not entry.draining:
+                try:
+                    await r.add_worker(self._client(entry))
+                    logger.info("router %s: added worker %s", self.subscriber, wid)
+                except Exception as exc:  # not ready or gone again: next round
+                    logger.warning("router %s: cannot add worker %s: %s", self.subscriber,
+                                   wid, exc)
+            if entry.draining and wid in r.clients:
+                r.draining.add(wid)
+
+    # ---- gRPC (`cleave.v1.Generation`, through Serve's gRPC proxy) -------------------------
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self.grpc.Generate(request, _ServeGrpcContext(grpc_context)):
+                yield response
+        except _Aborted:
+            return
+
+    async def Models(self, request: pb.ModelsRequest, grpc_context: Any) -> pb.ModelsResponse:
+        try:
+            return await self.grpc.Models(request, _ServeGrpcContext(grpc_context))
+        except _Aborted:
+            return pb.ModelsResponse()
+
+    async def Health(self, request: pb.HealthRequest, grpc_context: Any) -> pb.HealthResponse:
+        return await self.grpc.Health(request, _ServeGrpcContext(grpc_context))
+
+    # ---- operations ------------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        """Pools, workers, loads and routing counters as this replica sees them."""
+        r = self.router
+        loads = {load.worker_id: load for load in await r._loads()}
+        c = r.counters
+        workers = []
+        for wid, info in sorted(r._infos.items()):
+            load = loads.get(wid)
+            workers.append({"worker_id": wid, "role": info.role.value,
+                            "healthy": bool(load and load.healthy) or wid in r.draining,
+                            "draining": wid in r.draining,
+                            "num_waiting": load.num_waiting if load else None,
+                            "num_running": load.num_running if load else None,
+                            "kv_usage": load.kv_usage if load else None})
+        return {"router": self.subscriber, "model": r.model_name, "workers": workers,
+                "num_requests": c.num_requests, "num_prompt_tokens": c.num_prompt_tokens,
+                "num_predicted_cached_tokens": c.num_predicted_cached_tokens,
+                "num_cached_tokens": c.num_cached_tokens, "fallbacks": dict(c.fallbacks)}
+
+    async def check_health(self) -> None:
+        """Serve restarts a router replica whose directory sync died. No healthy worker is not
+        the router's fault: requests get 503 until a pool recovers."""
+        if self._sync.done() and not self._sync.cancelled():
+            raise RuntimeError(f"router {self.subscriber}: the directory sync stopped: "
+                               f"{self._sync.exception()!r}")
+
+    async def __del__(self) -> None:
+        self._sync.cancel()
+        await self.router.stop()
+

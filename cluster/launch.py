@@ -1,0 +1,188 @@
+"""Starting the Cleave application on Ray: `cleave serve`, and the Ray job entry point.
+
+    ray job submit --working-dir . -- python -m cluster.launch --config deploy/examples/local.yaml
+
+`deploy()` connects to Ray (`RAY_ADDRESS`, or a new local instance), starts Serve's HTTP and gRPC
+proxies on the router's ports, deploys the application, and returns once every deployment is
+running, reporting progress while the model loads. `serve_forever()` (what `cleave serve` runs)
+then waits for Ctrl-C or SIGTERM and takes everything down again, Ray included when it started
+it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+from cluster.config import CleaveConfig, ConfigError
+from cluster.serve_config import GRPC_SERVICER
+
+APP_NAME = "cleave"
+DEPLOY_TIMEOUT_S = 900.0
+
+
+def _connect(num_cpus: float | None) -> bool:
+    """Connect to `RAY_ADDRESS` or start a local Ray; True when this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict = {"address": address, "log_to_driver": False}
+    if address is None and num_cpus is not None:
+        kwargs["num_cpus"] = num_cpus
+    ray.init(**kwargs)
+    return address is None
+
+
+def _statuses() -> str:
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    if app is None:
+        return "waiting for the application"
+    parts = []
+    for name, d in sorted(app.deployments.items()):
+        running = sum(n for state, n in d.replica_states.items() if str(state).endswith("RUNNING"))
+        total = sum(d.replica_states.values())
+        parts.append(f"{name} {running}/{total}")
+    return f"{app.status.value.lower()}: " + ", ".join(parts)
+
+
+def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
+           progress: Callable[[str], None] | None = None,
+           stop: threading.Event | None = None) -> bool:
+    """Deploy the application and wait until it runs (or `stop` is set); True when this
+    process started Ray. Raises `RuntimeError` (with Serve's message) when it fails to deploy."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    started_ray = _connect(num_cpus)
+    r = config.router
+    serve.start(http_options={"host": r.host, "port": r.http_port},
+                grpc_options={"port": r.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve.run(build_app(config.to_dict()), name=APP_NAME, route_prefix="/")
+        except BaseException as exc:  # reported below
+            error.append(exc)
+
+    runner = threading.Thread(target=run, name="cleave-deploy", daemon=True)
+    runner.start()
+    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+    last = ""
+    while runner.is_alive() and not (stop is not None and stop.is_set()):
+        runner.join(1.0)
+        if progress is not None:
+            try:
+                line = _statuses()
+            except Exception:  # the controller is still starting
+                line = "starting Serve"
+            if line != last:
+                progress(line)
+                last = line
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the application did not start within {DEPLOY_TIMEOUT_S:.0f}s")
+    if error:
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+        raise RuntimeError(f"the application failed to deploy: {error[0]}") from error[0]
+    return started_ray
+
+
+def shutdown(started_ray: bool) -> None:
+    """Delete the application (replicas drain), stop Serve, and stop Ray if we started it."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def ready_message(config: CleaveConfig, model_name: str) -> str:
+    r = config.router
+    host = "127.0.0.1" if r.host in ("0.0.0.0", "::") else r.host
+    auth = ' -H "Authorization: Bearer $CLEAVE_API_KEY"' if (r.api_keys or r.api_keys_env) else ""
+    return (f"Cleave is serving {model_name}\n"
+            f"  OpenAI HTTP: http://{host}:{r.http_port}/v1\n"
+            f"  gRPC:        {host}:{r.grpc_port} (cleave.v1.Generation)\n"
+            f"Try:\n"
+            f"  curl http://{host}:{r.http_port}/v1/chat/completions{auth} "
+            f"-H 'Content-Type: application/json' -d '{{\"model\": \"{model_name}\", "
+            f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            f"\"max_tokens\": 32}}'")
+
+
+def serve_forever(config: CleaveConfig, *, num_cpus: float | None = None) -> int:
+    """`cleave serve`: deploy, print the addresses, serve until SIGINT/SIGTERM, clean up."""
+    stop = threading.Event()
+
+    def say(line: str) -> None:
+        print(f"cleave: {line}", file=sys.stderr, flush=True)
+
+    say("starting Ray and the application (the model loads in each pool replica)")
+    started_ray = _connect(num_cpus)
+    # after ray.init, which installs handlers of its own
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deploy(config, progress=say, stop=stop)
+        if not stop.is_set():
+            print(ready_message(config, model_name(config)), flush=True)
+        while not stop.wait(0.5):
+            pass
+        say("shutting down")
+        return 0
+    finally:
+        shutdown(started_ray)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def model_name(config: CleaveConfig) -> str:
+    from pathlib import Path
+
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    if config.model.path is None:
+        from workers.make_model import default_model_path
+
+        return default_model_path().name
+    return Path(config.model.path).resolve().name
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cluster.launch --config FILE [--block]`: deploy to the Ray cluster in
+    `RAY_ADDRESS` (a Ray job's driver), then return, or with `--block` serve until signalled."""
+    parser = argparse.ArgumentParser(prog="python -m cluster.launch", description=main.__doc__)
+    parser.add_argument("--config", required=True, help="a Cleave config YAML file")
+    parser.add_argument("--block", action="store_true",
+                        help="keep serving until SIGINT/SIGTERM, then take the app down")
+    args = parser.parse_args(argv)
+    try:
+        config = CleaveConfig.from_yaml(args.config)
+    except ConfigError as exc:
+        print(f"cluster.launch: error: {exc}", file=sys.stderr)
+        return 2
+    if args.block:
+        return serve_forever(config)
+    deploy(config, progress=lambda line: print(f"cleave: {line}", file=sys.stderr, flush=True))
+    print(ready_message(config, model_name(config)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

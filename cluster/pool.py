@@ -1,0 +1,127 @@
+"""A worker pool's Serve replica: one worker group, its engine actor, its lifecycle.
+
+Serve owns the replica (how many, where, restarts, health checks, scale-down); the replica owns
+an `EngineActor` started in its placement group, registers it in the `Directory`, reports the
+pool's load signals for autoscaling, and drains before it goes: marked draining, routers send
+it nothing new, its in-flight requests finish (past `drain_timeout_s` they fail over to another
+worker as a failed worker's would), then the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+from ray import serve
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import POOL_ROLES, CleaveConfig
+from cluster.directory import HEARTBEAT_S, WorkerEntry
+from cluster.engine_actor import EngineActor, EngineSpec
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+DIRECTORY_TIMEOUT_S = 2.0
+
+
+def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
+    """What one replica of `pool` runs, from the deployment's config."""
+    settings = getattr(config.pools, pool)
+    m = config.model
+    model_path = m.path
+    if model_path is None:
+        from workers.make_model import default_model_path
+
+        model_path = str(default_model_path())
+    engine = {"model": model_path, "dtype": m.dtype, "load_format": m.load_format,
+              "max_model_len": m.max_model_len, **settings.engine.engine_options()}
+    if settings.gpus_per_rank == 0:
+        engine["device"] = "cpu"
+    threads = max(1, int(settings.cpus_per_rank)) if settings.gpus_per_rank == 0 else None
+    kv = config.kv_transfer
+    return EngineSpec(worker_id, POOL_ROLES[pool], engine, kv.transport, kv.lease_s,
+                      kv.pull_timeout_s, torch_threads=threads)
+
+
+class WorkerReplica:
+    """The Serve deployment class of every pool (bound once per pool, named `pool-<name>`)."""
+
+    async def __init__(self, config: dict[str, Any], pool: str, directory: Any) -> None:
+        self.config = CleaveConfig.parse(config)
+        self.pool = pool
+        self.settings = getattr(self.config.pools, pool)
+        self.directory = directory
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.worker_id = f"{pool}-{replica}"
+        s = self.settings
+        options: dict[str, Any] = {"num_cpus": s.cpus_per_rank, "num_gpus": s.gpus_per_rank,
+                                   "max_concurrency": 10_000}
+        pg = ray.util.get_current_placement_group()
+        if pg is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0)
+        self.actor = ray.remote(EngineActor).options(**options).remote(
+            engine_spec(self.config, pool, self.worker_id))
+        info = await self.actor.ready.remote()  # the model is loaded
+        self.entry = WorkerEntry(self.worker_id, pool, POOL_ROLES[pool], self.actor,
+                                 info["node_id"])
+        await self.directory.register.remote(self.entry)
+        self._draining = False
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+        logger.info("worker %s (%s) ready on node %s", self.worker_id, pool, info["node_id"])
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await self.directory.register.remote(self.entry)
+            except Exception as exc:  # the directory restarting: the next beat re-registers
+                logger.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
+
+    async def check_health(self) -> None:
+        """Serve restarts the replica when this raises: a dead or broken engine."""
+        healthy = await asyncio.wait_for(self.actor.health.remote(), HEALTH_TIMEOUT_S)
+        if not healthy:
+            raise RuntimeError(f"worker {self.worker_id}: the engine is not healthy")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """This replica's load, read by `cluster.autoscaling.PoolPolicy`."""
+        s = await self.actor.stats.remote()
+        return {"pending_prompt_tokens": float(s["num_pending_prompt_tokens"]),
+                "kv_usage": float(s["kv_usage"]),
+                "running_seqs": float(s["num_running"] + s["num_waiting"])}
+
+    async def describe(self) -> dict[str, Any]:
+        """The replica's worker id, pool, node and load (`cleave status`)."""
+        return {"worker_id": self.worker_id, "pool": self.pool, "node_id": self.entry.node_id,
+                "draining": self._draining, **await self.actor.stats.remote()}
+
+    async def __del__(self) -> None:
+        """Serve is removing this replica (scale-down, redeploy, shutdown): drain, then stop."""
+        self._draining = True
+        self._heartbeat.cancel()
+        a = self.settings.autoscaling
+        try:
+            # bounded: when the whole app goes, the directory may already be gone
+            await asyncio.wait_for(self.directory.set_draining.remote(self.worker_id),
+                                   DIRECTORY_TIMEOUT_S)
+            # routers read the directory every kv_poll_interval_s: let them all see it
+            await asyncio.sleep(2 * self.config.router.kv_poll_interval_s + 0.5)
+            left = await self.actor.wait_idle.remote(a.drain_timeout_s)
+            if left:
+                logger.warning("worker %s: %d requests still running after %.0fs of draining; "
+                               "they move to other workers", self.worker_id, left,
+                               a.drain_timeout_s)
+            await self.actor.shutdown.remote()
+        except Exception as exc:  # going away regardless
+            logger.warning("worker %s: draining failed: %s", self.worker_id, exc)
+        finally:
+            try:
+                await asyncio.wait_for(self.directory.deregister.remote(self.worker_id),
+                                       DIRECTORY_TIMEOUT_S)
+            except Exception:  # the directory may be going away too
+                pass
+            ray.kill(self.actor)

@@ -1,0 +1,30 @@
+"""The Ray Serve config file for a Cleave deployment (`cleave build-serve-config`, the Helm
+chart's `serveConfigV2`): the proxies' HTTP and gRPC options and one application whose `args`
+are the Cleave config, built by `cluster.app:build_app`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from cluster.config import CleaveConfig
+
+GRPC_SERVICER = "router.proto.cleave.v1.generate_pb2_grpc.add_GenerationServicer_to_server"
+IMPORT_PATH = "cluster.app:build_app"
+
+
+def build_serve_config(config: CleaveConfig, app_name: str = "cleave") -> dict[str, Any]:
+    """What `serve deploy` reads. The proxies bind `router.host`."""
+    r = config.router
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": r.host, "port": r.http_port},
+        "grpc_options": {"port": r.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        "applications": [{"name": app_name, "route_prefix": "/", "import_path": IMPORT_PATH,
+                          "args": config.to_dict()}],
+    }
+
+
+def serve_config_yaml(config: CleaveConfig, app_name: str = "cleave") -> str:
+    return yaml.safe_dump(build_serve_config(config, app_name), sort_keys=False)

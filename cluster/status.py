@@ -1,0 +1,65 @@
+"""`cleave status`: a running deployment's pools, replicas, load and routing figures.
+
+Replica counts come from Serve; each worker's queue, running sequences and KV occupancy, and the
+router's prefix-hit rates, from one router replica (`RouterIngress.status`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from cluster.launch import APP_NAME
+
+
+def cluster_status(address: str | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Raises `ValueError` when no Cleave application runs at the address."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto",
+                 log_to_driver=False)
+    app = serve.status().applications.get(APP_NAME)
+    if app is None:
+        raise ValueError(f"no Cleave application ({APP_NAME!r}) is running on this Ray cluster")
+    deployments = {name: {"status": d.status.value,
+                          "replicas": {str(k).split(".")[-1].lower(): v
+                                       for k, v in d.replica_states.items()}}
+                   for name, d in app.deployments.items()}
+    router = serve.get_deployment_handle("router", app_name=APP_NAME)
+    seen = router.status.remote().result(timeout_s=timeout_s)
+    prompt = seen["num_prompt_tokens"]
+    return {"application": app.status.value, "deployments": deployments, **seen,
+            "predicted_prefix_hit_rate": seen["num_predicted_cached_tokens"] / prompt
+            if prompt else None,
+            "prefix_hit_rate": seen["num_cached_tokens"] / prompt if prompt else None}
+
+
+def format_status(s: dict[str, Any]) -> str:
+    lines = [f"application {APP_NAME}: {s['application'].lower()}, model {s['model']}"]
+    for name, d in sorted(s["deployments"].items()):
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(d["replicas"].items()))
+        lines.append(f"  {name:<16} {d['status'].lower():<10} {counts}")
+    lines.append("workers (as router replica " + s["router"] + " sees them):")
+    lines.append(f"  {'worker':<24} {'role':<8} {'state':<9} {'waiting':>7} {'running':>7} "
+                 f"{'kv used':>8}")
+    for w in s["workers"]:
+        state = "draining" if w["draining"] else ("ok" if w["healthy"] else "down")
+        kv = "-" if w["kv_usage"] is None else f"{100 * w['kv_usage']:.1f}%"
+        lines.append(f"  {w['worker_id']:<24} {w['role']:<8} {state:<9} "
+                     f"{_num(w['num_waiting']):>7} {_num(w['num_running']):>7} {kv:>8}")
+    hit = s["prefix_hit_rate"]
+    predicted = s["predicted_prefix_hit_rate"]
+    lines.append(f"requests {s['num_requests']}, prompt tokens {s['num_prompt_tokens']}, "
+                 f"prefix hit {_pct(hit)} (predicted {_pct(predicted)}), "
+                 f"fallbacks {s['fallbacks'] or 'none'}")
+    return "\n".join(lines)
+
+
+def _num(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"

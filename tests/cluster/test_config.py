@@ -1,0 +1,153 @@
+"""The cluster config: defaults that run, errors in the user's terms, one source for every
+deployment path (flags, YAML, Serve config)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+from cluster.autoscaling import PoolPolicy, Targets, desired_replicas
+from cluster.config import CleaveConfig, ConfigError
+from cluster.flags import add_cluster_flags, config_from_args
+from cluster.serve_config import build_serve_config
+
+
+def parse(**sections):
+    return CleaveConfig.parse(sections)
+
+
+def test_the_default_is_one_prefill_and_one_decode_replica_of_the_embedded_model():
+    c = CleaveConfig()
+    assert [name for name, _ in c.pools.items()] == ["prefill", "decode"]
+    assert c.model.path is None
+    assert (c.router.http_port, c.router.grpc_port) == (8000, 50051)
+    assert CleaveConfig.parse(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"pools": {"decode": {"tp": 0}}}, "pools.decode.tp: Input should be greater than or equal to 1 (got 0)"),
+    ({"pools": {"decode": {}, "decoder": {}}}, "pools.decoder: unknown field"),
+    ({"pools": {"prefill": {}}}, "needs a decode pool"),
+    ({"pools": {"aggregated": {}, "decode": {}}}, "either an aggregated pool or prefill/decode"),
+    ({"pools": {"decode": {"replicas": {"min": 3, "max": 2}}}}, "min=3 is more than max=2"),
+    ({"pools": {"decode": {"replicas": {"min": -1}}}}, "pools.decode.replicas.min"),
+    ({"pools": {"decode": {"tp": 4, "ep": 3}}}, "ep=3 must divide tp=4"),
+    ({"pools": {"prefill": {"engine": {"block_size": 32}}, "decode": {}}}, "same engine.block_size"),
+    ({"pools": {"decode": {"engine": {"block_size": 24}}}}, "pools.decode.engine.block_size"),
+    ({"router": {"http_port": 9000, "grpc_port": 9000}}, "http_port and grpc_port are both 9000"),
+    ({"router": {"policy": "random"}}, "router.policy"),
+    ({"router": {"policy_weights": {"w_hot": 1}}}, "unknown policy_weights ['w_hot']"),
+    ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport"),
+    ({"model": {"dtype": "float8"}}, "model.dtype"),
+])
+def test_bad_configs_name_the_field_and_the_reason(sections, message):
+    with pytest.raises(ConfigError) as err:
+        CleaveConfig.parse(sections)
+    assert message in str(err.value)
+
+
+def test_pool_shapes_are_checked_against_the_model(tiny_model):
+    from workers.model_config import ModelConfig
+
+    model = ModelConfig.from_pretrained(tiny_model)
+    ok = parse(pools={"decode": {"tp": model.num_key_value_heads}})
+    ok.check_against_model(model)
+    bad = parse(pools={"decode": {"tp": 3, "pp": model.num_hidden_layers + 1, "ep": 1}},
+                model={"max_model_len": model.max_position_embeddings + 1})
+    with pytest.raises(ConfigError) as err:
+        bad.check_against_model(model)
+    text = str(err.value)
+    assert f"pools.decode.tp=3 does not divide the model's {model.num_key_value_heads} KV heads" in text
+    assert f"pools.decode.pp={model.num_hidden_layers + 1} is more than the model's" in text
+    assert "model.max_model_len" in text
+
+
+def test_yaml_files_load_and_unreadable_ones_say_why(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"pools": {"aggregated": {"replicas": {"min": 2, "max": 2}}}}))
+    assert CleaveConfig.from_yaml(path).pools.aggregated.replicas.start == 2
+    path.write_text("pools: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        CleaveConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        CleaveConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def _flags(*argv):
+    p = argparse.ArgumentParser()
+    add_cluster_flags(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_vllm_flag_names_override_the_config_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "/models/a", "dtype": "float16"},
+                                    "pools": {"decode": {"replicas": {"min": 1, "max": 3}}}}))
+    c = _flags("--config", str(path), "--served-model-name", "m", "--max-model-len", "512",
+               "--tensor-parallel-size", "2", "--block-size", "32", "--max-num-seqs", "8",
+               "--api-key", "k", "--port", "9000", "--device", "cpu")
+    assert c.model.path == "/models/a" and c.model.dtype == "float16"  # kept from the file
+    assert c.model.served_model_name == "m" and c.model.max_model_len == 512
+    assert c.pools.decode.tp == 2 and c.pools.decode.engine.block_size == 32
+    assert c.pools.decode.replicas.max == 3 and c.pools.prefill is None
+    assert c.router.api_keys == ["k"] and c.router.http_port == 9000
+    agg = _flags("--num-workers", "2", "--device", "cpu")
+    assert [n for n, _ in agg.pools.items()] == ["aggregated"]
+    with pytest.raises(ConfigError, match="--num-workers=2"):
+        _flags("--num-workers", "2", "--decode-workers", "1")
+
+
+def test_the_serve_config_is_one_ray_serve_accepts():
+    from ray.serve.schema import ServeDeploySchema
+
+    c = parse(router={"host": "0.0.0.0", "http_port": 8080, "grpc_port": 9090})
+    serve_config = build_serve_config(c)
+    schema = ServeDeploySchema.model_validate(serve_config)
+    assert schema.http_options.port == 8080 and schema.grpc_options.port == 9090
+    app = serve_config["applications"][0]
+    assert CleaveConfig.parse(app["args"]) == c
+
+
+def test_the_application_builds_without_ray_running():
+    import ray
+
+    from cluster.app import build_app, pool_deployment_options
+
+    assert not ray.is_initialized()
+    build_app(CleaveConfig().to_dict())
+    c = parse(pools={"decode": {"tp": 2, "pp": 2, "gpus_per_rank": 1, "cpus_per_rank": 2,
+                                "resources": {"cleave_pool_decode": 1},
+                                "replicas": {"min": 1, "max": 4}}})
+    options = pool_deployment_options("decode", c.pools.decode)
+    assert options["placement_group_bundles"] == [
+        {"CPU": 2, "GPU": 1, "cleave_pool_decode": 1}] * 4
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    scaling = options["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
+    assert scaling["policy"]["policy_function"] == "cluster.autoscaling:PoolPolicy"
+
+
+@pytest.mark.parametrize("current, total, want", [
+    (1, 0.0, 0),  # idle: as few as Serve's min allows
+    (1, 3.0, 3),  # 3 replicas' worth of load
+    (2, 2.0, 2),  # exactly on target: stay
+    (3, 2.2, 3),  # below target, inside the hysteresis band: stay
+    (3, 1.5, 2),  # below the band: shrink to what carries it with headroom
+])
+def test_desired_replicas_follow_load_with_hysteresis(current, total, want):
+    assert desired_replicas(current, {"running_seqs": total},
+                            Targets({"running_seqs": 1.0}, hysteresis=0.2)) == want
+
+
+def test_the_decode_policy_takes_the_signal_that_asks_for_more():
+    class Ctx:
+        current_num_replicas = 1
+        policy_state: dict = {}
+        aggregated_metrics = {"kv_usage": {"r1": 0.9}, "running_seqs": {"r1": 1.0}}
+
+    policy = PoolPolicy({"kv_usage": 0.5, "running_seqs": 8.0})
+    assert policy(Ctx())[0] == 2  # KV occupancy 0.9 against 0.5 per replica
+    with pytest.raises(ValueError, match="unknown autoscaling signals"):
+        PoolPolicy({"gpu_temperature": 80.0})
