@@ -185,6 +185,9 @@ class RouterSettings(_Strict):
     max_n: int = Field(16, ge=1, description="Samples per request at most.")
     kv_poll_interval_s: float = Field(0.5, gt=0, description=(
         "How often the router reads the workers' KV events and loads."))
+    migration_wait_s: float = Field(120.0, ge=0, description=(
+        "A stream whose decode worker died waits this long for another one (a pool that "
+        "lost its only replica gets it replaced) before it fails."))
 
     @model_validator(mode="after")
     def _ports(self) -> RouterSettings:

@@ -41,6 +41,7 @@ def router_config(config: CleaveConfig, model_path: str) -> RouterConfig:
                         policy_options=tuple(sorted(r.policy_weights.items())),
                         max_in_flight=r.max_in_flight, max_n=r.max_n,
                         kv_poll_interval_s=r.kv_poll_interval_s,
+                        migration_wait_s=r.migration_wait_s,
                         disagg_threshold_tokens=r.disagg_threshold_tokens)
 
 
@@ -132,19 +133,16 @@ class RouterIngress:
 
     # ---- gRPC (`cleave.v1.Generation`, through Serve's gRPC proxy) -------------------------
 
+    # An error sets the status on Serve's context and raises `_Aborted`: Serve's proxy sends
+    # the status set before an exception (not INTERNAL).
+
     async def Generate(self, request: pb.GenerateRequest,
                        grpc_context: Any) -> AsyncIterator[pb.GenerateResponse]:
-        try:
-            async for response in self.grpc.Generate(request, _ServeGrpcContext(grpc_context)):
-                yield response
-        except _Aborted:
-            return
+        async for response in self.grpc.Generate(request, _ServeGrpcContext(grpc_context)):
+            yield response
 
     async def Models(self, request: pb.ModelsRequest, grpc_context: Any) -> pb.ModelsResponse:
-        try:
-            return await self.grpc.Models(request, _ServeGrpcContext(grpc_context))
-        except _Aborted:
-            return pb.ModelsResponse()
+        return await self.grpc.Models(request, _ServeGrpcContext(grpc_context))
 
     async def Health(self, request: pb.HealthRequest, grpc_context: Any) -> pb.HealthResponse:
         return await self.grpc.Health(request, _ServeGrpcContext(grpc_context))
@@ -165,8 +163,12 @@ class RouterIngress:
                             "num_waiting": load.num_waiting if load else None,
                             "num_running": load.num_running if load else None,
                             "kv_usage": load.kv_usage if load else None})
+        nodes = {e.worker_id: e.node_id for e in await self.directory.entries.remote()}
+        for w in workers:
+            w["node_id"] = nodes.get(w["worker_id"])
         return {"router": self.subscriber, "model": r.model_name, "workers": workers,
-                "num_requests": c.num_requests, "num_prompt_tokens": c.num_prompt_tokens,
+                "num_requests": c.num_requests, "num_disaggregated": c.num_disaggregated,
+                "aggregated": dict(c.aggregated), "num_prompt_tokens": c.num_prompt_tokens,
                 "num_predicted_cached_tokens": c.num_predicted_cached_tokens,
                 "num_cached_tokens": c.num_cached_tokens, "fallbacks": dict(c.fallbacks)}
 

@@ -56,7 +56,7 @@ def _statuses() -> str:
 
 def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
            progress: Callable[[str], None] | None = None,
-           stop: threading.Event | None = None) -> bool:
+           stop: threading.Event | None = None, proxy_location: str = "EveryNode") -> bool:
     """Deploy the application and wait until it runs (or `stop` is set); True when this
     process started Ray. Raises `RuntimeError` (with Serve's message) when it fails to deploy."""
     import ray
@@ -66,7 +66,8 @@ def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
 
     started_ray = _connect(num_cpus)
     r = config.router
-    serve.start(http_options={"host": r.host, "port": r.http_port},
+    serve.start(proxy_location=proxy_location,
+                http_options={"host": r.host, "port": r.http_port},
                 grpc_options={"port": r.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     error: list[BaseException] = []
 

@@ -45,7 +45,7 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert bad.returncode == 2 and "max_tokens" in bad.stderr
 
 
-def test_serve_answers_the_openai_client_then_stops(tmp_path, tiny_model):
+def test_serve_in_process_answers_the_openai_client_then_stops(tmp_path, tiny_model):
     import os
     import signal
     import socket
@@ -59,7 +59,8 @@ def test_serve_answers_the_openai_client_then_stops(tmp_path, tiny_model):
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     env = dict(os.environ, CLEAVE_CACHE_DIR=str(tmp_path))
-    proc = subprocess.Popen([CLEAVE, "serve", "--model", tiny_model, "--port", str(ports[0]),
+    proc = subprocess.Popen([CLEAVE, "serve", "--in-process", "--model", tiny_model,
+                             "--port", str(ports[0]),
                              "--grpc-port", str(ports[1]), "--api-key", "k1",
                              "--prefill-workers", "1", "--decode-workers", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,0 +1,207 @@
+"""The Cleave application on a local Ray: the official clients against the Serve deployment,
+greedy outputs equal to the offline engine's, a replica killed mid-stream, autoscaling under a
+burst and back, with no failed request anywhere."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import openai
+import pytest
+
+from tests.cluster.conftest import (
+    app_config,
+    directory_entries,
+    router_status,
+    running_replicas,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+LONG = "the quick brown fox jumps over the lazy dog and keeps running far away "  # > threshold
+PROMPTS = ["Hello, my name is", LONG * 3, "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19",
+           LONG * 6 + "finally"]
+MAX_TOKENS = 24
+
+
+def autoscaling(**targets):
+    return {"upscale_delay_s": 0.5, "downscale_delay_s": 4.0, "metrics_interval_s": 0.5,
+            "drain_timeout_s": 30.0, **targets}
+
+
+@pytest.fixture(scope="module")
+def app(local_ray, tiny_model):
+    from cluster.config import CleaveConfig
+    from cluster.launch import deploy
+
+    pool = {"cpus_per_rank": 0.25, "replicas": {"min": 1, "max": 2}}
+    config = CleaveConfig.parse(app_config(tiny_model, pools={
+        # a small token budget keeps prompts queued long enough to be seen by the autoscaler
+        "prefill": {**pool, "engine": {"num_blocks": 256, "max_num_batched_tokens": 64},
+                    "autoscaling": autoscaling(target_waiting_tokens=256)},
+        "decode": {**pool, "engine": {"num_blocks": 512},
+                   "autoscaling": autoscaling(target_running_seqs=4, target_kv_usage=0.9)}}))
+    deploy(config, proxy_location="HeadOnly")
+    yield config
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    """What the offline engine writes for each prompt, greedily."""
+    from workers import LLM, SamplingParams
+
+    llm = LLM(tiny_model)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return {p: out.outputs[0].text for p, out in zip(PROMPTS, llm.generate(PROMPTS, params))}
+
+
+def client(config, timeout=60.0):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{config.router.http_port}/v1",
+                         api_key="unused", max_retries=0, timeout=timeout)
+
+
+def complete(c, prompt, stream=False):
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    if not stream:
+        return c.completions.create(**kwargs).choices[0].text
+    return "".join(chunk.choices[0].text for chunk in c.completions.create(stream=True, **kwargs)
+                   if chunk.choices)
+
+
+def test_the_openai_client_gets_the_offline_engines_greedy_output(app, expected):
+    c = client(app)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    for prompt in PROMPTS:
+        assert complete(c, prompt) == expected[prompt], prompt
+        assert complete(c, prompt, stream=True) == expected[prompt], prompt
+    status = router_status()
+    # the long prompts went prefill -> decode once; repeated, the decode worker has them cached
+    assert status["num_disaggregated"] >= 2
+    assert status["aggregated"].get("short_prompt", 0) >= 4
+    chat = c.chat.completions.create(model="tiny", max_tokens=4,
+                                     messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x", max_tokens=1)
+
+
+def test_grpc_generate_runs_through_serves_grpc_proxy(app, expected):
+    from router.proto.cleave.v1 import generate_pb2 as pb
+    from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{app.router.grpc_port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        metadata = (("application", "cleave"),)
+        request = pb.GenerateRequest(model="tiny", text=PROMPTS[1], sampling=pb.SamplingParameters(
+            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        text = "".join(r.text for r in stub.Generate(request, metadata=metadata, timeout=60))
+        assert text == expected[PROMPTS[1]]
+        models = stub.Models(pb.ModelsRequest(), metadata=metadata, timeout=30)
+        assert [m.id for m in models.models] == ["tiny"]
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), metadata=metadata,
+                               timeout=30))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _streams(config, prompts, results, errors, started: threading.Barrier | None = None):
+    def one(i, prompt):
+        try:
+            c = client(config, timeout=120)
+            text = ""
+            for chunk in c.completions.create(model="tiny", prompt=prompt, stream=True,
+                                              max_tokens=MAX_TOKENS, temperature=0.0,
+                                              extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].text and not text and started:
+                    started.wait(60)
+                text += chunk.choices[0].text if chunk.choices else ""
+            results[i] = text
+        except Exception as exc:  # reported by the test
+            errors.append(f"stream {i}: {exc!r}")
+            if started:
+                started.abort()
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_a_replica_killed_during_16_streams_loses_no_stream_and_the_pool_recovers(
+        app, expected):
+    import ray
+
+    prompts = [PROMPTS[1] if i % 2 else PROMPTS[3] for i in range(16)]  # disaggregated ones
+    results: dict[int, str] = {}
+    errors: list[str] = []
+    started = threading.Barrier(17)  # every stream has its first token, then the kill
+    threads = _streams(app, prompts, results, errors, started)
+    started.wait(120)
+    before = {e.worker_id for e in directory_entries() if e.pool == "decode"}
+    victim = next(name for name in _replica_actor_names() if "#pool-decode#" in name)
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(180)
+    assert not errors
+    assert all(results[i] == expected[p] for i, p in enumerate(prompts))
+    assert router_status()["fallbacks"].get("decode_worker_failed", 0) >= 1
+    # Serve replaces the replica; the routers pick its worker up from the directory
+    wait_for(lambda: {e.worker_id for e in directory_entries()
+                      if e.pool == "decode"} - before, 120, "a new decode worker")
+    wait_for(lambda: running_replicas("pool-decode") >= 1, 120, "pool-decode running")
+    assert complete(client(app), PROMPTS[3]) == expected[PROMPTS[3]]
+
+
+def _replica_actor_names() -> list[str]:
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::cleave#")]
+
+
+def test_a_burst_scales_both_pools_up_and_back_down_without_failing_a_request(app):
+    stop = threading.Event()
+    errors: list[str] = []
+    done = [0]
+
+    def load(i):
+        c = client(app, timeout=120)
+        n = 0
+        while not stop.is_set():
+            prompt = f"client {i} request {n} " + LONG * 4  # distinct: no prefix-cache hits
+            try:
+                out = c.completions.create(model="tiny", prompt=prompt, max_tokens=16,
+                                           temperature=0.0, extra_body={"ignore_eos": True})
+                assert out.usage.completion_tokens == 16
+                done[0] += 1
+            except Exception as exc:  # reported by the test
+                errors.append(repr(exc))
+            n += 1
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: running_replicas("pool-prefill") == 2
+                 and running_replicas("pool-decode") == 2, 180, "both pools at 2 replicas")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(180)
+    wait_for(lambda: running_replicas("pool-prefill") == 1
+             and running_replicas("pool-decode") == 1, 180, "both pools back at 1 replica")
+    assert not errors, errors[:3]
+    assert done[0] > 0
+    assert complete(client(app), PROMPTS[0])  # still serving after the scale-down
+
+
+def test_a_broken_engine_fails_its_health_check_and_is_replaced(app, expected):
+    victim = next(e for e in directory_entries() if e.pool == "prefill")
+    victim.actor.mark_broken.remote("test: the engine is broken")
+    wait_for(lambda: victim.worker_id not in {e.worker_id for e in directory_entries()},
+             120, "the broken prefill worker to be replaced")
+    wait_for(lambda: running_replicas("pool-prefill") >= 1, 120, "pool-prefill running")
+    assert complete(client(app), PROMPTS[1]) == expected[PROMPTS[1]]
