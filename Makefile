@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 serve: $(STAMP)
-	$(VENV)/bin/cleave generate
+	$(VENV)/bin/cleave serve
 
 clean:
 	rm -rf $(VENV)

@@ -81,6 +81,13 @@ def test_the_openai_client_gets_the_offline_engines_greedy_output(app, expected)
     # the long prompts went prefill -> decode once; repeated, the decode worker has them cached
     assert status["num_disaggregated"] >= 2
     assert status["aggregated"].get("short_prompt", 0) >= 4
+    from cluster.status import cluster_status, format_status
+
+    report = cluster_status()  # what `cleave status` prints
+    assert set(report["deployments"]) == {"directory", "pool-prefill", "pool-decode", "router"}
+    assert report["prefix_hit_rate"] is not None and report["prefix_hit_rate"] > 0
+    text = format_status(report)
+    assert "pool-decode" in text and "prefix hit" in text
     chat = c.chat.completions.create(model="tiny", max_tokens=4,
                                      messages=[{"role": "user", "content": "hi"}])
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
