@@ -23,6 +23,7 @@ from router.errors import (
     OverloadedError,
     WorkerUnavailableError,
 )
+from router.metrics import RouterMetrics
 from router.orchestrator import Generation, Orchestrator
 from router.policy import WorkerLoad, get_policy
 from router.prefix_index import PrefixIndex
@@ -41,6 +42,7 @@ class RouterConfig:
     served_model_name: str | None = None  # default: the model folder's name
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     policy: str = "prefix_aware"
+    policy_options: tuple[tuple[str, float], ...] = ()  # (name, value): the policy's weights
     max_in_flight: int = 256  # requests admitted at once; more get 429
     max_body_bytes: int = 16 * 1024**2  # larger HTTP bodies get 413
     max_n: int = 16  # samples per request at most
@@ -51,9 +53,13 @@ class RouterConfig:
     prefill_retries: int = 2  # other prefill workers tried after a failed prefill
     # times a stream moves to another decode-pool worker after the one streaming it failed
     migration_retries: int = 2
+    # how long a stream whose worker failed waits for a decode-pool worker to move to (a
+    # cluster's pool replaces its lost replicas); 0: fail at once when none is healthy
+    migration_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("disagg_threshold_tokens", "prefill_retries", "migration_retries"):
+        for name in ("disagg_threshold_tokens", "prefill_retries", "migration_retries",
+                     "migration_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s"):
@@ -111,12 +117,14 @@ class Router:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model_path)
         self.clients = {c.worker_id: c for c in clients}
-        self.policy = get_policy(config.policy)
+        self.policy = get_policy(config.policy, **dict(config.policy_options))
         self.index = PrefixIndex()
         self.counters = RouterCounters()
+        self.metrics = RouterMetrics(self)
         self.orchestrator = Orchestrator(self)
         self.in_flight = 0
         self._healthy = {wid: True for wid in self.clients}
+        self.draining: set[str] = set()  # workers routed no new requests (being removed)
         self._infos: dict[str, WorkerInfo] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # one poll per worker at a time, so its events are applied in the order they were drained
@@ -217,13 +225,18 @@ class Router:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None,
-                       request_id: str | None = None) -> Generation:
+                       request_id: str | None = None, frontend: str = "other") -> Generation:
         """Route and submit a request (aggregated or split between a prefill and a decode
         worker: `router.orchestrator`); returns once its first token arrived. Raises
-        `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`."""
+        `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`. `frontend` (http,
+        grpc) labels its metrics; errors raised here are for the caller to count
+        (`metrics.count_error`)."""
+        started = time.monotonic()
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         req = WorkerRequest(rid, tuple(prompt_token_ids), params, cache_salt)
-        return await self.orchestrator.generate(req)
+        gen = await self.orchestrator.generate(req)
+        gen.record = self.metrics.record(gen, started, frontend)
+        return gen
 
     def pool(self, *roles: WorkerRole) -> list[str]:
         """Ids of the workers serving one of `roles` (healthy or not)."""
@@ -238,12 +251,49 @@ class Router:
                 self._healthy[wid] = False
                 return WorkerLoad(wid, 0, 0, 1.0, healthy=False)
             self._healthy[wid] = True
-            return WorkerLoad(wid, s.num_waiting, s.num_running, s.kv_usage)
+            # a draining worker finishes what it holds but takes nothing new
+            return WorkerLoad(wid, s.num_waiting, s.num_running, s.kv_usage,
+                              healthy=wid not in self.draining)
 
-        return list(await asyncio.gather(*(load(w, c) for w, c in self.clients.items())))
+        clients = list(self.clients.items())  # the set may change while we wait
+        return list(await asyncio.gather(*(load(w, c) for w, c in clients)))
 
     def healthy_workers(self) -> list[str]:
-        return [wid for wid, ok in self._healthy.items() if ok]
+        return [wid for wid, ok in self._healthy.items() if ok and wid not in self.draining]
+
+    # ---- membership (a cluster's pools grow, shrink and restart) ----------------------------
+
+    async def add_worker(self, client: WorkerClient) -> None:
+        """Start routing to a new worker: read its description, seed the index from its
+        snapshot. Raises `ValueError` when it serves the model differently from the others."""
+        wid = client.worker_id
+        if wid in self.clients:
+            raise ValueError(f"worker {wid!r} is already routed to")
+        info = await client.info()
+        if self._infos:
+            mine = (self.block_size, self.max_model_len, self._info.vocab_size)
+            theirs = (info.block_size, info.max_model_len, info.vocab_size)
+            if theirs != mine:
+                raise ValueError(f"worker {wid!r} serves (block_size, max_model_len, "
+                                 f"vocab_size)={theirs}; the others serve {mine}")
+        self.clients[wid] = client
+        self._infos[wid] = info
+        self._healthy[wid] = True
+        self._poll_locks[wid] = asyncio.Lock()
+        await self._resync(wid)
+
+    async def remove_worker(self, worker_id: str) -> None:
+        """Stop routing to a worker that is gone; streams it still serves fail over as a
+        failed worker's would. Closes its client."""
+        client = self.clients.pop(worker_id, None)
+        if client is None:
+            return
+        self._infos.pop(worker_id, None)
+        self._healthy.pop(worker_id, None)
+        self._poll_locks.pop(worker_id, None)
+        self.draining.discard(worker_id)
+        self.index.remove_worker(worker_id)
+        await client.close()
 
     async def check_health(self) -> list[str]:
         """Ask every worker; returns the healthy ones' ids."""
@@ -253,7 +303,7 @@ class Router:
             except (WorkerUnavailableError, asyncio.TimeoutError):
                 self._healthy[wid] = False
 
-        await asyncio.gather(*(ask(w, c) for w, c in self.clients.items()))
+        await asyncio.gather(*(ask(w, c) for w, c in list(self.clients.items())))
         return self.healthy_workers()
 
     # ---- the prefix index ------------------------------------------------------------------
@@ -264,7 +314,9 @@ class Router:
         task.add_done_callback(self._tasks.discard)
 
     async def _poll_worker(self, worker_id: str) -> None:
-        client = self.clients[worker_id]
+        client = self.clients.get(worker_id)
+        if client is None:  # removed meanwhile
+            return
         try:
             async with self._poll_locks[worker_id]:
                 self.index.apply(worker_id, await client.kv_events())
@@ -281,7 +333,7 @@ class Router:
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.kv_poll_interval_s)
-            for wid in self.clients:
+            for wid in list(self.clients):
                 try:
                     await self._poll_worker(wid)
                 except Exception:  # the poller must outlive one bad poll

@@ -85,10 +85,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             router.check_n(params.n)
             slot = router.admit()
             gen = await router.generate(ids, params, request.cache_salt or None,
-                                        request.request_id or None)
+                                        request.request_id or None, frontend="grpc")
             async for event in gen.events():
                 yield _response(event, gen)
         except APIError as exc:
+            if gen is None:  # one that streamed was counted by its record
+                router.metrics.count_error("grpc", exc)
             await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
         finally:
             if gen is not None:

@@ -30,10 +30,13 @@ a disaggregated deployment by reason in `Router.counters.aggregated`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from router.errors import BadRequestError, NoHealthyWorkerError, WorkerUnavailableError
+from router.metrics import NULL_RECORD, NullRecord, error_reason
 from router.policy import Decision, NoHealthyWorker, RoutingPolicy, WorkerLoad, get_policy
 from router.worker_client import (
     HandoffWorkerClient,
@@ -51,12 +54,14 @@ logger = logging.getLogger(__name__)
 
 PREFILL_POOL = (WorkerRole.PREFILL,)
 DECODE_POOL = (WorkerRole.DECODE, WorkerRole.BOTH)
+MIGRATION_POLL_S = 0.25  # how often a stream waiting to migrate looks for a worker again
 
 
 class Generation:
     """One request submitted to its worker(s). `events()` yields its token events (the first one
     has already arrived when the `Generation` is returned); `aclose()` aborts what is left.
-    `worker_id` sampled the first token; `decode_worker_id`, when set, streams the rest."""
+    `worker_id` sampled the first token; `decode_worker_id`, when set, streams the rest.
+    `record` times it and counts how it ended (`router.metrics`)."""
 
     def __init__(self, router: Router, worker_id: str, prompt_token_ids: list[int],
                  predicted_cached_tokens: int, first: TokenEvent,
@@ -70,12 +75,18 @@ class Generation:
         self._router = router
         self._stream = stream
         self._closed = False
+        self.record: NullRecord = NULL_RECORD
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         try:
             yield self.first
             async for event in self._stream:
+                self.record.on_event(event)
                 yield event
+            self.record.finish("success")
+        except Exception as exc:
+            self.record.finish("error", error_reason(exc))
+            raise
         finally:
             await self.aclose()
 
@@ -83,6 +94,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self.record.finish("cancelled")  # unless it already ended
         try:
             await self._stream.aclose()  # type: ignore[attr-defined]
         finally:
@@ -127,14 +139,18 @@ class _Handover:
 
     async def _run(self) -> AsyncIterator[TokenEvent]:
         req, token = self._req, self._first_token_id
+        metrics, started = self._orchestrator.router.metrics, time.monotonic()
         stream = self._decode.decode(req, token, self._handoff_json)
         try:
             try:
                 event = await stream.__anext__()
+                metrics.kv_transferred(self._decode.worker_id, self._handoff_json,
+                                       time.monotonic() - started)
             except KVPullFailed as exc:
                 logger.warning("request %s: %s; decode worker %s prefills it itself",
                                req.request_id, exc.reason, self._decode.worker_id)
                 self._orchestrator.count_fallback("kv_pull_failed")
+                metrics.kv_transfer_failed(self._decode.worker_id, exc.reason)
                 await stream.aclose()
                 await self._prefill.abort(req.request_id)  # ends the lease if the pull left it
                 stream = self._decode.decode(req, token, None)
@@ -200,17 +216,22 @@ class _Migration:
             r._healthy[failed] = False
         await self._stream.aclose()  # type: ignore[attr-defined]
         self._stream = _empty()
-        tried = set(self.worker_ids)
-        loads = [load for load in _in_pool(await r._loads(), r.pool(*DECODE_POOL))
-                 if load.worker_id not in tried
-                 and isinstance(r.clients[load.worker_id], HandoffWorkerClient)]
         req = self._req
-        try:
-            decision = r.policy.choose(
-                hash_prompt_blocks(list(req.prompt_token_ids), r.block_size, req.cache_salt),
-                loads, r.index)
-        except NoHealthyWorker:
-            raise exc
+        hashes = hash_prompt_blocks(list(req.prompt_token_ids), r.block_size, req.cache_salt)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + r.config.migration_wait_s
+        while True:  # a pool that lost its last worker gets `migration_wait_s` to replace it
+            tried = set(self.worker_ids)
+            loads = [load for load in _in_pool(await r._loads(), r.pool(*DECODE_POOL))
+                     if load.worker_id not in tried
+                     and isinstance(r.clients.get(load.worker_id), HandoffWorkerClient)]
+            try:
+                decision = r.policy.choose(hashes, loads, r.index)
+                break
+            except NoHealthyWorker:
+                if loop.time() >= deadline:
+                    raise exc from None
+                await asyncio.sleep(MIGRATION_POLL_S)
         client = r.clients[decision.worker_id]
         if not isinstance(client, HandoffWorkerClient):  # filtered above; for the type checker
             raise exc

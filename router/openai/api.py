@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,6 +31,9 @@ from router.openai.common import TokenStrings
 from router.openai.completions import create_completion
 
 logger = logging.getLogger(__name__)
+
+# requests counted in `cleave_requests_total` (the metrics of `router.metrics`)
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -57,6 +61,7 @@ class GuardMiddleware:
             if length.isdigit() and int(length) > limit:
                 raise RequestTooLargeError(_too_large(limit, int(length)))
         except APIError as exc:
+            _count_error(self.router, scope["path"], exc)
             await error_response(exc)(scope, receive, send)
             return
         received = 0
@@ -93,7 +98,14 @@ def _router(request: Request) -> Router:
     return request.app.state.router
 
 
+def _count_error(router: Router, path: str, exc: APIError) -> None:
+    """Count a generation request refused before it streamed (after that, its record counts)."""
+    if path in GENERATION_PATHS:
+        router.metrics.count_error("http", exc)
+
+
 async def _on_api_error(request: Request, exc: APIError) -> Response:
+    _count_error(_router(request), request.url.path, exc)
     return error_response(exc)
 
 
@@ -119,6 +131,13 @@ async def health(request: Request) -> Response:
     if not healthy:
         return error_response(NoHealthyWorkerError("no healthy worker"))
     return JSONResponse({"status": "ok", "healthy_workers": healthy})
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus' text format; worker load is read from the workers now."""
+    router = _router(request)
+    await router.metrics.refresh()
+    return Response(router.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def version() -> dict[str, str]:
@@ -152,6 +171,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_exception_handler(Exception, _on_crash)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])

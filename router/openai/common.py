@@ -61,7 +61,8 @@ async def start_all(router: Router, prompts: Sequence[list[int]],
                     cache_salt: str | None) -> list[Generation]:
     """Submit every prompt; if any is refused, abort the others and raise its error."""
     results = await asyncio.gather(
-        *(router.generate(ids, p, cache_salt) for ids, p in zip(prompts, params)),
+        *(router.generate(ids, p, cache_salt, frontend="http")
+          for ids, p in zip(prompts, params)),
         return_exceptions=True)
     gens = [r for r in results if isinstance(r, Generation)]
     errors = [r for r in results if not isinstance(r, Generation)]

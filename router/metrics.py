@@ -1,0 +1,299 @@
+"""The router's Prometheus metrics, served at `GET /metrics` (torch-free).
+
+One `RouterMetrics` per `Router`, on its own `CollectorRegistry` (several routers may share a
+process). Labels: `pool` is the worker's role ("prefill", "decode", "both"), `worker` its id.
+
+- Per request (`RequestRecord`, opened by `Router.generate` once the first token arrived):
+  requests by status (success / error with a reason / cancelled), TTFT (arrival at the router
+  to the first token, by the worker that sampled it), TPOT, inter-token latency and end-to-end
+  latency (by the worker that streamed the rest), prompt, prefix-cached and generated tokens.
+  Errors raised before a request reached a worker are counted by the front ends (`count_error`),
+  with empty `pool` and `worker`.
+- KV handoffs (`kv_transferred`, `kv_transfer_failed`, from `router.orchestrator`): bytes (blocks x
+  layers x K and V x block_size x heads x head_dim x dtype size, read from the handoff JSON),
+  and the handoff latency as the router sees it: from giving the decode worker the handoff to its
+  first event (pull, any queueing, one decode step; the worker's own pull time does not cross
+  `WorkerClient`).
+- On each scrape (`refresh`, then `exposition`): every worker's queue depth, running sequences,
+  KV occupancy and health, workers per pool, requests in flight, and `Router.counters`
+  (fallbacks and aggregated requests by reason, disaggregated requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.errors import APIError
+from router.worker_client import WorkerClient, WorkerRole, WorkerStats
+from workers.protocol import TokenEvent
+
+if TYPE_CHECKING:
+    from router.app import Router
+    from router.orchestrator import Generation
+
+logger = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 2.0  # a worker slower than this to give its stats shows as down
+NO_WORKER = ""  # the pool and worker labels of a request refused before routing
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+               120.0, 240.0, 480.0)
+HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0)
+# bytes per element of the KV dtypes a handoff may name (kvtransfer.DTYPES, without torch)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "int8": 1, "uint8": 1}
+_ERROR_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
+                  413: "request_too_large", 429: "overloaded", 503: "no_healthy_worker"}
+
+
+def error_reason(exc: BaseException) -> str:
+    """The `reason` label of a failed request: the API error's kind, or `worker_error`."""
+    if isinstance(exc, APIError):
+        return _ERROR_REASONS.get(exc.status, "internal")
+    return "worker_error"
+
+
+def handoff_bytes(handoff_json: str) -> int:
+    """The KV bytes a handoff moves (every layer, keys and values); 0 when the JSON does not
+    describe a layout this module knows (`kvtransfer.Handoff.to_json` does)."""
+    try:
+        d = json.loads(handoff_json)
+        lay = d["layout"]
+        per_block = (2 * int(lay["num_layers"]) * int(lay["block_size"])
+                     * int(lay["num_kv_heads"]) * int(lay["head_dim"]) * DTYPE_BYTES[lay["dtype"]])
+        return per_block * len(d["block_ids"])
+    except (ValueError, KeyError, TypeError):
+        logger.warning("cannot size a KV handoff: %.200s", handoff_json)
+        return 0
+
+
+def _failure_kind(reason: str) -> str:
+    """A bounded label for `KVPullFailed.reason` ("LeaseExpired: ...", "no KV blocks free ...")."""
+    head = reason.split(":", 1)[0].strip()
+    if head.isidentifier():
+        return head
+    return "KVCacheFull" if reason.startswith("no KV blocks free") else "other"
+
+
+class RouterMetrics:
+    """The metrics of one `Router`; `exposition()` is the `/metrics` body."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.registry = CollectorRegistry()
+        worker = ("pool", "worker")
+        reg = self.registry
+        self.requests = Counter("cleave_requests", "Requests by how they ended: status is "
+                                "success, error (reason says why) or cancelled",
+                                ("frontend", *worker, "status", "reason"), registry=reg)
+        self.ttft = Histogram("cleave_time_to_first_token_seconds", "From the request reaching "
+                              "the router to its first token", worker, buckets=TTFT_BUCKETS,
+                              registry=reg)
+        self.tpot = Histogram("cleave_time_per_output_token_seconds", "Per request: (last token "
+                              "- first token) / (output tokens - 1)", worker,
+                              buckets=TOKEN_BUCKETS, registry=reg)
+        self.itl = Histogram("cleave_inter_token_latency_seconds", "Between consecutive token "
+                             "events of one sample", worker, buckets=TOKEN_BUCKETS, registry=reg)
+        self.e2e = Histogram("cleave_e2e_request_latency_seconds", "From the request reaching "
+                             "the router to its end (any status)", worker, buckets=E2E_BUCKETS,
+                             registry=reg)
+        self.prompt_tokens = Counter("cleave_prompt_tokens", "Prompt tokens, by the worker "
+                                     "that prefilled them", worker, registry=reg)
+        self.predicted_cached = Counter("cleave_prefix_predicted_tokens", "Prompt tokens the "
+                                        "router's prefix index expected cached", worker,
+                                        registry=reg)
+        self.cached = Counter("cleave_prefix_cached_tokens", "Prompt tokens the worker served "
+                              "from its prefix cache", worker, registry=reg)
+        self.generation_tokens = Counter("cleave_generation_tokens", "Output tokens streamed",
+                                         worker, registry=reg)
+        self.kv_bytes = Counter("cleave_kv_transfer_bytes", "KV bytes handed to decode workers",
+                                worker, registry=reg)
+        self.kv_handoff = Histogram("cleave_kv_handoff_seconds", "From giving a decode worker a "
+                                    "KV handoff to its first event (pull, queueing, one step)",
+                                    worker, buckets=HANDOFF_BUCKETS, registry=reg)
+        self.kv_failures = Counter("cleave_kv_transfer_failures", "KV pulls that failed (the "
+                                   "decode worker prefilled instead), by reason",
+                                   (*worker, "reason"), registry=reg)
+        self._load = _LoadCollector(router)
+        reg.register(self._load)
+        self._roles: dict[str, str] = {}
+
+    def pool_of(self, worker_id: str) -> str:
+        """The worker's role, as the `pool` label."""
+        if worker_id not in self._roles:
+            self._roles = {wid: role.value for role in WorkerRole
+                           for wid in self.router.pool(role)}
+        return self._roles.get(worker_id, "unknown")
+
+    def labels(self, worker_id: str) -> tuple[str, str]:
+        return self.pool_of(worker_id), worker_id
+
+    def record(self, gen: Generation, started: float, frontend: str) -> RequestRecord:
+        """Start timing `gen`, whose first token arrived just now; `started` is when the
+        request reached the router (`time.monotonic()`)."""
+        return RequestRecord(self, gen, started, frontend)
+
+    def count_error(self, frontend: str, exc: BaseException) -> None:
+        """A request that failed before any worker streamed it (refused, rejected, no worker)."""
+        self.requests.labels(frontend, NO_WORKER, NO_WORKER, "error", error_reason(exc)).inc()
+
+    def kv_transferred(self, decode_id: str, handoff_json: str, seconds: float) -> None:
+        labels = self.labels(decode_id)
+        self.kv_bytes.labels(*labels).inc(handoff_bytes(handoff_json))
+        self.kv_handoff.labels(*labels).observe(seconds)
+
+    def kv_transfer_failed(self, decode_id: str, reason: str) -> None:
+        self.kv_failures.labels(*self.labels(decode_id), _failure_kind(reason)).inc()
+
+    async def refresh(self) -> None:
+        """Read every worker's load for the next `exposition()` (a scrape)."""
+        await self._load.refresh()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class NullRecord:
+    """A generation nobody times (one not started through `Router.generate`)."""
+
+    def on_event(self, event: TokenEvent) -> None:
+        """Called for each of the generation's events after the first."""
+
+    def finish(self, status: str, reason: str = "") -> None:
+        """Called once it ended. `status`: success, error (with `reason`) or cancelled."""
+
+
+class RequestRecord(NullRecord):
+    """One generation's timings and outcome. `on_event` for each event after the first,
+    `finish` once (later calls are ignored)."""
+
+    def __init__(self, metrics: RouterMetrics, gen: Generation, started: float,
+                 frontend: str) -> None:
+        now = time.monotonic()
+        self._metrics = metrics
+        self._gen = gen
+        self._frontend = frontend
+        self._started = started
+        self._first_at = now
+        self._last_at: dict[int, float] = {}  # sample index -> its last event
+        self._tokens: dict[int, int] = {}  # sample index -> tokens so far
+        self._done = False
+        m, labels = metrics, metrics.labels(gen.worker_id)
+        m.ttft.labels(*labels).observe(now - started)
+        m.prompt_tokens.labels(*labels).inc(len(gen.prompt_token_ids))
+        m.predicted_cached.labels(*labels).inc(gen.predicted_cached_tokens)
+        m.cached.labels(*labels).inc(gen.num_cached_tokens)
+        self._count_tokens(gen.first, now, labels)
+
+    def _count_tokens(self, event: TokenEvent, now: float, labels: tuple[str, str]) -> None:
+        self._last_at[event.index] = now
+        self._tokens[event.index] = self._tokens.get(event.index, 0) + len(event.token_ids)
+        if event.token_ids:
+            self._metrics.generation_tokens.labels(*labels).inc(len(event.token_ids))
+
+    def on_event(self, event: TokenEvent) -> None:
+        now = time.monotonic()
+        labels = self._metrics.labels(self._streamer)
+        self._metrics.itl.labels(*labels).observe(now - self._last_at.get(event.index,
+                                                                          self._first_at))
+        self._count_tokens(event, now, labels)
+
+    @property
+    def _streamer(self) -> str:
+        return self._gen.decode_worker_id or self._gen.worker_id
+
+    def finish(self, status: str, reason: str = "") -> None:
+        if self._done:
+            return
+        self._done = True
+        m, labels = self._metrics, self._metrics.labels(self._streamer)
+        now = time.monotonic()
+        m.requests.labels(self._frontend, *labels, status, reason).inc()
+        m.e2e.labels(*labels).observe(now - self._started)
+        num_tokens = max(self._tokens.values(), default=0)
+        if status == "success" and num_tokens > 1:
+            last = max(self._last_at.values())
+            m.tpot.labels(*labels).observe((last - self._first_at) / (num_tokens - 1))
+
+
+NULL_RECORD = NullRecord()
+
+
+class _LoadCollector(Collector):
+    """Worker load and router counters, as read by the last `refresh()`."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self._stats: dict[str, tuple[str, WorkerStats | None]] = {}
+
+    async def refresh(self) -> None:
+        r = self.router
+        roles = {wid: role.value for role in WorkerRole for wid in r.pool(role)}
+
+        async def read(client: WorkerClient) -> WorkerStats | None:
+            try:
+                return await asyncio.wait_for(client.stats(), SCRAPE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 -- shown as down
+                logger.debug("worker %s gave no stats: %r", client.worker_id, exc)
+                return None
+
+        clients = dict(r.clients)
+        stats = await asyncio.gather(*(read(c) for c in clients.values()))
+        self._stats = {wid: (roles.get(wid, "unknown"), s) for wid, s in zip(clients, stats)}
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "worker"]
+        up = GaugeMetricFamily("cleave_worker_up", "1 when the worker gave its stats at the "
+                               "last scrape", labels=labels)
+        waiting = GaugeMetricFamily("cleave_worker_num_waiting", "Requests queued on the "
+                                    "worker, not yet scheduled", labels=labels)
+        running = GaugeMetricFamily("cleave_worker_num_running", "Sequences being prefilled "
+                                    "or decoded on the worker", labels=labels)
+        kv = GaugeMetricFamily("cleave_worker_kv_usage", "Fraction of the worker's KV blocks "
+                               "held by requests, 0 to 1", labels=labels)
+        pools: dict[str, int] = {}
+        for wid, (pool, s) in self._stats.items():
+            pools[pool] = pools.get(pool, 0) + 1
+            up.add_metric([pool, wid], 0.0 if s is None else 1.0)
+            if s is not None:
+                waiting.add_metric([pool, wid], s.num_waiting)
+                running.add_metric([pool, wid], s.num_running)
+                kv.add_metric([pool, wid], s.kv_usage)
+        workers = GaugeMetricFamily("cleave_pool_workers", "Workers (replicas) per pool",
+                                    labels=["pool"])
+        for pool, n in sorted(pools.items()):
+            workers.add_metric([pool], n)
+        yield from (up, waiting, running, kv, workers)
+        yield GaugeMetricFamily("cleave_router_in_flight", "Requests admitted and not yet "
+                                "finished", value=self.router.in_flight)
+        c = self.router.counters
+        yield _by_reason("cleave_fallbacks", "Failures worked around, by reason", c.fallbacks)
+        yield _by_reason("cleave_aggregated_requests", "Requests of a deployment with prefill "
+                         "workers that ran on one worker, by reason", c.aggregated)
+        yield CounterMetricFamily("cleave_disaggregated_requests", "Requests whose first token "
+                                  "came from a prefill worker", value=c.num_disaggregated)
+
+
+def _by_reason(name: str, documentation: str, counts: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=["reason"])
+    for reason, n in sorted(counts.items()):
+        family.add_metric([reason], n)
+    return family
+
+
+__all__ = ["NULL_RECORD", "NullRecord", "RequestRecord", "RouterMetrics", "error_reason",
+           "handoff_bytes"]
