@@ -217,6 +217,7 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=True)
+        self.engine.close()  # a parallel engine's rank processes
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
             stream.put_nowait(EngineShutDown(f"the engine was shut down while {rid!r} ran"))

@@ -29,6 +29,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     seed: int = 0  # for requests without a seed, and for dummy weights
+    tensor_parallel_size: int = 1  # ranks sharing each layer (heads, MLP columns, vocab)
+    pipeline_parallel_size: int = 1  # stages the layers are split into
+    expert_parallel_size: int = 1  # 1, or tensor_parallel_size: MoE experts split whole
+    pipeline_microbatches: int | None = None  # per step; default: pipeline_parallel_size
+    rank_timeout_s: float = 120.0  # a rank silent this long (start-up or a step) is failed
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -44,6 +49,22 @@ class EngineConfig:
                  f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         _require(self.num_blocks is None or self.num_blocks >= 1,
                  f"num_blocks must be at least 1, got {self.num_blocks}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+            _require(getattr(self, name) >= 1, f"{name} must be at least 1, got "
+                                               f"{getattr(self, name)}")
+        _require(self.expert_parallel_size in (1, self.tensor_parallel_size),
+                 f"expert_parallel_size={self.expert_parallel_size} must be 1 or equal to "
+                 f"tensor_parallel_size={self.tensor_parallel_size}: experts are sharded "
+                 f"across the tensor-parallel group")
+        _require(self.pipeline_microbatches is None or self.pipeline_microbatches >= 1,
+                 f"pipeline_microbatches must be at least 1, got {self.pipeline_microbatches}")
+        _require(self.rank_timeout_s > 0,
+                 f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes, or devices) one engine uses."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def resolved_device(self) -> str:

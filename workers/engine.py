@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -20,6 +20,8 @@ from workers.kv_cache import KVCacheManager
 from workers.loader import load_model
 from workers.model_config import ModelConfig, resolve_dtype
 from workers.output_processor import OutputProcessor
+from workers.parallel.executor import GroupExecutor, GroupOptions, LocalExecutor, ModelExecutor
+from workers.parallel.validate import check_parallel
 from workers.protocol import (
     FinishReason,
     InvalidRequestError,
@@ -30,8 +32,11 @@ from workers.protocol import (
     TokenEvent,
 )
 from workers.request import Request
-from workers.runner import KVCacheSpec, ModelRunner
+from workers.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from workers.scheduler import Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from kvtransfer import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -57,19 +62,24 @@ class Engine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        model = load_model(config.model, mc, dtype=self.dtype, device=self.device,
-                           attn_backend=get_backend(config.attention_backend),
-                           load_format=config.load_format, seed=config.seed)
+        check_parallel(config, mc, torch.cuda.device_count() if self.device.type == "cuda"
+                       else None)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
             config.kv_cache_dtype, mc)
         spec = KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.num_key_value_heads,
                            mc.head_dim, kv_dtype)
+        # loaded first: on a GPU the KV budget is what the weights leave free
+        model = self._load_local_model() if config.world_size == 1 else None
         spec = dataclasses.replace(spec, num_blocks=self._num_blocks(spec))
         self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.max_model_len), self.kv)
-        self.runner = ModelRunner(model, spec, self.device, seed=config.seed)
+        executor = (LocalExecutor(model, allocate_kv_caches(spec, self.device), self.device)
+                    if model is not None else self._group_executor(spec))
+        self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
+                                  num_microbatches=config.pipeline_microbatches
+                                  or config.pipeline_parallel_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
@@ -78,6 +88,30 @@ class Engine:
         self._awaiting_kv: set[str] = set()  # handed-off requests whose KV is still arriving
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", mc.architecture,
                     self.device, spec.num_blocks, config.block_size)
+
+    def _load_local_model(self) -> torch.nn.Module:
+        config = self.config
+        return load_model(config.model, self.model_config, dtype=self.dtype, device=self.device,
+                          attn_backend=get_backend(config.attention_backend),
+                          load_format=config.load_format, seed=config.seed)
+
+    def _group_executor(self, spec: KVCacheSpec) -> ModelExecutor:
+        """tensor_parallel_size x pipeline_parallel_size rank processes."""
+        config = self.config
+        if self.device.type != "cpu":
+            raise ValueError(f"tensor/pipeline parallelism runs on CPU (gloo) in this build; "
+                             f"device={config.device!r} is not supported with "
+                             f"{config.world_size} ranks")
+        options = GroupOptions(
+            config.tensor_parallel_size, config.pipeline_parallel_size,
+            config.expert_parallel_size > 1, config.model, str(self.dtype).removeprefix("torch."),
+            config.load_format, config.seed, config.attention_backend, config.rank_timeout_s)
+        return GroupExecutor(options, spec.num_layers, spec.num_blocks, spec.block_size,
+                             spec.num_kv_heads, spec.head_dim, spec.dtype)
+
+    def close(self) -> None:
+        """Stop the rank processes, if any (idempotent). The engine cannot step afterwards."""
+        self.runner.executor.close()
 
     def _num_blocks(self, spec: KVCacheSpec) -> int:
         if self.config.num_blocks is not None:
@@ -222,8 +256,20 @@ class Engine:
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
-        """Per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+        """Per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]` (TP = 1 only)."""
         return self.runner.kv_caches
+
+    def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
+        """Per tensor-parallel rank, per layer: that rank's heads of the KV cache."""
+        return self.runner.executor.kv_caches_by_rank()
+
+    def kv_layouts(self) -> list[KVLayout]:
+        """The transfer layer's view of each TP rank's cache (one agent per rank)."""
+        from kvtransfer import KVLayout
+
+        by_rank = self.kv_caches_by_rank()
+        return [KVLayout.from_caches(caches, tp_rank=r, tp_size=len(by_rank))
+                for r, caches in enumerate(by_rank)]
 
     def block_ids(self, request_id: str) -> list[int]:
         """Block ids holding a (single-sample) request's KV, in token order."""

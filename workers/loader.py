@@ -19,7 +19,7 @@ from torch import nn
 from workers.attention.backend import AttentionBackend
 from workers.model_config import ModelConfig
 from workers.models import get_model_class
-from workers.models.layers import WeightShapeError
+from workers.models.layers import Shard, WeightShapeError
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -42,11 +42,13 @@ def load_model(
     seed: int = 0,
     tp_rank: int = 0,
     tp_size: int = 1,
+    shard: Shard | None = None,
 ) -> nn.Module:
     """Returns the model for `config` on `device` in `dtype`, in eval mode, weights loaded.
 
     `load_format`: "auto"/"safetensors" read `path`; "dummy" ignores `path` and draws the weights
     `random_weights(config, seed)` would give (the ones `make_model` writes for that seed).
+    `shard` (overrides tp_rank/tp_size): the TP group, pipeline stage and expert split.
     Raises WeightLoadError when the checkpoint does not fit; no half-loaded model escapes.
     """
     if load_format not in LOAD_FORMATS:
@@ -59,7 +61,7 @@ def load_model(
         files = find_safetensors_files(Path(path))  # fail before allocating the model
     model_class = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(config, attn_backend, tp_rank=tp_rank, tp_size=tp_size)
+        model = model_class(config, attn_backend, shard=shard or Shard(tp_rank, tp_size))
     error: str | None = None
     try:
         with torch.no_grad():
@@ -156,6 +158,9 @@ def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         if config.o_proj_bias:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
         shapes.append((p + "post_attention_layernorm.weight", (h,)))
+        if config.is_moe_layer(i):
+            shapes += _moe_shapes(config, p)
+            continue
         mlp = (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter)))
         for proj, shape in mlp:
             shapes.append((f"{p}mlp.{proj}.weight", shape))
@@ -164,6 +169,27 @@ def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     shapes.append(("model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
         shapes.append(("lm_head.weight", (config.vocab_size, h)))
+    return shapes
+
+
+def _moe_shapes(config: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A sparse MoE layer's tensors under HF's names (Mixtral w1/w2/w3, Qwen2-MoE *_proj)."""
+    moe, h = config.moe, config.hidden_size
+    if moe is None:
+        raise ValueError(f"{config.architecture} has no MoE settings")
+    i = moe.intermediate_size
+    mixtral = config.model_type == "mixtral"
+    block = "block_sparse_moe" if mixtral else "mlp"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes: list[tuple[str, tuple[int, ...]]] = [(f"{p}{block}.gate.weight", (moe.num_experts, h))]
+    for e in range(moe.num_experts):
+        for name, shape in zip(names, ((i, h), (i, h), (h, i))):
+            shapes.append((f"{p}{block}.experts.{e}.{name}.weight", shape))
+    s = moe.shared_expert_intermediate_size
+    if s:
+        for name, shape in zip(names, ((s, h), (s, h), (h, s))):
+            shapes.append((f"{p}mlp.shared_expert.{name}.weight", shape))
+        shapes.append((f"{p}mlp.shared_expert_gate.weight", (1, h)))
     return shapes
 
 

@@ -30,7 +30,12 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+# the MoE families use their dense relatives' tokenizers and chat templates
+_TOKENIZER_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2"}
+_NUM_EXPERTS, _TOP_K = 4, 2  # every preset's MoE shape: tiny, like the parallel tests
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,8 @@ def make_model(
         shape = replace(shape, dtype=dtype)
     from workers.tokenizer.build import write_tokenizer_files
 
-    tokenizer = write_tokenizer_files(out, arch=arch, vocab_size=shape.vocab_size)
+    tokenizer = write_tokenizer_files(out, arch=_TOKENIZER_FAMILY.get(arch, arch),
+                                      vocab_size=shape.vocab_size)
     hf_config = _hf_config(arch, preset, shape, tokenizer, overrides or {})
     hf_config.save_pretrained(out)  # config.json
     _generation_config(hf_config).save_pretrained(out)  # generation_config.json
@@ -148,13 +154,21 @@ def _hf_config(
         pad_token_id=tokenizer.pad_token_id,
         dtype=shape.dtype,
     )
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None  # full attention, as Mistral-7B-v0.2 and later
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=_NUM_EXPERTS, num_experts_per_tok=_TOP_K)
+    if arch == "qwen2_moe":
+        kwargs.update(num_experts=_NUM_EXPERTS, num_experts_per_tok=_TOP_K,
+                      moe_intermediate_size=shape.intermediate_size // 2,
+                      shared_expert_intermediate_size=shape.intermediate_size)
     kwargs.update(overrides)
     config_class = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
     }[arch]
     return config_class(**kwargs)
 

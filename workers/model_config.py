@@ -14,12 +14,15 @@ from typing import Any, Mapping
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 _DEFAULT_ROPE_THETA = 10000.0
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -50,6 +53,19 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MoE block of Mixtral / Qwen2-MoE, in the HF config's terms."""
+
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # experts each token goes to
+    intermediate_size: int  # per routed expert
+    norm_topk_prob: bool  # renormalize the top-k probabilities (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert, 0 for none
+    decoder_sparse_step: int = 1  # every n-th layer is sparse (Qwen2-MoE)
+    mlp_only_layers: tuple[int, ...] = ()  # layers kept dense (Qwen2-MoE)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the engine needs to build a decoder-only model. Immutable."""
 
@@ -73,6 +89,13 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None  # tokens each query may see, None for full attention
+    moe: MoEConfig | None = None  # None for dense models
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """True when layer `layer_idx` has a sparse MoE block instead of a dense MLP."""
+        moe = self.moe
+        return (moe is not None and layer_idx not in moe.mlp_only_layers
+                and (layer_idx + 1) % moe.decoder_sparse_step == 0)
 
     @property
     def o_proj_bias(self) -> bool:
@@ -131,14 +154,13 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=(
-                True if model_type == "qwen2" else bool(raw.get("attention_bias", False))
-            ),
+            attention_bias=_attention_bias(raw, model_type),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(eos)),  # dedup, keep order
             sliding_window=_sliding_window(raw, model_type),
+            moe=_moe(raw, model_type),
         )
 
 
@@ -160,6 +182,30 @@ def _architecture(raw: Mapping[str, Any]) -> str:
             f"supported architectures: {list(SUPPORTED_ARCHITECTURES)}"
         )
     return architecture
+
+
+def _attention_bias(raw: Mapping[str, Any], model_type: str) -> bool:
+    if model_type == "qwen2":
+        return True
+    if model_type == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True))
+    return bool(raw.get("attention_bias", False))
+
+
+def _moe(raw: Mapping[str, Any], model_type: str) -> MoEConfig | None:
+    if model_type == "mixtral":
+        return MoEConfig(num_experts=int(raw["num_local_experts"]),
+                         top_k=int(raw["num_experts_per_tok"]),
+                         intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    if model_type == "qwen2_moe":
+        return MoEConfig(
+            num_experts=int(raw["num_experts"]), top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()))
+    return None
 
 
 def _model_type_of(architecture: str) -> str:
@@ -204,7 +250,7 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
     window = raw.get("sliding_window")
     if window is None:
         return None
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen2_moe") and not raw.get("use_sliding_window", False):
         return None  # Qwen2 writes a window but only applies it when this flag is set
     if model_type == "llama":
         return None

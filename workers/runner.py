@@ -1,7 +1,8 @@
-"""Turns a scheduled step into batch tensors, runs the model and samples.
+"""Turns a scheduled step into one `StepMessage`, has an executor run the model, and samples.
 
-Owns the KV-cache tensors: one `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per
-layer, indexed by the block ids the KV-cache manager hands out.
+The executor (in this process, or a group of tensor/pipeline-parallel ranks) owns the KV-cache
+tensors: per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]`, indexed by the block
+ids the KV-cache manager hands out.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
-from workers.attention import AttentionMetadata
+from workers.parallel.executor import ModelExecutor
+from workers.parallel.messages import StepMessage
 from workers.protocol import TokenLogprob
 from workers.request import Request
 from workers.sampler import Sampler, top_logprobs
@@ -44,44 +45,56 @@ class RunnerOutput:
 
 @dataclass(frozen=True)
 class _Batch:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
+    msg: StepMessage
     sample_rows: list[int]  # row of each sampling chunk's last token, in chunk order
     prompt_rows: list[tuple[ScheduledChunk, int, int]]  # (chunk, first row, num rows)
 
 
+def allocate_kv_caches(spec: KVCacheSpec, device: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                        dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, spec: KVCacheSpec, device: torch.device,
-                 seed: int = 0) -> None:
-        self.model = model
+    """`num_microbatches`: pipeline micro-batches per step (1 without pipeline parallelism)."""
+
+    def __init__(self, executor: ModelExecutor, spec: KVCacheSpec, device: torch.device,
+                 seed: int = 0, num_microbatches: int = 1) -> None:
+        self.executor = executor
         self.spec = spec
         self.device = device
+        self.num_microbatches = num_microbatches
         self.sampler = Sampler(seed, device)
-        self.kv_caches = [
-            torch.zeros(2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                        dtype=spec.dtype, device=device)
-            for _ in range(spec.num_layers)
-        ]
+        self._step_id = 0
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Per layer, when one rank holds every head (TP=1)."""
+        by_rank = self.executor.kv_caches_by_rank()
+        if len(by_rank) != 1:
+            raise RuntimeError(
+                f"the KV cache is split over {len(by_rank)} tensor-parallel ranks; use "
+                "kv_caches_by_rank() with one transfer agent per rank")
+        return by_rank[0]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch = self._prepare(out)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        # hidden: [T, hidden_size]
+        logits = self.executor.execute(batch.msg).to(self.device)  # [len(logit_rows), vocab]
         result = RunnerOutput()
         sampling = [c.request for c in out.chunks if c.samples]
         if sampling:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
-            sampled = self.sampler(logits, sampling)
+            sampled = self.sampler(logits[:len(sampling)], sampling)
             for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
                 result.sampled[req.request_id] = token
                 if lp is not None:
                     result.logprobs[req.request_id] = lp
-        for chunk, first, count in batch.prompt_rows:
+        row = len(sampling)
+        for chunk, _, count in batch.prompt_rows:
             req = chunk.request
             targets = req.all_token_ids[chunk.start + 1:chunk.start + 1 + count]
-            logprobs = self.model.compute_logits(hidden[first:first + count]).log_softmax(-1)
+            logprobs = logits[row:row + count].log_softmax(-1)
+            row += count
             result.prompt_logprobs[req.request_id] = (chunk.start + 1, top_logprobs(
                 logprobs, torch.tensor(targets, device=self.device), req.params.prompt_logprobs))
         return result
@@ -110,23 +123,17 @@ class ModelRunner:
             num_prompt_targets = _prompt_logprob_rows(req, s, n)
             if num_prompt_targets:
                 prompt_rows.append((chunk, row, num_prompt_targets))
-        max_blocks = max(len(c.block_ids) for c in out.chunks)
-        tables = [list(c.block_ids) + [0] * (max_blocks - len(c.block_ids)) for c in out.chunks]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            num_decodes=out.num_decodes,
-            max_query_len=max(c.num_tokens for c in out.chunks),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
-        )
-        return _Batch(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                      torch.tensor(positions, dtype=torch.int64, device=dev),
-                      meta, sample_rows, prompt_rows)
+        logit_rows = list(sample_rows)
+        for _, first, count in prompt_rows:
+            logit_rows.extend(range(first, first + count))
+        self._step_id += 1
+        msg = StepMessage(
+            step_id=self._step_id, input_ids=tuple(input_ids), positions=tuple(positions),
+            slot_mapping=tuple(slots), query_start_loc=tuple(starts), seq_lens=tuple(seq_lens),
+            block_tables=tuple(tuple(c.block_ids) for c in out.chunks),
+            num_decodes=out.num_decodes, logit_rows=tuple(logit_rows),
+            num_microbatches=self.num_microbatches)
+        return _Batch(msg, sample_rows, prompt_rows)
 
 
 def _prompt_logprob_rows(req: Request, start: int, num_tokens: int) -> int:

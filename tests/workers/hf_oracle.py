@@ -24,6 +24,14 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         config, cls = tf.MistralConfig(**TINY), tf.MistralForCausalLM
     elif arch == "qwen2":
         config, cls = tf.Qwen2Config(**TINY, tie_word_embeddings=True), tf.Qwen2ForCausalLM
+    elif arch == "mixtral":  # 4 experts, top-2, renormalized
+        config = tf.MixtralConfig(**{**TINY, "intermediate_size": 64}, num_local_experts=4,
+                                  num_experts_per_tok=2)
+        cls = tf.MixtralForCausalLM
+    elif arch == "qwen2_moe":  # 4 experts, top-2, not renormalized, a gated shared expert
+        config = tf.Qwen2MoeConfig(**TINY, moe_intermediate_size=32, num_experts=4,
+                                   num_experts_per_tok=2, shared_expert_intermediate_size=64)
+        cls = tf.Qwen2MoeForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

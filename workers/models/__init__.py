@@ -5,11 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from workers.models.llama import LlamaForCausalLM
+from workers.models.mixtral import MixtralForCausalLM
+from workers.models.qwen2_moe import Qwen2MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 
@@ -22,4 +26,5 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return MODEL_REGISTRY[architecture]
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class"]
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+           "get_model_class"]

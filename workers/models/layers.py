@@ -12,6 +12,7 @@ converting dtype and device.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -19,6 +20,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model_config import RopeScaling
+from workers.parallel.comm import Communicator
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of the model one process holds."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    comm: Communicator | None = None  # the TP group (also the EP group); None: world if sharded
+    layers: range | None = None  # this pipeline stage's layers; None for all
+    expert_parallel: bool = False  # MoE experts split whole over the TP group
+
 
 
 class WeightShapeError(ValueError):
@@ -36,6 +50,13 @@ def _check_divisible(total: int, tp_size: int, what: str) -> int:
     if total % tp_size != 0:
         raise ValueError(f"{what}={total} is not divisible by tp_size={tp_size}")
     return total // tp_size
+
+
+def _comm_for(comm: Communicator | None, tp_size: int) -> Communicator | None:
+    """The layer's communicator: the given one, else the world group when sharded."""
+    if comm is None and tp_size > 1:
+        return Communicator.world()
+    return comm
 
 
 def default_weight_loader(
@@ -159,15 +180,19 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's input columns split over ranks; sums the partials over ranks."""
+    """y = x W^T + b with W's input columns split over ranks; sums the partials over ranks.
+
+    `comm`: the TP group (default: the world group when tp_size > 1); `site` tags its bytes.
+    """
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = False,
-        tp_rank: int = 0, tp_size: int = 1,
+        tp_rank: int = 0, tp_size: int = 1, comm: Communicator | None = None, site: str = "row",
     ) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.comm, self.site = _comm_for(comm, tp_size), site
         self.input_size_per_rank = _check_divisible(input_size, tp_size, "input_size")
         self.weight = _make_param((output_size, self.input_size_per_rank), self.weight_loader)
         self.bias = _make_param((output_size,), default_weight_loader) if bias else None
@@ -182,8 +207,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size / tp_size] -> [num_tokens, output_size]
         out = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+        if self.comm is not None and self.tp_size > 1:
+            self.comm.all_reduce(out, self.site)
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -193,11 +218,13 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table with rows split over ranks (the last rank's shard is zero-padded)."""
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
+        comm: Communicator | None = None,
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.comm = _comm_for(comm, tp_size)
         self.num_embeddings_per_rank = math.ceil(num_embeddings / tp_size)
         self.vocab_start = tp_rank * self.num_embeddings_per_rank
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
@@ -219,8 +246,7 @@ class VocabParallelEmbedding(nn.Module):
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
         out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
-        torch.distributed.all_reduce(out)
-        return out
+        return self.comm.all_reduce(out, "embed")
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -233,9 +259,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         # hidden: [N, hidden] -> [N, num_embeddings]
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
+            logits = self.comm.all_gather(logits, "lm_head", dim=-1)
         return logits[..., : self.num_embeddings]
 
 

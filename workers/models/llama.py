@@ -7,7 +7,8 @@ RMSNorm, follows transformers' `modeling_llama` so fp32 logits match it to ~1e-5
 
 from __future__ import annotations
 
-from typing import Iterable
+import re
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,10 @@ from workers.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    Shard,
     VocabParallelEmbedding,
     WeightShapeError,
+    _comm_for,
     kv_heads_per_rank,
 )
 
@@ -40,9 +43,9 @@ _SHARDS_PER_PARAM = {"qkv_proj": 3, "gate_up_proj": 2}
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend,
-        tp_rank: int, tp_size: int,
+        self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend, shard: Shard,
     ) -> None:
+        tp_rank, tp_size = shard.tp_rank, shard.tp_size
         super().__init__()
         self.layer_idx = layer_idx
         self.attn_backend = attn_backend
@@ -56,7 +59,8 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size,
-            bias=config.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size,
+            bias=config.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size, comm=shard.comm,
+            site="attn",
         )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -81,15 +85,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard, intermediate_size: int | None = None,
+                 site: str = "mlp") -> None:
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
+        tp_rank, tp_size = shard.tp_rank, shard.tp_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [inter, inter], bias=config.mlp_bias,
             tp_rank=tp_rank, tp_size=tp_size,
         )
         self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, bias=config.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+            inter, config.hidden_size, bias=config.mlp_bias, tp_rank=tp_rank, tp_size=tp_size,
+            comm=shard.comm, site=site,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,13 +106,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`mlp_name`/`mlp`: the feed-forward block under its checkpoint name ("mlp", or Mixtral's
+    "block_sparse_moe")."""
+
     def __init__(
-        self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend,
-        tp_rank: int, tp_size: int,
+        self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend, shard: Shard,
+        mlp_name: str, mlp: nn.Module,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, attn_backend, tp_rank, tp_size)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, layer_idx, attn_backend, shard)
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,94 +129,133 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
         hidden = residual + hidden
         residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        hidden = getattr(self, self.mlp_name)(self.post_attention_layernorm(hidden))
         return residual + hidden
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack, or one pipeline stage of it: `shard.layers` (global indices) only.
+
+    Every stage holds the embedding and the final norm (NOTE: replicated, a vocab-sized waste
+    per stage); the first stage embeds, the last normalizes.
+    """
+
     def __init__(
-        self, config: ModelConfig, attn_backend: AttentionBackend, tp_rank: int, tp_size: int
+        self, config: ModelConfig, attn_backend: AttentionBackend, shard: Shard,
+        make_mlp: MlpFactory,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+            config.vocab_size, config.hidden_size, tp_rank=shard.tp_rank,
+            tp_size=shard.tp_size, comm=shard.comm,
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, tp_rank, tp_size)
-            for i in range(config.num_hidden_layers)
+        ids = shard.layers if shard.layers is not None else range(config.num_hidden_layers)
+        self.layer_ids = list(ids)
+        self.is_first = self.layer_ids[0] == 0
+        self.is_last = self.layer_ids[-1] == config.num_hidden_layers - 1
+        # keyed by the global layer index, so parameter names match the checkpoint's
+        self.layers = _LayersByIndex(
+            {str(i): LlamaDecoderLayer(config, i, attn_backend, shard, *make_mlp(i))
+             for i in self.layer_ids}
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        """`hidden` [T, hidden]: the previous stage's output (None on the first stage)."""
+        if hidden is None:
+            hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, meta)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.is_last else hidden
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama/Mistral/Qwen2 causal LM for one tensor-parallel rank.
+    """Llama/Mistral/Qwen2 causal LM for one tensor-parallel rank (and pipeline stage).
 
-    `kv_caches[i]` is layer i's cache, `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-    with `num_kv_heads` this rank's count (the attribute below; less than the config's when
-    tp_size > 1). Parameters never require grad.
+    `kv_caches[i]` is the cache of this stage's i-th layer, `[2, num_blocks, block_size,
+    num_kv_heads, head_dim]` with `num_kv_heads` this rank's count (the attribute below; less
+    than the config's when tp_size > 1). `shard` overrides `tp_rank`/`tp_size` and adds the TP
+    group, the stage's layers and expert parallelism. Parameters never require grad.
     """
 
     def __init__(
         self, config: ModelConfig, attn_backend: AttentionBackend, tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_size: int = 1, *, shard: Shard | None = None,
     ) -> None:
         super().__init__()
-        if not 0 <= tp_rank < tp_size:
-            raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+        shard = shard or Shard(tp_rank, tp_size)
+        if not 0 <= shard.tp_rank < shard.tp_size:
+            raise ValueError(f"tp_rank={shard.tp_rank} must be in [0, tp_size={shard.tp_size})")
+        comm = _comm_for(shard.comm, shard.tp_size)
+        self.shard = Shard(shard.tp_rank, shard.tp_size, comm, shard.layers,
+                           shard.expert_parallel)
         self.config = config
-        self.model = LlamaModel(config, attn_backend, tp_rank, tp_size)
-        self.num_layers = config.num_hidden_layers
+        self.model = LlamaModel(config, attn_backend, self.shard, self.make_mlp)
+        self.num_layers = len(self.model.layer_ids)  # this stage's
         # per rank: the KV cache's head count
-        self.num_kv_heads, _ = kv_heads_per_rank(config.num_key_value_heads, tp_size)
+        self.num_kv_heads, _ = kv_heads_per_rank(config.num_key_value_heads, shard.tp_size)
         self.head_dim = config.head_dim
         self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size
+            config.vocab_size, config.hidden_size, tp_rank=shard.tp_rank, tp_size=shard.tp_size,
+            comm=comm,
         )
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
+    def make_mlp(self, layer_idx: int) -> tuple[str, nn.Module]:
+        """(checkpoint name, module) of layer `layer_idx`'s feed-forward block."""
+        return "mlp", LlamaMLP(self.config, self.shard)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden]."""
-        if len(kv_caches) != len(self.model.layers):
+        """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden] (on a
+        middle pipeline stage: the un-normed hidden states for the next stage). `hidden`: the
+        previous stage's output, on every stage but the first."""
+        if len(kv_caches) != self.num_layers:
             raise ValueError(
-                f"got {len(kv_caches)} kv caches, expected one per layer "
-                f"({len(self.model.layers)})"
+                f"got {len(kv_caches)} kv caches, expected one per layer ({self.num_layers})"
             )
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab_size] float32 (full vocab on every rank)."""
         return self.lm_head.compute_logits(hidden).float()
 
+    def map_name(self, hf_name: str) -> tuple[str, object]:
+        """An HF tensor name -> (our parameter name, shard id or None)."""
+        return _our_name(hf_name)
+
+    def num_shards(self, name: str) -> int:
+        """How many shard ids fill the fused parameter `name`."""
+        return _SHARDS_PER_PARAM[name.split(".")[-2]]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies HF-named tensors into the parameters (this rank's shard of each).
 
         Returns the names of parameters fully loaded (fused ones only once every shard came).
-        Raises WeightShapeError naming the tensor on a shape mismatch, KeyError listing the
-        names that match no parameter.
+        Tensors of layers outside this pipeline stage are skipped. Raises WeightShapeError
+        naming the tensor on a shape mismatch, KeyError listing the names that match no
+        parameter.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         shards_seen: dict[str, set[object]] = {}
         unknown: list[str] = []
+        stage = set(self.model.layer_ids)
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the output projection
-            name, shard_id = _our_name(hf_name)
+            layer = _LAYER.match(hf_name)
+            if layer is not None and int(layer.group(1)) not in stage:
+                continue  # another pipeline stage's layer
+            name, shard_id = self.map_name(hf_name)
             param = params.get(name)
             if param is None:
                 unknown.append(hf_name)
@@ -219,11 +269,22 @@ class LlamaForCausalLM(nn.Module):
                 continue
             shards = shards_seen.setdefault(name, set())
             shards.add(shard_id)
-            if len(shards) == _SHARDS_PER_PARAM[name.split(".")[-2]]:
+            if len(shards) == self.num_shards(name):
                 loaded.add(name)
         if unknown:
             raise KeyError(f"checkpoint tensors match no model parameter: {unknown}")
         return loaded
+
+
+class _LayersByIndex(nn.ModuleDict):
+    """A stage's layers keyed by their global index; `layers[i]` takes an int too."""
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        return super().__getitem__(str(key))
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+MlpFactory = Callable[[int], tuple[str, nn.Module]]
 
 
 def _our_name(hf_name: str) -> tuple[str, object]:

@@ -1,0 +1,78 @@
+"""A TP=2 prefill engine hands its KV to a TP=1 decode engine (and the reverse) through the
+transfer layer, one agent per TP rank, and the greedy output equals the aggregated TP=1 run.
+
+The TP=2 engine's cache lives in its rank processes; the driver holds shared-memory views of
+each rank's shard (`Engine.kv_caches_by_rank()`, described by `Engine.kv_layouts()`), so each
+rank gets its own agent, exactly as rank processes on GPUs would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtransfer import LocalHub, TransferAgent, TransportConfig
+from tests.workers.hf_oracle import save_hf_model
+from workers import LLM, SamplingParams
+
+PROMPT = list(range(5, 40))
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama"))
+    save_hf_model("llama", path)
+    single = LLM(path, block_size=4, num_blocks=64)
+    want = single.generate([PROMPT], PARAMS)[0].outputs[0].token_ids
+    tp2 = LLM(path, block_size=4, num_blocks=64, tensor_parallel_size=2)
+    yield {1: LLM(path, block_size=4, num_blocks=64).engine, 2: tp2.engine}, want
+    tp2.engine.close()
+
+
+def agents(engine, hub):
+    return [TransferAgent(layout, caches, TransportConfig("local"), hub=hub)
+            for layout, caches in zip(engine.kv_layouts(), engine.kv_caches_by_rank())]
+
+
+async def handoff(prefill, decode, request_id: str) -> list[int]:
+    hub = LocalHub()
+    sources, sinks = agents(prefill, hub), agents(decode, hub)
+    for agent in sources + sinks:
+        await agent.start()
+    prefill.add_prefill(request_id, PROMPT, PARAMS)
+    events = []
+    while prefill.has_unfinished():
+        events += prefill.step()
+    first = events[-1].token_ids[0]
+    src_blocks = prefill.held_block_ids(request_id)
+    readers = max(1, len(sinks) // len(sources))
+    handoffs = [a.offer(request_id, src_blocks, readers=readers) for a in sources]
+    dst_blocks = decode.add_request_with_remote_kv(request_id, PROMPT, first, PARAMS)
+    await asyncio.gather(*(a.pull(handoffs, dst_blocks) for a in sinks))
+    prefill.free_held(request_id)
+    decode.commit_remote_kv(request_id)
+    tokens = [first]
+    while decode.has_unfinished():
+        for event in decode.step():
+            tokens += event.token_ids
+    for agent in sources + sinks:
+        await agent.close()
+    return tokens
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_prefill_and_decode_pools_of_different_tp_sizes_agree(engines, prefill_tp, decode_tp):
+    by_tp, want = engines
+    tokens = asyncio.run(handoff(by_tp[prefill_tp], by_tp[decode_tp], f"r{prefill_tp}"))
+    assert tokens == want
+
+
+def test_layouts_name_each_ranks_heads(engines):
+    by_tp, _ = engines
+    layouts = by_tp[2].kv_layouts()
+    assert [(lay.tp_rank, lay.head_start, lay.num_kv_heads) for lay in layouts] == [(0, 0, 1),
+                                                                                   (1, 1, 1)]
+    with pytest.raises(RuntimeError, match="split over 2 tensor-parallel ranks"):
+        _ = by_tp[2].kv_caches

@@ -1,0 +1,173 @@
+"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE) with tensor or expert parallelism.
+
+Routing follows transformers exactly: softmax over the router logits in fp32, top-k, optional
+renormalization of the k probabilities, then each token's output is the weighted sum of its
+experts' SwiGLU outputs.
+
+Two ways to shard over the TP group (`Shard.expert_parallel`):
+- tensor-parallel: every rank holds every expert with its intermediate dim split; partial outputs
+  are all-reduced (as a dense MLP).
+- expert-parallel: rank r holds experts [r * E/G, (r+1) * E/G) whole. The block's input is
+  replicated over the group; each rank routes its contiguous chunk of tokens, sends every
+  (token, expert) row to the expert's owner with an all-to-all, runs its experts on what it
+  received, sends the results back with a second all-to-all, combines them with the routing
+  weights, and an all-gather restores the replicated output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.layers import Shard, WeightShapeError, _make_param, default_weight_loader
+from workers.parallel.comm import Communicator
+
+GATE, UP, DOWN = 0, 1, 2  # shard ids of an expert's w1/gate_proj, w3/up_proj, w2/down_proj
+
+
+def route(router_logits: torch.Tensor, top_k: int,
+          normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] -> (expert ids [T, k] int64, weights [T, k] fp32), as HF."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+class FusedExperts(nn.Module):
+    """The routed experts of one layer, stacked: w13 [E_local, 2 * I_local, H] (gate | up) and
+    w2 [E_local, H, I_local]. Loaded from HF's per-expert tensors with shard id
+    (expert, GATE | UP | DOWN); experts another EP rank owns are skipped."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 shard: Shard, comm: Communicator | None) -> None:
+        super().__init__()
+        size = shard.tp_size
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = intermediate_size
+        self.expert_parallel = shard.expert_parallel and size > 1
+        self.comm, self.tp_rank, self.tp_size = comm, shard.tp_rank, size
+        if self.expert_parallel:
+            if num_experts % size:
+                raise ValueError(f"num_experts={num_experts} is not divisible by the expert-"
+                                 f"parallel size {size}")
+            self.num_local, self.inter_local = num_experts // size, intermediate_size
+        else:
+            if intermediate_size % size:
+                raise ValueError(f"moe intermediate_size={intermediate_size} is not divisible "
+                                 f"by tp_size={size}")
+            self.num_local, self.inter_local = num_experts, intermediate_size // size
+        self.first_expert = shard.tp_rank * self.num_local if self.expert_parallel else 0
+        i, h = self.inter_local, hidden_size
+        self.w13_weight = _make_param((self.num_local, 2 * i, h), self.weight_loader)
+        self.w2_weight = _make_param((self.num_local, h, i), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: object = None) -> None:
+        expert, part = shard_id  # type: ignore[misc]
+        h, inter = self.hidden_size, self.intermediate_size
+        expected = (h, inter) if part == DOWN else (inter, h)
+        if tuple(loaded.shape) != expected:
+            raise WeightShapeError(f"expert {expert}: expected shape {list(expected)}, got "
+                                   f"{list(loaded.shape)}")
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local:
+            return  # another EP rank's expert
+        i = self.inter_local
+        start = 0 if self.expert_parallel else self.tp_rank * i
+        if part == DOWN:
+            param.data[local].copy_(loaded.narrow(1, start, i))
+        else:
+            param.data[local].narrow(0, part * i, i).copy_(loaded.narrow(0, start, i))
+
+    def run_local(self, x: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor | None) -> torch.Tensor:
+        """x: [N, H]; ids: [N, k] local expert ids; weights [N, k] or None (k == 1, unweighted).
+        Returns sum_k weight * expert(x) [N, H], this rank's partial sum under TP."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            gate, up = F.linear(x[rows], self.w13_weight[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2_weight[e])
+            if weights is not None:
+                y = y * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] (replicated over the group); ids, weights: [T, k] -> [T, H] replicated
+        if not self.expert_parallel:
+            out = self.run_local(x, ids, weights)
+            if self.comm is not None and self.tp_size > 1:
+                self.comm.all_reduce(out, "moe")
+            return out
+        return self._expert_parallel(x, ids, weights)
+
+    def _expert_parallel(self, x: torch.Tensor, ids: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        if comm is None:
+            raise RuntimeError("expert parallelism needs the TP group's communicator")
+        num_tokens, top_k = ids.shape
+        chunk = math.ceil(num_tokens / comm.size)
+        lo, hi = min(num_tokens, comm.rank * chunk), min(num_tokens, (comm.rank + 1) * chunk)
+        flat_ids = ids[lo:hi].reshape(-1)  # [n * k]
+        token = torch.arange(hi - lo).repeat_interleave(top_k)
+        dest = flat_ids // self.num_local
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=comm.size).tolist()
+        recv = comm.exchange_counts(send, "moe_counts")
+        rows = comm.all_to_all(x[lo:hi][token[order]], send, recv, "moe_dispatch")
+        row_ids = comm.all_to_all(flat_ids[order], send, recv, "moe_dispatch_ids")
+        out_rows = self.run_local(rows, (row_ids - self.first_expert).unsqueeze(1), None)
+        back = comm.all_to_all(out_rows, recv, send, "moe_combine")  # [n * k, H], `order`
+        contrib = torch.empty_like(back)
+        contrib[order] = back
+        y = torch.zeros(chunk, self.hidden_size, dtype=x.dtype)
+        if hi > lo:
+            weighted = contrib.view(hi - lo, top_k, -1) * weights[lo:hi].unsqueeze(-1)
+            y[: hi - lo] = weighted.sum(dim=1).to(x.dtype)
+        return comm.all_gather(y, "moe_gather")[:num_tokens]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ Qwen2-MoE's sigmoid-gated shared expert, a dense MLP)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 normalize: bool, shard: Shard, comm: Communicator | None,
+                 shared_expert: nn.Module | None = None, cast_weights: bool = False) -> None:
+        """`cast_weights`: cast the fp32 routing weights to the activations' dtype before use
+        (Qwen2-MoE does, Mixtral does not)."""
+        super().__init__()
+        self.top_k, self.normalize, self.cast_weights = top_k, normalize, cast_weights
+        self.gate = _ReplicatedLinear(hidden_size, num_experts)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, shard, comm)
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = _ReplicatedLinear(hidden_size, 1)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, H]
+        ids, weights = route(self.gate(x), self.top_k, self.normalize)
+        out = self.experts(x, ids, weights.to(x.dtype) if self.cast_weights else weights)
+        if self.shared_expert is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + shared
+        return out
+
+
+class _ReplicatedLinear(nn.Module):
+    """y = x W^T, the same W on every rank (routers and the shared-expert gate)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = _make_param((output_size, input_size), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)

@@ -1,0 +1,171 @@
+"""A worker group's ranks: started by a pluggable launcher, driven by one driver.
+
+The driver sends every rank the same message and collects every rank's reply. Nothing waits
+forever: a rank that dies, raises or stays silent past `timeout_s` makes the driver raise
+`RankGroupError` naming it, after stopping the whole group (a group with a lost rank cannot
+continue: its collectives would hang).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Callable
+
+from workers.parallel.messages import RankFailed, Ready, Shutdown, StepMessage, StepReply
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class RankGroupError(RuntimeError):
+    """A rank of a worker group failed; the group has been stopped."""
+
+
+class RankHandle(abc.ABC):
+    """The driver's end of one rank: a message channel plus the process's fate."""
+
+    @abc.abstractmethod
+    def send(self, msg: object) -> None: ...
+
+    @abc.abstractmethod
+    def poll(self, timeout_s: float) -> bool:
+        """True when a reply is ready to `recv` (waits up to `timeout_s`)."""
+
+    @abc.abstractmethod
+    def recv(self) -> object: ...
+
+    @abc.abstractmethod
+    def exitcode(self) -> int | None:
+        """None while the rank runs."""
+
+    @abc.abstractmethod
+    def stop(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the rank to exit, then kill it."""
+
+
+class RankLauncher(abc.ABC):
+    """Starts ranks: spawned processes here, Ray actors in the cluster."""
+
+    @abc.abstractmethod
+    def launch(self, target: Callable[[object, object], None], setup: object) -> RankHandle:
+        """Start `target(setup, channel)` as a new rank; returns the driver's handle."""
+
+
+class _ProcessHandle(RankHandle):
+    def __init__(self, process: object, conn: object) -> None:
+        self.process, self.conn = process, conn
+
+    def send(self, msg: object) -> None:
+        self.conn.send(msg)  # type: ignore[attr-defined]
+
+    def poll(self, timeout_s: float) -> bool:
+        return self.conn.poll(timeout_s)  # type: ignore[attr-defined]
+
+    def recv(self) -> object:
+        return self.conn.recv()  # type: ignore[attr-defined]
+
+    def exitcode(self) -> int | None:
+        return self.process.exitcode  # type: ignore[attr-defined]
+
+    def stop(self, timeout_s: float) -> None:
+        self.process.join(timeout_s)  # type: ignore[attr-defined]
+        if self.process.is_alive():  # type: ignore[attr-defined]
+            self.process.kill()  # type: ignore[attr-defined]
+            self.process.join(5.0)  # type: ignore[attr-defined]
+        self.conn.close()  # type: ignore[attr-defined]
+
+
+class SpawnLauncher(RankLauncher):
+    """Ranks as `spawn`ed daemon processes (tensors in the setup travel as shared memory)."""
+
+    def launch(self, target: Callable[[object, object], None], setup: object) -> RankHandle:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        driver_end, rank_end = ctx.Pipe()
+        process = ctx.Process(target=target, args=(setup, rank_end), daemon=True)
+        process.start()
+        rank_end.close()
+        return _ProcessHandle(process, driver_end)
+
+
+class RankGroup:
+    """`len(setups)` ranks; `replies()` of rank i come back in `[i]`."""
+
+    def __init__(self, target: Callable[[object, object], None], setups: list[object],
+                 launcher: RankLauncher, timeout_s: float,
+                 start_timeout_s: float | None = None) -> None:
+        """`timeout_s`: the longest a step may take; `start_timeout_s` (default the same):
+        the longest the ranks may take to start and load their shards."""
+        self.timeout_s = timeout_s
+        self.handles: list[RankHandle] = []
+        self.closed = False
+        try:
+            for setup in setups:
+                self.handles.append(launcher.launch(target, setup))
+            self._collect("start-up", Ready, start_timeout_s or timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, msg: StepMessage) -> list[StepReply]:
+        """Send `msg` to every rank; every rank's reply, in rank order."""
+        if self.closed:
+            raise RankGroupError("the worker group has been stopped")
+        for handle in self.handles:
+            handle.send(msg)
+        return self._collect(f"step {msg.step_id}", StepReply,  # type: ignore[return-value]
+                             self.timeout_s)
+
+    def _collect(self, what: str, kind: type, timeout_s: float) -> list[object]:
+        deadline = time.monotonic() + timeout_s
+        replies: dict[int, object] = {}
+        while len(replies) < len(self.handles):
+            pending = [r for r in range(len(self.handles)) if r not in replies]
+            for i, rank in enumerate(pending):
+                handle = self.handles[rank]
+                if handle.poll(_POLL_S if i == 0 else 0):  # block on one, peek at the rest
+                    reply = self._recv(rank, what)
+                    if isinstance(reply, RankFailed):
+                        self._fail(f"rank {rank} failed during {what}: {reply.summary}\n"
+                                   f"{reply.error}")
+                    if not isinstance(reply, kind):
+                        self._fail(f"rank {rank} sent {type(reply).__name__} during {what}; "
+                                   f"expected {kind.__name__}")
+                    replies[rank] = reply
+                elif handle.exitcode() is not None:
+                    self._fail(f"rank {rank} exited with code {handle.exitcode()} during {what}")
+            if time.monotonic() > deadline:
+                missing = [r for r in range(len(self.handles)) if r not in replies]
+                self._fail(f"ranks {missing} did not answer {what} within {timeout_s} s")
+        return [replies[r] for r in range(len(self.handles))]
+
+    def _recv(self, rank: int, what: str) -> object:
+        handle = self.handles[rank]
+        try:
+            return handle.recv()
+        except (EOFError, OSError):  # the pipe closed: the process is gone or going
+            handle.stop(2.0)
+            self._fail(f"rank {rank} exited with code {handle.exitcode()} during {what}")
+            raise  # unreachable: _fail raises
+
+    def _fail(self, message: str) -> None:
+        self.close(timeout_s=1.0)
+        raise RankGroupError(message)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every rank (idempotent): ask politely, then kill what is left."""
+        if self.closed:
+            return
+        self.closed = True
+        for handle in self.handles:
+            if handle.exitcode() is None:
+                try:
+                    handle.send(Shutdown())
+                except (OSError, EOFError, BrokenPipeError):
+                    pass  # already gone
+        for handle in self.handles:
+            handle.stop(timeout_s)

@@ -1,0 +1,82 @@
+"""What crosses the driver <-> rank boundary: one typed message each way per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    """One engine step, the same for every rank: a flat batch of new tokens from several
+    sequences (decodes first), and which rows' logits the driver needs."""
+
+    step_id: int  # increasing; replies carry it back
+    input_ids: tuple[int, ...]  # [num_tokens]
+    positions: tuple[int, ...]  # [num_tokens]
+    slot_mapping: tuple[int, ...]  # [num_tokens]: cache slot of each token's K/V
+    query_start_loc: tuple[int, ...]  # [num_seqs + 1]: prefix sums of new tokens per sequence
+    seq_lens: tuple[int, ...]  # [num_seqs]: tokens in context after this step
+    block_tables: tuple[tuple[int, ...], ...]  # [num_seqs][max_blocks], padded with 0
+    num_decodes: int  # leading sequences with exactly one new token
+    logit_rows: tuple[int, ...]  # rows (token indices) whose logits come back, in this order
+    num_microbatches: int = 1  # pipeline micro-batches the batch is split into (by sequence)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The last message a rank gets: leave the process group and exit."""
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """One rank's view of one step, in seconds and bytes."""
+
+    rank: int
+    wall_s: float  # from receiving the message to having the reply ready
+    comm_s: float  # inside collectives and pipeline receives (waiting included)
+    microbatch_busy_s: tuple[float, ...] = ()  # compute seconds per micro-batch
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # payload bytes by site
+
+    @property
+    def compute_s(self) -> float:
+        return self.wall_s - self.comm_s
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """Every rank replies to every step; only the last stage's first TP rank has logits."""
+
+    step_id: int
+    timing: RankTiming
+    logits: torch.Tensor | None = None  # [len(logit_rows), vocab_size] float32
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A rank has joined the process group and loaded its shard."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    """A rank's step (or start-up) raised; it exits after sending this."""
+
+    rank: int
+    error: str  # the traceback
+
+    @property
+    def summary(self) -> str:
+        """The exception line, e.g. "FileNotFoundError: no config.json in ..."."""
+        lines = [line for line in self.error.strip().splitlines() if line.strip()]
+        return lines[-1] if lines else "unknown error"
