@@ -51,11 +51,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cluster.flags import config_from_args
 
     config = config_from_args(args)
+    _check_model(config)
     if args.in_process:
         return _serve_in_process(config)
     from cluster.launch import serve_forever
 
     return serve_forever(config, num_cpus=args.num_cpus)
+
+
+def _check_model(config) -> None:  # noqa: ANN001 - a CleaveConfig
+    """Fail before starting anything when the pools' shapes do not fit the model."""
+    from pathlib import Path
+
+    from workers.model_config import ModelConfig
+
+    path = config.model.path
+    if path is not None and Path(path, "config.json").is_file():
+        config.check_against_model(ModelConfig.from_pretrained(path))
 
 
 def _serve_in_process(config) -> int:  # noqa: ANN001 - a CleaveConfig

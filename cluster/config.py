@@ -115,7 +115,9 @@ class PoolSettings(_Strict):
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
     tp: int = Field(1, ge=1, description="Tensor-parallel ranks per replica.")
     pp: int = Field(1, ge=1, description="Pipeline stages per replica.")
-    ep: int = Field(1, ge=1, description="Expert-parallel ranks (MoE models), within tp.")
+    ep: int = Field(1, ge=1, description=(
+        "Expert-parallel ranks (MoE models): 1, or tp to shard the experts across the "
+        "tensor-parallel group."))
     gpus_per_rank: float = Field(0.0, ge=0, description=(
         "GPUs each rank reserves; 0 runs on CPU. Set 1 on GPU clusters."))
     cpus_per_rank: float = Field(1.0, ge=0, description="CPUs each rank reserves.")
@@ -129,9 +131,9 @@ class PoolSettings(_Strict):
 
     @model_validator(mode="after")
     def _ep_within_tp(self) -> PoolSettings:
-        if self.ep > 1 and self.tp % self.ep:
-            raise ValueError(f"ep={self.ep} must divide tp={self.tp} (experts are spread "
-                             f"across the tensor-parallel group)")
+        if self.ep not in (1, self.tp):
+            raise ValueError(f"ep={self.ep} must be 1 or equal to tp={self.tp} (experts are "
+                             f"sharded across the tensor-parallel group)")
         return self
 
     @property
@@ -255,14 +257,15 @@ class CleaveConfig(_Strict):
         heads = model_config.num_attention_heads
         kv_heads = model_config.num_key_value_heads
         layers = model_config.num_hidden_layers
-        experts = getattr(model_config, "num_experts", None)
+        moe = getattr(model_config, "moe", None)
+        experts = moe.num_experts if moe is not None else None
         for name, pool in self.pools.items():
             if heads % pool.tp:
                 problems.append(f"pools.{name}.tp={pool.tp} does not divide the model's "
                                 f"{heads} attention heads")
-            if kv_heads % pool.tp and pool.tp % kv_heads:
+            if kv_heads % pool.tp:
                 problems.append(f"pools.{name}.tp={pool.tp} does not divide the model's "
-                                f"{kv_heads} KV heads (nor is a multiple of them)")
+                                f"{kv_heads} KV heads")
             if pool.pp > layers:
                 problems.append(f"pools.{name}.pp={pool.pp} is more than the model's {layers} "
                                 f"layers")

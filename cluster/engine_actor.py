@@ -88,7 +88,7 @@ class EngineActor:
         w = self.worker
         return {"worker_id": w.worker_id, "role": w.role, "block_size": w.block_size,
                 "max_model_len": w.max_model_len, "vocab_size": w.vocab_size,
-                "num_blocks": w.num_blocks, "pid": os.getpid(),
+                "num_blocks": w.num_blocks, "tp_size": w.tp_size, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     # ---- requests ------------------------------------------------------------------------
@@ -110,10 +110,11 @@ class EngineActor:
             yield event
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      cache_salt: str | None) -> PrefillResult:
+                      cache_salt: str | None, kv_readers: int = 1) -> PrefillResult:
         self.in_flight.add(request_id)
         try:
-            return await self.worker.prefill(request_id, prompt, params, cache_salt)
+            return await self.worker.prefill(request_id, prompt, params, cache_salt,
+                                             kv_readers)
         finally:
             self.in_flight.discard(request_id)
 

@@ -76,7 +76,7 @@ class RouterIngress:
         self.subscriber = f"router-{serve.get_replica_context().replica_id.unique_id}"
         model_path = self.config.model.path
         if model_path is None:
-            from workers.make_model import default_model_path  # torch-free
+            from workers.make_model import default_model_path
 
             model_path = str(default_model_path())
         entries = await self._wait_for_workers()

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import POOL_ROLES, CleaveConfig
 from cluster.directory import HEARTBEAT_S, WorkerEntry
 from cluster.engine_actor import EngineActor, EngineSpec
+from workers.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
 
         model_path = str(default_model_path())
     engine = {"model": model_path, "dtype": m.dtype, "load_format": m.load_format,
-              "max_model_len": m.max_model_len, **settings.engine.engine_options()}
+              "max_model_len": m.max_model_len, "tensor_parallel_size": settings.tp,
+              "pipeline_parallel_size": settings.pp, "expert_parallel_size": settings.ep,
+              **settings.engine.engine_options()}
     if settings.gpus_per_rank == 0:
         engine["device"] = "cpu"
     threads = max(1, int(settings.cpus_per_rank)) if settings.gpus_per_rank == 0 else None
@@ -51,6 +54,8 @@ class WorkerReplica:
 
     async def __init__(self, config: dict[str, Any], pool: str, directory: Any) -> None:
         self.config = CleaveConfig.parse(config)
+        spec = engine_spec(self.config, pool, "")
+        self.config.check_against_model(ModelConfig.from_pretrained(spec.engine["model"]))
         self.pool = pool
         self.settings = getattr(self.config.pools, pool)
         self.directory = directory

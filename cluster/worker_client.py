@@ -85,16 +85,16 @@ class RayWorkerClient(HandoffWorkerClient):
     async def info(self) -> WorkerInfo:
         d = await self._call("ready")
         return WorkerInfo(d["worker_id"], WorkerRole(d["role"]), d["block_size"],
-                          d["max_model_len"], d["vocab_size"], d["num_blocks"])
+                          d["max_model_len"], d["vocab_size"], d["num_blocks"], d["tp_size"])
 
     def generate(self, req: WorkerRequest) -> AsyncIterator[TokenEvent]:
         return self._stream("generate", req.request_id, list(req.prompt_token_ids), req.params,
                             req.cache_salt)
 
-    async def prefill(self, req: WorkerRequest) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
         try:
             return await self._call("prefill", req.request_id, list(req.prompt_token_ids),
-                                    req.params, req.cache_salt, timeout_s=None)
+                                    req.params, req.cache_salt, kv_readers, timeout_s=None)
         except asyncio.CancelledError:
             self.actor.abort.remote(req.request_id)
             raise

@@ -38,7 +38,7 @@ class InProcessWorkerClient(HandoffWorkerClient):
         self._check_open()
         w = self.worker
         return WorkerInfo(w.worker_id, WorkerRole(w.role), w.block_size, w.max_model_len,
-                          w.vocab_size, w.num_blocks)
+                          w.vocab_size, w.num_blocks, w.tp_size)
 
     async def _relay(self, open_stream: Callable[[], AsyncIterator[TokenEvent]]
                      ) -> AsyncIterator[TokenEvent]:
@@ -62,10 +62,10 @@ class InProcessWorkerClient(HandoffWorkerClient):
         return self._relay(lambda: self.worker.generate(
             req.request_id, list(req.prompt_token_ids), req.params, req.cache_salt))
 
-    async def prefill(self, req: WorkerRequest) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
         self._check_open()
         return await self.worker.prefill(req.request_id, list(req.prompt_token_ids), req.params,
-                                         req.cache_salt)
+                                         req.cache_salt, kv_readers)
 
     def decode(self, req: WorkerRequest, first_token_id: int,
                handoff_json: str | None) -> AsyncIterator[TokenEvent]:

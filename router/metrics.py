@@ -68,14 +68,21 @@ def error_reason(exc: BaseException) -> str:
 
 
 def handoff_bytes(handoff_json: str) -> int:
-    """The KV bytes a handoff moves (every layer, keys and values); 0 when the JSON does not
-    describe a layout this module knows (`kvtransfer.Handoff.to_json` does)."""
+    """The KV bytes a handoff moves (every layer, keys and values, every source rank's heads);
+    0 when the JSON does not describe layouts this module knows (a list of
+    `kvtransfer.Handoff.to_dict()`, one per prefill TP rank, as `workers.worker` sends)."""
     try:
-        d = json.loads(handoff_json)
-        lay = d["layout"]
-        per_block = (2 * int(lay["num_layers"]) * int(lay["block_size"])
-                     * int(lay["num_kv_heads"]) * int(lay["head_dim"]) * DTYPE_BYTES[lay["dtype"]])
-        return per_block * len(d["block_ids"])
+        records = json.loads(handoff_json)
+        if isinstance(records, dict):
+            records = [records]
+        total = 0
+        for d in records:
+            lay = d["layout"]
+            per_block = (2 * int(lay["num_layers"]) * int(lay["block_size"])
+                         * int(lay["num_kv_heads"]) * int(lay["head_dim"])
+                         * DTYPE_BYTES[lay["dtype"]])
+            total += per_block * len(d["block_ids"])
+        return total
     except (ValueError, KeyError, TypeError):
         logger.warning("cannot size a KV handoff: %.200s", handoff_json)
         return 0

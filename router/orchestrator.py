@@ -309,8 +309,9 @@ class Orchestrator:
                 and isinstance(decode, HandoffWorkerClient)):
             raise TypeError(f"workers {prefill.worker_id!r} and {decode_id!r} must be "
                             f"HandoffWorkerClients to split a request between them")
-        try:
-            result: PrefillResult = await prefill.prefill(req)
+        p_tp, d_tp = r._infos[prefill.worker_id].tp_size, r._infos[decode_id].tp_size
+        try:  # each prefill rank's KV is read by as many decode ranks as share its heads
+            result: PrefillResult = await prefill.prefill(req, max(1, d_tp // p_tp))
         except InvalidRequestError as exc:
             raise BadRequestError(exc.message, param=exc.param) from None
         except Exception as exc:  # noqa: BLE001 -- any worker failure: try another one

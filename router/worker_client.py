@@ -54,6 +54,7 @@ class WorkerInfo:
     max_model_len: int  # tokens per sequence, prompt and output together
     vocab_size: int  # token ids must be in [0, vocab_size)
     num_blocks: int  # KV blocks in the worker's cache
+    tp_size: int = 1  # tensor-parallel ranks, each holding its share of the KV heads
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,9 @@ class HandoffWorkerClient(WorkerClient):
     for DECODE (or BOTH); the worker refuses the other with `ValueError`."""
 
     @abc.abstractmethod
-    async def prefill(self, req: WorkerRequest) -> PrefillResult:
-        """Run the prompt to its first token and offer its KV under a lease. Raises
+    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+        """Run the prompt to its first token and offer its KV under a lease per TP rank, each
+        waiting for `kv_readers` pulls (decode TP size / prefill TP size when larger). Raises
         `InvalidRequestError` for a bad request; cancelling leaves nothing held."""
 
     @abc.abstractmethod

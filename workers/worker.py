@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
@@ -66,10 +67,11 @@ class Worker:
         self.host = host
         self.lease_s = lease_s
         self.pull_timeout_s = pull_timeout_s
-        self._agent: TransferAgent | None = None
+        self._agents: list[TransferAgent] | None = None  # one per tensor-parallel rank
         self._agent_lock = asyncio.Lock()
-        # offered blocks -> the held requests they belong to (one tuple may be held twice)
-        self._leased: dict[tuple[int, ...], list[str]] = {}
+        # offered blocks -> [request id, leases not yet ended] of the held requests they belong
+        # to (one tuple may be held twice); a request holds one lease per TP rank
+        self._leased: dict[tuple[int, ...], list[list]] = {}
 
     @classmethod
     def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both",
@@ -92,6 +94,10 @@ class Worker:
         return self.engine.model_config.vocab_size
 
     @property
+    def tp_size(self) -> int:
+        return self.engine.config.tensor_parallel_size
+
+    @property
     def num_blocks(self) -> int:
         return self.engine.kv.pool.num_blocks
 
@@ -107,8 +113,8 @@ class Worker:
 
         NOTE: a lease cancelled while a decode worker reads it frees the blocks under that read;
         only cancel when the decode side is being aborted too."""
-        if self._agent is not None:
-            self._agent.cancel(request_id)
+        for agent in self._agents or ():
+            agent.cancel(request_id)
         self.async_engine.abort(request_id)
 
     # ---- the KV handoff ----------------------------------------------------------------------
@@ -118,27 +124,36 @@ class Worker:
             raise ValueError(f"worker {self.worker_id!r} has role {self.role!r}; {what} needs "
                              f"one of {allowed}")
 
-    async def agent(self) -> TransferAgent:
-        """This worker's transfer agent, started (listening) on first use."""
+    async def agents(self) -> list[TransferAgent]:
+        """This worker's transfer agents, one per tensor-parallel rank's shard of the cache
+        (each serves and pulls that rank's heads), started (listening) on first use."""
         async with self._agent_lock:
-            if self._agent is None:
-                from kvtransfer import KVLayout, TransferAgent, TransportConfig
+            if self._agents is None:
+                from kvtransfer import TransferAgent, TransportConfig
 
-                caches = self.engine.kv_caches
-                agent = TransferAgent(KVLayout.from_caches(caches), caches,
-                                      TransportConfig(self.transport, self.host),
-                                      on_release=self._on_release)
-                await agent.start()
-                self._agent = agent
-            return self._agent
+                agents = [TransferAgent(layout, caches,
+                                        TransportConfig(self.transport, self.host),
+                                        on_release=self._on_release)
+                          for layout, caches in zip(self.engine.kv_layouts(),
+                                                    self.engine.kv_caches_by_rank())]
+                for agent in agents:
+                    await agent.start()
+                self._agents = agents
+            return self._agents
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, cache_salt: str | None = None) -> PrefillResult:
+                      params: SamplingParams, cache_salt: str | None = None,
+                      kv_readers: int = 1) -> PrefillResult:
         """Run the prompt to its first token (sampled with `params`) and offer its KV under a
-        lease, or return no handoff when the request ended at that token. Raises
-        `InvalidRequestError` for a bad request; nothing is held after any error or cancel."""
+        lease per TP rank, or return no handoff when the request ended at that token. The
+        handoff is a JSON list of `kvtransfer.Handoff` records, one per rank; `kv_readers`:
+        the pulls each rank's lease waits for (decode TP size / this TP size when larger).
+        Raises `InvalidRequestError` for a bad request; nothing is held after any error or
+        cancel."""
         self._check_role(PREFILL_ROLES, "prefill")
-        agent = await self.agent()
+        if kv_readers < 1:
+            raise ValueError(f"kv_readers must be at least 1, got {kv_readers}")
+        agents = await self.agents()
         first: TokenEvent | None = None
         offered = False
         try:
@@ -152,24 +167,30 @@ class Worker:
             if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
                 return PrefillResult(first, None)  # the request is over (blocks freed below)
             block_ids = self.engine.held_block_ids(request_id)
-            handoff = agent.offer(request_id, block_ids, lease_s=self.lease_s)
-            self._leased.setdefault(tuple(block_ids), []).append(request_id)
+            handoffs = [agent.offer(request_id, block_ids, lease_s=self.lease_s,
+                                    readers=kv_readers) for agent in agents]
+            self._leased.setdefault(tuple(block_ids), []).append([request_id, len(agents)])
             offered = True
             return PrefillResult(dataclasses.replace(first, finish_reason=None),
-                                 handoff.to_json())
+                                 json.dumps([h.to_dict() for h in handoffs],
+                                            separators=(",", ":")))
         finally:
             if not offered:  # queued after the abort of an unfinished request
                 self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
 
     def _on_release(self, block_ids: Sequence[int]) -> None:
-        """A lease ended (on the event loop): free its request's held blocks between steps."""
+        """A lease ended (on the event loop): once every rank's lease of the request ended,
+        free its held blocks between steps."""
         key = tuple(block_ids)
         owners = self._leased.get(key)
         if not owners:
             logger.error("worker %s: a lease ended on blocks %s it never offered",
                          self.worker_id, list(key)[:8])
             return
-        request_id = owners.pop(0)
+        owners[0][1] -= 1
+        if owners[0][1] > 0:
+            return
+        request_id = owners.pop(0)[0]
         if not owners:
             del self._leased[key]
         self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
@@ -212,20 +233,29 @@ class Worker:
 
     async def _puller(self, request_id: str,
                       handoff_json: str) -> Callable[[list[int]], Awaitable[None]]:
-        """The pull of one handoff into given blocks, raising `KVPullFailed`."""
+        """The pull of a handoff (one record per prefill TP rank) into given blocks: every
+        local rank's agent pulls its heads from the records that hold them. Raises
+        `KVPullFailed`."""
         from kvtransfer import Handoff, TransferError
 
         try:
-            handoff = Handoff.from_json(handoff_json)
-        except TransferError as exc:
-            raise KVPullFailed(request_id, f"{type(exc).__name__}: {exc}") from None
-        agent = await self.agent()
+            records = json.loads(handoff_json)
+            records = [records] if isinstance(records, dict) else records
+            handoffs = [Handoff.from_dict(d) for d in records]
+        except (ValueError, TypeError, TransferError) as exc:
+            raise KVPullFailed(request_id, f"{type(exc).__name__}: bad handoff: {exc}") from None
+        agents = await self.agents()
 
         async def pull(block_ids: list[int]) -> None:
-            try:
-                await agent.pull(handoff, block_ids, timeout=self.pull_timeout_s)
-            except TransferError as exc:
-                raise KVPullFailed(request_id, f"{type(exc).__name__}: {exc}") from None
+            # every rank's pull ends (landed or failed) before the blocks may be reused
+            results = await asyncio.gather(*(agent.pull(handoffs, block_ids,
+                                                        timeout=self.pull_timeout_s)
+                                             for agent in agents), return_exceptions=True)
+            for exc in results:
+                if isinstance(exc, TransferError):
+                    raise KVPullFailed(request_id, f"{type(exc).__name__}: {exc}") from None
+                if isinstance(exc, BaseException):
+                    raise exc
 
         return pull
 
@@ -240,7 +270,7 @@ class Worker:
 
     async def shutdown(self) -> None:
         """Stop serving KV (every lease ends) and stop the engine."""
-        if self._agent is not None:
-            await self._agent.close()
-            self._agent = None
+        for agent in self._agents or ():
+            await agent.close()
+        self._agents = None
         await self.async_engine.shutdown()

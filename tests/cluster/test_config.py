@@ -33,7 +33,7 @@ def test_the_default_is_one_prefill_and_one_decode_replica_of_the_embedded_model
     ({"pools": {"aggregated": {}, "decode": {}}}, "either an aggregated pool or prefill/decode"),
     ({"pools": {"decode": {"replicas": {"min": 3, "max": 2}}}}, "min=3 is more than max=2"),
     ({"pools": {"decode": {"replicas": {"min": -1}}}}, "pools.decode.replicas.min"),
-    ({"pools": {"decode": {"tp": 4, "ep": 3}}}, "ep=3 must divide tp=4"),
+    ({"pools": {"decode": {"tp": 4, "ep": 3}}}, "ep=3 must be 1 or equal to tp=4"),
     ({"pools": {"prefill": {"engine": {"block_size": 32}}, "decode": {}}}, "same engine.block_size"),
     ({"pools": {"decode": {"engine": {"block_size": 24}}}}, "pools.decode.engine.block_size"),
     ({"router": {"http_port": 9000, "grpc_port": 9000}}, "http_port and grpc_port are both 9000"),

@@ -1,5 +1,6 @@
 """Two Ray nodes on one machine (`ray.cluster_utils.Cluster`): the prefill pool on one, the
-decode pool on the other, so every handoff's KV crosses nodes over the configured transport."""
+decode pool on the other, so every handoff's KV crosses nodes over the configured transport;
+the prefill replica is a TP=2 worker group, so the KV is also resharded (2 ranks -> 1)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_the_kv_crosses_nodes_from_the_prefill_to_the_decode_pool(two_nodes, tin
     pool = {"cpus_per_rank": 0.5, "engine": {"num_blocks": 256}}
     config = CleaveConfig.parse(app_config(
         tiny_model, kv_transfer={"transport": transport},
-        pools={"prefill": {**pool, "resources": {"node_prefill": 1}},
+        pools={"prefill": {**pool, "tp": 2, "resources": {"node_prefill": 1}},
                "decode": {**pool, "resources": {"node_decode": 1}}}))
     deploy(config, proxy_location="HeadOnly")
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{config.router.http_port}/v1",

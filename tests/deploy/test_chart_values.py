@@ -40,7 +40,7 @@ BAD_VALUES = [
     pytest.param({"cleave": {"router": {"grpc_port": 8000}}},
                  "cleave.router: http_port and grpc_port are both 8000", True, id="same-ports"),
     pytest.param({"cleave": {"pools": {"decode": {"tp": 4, "ep": 3}}}},
-                 "cleave.pools.decode: ep=3 must divide tp=4", True, id="ep-not-dividing-tp"),
+                 "cleave.pools.decode: ep=3 must be 1 or equal to tp=4", True, id="ep-not-dividing-tp"),
     pytest.param({"cleave": {"pools": {"decode": {"engine": {"block_size": 32}}}}},
                  "same engine.block_size", True, id="block-sizes-differ"),
     pytest.param({"cleave": {"router": {"policy_weights": {"w_foo": 1.0}}}},

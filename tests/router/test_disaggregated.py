@@ -57,7 +57,7 @@ def complete(srv: LocalServer, prompt: str, stream: bool = False, max_tokens: in
 def settled(srv: LocalServer) -> bool:
     """Every block of every worker free, and no lease left on any agent."""
     def leases() -> int:
-        return sum(c.worker._agent.num_leases for c in srv.clients if c.worker._agent)
+        return sum(a.num_leases for c in srv.clients for a in c.worker._agents or ())
 
     return wait_until(lambda: all(srv.call(c.stats()).num_free_blocks == NUM_BLOCKS
                                   for c in srv.clients) and leases() == 0, 10.0)

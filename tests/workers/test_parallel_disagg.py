@@ -76,3 +76,41 @@ def test_layouts_name_each_ranks_heads(engines):
                                                                                    (1, 1, 1)]
     with pytest.raises(RuntimeError, match="split over 2 tensor-parallel ranks"):
         _ = by_tp[2].kv_caches
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_workers_of_different_tp_sizes_hand_off_over_tcp(engines, tmp_path, prefill_tp,
+                                                         decode_tp):
+    """The same through `Worker` (what the router calls): one agent and lease per prefill
+    rank, the decode ranks pulling their heads over real sockets, leases all released."""
+    from workers.config import EngineConfig
+    from workers.worker import Worker
+
+    _, want = engines
+    path = str(tmp_path)
+    save_hf_model("llama", path)
+
+    def worker(name, role, tp):
+        return Worker.from_config(name, EngineConfig(model=path, block_size=4, num_blocks=64,
+                                                     tensor_parallel_size=tp), role)
+
+    async def run():
+        prefill, decode = worker("p", "prefill", prefill_tp), worker("d", "decode", decode_tp)
+        try:
+            result = await prefill.prefill("r", PROMPT, PARAMS,
+                                           kv_readers=max(1, decode_tp // prefill_tp))
+            tokens = list(result.first.token_ids)
+            async for event in decode.decode("r", PROMPT, tokens[0], PARAMS,
+                                             result.handoff_json):
+                tokens += event.token_ids
+            for _ in range(100):  # the leases end once every reader pulled
+                if prefill.engine.kv.num_held_requests == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert prefill.engine.kv.num_held_requests == 0
+            return tokens
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    assert asyncio.run(run()) == want

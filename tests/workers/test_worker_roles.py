@@ -82,7 +82,7 @@ def test_handoff_over_tcp_matches_aggregated_and_frees_every_block(trio, run):
         rest = await collect(decode.decode("r1", PROMPT, result.first.token_ids[0], GREEDY,
                                            result.handoff_json))
         assert await until_all_free(prefill, decode, both)
-        assert prefill.engine.kv.num_held_requests == 0 and (await prefill.agent()).num_leases == 0
+        assert prefill.engine.kv.num_held_requests == 0 and all(a.num_leases == 0 for a in await prefill.agents())
         return want, result.first.token_ids + rest
 
     want, got = run(go())

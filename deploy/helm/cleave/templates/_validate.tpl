@@ -23,7 +23,7 @@ unknown keys are values.schema.json's job. */}}
 {{- end }}
 {{- $tp := default 1 $pool.tp | int }}
 {{- $ep := default 1 $pool.ep | int }}
-{{- if and (gt $ep 1) (ne (mod $tp $ep) 0) }}{{ fail (printf "%s: ep=%d must divide tp=%d (experts are spread across the tensor-parallel group)" $where $ep $tp) }}{{ end }}
+{{- if and (gt $ep 1) (ne $ep $tp) }}{{ fail (printf "%s: ep=%d must be 1 or equal to tp=%d (experts are sharded across the tensor-parallel group)" $where $ep $tp) }}{{ end }}
 {{- $ranks := include "cleave.ranks" (dict "pool" $pool) | int }}
 {{- $gpr := ternary 0 $pool.gpus_per_rank (kindIs "invalid" $pool.gpus_per_rank) }}
 {{- $gpus := mulf $ranks $gpr }}
