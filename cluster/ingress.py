@@ -152,10 +152,10 @@ class RouterIngress:
     async def status(self) -> dict[str, Any]:
         """Pools, workers, loads and routing counters as this replica sees them."""
         r = self.router
-        loads = {load.worker_id: load for load in await r._loads()}
+        loads = {load.worker_id: load for load in await r.loads()}
         c = r.counters
         workers = []
-        for wid, info in sorted(r._infos.items()):
+        for wid, info in sorted(r.worker_infos.items()):
             load = loads.get(wid)
             workers.append({"worker_id": wid, "role": info.role.value,
                             "healthy": bool(load and load.healthy) or wid in r.draining,

@@ -258,6 +258,15 @@ class Router:
         clients = list(self.clients.items())  # the set may change while we wait
         return list(await asyncio.gather(*(load(w, c) for w, c in clients)))
 
+    async def loads(self) -> list[WorkerLoad]:
+        """Every worker's load, asked now (draining and unreachable ones marked unhealthy)."""
+        return await self._loads()
+
+    @property
+    def worker_infos(self) -> dict[str, WorkerInfo]:
+        """What each routed worker serves, by id."""
+        return dict(self._infos)
+
     def healthy_workers(self) -> list[str]:
         return [wid for wid, ok in self._healthy.items() if ok and wid not in self.draining]
 

@@ -88,6 +88,15 @@ def test_the_openai_client_gets_the_offline_engines_greedy_output(app, expected)
     assert report["prefix_hit_rate"] is not None and report["prefix_hit_rate"] > 0
     text = format_status(report)
     assert "pool-decode" in text and "prefix hit" in text
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scrape = httpx.get(f"http://127.0.0.1:{app.router.http_port}/metrics", timeout=30).text
+    families = {f.name: f for f in text_string_to_metric_families(scrape)}
+    pools = {s.labels["pool"]: s.value for s in families["cleave_pool_workers"].samples}
+    assert pools["prefill"] >= 1 and pools["decode"] >= 1
+    assert sum(s.value for s in families["cleave_requests"].samples
+               if s.name == "cleave_requests_total" and s.labels["status"] == "success") > 0
     chat = c.chat.completions.create(model="tiny", max_tokens=4,
                                      messages=[{"role": "user", "content": "hi"}])
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 4
