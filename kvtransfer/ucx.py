@@ -27,6 +27,13 @@ user already set them; they take effect only if no UCX context exists yet in the
   view of a 1 GiB pull is 16 MiB; one call per view instead of 32 took CMA from about 3.3 to
   4.6 GB/s on a 2-core host (memcpy about 11).
 
+Waiting on a request polls it (`_unspun`): UCXX's own wait spins the event loop, and one spinning
+thread per process left CMA a fraction of a core. With the loop idle between polls, a 1 GiB pull
+on a 2-core host is one `process_vm_readv` thread at about 4.6 GB/s (0.40 to 0.47 of the two-thread
+memcpy bound with 4 KiB pages; 6 to 6.6 GB/s, 0.57 to 0.6, when both caches are on huge pages,
+whose pages CMA pins faster). A second reader thread would need a second UCX worker, which
+UCXX's public API does not offer (one context and worker per process).
+
 Control messages stay on TCP: `UCX_MM_ERROR_HANDLING=y` would move them to sysv/posix shared
 memory, but those detect a dead peer only by keepalive, so a killed puller held its lease for
 longer than the tests allow; TCP notices at once, and the control traffic is a few hundred bytes.
@@ -56,6 +63,8 @@ UCX_DEFAULTS = {
     "UCX_CMA_SEG_SIZE": "16M",
 }
 LAYERS_IN_FLIGHT = 4  # layers whose messages are posted ahead of the oldest one not yet done
+SPIN_POLLS = 32  # polls of a UCX request back to back before sleeping between polls
+POLL_INTERVAL_S = 0.0005  # then this long between polls (the event loop rounds it up to 1 ms)
 
 
 def _import_ucxx() -> Any:
@@ -73,6 +82,36 @@ def _buffer(t: torch.Tensor) -> Any:
     """What UCXX sends from / receives into without a copy: a uint8 view of contiguous memory."""
     flat = t.reshape(-1).view(torch.uint8)
     return flat if flat.is_cuda else flat.numpy()  # CUDA tensors expose __cuda_array_interface__
+
+
+async def _unspun(coro: Coroutine) -> Any:
+    """Await `coro`, a UCXX send or receive, without letting it spin. With its notifier thread
+    off (the default, and the only mode that works across event loops) UCXX waits for a request
+    by `await asyncio.sleep(0)` in a loop: a busy core per process while any request is pending,
+    an idle source waiting for the next pull included, and on a 2-core host the CMA reads got
+    a third of a core. Each such bare yield is answered here by an immediate poll for the first
+    `SPIN_POLLS`, then by a sleep of `POLL_INTERVAL_S`; a future it yields is waited for as a
+    task would. Cancelling the caller throws into `coro`, as it would into a task's."""
+    polls, error = 0, None
+    try:
+        while True:
+            try:
+                yielded = coro.throw(error) if error is not None else coro.send(None)
+            except StopIteration as stop:
+                return stop.value
+            error = None
+            try:
+                if yielded is not None:  # `coro` reads the future's outcome itself
+                    await asyncio.wait([yielded])
+                    continue
+                polls += 1
+                await asyncio.sleep(0 if polls <= SPIN_POLLS else POLL_INTERVAL_S)
+            except asyncio.CancelledError as e:
+                if yielded is not None:
+                    yielded.cancel()
+                error = e
+    finally:
+        coro.close()
 
 
 class _Pipeline:
@@ -123,13 +162,13 @@ class _Endpoint:
 
     async def send(self, buf: Any) -> None:
         try:
-            await self.ep.send(buf)
+            await _unspun(self.ep.send(buf))
         except self._errors as e:
             raise PeerGone(f"UCX send failed: {e!r}") from None
 
     async def recv(self, buf: Any) -> None:
         try:
-            await self.ep.recv(buf)
+            await _unspun(self.ep.recv(buf))
         except self._errors as e:
             raise PeerGone(f"UCX receive failed: {e!r}") from None
 

@@ -1,8 +1,10 @@
-"""The ucx transport keeps one endpoint per source across pulls: reuse, concurrency, recovery."""
+"""The ucx transport keeps one endpoint per source across pulls: reuse, concurrency, recovery;
+and an idle endpoint costs no CPU."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -53,6 +55,20 @@ def test_a_refused_pull_drops_the_endpoint_and_the_next_pull_reconnects() -> Non
         await dst.agent.pull(src.agent.offer("r", ids), local, timeout=20)
         assert blocks_equal(src.caches, ids, dst.caches, local)
         assert await all_released(src)
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
+def test_an_idle_endpoint_leaves_the_event_loop_idle() -> None:
+    async def run() -> None:
+        src, dst = await make_pair("ucx")
+        ids, local = src.pool.allocate(4), dst.pool.allocate(4)
+        await dst.agent.pull(src.agent.offer("r", ids), local, timeout=20)
+        assert await all_released(src)  # the source now waits for the next pull's request
+        cpu = time.thread_time()
+        await asyncio.sleep(1.0)
+        assert time.thread_time() - cpu < 0.2  # a spinning wait takes most of the second
         await close(src, dst)
 
     asyncio.run(run())
