@@ -208,8 +208,9 @@ class RouterSettings(_Strict):
 
 
 class KVTransferSettings(_Strict):
-    transport: Literal["tcp", "ucx", "nccl", "gloo"] = Field("tcp", description=(
-        "How KV blocks move from prefill to decode workers."))
+    transport: Literal["tcp", "ucx", "nccl"] = Field("tcp", description=(
+        "How KV blocks move from prefill to decode workers (nccl runs on gloo with CPU "
+        "caches)."))
     lease_s: float = Field(30.0, gt=0, description=(
         "How long prefilled blocks wait for their decode worker at most."))
     pull_timeout_s: float = Field(10.0, gt=0, description="How long a decode waits for its KV.")

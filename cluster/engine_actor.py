@@ -84,8 +84,11 @@ class EngineActor:
         self._broken: str | None = None
 
     async def ready(self) -> dict[str, Any]:
-        """The worker's description (`router.worker_client.WorkerInfo` fields)."""
+        """The worker's description (`router.worker_client.WorkerInfo` fields), once its
+        transfer agents passed the transport's self-check (workers that hand KV off)."""
         w = self.worker
+        if w.role != "both":
+            await w.agents()
         return {"worker_id": w.worker_id, "role": w.role, "block_size": w.block_size,
                 "max_model_len": w.max_model_len, "vocab_size": w.vocab_size,
                 "num_blocks": w.num_blocks, "tp_size": w.tp_size, "pid": os.getpid(),

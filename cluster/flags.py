@@ -51,7 +51,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                    help="replicas of one aggregated pool (instead of prefill/decode pools)")
     p.add_argument("--prefill-workers", type=int, default=None, help="prefill replicas")
     p.add_argument("--decode-workers", type=int, default=None, help="decode replicas")
-    p.add_argument("--kv-transport", default=None, help="tcp, ucx, nccl or gloo")
+    p.add_argument("--kv-transport", default=None, help="tcp, ucx or nccl")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 50051)")

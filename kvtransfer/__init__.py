@@ -14,11 +14,12 @@ from kvtransfer.descriptors import Handoff, KVLayout, MemoryOrder, check_transfe
 from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, LeaseExpired, PeerGone,
                                TransferError, TransferTimeout, TransportUnavailable)
 from kvtransfer.local import LocalHub
+from kvtransfer.selfcheck import SelfCheckFailed, self_check
 from kvtransfer.transport import TRANSPORTS, Transport, TransportConfig, make_transport
 
 __all__ = [
     "Handoff", "InvalidDescriptor", "KVLayout", "LayoutMismatch", "LeaseExpired", "LocalHub",
-    "MemoryOrder", "PeerGone", "PullResult", "TRANSPORTS", "TransferAgent", "TransferError",
-    "TransferTimeout", "Transport", "TransportConfig", "TransportUnavailable",
-    "check_transferable", "make_transport",
+    "MemoryOrder", "PeerGone", "PullResult", "SelfCheckFailed", "TRANSPORTS", "TransferAgent",
+    "TransferError", "TransferTimeout", "Transport", "TransportConfig", "TransportUnavailable",
+    "check_transferable", "make_transport", "self_check",
 ]

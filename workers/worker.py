@@ -129,8 +129,11 @@ class Worker:
         (each serves and pulls that rank's heads), started (listening) on first use."""
         async with self._agent_lock:
             if self._agents is None:
-                from kvtransfer import TransferAgent, TransportConfig
+                from kvtransfer import TransferAgent, TransportConfig, self_check
 
+                # the transport moves a test pattern to itself first: a broken path is an
+                # error here, at start, not a slow or failed first handoff
+                await self_check(TransportConfig(self.transport, self.host))
                 agents = [TransferAgent(layout, caches,
                                         TransportConfig(self.transport, self.host),
                                         on_release=self._on_release)
