@@ -102,7 +102,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate / tp_size]
-        return self.down_proj(F.silu(gate) * up)
+        # in place, in the projection's own output: no fresh [T, intermediate] buffers (their
+        # page faults cost ~10x the arithmetic on CPU)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
