@@ -127,12 +127,13 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # hidden: [T, hidden]; same order of adds as HF's LlamaDecoderLayer
+        # (the adds land in place in the sublayers' fresh outputs; a + b == b + a exactly)
         residual = hidden
         hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        hidden = residual + hidden
+        hidden = hidden.add_(residual)
         residual = hidden
         hidden = getattr(self, self.mlp_name)(self.post_attention_layernorm(hidden))
-        return residual + hidden
+        return hidden.add_(residual)
 
 
 class LlamaModel(nn.Module):
