@@ -54,13 +54,13 @@ class WorkerReplica:
 
     async def __init__(self, config: dict[str, Any], pool: str, directory: Any) -> None:
         self.config = CleaveConfig.parse(config)
-        spec = engine_spec(self.config, pool, "")
-        self.config.check_against_model(ModelConfig.from_pretrained(spec.engine["model"]))
         self.pool = pool
         self.settings = getattr(self.config.pools, pool)
         self.directory = directory
         replica = serve.get_replica_context().replica_id.unique_id
         self.worker_id = f"{pool}-{replica}"
+        spec = engine_spec(self.config, pool, self.worker_id)
+        self.config.check_against_model(ModelConfig.from_pretrained(spec.engine["model"]))
         s = self.settings
         options: dict[str, Any] = {"num_cpus": s.cpus_per_rank, "num_gpus": s.gpus_per_rank,
                                    "max_concurrency": 10_000}
@@ -68,8 +68,7 @@ class WorkerReplica:
         if pg is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=0)
-        self.actor = ray.remote(EngineActor).options(**options).remote(
-            engine_spec(self.config, pool, self.worker_id))
+        self.actor = ray.remote(EngineActor).options(**options).remote(spec)
         info = await self.actor.ready.remote()  # the model is loaded
         self.entry = WorkerEntry(self.worker_id, pool, POOL_ROLES[pool], self.actor,
                                  info["node_id"])

@@ -4,23 +4,15 @@ conversations of two tenants, every policy plus the oracle, and the report a use
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+from tests.benchmarks.conftest import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def routing_engines():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import routing_engines
-
-        yield routing_engines
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from import_benchmark("routing_engines")
 
 
 def tiny_workload(bench, conv_per_s: float = 4.0):

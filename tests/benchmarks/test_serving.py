@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from router.serve import LocalServeConfig, LocalServer
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+from tests.benchmarks.conftest import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def serving():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import serving
-
-        yield serving
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from import_benchmark("serving")
 
 
 @pytest.fixture(scope="module")
