@@ -13,6 +13,8 @@ tokens.
 from __future__ import annotations
 
 import abc
+import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -65,10 +67,22 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
+# Backends that need an optional package: name -> (package, module that registers it). Imported
+# only when asked for, so the torch backend neither needs nor pays for the package.
+_OPTIONAL_BACKENDS = {"triton": ("triton", "workers.attention.triton_backend")}
+
+
 def get_backend(name: str) -> AttentionBackend:
     # import for registration side effects
     from workers.attention import torch_backend  # noqa: F401
 
+    if name in _OPTIONAL_BACKENDS and name not in _BACKENDS:
+        package, module = _OPTIONAL_BACKENDS[name]
+        if importlib.util.find_spec(package) is None:
+            raise ValueError(f"attention backend {name!r} needs the {package!r} package, which "
+                             f"is not installed")
+        importlib.import_module(module)
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {sorted(_BACKENDS)}")
+        known = sorted(_BACKENDS.keys() | _OPTIONAL_BACKENDS.keys())
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {known}")
     return _BACKENDS[name]()

@@ -1,0 +1,273 @@
+"""The Triton paged-attention kernels and backend against plain softmax attention and the torch
+backend. Without a GPU the kernels run in Triton's CPU interpreter, so shapes stay small."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # before the kernels are imported: triton reads it when @triton.jit decorates
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the Triton attention kernels need the triton package")
+
+from workers.attention import AttentionMetadata, get_backend
+from workers.attention.backend import _BACKENDS
+from workers.attention.triton_backend import TritonAttentionBackend
+from workers.attention.triton_decode import (
+    MAX_SPLITS,
+    DecodeScratch,
+    choose_num_splits,
+    max_split_rows,
+    paged_decode_attention,
+)
+from workers.attention.triton_prefill import paged_prefill_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DIM = 16
+KV_HEADS = 2
+SCALE = DIM ** -0.5
+# fp16/bf16 round the probabilities before P @ V and the output; fp32 accumulates throughout
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+class Paged(NamedTuple):
+    cache: torch.Tensor  # [2, num_blocks, block_size, KV_HEADS, DIM]
+    tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+
+    def context(self, seq: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of a sequence, contiguous fp32: [length, Hkv, D]."""
+        blocks = self.tables[seq].long()
+        k, v = (self.cache[i].index_select(0, blocks).flatten(0, 1)[:length] for i in (0, 1))
+        return k.float(), v.float()
+
+
+def make_paged(seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0) -> Paged:
+    """A cache of noise (spare blocks too, so a masking bug reads wrong values) and shuffled,
+    disjoint block tables for sequences of `seq_lens` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-length // block_size) for length in seq_lens]
+    num_blocks = sum(counts) + 3
+    cache = torch.randn(2, num_blocks, block_size, KV_HEADS, DIM, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    rows, used = [], 0
+    for count in counts:
+        rows.append(order[used:used + count] + [0] * (max(counts) - count))
+        used += count
+    return Paged(cache.to(dtype).to(DEVICE), torch.tensor(rows, dtype=torch.int32, device=DEVICE))
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
+    """Plain softmax attention in fp32. q: [Lq, Hq, D]; k, v: [L, Hkv, D], the whole context;
+    query i sees positions <= num_cached + i."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", q.float(), k) * SCALE
+    visible = torch.arange(k.shape[0])[None, :] <= num_cached + torch.arange(q.shape[0])[:, None]
+    scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+    return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+
+
+def random_queries(num_tokens: int, num_heads: int, dtype: torch.dtype,
+                   seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, num_heads, DIM, generator=gen).to(dtype).to(DEVICE)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+# (seq_lens, block_size, group, dtype). Lengths: 1, exact block multiples and one past them,
+# and 200 / 300 tokens so that 3 and 4 splits have work (64-token tiles) and some splits are empty.
+DECODE_CASES = [
+    ([1, 16, 17, 70, 200], 16, 1, torch.float32),
+    ([200, 3, 129], 32, 2, torch.float32),
+    ([1], 16, 4, torch.float32),
+    ([40, 300], 128, 2, torch.float32),  # a tile inside one large block
+    ([5, 64, 65, 150], 16, 4, torch.float16),
+    ([190, 31], 32, 2, torch.float16),
+    ([1, 77, 160], 32, 2, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("seq_lens,block_size,group,dtype", DECODE_CASES)
+def test_decode_matches_softmax_attention_for_any_split_count(seq_lens, block_size, group, dtype):
+    paged = make_paged(seq_lens, block_size, dtype)
+    q = random_queries(len(seq_lens), KV_HEADS * group, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = torch.cat([reference(q[i:i + 1], *paged.context(i, n), n - 1)
+                      for i, n in enumerate(seq_lens)])
+    outs = {}
+    for num_splits in (1, 3, 4):
+        outs[num_splits] = paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE,
+                                                  num_splits)
+        assert outs[num_splits].dtype == dtype
+        assert_close(outs[num_splits], want, dtype)
+    # splitting only changes the order of summation
+    assert_close(outs[3], outs[1], dtype)
+    assert_close(outs[4], outs[1], dtype)
+
+
+def test_decode_reads_a_cache_stored_in_another_dtype():
+    seq_lens = [33, 100]
+    paged = make_paged(seq_lens, 16, torch.float16)  # kv_cache_dtype=float16 under an fp32 model
+    q = random_queries(2, 4, torch.float32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    got = paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, num_splits=2)
+    assert got.dtype == torch.float32
+    for i, n in enumerate(seq_lens):
+        assert_close(got[i:i + 1], reference(q[i:i + 1], *paged.context(i, n), n - 1),
+                     torch.float32)
+
+
+def test_decode_into_preallocated_buffers_as_a_graph_replay_would():
+    seq_lens = [90, 7, 150]
+    paged = make_paged(seq_lens + [0], 16, torch.float32)
+    q = random_queries(4, 4, torch.float32)
+    # one scratch with room for batch x splits, one output buffer, reused across calls
+    scratch = DecodeScratch.allocate(4 * 4, 4, DIM, DEVICE)
+    out = torch.full_like(q, float("nan"))
+    backend = TritonAttentionBackend()
+    for lens_now in (seq_lens, [n + 1 for n in seq_lens]):  # the next step's lengths
+        lens = torch.tensor(lens_now + [0], dtype=torch.int32, device=DEVICE)  # 0: padding row
+        got = backend.decode(q, paged.cache, paged.tables, lens, SCALE, out, num_splits=4,
+                             scratch=scratch)
+        assert got.data_ptr() == out.data_ptr()
+        for i, n in enumerate(lens_now):
+            assert_close(out[i:i + 1], reference(q[i:i + 1], *paged.context(i, n), n - 1),
+                         torch.float32)
+        assert torch.equal(out[3], torch.zeros_like(out[3]))  # padding gets zeros, not NaN
+
+
+def test_decode_rejects_a_scratch_too_small_for_the_split_count():
+    paged = make_paged([20], 16, torch.float32)
+    q = random_queries(1, 4, torch.float32)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="scratch"):
+        paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, num_splits=4,
+                               scratch=DecodeScratch.allocate(2, 4, DIM, DEVICE))
+
+
+def test_num_splits_fill_idle_sms_only_for_long_sequences():
+    assert choose_num_splits(batch=128, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 1
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=100, num_sms=132) == 1
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=32768, num_sms=132) == MAX_SPLITS
+    assert choose_num_splits(batch=4, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 4
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=1024, num_sms=132) == 4
+    with pytest.raises(ValueError, match="positive"):
+        choose_num_splits(batch=0, num_kv_heads=8, max_seq_len=10)
+
+
+@pytest.mark.parametrize("num_kv_heads,num_sms", [(8, 132), (1, 132), (4, 78), (2, 1)])
+def test_max_split_rows_covers_every_split_choice(num_kv_heads, num_sms):
+    """A scratch of max_split_rows never needs to grow, so graphs captured over it stay valid."""
+    rows = max_split_rows(num_kv_heads, num_sms)
+    for batch in range(1, 300):
+        for length in (1, 300, 5000, 10 ** 6):
+            splits = choose_num_splits(batch, num_kv_heads, length, num_sms)
+            assert splits == 1 or batch * splits <= rows
+    assert rows < 2 * num_sms / num_kv_heads + 1
+
+
+# (chunks as (cached tokens, new tokens), block_size, group, dtype)
+PREFILL_CASES = [
+    ([(0, 5), (0, 70), (0, 1)], 16, 2, torch.float32),  # fresh prompts; 70 spans two q tiles
+    ([(16, 9), (37, 30), (5, 1), (100, 80)], 16, 4, torch.float32),  # after cached tokens
+    ([(0, 20), (33, 40)], 32, 1, torch.float16),
+    ([(50, 20)], 32, 2, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("chunks,block_size,group,dtype", PREFILL_CASES)
+def test_prefill_is_causal_from_each_chunks_offset(chunks, block_size, group, dtype):
+    seq_lens = [cached + new for cached, new in chunks]
+    paged = make_paged(seq_lens, block_size, dtype)
+    starts = [0]
+    for _, new in chunks:
+        starts.append(starts[-1] + new)
+    q = random_queries(starts[-1], KV_HEADS * group, dtype)
+    got = paged_prefill_attention(
+        q, paged.cache, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), paged.tables, SCALE, starts)
+    for i, (cached, _) in enumerate(chunks):
+        s, e = starts[i], starts[i + 1]
+        assert_close(got[s:e], reference(q[s:e], *paged.context(i, seq_lens[i]), cached), dtype)
+
+
+def mixed_batch(seqs: list[tuple[int, int]], block_size: int, num_heads: int,
+                seed: int = 0) -> tuple:
+    """(q, k, v, cache, meta): K/V already cached for each (cached, new) sequence, the new
+    tokens' q/k/v, and metadata; list one-token sequences first, as the runner orders them."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [cached + new for cached, new in seqs]
+    paged = make_paged(seq_lens, block_size, torch.float32, seed)
+    starts, slots, k_new, v_new = [0], [], [], []
+    for i, (cached, new) in enumerate(seqs):
+        starts.append(starts[-1] + new)
+        blocks = paged.tables[i].tolist()
+        slots += [blocks[p // block_size] * block_size + p % block_size
+                  for p in range(cached, cached + new)]
+        k_new.append(torch.randn(new, KV_HEADS, DIM, generator=gen))
+        v_new.append(torch.randn(new, KV_HEADS, DIM, generator=gen))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=paged.tables, num_decodes=sum(1 for _, new in seqs if new == 1),
+        max_query_len=max(new for _, new in seqs), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    q = torch.randn(starts[-1], num_heads, DIM, generator=gen).to(DEVICE)
+    return q, torch.cat(k_new).to(DEVICE), torch.cat(v_new).to(DEVICE), paged.cache, meta
+
+
+@pytest.mark.parametrize("seqs,block_size", [
+    ([(30, 1), (4, 1), (0, 1), (0, 12), (21, 9)], 16),  # decodes, a fresh prompt, a chunk
+    ([(17, 1), (40, 1)], 32),  # decodes only
+    ([(0, 7), (9, 20)], 4),  # prefill only; blocks smaller than a tile
+])
+def test_backend_forward_matches_the_torch_backend(seqs, block_size):
+    q, k, v, cache, meta = mixed_batch(seqs, block_size, num_heads=4)
+    torch_cache = cache.clone()
+    got = get_backend("triton").forward(q, k, v, cache, meta, SCALE)
+    want = get_backend("torch").forward(q, k, v, torch_cache, meta, SCALE)
+    assert torch.equal(cache, torch_cache)  # both stored the new K/V in the same slots
+    assert_close(got, want, torch.float32)
+
+
+def test_get_backend_returns_the_triton_backend():
+    assert isinstance(get_backend("triton"), TritonAttentionBackend)
+
+
+def test_get_backend_says_triton_is_missing(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.delitem(_BACKENDS, "triton")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="triton.*not installed"):
+        get_backend("triton")
+
+
+def test_llm_greedy_tokens_match_the_torch_backend(tiny_model):
+    from workers.llm import LLM
+    from workers.protocol import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(1, 41)), [7, 3, 9], list(range(1, 33)) + [100, 101]]
+
+    def generate(backend: str):
+        # a small token budget splits the long prompts into chunks beside running decodes
+        llm = LLM(tiny_model, attention_backend=backend, num_blocks=64, max_num_batched_tokens=24)
+        first = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+        # the first prompt's blocks are cached now: this prefill starts after them
+        again = llm.generate([prompts[0] + [200, 201]], params)[0]
+        return first, again.outputs[0].token_ids, again.num_cached_tokens
+
+    want = generate("torch")
+    assert want[2] > 0
+    assert generate("triton") == want

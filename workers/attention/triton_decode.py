@@ -1,0 +1,300 @@
+"""Paged decode attention in Triton: one new query token per sequence, flash-decoding style.
+
+Each program owns one (sequence, KV head, split): it packs the `group = Hq // Hkv` query heads
+that share the KV head into the rows of one tile, walks its split's share of the sequence's
+tokens through the block table (read on the device), keeps an online softmax, and writes a
+partial output with its log-sum-exp. A second small kernel merges the splits. With one split the
+first kernel writes the final output and the merge is skipped.
+
+Everything here is CUDA-graph capturable for a fixed batch and `num_splits` when `out` and
+`scratch` are given: sequence lengths and block tables are read only on the device, nothing is
+allocated, and nothing waits on the host. Launch once before capture so the kernels are compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens per inner-loop step. 64 keys x 128 dims x 2 bytes is 16 KiB of K (and of V) per step:
+# enough bytes in flight per program to stream the cache, little enough to keep registers and
+# shared memory small. It is independent of the cache's block_size: each token finds its block
+# through the table, so one tile may span several small blocks or part of a large one.
+TILE_N = 64
+# tl.dot needs at least 16 rows on NVIDIA tensor cores; the query heads of one KV head (the GQA
+# group, often 1 to 8) are padded up to this and the extra rows masked.
+MIN_GROUP_ROWS = 16
+# Splitting a sequence costs a partial-output write per split and a merge launch; below this many
+# tokens per split the extra parallelism does not pay for that (about 4 tiles per split).
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 16
+# softmax is computed in base 2 (exp2 is one instruction); logits are scaled by log2(e) first
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(_decode_split_kernel, triton.runtime.JITFunction)
+
+
+def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast the dot operands to fp32, tl.dot input_precision) for inputs of `dtype`.
+
+    fp32 uses "ieee": the default tf32 keeps ~10 mantissa bits and would miss 1e-5 tolerances.
+    The precision has no effect on 16-bit operands. Triton 3.9's interpreter computes bf16 dots
+    wrongly (errors of 1e10), so interpreted bf16 runs its dots in fp32."""
+    upcast = dtype == torch.bfloat16 and interpreted()
+    return upcast, "ieee" if dtype == torch.float32 or upcast else "tf32"
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    scale, num_splits,
+    stride_q_seq, stride_q_head,
+    stride_cache_block, stride_cache_token, stride_cache_head,
+    stride_table_seq,
+    stride_out_seq, stride_out_head, stride_out_split,
+    stride_lse_seq, stride_lse_head,
+    GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # this split's tokens: a contiguous run of whole tiles, [lo, hi); empty for short sequences
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE), num_splits)
+    lo = split * tiles_per_split * TILE
+    hi = tl.minimum(lo + tiles_per_split * TILE, seq_len)
+
+    rows = tl.arange(0, GROUP_ROWS)  # query heads of this KV head, padded
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+                mask=row_ok[:, None], other=0.0)  # [GROUP_ROWS, HEAD_DIM]
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    qk_scale = scale * LOG2E
+
+    m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)  # running max (base-2 logits)
+    l = tl.zeros([GROUP_ROWS], tl.float32)  # running sum of exp2(logit - m)
+    acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq * stride_table_seq
+    for start in range(lo, hi, TILE):
+        pos = start + tl.arange(0, TILE)
+        pos_ok = pos < hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot = (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
+                + kv_head * stride_cache_head)
+        k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(pos_ok[None, :], s, float("-inf"))  # [GROUP_ROWS, TILE]
+        # every tile holds at least one valid key, so m_new is finite and exp2(-inf - m) = 0
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m = m_new
+
+    # an empty split (or a zero-length padding sequence) has l == 0: write zeros and lse = -inf,
+    # which the merge weighs as nothing
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    out_rows = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head
+    tl.store(out_rows + split * stride_out_split + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq * stride_lse_seq + heads * stride_lse_head + split, lse,
+                 mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits,
+    stride_part_seq, stride_part_head, stride_part_split,
+    stride_lse_seq, stride_lse_head,
+    stride_out_seq, stride_out_head,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    split_ok = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + seq * stride_lse_seq + head * stride_lse_head + splits,
+                  mask=split_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
+    parts = tl.load(part_ptr + seq * stride_part_seq + head * stride_part_head
+                    + splits[:, None] * stride_part_split + dims[None, :],
+                    mask=split_ok[:, None], other=0.0)  # [SPLITS, HEAD_DIM]
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+             out.to(out_ptr.dtype.element_ty))
+
+
+class DecodeScratch(NamedTuple):
+    """fp32 buffers for split partials, flat so that one scratch serves every batch and split
+    count whose product fits: B sequences x S splits use the first B * S rows. Layers run one
+    after another, so every layer (and every captured graph) can share one."""
+
+    partial_out: torch.Tensor  # [rows, num_heads, head_dim] fp32
+    lse: torch.Tensor  # [rows, num_heads] fp32, base-2 log-sum-exp
+
+    @classmethod
+    def allocate(cls, rows: int, num_heads: int, head_dim: int,
+                 device: torch.device | str) -> DecodeScratch:
+        """`rows`: the largest batch x num_splits to serve (see `max_split_rows`)."""
+        return cls(torch.empty(rows, num_heads, head_dim, dtype=torch.float32, device=device),
+                   torch.empty(rows, num_heads, dtype=torch.float32, device=device))
+
+    def fits(self, batch: int, num_heads: int, head_dim: int, num_splits: int) -> bool:
+        rows, h, d = self.partial_out.shape
+        return batch * num_splits <= rows and num_heads == h and head_dim == d
+
+    def views(self, batch: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, Hq, S, D] partial outputs, [B, Hq, S] lse) over the first B * S rows."""
+        _, num_heads, head_dim = self.partial_out.shape
+        n = batch * num_heads * num_splits
+        return (self.partial_out.view(-1)[:n * head_dim].view(batch, num_heads, num_splits,
+                                                              head_dim),
+                self.lse.view(-1)[:n].view(batch, num_heads, num_splits))
+
+
+@functools.cache
+def device_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (splitting gains nothing there)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int = 132) -> int:
+    """Splits per sequence for a decode batch: enough programs to fill the GPU's `num_sms`
+    (the default is an H100 SXM's) when batch x KV heads alone does not, while keeping at least
+    MIN_TOKENS_PER_SPLIT tokens per split. A power of two from 1 to MAX_SPLITS, so a CUDA-graph
+    runner captures few variants. A runner should pass the longest length a graph may replay
+    with (e.g. max_model_len); the kernel leaves splits past a shorter sequence's end empty."""
+    if batch < 1 or num_kv_heads < 1 or num_sms < 1:
+        raise ValueError(f"batch, num_kv_heads and num_sms must be positive, got {batch}, "
+                         f"{num_kv_heads}, {num_sms}")
+    programs = batch * num_kv_heads
+    if programs >= num_sms:
+        return 1  # one full wave already; splitting would only add partial writes
+    splits = min(-(-num_sms // programs), max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS)
+    return 1 << (max(splits, 1).bit_length() - 1)
+
+
+def max_split_rows(num_kv_heads: int, num_sms: int) -> int:
+    """The most batch x num_splits rows `choose_num_splits` asks for at any batch and length:
+    a scratch of this many rows never has to grow (under 2 * num_sms / num_kv_heads, since
+    splitting stops once batch x KV heads fills the SMs)."""
+    longest = MAX_SPLITS * MIN_TOKENS_PER_SPLIT
+    return max(batch * choose_num_splits(batch, num_kv_heads, longest, num_sms)
+               for batch in range(1, -(-num_sms // num_kv_heads) + 1))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32 (int64 also accepted)
+    seq_lens: torch.Tensor,  # [B] int32: context length including the new token; 0 = padding
+    scale: float,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,  # [B, Hq, D], q's dtype; written in place when given
+    scratch: DecodeScratch | None = None,  # needed when num_splits > 1; allocated if None
+) -> torch.Tensor:  # [B, Hq, D]
+    """Attend each sequence's one query token over its first seq_lens[b] cached tokens (the new
+    token's K/V must already be in the cache). A sequence with seq_len 0 gets zeros."""
+    _check_decode_inputs(q, kv_cache, block_tables, seq_lens, num_splits)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    if batch == 0:
+        return out
+    if num_splits == 1:
+        target, lse = out, out  # lse unused: WRITE_LSE is off
+        target_strides = (out.stride(0), out.stride(1), 0)
+    else:
+        if scratch is None:
+            scratch = DecodeScratch.allocate(batch * num_splits, num_heads, head_dim, q.device)
+        elif not scratch.fits(batch, num_heads, head_dim, num_splits):
+            raise ValueError(f"scratch {tuple(scratch.partial_out.shape)} does not fit batch "
+                             f"{batch} x {num_splits} splits of {num_heads} heads x {head_dim}")
+        target, lse = scratch.views(batch, num_splits)
+        target_strides = target.stride()[:3]
+    upcast, precision = dot_config(q.dtype)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    group = num_heads // num_kv_heads
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, target, lse,
+        scale, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        *target_strides,
+        lse.stride(0), lse.stride(1),
+        GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=TILE_N,
+        UPCAST_DOT=upcast, DOT_PRECISION=precision, WRITE_LSE=num_splits > 1,
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            target, lse, out, num_splits,
+            target.stride(0), target.stride(1), target.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out
+
+
+def check_layout(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Checks shared by the decode and prefill kernels; host metadata only (no device reads, so
+    safe during graph capture)."""
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"expected q [tokens, Hq, D] and kv_cache [2, blocks, block_size, Hkv, D], "
+                         f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
+    _, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q has {num_heads} heads of {head_dim}; the cache has {num_kv_heads} "
+                         f"KV heads of {cache_dim}; expected equal dims and Hq divisible by Hkv")
+    if head_dim < 16 or head_dim & (head_dim - 1) or block_size & (block_size - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16 and block_size a power of two, "
+                         f"got head_dim {head_dim}, block_size {block_size}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous last (head_dim) dimension")
+    if q.device.type == "cpu" and not interpreted():
+        raise ValueError("Triton attention on CPU tensors needs TRITON_INTERPRET=1 set before "
+                         "workers.attention's triton modules are imported")
+
+
+def _check_decode_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, num_splits: int) -> None:
+    check_layout(q, kv_cache)
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(f"expected block_tables [{batch}, max_blocks] and seq_lens [{batch}], "
+                         f"got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")

@@ -1,0 +1,139 @@
+"""Paged prefill attention in Triton: a varlen batch of chunks, all read from the paged cache.
+
+Run after the chunk's own K/V were written to the cache, so every key and value (cached or new)
+is read the same way, through the block table. A chunk of Lq tokens ending at seq_len covers
+positions [seq_len - Lq, seq_len) and each of its tokens attends causally up to itself. One
+launch covers every prefill sequence of a step: the grid is (query tiles, query heads), and the
+host lists each tile's sequence and offset (from `query_start_loc_cpu`), so a tile never spans
+two sequences and the kernel needs no search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.attention.triton_decode import LOG2E, check_layout, dot_config
+
+# Query rows and keys per tile. 64 x 64 with head_dim up to 128 keeps q, one K/V tile and the
+# accumulator in registers/shared memory at 4 warps on current NVIDIA parts; short chunks waste
+# the unused rows of their last tile, which prefill (compute-light per byte here) tolerates.
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr,
+    scale,
+    stride_q_token, stride_q_head,
+    stride_cache_block, stride_cache_token, stride_cache_head,
+    stride_table_seq,
+    stride_out_token, stride_out_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_M: tl.constexpr, TILE_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    seq = tl.load(tiles_ptr + 2 * tile)
+    q_offset = tl.load(tiles_ptr + 2 * tile + 1)  # first query row of this tile in its chunk
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_cached = seq_len - q_len
+
+    rows = q_offset + tl.arange(0, TILE_M)
+    row_ok = rows < q_len
+    q_pos = num_cached + rows  # absolute position of each query token
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_q_token + head * stride_q_head
+                + dims[None, :], mask=row_ok[:, None], other=0.0)  # [TILE_M, HEAD_DIM]
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    qk_scale = scale * LOG2E
+
+    m = tl.full([TILE_M], float("-inf"), tl.float32)
+    l = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq * stride_table_seq
+    # keys past the tile's last query position are masked for every row: stop before them
+    hi = tl.minimum(seq_len, num_cached + q_offset + TILE_M)
+    for start in range(0, hi, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_ok = pos < hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot = (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
+                + kv_head * stride_cache_head)
+        k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))  # [TILE_M, TILE_N]
+        # key 0 is visible to every row (padding rows included), so after the first tile m is
+        # finite; a later fully masked row keeps m and adds exp2(-inf) = 0
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
+        m = m_new
+
+    out = acc / l[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_out_token + head * stride_out_head
+             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def prefill_tiles(query_start_loc_cpu: Sequence[int], first_seq: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """[num_tiles, 2] int32: (sequence index, first query row in its chunk) of each BLOCK_M-row
+    query tile of sequences first_seq.. (a host list copied to the device once per step)."""
+    tiles = [(seq, row)
+             for seq in range(first_seq, len(query_start_loc_cpu) - 1)
+             for row in range(0, query_start_loc_cpu[seq + 1] - query_start_loc_cpu[seq], BLOCK_M)]
+    return torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 2)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, Hq, D]: the whole step's queries
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D], the chunks' K/V written
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 on q's device
+    seq_lens: torch.Tensor,  # [num_seqs] int32: context after this step (cached + new)
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    scale: float,
+    query_start_loc_cpu: Sequence[int],  # host copy of query_start_loc
+    first_seq: int = 0,  # sequences before this one (decodes) are left alone
+    out: torch.Tensor | None = None,  # [num_tokens, Hq, D]; only prefill rows are written
+) -> torch.Tensor:  # [num_tokens, Hq, D]
+    """Causal attention of each chunk (sequences first_seq..) over its sequence's context."""
+    check_layout(q, kv_cache)
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = kv_cache.shape[2:4]
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    tiles = prefill_tiles(query_start_loc_cpu, first_seq, q.device)
+    if tiles.shape[0] == 0:
+        return out
+    upcast, precision = dot_config(q.dtype)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _prefill_kernel[(tiles.shape[0], num_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
+        scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        TILE_M=BLOCK_M, TILE_N=BLOCK_N, UPCAST_DOT=upcast, DOT_PRECISION=precision,
+        num_warps=4,
+    )
+    return out
