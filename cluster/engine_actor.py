@@ -20,6 +20,7 @@ import os
 from typing import Any, AsyncIterator
 
 import ray
+from ray.util.placement_group import PlacementGroup
 
 from workers.protocol import KVEvent, KVSnapshot, PrefillResult, SamplingParams, TokenEvent
 
@@ -62,20 +63,30 @@ class _EventLog:
 
 
 class EngineActor:
-    """A `Worker` behind Ray. Build with `ray.remote(EngineActor).options(...).remote(spec)`;
-    `ready()` returns once the model is loaded."""
+    """A `Worker` behind Ray. Build with
+    `ray.remote(EngineActor).options(...).remote(spec, placement_group)`; `ready()` returns once
+    the model is loaded."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, placement_group: PlacementGroup | None = None) -> None:
+        """`placement_group`: the replica's, one bundle per rank, on this actor's node. An
+        engine of more than one rank starts rank i as a Ray actor in bundle i, holding the
+        bundle's resources (`cluster.rank_actor`); None: its ranks are spawned processes."""
         if spec.torch_threads:
             import torch
 
             torch.set_num_threads(spec.torch_threads)
+        from cluster.rank_actor import RayActorLauncher
         from workers.config import EngineConfig
         from workers.worker import Worker
 
         self.spec = spec
+        config = EngineConfig(**spec.engine)
+        self.rank_launcher = (RayActorLauncher(placement_group)
+                              if placement_group is not None and config.world_size > 1
+                              else None)
         host = ray.util.get_node_ip_address()
-        self.worker = Worker.from_config(spec.worker_id, EngineConfig(**spec.engine), spec.role,
+        self.worker = Worker.from_config(spec.worker_id, config, spec.role,
+                                         rank_launcher=self.rank_launcher,
                                          transport=spec.transport, host=host,
                                          lease_s=spec.lease_s,
                                          pull_timeout_s=spec.pull_timeout_s)
@@ -85,14 +96,18 @@ class EngineActor:
 
     async def ready(self) -> dict[str, Any]:
         """The worker's description (`router.worker_client.WorkerInfo` fields), once its
-        transfer agents passed the transport's self-check (workers that hand KV off)."""
+        transfer agents passed the transport's self-check (workers that hand KV off), and
+        `ranks`: where each rank actor runs (`cluster.rank_actor.RankPlace` fields; empty when
+        the ranks are in this process or spawned)."""
         w = self.worker
         if w.role != "both":
             await w.agents()
+        ranks = self.rank_launcher.ranks if self.rank_launcher is not None else []
+        places = [dataclasses.asdict(await r.actor.place.remote()) for r in ranks]
         return {"worker_id": w.worker_id, "role": w.role, "block_size": w.block_size,
                 "max_model_len": w.max_model_len, "vocab_size": w.vocab_size,
                 "num_blocks": w.num_blocks, "tp_size": w.tp_size, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "ranks": places}
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """A worker pool's Serve replica: one worker group, its engine actor, its lifecycle.
 
 Serve owns the replica (how many, where, restarts, health checks, scale-down); the replica owns
-an `EngineActor` started in its placement group, registers it in the `Directory`, reports the
+an `EngineActor` started in its placement group (with several ranks, the engine actor starts
+each rank as a Ray actor in its own bundle), registers it in the `Directory`, reports the
 pool's load signals for autoscaling, and drains before it goes: marked draining, routers send
 it nothing new, its in-flight requests finish (past `drain_timeout_s` they fail over to another
 worker as a failed worker's would), then the engine stops.
@@ -15,9 +16,10 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import POOL_ROLES, CleaveConfig
+from cluster.config import POOL_ROLES, CleaveConfig, PoolSettings
 from cluster.directory import HEARTBEAT_S, WorkerEntry
 from cluster.engine_actor import EngineActor, EngineSpec
 from workers.model_config import ModelConfig
@@ -49,6 +51,20 @@ def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
                       kv.pull_timeout_s, torch_threads=threads)
 
 
+def engine_actor_options(settings: PoolSettings, pg: PlacementGroup | None) -> dict[str, Any]:
+    """Ray options of a replica's engine actor, in bundle 0 of the replica's placement group
+    `pg`. A one-rank engine holds the bundle's CPUs and GPUs; an engine of more ranks only
+    drives them and holds nothing: each rank actor holds its own bundle."""
+    drives_only = settings.ranks > 1 and pg is not None
+    options: dict[str, Any] = {"num_cpus": 0 if drives_only else settings.cpus_per_rank,
+                               "num_gpus": 0 if drives_only else settings.gpus_per_rank,
+                               "max_concurrency": 10_000}
+    if pg is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=0)
+    return options
+
+
 class WorkerReplica:
     """The Serve deployment class of every pool (bound once per pool, named `pool-<name>`)."""
 
@@ -61,14 +77,9 @@ class WorkerReplica:
         self.worker_id = f"{pool}-{replica}"
         spec = engine_spec(self.config, pool, self.worker_id)
         self.config.check_against_model(ModelConfig.from_pretrained(spec.engine["model"]))
-        s = self.settings
-        options: dict[str, Any] = {"num_cpus": s.cpus_per_rank, "num_gpus": s.gpus_per_rank,
-                                   "max_concurrency": 10_000}
-        pg = ray.util.get_current_placement_group()
-        if pg is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=0)
-        self.actor = ray.remote(EngineActor).options(**options).remote(spec)
+        pg = ray.util.get_current_placement_group()  # more than one rank: theirs too
+        self.actor = ray.remote(EngineActor).options(
+            **engine_actor_options(self.settings, pg)).remote(spec, pg)
         info = await self.actor.ready.remote()  # the model is loaded
         self.entry = WorkerEntry(self.worker_id, pool, POOL_ROLES[pool], self.actor,
                                  info["node_id"])

@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 
 from workers.config import EngineConfig
 from workers.engine import Engine, EngineStats
 from workers.protocol import EngineShutDown, SamplingParams, TokenEvent
+
+if TYPE_CHECKING:
+    from workers.parallel.group import RankLauncher
 
 __all__ = ["AsyncEngine", "EngineShutDown"]
 
@@ -31,8 +34,10 @@ class AsyncEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(Engine(config))
+    def from_config(cls, config: EngineConfig,
+                    rank_launcher: RankLauncher | None = None) -> AsyncEngine:
+        """`rank_launcher`: how a parallel engine starts its ranks (None: spawned processes)."""
+        return cls(Engine(config, rank_launcher))
 
     @property
     def is_healthy(self) -> bool:

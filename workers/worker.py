@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from workers.async_engine import AsyncEngine
     from workers.config import EngineConfig
     from workers.engine import EngineStats
+    from workers.parallel.group import RankLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,14 @@ class Worker:
         self._leased: dict[tuple[int, ...], list[list]] = {}
 
     @classmethod
-    def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both",
-                    **options: object) -> Worker:
-        """`options`: the keyword arguments of `Worker.__init__` (transport, lease_s, ...)."""
+    def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both", *,
+                    rank_launcher: RankLauncher | None = None, **options: object) -> Worker:
+        """`options`: the keyword arguments of `Worker.__init__` (transport, lease_s, ...);
+        `rank_launcher`: how a parallel engine starts its ranks (None: spawned processes)."""
         from workers.async_engine import AsyncEngine
 
-        return cls(worker_id, AsyncEngine.from_config(config), role, **options)  # type: ignore[arg-type]
+        engine = AsyncEngine.from_config(config, rank_launcher)
+        return cls(worker_id, engine, role, **options)  # type: ignore[arg-type]
 
     @property
     def block_size(self) -> int:

@@ -1,13 +1,14 @@
 """Two Ray nodes on one machine (`ray.cluster_utils.Cluster`): the prefill pool on one, the
 decode pool on the other, so every handoff's KV crosses nodes over the configured transport;
-the prefill replica is a TP=2 worker group, so the KV is also resharded (2 ranks -> 1)."""
+the prefill replica is a TP=2 worker group (its ranks Ray actors in the replica's placement
+group, on the prefill node), so the KV is also resharded (2 ranks -> 1)."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
-from tests.cluster.conftest import app_config, router_status
+from tests.cluster.conftest import app_config, directory_entries, router_status
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,6 +38,8 @@ def two_nodes():
 @pytest.mark.parametrize("transport", ["tcp"])
 def test_the_kv_crosses_nodes_from_the_prefill_to_the_decode_pool(two_nodes, tiny_model,
                                                                   transport):
+    import ray
+
     from cluster.config import CleaveConfig
     from cluster.launch import deploy
     from workers import LLM, SamplingParams
@@ -58,3 +61,10 @@ def test_the_kv_crosses_nodes_from_the_prefill_to_the_decode_pool(two_nodes, tin
     nodes = {w["role"]: w["node_id"] for w in status["workers"]}
     assert nodes["prefill"] != nodes["decode"]
     assert status["num_disaggregated"] == 1 and not status["fallbacks"]
+    prefill = next(e for e in directory_entries() if e.pool == "prefill")
+    info = ray.get(prefill.actor.ready.remote(), timeout=60)
+    ranks = info["ranks"]  # Ray actors, each in its bundle of the replica's placement group
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert {r["node_id"] for r in ranks} == {nodes["prefill"]}
+    assert len({r["pid"] for r in ranks} | {info["pid"]}) == 3
+    assert len({r["placement_group_id"] for r in ranks}) == 1 and ranks[0]["placement_group_id"]

@@ -3,5 +3,7 @@
 The engine's scheduler runs once, in the driver; it sends each step to the ranks as one typed
 `StepMessage` (messages.py), and the ranks (processes started by a `RankLauncher`, group.py) run
 their shard of the model on their shard of the KV cache (rank.py, pipeline.py) and send the
-logits back. Importing this package does not import torch.distributed's process groups.
+logits back. The driver allocates the caches in a shared-memory file every rank maps
+(shared_cache.py), so it sees what the ranks write. Importing this package does not import
+torch.distributed's process groups.
 """

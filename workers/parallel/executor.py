@@ -18,6 +18,7 @@ from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
 from workers.parallel.messages import RankTiming, StepMessage
 from workers.parallel.pipeline import MicroBatch, microbatch_tensors, stage_layers
 from workers.parallel.rank import RankSetup, rank_main
+from workers.parallel.shared_cache import SharedCaches, SharedTensor
 
 
 class ModelExecutor(abc.ABC):
@@ -66,12 +67,14 @@ class GroupOptions:
 
 
 class GroupExecutor(ModelExecutor):
-    """tp_size x pp_size ranks, each on its own process (CPU/gloo here).
+    """tp_size x pp_size ranks, each its own process (CPU/gloo here), started by `launcher`
+    (default: spawned processes).
 
-    The KV cache is allocated here in shared memory, one tensor per (TP rank, layer) holding
-    that rank's heads, and handed to the ranks of the layer's stage, so the driver (and the
-    transfer layer) see exactly what the ranks write. NOTE: on GPUs the caches live on the
-    ranks' devices; the driver would get CUDA IPC handles or per-rank transfer agents instead.
+    The KV cache is allocated here in one file of shared memory (`SharedCaches`), one tensor per
+    (TP rank, layer) holding that rank's heads; the ranks of the layer's stage map it, so the
+    driver (and the transfer layer) see exactly what the ranks write. The file is unlinked once
+    every rank is ready, or when the start fails. NOTE: on GPUs the caches live on the ranks'
+    devices; the driver would get CUDA IPC handles or per-rank transfer agents instead.
     """
 
     def __init__(self, options: GroupOptions, num_layers: int, num_blocks: int,
@@ -79,21 +82,16 @@ class GroupExecutor(ModelExecutor):
                  launcher: RankLauncher | None = None) -> None:
         tp, pp = options.tp_size, options.pp_size
         self.tp_size, self.pp_size = tp, pp
-        heads = num_kv_heads // tp
-        self.caches = [[torch.zeros(2, num_blocks, block_size, heads, head_dim,
-                                    dtype=kv_dtype).share_memory_() for _ in range(num_layers)]
-                       for _ in range(tp)]
-        stages = stage_layers(num_layers, pp)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        setups = [RankSetup(rank=stage * tp + t, tp_size=tp, pp_size=pp,
-                            expert_parallel=options.expert_parallel, init_method=init_method,
-                            model=options.model, dtype=options.dtype,
-                            load_format=options.load_format, seed=options.seed,
-                            attention_backend=options.attention_backend,
-                            kv_caches=tuple(self.caches[t][i] for i in stages[stage]),
-                            timeout_s=options.timeout_s)
-                  for stage in range(pp) for t in range(tp)]
-        self.group = RankGroup(rank_main, setups, launcher or SpawnLauncher(), options.timeout_s)
+        shape = (2, num_blocks, block_size, num_kv_heads // tp, head_dim)
+        shared = SharedCaches(tp * num_layers, shape, kv_dtype)
+        by_rank = [slice(t * num_layers, (t + 1) * num_layers) for t in range(tp)]
+        self.caches = [shared.tensors[s] for s in by_rank]  # [tp rank][layer]: `shape`
+        try:
+            setups = _rank_setups(options, num_layers, [shared.refs[s] for s in by_rank])
+            self.group = RankGroup(rank_main, setups, launcher or SpawnLauncher(),
+                                   options.timeout_s)
+        finally:
+            shared.unlink()  # every rank has mapped it (or the group failed to start)
         self._finalizer = weakref.finalize(self, self.group.close)
         self.last_timings: list[RankTiming] = []  # per rank, of the last step
 
@@ -110,6 +108,22 @@ class GroupExecutor(ModelExecutor):
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _rank_setups(options: GroupOptions, num_layers: int,
+                 caches: list[list[SharedTensor]]) -> list[RankSetup]:
+    """Every rank's setup, in global rank order; `caches[tp rank][layer]`."""
+    tp, pp = options.tp_size, options.pp_size
+    stages = stage_layers(num_layers, pp)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    return [RankSetup(rank=stage * tp + t, tp_size=tp, pp_size=pp,
+                      expert_parallel=options.expert_parallel, init_method=init_method,
+                      model=options.model, dtype=options.dtype,
+                      load_format=options.load_format, seed=options.seed,
+                      attention_backend=options.attention_backend,
+                      kv_caches=tuple(caches[t][i] for i in stages[stage]),
+                      timeout_s=options.timeout_s)
+            for stage in range(pp) for t in range(tp)]
 
 
 def _free_port() -> int:

@@ -12,6 +12,7 @@ import abc
 import logging
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from workers.parallel.messages import RankFailed, Ready, Shutdown, StepMessage, StepReply
 
@@ -47,11 +48,14 @@ class RankHandle(abc.ABC):
 
 
 class RankLauncher(abc.ABC):
-    """Starts ranks: spawned processes here, Ray actors in the cluster."""
+    """Starts ranks: spawned processes here, Ray actors in the cluster
+    (`cluster.rank_actor.RayActorLauncher`). A `RankGroup` launches its ranks in rank order."""
 
     @abc.abstractmethod
     def launch(self, target: Callable[[object, object], None], setup: object) -> RankHandle:
-        """Start `target(setup, channel)` as a new rank; returns the driver's handle."""
+        """Start `target(setup, channel)` as a new rank without waiting for it; returns the
+        driver's handle. `setup` and the messages must pickle; `channel` has `send` and
+        `recv`, and `target` returning (or raising `SystemExit(code)`) ends the rank."""
 
 
 class _ProcessHandle(RankHandle):
@@ -79,7 +83,7 @@ class _ProcessHandle(RankHandle):
 
 
 class SpawnLauncher(RankLauncher):
-    """Ranks as `spawn`ed daemon processes (tensors in the setup travel as shared memory)."""
+    """Ranks as `spawn`ed daemon processes, a pipe each."""
 
     def launch(self, target: Callable[[object, object], None], setup: object) -> RankHandle:
         import torch.multiprocessing as mp
@@ -90,6 +94,18 @@ class SpawnLauncher(RankLauncher):
         process.start()
         rank_end.close()
         return _ProcessHandle(process, driver_end)
+
+
+def _died(handle: RankHandle) -> bool:
+    """True when the rank is gone without reporting a failure of its own (killed, its process
+    lost): its channel is closed, or it exited with nothing left to read. Reads a pending
+    message."""
+    try:
+        if handle.poll(0) and isinstance(handle.recv(), RankFailed):
+            return False  # it failed on its own, and said why
+    except (EOFError, OSError):
+        return True
+    return handle.exitcode() is not None
 
 
 class RankGroup:
@@ -115,8 +131,11 @@ class RankGroup:
         """Send `msg` to every rank; every rank's reply, in rank order."""
         if self.closed:
             raise RankGroupError("the worker group has been stopped")
-        for handle in self.handles:
-            handle.send(msg)
+        for rank, handle in enumerate(self.handles):
+            try:
+                handle.send(msg)
+            except (OSError, EOFError):  # the channel is closed: the rank is gone or going
+                self._lost(rank, f"step {msg.step_id}")
         return self._collect(f"step {msg.step_id}", StepReply,  # type: ignore[return-value]
                              self.timeout_s)
 
@@ -130,8 +149,7 @@ class RankGroup:
                 if handle.poll(_POLL_S if i == 0 else 0):  # block on one, peek at the rest
                     reply = self._recv(rank, what)
                     if isinstance(reply, RankFailed):
-                        self._fail(f"rank {rank} failed during {what}: {reply.summary}\n"
-                                   f"{reply.error}")
+                        self._failed(rank, reply, what)
                     if not isinstance(reply, kind):
                         self._fail(f"rank {rank} sent {type(reply).__name__} during {what}; "
                                    f"expected {kind.__name__}")
@@ -143,16 +161,28 @@ class RankGroup:
                 self._fail(f"ranks {missing} did not answer {what} within {timeout_s} s")
         return [replies[r] for r in range(len(self.handles))]
 
-    def _recv(self, rank: int, what: str) -> object:
-        handle = self.handles[rank]
-        try:
-            return handle.recv()
-        except (EOFError, OSError):  # the pipe closed: the process is gone or going
-            handle.stop(2.0)
-            self._fail(f"rank {rank} exited with code {handle.exitcode()} during {what}")
-            raise  # unreachable: _fail raises
+    def _failed(self, rank: int, reply: RankFailed, what: str) -> NoReturn:
+        """A rank raised. Ranks that died meanwhile are named first: a rank's collective fails
+        when a peer dies ("Connection closed by peer")."""
+        gone = [r for r, h in enumerate(self.handles) if r != rank and _died(h)]
+        for r in gone:
+            self.handles[r].stop(2.0)
+        cause = "".join(f"rank {r} exited with code {self.handles[r].exitcode()} during "
+                        f"{what}; " for r in gone)
+        self._fail(f"{cause}rank {rank} failed during {what}: {reply.summary}\n{reply.error}")
 
-    def _fail(self, message: str) -> None:
+    def _recv(self, rank: int, what: str) -> object:
+        try:
+            return self.handles[rank].recv()
+        except (EOFError, OSError):  # the channel closed: the rank is gone or going
+            self._lost(rank, what)
+
+    def _lost(self, rank: int, what: str) -> NoReturn:
+        handle = self.handles[rank]
+        handle.stop(2.0)
+        self._fail(f"rank {rank} exited with code {handle.exitcode()} during {what}")
+
+    def _fail(self, message: str) -> NoReturn:
         self.close(timeout_s=1.0)
         raise RankGroupError(message)
 

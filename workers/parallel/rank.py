@@ -1,9 +1,10 @@
 """One rank of a worker group: joins the process group, loads its shard, runs steps.
 
 A rank holds tensor-parallel rank `tp_rank` of pipeline stage `stage` (global rank
-`stage * tp_size + tp_rank`) and the KV cache of that stage's layers for its heads, handed to it
-by the driver. It serves `StepMessage`s until `Shutdown`, replying to each with a `StepReply`;
-any exception is sent back as `RankFailed` and the process exits non-zero.
+`stage * tp_size + tp_rank`) and the KV cache of that stage's layers for its heads, which the
+driver allocated in shared memory and the rank maps before it reports `Ready`. It serves
+`StepMessage`s until `Shutdown`, replying to each with a `StepReply`; any exception is sent back
+as `RankFailed` and the rank exits non-zero.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from workers.parallel.messages import (
     StepReply,
 )
 from workers.parallel.pipeline import microbatch_tensors, split_microbatches, stage_layers
+from workers.parallel.shared_cache import SharedTensor, map_tensors
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class RankSetup:
     load_format: str
     seed: int
     attention_backend: str
-    kv_caches: tuple[torch.Tensor, ...]  # this stage's layers, this rank's heads (shared)
+    kv_caches: tuple[SharedTensor, ...]  # this stage's layers, this rank's heads
     timeout_s: float  # collectives give up after this long
 
     @property
@@ -56,7 +58,7 @@ class RankSetup:
 
 
 def rank_main(setup: RankSetup, conn: object) -> None:
-    """The rank process's entry point. `conn`: its end of the pipe to the driver."""
+    """The rank's entry point. `conn`: its end of the channel to the driver (`send`, `recv`)."""
     torch.set_num_threads(1)
     try:
         runner = _StageRunner(setup)
@@ -101,6 +103,7 @@ class _StageRunner:
                                 load_format=setup.load_format, seed=setup.seed, shard=shard)
         self.hidden_size, self.dtype = config.hidden_size, resolve_dtype(setup.dtype, config)
         self.is_first, self.is_last = setup.stage == 0, setup.stage == pp - 1
+        self.kv_caches = map_tensors(setup.kv_caches)  # the driver sees what is written here
 
     @torch.inference_mode()
     def step(self, msg: StepMessage) -> StepReply:
@@ -114,7 +117,7 @@ class _StageRunner:
                 hidden = self.link.recv((mb.num_tokens, self.hidden_size), self.dtype, rank - tp)
             t0, c0 = time.perf_counter(), self.stats.seconds
             ids, positions, meta = microbatch_tensors(msg, mb, torch.device("cpu"))
-            out = self.model(ids, positions, list(self.setup.kv_caches), meta, hidden)
+            out = self.model(ids, positions, self.kv_caches, meta, hidden)
             busy.append(time.perf_counter() - t0 - (self.stats.seconds - c0))
             if self.is_last:
                 outputs.append(out)
