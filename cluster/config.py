@@ -81,6 +81,12 @@ class EngineSettings(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1, description=(
         "New tokens per engine step at most (the chunked-prefill budget)."))
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description=(
+        "Attention kernels: triton on a GPU (auto, when installed), torch elsewhere."))
+    enforce_eager: bool = Field(False, description=(
+        "On a GPU: run every decode step eagerly instead of replaying CUDA graphs."))
+    max_cuda_graph_batch_size: int = Field(256, ge=0, description=(
+        "Decode batches up to this size replay CUDA graphs (0: none)."))
 
     def engine_options(self) -> dict[str, Any]:
         return self.model_dump()

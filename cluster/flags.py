@@ -19,7 +19,9 @@ _POOL_FLAGS = {"tensor_parallel_size": ("", "tp"), "pipeline_parallel_size": (""
                "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
                "block_size": ("engine", "block_size"), "max_num_seqs": ("engine", "max_num_seqs"),
                "max_num_batched_tokens": ("engine", "max_num_batched_tokens"),
-               "num_gpu_blocks_override": ("engine", "num_blocks")}
+               "num_gpu_blocks_override": ("engine", "num_blocks"),
+               "attention_backend": ("engine", "attention_backend"),
+               "max_cuda_graph_batch_size": ("engine", "max_cuda_graph_batch_size")}
 _MODEL_FLAGS = {"model": "path", "served_model_name": "served_model_name", "dtype": "dtype",
                 "max_model_len": "max_model_len", "load_format": "load_format"}
 _ROUTER_FLAGS = {"host": "host", "port": "http_port", "grpc_port": "grpc_port",
@@ -43,6 +45,10 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, help="auto, torch or triton")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU: no CUDA graphs for decode steps")
+    p.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", action="store_true",
                    dest="no_prefix_caching")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -110,6 +116,8 @@ def config_from_args(args: argparse.Namespace) -> CleaveConfig:
                                                                                            flag)
         if args.no_prefix_caching:
             settings.setdefault("engine", {})["enable_prefix_caching"] = False
+        if args.enforce_eager:
+            settings.setdefault("engine", {})["enforce_eager"] = True
         if gpus is not None:
             settings["gpus_per_rank"] = gpus
     data["pools"] = pools

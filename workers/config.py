@@ -10,6 +10,9 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What one engine serves and how. Unset sizes are derived from the checkpoint and device."""
@@ -27,7 +30,9 @@ class EngineConfig:
     max_num_seqs: int = 128  # running sequences at most
     max_num_batched_tokens: int = 2048  # new tokens per step at most (chunked-prefill budget)
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto (triton on a GPU when installed, else torch), torch, triton
+    enforce_eager: bool = False  # on a GPU: never replay decode steps from CUDA graphs
+    max_cuda_graph_batch_size: int = 256  # decode batches up to this size replay CUDA graphs
     seed: int = 0  # for requests without a seed, and for dummy weights
     tensor_parallel_size: int = 1  # ranks sharing each layer (heads, MLP columns, vocab)
     pipeline_parallel_size: int = 1  # stages the layers are split into
@@ -58,6 +63,12 @@ class EngineConfig:
                  f"across the tensor-parallel group")
         _require(self.pipeline_microbatches is None or self.pipeline_microbatches >= 1,
                  f"pipeline_microbatches must be at least 1, got {self.pipeline_microbatches}")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                 f"{self.attention_backend!r}")
+        _require(self.max_cuda_graph_batch_size >= 0,
+                 f"max_cuda_graph_batch_size must be at least 0 (0: no CUDA graphs), got "
+                 f"{self.max_cuda_graph_batch_size}")
         _require(self.rank_timeout_s > 0,
                  f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
 
@@ -73,3 +84,14 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """`auto`: the Triton kernels on a GPU when triton is installed, else plain torch."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if self.resolved_device == "cpu":
+            return "torch"
+        import importlib.util
+
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"

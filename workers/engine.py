@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from workers import cuda_graphs, memory_profile
 from workers.attention import get_backend
 from workers.config import EngineConfig
 from workers.kv_cache import KVCacheManager
@@ -37,6 +39,7 @@ from workers.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     from kvtransfer import KVLayout
+    from workers.parallel.group import RankLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,9 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank_launcher: RankLauncher | None = None) -> None:
+        """`rank_launcher`: starts the ranks when `config.world_size > 1` (default: spawned
+        processes; the cluster passes Ray actors)."""
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = torch.device(config.resolved_device)
@@ -68,15 +73,15 @@ class Engine:
             config.kv_cache_dtype, mc)
         spec = KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.num_key_value_heads,
                            mc.head_dim, kv_dtype)
-        # loaded first: on a GPU the KV budget is what the weights leave free
+        # loaded first: on a GPU the KV budget is what the weights and a profiled step leave
         model = self._load_local_model() if config.world_size == 1 else None
-        spec = dataclasses.replace(spec, num_blocks=self._num_blocks(spec))
+        spec = dataclasses.replace(spec, num_blocks=self._num_blocks(spec, model))
         self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.max_model_len), self.kv)
-        executor = (LocalExecutor(model, allocate_kv_caches(spec, self.device), self.device)
-                    if model is not None else self._group_executor(spec))
+        executor = (self._local_executor(model, spec) if model is not None
+                    else self._group_executor(spec, rank_launcher))
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
                                   or config.pipeline_parallel_size)
@@ -92,11 +97,27 @@ class Engine:
     def _load_local_model(self) -> torch.nn.Module:
         config = self.config
         return load_model(config.model, self.model_config, dtype=self.dtype, device=self.device,
-                          attn_backend=get_backend(config.attention_backend),
+                          attn_backend=get_backend(config.resolved_attention_backend),
                           load_format=config.load_format, seed=config.seed)
 
-    def _group_executor(self, spec: KVCacheSpec) -> ModelExecutor:
-        """tensor_parallel_size x pipeline_parallel_size rank processes."""
+    def _local_executor(self, model: torch.nn.Module, spec: KVCacheSpec) -> ModelExecutor:
+        """The model in this process; on a GPU its decode steps replay CUDA graphs unless
+        `enforce_eager` (the cache then has one extra block for the graphs' padded rows)."""
+        config = self.config
+        if (config.enforce_eager or config.max_cuda_graph_batch_size == 0
+                or not cuda_graphs.graphs_supported(model, model.attn_backend, self.device)):
+            return LocalExecutor(model, allocate_kv_caches(spec, self.device), self.device)
+        caches = allocate_kv_caches(
+            dataclasses.replace(spec, num_blocks=spec.num_blocks + 1), self.device)
+        return cuda_graphs.CudaGraphExecutor(
+            model, caches, self.device, sink_block=spec.num_blocks,
+            max_batch_size=min(config.max_cuda_graph_batch_size, config.max_num_seqs),
+            max_seq_len=self.max_model_len, capture=self.device.type == "cuda")
+
+    def _group_executor(self, spec: KVCacheSpec,
+                        launcher: RankLauncher | None) -> ModelExecutor:
+        """tensor_parallel_size x pipeline_parallel_size rank processes, started by `launcher`
+        (None: spawned)."""
         config = self.config
         if self.device.type != "cpu":
             raise ValueError(f"tensor/pipeline parallelism runs on CPU (gloo) in this build; "
@@ -105,22 +126,28 @@ class Engine:
         options = GroupOptions(
             config.tensor_parallel_size, config.pipeline_parallel_size,
             config.expert_parallel_size > 1, config.model, str(self.dtype).removeprefix("torch."),
-            config.load_format, config.seed, config.attention_backend, config.rank_timeout_s)
+            config.load_format, config.seed, config.resolved_attention_backend,
+            config.rank_timeout_s)
         return GroupExecutor(options, spec.num_layers, spec.num_blocks, spec.block_size,
-                             spec.num_kv_heads, spec.head_dim, spec.dtype)
+                             spec.num_kv_heads, spec.head_dim, spec.dtype, launcher)
 
     def close(self) -> None:
         """Stop the rank processes, if any (idempotent). The engine cannot step afterwards."""
         self.runner.executor.close()
 
-    def _num_blocks(self, spec: KVCacheSpec) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        if self.config.kv_cache_memory_bytes is not None:
-            budget = self.config.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
+    def _num_blocks(self, spec: KVCacheSpec, model: torch.nn.Module | None) -> int:
+        config = self.config
+        if config.num_blocks is not None:
+            return config.num_blocks
+        if config.kv_cache_memory_bytes is not None:
+            budget = config.kv_cache_memory_bytes
+        elif self.device.type == "cuda" and model is not None:
+            budget = memory_profile.gpu_kv_budget(
+                model, lambda n: allocate_kv_caches(dataclasses.replace(spec, num_blocks=n),
+                                                    self.device),
+                self.device, utilization=config.gpu_memory_utilization,
+                num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                block_size=config.block_size, max_num_seqs=config.max_num_seqs)
         else:
             budget = CPU_KV_CACHE_BYTES
         num_blocks = budget // spec.bytes_per_block

@@ -184,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
     group, the stage's layers and expert parallelism. Parameters never require grad.
     """
 
+    cuda_graph_safe = True  # a decode step's forward has no host syncs (workers.cuda_graphs)
+
     def __init__(
         self, config: ModelConfig, attn_backend: AttentionBackend, tp_rank: int = 0,
         tp_size: int = 1, *, shard: Shard | None = None,
@@ -196,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.shard = Shard(shard.tp_rank, shard.tp_size, comm, shard.layers,
                            shard.expert_parallel)
         self.config = config
+        self.attn_backend = attn_backend
         self.model = LlamaModel(config, attn_backend, self.shard, self.make_mlp)
         self.num_layers = len(self.model.layer_ids)  # this stage's
         # per rank: the KV cache's head count

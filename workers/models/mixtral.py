@@ -27,6 +27,9 @@ def expert_name(hf_name: str) -> tuple[str, object] | None:
 class MixtralForCausalLM(LlamaForCausalLM):
     """Routing: softmax in fp32, top-k, renormalized, weights kept in fp32 (as transformers)."""
 
+    # expert dispatch reads per-expert token counts on the host: not capturable
+    cuda_graph_safe = False
+
     def make_mlp(self, layer_idx: int) -> tuple[str, nn.Module]:
         moe = self.config.moe
         if moe is None:

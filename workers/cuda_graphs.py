@@ -1,0 +1,182 @@
+"""Decode steps replayed from CUDA graphs.
+
+At small batch sizes a decode step's kernels are shorter than the Python and launch work that
+issues them: a Llama-3-8B layer is a dozen kernels of a few microseconds each. Capturing the
+whole forward once per batch size and replaying it removes that host work (vLLM and SGLang do
+the same). A ladder of batch sizes is captured (1, 2, 4, 8, then every 8 up to the maximum);
+a step's batch is padded to the next captured size and copied into persistent input buffers
+the graphs read. Padded rows are one-token sequences whose K/V land in a sink block that no
+request owns, so padding never touches a real sequence's cache. Larger batches, prefill and
+mixed steps run eagerly.
+
+Only attention backends that read sequence lengths and block tables on the device, without
+host syncs (`AttentionBackend.cuda_graph_safe`), and models without data-dependent host work
+(not the MoE models, whose expert dispatch reads counts on the host) can be captured.
+
+Without a GPU (`capture=False`) the same static-buffer path runs the forward eagerly, so the
+padding, the buffers and the sink block are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from workers.attention import AttentionMetadata
+from workers.parallel.executor import LocalExecutor, ModelExecutor
+from workers.parallel.messages import StepMessage
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, then every multiple of 8 up to the maximum (and
+    the maximum itself). Padding to the next size wastes under 8 rows above 8."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    sizes = {s for s in (1, 2, 4) if s < max_batch_size}
+    sizes.update(range(8, max_batch_size + 1, 8))
+    sizes.add(max_batch_size)
+    return sorted(sizes)
+
+
+def graphs_supported(model: nn.Module, backend: object, device: torch.device) -> bool:
+    """Whether decode steps of `model` with attention `backend` can be captured on `device`."""
+    return (device.type == "cuda" and getattr(backend, "cuda_graph_safe", False)
+            and getattr(model, "cuda_graph_safe", True))
+
+
+class CudaGraphExecutor(ModelExecutor):
+    """A `LocalExecutor` whose pure-decode steps of up to `max_batch_size` sequences replay a
+    captured graph. `caches` must hold one block more than the KV manager hands out: block
+    `sink_block` takes the padded rows' K/V. `max_seq_len`: the longest context a captured
+    step may attend over (the model's context length)."""
+
+    def __init__(self, model: nn.Module, caches: list[torch.Tensor], device: torch.device, *,
+                 sink_block: int, max_batch_size: int, max_seq_len: int,
+                 capture: bool = True) -> None:
+        self.model, self.caches, self.device = model, caches, device
+        self.eager = LocalExecutor(model, caches, device)
+        self._backend_graph_safe = getattr(model.attn_backend, "cuda_graph_safe", False)
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_seq_len = max_seq_len
+        _, num_blocks, self.block_size, _, _ = caches[0].shape
+        if not 0 <= sink_block < num_blocks:
+            raise ValueError(f"sink_block={sink_block} is outside the cache's {num_blocks} blocks")
+        self.sink_block = sink_block
+        width = -(-max_seq_len // self.block_size)
+        rows = self.sizes[-1]
+        ints = {"dtype": torch.int64, "device": device}
+        # The persistent inputs. Rows past a step's batch keep the padding values: a one-token
+        # sequence at position 0 whose K/V go to the sink block.
+        self._input_ids = torch.zeros(rows, **ints)
+        self._positions = torch.zeros(rows, **ints)
+        self._slots = torch.full((rows,), sink_block * self.block_size, **ints)
+        self._seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self._tables = torch.full((rows, width), sink_block, dtype=torch.int32, device=device)
+        self._query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replayed_steps = 0  # steps served from the static buffers (graphs or, on CPU, eager)
+        if capture:
+            self._capture_all()
+
+    # ---- ModelExecutor ---------------------------------------------------------------------
+
+    def execute(self, msg: StepMessage) -> torch.Tensor:
+        size = self._graph_size(msg)
+        if size is None:
+            return self.eager.execute(msg)
+        self._load(msg, size)
+        if self._graphs:
+            graph, logits = self._graphs[size]
+            graph.replay()
+        elif self._backend_graph_safe:
+            logits = self._forward(size, self._meta(size))  # exactly what a capture bakes in
+        else:
+            logits = self._forward(size, self._meta(size, list(msg.seq_lens)))
+        self.replayed_steps += 1
+        # a copy: the graph's output buffer is overwritten by the next replay
+        return logits[list(msg.logit_rows)]
+
+    def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
+        return [self.caches]
+
+    # ---- the static path -------------------------------------------------------------------
+
+    def _graph_size(self, msg: StepMessage) -> int | None:
+        """The captured size this step pads to, or None when it must run eagerly."""
+        n = msg.num_seqs
+        if not (msg.num_decodes == n == msg.num_tokens) or n > self.sizes[-1]:
+            return None
+        if max(msg.seq_lens) > self.max_seq_len:
+            return None
+        return next(s for s in self.sizes if s >= n)
+
+    def _load(self, msg: StepMessage, size: int) -> None:
+        """Copies the step into the persistent buffers with one host->device transfer; rows
+        [n, size) are reset to padding (a previous, larger step may have used them)."""
+        n = msg.num_seqs
+        width = max(len(t) for t in msg.block_tables)
+        sink_slot = self.sink_block * self.block_size
+        pad = size - n
+        flat = [*msg.input_ids, *([0] * pad), *msg.positions, *([0] * pad),
+                *msg.slot_mapping, *([sink_slot] * pad), *msg.seq_lens, *([1] * pad)]
+        for table in msg.block_tables:
+            flat.extend(table)
+            flat.extend([self.sink_block] * (width - len(table)))
+        flat.extend([self.sink_block] * (pad * width))
+        staged = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids, positions, slots, lens, tables = staged.split(
+            [size, size, size, size, size * width])
+        self._input_ids[:size].copy_(ids)
+        self._positions[:size].copy_(positions)
+        self._slots[:size].copy_(slots)
+        self._seq_lens[:size].copy_(lens)
+        # only the columns this step reads: a row's columns past its length are never read
+        self._tables[:size, :width].copy_(tables.view(size, width))
+
+    def _meta(self, size: int, seq_lens: list[int] | None = None) -> AttentionMetadata:
+        """Metadata over the persistent buffers. Captured graphs bake in the host fields, so
+        for capture they hold the bound (`max_seq_len`), which graph-safe backends never read
+        per row; the eager CPU path passes the real lengths."""
+        if seq_lens is None:
+            host_lens = [self.max_seq_len] * size
+        else:
+            host_lens = seq_lens + [1] * (size - len(seq_lens))
+        return AttentionMetadata(
+            slot_mapping=self._slots[:size], query_start_loc=self._query_start[:size + 1],
+            seq_lens=self._seq_lens[:size], block_tables=self._tables[:size],
+            num_decodes=size, max_query_len=1, max_seq_len=max(host_lens),
+            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=host_lens)
+
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self._input_ids[:size], self._positions[:size], self.caches, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Captures every size, largest first so the later, smaller graphs fit in the memory
+        pool the first one reserved. Each size runs twice eagerly before capture (Triton
+        compiles its kernels on first launch; capture must not)."""
+        started = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        pool = None
+        for size in reversed(self.sizes):
+            meta = self._meta(size)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._forward(size, meta)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits = self._forward(size, meta)
+            pool = graph.pool()
+            self._graphs[size] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch 1-%d) in %.1f s", len(self.sizes),
+                    self.sizes[-1], time.perf_counter() - started)
