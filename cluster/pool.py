@@ -43,8 +43,9 @@ def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
               "max_model_len": m.max_model_len, "tensor_parallel_size": settings.tp,
               "pipeline_parallel_size": settings.pp, "expert_parallel_size": settings.ep,
               **settings.engine.engine_options()}
-    if settings.gpus_per_rank == 0:
-        engine["device"] = "cpu"
+    # said outright: an engine actor that only drives GPU ranks holds no GPU itself, so "auto"
+    # would resolve to the CPU there
+    engine["device"] = "cpu" if settings.gpus_per_rank == 0 else "cuda"
     threads = max(1, int(settings.cpus_per_rank)) if settings.gpus_per_rank == 0 else None
     kv = config.kv_transfer
     return EngineSpec(worker_id, POOL_ROLES[pool], engine, kv.transport, kv.lease_s,

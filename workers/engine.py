@@ -23,6 +23,7 @@ from workers.loader import load_model
 from workers.model_config import ModelConfig, resolve_dtype
 from workers.output_processor import OutputProcessor
 from workers.parallel.executor import GroupExecutor, GroupOptions, LocalExecutor, ModelExecutor
+from workers.parallel.group import SpawnLauncher
 from workers.parallel.validate import check_parallel
 from workers.protocol import (
     FinishReason,
@@ -67,8 +68,11 @@ class Engine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        check_parallel(config, mc, torch.cuda.device_count() if self.device.type == "cuda"
-                       else None)
+        # GPUs are counted only for ranks spawned here, which share this process's view:
+        # other launchers' ranks (Ray actors) each hold their own GPU, which this process (an
+        # engine actor that holds none) may not see, and Ray has already placed them
+        check_parallel(config, mc, torch.cuda.device_count()
+                       if self.device.type == "cuda" and _spawns_ranks(rank_launcher) else None)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
             config.kv_cache_dtype, mc)
         spec = KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.num_key_value_heads,
@@ -116,18 +120,31 @@ class Engine:
 
     def _group_executor(self, spec: KVCacheSpec,
                         launcher: RankLauncher | None) -> ModelExecutor:
-        """tensor_parallel_size x pipeline_parallel_size rank processes, started by `launcher`
-        (None: spawned)."""
+        """tensor_parallel_size x pipeline_parallel_size ranks, started by `launcher` (None:
+        spawned): processes over gloo on the CPU, or one GPU each over NCCL on cuda. A GPU
+        group keeps its KV cache on the ranks' devices, so it serves aggregated only (no KV
+        handoff). A driver that holds no GPU of its own (a Ray engine actor driving GPU rank
+        actors, or one that sees none) sets `self.device` to the CPU: it samples there, where
+        the logits arrive."""
         config = self.config
-        if self.device.type != "cpu":
-            raise ValueError(f"tensor/pipeline parallelism runs on CPU (gloo) in this build; "
+        kind = self.device.type
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"tensor/pipeline parallelism runs on 'cpu' or 'cuda'; "
                              f"device={config.device!r} is not supported with "
                              f"{config.world_size} ranks")
+        if self.device.index is not None:
+            raise ValueError(f"device={config.device!r} names one GPU, but "
+                             f"{config.world_size} ranks use one GPU each; set device='cuda' "
+                             f"(CUDA_VISIBLE_DEVICES chooses the GPUs)")
+        if kind == "cuda" and not (_spawns_ranks(launcher) and torch.cuda.is_available()):
+            self.device = torch.device("cpu")
         options = GroupOptions(
             config.tensor_parallel_size, config.pipeline_parallel_size,
             config.expert_parallel_size > 1, config.model, str(self.dtype).removeprefix("torch."),
             config.load_format, config.seed, config.resolved_attention_backend,
-            config.rank_timeout_s)
+            config.rank_timeout_s, kind)
+        logger.info("worker group: %d ranks on %s, sampling on %s", config.world_size, kind,
+                    self.device)
         return GroupExecutor(options, spec.num_layers, spec.num_blocks, spec.block_size,
                              spec.num_kv_heads, spec.head_dim, spec.dtype, launcher)
 
@@ -407,6 +424,12 @@ class Engine:
         its generator here, so it may differ after the first token sent."""
         req = self._add_continuation(request_id, prompt_token_ids, sent_token_ids, params)
         self.scheduler.add(req)
+
+
+def _spawns_ranks(launcher: RankLauncher | None) -> bool:
+    """True when a group's ranks are this process's children, seeing the GPUs it sees; not so
+    for Ray rank actors, which hold their own (and Ray may show this process all or none)."""
+    return launcher is None or isinstance(launcher, SpawnLauncher)
 
 
 def _load_tokenizer(model_path: str) -> object | None:

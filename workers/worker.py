@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from kvtransfer import TransferAgent
     from workers.async_engine import AsyncEngine
     from workers.config import EngineConfig
-    from workers.engine import EngineStats
+    from workers.engine import Engine, EngineStats
     from workers.parallel.group import RankLauncher
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,20 @@ logger = logging.getLogger(__name__)
 ROLES = ("both", "prefill", "decode")
 PREFILL_ROLES = ("both", "prefill")
 DECODE_ROLES = ("both", "decode")
+
+
+def check_role_fits_engine(role: str, engine: Engine) -> None:
+    """Refuses a role that hands KV off ("prefill", "decode") to an engine whose KV cache this
+    process cannot reach (a GPU tensor/pipeline-parallel group keeps it on its ranks); such an
+    engine serves aggregated, as "both"."""
+    if role == "both":
+        return
+    from workers.parallel.executor import KVCacheNotShared
+
+    try:
+        engine.kv_caches_by_rank()
+    except KVCacheNotShared as exc:
+        raise ValueError(f"a worker of role {role!r} hands KV off, but {exc}") from None
 
 
 class Worker:
@@ -60,6 +74,7 @@ class Worker:
         for name, value in (("lease_s", lease_s), ("pull_timeout_s", pull_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        check_role_fits_engine(role, engine.engine)
         self.worker_id = worker_id
         self.role = role
         self.async_engine = engine
@@ -82,7 +97,11 @@ class Worker:
         from workers.async_engine import AsyncEngine
 
         engine = AsyncEngine.from_config(config, rank_launcher)
-        return cls(worker_id, engine, role, **options)  # type: ignore[arg-type]
+        try:
+            return cls(worker_id, engine, role, **options)  # type: ignore[arg-type]
+        except BaseException:
+            engine.engine.close()  # a refused worker leaves no rank running
+            raise
 
     @property
     def block_size(self) -> int:

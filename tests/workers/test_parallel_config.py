@@ -25,8 +25,8 @@ MIXTRAL = dataclasses.replace(LLAMA, moe=MoEConfig(num_experts=4, top_k=2, inter
                                                     norm_topk_prob=True))
 
 
-def config(**sizes: int) -> EngineConfig:
-    return EngineConfig(model="unused", **sizes)
+def config(device: str = "cpu", **sizes: int) -> EngineConfig:
+    return EngineConfig(model="unused", device=device, **sizes)
 
 
 @pytest.mark.parametrize("sizes, model, devices, message", [

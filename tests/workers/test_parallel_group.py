@@ -57,6 +57,6 @@ def test_a_rank_that_cannot_load_its_shard_reports_why(tmp_path):
     setup = RankSetup(rank=0, tp_size=1, pp_size=1, expert_parallel=False,
                       init_method=f"file://{tmp_path / 'rendezvous'}", model=str(tmp_path),
                       dtype="float32", load_format="auto", seed=0, attention_backend="torch",
-                      kv_caches=(), timeout_s=30)
+                      kv_caches=(), timeout_s=30, device="cpu")
     with pytest.raises(RankGroupError, match="rank 0 failed during start-up: FileNotFoundError: no config.json"):
         RankGroup(rank_main, [setup], SpawnLauncher(), timeout_s=60)

@@ -46,7 +46,7 @@ def test_a_group_that_fails_to_start_leaves_no_cache_file(tmp_path):
 
     options = GroupOptions(tp_size=1, pp_size=1, expert_parallel=False, model=str(tmp_path),
                            dtype="float32", load_format="auto", seed=0,
-                           attention_backend="torch", timeout_s=60)
+                           attention_backend="torch", timeout_s=60, device="cpu")
     with pytest.raises(RankGroupError, match="no config.json"):
         GroupExecutor(options, num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
                       head_dim=8, kv_dtype=torch.float32)

@@ -116,7 +116,7 @@ class FusedExperts(nn.Module):
         chunk = math.ceil(num_tokens / comm.size)
         lo, hi = min(num_tokens, comm.rank * chunk), min(num_tokens, (comm.rank + 1) * chunk)
         flat_ids = ids[lo:hi].reshape(-1)  # [n * k]
-        token = torch.arange(hi - lo).repeat_interleave(top_k)
+        token = torch.arange(hi - lo, device=x.device).repeat_interleave(top_k)
         dest = flat_ids // self.num_local
         order = torch.argsort(dest, stable=True)
         send = torch.bincount(dest, minlength=comm.size).tolist()
@@ -127,7 +127,7 @@ class FusedExperts(nn.Module):
         back = comm.all_to_all(out_rows, recv, send, "moe_combine")  # [n * k, H], `order`
         contrib = torch.empty_like(back)
         contrib[order] = back
-        y = torch.zeros(chunk, self.hidden_size, dtype=x.dtype)
+        y = torch.zeros(chunk, self.hidden_size, dtype=x.dtype, device=x.device)
         if hi > lo:
             weighted = contrib.view(hi - lo, top_k, -1) * weights[lo:hi].unsqueeze(-1)
             y[: hi - lo] = weighted.sum(dim=1).to(x.dtype)

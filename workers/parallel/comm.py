@@ -5,6 +5,11 @@ Every collective the model issues goes through a `Communicator`, tagged with a s
 network per site and the seconds spent inside collectives. Bytes are the logical payload this
 rank passes in (the input tensor of an all-reduce, all-gather, all-to-all or send), not the
 algorithm's wire traffic.
+
+Every tensor a collective or a pipeline transfer touches lives on the process group's device:
+the CPU for gloo, this rank's GPU for NCCL (which rejects host tensors). On a GPU the calls
+return once the transfer is queued on the current stream, so the seconds counted there are
+host time, not transfer time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -43,22 +50,27 @@ class CommStats:
 class Communicator:
     """Collectives among `ranks` (global ranks, in group order); this process is `rank` in it.
 
-    `group=None` means the default (world) group. Not thread-safe.
+    `group=None` means the default (world) group. `device`: where the group's tensors live
+    (the CPU for gloo, this rank's GPU for NCCL); the tensors this class creates go there.
+    Not thread-safe.
     """
 
     def __init__(self, group: object | None, ranks: list[int], rank: int,
-                 stats: CommStats | None = None) -> None:
+                 stats: CommStats | None = None,
+                 device: torch.device = CPU) -> None:
         if not 0 <= rank < len(ranks):
             raise ValueError(f"rank {rank} is not in a group of {len(ranks)} ranks")
         self.group, self.ranks, self.rank = group, list(ranks), rank
         self.size = len(ranks)
         self.stats = stats if stats is not None else CommStats()
+        self.device = device
 
     @classmethod
     def world(cls) -> Communicator:
-        """The default group (torch.distributed must be initialized)."""
+        """The default group (torch.distributed must be initialized); on NCCL its device is
+        the current CUDA device."""
         size = dist.get_world_size()
-        return cls(None, list(range(size)), dist.get_rank())
+        return cls(None, list(range(size)), dist.get_rank(), device=backend_device())
 
     def all_reduce(self, x: torch.Tensor, site: str) -> torch.Tensor:
         """Sums `x` over the group in place; returns it."""
@@ -89,16 +101,18 @@ class Communicator:
     def exchange_counts(self, send_counts: list[int], site: str) -> list[int]:
         """Each rank tells every other how many rows it will send it; returns what each sends
         this rank."""
-        counts = torch.tensor(send_counts, dtype=torch.int64)
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
         received = self.all_to_all(counts, [1] * self.size, [1] * self.size, site)
         return received.tolist()
 
 
 class StageLink:
-    """Point-to-point hidden-state transfer between pipeline stages (global ranks)."""
+    """Point-to-point hidden-state transfer between pipeline stages (global ranks); received
+    tensors are allocated on `device` (the default group's: the CPU for gloo, this rank's GPU
+    for NCCL)."""
 
-    def __init__(self, stats: CommStats) -> None:
-        self.stats = stats
+    def __init__(self, stats: CommStats, device: torch.device) -> None:
+        self.stats, self.device = stats, device
 
     def send(self, x: torch.Tensor, dst: int) -> object:
         """Starts sending `x` to global rank `dst`; returns the work to `wait()` on."""
@@ -109,7 +123,15 @@ class StageLink:
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         start = time.perf_counter()
-        out = torch.empty(shape, dtype=dtype)
-        dist.recv(out, src)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(out, src)  # NCCL: queued on the current stream; later kernels wait for it
         self.stats.seconds += time.perf_counter() - start
         return out
+
+
+def backend_device() -> torch.device:
+    """Where the default process group's tensors must live: the current CUDA device for NCCL,
+    else the CPU (torch.distributed must be initialized)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return CPU

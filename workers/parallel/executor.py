@@ -17,20 +17,22 @@ from torch import nn
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
 from workers.parallel.messages import RankTiming, StepMessage
 from workers.parallel.pipeline import MicroBatch, microbatch_tensors, stage_layers
-from workers.parallel.rank import RankSetup, rank_main
-from workers.parallel.shared_cache import SharedCaches, SharedTensor
+from workers.parallel.rank import DeviceCacheSpec, RankCaches, RankSetup, rank_main
+from workers.parallel.shared_cache import SharedCaches
 
 
 class ModelExecutor(abc.ABC):
     @abc.abstractmethod
     def execute(self, msg: StepMessage) -> torch.Tensor:
         """Runs the step (writing its K/V into the cache); returns the logits of
-        `msg.logit_rows`, [len(logit_rows), vocab_size] float32, on the driver's device."""
+        `msg.logit_rows`, [len(logit_rows), vocab_size] float32, on the driver's device or
+        the CPU (a group's; the runner moves them)."""
 
     @abc.abstractmethod
     def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
         """Per TP rank, per layer (all stages): `[2, num_blocks, block_size, heads, head_dim]`
-        with `heads` that rank's KV heads. Shared with the ranks: writes land in their cache."""
+        with `heads` that rank's KV heads. Shared with the ranks: writes land in their cache.
+        Raises `KVCacheNotShared` where this process cannot reach the cache (GPU ranks)."""
 
     def close(self) -> None:
         """Stop whatever runs the model (idempotent)."""
@@ -64,17 +66,29 @@ class GroupOptions:
     seed: int
     attention_backend: str
     timeout_s: float
+    device: str  # the ranks' kind: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+
+
+GPU_GROUP_KV_ERROR = (
+    "the KV cache of a GPU tensor/pipeline-parallel group lives on its ranks' devices; KV "
+    "handoff from/to such a worker is not supported yet — serve it as an aggregated pool")
+
+
+class KVCacheNotShared(RuntimeError):
+    """The executor's KV cache is out of this process's reach: no KV handoff through it."""
 
 
 class GroupExecutor(ModelExecutor):
-    """tp_size x pp_size ranks, each its own process (CPU/gloo here), started by `launcher`
-    (default: spawned processes).
+    """tp_size x pp_size ranks, each its own process, started by `launcher` (default: spawned
+    processes): on the CPU over gloo, or one GPU each over NCCL (`options.device`).
 
-    The KV cache is allocated here in one file of shared memory (`SharedCaches`), one tensor per
-    (TP rank, layer) holding that rank's heads; the ranks of the layer's stage map it, so the
-    driver (and the transfer layer) see exactly what the ranks write. The file is unlinked once
-    every rank is ready, or when the start fails. NOTE: on GPUs the caches live on the ranks'
-    devices; the driver would get CUDA IPC handles or per-rank transfer agents instead.
+    On the CPU the KV cache is allocated here in one file of shared memory (`SharedCaches`),
+    one tensor per (TP rank, layer) holding that rank's heads; the ranks of the layer's stage
+    map it, so the driver (and the transfer layer) see exactly what the ranks write. The file is
+    unlinked once every rank is ready, or when the start fails. On GPUs each rank allocates its
+    caches on its own device and this process holds none: `kv_caches_by_rank` raises
+    `KVCacheNotShared` (such a group serves aggregated; per-rank transfer agents would lift it).
+    Logits come back on the CPU.
     """
 
     def __init__(self, options: GroupOptions, num_layers: int, num_blocks: int,
@@ -83,46 +97,62 @@ class GroupExecutor(ModelExecutor):
         tp, pp = options.tp_size, options.pp_size
         self.tp_size, self.pp_size = tp, pp
         shape = (2, num_blocks, block_size, num_kv_heads // tp, head_dim)
-        shared = SharedCaches(tp * num_layers, shape, kv_dtype)
-        by_rank = [slice(t * num_layers, (t + 1) * num_layers) for t in range(tp)]
-        self.caches = [shared.tensors[s] for s in by_rank]  # [tp rank][layer]: `shape`
+        shared = SharedCaches(tp * num_layers, shape, kv_dtype) if options.device == "cpu" else None
+        # [tp rank][layer]: `shape`, views of what the CPU ranks write; None: on the GPU ranks
+        self.caches = (None if shared is None else
+                       [shared.tensors[t * num_layers:(t + 1) * num_layers] for t in range(tp)])
         try:
-            setups = _rank_setups(options, num_layers, [shared.refs[s] for s in by_rank])
+            setups = rank_setups(options, num_layers, shape, kv_dtype, shared)
             self.group = RankGroup(rank_main, setups, launcher or SpawnLauncher(),
                                    options.timeout_s)
         finally:
-            shared.unlink()  # every rank has mapped it (or the group failed to start)
+            if shared is not None:
+                shared.unlink()  # every rank has mapped it (or the group failed to start)
         self._finalizer = weakref.finalize(self, self.group.close)
         self.last_timings: list[RankTiming] = []  # per rank, of the last step
 
     def execute(self, msg: StepMessage) -> torch.Tensor:
         replies = self.group.step(msg)
         self.last_timings = [r.timing for r in replies]
-        logits = replies[(self.pp_size - 1) * self.tp_size].logits
+        logits = replies[(self.pp_size - 1) * self.tp_size].logits  # on the CPU
         if logits is None:
             return torch.empty(0, 0)
         return logits
 
     def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
+        if self.caches is None:
+            raise KVCacheNotShared(GPU_GROUP_KV_ERROR)
         return self.caches
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _rank_setups(options: GroupOptions, num_layers: int,
-                 caches: list[list[SharedTensor]]) -> list[RankSetup]:
-    """Every rank's setup, in global rank order; `caches[tp rank][layer]`."""
+def rank_setups(options: GroupOptions, num_layers: int, cache_shape: tuple[int, ...],
+                kv_dtype: torch.dtype, shared: SharedCaches | None) -> list[RankSetup]:
+    """Every rank's setup, in global rank order. CPU ranks get descriptors of their caches in
+    `shared` (tensor `t * num_layers + layer` holds TP rank t's heads of `layer`); GPU ranks
+    (`shared` None) a `DeviceCacheSpec` of `cache_shape` per layer of their stage."""
     tp, pp = options.tp_size, options.pp_size
+    if (shared is None) != (options.device == "cuda"):
+        raise ValueError(f"CPU ranks map the driver's shared caches and GPU ranks allocate "
+                         f"their own; got device={options.device!r} and shared={shared!r}")
     stages = stage_layers(num_layers, pp)
+    dtype = str(kv_dtype).removeprefix("torch.")
+
+    def caches(t: int, layers: range) -> RankCaches:
+        if shared is None:
+            return DeviceCacheSpec(len(layers), tuple(cache_shape), dtype)
+        return tuple(shared.refs[t * num_layers + i] for i in layers)
+
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     return [RankSetup(rank=stage * tp + t, tp_size=tp, pp_size=pp,
                       expert_parallel=options.expert_parallel, init_method=init_method,
                       model=options.model, dtype=options.dtype,
                       load_format=options.load_format, seed=options.seed,
                       attention_backend=options.attention_backend,
-                      kv_caches=tuple(caches[t][i] for i in stages[stage]),
-                      timeout_s=options.timeout_s)
+                      kv_caches=caches(t, stages[stage]), timeout_s=options.timeout_s,
+                      device=options.device)
             for stage in range(pp) for t in range(tp)]
 
 

@@ -1,15 +1,18 @@
 """One rank of a worker group: joins the process group, loads its shard, runs steps.
 
 A rank holds tensor-parallel rank `tp_rank` of pipeline stage `stage` (global rank
-`stage * tp_size + tp_rank`) and the KV cache of that stage's layers for its heads, which the
-driver allocated in shared memory and the rank maps before it reports `Ready`. It serves
-`StepMessage`s until `Shutdown`, replying to each with a `StepReply`; any exception is sent back
-as `RankFailed` and the rank exits non-zero.
+`stage * tp_size + tp_rank`) and the KV cache of that stage's layers for its heads. On the CPU
+(gloo) the driver allocated that cache in shared memory and the rank maps it before it reports
+`Ready`; on a GPU (NCCL) the rank allocates it on its own device from a `DeviceCacheSpec`, and
+the driver never sees it. It serves `StepMessage`s until `Shutdown`, replying to each with a
+`StepReply` (logits on the CPU); any exception is sent back as `RankFailed` and the rank exits
+non-zero.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,6 +33,22 @@ from workers.parallel.messages import (
 from workers.parallel.pipeline import microbatch_tensors, split_microbatches, stage_layers
 from workers.parallel.shared_cache import SharedTensor, map_tensors
 
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device kind -> torch.distributed backend
+
+
+@dataclass(frozen=True)
+class DeviceCacheSpec:
+    """The KV caches a GPU rank allocates, zeroed, on its own device: one tensor of `shape`
+    per layer of its stage."""
+
+    num_layers: int  # this stage's
+    shape: tuple[int, ...]  # [2, num_blocks, block_size, KV heads of this rank, head_dim]
+    dtype: str  # a torch dtype name, e.g. "bfloat16"
+
+
+# CPU ranks: descriptors of their caches in the driver's shared memory; GPU ranks: a spec
+RankCaches = tuple[SharedTensor, ...] | DeviceCacheSpec
+
 
 @dataclass(frozen=True)
 class RankSetup:
@@ -45,8 +64,9 @@ class RankSetup:
     load_format: str
     seed: int
     attention_backend: str
-    kv_caches: tuple[SharedTensor, ...]  # this stage's layers, this rank's heads
+    kv_caches: RankCaches  # this stage's layers, this rank's heads
     timeout_s: float  # collectives give up after this long
+    device: str  # the kind, "cpu" (gloo) or "cuda" (NCCL); `rank_device` picks which GPU
 
     @property
     def stage(self) -> int:
@@ -55,6 +75,31 @@ class RankSetup:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
+
+
+def rank_device(kind: str, rank: int, device_count: int) -> torch.device:
+    """The device global rank `rank` runs on, given the CUDA devices it sees. A rank that sees
+    one GPU uses it (a Ray rank actor holding one GPU: Ray set its CUDA_VISIBLE_DEVICES);
+    one that sees several takes GPU `rank % device_count` (spawned ranks on one host, which
+    all see every GPU: the engine checked there are enough for one each)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise ValueError(f"a rank runs on 'cpu' or 'cuda', got {kind!r}")
+    if device_count < 1:
+        raise RuntimeError(f"rank {rank} should run on a GPU but sees no CUDA device "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return torch.device("cuda", 0 if device_count == 1 else rank % device_count)
+
+
+def allocate_rank_caches(caches: RankCaches, device: torch.device) -> list[torch.Tensor]:
+    """The rank's caches, per layer of its stage: the driver's shared memory mapped (CPU), or
+    zeroed tensors of its own on `device` (GPU)."""
+    if isinstance(caches, DeviceCacheSpec):
+        dtype = getattr(torch, caches.dtype)
+        return [torch.zeros(caches.shape, dtype=dtype, device=device)
+                for _ in range(caches.num_layers)]
+    return map_tensors(caches)  # the driver sees what is written here
 
 
 def rank_main(setup: RankSetup, conn: object) -> None:
@@ -84,8 +129,12 @@ class _StageRunner:
 
         self.setup = setup
         tp, pp = setup.tp_size, setup.pp_size
-        dist.init_process_group("gloo", init_method=setup.init_method, rank=setup.rank,
-                                world_size=tp * pp,
+        cuda_count = torch.cuda.device_count() if setup.device == "cuda" else 0
+        self.device = rank_device(setup.device, setup.rank, cuda_count)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before NCCL starts: it uses the current device
+        dist.init_process_group(BACKENDS[self.device.type], init_method=setup.init_method,
+                                rank=setup.rank, world_size=tp * pp,
                                 timeout=datetime.timedelta(seconds=setup.timeout_s))
         self.stats = CommStats()
         comm = None
@@ -93,17 +142,18 @@ class _StageRunner:
             ranks = [stage * tp + r for r in range(tp)]
             group = dist.new_group(ranks) if tp > 1 else None
             if stage == setup.stage and tp > 1:
-                comm = Communicator(group, ranks, setup.tp_rank, self.stats)
-        self.link = StageLink(self.stats)
+                comm = Communicator(group, ranks, setup.tp_rank, self.stats, self.device)
+        self.link = StageLink(self.stats, self.device)
         config = ModelConfig.from_pretrained(setup.model)
         self.layers = stage_layers(config.num_hidden_layers, pp)[setup.stage]
         shard = Shard(setup.tp_rank, tp, comm, self.layers, setup.expert_parallel)
-        self.model = load_model(setup.model, config, dtype=resolve_dtype(setup.dtype, config),
-                                device="cpu", attn_backend=get_backend(setup.attention_backend),
+        self.dtype = resolve_dtype(setup.dtype, config)
+        self.model = load_model(setup.model, config, dtype=self.dtype, device=self.device,
+                                attn_backend=get_backend(setup.attention_backend),
                                 load_format=setup.load_format, seed=setup.seed, shard=shard)
-        self.hidden_size, self.dtype = config.hidden_size, resolve_dtype(setup.dtype, config)
+        self.hidden_size = config.hidden_size
         self.is_first, self.is_last = setup.stage == 0, setup.stage == pp - 1
-        self.kv_caches = map_tensors(setup.kv_caches)  # the driver sees what is written here
+        self.kv_caches = allocate_rank_caches(setup.kv_caches, self.device)
 
     @torch.inference_mode()
     def step(self, msg: StepMessage) -> StepReply:
@@ -116,7 +166,7 @@ class _StageRunner:
             if not self.is_first:
                 hidden = self.link.recv((mb.num_tokens, self.hidden_size), self.dtype, rank - tp)
             t0, c0 = time.perf_counter(), self.stats.seconds
-            ids, positions, meta = microbatch_tensors(msg, mb, torch.device("cpu"))
+            ids, positions, meta = microbatch_tensors(msg, mb, self.device)
             out = self.model(ids, positions, self.kv_caches, meta, hidden)
             busy.append(time.perf_counter() - t0 - (self.stats.seconds - c0))
             if self.is_last:
@@ -126,10 +176,15 @@ class _StageRunner:
         for work in pending:
             work.wait()  # type: ignore[attr-defined]
         logits = None
-        if self.is_last and msg.logit_rows:
+        if self.is_last and msg.logit_rows:  # every TP rank: the vocab shards are all-gathered
             hidden = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
             logits = self.model.compute_logits(hidden[list(msg.logit_rows)])
+        # the first TP rank's go back on the CPU: a reply is pickled (never a CUDA tensor)
+        logits = logits.cpu() if logits is not None and self.setup.tp_rank == 0 else None
+        if self.device.type == "cuda":
+            # the step ends when its kernels and sends have: honest timings, and a CUDA error
+            # is raised in the step that caused it
+            torch.cuda.synchronize(self.device)
         timing = RankTiming(rank, time.perf_counter() - start, self.stats.seconds, tuple(busy),
                             dict(self.stats.bytes_by_site))
-        return StepReply(msg.step_id, timing,
-                         logits if self.setup.tp_rank == 0 else None)
+        return StepReply(msg.step_id, timing, logits)

@@ -9,7 +9,8 @@ from workers.model_config import ModelConfig
 def check_parallel(config: EngineConfig, model: ModelConfig, num_devices: int | None) -> None:
     """Raises ValueError naming the setting and what the model (or machine) allows.
 
-    `num_devices`: accelerators available (None on CPU, where ranks are processes)."""
+    `num_devices`: accelerators available to the ranks (None: not counted, on the CPU, where
+    ranks are processes, or where each rank brings its own GPU, as a Ray rank actor does)."""
     tp, pp, ep = (config.tensor_parallel_size, config.pipeline_parallel_size,
                   config.expert_parallel_size)
     heads, kv_heads = model.num_attention_heads, model.num_key_value_heads

@@ -1,0 +1,229 @@
+"""Worker groups on GPUs: one GPU per rank over NCCL, the KV cache on the ranks' devices.
+
+The planning runs on the CPU: which GPU a rank takes, the cache spec it gets instead of
+shared-memory descriptors, and the driver around ranks that answer like GPU ranks (a fake
+launcher, no process), which serves aggregated and refuses the KV handoff in the user's terms.
+Real NCCL ranks: tests/gpu/test_parallel_nccl.py (2 CUDA devices).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pickle
+
+import pytest
+import torch
+
+from workers import SamplingParams
+from workers.async_engine import AsyncEngine
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.parallel.executor import (
+    GPU_GROUP_KV_ERROR,
+    GroupExecutor,
+    GroupOptions,
+    KVCacheNotShared,
+    rank_setups,
+)
+from workers.parallel.group import RankHandle, RankLauncher
+from workers.parallel.messages import RankTiming, Ready, Shutdown, StepMessage, StepReply
+from workers.parallel.rank import DeviceCacheSpec, RankSetup, rank_device
+from workers.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, SharedTensor
+from workers.worker import Worker
+
+FAVOURITE = 7  # the token every fake rank's logits pick
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def options(device: str, tp: int = 2, pp: int = 1) -> GroupOptions:
+    return GroupOptions(tp_size=tp, pp_size=pp, expert_parallel=False, model="unused",
+                        dtype="float32", load_format="dummy", seed=0,
+                        attention_backend="torch", timeout_s=30, device=device)
+
+
+class FakeRank(RankHandle):
+    """A rank without a process: ready at once, answers each step with logits on the CPU
+    (last stage, first TP rank) that favour `FAVOURITE`."""
+
+    def __init__(self, setup: RankSetup, vocab_size: int) -> None:
+        self.setup, self.vocab_size = setup, vocab_size
+        self.inbox: list[object] = [Ready(setup.rank)]
+        self.received: list[object] = []
+        self.code: int | None = None
+
+    def send(self, msg: object) -> None:
+        self.received.append(msg)
+        if isinstance(msg, Shutdown):
+            self.code = 0
+        elif isinstance(msg, StepMessage):
+            s = self.setup
+            logits = None
+            if s.stage == s.pp_size - 1 and s.tp_rank == 0:
+                logits = torch.zeros(len(msg.logit_rows), self.vocab_size)
+                logits[:, FAVOURITE] = 1.0
+            self.inbox.append(StepReply(msg.step_id, RankTiming(s.rank, 0.0, 0.0), logits))
+
+    def poll(self, timeout_s: float) -> bool:
+        return bool(self.inbox)
+
+    def recv(self) -> object:
+        return self.inbox.pop(0)
+
+    def exitcode(self) -> int | None:
+        return self.code
+
+    def stop(self, timeout_s: float) -> None:
+        self.code = 0 if self.code is None else self.code
+
+
+class FakeLauncher(RankLauncher):
+    """Launches `FakeRank`s and keeps their setups (a Ray launcher stands in the same place:
+    not `SpawnLauncher`, so the engine does not count this process's GPUs)."""
+
+    def __init__(self, vocab_size: int = 512) -> None:
+        self.vocab_size = vocab_size
+        self.setups: list[RankSetup] = []
+        self.ranks: list[FakeRank] = []
+
+    def launch(self, target: object, setup: RankSetup) -> RankHandle:
+        self.setups.append(setup)
+        self.ranks.append(FakeRank(setup, self.vocab_size))
+        return self.ranks[-1]
+
+
+def cache_files() -> list[str]:
+    return glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}{os.getpid()}-*"))
+
+
+def cuda_engine(model: str, launcher: RankLauncher | None, **overrides: object) -> Engine:
+    config = EngineConfig(model=model, device="cuda", tensor_parallel_size=2, num_blocks=16,
+                          block_size=4, **overrides)
+    return Engine(config, launcher)
+
+
+# ---- which GPU a rank takes ----------------------------------------------------------------
+
+
+def test_a_rank_that_sees_one_gpu_uses_it_and_spawned_ranks_share_out_the_host():
+    assert [rank_device("cuda", r, 1) for r in range(4)] == [torch.device("cuda", 0)] * 4
+    assert [rank_device("cuda", r, 4) for r in range(4)] == [torch.device("cuda", i)
+                                                            for i in range(4)]
+    assert rank_device("cuda", 5, 4) == torch.device("cuda", 1)
+    assert rank_device("cpu", 3, 0) == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="rank 1 should run on a GPU but sees no CUDA device"):
+        rank_device("cuda", 1, 0)
+    with pytest.raises(ValueError, match="'cpu' or 'cuda', got 'tpu'"):
+        rank_device("tpu", 0, 1)
+
+
+# ---- what the driver sends its ranks ---------------------------------------------------------
+
+
+def test_gpu_ranks_get_a_cache_spec_for_their_stage_instead_of_shared_memory():
+    shape = (2, 16, 4, 1, 16)  # 2 KV heads over 2 TP ranks
+    setups = rank_setups(options("cuda", tp=2, pp=2), 3, shape, torch.bfloat16, None)
+    assert [(s.rank, s.stage, s.tp_rank) for s in setups] == [(0, 0, 0), (1, 0, 1),
+                                                              (2, 1, 0), (3, 1, 1)]
+    assert all(s.device == "cuda" for s in setups)
+    # stage 0 holds layers 0-1, stage 1 layer 2
+    assert [s.kv_caches for s in setups] == [DeviceCacheSpec(2, shape, "bfloat16")] * 2 + [
+        DeviceCacheSpec(1, shape, "bfloat16")] * 2
+    assert pickle.loads(pickle.dumps(setups)) == setups  # what a spawned rank or actor gets
+
+
+def test_cpu_ranks_still_map_their_heads_of_the_shared_caches():
+    shape = (2, 8, 4, 1, 16)
+    shared = SharedCaches(2 * 3, shape, torch.float32)  # [tp rank][layer]
+    try:
+        setups = rank_setups(options("cpu", tp=2, pp=2), 3, shape, torch.float32, shared)
+    finally:
+        shared.unlink()
+    assert all(s.device == "cpu" for s in setups)
+    assert all(isinstance(ref, SharedTensor) for s in setups for ref in s.kv_caches)
+    # rank 3 = stage 1 (layer 2), TP rank 1: tensor 1 * 3 + 2
+    assert setups[3].kv_caches == (shared.refs[5],)
+    assert setups[0].kv_caches == (shared.refs[0], shared.refs[1])
+    with pytest.raises(ValueError, match="GPU ranks allocate their own"):
+        rank_setups(options("cpu"), 3, shape, torch.float32, None)
+
+
+def test_a_gpu_group_allocates_no_shared_memory_and_refuses_to_hand_out_its_cache():
+    launcher = FakeLauncher(vocab_size=32)
+    before = cache_files()
+    group = GroupExecutor(options("cuda"), num_layers=2, num_blocks=8, block_size=4,
+                          num_kv_heads=2, head_dim=16, kv_dtype=torch.float16,
+                          launcher=launcher)
+    try:
+        assert cache_files() == before
+        assert [s.kv_caches for s in launcher.setups] == [
+            DeviceCacheSpec(2, (2, 8, 4, 1, 16), "float16")] * 2
+        with pytest.raises(KVCacheNotShared) as refused:
+            group.kv_caches_by_rank()
+        assert str(refused.value) == GPU_GROUP_KV_ERROR
+        msg = StepMessage(1, (1, 2), (0, 1), (0, 1), (0, 2), (2,), ((0,),), 0, (1,))
+        logits = group.execute(msg)
+        assert logits.device.type == "cpu" and logits.argmax(-1).tolist() == [FAVOURITE]
+    finally:
+        group.close()
+
+
+# ---- the engine and the worker around a GPU group ---------------------------------------------
+
+
+def test_a_gpu_engine_driven_from_a_process_without_gpus_serves_aggregated(tiny_model):
+    """An engine actor holds no GPU while its Ray rank actors hold one each: the GPUs this
+    process sees are neither counted nor used, and it samples on the CPU."""
+    launcher = FakeLauncher()
+    engine = cuda_engine(tiny_model, launcher)
+    try:
+        assert [s.device for s in launcher.setups] == ["cuda", "cuda"]
+        assert engine.runner.device.type == "cpu"
+        engine.add_request("r", [1, 2, 3], GREEDY)
+        tokens = [t for _ in range(4) for e in engine.step() for t in e.token_ids]
+        assert tokens == [FAVOURITE] * 4
+    finally:
+        engine.close()
+
+
+def test_the_kv_cache_of_a_gpu_engine_is_refused_in_plain_words(tiny_model):
+    engine = cuda_engine(tiny_model, FakeLauncher())
+    try:
+        for read in (engine.kv_layouts, engine.kv_caches_by_rank, lambda: engine.kv_caches):
+            with pytest.raises(KVCacheNotShared, match="serve it as an aggregated pool"):
+                read()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_gpu_engine_cannot_hand_kv_off_so_handoff_roles_are_refused_at_start(tiny_model,
+                                                                             role):
+    engine = cuda_engine(tiny_model, FakeLauncher())
+    try:
+        with pytest.raises(ValueError, match=f"a worker of role '{role}' hands KV off, but the "
+                                             f"KV cache of a GPU tensor/pipeline-parallel group"):
+            Worker("w", AsyncEngine(engine), role)
+        worker = Worker("w", AsyncEngine(engine), "both")
+        assert worker.role == "both"
+    finally:
+        engine.close()
+
+
+def test_gpu_layouts_the_machine_cannot_hold_are_refused(tiny_model):
+    if torch.cuda.device_count() < 2:  # spawned ranks share this process's GPUs: counted
+        with pytest.raises(ValueError, match="needs 2 devices; only"):
+            cuda_engine(tiny_model, None)
+    with pytest.raises(ValueError, match="device='cuda:1' names one GPU, but 2 ranks use one "
+                                         "GPU each; set device='cuda'"):
+        Engine(EngineConfig(model=tiny_model, device="cuda:1", tensor_parallel_size=2,
+                            num_blocks=16), FakeLauncher())
+
+
+def test_a_refused_worker_stops_its_ranks(tiny_model):
+    launcher = FakeLauncher()
+    config = EngineConfig(model=tiny_model, device="cuda", tensor_parallel_size=2, num_blocks=16)
+    with pytest.raises(ValueError, match="hands KV off"):
+        Worker.from_config("w", config, "prefill", rank_launcher=launcher)
+    assert len(launcher.ranks) == 2
+    assert all(r.received == [Shutdown()] for r in launcher.ranks)
