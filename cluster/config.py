@@ -140,6 +140,11 @@ class PoolSettings(_Strict):
         if self.ep not in (1, self.tp):
             raise ValueError(f"ep={self.ep} must be 1 or equal to tp={self.tp} (experts are "
                              f"sharded across the tensor-parallel group)")
+        if self.ranks > 1 and self.gpus_per_rank and self.gpus_per_rank != int(
+                self.gpus_per_rank):
+            raise ValueError(f"gpus_per_rank={self.gpus_per_rank} with tp × pp = {self.ranks} "
+                             f"ranks: NCCL needs each rank on GPUs of its own; use a whole "
+                             f"number")
         return self
 
     @property
@@ -162,6 +167,12 @@ class PoolsSettings(_Strict):
         if self.aggregated is None and self.decode is None:
             raise ValueError("a deployment needs a decode pool (with or without a prefill "
                              "pool) or an aggregated pool")
+        for name, pool in self.items():
+            if name != "aggregated" and pool.ranks > 1 and pool.gpus_per_rank > 0:
+                raise ValueError(
+                    f"{name}: a GPU pool of tp × pp = {pool.ranks} ranks keeps its KV cache on "
+                    f"the ranks' GPUs and cannot hand it off yet; use an aggregated pool, or "
+                    f"tp = pp = 1 for prefill/decode pools")
         sizes = {b.engine.block_size for _, b in self.items()}
         if len(sizes) > 1:
             raise ValueError(f"every pool must use the same engine.block_size, got "

@@ -34,6 +34,10 @@ def test_the_default_is_one_prefill_and_one_decode_replica_of_the_embedded_model
     ({"pools": {"decode": {"replicas": {"min": 3, "max": 2}}}}, "min=3 is more than max=2"),
     ({"pools": {"decode": {"replicas": {"min": -1}}}}, "pools.decode.replicas.min"),
     ({"pools": {"decode": {"tp": 4, "ep": 3}}}, "ep=3 must be 1 or equal to tp=4"),
+    ({"pools": {"aggregated": {"tp": 2, "gpus_per_rank": 0.5}}},
+     "gpus_per_rank=0.5 with tp × pp = 2 ranks: NCCL needs each rank on GPUs of its own"),
+    ({"pools": {"prefill": {"tp": 2, "gpus_per_rank": 1}, "decode": {"gpus_per_rank": 1}}},
+     "prefill: a GPU pool of tp × pp = 2 ranks keeps its KV cache on the ranks' GPUs"),
     ({"pools": {"prefill": {"engine": {"block_size": 32}}, "decode": {}}}, "same engine.block_size"),
     ({"pools": {"decode": {"engine": {"block_size": 24}}}}, "pools.decode.engine.block_size"),
     ({"router": {"http_port": 9000, "grpc_port": 9000}}, "http_port and grpc_port are both 9000"),
@@ -117,12 +121,12 @@ def test_the_application_builds_without_ray_running():
 
     assert not ray.is_initialized()
     build_app(CleaveConfig().to_dict())
-    c = parse(pools={"decode": {"tp": 2, "pp": 2, "gpus_per_rank": 1, "cpus_per_rank": 2,
-                                "resources": {"cleave_pool_decode": 1},
-                                "replicas": {"min": 1, "max": 4}}})
-    options = pool_deployment_options("decode", c.pools.decode)
+    c = parse(pools={"aggregated": {"tp": 2, "pp": 2, "gpus_per_rank": 1, "cpus_per_rank": 2,
+                                    "resources": {"cleave_pool_aggregated": 1},
+                                    "replicas": {"min": 1, "max": 4}}})
+    options = pool_deployment_options("aggregated", c.pools.aggregated)
     assert options["placement_group_bundles"] == [
-        {"CPU": 2, "GPU": 1, "cleave_pool_decode": 1}] * 4
+        {"CPU": 2, "GPU": 1, "cleave_pool_aggregated": 1}] * 4
     assert options["placement_group_strategy"] == "STRICT_PACK"
     scaling = options["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)

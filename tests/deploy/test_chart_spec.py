@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import helm_python
 import pytest
 
 from tests.deploy.chart import (
@@ -31,15 +32,26 @@ def _disagg(decode: dict | None = None, **values) -> dict:
     return {"cleave": {"pools": {"decode": decode or {}}}, **values}
 
 
-def test_sets_nvidia_gpu_to_tp_times_pp_for_the_decode_group():
-    objects = render(_disagg({"tp": 4, "pp": 2, "gpus_per_rank": 1}))
-    limits = _container(worker_group(objects, "decode"))["resources"]["limits"]
+def _aggregated(pool: dict, **values) -> dict:
+    return {"cleave": {"pools": {"prefill": None, "decode": None, "aggregated": pool}}, **values}
+
+
+def test_sets_nvidia_gpu_to_tp_times_pp_for_the_worker_group():
+    objects = render(_aggregated({"tp": 4, "pp": 2, "gpus_per_rank": 1}))
+    limits = _container(worker_group(objects, "aggregated"))["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "8"
 
 
+def test_refuses_a_gpu_tensor_parallel_pool_that_would_hand_kv_off():
+    with pytest.raises(helm_python.HelmRenderError, match="cleave.pools.decode: a GPU pool of tp × pp = 2 ranks "
+                                        "keeps its KV cache on the ranks' GPUs"):
+        render(_disagg({"tp": 2, "gpus_per_rank": 1}))
+
+
 def test_scales_cpu_and_memory_with_the_ranks_of_a_pod():
-    objects = render(_disagg({"tp": 2}, workerDefaults={"cpuPerRank": 6, "memoryPerRankGi": 40}))
-    resources = _container(worker_group(objects, "decode"))["resources"]
+    objects = render(_aggregated({"tp": 2},
+                                 workerDefaults={"cpuPerRank": 6, "memoryPerRankGi": 40}))
+    resources = _container(worker_group(objects, "aggregated"))["resources"]
     assert resources["limits"]["cpu"] == "12" and resources["limits"]["memory"] == "80Gi"
     assert resources["requests"] == resources["limits"]
 
@@ -65,7 +77,7 @@ def test_worker_group_replicas_are_the_pool_replicas_for_rays_autoscaler():
 
 
 def test_each_pod_offers_its_pool_resource_and_each_rank_asks_for_one_unit():
-    objects = render(_disagg({"tp": 4}))
+    objects = render(_disagg({"tp": 4, "gpus_per_rank": 0}))
     params = worker_group(objects, "decode")["rayStartParams"]
     assert params["resources"] == '"{\\"cleave_pool_decode\\": 4}"'
     pools = serve_config(objects)["applications"][0]["args"]["pools"]

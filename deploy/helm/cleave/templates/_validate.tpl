@@ -28,6 +28,8 @@ unknown keys are values.schema.json's job. */}}
 {{- $gpr := ternary 0 $pool.gpus_per_rank (kindIs "invalid" $pool.gpus_per_rank) }}
 {{- $gpus := mulf $ranks $gpr }}
 {{- if ne (floor $gpus) $gpus }}{{ fail (printf "%s: tp × pp × gpus_per_rank = %d × %v = %v GPUs per pod; it must be a whole number" $where $ranks $gpr $gpus) }}{{ end }}
+{{- if and (gt $ranks 1) (gt (float64 $gpr) 0.0) (ne (floor $gpr) (float64 $gpr)) }}{{ fail (printf "%s: gpus_per_rank=%v with tp × pp = %d ranks: NCCL needs each rank on GPUs of its own; use a whole number" $where $gpr $ranks) }}{{ end }}
+{{- if and (ne $name "aggregated") (gt $ranks 1) (gt (float64 $gpr) 0.0) }}{{ fail (printf "%s: a GPU pool of tp × pp = %d ranks keeps its KV cache on the ranks' GPUs and cannot hand it off yet; use an aggregated pool, or tp = pp = 1 for prefill/decode pools" $where $ranks) }}{{ end }}
 {{- $s := include "cleave.workerSettings" (dict "root" $ "name" $name) | fromJson }}
 {{- $cpr := ternary 1 $pool.cpus_per_rank (kindIs "invalid" $pool.cpus_per_rank) }}
 {{- if gt (float64 $cpr) (float64 $s.cpuPerRank) }}{{ fail (printf "%s.cpus_per_rank=%v is more than workers.%s.cpuPerRank=%v, the CPUs its pod has per rank" $where $cpr $name $s.cpuPerRank) }}{{ end }}
