@@ -52,6 +52,33 @@ def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 @triton.jit
+def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visible, kv_head,
+                dims, qk_scale, stride_cache_block, stride_cache_token, stride_cache_head,
+                BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One step of the online softmax over the keys at positions `pos` (of one sequence, found
+    through its block `table`) for the query rows `q`: returns the new running max `m` (base-2
+    logits), sum `l` and output accumulator `acc`. `visible`: which (row, key) pairs count,
+    broadcastable to [rows, keys]; `pos_ok`: which keys exist. Shared by the decode and
+    prefill kernels."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    slot = (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
+            + kv_head * stride_cache_head)
+    k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))  # [rows, keys]
+    # a row with no visible key yet keeps m = -inf only until its first one; rows that have
+    # one get exp2(-inf - m) = 0 for the masked keys
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                        input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     scale, num_splits,
@@ -90,21 +117,10 @@ def _decode_split_kernel(
     for start in range(lo, hi, TILE):
         pos = start + tl.arange(0, TILE)
         pos_ok = pos < hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot = (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
-                + kv_head * stride_cache_head)
-        k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(pos_ok[None, :], s, float("-inf"))  # [GROUP_ROWS, TILE]
-        # every tile holds at least one valid key, so m_new is finite and exp2(-inf - m) = 0
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PRECISION)
-        m = m_new
+        # every tile holds at least one valid key, so m stays finite after the first
+        m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok,
+                                pos_ok[None, :], kv_head, dims, qk_scale, stride_cache_block,
+                                stride_cache_token, stride_cache_head, BLOCK_SIZE, DOT_PRECISION)
 
     # an empty split (or a zero-length padding sequence) has l == 0: write zeros and lse = -inf,
     # which the merge weighs as nothing

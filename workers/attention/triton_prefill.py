@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention.triton_decode import LOG2E, check_layout, dot_config
+from workers.attention.triton_decode import LOG2E, attend_tile, check_layout, dot_config
 
 # Query rows and keys per tile. 64 x 64 with head_dim up to 128 keeps q, one K/V tile and the
 # accumulator in registers/shared memory at 4 warps on current NVIDIA parts; short chunks waste
@@ -67,23 +67,12 @@ def _prefill_kernel(
     for start in range(0, hi, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         pos_ok = pos < hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot = (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
-                + kv_head * stride_cache_head)
-        k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))  # [TILE_M, TILE_N]
         # key 0 is visible to every row (padding rows included), so after the first tile m is
         # finite; a later fully masked row keeps m and adds exp2(-inf) = 0
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PRECISION)
-        m = m_new
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok,
+                                visible, kv_head, dims, qk_scale, stride_cache_block,
+                                stride_cache_token, stride_cache_head, BLOCK_SIZE, DOT_PRECISION)
 
     out = acc / l[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_out_token + head * stride_out_head
