@@ -113,6 +113,8 @@ class CudaGraphExecutor(ModelExecutor):
             return None
         if max(msg.seq_lens) > self.max_seq_len:
             return None
+        if max(len(t) for t in msg.block_tables) > self._tables.shape[1]:
+            return None  # more blocks than the context needs (never expected): stay eager
         return next(s for s in self.sizes if s >= n)
 
     def _load(self, msg: StepMessage, size: int) -> None:
