@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from workers.attention import AttentionMetadata
-from workers.parallel.executor import LocalExecutor, ModelExecutor
+from workers.parallel.executor import LocalExecutor
 from workers.parallel.messages import StepMessage
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def graphs_supported(model: nn.Module, backend: object, device: torch.device) ->
             and getattr(model, "cuda_graph_safe", True))
 
 
-class CudaGraphExecutor(ModelExecutor):
+class CudaGraphExecutor(LocalExecutor):
     """A `LocalExecutor` whose pure-decode steps of up to `max_batch_size` sequences replay a
     captured graph. `caches` must hold one block more than the KV manager hands out: block
     `sink_block` takes the padded rows' K/V. `max_seq_len`: the longest context a captured
@@ -58,9 +58,8 @@ class CudaGraphExecutor(ModelExecutor):
     def __init__(self, model: nn.Module, caches: list[torch.Tensor], device: torch.device, *,
                  sink_block: int, max_batch_size: int, max_seq_len: int,
                  capture: bool = True) -> None:
-        self.model, self.caches, self.device = model, caches, device
-        self.eager = LocalExecutor(model, caches, device)
-        self._backend_graph_safe = getattr(model.attn_backend, "cuda_graph_safe", False)
+        super().__init__(model, caches, device)
+        self._backend_graph_safe = model.attn_backend.cuda_graph_safe
         self.sizes = capture_sizes(max_batch_size)
         self.max_seq_len = max_seq_len
         _, num_blocks, self.block_size, _, _ = caches[0].shape
@@ -83,12 +82,12 @@ class CudaGraphExecutor(ModelExecutor):
         if capture:
             self._capture_all()
 
-    # ---- ModelExecutor ---------------------------------------------------------------------
+    # ---- ModelExecutor (kv_caches_by_rank: LocalExecutor's) ---------------------------------
 
     def execute(self, msg: StepMessage) -> torch.Tensor:
         size = self._graph_size(msg)
         if size is None:
-            return self.eager.execute(msg)
+            return super().execute(msg)
         self._load(msg, size)
         if self._graphs:
             graph, logits = self._graphs[size]
@@ -100,9 +99,6 @@ class CudaGraphExecutor(ModelExecutor):
         self.replayed_steps += 1
         # a copy: the graph's output buffer is overwritten by the next replay
         return logits[list(msg.logit_rows)]
-
-    def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
-        return [self.caches]
 
     # ---- the static path -------------------------------------------------------------------
 

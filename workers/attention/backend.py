@@ -45,6 +45,9 @@ class AttentionBackend(abc.ABC):
     sequence's context (cached tokens and the new tokens up to itself)."""
 
     name: str
+    # whether a pure-decode forward reads lengths and block tables only on the device, with no
+    # host sync or allocation that varies per step, so workers.cuda_graphs may capture it
+    cuda_graph_safe: bool = False
 
     @abc.abstractmethod
     def forward(
