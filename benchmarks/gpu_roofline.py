@@ -1,8 +1,8 @@
 """The engine against the hardware's own bounds, each measured in the same run.
 
 Written for a GPU (a Llama-3-8B-shaped checkpoint in bf16 on an H100/H200); runs on CPU too
-(the `small` preset, fp32, the torch attention backend) so the script itself is checked
-without one. Sections:
+(the `small` preset, fp32, the `auto` attention backend: `cpu` where a C compiler builds it) so
+the script itself is checked without one. Sections:
 
 1. bounds: device-to-device copy bandwidth (bytes read + written per second of a large copy)
    and dense matmul throughput in the model's dtype;

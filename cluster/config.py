@@ -81,8 +81,9 @@ class EngineSettings(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1, description=(
         "New tokens per engine step at most (the chunked-prefill budget)."))
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes.")
-    attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description=(
-        "Attention kernels: triton on a GPU (auto, when installed), torch elsewhere."))
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field("auto", description=(
+        "Attention kernels. auto: triton on a GPU when installed; on the CPU, cpu (a C decode "
+        "kernel compiled at first use) when a C compiler is present; torch otherwise."))
     enforce_eager: bool = Field(False, description=(
         "On a GPU: run every decode step eagerly instead of replaying CUDA graphs."))
     max_cuda_graph_batch_size: int = Field(256, ge=0, description=(

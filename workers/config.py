@@ -10,7 +10,7 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,9 @@ class EngineConfig:
     max_num_seqs: int = 128  # running sequences at most
     max_num_batched_tokens: int = 2048  # new tokens per step at most (chunked-prefill budget)
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto (triton on a GPU when installed, else torch), torch, triton
+    # auto: triton on a GPU when installed; cpu (the C decode kernel) on the CPU when a C compiler
+    # builds it; else torch
+    attention_backend: str = "auto"
     enforce_eager: bool = False  # on a GPU: never replay decode steps from CUDA graphs
     max_cuda_graph_batch_size: int = 256  # decode batches up to this size replay CUDA graphs
     seed: int = 0  # for requests without a seed, and for dummy weights
@@ -87,11 +89,14 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        """`auto`: the Triton kernels on a GPU when triton is installed, else plain torch."""
+        """`auto`: the Triton kernels on a GPU when triton is installed; on the CPU the C decode
+        kernel when it builds here; else plain torch."""
         if self.attention_backend != "auto":
             return self.attention_backend
         if self.resolved_device == "cpu":
-            return "torch"
+            from workers.attention import cpu_backend
+
+            return "cpu" if cpu_backend.available() else "torch"
         import importlib.util
 
         return "triton" if importlib.util.find_spec("triton") is not None else "torch"

@@ -47,4 +47,5 @@ def test_a_tiny_run_on_cpu_writes_every_figure(roofline, tmp_path, capsys):
     for key in ("decode_b1_bound_ratio", "decode_b2_bound_ratio", "prefill_matmul_bound_ratio",
                 "throughput_vs_transformers_ratio", "attention_b2_c64_copy_bw_ratio"):
         assert result[key] > 0, key
-    assert result["attention_backend"] == "torch" and result["cuda_graphs"] is False
+    # on the CPU: the C decode kernel when it builds here, never the GPU paths
+    assert result["attention_backend"] in ("cpu", "torch") and result["cuda_graphs"] is False

@@ -1,4 +1,5 @@
-"""The torch paged-attention backend against attention computed naively on contiguous K/V."""
+"""The CPU paged-attention backends (torch; cpu, whose decodes run a C kernel) against attention
+computed naively on contiguous K/V."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ def naive(q, k_ctx, v_ctx, num_cached, scale):
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_mixed_batch_matches_naive_attention(seed):
+def run_mixed_batch(backend: str, seed: int, dim: int = DIM, dtype: torch.dtype = torch.float32,
+                    atol: float = 1e-5) -> None:
+    """Decodes and prefill chunks (fresh and after cached tokens) in one forward, each sequence's
+    output checked against naive attention over its whole context."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 512
-    cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, DIM)
+    cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, dim, dtype=dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     # (context already in the cache, new tokens): decodes first, then prefill chunks
@@ -42,12 +45,13 @@ def test_mixed_batch_matches_naive_attention(seed):
         total = cached + new
         blocks = [free.pop() for _ in range(-(-total // BLOCK))]
         tables.append(blocks)
-        k_ctx, v_ctx = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+        k_ctx = torch.randn(total, KV_HEADS, dim).to(dtype).float()  # what the cache holds
+        v_ctx = torch.randn(total, KV_HEADS, dim).to(dtype).float()
         for p in range(cached):  # earlier tokens already in the paged cache
             cache[0, blocks[p // BLOCK], p % BLOCK] = k_ctx[p]
             cache[1, blocks[p // BLOCK], p % BLOCK] = v_ctx[p]
         contexts.append((k_ctx, v_ctx, cached))
-        q_rows.append(torch.randn(new, HEADS, DIM))
+        q_rows.append(torch.randn(new, HEADS, dim))
         k_new.append(k_ctx[cached:])
         v_new.append(v_ctx[cached:])
         slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, total)]
@@ -62,12 +66,23 @@ def test_mixed_batch_matches_naive_attention(seed):
         num_decodes=sum(1 for _, n in seqs if n == 1) if seqs[0][1] == 1 else 0,
         max_query_len=max(n for _, n in seqs), max_seq_len=max(c + n for c, n in seqs),
         query_start_loc_cpu=starts, seq_lens_cpu=[c + n for c, n in seqs])
-    scale = DIM ** -0.5
-    out = get_backend("torch").forward(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new),
+    scale = dim ** -0.5
+    out = get_backend(backend).forward(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new),
                                        cache, meta, scale)
     for i, (k_ctx, v_ctx, cached) in enumerate(contexts):
         want = naive(q_rows[i], k_ctx, v_ctx, cached, scale)
-        torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mixed_batch_matches_naive_attention(backend, seed):
+    if backend == "cpu":
+        from workers.attention import cpu_backend
+
+        if not cpu_backend.available():
+            pytest.skip("no C compiler here to build the cpu attention kernel")
+    run_mixed_batch(backend, seed)
 
 
 def test_decode_groups_cover_every_sequence_once_and_bound_the_padding():

@@ -77,7 +77,7 @@ _OPTIONAL_BACKENDS = {"triton": ("triton", "workers.attention.triton_backend")}
 
 def get_backend(name: str) -> AttentionBackend:
     # import for registration side effects
-    from workers.attention import torch_backend  # noqa: F401
+    from workers.attention import cpu_backend, torch_backend  # noqa: F401
 
     if name in _OPTIONAL_BACKENDS and name not in _BACKENDS:
         package, module = _OPTIONAL_BACKENDS[name]

@@ -1,0 +1,158 @@
+"""The `cpu` attention backend: the C decode kernel against softmax attention computed naively on
+contiguous K/V, its build (cached; a missing compiler is a clear error and `auto` falls back to
+torch), and the backend's fallbacks for what the kernel does not take."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from workers.attention import cpu_backend
+from workers.attention.cpu_backend import KernelBuildError, build_kernel, paged_decode
+from workers.config import EngineConfig
+
+pytestmark = pytest.mark.skipif(not cpu_backend.available(),
+                                reason="no C compiler here to build the cpu attention kernel")
+
+
+def make_case(seq_lens, heads, kv_heads, dim, block_size, seed=0):
+    """Noise in every block (spare ones too, so reading a wrong block shows), shuffled disjoint
+    block tables padded with block 0, queries; and the contiguous context of each sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(counts) + 5
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    rows, used = [], 0
+    for count in counts:
+        rows.append(order[used:used + count] + [0] * (max(counts) - count))
+        used += count
+    tables = torch.tensor(rows, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen)
+    return q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def naive_decode(q, cache, tables, seq_lens, scale):
+    heads, kv_heads = q.shape[1], cache.shape[3]
+    out = torch.empty_like(q)
+    for i, length in enumerate(seq_lens.tolist()):
+        k, v = (cache[j].index_select(0, tables[i].long()).flatten(0, 1)[:length]
+                for j in (0, 1))  # [L, Hkv, D]
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        probs = (torch.einsum("hd,lhd->hl", q[i].double(), k.double()) * scale).softmax(-1)
+        out[i] = torch.einsum("hl,lhd->hd", probs, v.double()).float()
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("dim", [8, 24, 64, 128])
+def test_decode_matches_naive_attention(heads, kv_heads, dim):
+    # lengths: one token, exactly one and several full blocks, partial last blocks, long
+    seq_lens = [1, 16, 17, 48, 5, 300, 33, 2]
+    q, cache, tables, lens = make_case(seq_lens, heads, kv_heads, dim, block_size=16)
+    scale = dim ** -0.5
+    got = paged_decode(q, cache, tables, lens, scale)
+    torch.testing.assert_close(got, naive_decode(q, cache, tables, lens, scale),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32, 128])
+def test_decode_any_block_size(block_size):
+    seq_lens = [1, 7, 130, 64, 257]
+    q, cache, tables, lens = make_case(seq_lens, 8, 2, 64, block_size, seed=block_size)
+    got = paged_decode(q, cache, tables, lens, 0.125)
+    torch.testing.assert_close(got, naive_decode(q, cache, tables, lens, 0.125),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_decode_scores_far_apart_stay_finite():
+    """Online softmax across blocks: a later block's maximum far above the first block's must
+    rescale what was accumulated, not overflow."""
+    q, cache, tables, lens = make_case([64], 2, 1, 16, 16)
+    cache[0] *= 40.0  # scores in the hundreds
+    got = paged_decode(q, cache, tables, lens, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, naive_decode(q, cache, tables, lens, 1.0),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    rng = random.Random(3)
+    seq_lens = [rng.randint(1, 200) for _ in range(37)]
+    q, cache, tables, lens = make_case(seq_lens, 8, 4, 64, 16, seed=3)
+    one = paged_decode(q, cache, tables, lens, 0.125, num_threads=1)
+    for threads in (2, 5, 64):
+        assert torch.equal(paged_decode(q, cache, tables, lens, 0.125, num_threads=threads), one)
+
+
+def test_decode_writes_into_out_and_reads_strided_queries():
+    q, cache, tables, lens = make_case([20, 9], 4, 2, 16, 16)
+    wide = torch.randn(2, 4, 32)
+    wide[..., :16] = q  # a view with a row stride of 32: copied to contiguous first
+    out = torch.full((2, 4, 16), float("nan"))
+    assert paged_decode(wide[..., :16], cache, tables, lens, 0.25, out=out) is out
+    torch.testing.assert_close(out, naive_decode(q, cache, tables, lens, 0.25),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_refused_with_what_was_expected():
+    q, cache, tables, lens = make_case([5], 4, 2, 16, 16)
+    with pytest.raises(TypeError, match="float32.*torch.bfloat16"):
+        paged_decode(q, cache.bfloat16(), tables, lens, 0.25)
+    q12, cache12, tables12, lens12 = make_case([5], 4, 2, 12, 16)
+    with pytest.raises(ValueError, match="4 heads of 12.*multiple of 8"):
+        paged_decode(q12, cache12, tables12, lens12, 0.25)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_decode(torch.randn(1, 3, 16), cache, tables, lens, 0.25)
+
+
+def test_backend_falls_back_to_torch_for_what_the_kernel_does_not_take():
+    """bf16 caches and head sizes that are not multiples of 8 decode through the torch path."""
+    from tests.workers.test_attention import run_mixed_batch
+
+    run_mixed_batch("cpu", seed=1, dim=12)
+    run_mixed_batch("cpu", seed=2, dtype=torch.bfloat16, atol=2e-2)
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    """-ffast-math at link time would load a constructor that sets flush-to-zero for the whole
+    process, silently changing torch's (and everyone's) arithmetic on tiny values."""
+    cpu_backend.load_kernel()
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # subnormal in fp32
+    assert (tiny / 2).item() > 0.0
+    assert (tiny * 1.0).item() == pytest.approx(1e-39, rel=1e-3)
+
+
+def test_build_is_cached_per_source_compiler_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLEAVE_CACHE_DIR", str(tmp_path))
+    first = build_kernel()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert build_kernel() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert list((tmp_path / "kernels").iterdir()) == [first]  # no temporary files left
+
+
+def test_missing_compiler_is_named_and_auto_falls_back_to_torch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CLEAVE_CACHE_DIR", str(tmp_path))  # nothing built here yet
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(KernelBuildError, match="'no-such-cc' not found"):
+        build_kernel()
+    cpu_backend.load_kernel.cache_clear()
+    cpu_backend.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="workers.attention.cpu_backend"):
+            assert EngineConfig(model="unused", device="cpu").resolved_attention_backend == "torch"
+        assert "no-such-cc" in caplog.text
+    finally:
+        cpu_backend.load_kernel.cache_clear()
+        cpu_backend.available.cache_clear()
+
+
+def test_auto_picks_the_kernel_on_the_cpu():
+    assert EngineConfig(model="unused", device="cpu").resolved_attention_backend == "cpu"
+    assert EngineConfig(model="unused", device="cpu",
+                        attention_backend="torch").resolved_attention_backend == "torch"

@@ -1,0 +1,192 @@
+/* Paged decode attention for the CPU, fp32: one new query token per sequence attends over its
+ * context in the paged KV cache, reading each cached K and V row once, straight from its block
+ * (no gathered copy), with an online softmax.
+ *
+ * Layouts (row-major, contiguous unless a stride is given):
+ *   q, out       [batch, num_heads, head_dim]
+ *   k, v         [num_blocks, block_size, num_kv_heads, head_dim]  (a layer's cache, two halves)
+ *   block_tables [batch, table_stride] int32
+ *   seq_lens     [batch] int32: context length, the new token included
+ * head_dim must be a multiple of 8 (the caller checks).
+ *
+ * A work item is one sequence, all heads. Per block: the K rows token by token (each row covers
+ * every KV head contiguously, so reads stream; grouped-query heads share the row they read) give
+ * the scores, an online-softmax update follows, then the V rows token by token are weighted into
+ * the accumulators; the next block is prefetched meanwhile. Measured on 2 cores (128 sequences of
+ * 250-500 tokens, 8 layers of 256 MiB, cold caches): 7-8 ms a layer against 8-9 ms for plain C
+ * loops and 10-12 ms for a head-major order (256-byte rows 1 KiB apart), ~20 ms for the torch
+ * backend's gather + SDPA.
+ *
+ * `num_threads` pthreads (the caller's thread included) take items longest-first (the runner
+ * sorts decodes shortest-first) from an atomic counter; threads are joined before return, so
+ * nothing spins between calls and competes with torch's own thread pool.
+ *
+ * Built at first use by workers/attention/cpu_backend.py: cc -O3 -march=native -ffast-math.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_THREADS 256
+
+typedef struct {
+    const float *q, *k, *v;
+    const int32_t *block_tables;
+    const int32_t *seq_lens;
+    float *out;
+    int64_t table_stride;
+    int num_heads, num_kv_heads, head_dim, block_size, num_items;
+    float scale;
+    atomic_int next;
+    int failed;
+} job_t;
+
+/* Eight floats; GCC/Clang vector extensions compile to AVX (x86-64) or NEON pairs (AArch64). */
+typedef float vf __attribute__((vector_size(32)));
+#define VL 8
+
+static inline vf load_vf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_vf(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline float sum_vf(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+/* One sequence, every head; `dv` = head_dim / 8. Inlined with dv a constant for the usual head
+ * sizes, so the row loops are unrolled. */
+static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, const int dv) {
+    const int H = j->num_heads, Hkv = j->num_kv_heads, G = H / Hkv, bs = j->block_size;
+    const int D = dv * VL, len = j->seq_lens[seq];
+    const int64_t row = (int64_t)Hkv * D;  /* floats per token in a block (every KV head) */
+    const int32_t *table = j->block_tables + (int64_t)seq * j->table_stride;
+    const float *q = j->q + (int64_t)seq * H * D;
+    float *out = j->out + (int64_t)seq * H * D;
+    if (len <= 0) {  /* nothing to attend to (callers never ask): zeros, not NaN */
+        memset(out, 0, sizeof(float) * (size_t)H * D);
+        return 0;
+    }
+    /* per query head: scaled query, accumulator, running max, sum and rescale; block scores */
+    float *mem = malloc(sizeof(float) * ((size_t)H * D * 2 + (size_t)H * 3 + (size_t)H * bs));
+    if (mem == NULL) return -1;
+    float *qs = mem, *acc = qs + (size_t)H * D, *m = acc + (size_t)H * D, *l = m + H;
+    float *c = l + H, *s = c + H;  /* s: [H][bs] scores of a block */
+    for (int i = 0; i < H * D; i++) {
+        qs[i] = q[i] * j->scale;
+        acc[i] = 0.0f;
+    }
+    for (int h = 0; h < H; h++) l[h] = 0.0f;
+    const int num_blocks = (len + bs - 1) / bs;
+    for (int b = 0; b < num_blocks; b++) {
+        const int n = b == num_blocks - 1 ? len - b * bs : bs;
+        const float *kb = j->k + (int64_t)table[b] * bs * row;
+        const float *vb = j->v + (int64_t)table[b] * bs * row;
+        const float *kn = b + 1 < num_blocks ? j->k + (int64_t)table[b + 1] * bs * row : NULL;
+        const float *vn = b + 1 < num_blocks ? j->v + (int64_t)table[b + 1] * bs * row : NULL;
+        for (int t = 0; t < n; t++) {  /* token-major: K rows read front to back */
+            const float *kt = kb + t * row;
+            if (kn != NULL)
+                for (int64_t i = 0; i < row; i += 16) __builtin_prefetch(kn + t * row + i, 0, 0);
+            for (int h = 0; h < H; h++) {
+                const float *kr = kt + (h / G) * D, *qh = qs + h * D;
+                vf a0 = {0}, a1 = {0};
+                int i = 0;
+                for (; i + 1 < dv; i += 2) {
+                    a0 += load_vf(qh + i * VL) * load_vf(kr + i * VL);
+                    a1 += load_vf(qh + (i + 1) * VL) * load_vf(kr + (i + 1) * VL);
+                }
+                if (i < dv) a0 += load_vf(qh + i * VL) * load_vf(kr + i * VL);
+                s[h * bs + t] = sum_vf(a0 + a1);
+            }
+        }
+        for (int h = 0; h < H; h++) {
+            float *sh = s + h * bs;
+            float block_max = sh[0];
+            for (int t = 1; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
+            c[h] = 1.0f;  /* rescales what was accumulated under the old maximum */
+            if (b == 0) {
+                m[h] = block_max;  /* no infinities anywhere, so -ffast-math is safe */
+            } else if (block_max > m[h]) {
+                c[h] = expf(m[h] - block_max);
+                m[h] = block_max;
+            }
+            float sum = 0.0f;
+            for (int t = 0; t < n; t++) {
+                sh[t] = expf(sh[t] - m[h]);
+                sum += sh[t];
+            }
+            l[h] = l[h] * c[h] + sum;
+        }
+        for (int h = 0; h < H; h++)
+            if (c[h] != 1.0f)
+                for (int i = 0; i < dv; i++)
+                    store_vf(acc + h * D + i * VL, load_vf(acc + h * D + i * VL) * c[h]);
+        for (int t = 0; t < n; t++) {  /* V rows front to back */
+            const float *vt = vb + t * row;
+            if (vn != NULL)
+                for (int64_t i = 0; i < row; i += 16) __builtin_prefetch(vn + t * row + i, 0, 0);
+            for (int h = 0; h < H; h++) {
+                const float p = s[h * bs + t], *vr = vt + (h / G) * D;
+                float *ah = acc + h * D;
+                for (int i = 0; i < dv; i++)
+                    store_vf(ah + i * VL, load_vf(ah + i * VL) + p * load_vf(vr + i * VL));
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        const float inv = 1.0f / l[h];
+        for (int d = 0; d < D; d++) out[h * D + d] = acc[h * D + d] * inv;
+    }
+    free(mem);
+    return 0;
+}
+
+static int attend(job_t *j, int seq) {
+    switch (j->head_dim) {  /* constant trip counts for the usual head sizes */
+        case 64: return attend_dv(j, seq, 8);
+        case 128: return attend_dv(j, seq, 16);
+        default: return attend_dv(j, seq, j->head_dim / VL);
+    }
+}
+
+static void *work(void *arg) {
+    job_t *j = arg;
+    for (;;) {
+        const int item = atomic_fetch_add(&j->next, 1);
+        if (item >= j->num_items) break;
+        if (attend(j, j->num_items - 1 - item) != 0) j->failed = 1;
+    }
+    return NULL;
+}
+
+/* Returns 0 on success, -1 when memory for a work item's scratch could not be allocated. */
+int paged_decode_f32(const float *q, const float *k, const float *v,
+                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                     float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
+                     int block_size, float scale, int num_threads) {
+    job_t j = {.q = q, .k = k, .v = v, .block_tables = block_tables, .seq_lens = seq_lens,
+               .out = out, .table_stride = table_stride, .num_heads = num_heads,
+               .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
+               .num_items = batch, .scale = scale, .failed = 0};
+    atomic_init(&j.next, 0);
+    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
+    if (num_threads > j.num_items) num_threads = j.num_items;
+    pthread_t threads[MAX_THREADS];
+    int started = 0;
+    for (int i = 1; i < num_threads; i++) {
+        if (pthread_create(&threads[started], NULL, work, &j) != 0) break;  /* run with fewer */
+        started++;
+    }
+    work(&j);
+    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+    return j.failed ? -1 : 0;
+}
