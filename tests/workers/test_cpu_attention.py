@@ -85,7 +85,7 @@ def test_result_does_not_depend_on_the_thread_count():
     seq_lens = [rng.randint(1, 200) for _ in range(37)]
     q, cache, tables, lens = make_case(seq_lens, 8, 4, 64, 16, seed=3)
     one = paged_decode(q, cache, tables, lens, 0.125, num_threads=1)
-    for threads in (2, 5, 64):
+    for threads in (2, 5):
         assert torch.equal(paged_decode(q, cache, tables, lens, 0.125, num_threads=threads), one)
 
 
