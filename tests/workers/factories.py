@@ -1,6 +1,9 @@
-"""Small factories for engine tests: a scheduler without a model, requests, a fake step."""
+"""Small factories for engine tests: a scheduler without a model, requests, a fake step, a paged
+KV cache of noise."""
 
 from __future__ import annotations
+
+import torch
 
 from workers.kv_cache import KVCacheManager
 from workers.protocol import SamplingParams
@@ -44,3 +47,19 @@ def replay_events(events: list) -> set[int]:
         elif isinstance(event, AllBlocksCleared):
             cached.clear()
     return cached
+
+
+def noise_paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
+                      gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's KV cache `[2, num_blocks, block_size, Hkv, D]` of noise (spare blocks too, so an
+    attention kernel reading a wrong block shows) and shuffled, disjoint block tables (int32,
+    padded with block 0) for sequences of `seq_lens` tokens."""
+    counts = [-(-length // block_size) for length in seq_lens]
+    num_blocks = sum(counts) + 3
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    rows, used = [], 0
+    for count in counts:
+        rows.append(order[used:used + count] + [0] * (max(counts) - count))
+        used += count
+    return cache, torch.tensor(rows, dtype=torch.int32)

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from tests.workers.factories import noise_paged_cache
 from workers.attention import cpu_backend
 from workers.attention.cpu_backend import KernelBuildError, build_kernel, paged_decode
 from workers.config import EngineConfig
@@ -19,18 +20,9 @@ pytestmark = pytest.mark.skipif(not cpu_backend.available(),
 
 
 def make_case(seq_lens, heads, kv_heads, dim, block_size, seed=0):
-    """Noise in every block (spare ones too, so reading a wrong block shows), shuffled disjoint
-    block tables padded with block 0, queries; and the contiguous context of each sequence."""
+    """Queries, a cache of noise with shuffled block tables, and the lengths as int32."""
     gen = torch.Generator().manual_seed(seed)
-    counts = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(counts) + 5
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    rows, used = [], 0
-    for count in counts:
-        rows.append(order[used:used + count] + [0] * (max(counts) - count))
-        used += count
-    tables = torch.tensor(rows, dtype=torch.int32)
+    cache, tables = noise_paged_cache(seq_lens, block_size, kv_heads, dim, gen)
     q = torch.randn(len(seq_lens), heads, dim, generator=gen)
     return q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
 

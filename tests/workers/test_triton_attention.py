@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton attention kernels need the triton package")
 
+from tests.workers.factories import noise_paged_cache
 from workers.attention import AttentionMetadata, get_backend
 from workers.attention.backend import _BACKENDS
 from workers.attention.triton_backend import TritonAttentionBackend
@@ -49,16 +50,9 @@ class Paged(NamedTuple):
 def make_paged(seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0) -> Paged:
     """A cache of noise (spare blocks too, so a masking bug reads wrong values) and shuffled,
     disjoint block tables for sequences of `seq_lens` tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    counts = [-(-length // block_size) for length in seq_lens]
-    num_blocks = sum(counts) + 3
-    cache = torch.randn(2, num_blocks, block_size, KV_HEADS, DIM, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    rows, used = [], 0
-    for count in counts:
-        rows.append(order[used:used + count] + [0] * (max(counts) - count))
-        used += count
-    return Paged(cache.to(dtype).to(DEVICE), torch.tensor(rows, dtype=torch.int32, device=DEVICE))
+    cache, tables = noise_paged_cache(seq_lens, block_size, KV_HEADS, DIM,
+                                      torch.Generator().manual_seed(seed))
+    return Paged(cache.to(dtype).to(DEVICE), tables.to(DEVICE))
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
