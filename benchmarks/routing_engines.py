@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from results_io import RESULTS, command_line, emit
 
 from router.app import Router, RouterConfig
-from router.inprocess import InProcessWorkerClient
+from cluster.inprocess_client import InProcessWorkerClient
 from router.policy import Decision, RoutingPolicy, WorkerLoad, get_policy, healthy_loads
 from router.prefix_index import PrefixIndex
 from workers.protocol import SamplingParams, hash_prompt_blocks

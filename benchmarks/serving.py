@@ -15,7 +15,7 @@ p50/p90/p99 in ms, throughput (requests/s, output tokens/s) and goodput (request
 the TTFT and ITL distributions lands next to the JSON.
 
 `--compare-local` starts, in this run, two deployments of a `cleave make-model --preset small`
-model with `router.serve.LocalServer` (two aggregated workers, then one prefill plus one decode
+model with `cluster.local_server.LocalServer` (two aggregated workers, then one prefill plus one decode
 worker over TCP), runs the same mixed workload on each and reports both ITL p99 and
 `itl_p99_ratio` = aggregated / disaggregated (above 1: disaggregation helps).
 

@@ -1,5 +1,5 @@
 """`serving.py --compare-local`: two deployments of one model started in this process with
-`router.serve.LocalServer`, the same mixed workload on each, and the ITL p99 ratio.
+`cluster.local_server.LocalServer`, the same mixed workload on each, and the ITL p99 ratio.
 
 - aggregated: two "both" workers (each prefills and decodes its own requests);
 - disaggregated: one prefill and one decode worker, KV handed off over TCP on 127.0.0.1.
@@ -20,7 +20,7 @@ from pathlib import Path
 from results_io import RESULTS, emit
 from serving import measure, plot, workload_setup
 
-from router.serve import LocalServeConfig, LocalServer
+from cluster.local_server import LocalServeConfig, LocalServer
 
 LAYOUTS = {
     "aggregated": {"num_workers": 2},

@@ -72,7 +72,7 @@ def _check_model(config) -> None:  # noqa: ANN001 - a CleaveConfig
 
 def _serve_in_process(config) -> int:  # noqa: ANN001 - a CleaveConfig
     """The same deployment with every worker an engine in this process (no Ray)."""
-    from router.serve import serve_local
+    from cluster.local_server import serve_local
 
     model = config.model.path
     if model is None:

@@ -1,7 +1,7 @@
 """The boundary between the router and a worker: one request record in, token events out.
 
 Torch-free. The router holds one `WorkerClient` per worker and never touches an engine directly;
-an in-process client (`workers.worker.InProcessWorkerClient`) and a remote one (gRPC, Ray) are
+an in-process client (`cluster.inprocess_client.InProcessWorkerClient`) and a remote one (gRPC, Ray) are
 interchangeable behind it. Prompts cross this boundary as token ids: the router tokenizes, so it
 can hash the prompt's blocks for routing.
 """

@@ -2,7 +2,7 @@
 
 Importing this module does not import torch; building a `Worker` does (it builds an engine). The
 router reaches a worker through `router.worker_client.WorkerClient` (in process:
-`router.inprocess.InProcessWorkerClient`), never by calling the engine.
+`cluster.inprocess_client.InProcessWorkerClient`), never by calling the engine.
 
 The KV handoff: a "prefill" (or "both") worker runs a prompt to its first token with
 `prefill()`, which holds the request's blocks and offers them under a lease of its

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from router.serve import LocalServeConfig, LocalServer
+from cluster.local_server import LocalServeConfig, LocalServer
 from tests.benchmarks.conftest import import_benchmark
 
 

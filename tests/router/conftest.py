@@ -7,7 +7,7 @@ from typing import Callable
 
 import pytest
 
-from router.serve import LocalServeConfig, LocalServer
+from cluster.local_server import LocalServeConfig, LocalServer
 
 API_KEY = "test-key"
 MAX_BODY_BYTES = 64 * 1024

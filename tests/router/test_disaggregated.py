@@ -8,7 +8,7 @@ import itertools
 import openai
 import pytest
 
-from router.serve import LocalServer
+from cluster.local_server import LocalServer
 from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
 from workers.protocol import PrefillResult
 

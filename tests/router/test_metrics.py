@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
-from router.serve import LocalServer
+from cluster.local_server import LocalServer
 from tests.router.conftest import API_KEY, start_pools, start_server, wait_until
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "cleave-dashboard.json"

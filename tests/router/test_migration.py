@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from router.serve import LocalServer
+from cluster.local_server import LocalServer
 from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
 
 STEP_DELAY_S = 0.01  # slows every engine step, so a stream is still running when its worker dies

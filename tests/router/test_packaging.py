@@ -7,8 +7,8 @@ import sys
 
 from router.proto import codegen
 
-ROUTER_MODULES = ["router.app", "router.errors", "router.worker_client", "router.inprocess",
-                  "router.grpc_server", "router.openai.api", "router.serve", "router.policy",
+ROUTER_MODULES = ["router.app", "router.errors", "router.worker_client", "cluster.inprocess_client",
+                  "router.grpc_server", "router.openai.api", "router.policy",
                   "router.prefix_index"]
 
 

@@ -20,7 +20,7 @@ import uvicorn
 
 from router.app import Router, RouterConfig
 from router.grpc_server import create_grpc_server
-from router.inprocess import InProcessWorkerClient
+from cluster.inprocess_client import InProcessWorkerClient
 from router.openai.api import create_app
 
 logger = logging.getLogger(__name__)
