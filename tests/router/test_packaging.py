@@ -7,7 +7,7 @@ import sys
 
 from router.proto import codegen
 
-ROUTER_MODULES = ["router.app", "router.errors", "router.worker_client", "cluster.inprocess_client",
+ROUTER_MODULES = ["router.app", "router.errors", "router.worker_client",
                   "router.grpc_server", "router.openai.api", "router.policy",
                   "router.prefix_index"]
 
