@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from workers.protocol import KVEvent, KVSnapshot, PrefillResult, SamplingParams, TokenEvent
+from workers.protocol import EngineStats, KVEvent, KVSnapshot, PrefillResult, SamplingParams, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -154,25 +154,8 @@ class EngineActor:
 
     # ---- load, events, health --------------------------------------------------------------
 
-    async def stats(self) -> dict[str, Any]:
-        s = self.worker.stats()
-        return {"num_waiting": s.num_waiting, "num_running": s.num_running,
-                "kv_usage": s.kv_usage, "num_free_blocks": s.num_free_blocks,
-                "num_blocks": self.worker.num_blocks,
-                "num_pending_prompt_tokens": self._pending_prompt_tokens(),
-                "num_in_flight": len(self.in_flight)}
-
-    def _pending_prompt_tokens(self) -> int:
-        """Prompt tokens queued or mid-prefill (the prefill pool's load signal). Read while
-        the engine may step on its thread: a list changed under the read is read again."""
-        sched = self.worker.engine.scheduler
-        for _ in range(10):
-            try:
-                reqs = [*sched.waiting, *sched.running]
-            except RuntimeError:  # mutated during the copy
-                continue
-            return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in reqs)
-        return 0
+    async def stats(self) -> EngineStats:
+        return self.worker.stats()
 
     async def kv_events(self, subscriber: str) -> list[KVEvent]:
         self.log.extend(await self.worker.drain_kv_events())

@@ -13,7 +13,7 @@ from router.worker_client import (
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
-    WorkerStats,
+    EngineStats,
 )
 from workers.protocol import KVEvent, KVSnapshot, PrefillResult, TokenEvent
 
@@ -81,11 +81,9 @@ class InProcessWorkerClient(HandoffWorkerClient):
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
 
-    async def stats(self) -> WorkerStats:
+    async def stats(self) -> EngineStats:
         self._check_open()
-        s = self.worker.stats()
-        return WorkerStats(s.num_waiting, s.num_running, s.kv_usage, s.num_free_blocks,
-                           self.worker.num_blocks)
+        return self.worker.stats()
 
     async def kv_events(self) -> list[KVEvent]:
         self._check_open()

@@ -11,6 +11,7 @@ worker as a failed worker's would), then the engine stops.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -23,6 +24,7 @@ from cluster.config import POOL_ROLES, CleaveConfig, PoolSettings
 from cluster.directory import HEARTBEAT_S, WorkerEntry
 from cluster.engine_actor import EngineActor, EngineSpec
 from workers.model_config import ModelConfig
+from workers.protocol import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +107,15 @@ class WorkerReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """This replica's load, read by `cluster.autoscaling.PoolPolicy`."""
-        s = await self.actor.stats.remote()
-        return {"pending_prompt_tokens": float(s["num_pending_prompt_tokens"]),
-                "kv_usage": float(s["kv_usage"]),
-                "running_seqs": float(s["num_running"] + s["num_waiting"])}
+        s: EngineStats = await self.actor.stats.remote()
+        return {"pending_prompt_tokens": float(s.num_pending_prompt_tokens),
+                "kv_usage": s.kv_usage, "running_seqs": float(s.num_running + s.num_waiting)}
 
     async def describe(self) -> dict[str, Any]:
         """The replica's worker id, pool, node and load (`cleave status`)."""
         return {"worker_id": self.worker_id, "pool": self.pool, "node_id": self.entry.node_id,
-                "draining": self._draining, **await self.actor.stats.remote()}
+                "draining": self._draining,
+                **dataclasses.asdict(await self.actor.stats.remote())}
 
     async def __del__(self) -> None:
         """Serve is removing this replica (scale-down, redeploy, shutdown): drain, then stop."""

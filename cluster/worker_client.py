@@ -20,7 +20,7 @@ from router.worker_client import (
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
-    WorkerStats,
+    EngineStats,
 )
 from workers.protocol import EngineShutDown, KVEvent, KVSnapshot, PrefillResult, TokenEvent
 
@@ -115,10 +115,8 @@ class RayWorkerClient(HandoffWorkerClient):
         except WorkerUnavailableError:
             pass  # gone: nothing is held there any more
 
-    async def stats(self) -> WorkerStats:
-        d = await self._call("stats")
-        return WorkerStats(d["num_waiting"], d["num_running"], d["kv_usage"],
-                           d["num_free_blocks"], d["num_blocks"])
+    async def stats(self) -> EngineStats:
+        return await self._call("stats")
 
     async def kv_events(self) -> list[KVEvent]:
         return await self._call("kv_events", self.subscriber)

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router.errors import APIError
-from router.worker_client import WorkerClient, WorkerRole, WorkerStats
+from router.worker_client import WorkerClient, WorkerRole, EngineStats
 from workers.protocol import TokenEvent
 
 if TYPE_CHECKING:
@@ -245,13 +245,13 @@ class _LoadCollector(Collector):
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        self._stats: dict[str, tuple[str, WorkerStats | None]] = {}
+        self._stats: dict[str, tuple[str, EngineStats | None]] = {}
 
     async def refresh(self) -> None:
         r = self.router
         roles = {wid: role.value for role in WorkerRole for wid in r.pool(role)}
 
-        async def read(client: WorkerClient) -> WorkerStats | None:
+        async def read(client: WorkerClient) -> EngineStats | None:
             try:
                 return await asyncio.wait_for(client.stats(), SCRAPE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 -- shown as down

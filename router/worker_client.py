@@ -14,58 +14,20 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 from workers.protocol import (
+    EngineStats,
     KVEvent,
     KVPullFailed,
     KVSnapshot,
     PrefillResult,
     SamplingParams,
     TokenEvent,
+    WorkerInfo,
+    WorkerRequest,
+    WorkerRole,
 )
 
 __all__ = ["HandoffWorkerClient", "KVPullFailed", "PrefillResult", "WorkerClient", "WorkerInfo",
-           "WorkerRequest", "WorkerRole", "WorkerStats"]
-
-
-class WorkerRole(str, enum.Enum):
-    """What a worker does with a request."""
-
-    BOTH = "both"  # prefill and decode on the same worker (aggregated); may do either half
-    PREFILL = "prefill"  # prompts to their first token, then hands the KV off
-    DECODE = "decode"  # continues handed-off requests; also runs whole short ones
-
-
-@dataclass(frozen=True)
-class WorkerRequest:
-    """One request as a worker receives it: already tokenized and validated by the router."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    cache_salt: str | None = None
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What a worker serves; fixed for its lifetime."""
-
-    worker_id: str
-    role: WorkerRole
-    block_size: int  # tokens per KV block (the router hashes prompts in blocks of this size)
-    max_model_len: int  # tokens per sequence, prompt and output together
-    vocab_size: int  # token ids must be in [0, vocab_size)
-    num_blocks: int  # KV blocks in the worker's cache
-    tp_size: int = 1  # tensor-parallel ranks, each holding its share of the KV heads
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    """A worker's load right now."""
-
-    num_waiting: int  # requests queued, not yet scheduled
-    num_running: int  # requests being prefilled or decoded
-    kv_usage: float  # fraction of KV blocks held by requests, in [0, 1]
-    num_free_blocks: int  # KV blocks not held by any request (cached ones included)
-    num_blocks: int
+           "WorkerRequest", "WorkerRole", "EngineStats"]
 
 
 class WorkerClient(abc.ABC):
@@ -90,7 +52,7 @@ class WorkerClient(abc.ABC):
         """Cancel a request; unknown ids are ignored."""
 
     @abc.abstractmethod
-    async def stats(self) -> WorkerStats: ...
+    async def stats(self) -> EngineStats: ...
 
     @abc.abstractmethod
     async def kv_events(self) -> list[KVEvent]:

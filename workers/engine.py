@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from workers.parallel.executor import GroupExecutor, GroupOptions, LocalExecutor
 from workers.parallel.group import SpawnLauncher
 from workers.parallel.validate import check_parallel
 from workers.protocol import (
+    EngineStats,
     FinishReason,
     InvalidRequestError,
     KVCacheFull,
@@ -45,15 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_usage: float  # fraction of KV blocks held by requests
-    num_free_blocks: int
-    num_cached_blocks: int  # blocks findable in the prefix cache (held or free)
 
 
 class Engine:
@@ -281,7 +272,10 @@ class Engine:
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
-                           pool.usage, pool.num_free_blocks, pool.num_cached_blocks)
+                           pool.usage, pool.num_free_blocks, pool.num_cached_blocks,
+                           pool.num_blocks, len(self._awaiting_kv),
+                           sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                               for r in (*self.scheduler.waiting, *self.scheduler.running)))
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()

@@ -99,6 +99,54 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class WorkerRequest:
+    """One request as every layer below the router's front ends passes it, whole: built once by
+    the router (tokenized, validated) and handed unchanged to the orchestrator, the worker
+    client, the engine actor, the worker, the async engine and the engine."""
+
+    request_id: str  # made by the router, unique per request: the engine, lease and block key
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str | None = None  # isolates this request's prefix-cache blocks
+
+
+class WorkerRole(str, enum.Enum):
+    """What a worker does with a request."""
+
+    BOTH = "both"  # prefill and decode on the same worker (aggregated); may do either half
+    PREFILL = "prefill"  # prompts to their first token, then hands the KV off
+    DECODE = "decode"  # continues handed-off requests; also runs whole short ones
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker serves; fixed for its lifetime."""
+
+    worker_id: str
+    role: WorkerRole
+    block_size: int  # tokens per KV block (the router hashes prompts in blocks of this size)
+    max_model_len: int  # tokens per sequence, prompt and output together
+    vocab_size: int  # token ids must be in [0, vocab_size)
+    num_blocks: int  # KV blocks in the worker's cache
+    tp_size: int = 1  # tensor-parallel ranks, each holding its share of the KV heads
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A worker's load, computed by the engine on its step thread (after each step): other
+    threads and processes read a published copy, never the scheduler's live queues."""
+
+    num_waiting: int  # requests queued, not yet scheduled
+    num_running: int  # requests being prefilled or decoded
+    kv_usage: float  # fraction of KV blocks held by requests, in [0, 1]
+    num_free_blocks: int  # KV blocks not held by any request (cached ones included)
+    num_cached_blocks: int  # blocks findable in the prefix cache (held or free)
+    num_blocks: int  # KV blocks in the cache
+    num_waiting_for_kv: int = 0  # handed-off requests whose KV is still arriving
+    num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill
+
+
+@dataclass(frozen=True)
 class TokenLogprob:
     """Log-probability of one chosen token and its top alternatives (token id -> logprob)."""
 
