@@ -113,9 +113,12 @@ def prefill_flops(mc, num_tokens: int) -> float:
 def _fill(engine, batch: int, context: int, vocab: int, rng: random.Random, params) -> list[str]:
     """Adds `batch` distinct prompts of `context` tokens and steps until every one has its
     first token (so the next steps are pure decode)."""
+    from workers.protocol import WorkerRequest
+
     ids = [f"r{rng.random()}" for _ in range(batch)]
     for rid in ids:
-        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(context)], params)
+        engine.generate(WorkerRequest(
+            rid, tuple(rng.randrange(3, vocab) for _ in range(context)), params))
     while any(engine.scheduler.requests[r].num_output_tokens == 0 for r in ids):
         engine.step()
     return ids
@@ -145,13 +148,15 @@ def decode_step_times(engine, batches: list[int], context: int, steps: int,
 
 def prefill_time(engine, num_tokens: int, repeats: int) -> float:
     from workers import SamplingParams
+    from workers.protocol import WorkerRequest
 
     vocab = min(engine.model_config.vocab_size, 32000)
     rng = random.Random(1)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     times = []
     for i in range(repeats + 1):
-        engine.add_request(f"p{i}", [rng.randrange(3, vocab) for _ in range(num_tokens)], params)
+        engine.generate(WorkerRequest(
+            f"p{i}", tuple(rng.randrange(3, vocab) for _ in range(num_tokens)), params))
         start = time.perf_counter()
         while engine.has_unfinished():
             engine.step()
@@ -202,13 +207,13 @@ def make_requests(n: int, vocab: int, prompt_len: tuple[int, int], output_len: t
 
 def engine_generate(engine, requests) -> tuple[float, int]:
     from workers import SamplingParams
+    from workers.protocol import WorkerRequest
 
     sync(engine.device)
     start = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(requests):
-        engine.add_request(f"g{i}", prompt, SamplingParams(temperature=0.0,
-                                                           max_tokens=max_tokens,
-                                                           ignore_eos=True))
+        engine.generate(WorkerRequest(f"g{i}", tuple(prompt), SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
     while engine.has_unfinished():
         engine.step()
     return time.perf_counter() - start, sum(m for _, m in requests)

@@ -55,13 +55,15 @@ def decode_steps(path: str, batch: int, steps: int, **sizes: int) -> tuple[list,
     import time
 
     from workers import LLM, SamplingParams
+    from workers.protocol import WorkerRequest
 
     llm = LLM(path, block_size=16, num_blocks=256, max_num_seqs=batch, **sizes)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     try:
         for i in range(batch):
-            engine.add_request(str(i), [3 + (i * 7 + j) % 200 for j in range(16)], params)
+            prompt = tuple(3 + (i * 7 + j) % 200 for j in range(16))
+            engine.generate(WorkerRequest(str(i), prompt, params))
         engine.step()  # every prompt in one prefill step
         timings, seconds = [], []
         for _ in range(steps):

@@ -1,7 +1,8 @@
 """The inference engine: requests in, token events out, one `step()` at a time.
 
-Not thread-safe: one caller drives `add_request`, `abort` and `step` (the async engine serialises
-them for you).
+One verb per operation, each taking the request record (`WorkerRequest`) whole: `generate`,
+`prefill`, `decode_from_handoff` + `kv_landed`, `resume`, `abort`. Not thread-safe: one caller
+drives them and `step` (the async engine serialises them for you).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from workers.protocol import (
     KVSnapshot,
     SamplingParams,
     TokenEvent,
+    WorkerRequest,
 )
 from workers.request import Request
 from workers.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
@@ -85,7 +87,6 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
         self._samples: dict[str, list[str]] = {}  # request id -> its samples' internal ids
         self._forks: dict[str, list[Request]] = {}  # sample 0's id -> siblings not yet added
-        self._awaiting_kv: set[str] = set()  # handed-off requests whose KV is still arriving
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", mc.architecture,
                     self.device, spec.num_blocks, config.block_size)
 
@@ -166,7 +167,9 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text prompt (token ids pass through): for callers building a
+        `WorkerRequest`, whose prompt is always token ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("prompt must be token ids: the model has no tokenizer",
@@ -193,14 +196,14 @@ class Engine:
                 f"{len(ids)} prompt tokens plus max_tokens={params.max_tokens} need {needed} KV "
                 f"blocks; the cache has only {self.kv.pool.num_blocks}", param="max_tokens")
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    *, cache_salt: str | None = None) -> list[int]:
-        """Queue a request (n samples); returns its prompt token ids. Raises
-        `InvalidRequestError` and leaves nothing behind when the input is bad."""
+    def generate(self, req: WorkerRequest) -> None:
+        """Queue a request (its `params.n` samples). Raises `InvalidRequestError` and leaves
+        nothing behind when the input is bad."""
+        request_id, params, cache_salt = req.request_id, req.params, req.cache_salt
         if request_id in self._samples:
             raise InvalidRequestError(f"request id {request_id!r} is already running",
                                       param="request_id")
-        ids = self.tokenize(prompt)
+        ids = list(req.prompt_token_ids)
         self._validate(ids, params)
         reqs = []
         for i in range(params.n):
@@ -208,15 +211,14 @@ class Engine:
                 params, n=1, seed=None if params.seed is None else params.seed + i,
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             rid = request_id if params.n == 1 else f"{request_id}/{i}"
-            req = Request(rid, ids, p, self.eos_token_ids, cache_salt=cache_salt)
-            self.outputs.add(req, request_id, i)
-            reqs.append(req)
+            sample = Request(rid, ids, p, self.eos_token_ids, cache_salt=cache_salt)
+            self.outputs.add(sample, request_id, i)
+            reqs.append(sample)
         self._samples[request_id] = [r.request_id for r in reqs]
         self.scheduler.add(reqs[0])
         if len(reqs) > 1:
             # siblings join once sample 0 has computed the prompt, then hit its cached blocks
             self._forks[reqs[0].request_id] = reqs[1:]
-        return ids
 
     def abort(self, request_id: str) -> bool:
         """Cancel every sample of a request and free its blocks. False for unknown ids."""
@@ -227,13 +229,12 @@ class Engine:
             self.scheduler.finish(sid, FinishReason.ABORT)
             self.outputs.remove(sid)
         self._forks.pop(sample_ids[0], None)
-        self._awaiting_kv.discard(request_id)
         return True
 
     def has_unfinished(self) -> bool:
         """True while a request can make progress in `step()` (requests waiting for remote
         KV cannot, so they leave the step loop idle)."""
-        return len(self._samples) > len(self._awaiting_kv)
+        return self.scheduler.has_unfinished()
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -270,12 +271,13 @@ class Engine:
     # ---- observability and the transfer layer's hooks ----------------------------------------
 
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
-        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
-                           pool.usage, pool.num_free_blocks, pool.num_cached_blocks,
-                           pool.num_blocks, len(self._awaiting_kv),
-                           sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                               for r in (*self.scheduler.waiting, *self.scheduler.running)))
+        """The engine's load now, from the scheduler's and the block pool's own counters (O(1),
+        no scan). Call it on the step thread, between steps: the async engine does after each
+        step and publishes the copy for other threads."""
+        sched, pool = self.scheduler, self.kv.pool
+        return EngineStats(len(sched.waiting), len(sched.running), pool.usage,
+                           pool.num_free_blocks, pool.num_cached_blocks, pool.num_blocks,
+                           len(sched.waiting_for_kv), sched.num_pending_prompt_tokens)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()
@@ -315,28 +317,27 @@ class Engine:
 
     # ---- the KV handoff: prefill side ------------------------------------------------------
 
-    def add_prefill(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    *, cache_salt: str | None = None) -> list[int]:
+    def prefill(self, req: WorkerRequest) -> None:
         """Queue the prompt of a request another worker will decode: it samples the first token
-        only (with `params`), then its blocks are held for the KV handoff until `free_held`
+        only (with `req.params`), then its blocks are held for the KV handoff until `free_held`
         (an abort frees them at once). Validated against the whole request. n must be 1."""
+        request_id, params = req.request_id, req.params
         if params.n != 1:
             raise InvalidRequestError(f"n must be 1 for a prefill-only request, got {params.n}",
                                       param="n")
         if request_id in self._samples or self.kv.held_block_ids(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already running or held",
                                       param="request_id")
-        ids = self.tokenize(prompt)
+        ids = list(req.prompt_token_ids)
         self._validate(ids, params)
         first_only = dataclasses.replace(params, max_tokens=1,
                                          min_tokens=min(params.min_tokens, 1))
         # max_tokens=1: the whole request, nothing to hand off
-        req = Request(request_id, ids, first_only, self.eos_token_ids, cache_salt=cache_salt,
-                      hold_kv=params.max_tokens > 1)
-        self.outputs.add(req, request_id, 0)
+        sample = Request(request_id, ids, first_only, self.eos_token_ids,
+                         cache_salt=req.cache_salt, hold_kv=params.max_tokens > 1)
+        self.outputs.add(sample, request_id, 0)
         self._samples[request_id] = [request_id]
-        self.scheduler.add(req)
-        return ids
+        self.scheduler.add(sample)
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Blocks of a finished prefill-only request, in token order ([] when none are held)."""
@@ -348,15 +349,11 @@ class Engine:
 
     # ---- the KV handoff: decode side -------------------------------------------------------
 
-    def _add_continuation(self, request_id: str, prompt_token_ids: list[int],
-                          sent_token_ids: Sequence[int], params: SamplingParams) -> Request:
-        """The request with `sent_token_ids` (already streamed to the client by other workers)
-        as its first output tokens; max_tokens, min_tokens and penalties count them as output,
-        and the detokenizer and stop-string state are primed with them, the first as a prefill
-        worker sends it (whole), the rest as a decoding worker streams them.
-
-        NOTE: with stop strings, text a worker held back at the first token (a possible stop
-        string's start; an aggregated worker does, a prefill worker does not) is not resent."""
+    def _continuation(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> Request:
+        """The validated sample of a request whose first output tokens, `sent_token_ids`, other
+        workers sampled and streamed; it holds the first of them (the rest join in `_replay`).
+        Registered nowhere yet. max_tokens, min_tokens and penalties count them as output."""
+        request_id, params = req.request_id, req.params
         if params.n != 1:
             raise InvalidRequestError("n must be 1 for a request handed off between workers",
                                       param="n")
@@ -367,57 +364,58 @@ class Engine:
         if request_id in self._samples:
             raise InvalidRequestError(f"request id {request_id!r} is already running",
                                       param="request_id")
-        ids = list(prompt_token_ids)
+        ids = list(req.prompt_token_ids)
         self._validate(ids, params)
         vocab = self.model_config.vocab_size
         bad = [t for t in sent_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"sent token ids outside [0, {vocab}): {bad[:5]}",
                                       param="sent_token_ids")
-        req = Request(request_id, ids, params, self.eos_token_ids)
-        req.append_output(sent_token_ids[0])
-        self.outputs.add(req, request_id, 0)  # primed as a prefill worker sent it
-        for token_id in sent_token_ids[1:]:  # replayed as a worker streamed them, one a step,
-            req.append_output(token_id)  # so the text sent so far matches to the character
-            self.outputs.find_stop_string(req)
-            self.outputs.event(req, None)
-        self._samples[request_id] = [request_id]
-        self.scheduler.requests[request_id] = req
-        return req
+        sample = Request(request_id, ids, params, self.eos_token_ids)
+        sample.append_output(sent_token_ids[0])
+        return sample
 
-    def add_request_with_remote_kv(self, request_id: str, prompt_token_ids: list[int],
-                                   first_token_id: int, params: SamplingParams) -> list[int]:
+    def _replay(self, sample: Request, sent_token_ids: Sequence[int]) -> None:
+        """Track a continued sample, priming its detokenizer and stop-string state with the
+        tokens already sent: the first as a prefill worker sends it (whole), the rest as a
+        decoding worker streams them, one a step, so the text sent so far matches to the
+        character.
+
+        NOTE: with stop strings, text a worker held back at the first token (a possible stop
+        string's start; an aggregated worker does, a prefill worker does not) is not resent."""
+        self.outputs.add(sample, sample.request_id, 0)
+        for token_id in sent_token_ids[1:]:
+            sample.append_output(token_id)
+            self.outputs.find_stop_string(sample)
+            self.outputs.event(sample, None)
+        self._samples[sample.request_id] = [sample.request_id]
+
+    def decode_from_handoff(self, req: WorkerRequest, first_token_id: int) -> list[int]:
         """Allocate blocks for a prompt whose KV another worker computed; returns the block ids
-        to fill. The request waits (no step schedules it) until `commit_remote_kv`, then decodes
-        after `first_token_id` (already sent to the client by that worker). `abort` frees it."""
-        num_tokens = len(prompt_token_ids)
-        if self.kv.num_blocks_for(num_tokens) > self.kv.pool.num_free_blocks:
-            raise KVCacheFull(f"no KV blocks free for the {num_tokens}-token handoff of "
-                               f"{request_id!r}")
-        req = self._add_continuation(request_id, prompt_token_ids, [first_token_id], params)
-        self.kv.allocate_slots(req, num_tokens)
-        self._awaiting_kv.add(request_id)
-        return self.kv.block_ids(request_id)
+        to fill. The request waits for its KV (no step schedules it) until `kv_landed`, then
+        decodes after `first_token_id` (already sent to the client by that worker). `abort`
+        frees it. Raises `KVCacheFull` (nothing allocated) when the blocks are not free."""
+        sample = self._continuation(req, [first_token_id])
+        if not self.scheduler.add_waiting_for_kv(sample):
+            raise KVCacheFull(f"no KV blocks free for the {sample.num_prompt_tokens}-token "
+                              f"handoff of {req.request_id!r}")
+        self._replay(sample, [first_token_id])
+        return self.kv.block_ids(req.request_id)
 
-    def commit_remote_kv(self, request_id: str) -> None:
-        """The handed-off KV has landed in the request's blocks: start decoding it."""
-        if request_id not in self._awaiting_kv:
-            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
-        self._awaiting_kv.discard(request_id)
-        req = self.scheduler.requests[request_id]
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_blocks(req)
-        self.scheduler.add_running(req)
+    def kv_landed(self, request_id: str) -> None:
+        """The handed-off KV has landed in the request's blocks: start decoding it. KeyError
+        when the request is not waiting for its KV."""
+        self.scheduler.kv_landed(request_id)
 
-    def add_continuation(self, request_id: str, prompt_token_ids: list[int],
-                         sent_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> None:
         """Queue a request whose first output tokens, `sent_token_ids`, other workers sampled
         (and sent) but whose KV is not here (a failed KV pull, or a decode worker lost
         mid-stream): the prompt and those tokens are computed here, then it decodes on from
         the next token. Greedy output equals an uninterrupted run; seeded sampling restarts
         its generator here, so it may differ after the first token sent."""
-        req = self._add_continuation(request_id, prompt_token_ids, sent_token_ids, params)
-        self.scheduler.add(req)
+        sample = self._continuation(req, sent_token_ids)
+        self._replay(sample, sent_token_ids)
+        self.scheduler.add(sample)
 
 
 def _spawns_ranks(launcher: RankLauncher | None) -> bool:

@@ -7,7 +7,13 @@ from typing import Sequence
 
 from workers.config import EngineConfig
 from workers.engine import Engine
-from workers.protocol import CompletionOutput, RequestOutput, SamplingParams, TokenEvent
+from workers.protocol import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    TokenEvent,
+    WorkerRequest,
+)
 
 Prompt = str | list[int]
 
@@ -42,7 +48,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params_list):
                 rid = str(next(self._ids))
-                ids = self.engine.add_request(rid, prompt, p, cache_salt=cache_salt)
+                ids = self.engine.tokenize(prompt)
+                self.engine.generate(WorkerRequest(rid, tuple(ids), p, cache_salt))
                 outputs[rid] = RequestOutput(
                     rid, prompt if isinstance(prompt, str) else None, ids,
                     [CompletionOutput(i, "", [], None) for i in range(p.n)], finished=False)

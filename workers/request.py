@@ -14,6 +14,8 @@ from workers.protocol import FinishReason, SamplingParams, TokenLogprob
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # handed off from another worker: holds blocks for its prompt, unscheduled until they fill
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"  # blocks freed; recomputes its tokens when rescheduled
     FINISHED = "finished"

@@ -4,6 +4,9 @@ Each step: running requests first (oldest first), each gets the tokens it still 
 remaining budget; when blocks run out the newest running request is preempted (its blocks freed,
 its tokens recomputed later). Then waiting requests are admitted, reusing prefix-cache hits, as
 long as budget, sequence slots and blocks allow.
+
+The scheduler owns every unfinished request's place: waiting, running, or waiting for its KV to
+arrive from another worker (`add_waiting_for_kv` until `kv_landed`); the engine asks it.
 """
 
 from __future__ import annotations
@@ -59,22 +62,56 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.waiting_for_kv: dict[str, Request] = {}  # request id -> request whose KV is coming
+        self.requests: dict[str, Request] = {}  # every unfinished request, wherever it is
         self.num_preemptions = 0  # since start, for metrics and tests
+        # prompt tokens of waiting and running requests not computed yet; kept as
+        # `num_computed_tokens` moves (`_set_computed`), so reading it costs nothing
+        self.num_pending_prompt_tokens = 0
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def has_unfinished(self) -> bool:
+        """True while a step can make progress (requests waiting for their KV cannot)."""
+        return bool(self.waiting or self.running)
+
     def add(self, req: Request) -> None:
+        """Queue a request to be scheduled (its prompt, and any output tokens it already has,
+        computed from scratch)."""
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.num_pending_prompt_tokens += _prompt_left(req, req.num_computed_tokens)
 
-    def add_running(self, req: Request) -> None:
-        """Join a request whose KV is already in its blocks (arrived from another worker)."""
+    def add_waiting_for_kv(self, req: Request) -> bool:
+        """Allocate blocks for the prompt of a request whose KV another worker computed (the
+        caller fills them) and hold it, unscheduled, until `kv_landed`. False, and nothing
+        changes, when the blocks are not free."""
+        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
+            return False
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req
+        self.waiting_for_kv[req.request_id] = req
+        return True
+
+    def kv_landed(self, request_id: str) -> None:
+        """The prompt's KV is in the request's blocks: it runs from the next step, computing
+        only its output tokens. KeyError when it is not waiting for its KV."""
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+
+    def _set_computed(self, req: Request, num_computed: int) -> None:
+        """Move a waiting or running request's `num_computed_tokens`, keeping the count of
+        pending prompt tokens."""
+        self.num_pending_prompt_tokens += (_prompt_left(req, num_computed)
+                                           - _prompt_left(req, req.num_computed_tokens))
+        req.num_computed_tokens = num_computed
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -106,7 +143,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit_tokens
-            req.num_computed_tokens = num_hit_tokens
+            self._set_computed(req, num_hit_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(self._chunk(req, num_new))
@@ -122,7 +159,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        self._set_computed(req, 0)
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -137,7 +174,7 @@ class Scheduler:
             req = chunk.request
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += chunk.num_tokens
+            self._set_computed(req, req.num_computed_tokens + chunk.num_tokens)
             self.kv.cache_blocks(req)
             if not chunk.samples:
                 continue
@@ -168,10 +205,14 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[request_id]
+        else:
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self.num_pending_prompt_tokens -= _prompt_left(req, req.num_computed_tokens)
         if req.hold_kv and reason is not FinishReason.ABORT:
             self.kv.hold(req)
         else:
@@ -179,3 +220,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         return req
+
+
+def _prompt_left(req: Request, num_computed: int) -> int:
+    """Prompt tokens still to compute when `num_computed` tokens are."""
+    return max(0, req.num_prompt_tokens - num_computed)

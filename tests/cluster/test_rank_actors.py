@@ -57,10 +57,10 @@ def tp2_engine(model: str, pg: object, **options: object) -> tuple[object, objec
 
 
 def greedy(engine: object, prompt: list[int], max_tokens: int) -> list[int]:
-    from workers.protocol import SamplingParams
+    from workers.protocol import SamplingParams, WorkerRequest
 
-    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                   ignore_eos=True))
+    engine.generate(WorkerRequest("r", tuple(prompt), SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
     tokens: list[int] = []
     while engine.has_unfinished():
         for event in engine.step():
@@ -122,12 +122,12 @@ def test_a_killed_rank_actor_fails_the_next_step_by_name_and_stops_the_other(
     import ray
 
     from workers.parallel.group import RankGroupError
-    from workers.protocol import SamplingParams
+    from workers.protocol import SamplingParams, WorkerRequest
 
     engine, launcher = tp2_engine(tiny_model, two_bundles, rank_timeout_s=20)
     try:
-        engine.add_request("r", PROMPT, SamplingParams(temperature=0.0, max_tokens=900,
-                                                       ignore_eos=True))
+        engine.generate(WorkerRequest("r", tuple(PROMPT), SamplingParams(
+            temperature=0.0, max_tokens=900, ignore_eos=True)))
         for _ in range(3):
             engine.step()
         ray.kill(launcher.ranks[1].actor)  # returns at once; the actor dies while we step

@@ -6,6 +6,7 @@ import pytest
 
 from tests.workers.factories import replay_events
 from workers import LLM, FinishReason, InvalidRequestError, SamplingParams
+from workers.protocol import WorkerRequest
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -42,7 +43,7 @@ def test_n_samples_share_the_prompt_blocks(tiny_model):
     prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     engine = llm.engine
-    engine.add_request("r", prompt, params)
+    engine.generate(WorkerRequest("r", tuple(prompt), params))
     cached = {}
     while engine.has_unfinished():
         engine.step()
@@ -126,8 +127,9 @@ def test_prompt_longer_than_the_context_is_refused_and_nothing_is_held(tiny_mode
 def test_abort_at_any_moment_frees_the_blocks(tiny_model):
     llm = LLM(tiny_model, num_blocks=64, max_num_batched_tokens=16, enable_prefix_caching=False)
     engine = llm.engine
-    engine.add_request("a", list(range(1, 50)), SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.add_request("b", list(range(1, 20)), SamplingParams(max_tokens=50, ignore_eos=True))
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.generate(WorkerRequest("a", tuple(range(1, 50)), params))
+    engine.generate(WorkerRequest("b", tuple(range(1, 20)), params))
     engine.step()  # "a" is mid-prefill (49 tokens, budget 16)
     assert engine.abort("a")
     for _ in range(3):
@@ -155,17 +157,18 @@ def test_kv_handed_off_to_another_engine_continues_identically(tiny_model):
     want = source.generate([prompt], params)[0].outputs[0].token_ids
 
     prefill = source.engine
-    prefill.add_request("x", prompt, params)
+    req = WorkerRequest("x", tuple(prompt), params)
+    prefill.generate(req)
     first = prefill.step()[0].token_ids[0]  # the whole prompt fits one step
     src_blocks = prefill.block_ids("x")
 
     decode = LLM(tiny_model, num_blocks=64).engine
-    dst_blocks = decode.add_request_with_remote_kv("x", prompt, first, params)
+    dst_blocks = decode.decode_from_handoff(req, first)
     assert len(dst_blocks) == len(src_blocks[:len(dst_blocks)])
     for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
         dst_cache[:, dst_blocks] = src_cache[:, src_blocks[:len(dst_blocks)]]
     prefill.abort("x")
-    decode.commit_remote_kv("x")
+    decode.kv_landed("x")
     tokens = [first]
     while decode.has_unfinished():
         for event in decode.step():

@@ -15,6 +15,7 @@ import pytest
 from kvtransfer import LocalHub, TransferAgent, TransportConfig
 from tests.workers.hf_oracle import save_hf_model
 from workers import LLM, SamplingParams
+from workers.protocol import WorkerRequest
 
 PROMPT = list(range(5, 40))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -41,7 +42,8 @@ async def handoff(prefill, decode, request_id: str) -> list[int]:
     sources, sinks = agents(prefill, hub), agents(decode, hub)
     for agent in sources + sinks:
         await agent.start()
-    prefill.add_prefill(request_id, PROMPT, PARAMS)
+    req = WorkerRequest(request_id, tuple(PROMPT), PARAMS)
+    prefill.prefill(req)
     events = []
     while prefill.has_unfinished():
         events += prefill.step()
@@ -49,10 +51,10 @@ async def handoff(prefill, decode, request_id: str) -> list[int]:
     src_blocks = prefill.held_block_ids(request_id)
     readers = max(1, len(sinks) // len(sources))
     handoffs = [a.offer(request_id, src_blocks, readers=readers) for a in sources]
-    dst_blocks = decode.add_request_with_remote_kv(request_id, PROMPT, first, PARAMS)
+    dst_blocks = decode.decode_from_handoff(req, first)
     await asyncio.gather(*(a.pull(handoffs, dst_blocks) for a in sinks))
     prefill.free_held(request_id)
-    decode.commit_remote_kv(request_id)
+    decode.kv_landed(request_id)
     tokens = [first]
     while decode.has_unfinished():
         for event in decode.step():

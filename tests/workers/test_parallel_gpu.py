@@ -19,6 +19,7 @@ from workers import SamplingParams
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.protocol import WorkerRequest
 from workers.parallel.executor import (
     GPU_GROUP_KV_ERROR,
     GroupExecutor,
@@ -179,7 +180,7 @@ def test_a_gpu_engine_driven_from_a_process_without_gpus_serves_aggregated(tiny_
     try:
         assert [s.device for s in launcher.setups] == ["cuda", "cuda"]
         assert engine.runner.device.type == "cpu"
-        engine.add_request("r", [1, 2, 3], GREEDY)
+        engine.generate(WorkerRequest("r", (1, 2, 3), GREEDY))
         tokens = [t for _ in range(4) for e in engine.step() for t in e.token_ids]
         assert tokens == [FAVOURITE] * 4
     finally:
