@@ -24,6 +24,11 @@ def check_pool(scheduler) -> None:
     assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)
     for block_hash, block in pool._cached.items():
         assert block.block_hash == block_hash
+    # the counters `Engine.stats()` reads equal a scan of the queues
+    queued = [*scheduler.waiting, *scheduler.running]
+    assert scheduler.num_pending_prompt_tokens == sum(
+        max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued)
+    assert len(queued) + len(scheduler.waiting_for_kv) == len(scheduler.requests)
 
 
 PROMPTS = st.lists(st.integers(1, 3), min_size=1, max_size=30)  # few ids: prefixes repeat
@@ -31,6 +36,8 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("add"), PROMPTS, st.integers(1, 12)),
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 20)),
+    st.tuples(st.just("handoff"), PROMPTS, st.integers(2, 12)),  # KV arriving from elsewhere
+    st.tuples(st.just("land"), st.integers(0, 20)),
 ), max_size=60)
 
 
@@ -45,11 +52,23 @@ def test_any_sequence_of_add_step_abort_finish_returns_every_block(ops, caching)
             rid = f"r{len(added)}"
             scheduler.add(create_request(rid, op[1], max_tokens=op[2], ignore_eos=True))
             added.append(rid)
+        elif op[0] == "handoff":
+            rid = f"r{len(added)}"
+            req = create_request(rid, op[1], max_tokens=op[2], ignore_eos=True)
+            req.append_output(5)  # the first token, sampled by the prefill worker
+            if scheduler.add_waiting_for_kv(req):
+                added.append(rid)
+        elif op[0] == "land":
+            if scheduler.waiting_for_kv:
+                waiting = list(scheduler.waiting_for_kv)
+                scheduler.kv_landed(waiting[op[1] % len(waiting)])
         elif op[0] == "step":
             fake_step(scheduler, token=5)
         elif added:
             scheduler.finish(added[op[1] % len(added)], FinishReason.ABORT)
         check_pool(scheduler)
+    for rid in list(scheduler.waiting_for_kv):
+        scheduler.kv_landed(rid)
     for _ in range(500):  # everything left runs to completion (preempting as needed)
         if not scheduler.num_unfinished:
             break

@@ -199,3 +199,20 @@ def test_request_larger_than_the_whole_cache_is_refused(tiny_model):
     with pytest.raises(InvalidRequestError, match="need 5 KV blocks; the cache has only 4"):
         llm.generate([list(range(1, 40))], SamplingParams(max_tokens=30))
     assert_all_blocks_free(llm)
+
+
+def test_resumed_request_recomputes_the_sent_tokens_and_continues_identically(tiny_model):
+    prompt = list(range(5, 45))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny_model, num_blocks=64)
+    want = llm.generate([prompt], params)[0].outputs[0]
+    engine = llm.engine
+    engine.resume(WorkerRequest("y", tuple(prompt), params), want.token_ids[:3])
+    tokens, text = [], ""
+    while engine.has_unfinished():
+        for event in engine.step():
+            tokens += event.token_ids
+            text += event.text
+    assert tokens == want.token_ids[3:]
+    assert want.text.endswith(text) and text
+    assert_all_blocks_free(llm)
