@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvtransfer.descriptors import Handoff, KVLayout, check_transferable
+from kvtransfer.handoff import Handoff, KVLayout, check_transferable
 from kvtransfer.errors import InvalidDescriptor, LayoutMismatch, TransferError, TransferTimeout
 from kvtransfer.leases import LeaseTable, ReleaseCallback
 from kvtransfer.plan import ReadPlan, sources_for

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from kvtransfer.descriptors import Handoff, KVLayout, check_transferable
+from kvtransfer.handoff import Handoff, KVLayout, check_transferable
 from kvtransfer.errors import LayoutMismatch
 
 

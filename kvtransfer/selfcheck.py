@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvtransfer.agent import TransferAgent
-from kvtransfer.descriptors import KVLayout
+from kvtransfer.handoff import KVLayout
 from kvtransfer.errors import TransferError
 from kvtransfer.local import LocalHub
 from kvtransfer.transport import TransportConfig

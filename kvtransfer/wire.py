@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Union
 
-from kvtransfer.descriptors import KVLayout
+from kvtransfer.handoff import KVLayout
 from kvtransfer.errors import ErrorKind, InvalidDescriptor, PeerGone
 
 HEADER = struct.Struct("!BIQ")

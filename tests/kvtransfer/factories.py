@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from kvtransfer import KVLayout
+from kvtransfer.descriptors import torch_dtype
 
 
 def make_layout(**overrides) -> KVLayout:
@@ -19,18 +20,18 @@ def random_caches(layout: KVLayout, num_blocks: int, seed: int) -> list[torch.Te
     """Per-layer caches of random bit patterns (NaNs included: compare bytes, not values)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    itemsize = torch.empty((), dtype=layout.torch_dtype).element_size()
+    itemsize = torch.empty((), dtype=torch_dtype(layout)).element_size()
     caches = []
     for _ in range(layout.num_layers):
         raw = torch.randint(0, 256, (*shape[:-1], layout.head_dim * itemsize), generator=gen,
                             dtype=torch.uint8)
-        caches.append(raw.view(layout.torch_dtype).contiguous())
+        caches.append(raw.view(torch_dtype(layout)).contiguous())
     return caches
 
 
 def zero_caches(layout: KVLayout, num_blocks: int) -> list[torch.Tensor]:
     shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return [torch.zeros(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+    return [torch.zeros(shape, dtype=torch_dtype(layout)) for _ in range(layout.num_layers)]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
