@@ -5,29 +5,38 @@ lifetime; routers hold its handle (from the directory) and call it directly, so 
 router -> engine with no hop through Serve. Every method is async and runs on the actor's one
 event loop, where the engine's `AsyncEngine` also steps.
 
-KV events are kept in a bounded log read by every router replica with its own cursor
-(`kv_events(subscriber)`): each router sees every event once. A router that falls further
-behind than the log sees a sequence gap, and its prefix index resyncs from `kv_snapshot()`.
+Every router replica is a subscriber: it submits commands in batches (`submit`) and long-polls
+its output channel (`next_outputs`), one `WorkerOutputs` message per engine step with every new
+token of its requests, their failures, the KV events it has not seen and the engine's load
+(`workers.outputs`). No per-token Ray call, no stream per request. Only `prefill` is a call per
+request (it returns the first token and the KV handoff).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import os
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from workers.protocol import EngineStats, KVEvent, KVSnapshot, PrefillResult, SamplingParams, TokenEvent
+from workers.protocol import (
+    Command,
+    EngineStats,
+    KVSnapshot,
+    PrefillResult,
+    WorkerInfo,
+    WorkerOutputs,
+    WorkerRequest,
+)
+
+if TYPE_CHECKING:
+    from cluster.rank_actor import RankPlace
 
 logger = logging.getLogger(__name__)
-
-KV_EVENT_LOG_SIZE = 65536  # events kept for routers that have not read them yet
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
@@ -42,24 +51,14 @@ class EngineSpec:
     torch_threads: int | None = None  # None: torch's default
 
 
-class _EventLog:
-    """KV events with absolute positions; each subscriber reads from its own cursor."""
+@dataclasses.dataclass(frozen=True)
+class ActorInfo:
+    """What `ready()` returns: the worker's description and where it runs."""
 
-    def __init__(self, size: int = KV_EVENT_LOG_SIZE) -> None:
-        self._events: collections.deque[KVEvent] = collections.deque(maxlen=size)
-        self._end = 0  # absolute position after the newest event
-        self._cursors: dict[str, int] = {}
-
-    def extend(self, events: list[KVEvent]) -> None:
-        self._events.extend(events)
-        self._end += len(events)
-
-    def read(self, subscriber: str) -> list[KVEvent]:
-        """Events since this subscriber's last read (a new one starts at the oldest kept)."""
-        start = self._end - len(self._events)
-        cursor = max(self._cursors.get(subscriber, start), start)
-        self._cursors[subscriber] = self._end
-        return list(self._events)[cursor - start:]
+    worker: WorkerInfo
+    pid: int
+    node_id: str
+    ranks: tuple[RankPlace, ...]  # where each rank actor runs (empty: ranks in this process)
 
 
 class EngineActor:
@@ -90,64 +89,30 @@ class EngineActor:
                                          transport=spec.transport, host=host,
                                          lease_s=spec.lease_s,
                                          pull_timeout_s=spec.pull_timeout_s)
-        self.log = _EventLog()
-        self.in_flight: set[str] = set()
         self._broken: str | None = None
 
-    async def ready(self) -> dict[str, Any]:
-        """The worker's description (`router.worker_client.WorkerInfo` fields), once its
-        transfer agents passed the transport's self-check (workers that hand KV off), and
-        `ranks`: where each rank actor runs (`cluster.rank_actor.RankPlace` fields; empty when
-        the ranks are in this process or spawned)."""
+    async def ready(self) -> ActorInfo:
+        """Once the model is loaded and the transfer agents passed the transport's self-check
+        (workers that hand KV off)."""
         w = self.worker
         if w.role != "both":
             await w.agents()
         ranks = self.rank_launcher.ranks if self.rank_launcher is not None else []
-        places = [dataclasses.asdict(await r.actor.place.remote()) for r in ranks]
-        return {"worker_id": w.worker_id, "role": w.role, "block_size": w.block_size,
-                "max_model_len": w.max_model_len, "vocab_size": w.vocab_size,
-                "num_blocks": w.num_blocks, "tp_size": w.tp_size, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(), "ranks": places}
+        places = tuple([await r.actor.place.remote() for r in ranks])
+        return ActorInfo(w.info, os.getpid(), ray.get_runtime_context().get_node_id(), places)
 
     # ---- requests ------------------------------------------------------------------------
 
-    async def _tracked(self, request_id: str,
-                       stream: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
-        self.in_flight.add(request_id)
-        try:
-            async for event in stream:
-                yield event
-        finally:
-            self.in_flight.discard(request_id)
-            await stream.aclose()  # type: ignore[attr-defined]
+    async def submit(self, subscriber: str, commands: list[Command]) -> None:
+        """Start or abort requests for a router (`Worker.submit`)."""
+        self.worker.submit(subscriber, commands)
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       cache_salt: str | None) -> AsyncIterator[TokenEvent]:
-        async for event in self._tracked(request_id, self.worker.generate(
-                request_id, prompt, params, cache_salt)):
-            yield event
+    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+        """The router's next message (`Worker.next_outputs`)."""
+        return await self.worker.next_outputs(subscriber, timeout_s)
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      cache_salt: str | None, kv_readers: int = 1) -> PrefillResult:
-        self.in_flight.add(request_id)
-        try:
-            return await self.worker.prefill(request_id, prompt, params, cache_salt,
-                                             kv_readers)
-        finally:
-            self.in_flight.discard(request_id)
-
-    async def decode(self, request_id: str, prompt: list[int], first_token_id: int,
-                     params: SamplingParams,
-                     handoff_json: str | None) -> AsyncIterator[TokenEvent]:
-        async for event in self._tracked(request_id, self.worker.decode(
-                request_id, prompt, first_token_id, params, handoff_json)):
-            yield event
-
-    async def resume(self, request_id: str, prompt: list[int], sent_token_ids: list[int],
-                     params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        async for event in self._tracked(request_id, self.worker.resume(
-                request_id, prompt, sent_token_ids, params)):
-            yield event
+    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+        return await self.worker.prefill(req, kv_readers)
 
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -156,10 +121,6 @@ class EngineActor:
 
     async def stats(self) -> EngineStats:
         return self.worker.stats()
-
-    async def kv_events(self, subscriber: str) -> list[KVEvent]:
-        self.log.extend(await self.worker.drain_kv_events())
-        return self.log.read(subscriber)
 
     async def kv_snapshot(self) -> KVSnapshot:
         return await self.worker.kv_snapshot()
@@ -175,15 +136,17 @@ class EngineActor:
         self._broken = reason
 
     async def num_in_flight(self) -> int:
-        return len(self.in_flight)
+        """Requests still on the engine: queued, running, or waiting for their KV."""
+        st = self.worker.stats()
+        return st.num_waiting + st.num_running + st.num_waiting_for_kv
 
     async def wait_idle(self, timeout_s: float) -> int:
         """Wait until no request is in flight or `timeout_s` passes; returns those left."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.in_flight and loop.time() < deadline:
+        while await self.num_in_flight() and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        return len(self.in_flight)
+        return await self.num_in_flight()
 
     async def shutdown(self) -> None:
         await self.worker.shutdown()

@@ -4,7 +4,8 @@ side by side, over one `router.app.Router` per replica.
 Each replica keeps its worker set in step with the `Directory` (every `kv_poll_interval_s`):
 new workers are added (their prefix-cache snapshot seeds the index), draining ones get no new
 requests, gone ones are removed (their streams fail over). Requests go from here straight to the
-engine actors (`cluster.worker_client.RayWorkerClient`), with loads read live from them.
+engine actors over one output channel per worker (`cluster.worker_client.RayChannel`), which
+also pushes each worker's load and KV events.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from ray import serve
 
 from cluster.config import CleaveConfig
 from cluster.directory import WorkerEntry
-from cluster.worker_client import RayWorkerClient
+from cluster.worker_client import ray_worker_client
+from router.channel import ChannelClient
 from router.app import Router, RouterConfig
 from router.grpc_server import GenerationService
 from router.openai.api import create_app
@@ -31,18 +33,7 @@ WORKERS_TIMEOUT_S = 600.0  # a router replica waits this long for a first decode
 DECODE_CAPABLE = ("decode", "both")
 
 
-def router_config(config: CleaveConfig, model_path: str) -> RouterConfig:
-    r = config.router
-    keys = list(r.api_keys)
-    if r.api_keys_env:
-        keys += [k for k in os.environ.get(r.api_keys_env, "").split(",") if k]
-    return RouterConfig(model_path, served_model_name=config.model.served_model_name,
-                        api_keys=tuple(keys), policy=r.policy,
-                        policy_options=tuple(sorted(r.policy_weights.items())),
-                        max_in_flight=r.max_in_flight, max_n=r.max_n,
-                        kv_poll_interval_s=r.kv_poll_interval_s,
-                        migration_wait_s=r.migration_wait_s,
-                        disagg_threshold_tokens=r.disagg_threshold_tokens)
+from cluster.settings import router_config  # noqa: E402  (the one translation)
 
 
 class _ServeGrpcContext:
@@ -90,8 +81,8 @@ class RouterIngress:
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.router)
 
-    def _client(self, entry: WorkerEntry) -> RayWorkerClient:
-        return RayWorkerClient(entry.worker_id, entry.actor, self.subscriber)
+    def _client(self, entry: WorkerEntry) -> ChannelClient:
+        return ray_worker_client(entry.worker_id, entry.actor, self.subscriber)
 
     async def _wait_for_workers(self) -> list[WorkerEntry]:
         loop = asyncio.get_running_loop()
@@ -152,7 +143,7 @@ class RouterIngress:
     async def status(self) -> dict[str, Any]:
         """Pools, workers, loads and routing counters as this replica sees them."""
         r = self.router
-        loads = {load.worker_id: load for load in await r.loads()}
+        loads = {load.worker_id: load for load in r.loads()}
         c = r.counters
         workers = []
         for wid, info in sorted(r.worker_infos.items()):

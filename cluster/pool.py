@@ -22,7 +22,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import POOL_ROLES, CleaveConfig, PoolSettings
 from cluster.directory import HEARTBEAT_S, WorkerEntry
-from cluster.engine_actor import EngineActor, EngineSpec
+from cluster.engine_actor import ActorInfo, EngineActor, EngineSpec
+from cluster.settings import engine_config, model_path, torch_threads, worker_options
 from workers.model_config import ModelConfig
 from workers.protocol import EngineStats
 
@@ -33,25 +34,12 @@ DIRECTORY_TIMEOUT_S = 2.0
 
 
 def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
-    """What one replica of `pool` runs, from the deployment's config."""
-    settings = getattr(config.pools, pool)
-    m = config.model
-    model_path = m.path
-    if model_path is None:
-        from workers.make_model import default_model_path
-
-        model_path = str(default_model_path())
-    engine = {"model": model_path, "dtype": m.dtype, "load_format": m.load_format,
-              "max_model_len": m.max_model_len, "tensor_parallel_size": settings.tp,
-              "pipeline_parallel_size": settings.pp, "expert_parallel_size": settings.ep,
-              **settings.engine.engine_options()}
-    # said outright: an engine actor that only drives GPU ranks holds no GPU itself, so "auto"
-    # would resolve to the CPU there
-    engine["device"] = "cpu" if settings.gpus_per_rank == 0 else "cuda"
-    threads = max(1, int(settings.cpus_per_rank)) if settings.gpus_per_rank == 0 else None
-    kv = config.kv_transfer
-    return EngineSpec(worker_id, POOL_ROLES[pool], engine, kv.transport, kv.lease_s,
-                      kv.pull_timeout_s, torch_threads=threads)
+    """What one replica of `pool` runs, from the deployment's config (`cluster.settings`)."""
+    engine = engine_config(config, pool, model_path(config))
+    worker = worker_options(config)
+    return EngineSpec(worker_id, POOL_ROLES[pool], dataclasses.asdict(engine), worker.transport,
+                      worker.lease_s, worker.pull_timeout_s,
+                      torch_threads=torch_threads(getattr(config.pools, pool)))
 
 
 def engine_actor_options(settings: PoolSettings, pg: PlacementGroup | None) -> dict[str, Any]:
@@ -83,13 +71,13 @@ class WorkerReplica:
         pg = ray.util.get_current_placement_group()  # more than one rank: theirs too
         self.actor = ray.remote(EngineActor).options(
             **engine_actor_options(self.settings, pg)).remote(spec, pg)
-        info = await self.actor.ready.remote()  # the model is loaded
+        info: ActorInfo = await self.actor.ready.remote()  # the model is loaded
         self.entry = WorkerEntry(self.worker_id, pool, POOL_ROLES[pool], self.actor,
-                                 info["node_id"])
+                                 info.node_id)
         await self.directory.register.remote(self.entry)
         self._draining = False
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
-        logger.info("worker %s (%s) ready on node %s", self.worker_id, pool, info["node_id"])
+        logger.info("worker %s (%s) ready on node %s", self.worker_id, pool, info.node_id)
 
     async def _beat(self) -> None:
         while True:

@@ -12,7 +12,8 @@ from typing import AsyncIterator
 
 import grpc
 
-from router.app import Generation, Router
+from router.app import Router
+from router.streams import Generation
 from router.errors import APIError, BadRequestError
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
@@ -39,9 +40,9 @@ def sampling_params(msg: pb.SamplingParameters, max_tokens_default: int) -> Samp
         raise BadRequestError(exc.message, param=exc.param) from None
 
 
-def _response(event: TokenEvent, gen: Generation) -> pb.GenerateResponse:
+def _response(event: TokenEvent, gen: Generation, request_id: str) -> pb.GenerateResponse:
     return pb.GenerateResponse(
-        request_id=event.request_id, index=event.index, token_ids=event.token_ids,
+        request_id=request_id, index=event.index, token_ids=event.token_ids,
         text=event.text,
         logprobs=[pb.Logprob(token_id=lp.token_id, logprob=lp.logprob, top=lp.top)
                   for lp in event.logprobs or ()],
@@ -85,9 +86,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             router.check_n(params.n)
             slot = router.admit()
             gen = await router.generate(ids, params, request.cache_salt or None,
-                                        request.request_id or None, frontend="grpc")
+                                        frontend="grpc")
+            # the client's id labels its responses; the router's own keys its blocks and leases
+            label = request.request_id or gen.req.request_id
             async for event in gen.events():
-                yield _response(event, gen)
+                yield _response(event, gen, label)
         except APIError as exc:
             if gen is None:  # one that streamed was counted by its record
                 router.metrics.count_error("grpc", exc)

@@ -10,39 +10,37 @@ process). Labels: `pool` is the worker's role ("prefill", "decode", "both"), `wo
   Errors raised before a request reached a worker are counted by the front ends (`count_error`),
   with empty `pool` and `worker`.
 - KV handoffs (`kv_transferred`, `kv_transfer_failed`, from `router.orchestrator`): bytes (blocks x
-  layers x K and V x block_size x heads x head_dim x dtype size, read from the handoff JSON),
+  layers x K and V x block_size x heads x head_dim x dtype size: `KVHandoff.num_bytes`),
   and the handoff latency as the router sees it: from giving the decode worker the handoff to its
   first event (pull, any queueing, one decode step; the worker's own pull time does not cross
   `WorkerClient`).
-- On each scrape (`refresh`, then `exposition`): every worker's queue depth, running sequences,
-  KV occupancy and health, workers per pool, requests in flight, and `Router.counters`
-  (fallbacks and aggregated requests by reason, disaggregated requests).
+- On each scrape (`exposition`): every worker's queue depth, running sequences, KV occupancy
+  and health as the worker set last heard them (`router.workers.WorkerSet`, pushed by the
+  workers), workers per pool, requests in flight, and the `RouterCounters` (fallbacks and
+  aggregated requests by reason, disaggregated requests).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.counters import RouterCounters
 from router.errors import APIError
-from router.worker_client import WorkerClient, WorkerRole, EngineStats
+from router.workers import WorkerSet
 from workers.protocol import TokenEvent
 
 if TYPE_CHECKING:
-    from router.app import Router
-    from router.orchestrator import Generation
+    from kvtransfer.handoff import KVHandoff
 
 logger = logging.getLogger(__name__)
 
-SCRAPE_TIMEOUT_S = 2.0  # a worker slower than this to give its stats shows as down
 NO_WORKER = ""  # the pool and worker labels of a request refused before routing
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -53,9 +51,6 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.
                120.0, 240.0, 480.0)
 HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0)
-# bytes per element of the KV dtypes a handoff may name (kvtransfer.DTYPES, without torch)
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-               "int8": 1, "uint8": 1}
 _ERROR_REASONS = {400: "bad_request", 401: "unauthorized", 404: "not_found",
                   413: "request_too_large", 429: "overloaded", 503: "no_healthy_worker"}
 
@@ -67,40 +62,24 @@ def error_reason(exc: BaseException) -> str:
     return "worker_error"
 
 
-def handoff_bytes(handoff_json: str) -> int:
-    """The KV bytes a handoff moves (every layer, keys and values, every source rank's heads);
-    0 when the JSON does not describe layouts this module knows (a list of
-    `kvtransfer.Handoff.to_dict()`, one per prefill TP rank, as `workers.worker` sends)."""
-    try:
-        records = json.loads(handoff_json)
-        if isinstance(records, dict):
-            records = [records]
-        total = 0
-        for d in records:
-            lay = d["layout"]
-            per_block = (2 * int(lay["num_layers"]) * int(lay["block_size"])
-                         * int(lay["num_kv_heads"]) * int(lay["head_dim"])
-                         * DTYPE_BYTES[lay["dtype"]])
-            total += per_block * len(d["block_ids"])
-        return total
-    except (ValueError, KeyError, TypeError):
-        logger.warning("cannot size a KV handoff: %.200s", handoff_json)
-        return 0
+class Timed(Protocol):
+    """What a request record reads of a generation (`router.streams.Generation`)."""
 
-
-def _failure_kind(reason: str) -> str:
-    """A bounded label for `KVPullFailed.reason` ("LeaseExpired: ...", "no KV blocks free ...")."""
-    head = reason.split(":", 1)[0].strip()
-    if head.isidentifier():
-        return head
-    return "KVCacheFull" if reason.startswith("no KV blocks free") else "other"
+    worker_id: str  # sampled the first token
+    decode_worker_id: str | None  # streams the rest, when set
+    prompt_token_ids: tuple[int, ...]
+    predicted_cached_tokens: int
+    num_cached_tokens: int
+    first: TokenEvent
 
 
 class RouterMetrics:
     """The metrics of one `Router`; `exposition()` is the `/metrics` body."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, workers: WorkerSet, counters: RouterCounters,
+                 in_flight: Callable[[], int]) -> None:
+        """`in_flight`: the requests admitted and not yet finished, read at each scrape."""
+        self.workers = workers
         self.registry = CollectorRegistry()
         worker = ("pool", "worker")
         reg = self.registry
@@ -135,21 +114,17 @@ class RouterMetrics:
         self.kv_failures = Counter("cleave_kv_transfer_failures", "KV pulls that failed (the "
                                    "decode worker prefilled instead), by reason",
                                    (*worker, "reason"), registry=reg)
-        self._load = _LoadCollector(router)
-        reg.register(self._load)
-        self._roles: dict[str, str] = {}
+        reg.register(_LoadCollector(workers, counters, in_flight))
 
     def pool_of(self, worker_id: str) -> str:
         """The worker's role, as the `pool` label."""
-        if worker_id not in self._roles:
-            self._roles = {wid: role.value for role in WorkerRole
-                           for wid in self.router.pool(role)}
-        return self._roles.get(worker_id, "unknown")
+        info = self.workers.infos.get(worker_id)
+        return "unknown" if info is None else info.role.value
 
     def labels(self, worker_id: str) -> tuple[str, str]:
         return self.pool_of(worker_id), worker_id
 
-    def record(self, gen: Generation, started: float, frontend: str) -> RequestRecord:
+    def record(self, gen: Timed, started: float, frontend: str) -> RequestRecord:
         """Start timing `gen`, whose first token arrived just now; `started` is when the
         request reached the router (`time.monotonic()`)."""
         return RequestRecord(self, gen, started, frontend)
@@ -158,17 +133,14 @@ class RouterMetrics:
         """A request that failed before any worker streamed it (refused, rejected, no worker)."""
         self.requests.labels(frontend, NO_WORKER, NO_WORKER, "error", error_reason(exc)).inc()
 
-    def kv_transferred(self, decode_id: str, handoff_json: str, seconds: float) -> None:
+    def kv_transferred(self, decode_id: str, handoff: KVHandoff, seconds: float) -> None:
         labels = self.labels(decode_id)
-        self.kv_bytes.labels(*labels).inc(handoff_bytes(handoff_json))
+        self.kv_bytes.labels(*labels).inc(handoff.num_bytes)
         self.kv_handoff.labels(*labels).observe(seconds)
 
-    def kv_transfer_failed(self, decode_id: str, reason: str) -> None:
-        self.kv_failures.labels(*self.labels(decode_id), _failure_kind(reason)).inc()
-
-    async def refresh(self) -> None:
-        """Read every worker's load for the next `exposition()` (a scrape)."""
-        await self._load.refresh()
+    def kv_transfer_failed(self, decode_id: str, kind: str) -> None:
+        """`kind`: `KVPullFailed.kind` (a transfer error's class name, KVCacheFull, ...)."""
+        self.kv_failures.labels(*self.labels(decode_id), kind).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -188,7 +160,7 @@ class RequestRecord(NullRecord):
     """One generation's timings and outcome. `on_event` for each event after the first,
     `finish` once (later calls are ignored)."""
 
-    def __init__(self, metrics: RouterMetrics, gen: Generation, started: float,
+    def __init__(self, metrics: RouterMetrics, gen: Timed, started: float,
                  frontend: str) -> None:
         now = time.monotonic()
         self._metrics = metrics
@@ -241,26 +213,13 @@ NULL_RECORD = NullRecord()
 
 
 class _LoadCollector(Collector):
-    """Worker load and router counters, as read by the last `refresh()`."""
+    """Worker load (as the worker set last heard it) and the router's counters."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self._stats: dict[str, tuple[str, EngineStats | None]] = {}
-
-    async def refresh(self) -> None:
-        r = self.router
-        roles = {wid: role.value for role in WorkerRole for wid in r.pool(role)}
-
-        async def read(client: WorkerClient) -> EngineStats | None:
-            try:
-                return await asyncio.wait_for(client.stats(), SCRAPE_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 -- shown as down
-                logger.debug("worker %s gave no stats: %r", client.worker_id, exc)
-                return None
-
-        clients = dict(r.clients)
-        stats = await asyncio.gather(*(read(c) for c in clients.values()))
-        self._stats = {wid: (roles.get(wid, "unknown"), s) for wid, s in zip(clients, stats)}
+    def __init__(self, workers: WorkerSet, counters: RouterCounters,
+                 in_flight: Callable[[], int]) -> None:
+        self.workers = workers
+        self.counters = counters
+        self.in_flight = in_flight
 
     def collect(self) -> Iterator[Metric]:
         labels = ["pool", "worker"]
@@ -273,9 +232,11 @@ class _LoadCollector(Collector):
         kv = GaugeMetricFamily("cleave_worker_kv_usage", "Fraction of the worker's KV blocks "
                                "held by requests, 0 to 1", labels=labels)
         pools: dict[str, int] = {}
-        for wid, (pool, s) in self._stats.items():
+        w = self.workers
+        for wid, info in w.infos.items():
+            pool, s = info.role.value, w.stats(wid)
             pools[pool] = pools.get(pool, 0) + 1
-            up.add_metric([pool, wid], 0.0 if s is None else 1.0)
+            up.add_metric([pool, wid], 1.0 if w.is_healthy(wid) else 0.0)
             if s is not None:
                 waiting.add_metric([pool, wid], s.num_waiting)
                 running.add_metric([pool, wid], s.num_running)
@@ -286,8 +247,8 @@ class _LoadCollector(Collector):
             workers.add_metric([pool], n)
         yield from (up, waiting, running, kv, workers)
         yield GaugeMetricFamily("cleave_router_in_flight", "Requests admitted and not yet "
-                                "finished", value=self.router.in_flight)
-        c = self.router.counters
+                                "finished", value=self.in_flight())
+        c = self.counters
         yield _by_reason("cleave_fallbacks", "Failures worked around, by reason", c.fallbacks)
         yield _by_reason("cleave_aggregated_requests", "Requests of a deployment with prefill "
                          "workers that ran on one worker, by reason", c.aggregated)
@@ -302,5 +263,4 @@ def _by_reason(name: str, documentation: str, counts: dict[str, int]) -> Counter
     return family
 
 
-__all__ = ["NULL_RECORD", "NullRecord", "RequestRecord", "RouterMetrics", "error_reason",
-           "handoff_bytes"]
+__all__ = ["NULL_RECORD", "NullRecord", "RequestRecord", "RouterMetrics", "error_reason"]

@@ -1,17 +1,17 @@
 """The boundary between the router and a worker: one request record in, token events out.
 
-Torch-free. The router holds one `WorkerClient` per worker and never touches an engine directly;
-an in-process client (`cluster.inprocess_client.InProcessWorkerClient`) and a remote one (gRPC, Ray) are
-interchangeable behind it. Prompts cross this boundary as token ids: the router tokenizes, so it
-can hash the prompt's blocks for routing.
+Torch-free. The router holds one `WorkerClient` per worker and never touches an engine directly.
+The one implementation is `router.channel.ChannelClient`, over a `WorkerChannel` in process
+(`cluster.inprocess_client`) or over Ray (`cluster.worker_client`); tests script fakes of this
+contract (`tests/router/fakes.py`). Prompts cross as token ids: the router tokenizes, so it can
+hash the prompt's blocks for routing. Every operation has one name at every layer: `generate`,
+`prefill`, `decode_from_handoff`, `resume`, `abort`.
 """
 
 from __future__ import annotations
 
 import abc
-import enum
-from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
 from workers.protocol import (
     EngineStats,
@@ -19,21 +19,47 @@ from workers.protocol import (
     KVPullFailed,
     KVSnapshot,
     PrefillResult,
-    SamplingParams,
     TokenEvent,
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
 )
 
-__all__ = ["HandoffWorkerClient", "KVPullFailed", "PrefillResult", "WorkerClient", "WorkerInfo",
-           "WorkerRequest", "WorkerRole", "EngineStats"]
+if TYPE_CHECKING:
+    from kvtransfer.handoff import KVHandoff
+    from router.errors import WorkerUnavailableError
+
+__all__ = ["EngineStats", "KVPullFailed", "PrefillResult", "TokenStream", "WorkerClient",
+           "WorkerInfo", "WorkerListener", "WorkerRequest", "WorkerRole"]
+
+
+class TokenStream(Protocol):
+    """One request's events until all its samples finish. `aclose()` before the end aborts
+    the request on the worker (its blocks and leases are freed)."""
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+
+    async def __anext__(self) -> TokenEvent: ...
+
+    async def aclose(self) -> None: ...
+
+
+class WorkerListener(Protocol):
+    """What a client tells the router's worker set as outputs arrive (`router.workers`)."""
+
+    def on_outputs(self, worker_id: str, kv_events: Sequence[KVEvent],
+                   stats: EngineStats) -> None:
+        """The worker's prefix-cache changes and its load after its latest step."""
+
+    def on_unreachable(self, worker_id: str, exc: WorkerUnavailableError) -> None:
+        """The worker could not be reached (its requests' streams fail with `exc`)."""
 
 
 class WorkerClient(abc.ABC):
-    """How the router talks to one worker. Methods may raise `router.errors.WorkerUnavailableError`
-    when the worker cannot be reached; `generate` raises `workers.protocol.InvalidRequestError`
-    for a request the worker refuses, before the first event."""
+    """How the router talks to one worker. Methods may raise `router.errors.
+    WorkerUnavailableError` when the worker cannot be reached. A stream raises
+    `workers.protocol.InvalidRequestError` for a request the worker refuses, before the first
+    event; a worker refuses an operation its role does not do with `ValueError`."""
 
     @property
     @abc.abstractmethod
@@ -43,20 +69,40 @@ class WorkerClient(abc.ABC):
     async def info(self) -> WorkerInfo: ...
 
     @abc.abstractmethod
-    def generate(self, req: WorkerRequest) -> AsyncIterator[TokenEvent]:
-        """The request's token events until all its samples finish. Closing or cancelling the
-        iterator before the end aborts the request on the worker and frees its blocks."""
+    def attach(self, listener: WorkerListener) -> None:
+        """Start telling `listener` the worker's KV events and load as they arrive."""
+
+    @abc.abstractmethod
+    def generate(self, req: WorkerRequest) -> TokenStream:
+        """The whole request on this worker (aggregated), all n samples."""
+
+    @abc.abstractmethod
+    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+        """Run the prompt to its first token and offer its KV under a lease per TP rank, each
+        waiting for `kv_readers` pulls (decode TP size / prefill TP size when larger). Raises
+        `InvalidRequestError` for a bad request; cancelling leaves nothing held."""
+
+    @abc.abstractmethod
+    def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
+                            handoff: KVHandoff | None) -> TokenStream:
+        """The events after `first_token_id`. With `handoff` (from `prefill`) the prompt's KV
+        is pulled, and `KVPullFailed` is raised before any event when that fails; with None
+        the worker computes the prompt's KV itself."""
+
+    @abc.abstractmethod
+    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> TokenStream:
+        """The events after `sent_token_ids`, the request's first output tokens, which other
+        workers sampled and sent (one failed mid-stream); the worker computes the KV of the
+        prompt and those tokens itself. n = 1. Greedy output equals an uninterrupted run;
+        seeded sampling may differ."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
-        """Cancel a request; unknown ids are ignored."""
+        """Cancel a request wherever it is on the worker; unknown ids are ignored."""
 
     @abc.abstractmethod
-    async def stats(self) -> EngineStats: ...
-
-    @abc.abstractmethod
-    async def kv_events(self) -> list[KVEvent]:
-        """Drain the KV events emitted since the last call (each event is returned once)."""
+    async def stats(self) -> EngineStats:
+        """The worker's load, asked now (the router routes on the pushed copy instead)."""
 
     @abc.abstractmethod
     async def kv_snapshot(self) -> KVSnapshot: ...
@@ -66,31 +112,4 @@ class WorkerClient(abc.ABC):
         """True when the worker can take requests."""
 
     async def close(self) -> None:
-        """Release what the client holds (connections, an in-process engine)."""
-
-
-class HandoffWorkerClient(WorkerClient):
-    """A worker that can take either half of a disaggregated request (the KV handoff). Which
-    half it is asked for follows its `WorkerInfo.role`: prefill for PREFILL (or BOTH), decode
-    for DECODE (or BOTH); the worker refuses the other with `ValueError`."""
-
-    @abc.abstractmethod
-    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
-        """Run the prompt to its first token and offer its KV under a lease per TP rank, each
-        waiting for `kv_readers` pulls (decode TP size / prefill TP size when larger). Raises
-        `InvalidRequestError` for a bad request; cancelling leaves nothing held."""
-
-    @abc.abstractmethod
-    def decode(self, req: WorkerRequest, first_token_id: int,
-               handoff_json: str | None) -> AsyncIterator[TokenEvent]:
-        """The events after `first_token_id`. With `handoff_json` (from `prefill`) the prompt's
-        KV is pulled, and `KVPullFailed` is raised before any event when that fails; with None
-        the worker computes the prompt's KV itself. Closing early aborts, as `generate`."""
-
-    @abc.abstractmethod
-    def resume(self, req: WorkerRequest,
-               sent_token_ids: Sequence[int]) -> AsyncIterator[TokenEvent]:
-        """The events after `sent_token_ids`, the request's first output tokens, which other
-        workers sampled and sent (one failed mid-stream); the worker computes the KV of the
-        prompt and those tokens itself. For DECODE (or BOTH) workers, n = 1. Greedy output
-        equals an uninterrupted run; seeded sampling may differ. Closing early aborts."""
+        """Release what the client holds (its channel, an in-process engine)."""

@@ -1,32 +1,115 @@
-"""The asyncio face of the engine: `generate()` yields token events, `abort()` cancels.
+"""The asyncio face of the engine: commands in, each step's outputs out to their sinks.
 
-The step loop runs on one worker thread, off the event loop. Adds and aborts are queued and
-applied between steps, so the engine is only ever touched by one thread at a time.
+The step loop runs on one worker thread, off the event loop. Commands (`generate`, `prefill`,
+`decode_from_handoff`, `resume`, `abort`) are queued and applied between steps, so the engine
+is only ever touched by one thread at a time. Each request is routed to a `Sink` chosen by the
+caller: a router's output channel (`workers.outputs.Outbox`, one message per step for all of
+that router's requests) or one request's own stream (`RequestStream`, for in-process callers).
+After every step the sinks that received something are flushed once, the engine's stats are
+published (`stats`, computed on the step thread, or between steps when the engine is at rest)
+and `on_publish` is told, with the step's KV events.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 from workers.config import EngineConfig
-from workers.engine import Engine, EngineStats
-from workers.protocol import EngineShutDown, SamplingParams, TokenEvent
+from workers.engine import Engine
+from workers.protocol import (
+    EngineShutDown,
+    EngineStats,
+    KVEvent,
+    SamplingParams,
+    TokenEvent,
+    WorkerRequest,
+)
 
 if TYPE_CHECKING:
     from workers.parallel.group import RankLauncher
 
-__all__ = ["AsyncEngine", "EngineShutDown"]
+__all__ = ["AsyncEngine", "EngineShutDown", "RequestStream", "Sink"]
 
 T = TypeVar("T")
 
 
+class Sink(Protocol):
+    """Where one or more requests' events go. Called on the event loop's thread."""
+
+    def put(self, event: TokenEvent) -> None:
+        """One new event of a request routed here."""
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """The request ended with `exc`; nothing of it is held by the engine any more."""
+
+    def flush(self) -> None:
+        """The step is over: deliver what `put` and `fail` gathered."""
+
+
+class RequestStream:
+    """One request's events as an async iterator, for in-process callers. Ends after the last
+    sample finished; raises what `fail` was given; `aclose()` before the end aborts."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self._left = num_samples
+        self._done = False
+
+    def put(self, event: TokenEvent) -> None:
+        self._queue.put_nowait(event)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        self._queue.put_nowait(exc)
+
+    def flush(self) -> None:
+        pass  # the queue wakes the reader already
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the caller is gone
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._left -= 1
+            self._done = self._left == 0
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+
+@dataclasses.dataclass
+class _Route:
+    sink: Sink
+    samples_left: int
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine,
+                 on_publish: Callable[[list[KVEvent]], None] | None = None) -> None:
+        """`on_publish`: called on the event loop whenever `stats` is published (after each
+        step, and after commands applied while idle), with the KV events since the last."""
         self.engine = engine
-        self._streams: dict[str, asyncio.Queue[TokenEvent | BaseException]] = {}
+        self.on_publish = on_publish
+        self.stats: EngineStats = engine.stats()  # published after each step
+        self._routes: dict[str, _Route] = {}
         self._ops: list[Callable[[], None]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -34,36 +117,33 @@ class AsyncEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig,
-                    rank_launcher: RankLauncher | None = None) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig, rank_launcher: RankLauncher | None = None,
+                    **options: object) -> AsyncEngine:
         """`rank_launcher`: how a parallel engine starts its ranks (None: spawned processes)."""
-        return cls(Engine(config, rank_launcher))
+        return cls(Engine(config, rank_launcher), **options)  # type: ignore[arg-type]
 
     @property
     def is_healthy(self) -> bool:
         """False once the step loop has stopped: shut down, or crashed."""
         return self._task is None or not self._task.done()
 
+    # ---- commands (applied between steps; call from the event loop's thread) ----------------
+
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def _submit(self, op: Callable[[], None]) -> None:
-        self._ops.append(op)
-        if self._wakeup is not None:
-            self._wakeup.set()
-
     def apply_soon(self, op: Callable[[], None]) -> None:
-        """Queue `op` to run on the event loop between two steps (with the adds and aborts);
-        fire and forget. Call from the event loop's thread."""
+        """Queue `op` to run on the event loop between two steps; fire and forget."""
         self._ensure_running()
-        self._submit(op)
+        self._ops.append(op)
+        assert self._wakeup is not None
+        self._wakeup.set()
 
     async def apply(self, fn: Callable[[], T]) -> T:
-        """Run `fn` between two steps (queued like `apply_soon`) and return its result or raise
-        its error. If the caller is cancelled, `fn` still runs."""
-        self._ensure_running()
+        """Run `fn` between two steps and return its result or raise its error. If the caller
+        is cancelled, `fn` still runs."""
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def op() -> None:
@@ -76,117 +156,116 @@ class AsyncEngine:
                 if not done.done():
                     done.set_result(result)
 
-        self._submit(op)
+        self.apply_soon(op)
         return await done
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, *, cache_salt: str | None = None,
-                       prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
-        """Yield the request's token events until all its samples finish. Bad input raises
-        `InvalidRequestError` before the first event. Leaving the loop early (break, cancel,
-        client gone) aborts the request and frees its blocks. `prefill_only`: sample the first
-        token and hold the blocks for a KV handoff (`Engine.add_prefill`)."""
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        stream: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        add = self.engine.add_prefill if prefill_only else self.engine.add_request
+    def _start(self, request_id: str, num_samples: int, add: Callable[[], object],
+               sink: Sink) -> None:
+        """Between steps: `add` the request to the engine and route its events to `sink`; an
+        error of `add` (a bad request) fails it there, leaving nothing behind."""
+        def op() -> None:
+            try:
+                add()
+            except Exception as exc:
+                sink.fail(request_id, exc)
+                sink.flush()
+                return
+            self._routes[request_id] = _Route(sink, num_samples)
 
-        def add_and_listen() -> None:
-            add(rid, prompt, params, cache_salt=cache_salt)
-            self._streams[rid] = stream
+        self.apply_soon(op)
 
-        async for event in self._listen(rid, stream, params.n, add_and_listen):
-            yield event
+    def generate(self, req: WorkerRequest, sink: Sink) -> None:
+        """Run the whole request here; its events go to `sink`."""
+        self._start(req.request_id, req.params.n, lambda: self.engine.generate(req), sink)
 
-    async def generate_after_handoff(
-            self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-            params: SamplingParams,
-            pull: Callable[[list[int]], Awaitable[None]] | None) -> AsyncIterator[TokenEvent]:
-        """Continue a request whose first token another worker sampled: the events after it.
-        With `pull`, allocate blocks, await `pull(block_ids)` to land the prompt's KV in them,
-        then decode; what `pull` raises is raised here (the blocks are freed). Without, compute
-        the prompt's KV here first. Leaving early aborts, as in `generate`."""
-        stream: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        e = self.engine
+    def prefill(self, req: WorkerRequest, sink: Sink) -> None:
+        """Run the prompt to its first token and hold its blocks (`Engine.prefill`)."""
+        self._start(req.request_id, 1, lambda: self.engine.prefill(req), sink)
 
-        def listen() -> None:
-            self._streams[request_id] = stream
+    def resume(self, req: WorkerRequest, sent_token_ids: tuple[int, ...], sink: Sink) -> None:
+        """Continue after tokens other workers sent (`Engine.resume`)."""
+        self._start(req.request_id, 1, lambda: self.engine.resume(req, sent_token_ids), sink)
 
-        if pull is None:
-            async for event in self.generate_continuation(request_id, prompt_token_ids,
-                                                          [first_token_id], params):
-                yield event
-            return
+    async def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
+                                  pull: Callable[[list[int]], Awaitable[None]],
+                                  sink: Sink) -> None:
+        """Allocate blocks, await `pull(block_ids)` to land the prompt's KV in them, then decode
+        after `first_token_id` with events to `sink`. Raises what the allocation
+        (`KVCacheFull`) or `pull` raises, with nothing left behind; cancelled, it aborts."""
+        rid = req.request_id
         try:
-            block_ids = await self.apply(lambda: e.add_request_with_remote_kv(
-                request_id, prompt_token_ids, first_token_id, params))
+            block_ids = await self.apply(
+                lambda: self.engine.decode_from_handoff(req, first_token_id))
         except asyncio.CancelledError:
-            self.abort(request_id)
+            self.abort(rid)
             raise
         try:
             await pull(block_ids)
         except BaseException:
-            self.abort(request_id)
+            self.abort(rid)
             raise
-
-        def commit_and_listen() -> None:
-            e.commit_remote_kv(request_id)
-            listen()
-
-        async for event in self._listen(request_id, stream, 1, commit_and_listen):
-            yield event
-
-    async def generate_continuation(self, request_id: str, prompt_token_ids: list[int],
-                                    sent_token_ids: list[int],
-                                    params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        """Continue a request whose first output tokens, `sent_token_ids`, were sampled (and
-        sent) elsewhere: compute the prompt's and their KV here, then yield the events after
-        them (`Engine.add_continuation`; greedy output equals an uninterrupted run, seeded
-        sampling may not). Bad input raises `InvalidRequestError` before the first event;
-        leaving early aborts, as in `generate`."""
-        stream: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-
-        def add_and_listen() -> None:
-            self.engine.add_continuation(request_id, prompt_token_ids, sent_token_ids, params)
-            self._streams[request_id] = stream
-
-        async for event in self._listen(request_id, stream, 1, add_and_listen):
-            yield event
-
-    async def _listen(self, rid: str, stream: asyncio.Queue[TokenEvent | BaseException],
-                      num_samples: int, start: Callable[[], None]) -> AsyncIterator[TokenEvent]:
-        """Run `start` between steps (it registers `stream`), then yield the stream's events
-        until `num_samples` finish; abort the request if the caller leaves before."""
-        try:
-            await self.apply(start)  # an error here queued nothing
-        except asyncio.CancelledError:
-            self.abort(rid)  # `start` runs anyway: undo it
-            raise
-        num_finished = 0
-        try:
-            while num_finished < num_samples:
-                event = await stream.get()
-                if isinstance(event, BaseException):
-                    raise event
-                if event.finish_reason is not None:
-                    num_finished += 1
-                yield event
-        finally:
-            self._streams.pop(rid, None)
-            if num_finished < num_samples:
-                self.abort(rid)
+        self._start(rid, 1, lambda: self.engine.kv_landed(rid), sink)
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (applied before the next step); unknown ids are ignored."""
-        self._streams.pop(request_id, None)
-        self._submit(lambda: self.engine.abort(request_id))
+        """Cancel a request (applied before the next step); its sink hears nothing more.
+        Unknown ids are ignored."""
+        self._routes.pop(request_id, None)
 
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
+        def op() -> None:  # after any queued start of the same request
+            self._routes.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self.apply_soon(op)
+
+    def stream(self, start: Callable[[Sink], None], request_id: str,
+               num_samples: int = 1) -> RequestStream:
+        """`start(sink)` with a new `RequestStream` as the sink, returned to iterate."""
+        stream = RequestStream(self, request_id, num_samples)
+        start(stream)
+        return stream
+
+    async def generate_stream(self, prompt: str | list[int], params: SamplingParams,
+                              request_id: str | None = None, *,
+                              cache_salt: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Offline convenience: a request's events (a str prompt is tokenized here). Leaving
+        the loop early aborts the request."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = WorkerRequest(rid, tuple(self.engine.tokenize(prompt)), params, cache_salt)
+        stream = self.stream(lambda sink: self.generate(req, sink), rid, params.n)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
 
     async def run_between_steps(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the step thread, between two steps: it sees the engine at rest (the KV
-        event log, the prefix cache) and no step runs until it returns."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        """Run `fn` between two steps, serialised with the steps and the commands: it sees the
+        engine at rest (the KV event log, the prefix cache)."""
+        return await self.apply(fn)
+
+    # ---- the step loop -----------------------------------------------------------------------
+
+    def _step(self) -> tuple[list[TokenEvent], EngineStats, list[KVEvent]]:
+        """On the step thread: one step, then the stats and KV events it left."""
+        events = self.engine.step()
+        kv_events = self.engine.drain_kv_events() if self.on_publish is not None else []
+        return events, self.engine.stats(), kv_events
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        touched: dict[int, Sink] = {}
+        routes = self._routes
+        for event in events:
+            route = routes.get(event.request_id)
+            if route is None:  # aborted meanwhile
+                continue
+            route.sink.put(event)
+            touched[id(route.sink)] = route.sink
+            if event.finish_reason is not None:
+                route.samples_left -= 1
+                if route.samples_left == 0:
+                    del routes[event.request_id]
+        for sink in touched.values():
+            sink.flush()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -200,21 +279,34 @@ class AsyncEngine:
             for op in ops:
                 op()
             if not self.engine.has_unfinished():
+                # no step follows to publish what the ops changed (an abort freed blocks);
+                # the engine is at rest, so reading it here races with nothing
+                self.stats = self.engine.stats()
+                if self.on_publish is not None:
+                    self.on_publish(self.engine.drain_kv_events())
                 continue
             try:
-                events = await loop.run_in_executor(self._executor, self.engine.step)
+                events, self.stats, kv_events = await loop.run_in_executor(
+                    self._executor, self._step)
             except Exception as exc:  # a broken step fails every request in flight
-                for rid, stream in list(self._streams.items()):
-                    stream.put_nowait(exc)
-                    self.engine.abort(rid)
+                self._fail_all(exc)
                 continue
-            for event in events:
-                stream = self._streams.get(event.request_id)
-                if stream is not None:
-                    stream.put_nowait(event)
+            self._dispatch(events)
+            if self.on_publish is not None:
+                self.on_publish(kv_events)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        routes, self._routes = self._routes, {}
+        sinks: dict[int, Sink] = {}
+        for rid, route in routes.items():
+            route.sink.fail(rid, exc)
+            sinks[id(route.sink)] = route.sink
+            self.engine.abort(rid)
+        for sink in sinks.values():
+            sink.flush()
 
     async def shutdown(self) -> None:
-        """Stop the step loop; every request still streaming gets `EngineShutDown`."""
+        """Stop the step loop; every request still routed fails with `EngineShutDown`."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -223,6 +315,10 @@ class AsyncEngine:
                 pass
         self._executor.shutdown(wait=True)
         self.engine.close()  # a parallel engine's rank processes
-        streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
-            stream.put_nowait(EngineShutDown(f"the engine was shut down while {rid!r} ran"))
+        routes, self._routes = self._routes, {}
+        sinks: dict[int, Sink] = {}
+        for rid, route in routes.items():
+            route.sink.fail(rid, EngineShutDown(f"the engine was shut down while {rid!r} ran"))
+            sinks[id(route.sink)] = route.sink
+        for sink in sinks.values():
+            sink.flush()

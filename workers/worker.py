@@ -1,8 +1,11 @@
 """A worker: one engine behind an asyncio face, serving one role in the cluster.
 
 Importing this module does not import torch; building a `Worker` does (it builds an engine). The
-router reaches a worker through `router.worker_client.WorkerClient` (in process:
-`cluster.inprocess_client.InProcessWorkerClient`), never by calling the engine.
+router reaches a worker through `router.worker_client.WorkerClient` over a channel (in process:
+`cluster.inprocess_client`, over Ray: `cluster.engine_actor`), never by calling the engine:
+`submit(subscriber, commands)` starts and aborts requests, whose events come back on that
+subscriber's output channel (`next_outputs`, one message per step; `workers.outputs`);
+`prefill` returns the first token and the KV handoff.
 
 The KV handoff: a "prefill" (or "both") worker runs a prompt to its first token with
 `prefill()`, which holds the request's blocks and offers them under a lease of its
@@ -15,26 +18,34 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
+from workers.outputs import OutputHub
 from workers.protocol import (
+    Abort,
+    Command,
+    DecodeFromHandoff,
+    EngineStats,
     FinishReason,
+    Generate,
     KVCacheFull,
-    KVEvent,
     KVPullFailed,
     KVSnapshot,
     PrefillResult,
-    SamplingParams,
-    TokenEvent,
+    Resume,
+    WorkerInfo,
+    WorkerOutputs,
+    WorkerRequest,
+    WorkerRole,
 )
 
 if TYPE_CHECKING:
     from kvtransfer import TransferAgent
-    from workers.async_engine import AsyncEngine
+    from kvtransfer.handoff import KVHandoff
+    from workers.async_engine import AsyncEngine, RequestStream, Sink
     from workers.config import EngineConfig
-    from workers.engine import Engine, EngineStats
+    from workers.engine import Engine
     from workers.parallel.group import RankLauncher
 
 logger = logging.getLogger(__name__)
@@ -88,6 +99,9 @@ class Worker:
         # offered blocks -> [request id, leases not yet ended] of the held requests they belong
         # to (one tuple may be held twice); a request holds one lease per TP rank
         self._leased: dict[tuple[int, ...], list[list]] = {}
+        self._pulls: dict[str, asyncio.Task[None]] = {}  # decodes whose KV is being pulled
+        self.outputs = OutputHub(lambda: engine.stats, self.abort)
+        engine.on_publish = self.outputs.publish
 
     @classmethod
     def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both", *,
@@ -123,20 +137,70 @@ class Worker:
     def num_blocks(self) -> int:
         return self.engine.kv.pool.num_blocks
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache_salt: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Token events of the request; leaving the iteration early aborts it (see AsyncEngine)."""
-        return self.async_engine.generate(prompt_token_ids, params, request_id,
-                                          cache_salt=cache_salt)
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, WorkerRole(self.role), self.block_size,
+                          self.max_model_len, self.vocab_size, self.num_blocks, self.tp_size)
+
+    # ---- commands and the output channel ---------------------------------------------------
+
+    def submit(self, subscriber: str, commands: Sequence[Command]) -> None:
+        """Start or abort requests, in order; the events of those started go to
+        `subscriber`'s channel (`next_outputs`), where a refused one arrives as a failure.
+        Call on the event loop's thread."""
+        box = self.outputs.outbox(subscriber)
+        for cmd in commands:
+            if isinstance(cmd, Abort):
+                self.abort(cmd.request_id)
+                continue
+            rid = cmd.req.request_id
+            box.samples_left[rid] = cmd.req.params.n
+            try:
+                self.start(cmd, box)
+            except (ValueError, KVPullFailed) as exc:  # a role that cannot, a bad handoff
+                box.fail(rid, exc)
+                box.flush()
+
+    def start(self, cmd: Generate | DecodeFromHandoff | Resume, sink: Sink) -> None:
+        """Start one streaming command with its events to `sink` (a refusal is raised here when
+        the role cannot run it, or given to `sink.fail` when the engine refuses it)."""
+        e = self.async_engine
+        if isinstance(cmd, Generate):
+            e.generate(cmd.req, sink)
+        elif isinstance(cmd, Resume):
+            self._check_role(DECODE_ROLES, "resume")
+            e.resume(cmd.req, cmd.sent_token_ids, sink)
+        elif cmd.handoff is None:  # the prefill's KV is not coming: compute it here
+            self._check_role(DECODE_ROLES, "decode_from_handoff")
+            e.resume(cmd.req, (cmd.first_token_id,), sink)
+        else:
+            self._check_role(DECODE_ROLES, "decode_from_handoff")
+            rid = cmd.req.request_id
+            task = asyncio.get_running_loop().create_task(self._decode_from_handoff(cmd, sink))
+            self._pulls[rid] = task
+            task.add_done_callback(lambda _: self._pulls.pop(rid, None))
+
+    def stream(self, cmd: Generate | DecodeFromHandoff | Resume) -> RequestStream:
+        """One command's events as an async iterator (in-process callers, tests); closing it
+        early aborts the request."""
+        return self.async_engine.stream(lambda sink: self.start(cmd, sink), cmd.req.request_id,
+                                        cmd.req.params.n)
+
+    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+        """`subscriber`'s next message (`workers.outputs.OutputHub.next_outputs`)."""
+        return await self.outputs.next_outputs(subscriber, timeout_s)
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request wherever it is here: running, or prefilled and leased (the lease
-        ends and its blocks are freed). Unknown ids are ignored.
+        """Cancel a request wherever it is here: running, pulling its KV, or prefilled and
+        leased (the lease ends and its blocks are freed). Unknown ids are ignored.
 
         NOTE: a lease cancelled while a decode worker reads it frees the blocks under that read;
         only cancel when the decode side is being aborted too."""
         for agent in self._agents or ():
             agent.cancel(request_id)
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:
+            pull.cancel()
         self.async_engine.abort(request_id)
 
     # ---- the KV handoff ----------------------------------------------------------------------
@@ -166,42 +230,42 @@ class Worker:
                 self._agents = agents
             return self._agents
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, cache_salt: str | None = None,
-                      kv_readers: int = 1) -> PrefillResult:
-        """Run the prompt to its first token (sampled with `params`) and offer its KV under a
-        lease per TP rank, or return no handoff when the request ended at that token. The
-        handoff is a JSON list of `kvtransfer.Handoff` records, one per rank; `kv_readers`:
-        the pulls each rank's lease waits for (decode TP size / this TP size when larger).
-        Raises `InvalidRequestError` for a bad request; nothing is held after any error or
-        cancel."""
+    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+        """Run the prompt to its first token (sampled with its params) and offer its KV under
+        a lease per TP rank, or return no handoff when the request ended at that token.
+        `kv_readers`: the pulls each rank's lease waits for (decode TP size / this TP size when
+        larger). Raises `InvalidRequestError` for a bad request; nothing is held after any
+        error or cancel."""
         self._check_role(PREFILL_ROLES, "prefill")
         if kv_readers < 1:
             raise ValueError(f"kv_readers must be at least 1, got {kv_readers}")
+        from kvtransfer.handoff import KVHandoff
+
         agents = await self.agents()
-        first: TokenEvent | None = None
+        rid, params = req.request_id, req.params
+        first = None
         offered = False
+        stream = self.async_engine.stream(lambda sink: self.async_engine.prefill(req, sink),
+                                          rid)
         try:
-            async for event in self.async_engine.generate(prompt_token_ids, params, request_id,
-                                                          cache_salt=cache_salt,
-                                                          prefill_only=True):
+            async for event in stream:
                 first = event
             # finished: the blocks are held; no await from here to the offer
             if first is None:
-                raise RuntimeError(f"prefill of {request_id!r} ended without a token")
+                raise RuntimeError(f"prefill of {rid!r} ended without a token")
             if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
                 return PrefillResult(first, None)  # the request is over (blocks freed below)
-            block_ids = self.engine.held_block_ids(request_id)
-            handoffs = [agent.offer(request_id, block_ids, lease_s=self.lease_s,
-                                    readers=kv_readers) for agent in agents]
-            self._leased.setdefault(tuple(block_ids), []).append([request_id, len(agents)])
+            block_ids = self.engine.held_block_ids(rid)
+            handoffs = [agent.offer(rid, block_ids, lease_s=self.lease_s, readers=kv_readers)
+                        for agent in agents]
+            self._leased.setdefault(tuple(block_ids), []).append([rid, len(agents)])
             offered = True
             return PrefillResult(dataclasses.replace(first, finish_reason=None),
-                                 json.dumps([h.to_dict() for h in handoffs],
-                                            separators=(",", ":")))
+                                 KVHandoff(tuple(handoffs)))
         finally:
+            await stream.aclose()
             if not offered:  # queued after the abort of an unfinished request
-                self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
+                self.async_engine.apply_soon(lambda: self.engine.free_held(rid))
 
     def _on_release(self, block_ids: Sequence[int]) -> None:
         """A lease ended (on the event loop): once every rank's lease of the request ended,
@@ -220,75 +284,48 @@ class Worker:
             del self._leased[key]
         self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
 
-    async def decode(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                     params: SamplingParams,
-                     handoff_json: str | None) -> AsyncIterator[TokenEvent]:
-        """The events after `first_token_id` (sampled and sent by a prefill worker). With a
-        handoff, pull the prompt's KV into fresh blocks first (`KVPullFailed` before any event
-        when that fails; nothing is left behind); without, compute the prompt's KV here."""
-        self._check_role(DECODE_ROLES, "decode")
-        pull = None
-        if handoff_json is not None:
-            pull = await self._puller(request_id, handoff_json)
-        stream = self.async_engine.generate_after_handoff(request_id, list(prompt_token_ids),
-                                                          first_token_id, params, pull)
+    async def _decode_from_handoff(self, cmd: DecodeFromHandoff, sink: Sink) -> None:
+        """Pull the handoff's KV into fresh blocks, then decode after the first token; a pull
+        that fails (or no room to land it) fails the request with `KVPullFailed`, leaving
+        nothing behind (the router then asks for `DecodeFromHandoff` without a handoff)."""
+        rid = cmd.req.request_id
+        assert cmd.handoff is not None
         try:
-            async for event in stream:
-                yield event
+            pull = await self._puller(rid, cmd.handoff)
+            await self.async_engine.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
+                                                        sink)
         except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
-            raise KVPullFailed(request_id, str(exc)) from None  # queued until blocks free up
-        finally:
-            await stream.aclose()
-
-    async def resume(self, request_id: str, prompt_token_ids: list[int],
-                     sent_token_ids: list[int],
-                     params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        """The events after `sent_token_ids`, the request's first output tokens, sampled and
-        sent to the client by other workers (one that failed mid-stream): the prompt's and
-        their KV are computed here. Greedy output equals an uninterrupted run; seeded sampling
-        may differ from here on. Leaving early aborts, as `generate`."""
-        self._check_role(DECODE_ROLES, "resume")
-        stream = self.async_engine.generate_continuation(request_id, list(prompt_token_ids),
-                                                         list(sent_token_ids), params)
-        try:
-            async for event in stream:
-                yield event
-        finally:
-            await stream.aclose()
+            sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
+            sink.flush()
+        except KVPullFailed as exc:
+            sink.fail(rid, exc)
+            sink.flush()
 
     async def _puller(self, request_id: str,
-                      handoff_json: str) -> Callable[[list[int]], Awaitable[None]]:
+                      handoff: KVHandoff) -> Callable[[list[int]], Awaitable[None]]:
         """The pull of a handoff (one record per prefill TP rank) into given blocks: every
         local rank's agent pulls its heads from the records that hold them. Raises
         `KVPullFailed`."""
-        from kvtransfer import Handoff, TransferError
+        from kvtransfer import TransferError
 
-        try:
-            records = json.loads(handoff_json)
-            records = [records] if isinstance(records, dict) else records
-            handoffs = [Handoff.from_dict(d) for d in records]
-        except (ValueError, TypeError, TransferError) as exc:
-            raise KVPullFailed(request_id, f"{type(exc).__name__}: bad handoff: {exc}") from None
         agents = await self.agents()
 
         async def pull(block_ids: list[int]) -> None:
             # every rank's pull ends (landed or failed) before the blocks may be reused
-            results = await asyncio.gather(*(agent.pull(handoffs, block_ids,
+            results = await asyncio.gather(*(agent.pull(list(handoff.ranks), block_ids,
                                                         timeout=self.pull_timeout_s)
                                              for agent in agents), return_exceptions=True)
             for exc in results:
                 if isinstance(exc, TransferError):
-                    raise KVPullFailed(request_id, f"{type(exc).__name__}: {exc}") from None
+                    raise KVPullFailed(request_id, type(exc).__name__, str(exc)) from None
                 if isinstance(exc, BaseException):
                     raise exc
 
         return pull
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
-
-    async def drain_kv_events(self) -> list[KVEvent]:
-        return await self.async_engine.run_between_steps(self.engine.drain_kv_events)
+        """The engine's load as of its last step (published by the step thread)."""
+        return self.async_engine.stats
 
     async def kv_snapshot(self) -> KVSnapshot:
         return await self.async_engine.run_between_steps(self.engine.kv_snapshot)

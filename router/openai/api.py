@@ -134,9 +134,8 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """Prometheus' text format; worker load is read from the workers now."""
+    """Prometheus' text format; worker load as the workers last pushed it."""
     router = _router(request)
-    await router.metrics.refresh()
     return Response(router.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 

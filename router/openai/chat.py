@@ -14,7 +14,8 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from router.app import Admission, Generation, Router
+from router.app import Admission, Router
+from router.streams import Generation
 from router.errors import BadRequestError
 from router.openai.common import (
     SSE_DONE,

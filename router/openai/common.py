@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from router.app import Generation, Router
+from router.app import Router
+from router.streams import Generation
 from router.errors import APIError, BadRequestError
 from workers.protocol import SamplingParams, TokenEvent
 

@@ -63,8 +63,8 @@ def test_the_kv_crosses_nodes_from_the_prefill_to_the_decode_pool(two_nodes, tin
     assert status["num_disaggregated"] == 1 and not status["fallbacks"]
     prefill = next(e for e in directory_entries() if e.pool == "prefill")
     info = ray.get(prefill.actor.ready.remote(), timeout=60)
-    ranks = info["ranks"]  # Ray actors, each in its bundle of the replica's placement group
-    assert [r["rank"] for r in ranks] == [0, 1]
-    assert {r["node_id"] for r in ranks} == {nodes["prefill"]}
-    assert len({r["pid"] for r in ranks} | {info["pid"]}) == 3
-    assert len({r["placement_group_id"] for r in ranks}) == 1 and ranks[0]["placement_group_id"]
+    ranks = info.ranks  # Ray actors, each in its bundle of the replica's placement group
+    assert [r.rank for r in ranks] == [0, 1]
+    assert {r.node_id for r in ranks} == {nodes["prefill"]}
+    assert len({r.pid for r in ranks} | {info.pid}) == 3
+    assert len({r.placement_group_id for r in ranks}) == 1 and ranks[0].placement_group_id

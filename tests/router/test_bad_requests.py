@@ -112,7 +112,7 @@ def test_overload_gets_429_with_retry_after_then_no_worker_gets_503(small_server
     url = f"http://127.0.0.1:{small_server.http_port}{CMPL}"
     gate = threading.Event()
     # stall the worker's step thread so the first request holds the only slot
-    small_server.clients[0].worker.async_engine._executor.submit(gate.wait, 30)
+    small_server.workers[0].async_engine._executor.submit(gate.wait, 30)
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(httpx.post, url, content=body(), headers=JSON, timeout=30)
         assert wait_until(lambda: small_server.router.in_flight == 1)

@@ -57,14 +57,14 @@ def complete(srv: LocalServer, prompt: str, stream: bool = False, max_tokens: in
 def settled(srv: LocalServer) -> bool:
     """Every block of every worker free, and no lease left on any agent."""
     def leases() -> int:
-        return sum(a.num_leases for c in srv.clients for a in c.worker._agents or ())
+        return sum(a.num_leases for w in srv.workers for a in w._agents or ())
 
     return wait_until(lambda: all(srv.call(c.stats()).num_free_blocks == NUM_BLOCKS
                                   for c in srv.clients) and leases() == 0, 10.0)
 
 
 def worker(srv: LocalServer, worker_id: str):
-    return next(c.worker for c in srv.clients if c.worker_id == worker_id)
+    return next(w for w in srv.workers if w.worker_id == worker_id)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -110,9 +110,9 @@ def test_kv_pull_failure_falls_back_to_prefill_on_the_decode_worker(disagg, aggr
     prefill = worker(disagg, "prefill-0")
     real_prefill = prefill.prefill
 
-    async def prefill_then_drop_the_lease(request_id, *args, **kwargs) -> PrefillResult:
-        result = await real_prefill(request_id, *args, **kwargs)
-        prefill.abort(request_id)  # the blocks are gone before the decode worker pulls
+    async def prefill_then_drop_the_lease(req, *args, **kwargs) -> PrefillResult:
+        result = await real_prefill(req, *args, **kwargs)
+        prefill.abort(req.request_id)  # the blocks are gone before the decode worker pulls
         return result
 
     monkeypatch.setattr(prefill, "prefill", prefill_then_drop_the_lease)

@@ -50,7 +50,7 @@ def test_cancelling_the_call_aborts_the_request(stub, server):
     call = stub.Generate(request(max_tokens=1400, ignore_eos=True), metadata=AUTH, timeout=60)
     next(call)
     call.cancel()
-    engines = [c.worker.engine for c in server.clients]
+    engines = [w.engine for w in server.workers]
     assert wait_until(lambda: not any(e.has_unfinished() for e in engines), 3.0)
     assert wait_until(lambda: all_blocks_free(server))
 
@@ -61,7 +61,7 @@ def test_a_passed_deadline_aborts_the_request(stub, server):
                                timeout=0.3):
             pass
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    engines = [c.worker.engine for c in server.clients]
+    engines = [w.engine for w in server.workers]
     assert wait_until(lambda: not any(e.has_unfinished() for e in engines), 3.0)
     assert wait_until(lambda: all_blocks_free(server))
 

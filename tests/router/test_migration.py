@@ -28,7 +28,7 @@ def fresh_prompt() -> str:
 def start(model: str, **serve: object) -> LocalServer:
     srv = start_pools(model, threshold=24, **serve)
     for client in srv.clients:  # slow each step down a little
-        engine = client.worker.engine
+        engine = client.channel.worker.engine
         real_step = engine.step
 
         def slow_step(real_step=real_step):
@@ -62,7 +62,7 @@ def complete(srv: LocalServer, prompt: str) -> str:
 
 def streaming_worker(srv: LocalServer):
     """The decode-capable client with the most requests running."""
-    clients = [c for c in srv.clients if c.worker.role != "prefill"]
+    clients = [c for c in srv.clients if c.channel.worker.role != "prefill"]
     return max(clients, key=lambda c: srv.call(c.stats()).num_running)
 
 
@@ -75,7 +75,7 @@ def break_engine(client) -> None:
     def broken():
         raise RuntimeError("the GPU fell off the bus")
 
-    client.worker.engine.step = broken
+    client.channel.worker.engine.step = broken
 
 
 @pytest.mark.parametrize("kill", ["close", "engine_error"])

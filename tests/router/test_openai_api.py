@@ -141,7 +141,7 @@ def test_repeated_prompt_hits_the_prefix_cache_where_predicted(client, model, se
     prompt = list(range(10, 10 + 80))  # 5 full blocks of 16
     client.completions.create(model=model, prompt=prompt, max_tokens=2)
     router = server.router
-    assert wait_until(lambda: router.index.match(hash_prompt_blocks(prompt, 16)))
+    assert wait_until(lambda: router.workers.index.match(hash_prompt_blocks(prompt, 16)))
     out = client.completions.create(model=model, prompt=prompt, max_tokens=2)
     details = out.usage.prompt_tokens_details
     assert details.cached_tokens >= 64
@@ -151,7 +151,7 @@ def test_repeated_prompt_hits_the_prefix_cache_where_predicted(client, model, se
 
 def test_client_leaving_a_stream_frees_every_block(client, model, server):
     assert wait_until(lambda: all_blocks_free(server))
-    engines = [c.worker.engine for c in server.clients]
+    engines = [w.engine for w in server.workers]
     for _ in range(2):
         stream = client.completions.create(model=model, prompt="a long story", max_tokens=1400,
                                            stream=True, extra_body={"ignore_eos": True})
@@ -167,7 +167,7 @@ def test_client_leaving_a_stream_frees_every_block(client, model, server):
 
 
 def test_client_leaving_a_non_streamed_request_aborts_it(base_url, model, server):
-    engines = [c.worker.engine for c in server.clients]
+    engines = [w.engine for w in server.workers]
     body = {"model": model, "prompt": "a long story", "max_tokens": 1400, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=0.5,

@@ -20,7 +20,7 @@ def test_streams_the_same_tokens_as_the_offline_api(tiny_model):
 
         async def collect(prompt):
             tokens, text, events = [], "", 0
-            async for event in engine.generate(prompt, PARAMS):
+            async for event in engine.generate_stream(prompt, PARAMS):
                 tokens += event.token_ids
                 text += event.text
                 events += 1
@@ -45,16 +45,16 @@ def test_leaving_the_stream_aborts_and_frees_blocks(tiny_model):
         engine = AsyncEngine(llm.engine)
         try:
             params = SamplingParams(max_tokens=500, ignore_eos=True)
-            async for _ in engine.generate("a long one", params):
+            async for _ in engine.generate_stream("a long one", params):
                 break  # the client went away after the first token
             for _ in range(200):
                 if not llm.engine.has_unfinished():
                     break
                 await asyncio.sleep(0.01)
             with pytest.raises(InvalidRequestError):
-                async for _ in engine.generate("x", SamplingParams(max_tokens=10**6)):
+                async for _ in engine.generate_stream("x", SamplingParams(max_tokens=10**6)):
                     pass
-            task = asyncio.ensure_future(_drain(engine.generate("y", params)))
+            task = asyncio.ensure_future(_drain(engine.generate_stream("y", params)))
             await asyncio.sleep(0.2)
             task.cancel()  # a cancelled handler
             await asyncio.gather(task, return_exceptions=True)

@@ -15,7 +15,7 @@ import pytest
 from kvtransfer import LocalHub, TransferAgent, TransportConfig
 from tests.workers.hf_oracle import save_hf_model
 from workers import LLM, SamplingParams
-from workers.protocol import WorkerRequest
+from workers.protocol import DecodeFromHandoff, WorkerRequest
 
 PROMPT = list(range(5, 40))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -99,11 +99,10 @@ def test_workers_of_different_tp_sizes_hand_off_over_tcp(engines, tmp_path, pref
     async def run():
         prefill, decode = worker("p", "prefill", prefill_tp), worker("d", "decode", decode_tp)
         try:
-            result = await prefill.prefill("r", PROMPT, PARAMS,
-                                           kv_readers=max(1, decode_tp // prefill_tp))
+            req = WorkerRequest("r", tuple(PROMPT), PARAMS)
+            result = await prefill.prefill(req, kv_readers=max(1, decode_tp // prefill_tp))
             tokens = list(result.first.token_ids)
-            async for event in decode.decode("r", PROMPT, tokens[0], PARAMS,
-                                             result.handoff_json):
+            async for event in decode.stream(DecodeFromHandoff(req, tokens[0], result.handoff)):
                 tokens += event.token_ids
             for _ in range(100):  # the leases end once every reader pulled
                 if prefill.engine.kv.num_held_requests == 0:

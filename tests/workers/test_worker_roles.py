@@ -11,7 +11,14 @@ import pytest
 from tests.workers.factories import create_request, create_scheduler, fake_step
 from workers.config import EngineConfig
 from workers.kv_cache import KVCacheManager
-from workers.protocol import FinishReason, KVPullFailed, SamplingParams
+from workers.protocol import (
+    DecodeFromHandoff,
+    FinishReason,
+    Generate,
+    KVPullFailed,
+    SamplingParams,
+    WorkerRequest,
+)
 from workers.worker import Worker
 
 NUM_BLOCKS = 48
@@ -22,6 +29,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 def make_worker(model: str, worker_id: str, role: str, **options: object) -> Worker:
     config = EngineConfig(model=model, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256)
     return Worker.from_config(worker_id, config, role, **options)
+
+
+def req(request_id: str, prompt: list[int] = PROMPT,
+        params: SamplingParams = GREEDY) -> WorkerRequest:
+    return WorkerRequest(request_id, tuple(prompt), params)
+
+
+def decode_stream(worker: Worker, request_id: str, first: int, handoff, prompt=PROMPT,
+                  params=GREEDY):
+    return worker.stream(DecodeFromHandoff(req(request_id, prompt, params), first, handoff))
 
 
 async def collect(stream) -> list[int]:
@@ -63,9 +80,9 @@ def test_roles_are_checked(tiny_model, trio, run):
 
     async def wrong_halves() -> None:
         with pytest.raises(ValueError, match="has role 'decode'"):
-            await decode.prefill("r", PROMPT, GREEDY)
+            await decode.prefill(req("r", PROMPT, GREEDY))
         with pytest.raises(ValueError, match="has role 'prefill'"):
-            await collect(prefill.decode("r", PROMPT, 1, GREEDY, None))
+            await collect(decode_stream(prefill, "r", 1, None))
 
     run(wrong_halves())
 
@@ -74,13 +91,13 @@ def test_handoff_over_tcp_matches_aggregated_and_frees_every_block(trio, run):
     prefill, decode, both = trio
 
     async def go() -> tuple[list[int], list[int]]:
-        want = await collect(both.generate("agg", PROMPT, GREEDY))
-        result = await prefill.prefill("r1", PROMPT, GREEDY)
-        assert result.handoff_json is not None and result.first.finish_reason is None
-        assert '"tcp://127.0.0.1:' in result.handoff_json
+        want = await collect(both.stream(Generate(req("agg"))))
+        result = await prefill.prefill(req("r1", PROMPT, GREEDY))
+        assert result.handoff is not None and result.first.finish_reason is None
+        assert all(h.address.startswith("tcp://127.0.0.1:") for h in result.handoff.ranks)
         assert prefill.engine.kv.num_held_requests == 1  # held under the lease
-        rest = await collect(decode.decode("r1", PROMPT, result.first.token_ids[0], GREEDY,
-                                           result.handoff_json))
+        rest = await collect(decode_stream(decode, "r1", result.first.token_ids[0],
+                                           result.handoff))
         assert await until_all_free(prefill, decode, both)
         assert prefill.engine.kv.num_held_requests == 0 and all(a.num_leases == 0 for a in await prefill.agents())
         return want, result.first.token_ids + rest
@@ -94,8 +111,8 @@ def test_request_over_at_its_first_token_offers_nothing(trio, run):
 
     async def go() -> None:
         one = dataclasses.replace(GREEDY, max_tokens=1)
-        result = await prefill.prefill("r2", PROMPT, one)
-        assert result.handoff_json is None and result.first.finish_reason is not None
+        result = await prefill.prefill(req("r2", PROMPT, one))
+        assert result.handoff is None and result.first.finish_reason is not None
         assert await until_all_free(prefill)
 
     run(go())
@@ -105,14 +122,14 @@ def test_cancelled_lease_makes_the_pull_fail_and_local_prefill_continues(trio, r
     prefill, decode, both = trio
 
     async def go() -> None:
-        want = await collect(both.generate("agg3", PROMPT, GREEDY))
-        result = await prefill.prefill("r3", PROMPT, GREEDY)
+        want = await collect(both.stream(Generate(req("agg3"))))
+        result = await prefill.prefill(req("r3", PROMPT, GREEDY))
         prefill.abort("r3")  # the lease ends: its blocks are freed, the pull finds nothing
         first = result.first.token_ids[0]
         with pytest.raises(KVPullFailed, match="LeaseExpired"):
-            await collect(decode.decode("r3", PROMPT, first, GREEDY, result.handoff_json))
+            await collect(decode_stream(decode, "r3", first, result.handoff))
         assert await until_all_free(prefill, decode)
-        rest = await collect(decode.decode("r3", PROMPT, first, GREEDY, None))
+        rest = await collect(decode_stream(decode, "r3", first, None))
         assert [first, *rest] == want
         assert await until_all_free(prefill, decode)
 
@@ -123,7 +140,7 @@ def test_expired_lease_frees_the_held_blocks(tiny_model, run):
     async def go() -> None:
         prefill = make_worker(tiny_model, "p-short", "prefill", lease_s=0.2)
         try:
-            await prefill.prefill("r4", PROMPT, GREEDY)
+            await prefill.prefill(req("r4", PROMPT, GREEDY))
             assert prefill.stats().num_free_blocks < NUM_BLOCKS
             assert await until_all_free(prefill, timeout_s=3.0)
         finally:
@@ -137,13 +154,13 @@ def test_cancelled_prefill_and_cancelled_pull_leave_nothing_behind(trio, run):
     long_params = dataclasses.replace(GREEDY, max_tokens=50)
 
     async def go() -> None:
-        task = asyncio.ensure_future(prefill.prefill("r5", PROMPT * 8, long_params))
+        task = asyncio.ensure_future(prefill.prefill(req("r5", PROMPT * 8, long_params)))
         await asyncio.sleep(0)  # queued, maybe computing
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        result = await prefill.prefill("r6", PROMPT, long_params)
-        stream = decode.decode("r6", PROMPT, result.first.token_ids[0], long_params,
-                               result.handoff_json)
+        result = await prefill.prefill(req("r6", PROMPT, long_params))
+        stream = decode_stream(decode, "r6", result.first.token_ids[0], result.handoff,
+                               params=long_params)
         await stream.__anext__()  # the KV landed and decoding began
         await stream.aclose()  # the client went away
         prefill.abort("r6")

@@ -1,0 +1,294 @@
+"""`ChannelClient`: a `WorkerClient` over one long-lived channel to a worker. Torch-free.
+
+Across the process boundary there is one message per engine step, not one call per token:
+- requests and aborts go out batched: the commands issued in one turn of the event loop travel
+  in one `WorkerChannel.submit` call;
+- one reader task long-polls `WorkerChannel.next_outputs`, which returns a `WorkerOutputs` (every
+  new token of this router's requests on that worker, their failures, the KV events and load),
+  and demultiplexes it into per-request `RequestStream`s; KV events and load go to the
+  `WorkerListener` (the router's worker set), so routing reads no stats per request;
+- only `prefill` is one call per request (it returns the first token and the KV handoff).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Sequence
+
+from router.errors import WorkerUnavailableError
+from router.worker_client import TokenStream, WorkerClient, WorkerListener
+from workers.protocol import (
+    Abort,
+    Command,
+    DecodeFromHandoff,
+    EngineStats,
+    FailureKind,
+    Generate,
+    KVSnapshot,
+    PrefillResult,
+    Resume,
+    StreamCommand,
+    TokenEvent,
+    WorkerInfo,
+    WorkerOutputs,
+    WorkerRequest,
+)
+
+if TYPE_CHECKING:
+    from kvtransfer.handoff import KVHandoff
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_S = 0.5  # a worker answers a poll at least this often (a heartbeat with its load)
+RETRY_PAUSE_S = 0.5  # after a failed poll, before the next
+
+
+class WorkerChannel(abc.ABC):
+    """The wire to one worker: the calls a `ChannelClient` makes. Each raises
+    `WorkerUnavailableError` when the worker cannot be reached; the worker's own refusals
+    (`InvalidRequestError`, `ValueError` for a role) are raised as the worker raised them."""
+
+    worker_id: str
+
+    @abc.abstractmethod
+    async def info(self) -> WorkerInfo: ...
+
+    @abc.abstractmethod
+    async def submit(self, subscriber: str, commands: list[Command]) -> None: ...
+
+    @abc.abstractmethod
+    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs: ...
+
+    @abc.abstractmethod
+    async def prefill(self, req: WorkerRequest, kv_readers: int) -> PrefillResult: ...
+
+    @abc.abstractmethod
+    async def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    async def kv_snapshot(self) -> KVSnapshot: ...
+
+    @abc.abstractmethod
+    async def health(self) -> bool: ...
+
+    async def close(self) -> None:
+        """Release the channel (and what it owns: an in-process worker)."""
+
+
+class RequestStream:
+    """One request's events, fed by the client's reader. Iterating ends after the last sample
+    finished; a failure is raised as the worker raised it; `aclose()` before the end aborts."""
+
+    def __init__(self, client: ChannelClient, request_id: str, num_samples: int) -> None:
+        self._client = client
+        self.request_id = request_id
+        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self._left = num_samples
+        self._done = False
+
+    def put(self, item: TokenEvent | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._finish(abort=False)
+            raise item
+        if item.finish_reason is not None:
+            self._left -= 1
+            if self._left == 0:
+                self._finish(abort=False)
+        return item
+
+    def _finish(self, abort: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._client._streams.pop(self.request_id, None)
+            if abort:
+                self._client._send(Abort(self.request_id))
+
+    async def aclose(self) -> None:
+        self._finish(abort=True)
+
+
+class ChannelClient(WorkerClient):
+    """One router's client of one worker. `subscriber` names the router to the worker (every
+    router replica has its own output channel)."""
+
+    def __init__(self, channel: WorkerChannel, subscriber: str) -> None:
+        self.channel = channel
+        self.subscriber = subscriber
+        self._streams: dict[str, RequestStream] = {}
+        self._outgoing: list[Command] = []
+        self._listener: WorkerListener | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.channel.worker_id
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkerUnavailableError(self.worker_id, "the client is closed")
+
+    async def info(self) -> WorkerInfo:
+        self._check_open()
+        return await self.channel.info()
+
+    def attach(self, listener: WorkerListener) -> None:
+        self._listener = listener
+        self._ensure_reader()
+
+    # ---- the streaming operations ------------------------------------------------------------
+
+    def generate(self, req: WorkerRequest) -> TokenStream:
+        return self._open(Generate(req))
+
+    def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
+                            handoff: KVHandoff | None) -> TokenStream:
+        return self._open(DecodeFromHandoff(req, first_token_id, handoff))
+
+    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> TokenStream:
+        return self._open(Resume(req, tuple(sent_token_ids)))
+
+    def _open(self, cmd: StreamCommand) -> RequestStream:
+        """The command's stream; a closed client's fails at its first read."""
+        rid = cmd.req.request_id
+        if self._closed:
+            stream = RequestStream(self, rid, cmd.req.params.n)
+            stream.put(WorkerUnavailableError(self.worker_id, "the client is closed"))
+            return stream
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already streaming from "
+                             f"{self.worker_id!r}")
+        stream = RequestStream(self, rid, cmd.req.params.n)
+        self._streams[rid] = stream
+        self._ensure_reader()
+        self._send(cmd)
+        return stream
+
+    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+        self._check_open()
+        try:
+            return await self.channel.prefill(req, kv_readers)
+        except asyncio.CancelledError:
+            self._send(Abort(req.request_id))
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream._finish(abort=True)
+        else:
+            self._send(Abort(request_id))
+
+    # ---- the channel ---------------------------------------------------------------------------
+
+    def _send(self, cmd: Command) -> None:
+        """Queue a command; the commands of one event-loop turn go out in one call."""
+        if self._closed:
+            return
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing.append(cmd)
+
+    def _flush(self) -> None:
+        commands, self._outgoing = self._outgoing, []
+        if commands:
+            self._spawn(self._submit(commands))
+
+    async def _submit(self, commands: list[Command]) -> None:
+        try:
+            await self.channel.submit(self.subscriber, commands)
+        except Exception as exc:  # noqa: BLE001 -- the requests sent fail with it
+            err = exc if isinstance(exc, WorkerUnavailableError) else WorkerUnavailableError(
+                self.worker_id, f"submit failed: {exc!r}")
+            for cmd in commands:
+                if not isinstance(cmd, Abort):
+                    stream = self._streams.get(cmd.req.request_id)
+                    if stream is not None:
+                        stream.put(err)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _ensure_reader(self) -> None:
+        if not self._closed and (self._reader is None or self._reader.done()):
+            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+
+    async def _read_forever(self) -> None:
+        while not self._closed:
+            try:
+                out = await self.channel.next_outputs(self.subscriber, POLL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- the worker is unreachable
+                self._fail_streams(exc)
+                await asyncio.sleep(RETRY_PAUSE_S)
+                continue
+            self._deliver(out)
+
+    def _deliver(self, out: WorkerOutputs) -> None:
+        streams = self._streams
+        for event in out.events:
+            stream = streams.get(event.request_id)
+            if stream is not None:  # else: closed meanwhile
+                stream.put(event)
+        for failure in out.failures:
+            stream = streams.get(failure.request_id)
+            if stream is not None:  # an engine going away is the worker being unavailable
+                stream.put(WorkerUnavailableError(self.worker_id, failure.message)
+                           if failure.kind is FailureKind.ENGINE_SHUT_DOWN
+                           else failure.to_exception())
+        if self._listener is not None:
+            self._listener.on_outputs(self.worker_id, out.kv_events, out.stats)
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        err = exc if isinstance(exc, WorkerUnavailableError) else WorkerUnavailableError(
+            self.worker_id, f"its output channel failed: {exc!r}")
+        for stream in list(self._streams.values()):
+            stream.put(err)
+        if self._listener is not None:
+            self._listener.on_unreachable(self.worker_id, err)
+
+    # ---- asked now -------------------------------------------------------------------------
+
+    async def stats(self) -> EngineStats:
+        self._check_open()
+        return await self.channel.stats()
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        self._check_open()
+        return await self.channel.kv_snapshot()
+
+    async def health(self) -> bool:
+        if self._closed:
+            return False
+        return await self.channel.health()
+
+    async def close(self) -> None:
+        """Stop reading; streams still open fail as the worker being gone."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [t for t in (self._reader, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        gone = WorkerUnavailableError(self.worker_id, "the client was closed")
+        for stream in list(self._streams.values()):
+            stream.put(gone)
+        if self._listener is not None:
+            self._listener.on_unreachable(self.worker_id, gone)
+        await self.channel.close()

@@ -1,0 +1,45 @@
+"""The router's settings (`cluster.settings` translates the cluster config into them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_path: str
+    served_model_name: str | None = None  # default: the model folder's name
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    policy: str = "prefix_aware"
+    policy_options: tuple[tuple[str, float], ...] = ()  # (name, value): the policy's weights
+    max_in_flight: int = 256  # requests admitted at once; more get 429
+    max_body_bytes: int = 16 * 1024**2  # larger HTTP bodies get 413
+    max_n: int = 16  # samples per request at most
+    retry_after_s: int = 1  # the Retry-After a 429 suggests
+    kv_poll_interval_s: float = 0.5  # background poll of the workers' KV events
+    # prefill on a decode worker when fewer prompt tokens than this are not in the cache
+    disagg_threshold_tokens: int = 64
+    prefill_retries: int = 2  # other prefill workers tried after a failed prefill
+    # times a stream moves to another decode-pool worker after the one streaming it failed
+    migration_retries: int = 2
+    # how long a stream whose worker failed waits for a decode-pool worker to move to (a
+    # cluster's pool replaces its lost replicas); 0: fail at once when none is healthy
+    migration_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("disagg_threshold_tokens", "prefill_retries", "migration_retries",
+                     "migration_wait_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.kv_poll_interval_s > 0:
+            raise ValueError(f"kv_poll_interval_s must be > 0, got {self.kv_poll_interval_s}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain empty strings")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).resolve().name

@@ -1,0 +1,35 @@
+"""The router's routing counters (totals since start). Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RouterCounters:
+    """Totals since start; tokens are prompt tokens. Written by `router.orchestrator`, read by
+    the metrics and `cleave status`."""
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_predicted_cached_tokens: int = 0  # what the prefix index promised at routing time
+    num_cached_tokens: int = 0  # what the workers reported serving from their prefix caches
+    num_disaggregated: int = 0  # requests whose first token came from a prefill worker
+    # requests of a deployment with prefill workers that ran on one worker, by why:
+    # short_prompt, unsupported_params, no_prefill_worker, prefill_failed
+    aggregated: dict[str, int] = field(default_factory=dict)
+    # failures worked around, by reason: prefill_error (one attempt, retried elsewhere),
+    # prefill_failed (every attempt), no_prefill_worker, kv_pull_failed (decode prefilled),
+    # decode_worker_failed (a stream moved to another worker mid-way, once per move)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    first_tokens_by_worker: dict[str, int] = field(default_factory=dict)  # worker id -> requests
+    decodes_by_worker: dict[str, int] = field(default_factory=dict)  # who streamed the rest
+
+    def count_fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def count_aggregated(self, reason: str) -> None:
+        self.aggregated[reason] = self.aggregated.get(reason, 0) + 1
+
+    def count_decode(self, worker_id: str) -> None:
+        self.decodes_by_worker[worker_id] = self.decodes_by_worker.get(worker_id, 0) + 1

@@ -1,0 +1,185 @@
+"""A routed request's token stream, as the front ends read it: `Generation`. Torch-free.
+
+One async generator, `Generation.events()`, reads the worker's `TokenStream` and handles every
+recovery in place (see `router.orchestrator` for the whole path):
+- the decode half of a disaggregated request: its first event means the KV landed (the handoff
+  is timed); a `KVPullFailed` instead makes the same decode worker compute the prompt itself,
+  after the prefill worker's lease is ended;
+- migration: when the worker streaming a single-sample request fails mid-stream, the prompt plus
+  every token already sent goes to another decode-pool worker (`Rerouter.migrate`), at most
+  `migration_retries` times;
+- closing it early aborts the request wherever it is (the decode worker and, while the KV has
+  not landed, the prefill worker's lease).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
+
+from router.errors import WorkerUnavailableError
+from router.metrics import NULL_RECORD, NullRecord, error_reason
+from router.worker_client import TokenStream, WorkerClient
+from workers.protocol import KVPullFailed, TokenEvent, WorkerRequest
+
+if TYPE_CHECKING:
+    from kvtransfer.handoff import KVHandoff
+
+logger = logging.getLogger(__name__)
+
+
+class Rerouter(Protocol):
+    """What a generation asks of the orchestrator when its worker fails."""
+
+    async def migrate(self, req: WorkerRequest, sent_token_ids: list[int],
+                      tried: list[str], exc: Exception) -> tuple[str, TokenStream]:
+        """Another healthy decode-pool worker's stream after `sent_token_ids` (counted), or
+        raise `exc` when none is left."""
+
+    def kv_pulled(self, decode_id: str, handoff: KVHandoff, seconds: float) -> None:
+        """The decode worker's first event after it was given the handoff."""
+
+    def kv_pull_failed(self, decode_id: str, exc: KVPullFailed) -> None:
+        """The decode worker could not land the KV (it computes the prompt instead)."""
+
+
+@dataclass
+class Handover:
+    """The decode half of a disaggregated request while its KV is on the way."""
+
+    prefill: WorkerClient  # holds the prompt's blocks under a lease until the pull ends
+    decode: WorkerClient
+    handoff: KVHandoff
+    started: float  # when the decode worker was given the handoff (time.monotonic())
+
+
+class Generation:
+    """One request submitted to its worker(s). `events()` yields its token events (the first
+    has already arrived when the `Generation` is returned); `aclose()` aborts what is left.
+    `worker_id` sampled the first token; `decode_worker_id`, when set, streams the rest.
+    `record` times it and counts how it ended (`router.metrics`)."""
+
+    def __init__(self, req: WorkerRequest, first: TokenEvent, stream: TokenStream, *,
+                 worker_id: str, predicted_cached_tokens: int, rerouter: Rerouter,
+                 decode_worker_id: str | None = None, handover: Handover | None = None,
+                 migration_retries: int = 0) -> None:
+        self.req = req
+        self.first = first
+        self.worker_id = worker_id
+        self.decode_worker_id = decode_worker_id
+        self.predicted_cached_tokens = predicted_cached_tokens
+        self.num_cached_tokens = first.num_cached_tokens
+        self.record: NullRecord = NULL_RECORD
+        self._stream = stream
+        self._rerouter = rerouter
+        self._handover = handover
+        # a continuation carries one sample: only single-sample streams migrate
+        self._moves_left = migration_retries if req.params.n == 1 else 0
+        self._streamed_by = [decode_worker_id or worker_id]
+        self._closed = False
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.req.prompt_token_ids
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        sent = list(self.first.token_ids)  # every token the client has been sent (sample 0)
+        finished = self.first.finish_reason is not None and self.req.params.n == 1
+        try:
+            yield self.first
+            while not finished:
+                try:
+                    event = await self._stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except KVPullFailed as exc:
+                    if self._handover is None:
+                        raise
+                    await self._compute_instead(exc)
+                    continue
+                except Exception as exc:  # any worker failure: move the stream on, or raise
+                    if self._moves_left == 0:
+                        raise
+                    await self._end_handover()
+                    await self._migrate(exc, sent)
+                    continue
+                if self._handover is not None:
+                    h, self._handover = self._handover, None
+                    self._rerouter.kv_pulled(h.decode.worker_id, h.handoff,
+                                             time.monotonic() - h.started)
+                sent.extend(event.token_ids)
+                finished = event.finish_reason is not None and self.req.params.n == 1
+                self.record.on_event(event)
+                yield event
+            self.record.finish("success")
+        except Exception as exc:
+            self.record.finish("error", error_reason(exc))
+            raise
+        finally:
+            await self.aclose()
+
+    async def _compute_instead(self, exc: KVPullFailed) -> None:
+        """The pull failed: end the prefill worker's lease, and have the decode worker compute
+        the prompt itself and continue after the first token (none repeated or lost)."""
+        h = self._handover
+        assert h is not None
+        logger.warning("request %s: %s; decode worker %s prefills it itself",
+                       self.req.request_id, exc, h.decode.worker_id)
+        self._rerouter.kv_pull_failed(h.decode.worker_id, exc)
+        await self._end_handover()
+        self._stream = h.decode.decode_from_handoff(self.req, self.first.token_ids[-1], None)
+
+    async def _migrate(self, exc: Exception, sent: list[int]) -> None:
+        failed = self._streamed_by[-1]
+        logger.warning("request %s: worker %s failed after %d tokens (%r); migrating",
+                       self.req.request_id, failed, len(sent), exc)
+        await self._stream.aclose()  # aborts what is left of it there
+        self._moves_left -= 1
+        worker_id, self._stream = await self._rerouter.migrate(self.req, list(sent),
+                                                               list(self._streamed_by), exc)
+        self._streamed_by.append(worker_id)
+
+    @property
+    def streamed_by(self) -> list[str]:
+        """The workers that streamed part of it, in order (all but the last failed)."""
+        return list(self._streamed_by)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.record.finish("cancelled")  # unless it already ended
+        try:
+            await self._stream.aclose()
+        finally:
+            await self._end_handover()
+
+    async def _end_handover(self) -> None:
+        """The decode side will not pull (any more): end the prefill worker's lease, which may
+        still hold the prompt's blocks."""
+        h, self._handover = self._handover, None
+        if h is not None:
+            try:
+                await h.prefill.abort(self.req.request_id)
+            except WorkerUnavailableError:
+                pass  # gone: nothing is held there any more
+
+
+class _Done:
+    """The stream of a request that ended at its first token."""
+
+    def __aiter__(self) -> _Done:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        pass
+
+
+DONE: TokenStream = _Done()
+
+__all__ = ["DONE", "Generation", "Handover", "Rerouter"]

@@ -1,0 +1,136 @@
+"""A worker's output channel: one `WorkerOutputs` message per engine step per subscriber.
+
+Each router (a subscriber) long-polls `OutputHub.next_outputs(subscriber)`: it returns as soon
+as a step produced something for that router's requests (all of them in one message: new tokens,
+failures), with the KV events it has not seen and the engine's stats, or after `timeout_s` with
+no events (a heartbeat that keeps the router's view of the load fresh). A router that reads
+slower than the engine steps gets several steps merged into one message.
+
+KV events are kept in a bounded log that every subscriber reads with its own cursor, so each
+router sees every event once; one that falls further behind than the log sees a sequence gap
+and resyncs from the worker's snapshot. A subscriber that stops reading for `idle_s` is gone:
+its requests are aborted and its outbox dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Callable
+
+from workers.protocol import EngineStats, KVEvent, RequestFailed, TokenEvent, WorkerOutputs
+
+KV_EVENT_LOG_SIZE = 65536  # events kept for routers that have not read them yet
+SUBSCRIBER_IDLE_S = 30.0  # a subscriber silent this long is gone (it polls every second)
+
+
+class KVEventLog:
+    """KV events with absolute positions; each subscriber reads from its own cursor."""
+
+    def __init__(self, size: int = KV_EVENT_LOG_SIZE) -> None:
+        self._events: collections.deque[KVEvent] = collections.deque(maxlen=size)
+        self._end = 0  # absolute position after the newest event
+        self._cursors: dict[str, int] = {}
+
+    def extend(self, events: list[KVEvent]) -> None:
+        self._events.extend(events)
+        self._end += len(events)
+
+    def read(self, subscriber: str) -> tuple[KVEvent, ...]:
+        """Events since this subscriber's last read (a new one starts at the oldest kept)."""
+        start = self._end - len(self._events)
+        cursor = max(self._cursors.get(subscriber, start), start)
+        self._cursors[subscriber] = self._end
+        if cursor == self._end:
+            return ()
+        return tuple(self._events)[cursor - start:]
+
+    def forget(self, subscriber: str) -> None:
+        self._cursors.pop(subscriber, None)
+
+
+class Outbox:
+    """One subscriber's outputs not yet read: the `Sink` its requests' events go to (see
+    `workers.async_engine.Sink`). `samples_left`: its requests the engine still runs (the worker adds them)."""
+
+    def __init__(self) -> None:
+        self.events: list[TokenEvent] = []
+        self.failures: list[RequestFailed] = []
+        self.samples_left: dict[str, int] = {}  # its requests still running -> samples
+        self.ready = asyncio.Event()
+        self.last_read = time.monotonic()
+
+    def put(self, event: TokenEvent) -> None:
+        self.events.append(event)
+        if event.finish_reason is not None:
+            left = self.samples_left.get(event.request_id, 1) - 1
+            if left > 0:
+                self.samples_left[event.request_id] = left
+            else:
+                self.samples_left.pop(event.request_id, None)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        self.failures.append(RequestFailed.from_exception(request_id, exc))
+        self.samples_left.pop(request_id, None)
+
+    def flush(self) -> None:
+        self.ready.set()
+
+    def take(self) -> tuple[tuple[TokenEvent, ...], tuple[RequestFailed, ...]]:
+        events, failures = tuple(self.events), tuple(self.failures)
+        self.events.clear()
+        self.failures.clear()
+        self.ready.clear()
+        self.last_read = time.monotonic()
+        return events, failures
+
+
+class OutputHub:
+    """Every subscriber's outbox and the KV event log of one worker. Event-loop thread only."""
+
+    def __init__(self, stats: Callable[[], EngineStats],
+                 abort: Callable[[str], None]) -> None:
+        """`stats`: the engine's published stats; `abort`: cancels a request on the worker
+        (for the requests of a subscriber that went away)."""
+        self._stats = stats
+        self._abort = abort
+        self._outboxes: dict[str, Outbox] = {}
+        self.kv_log = KVEventLog()
+
+    def outbox(self, subscriber: str) -> Outbox:
+        box = self._outboxes.get(subscriber)
+        if box is None:
+            box = self._outboxes[subscriber] = Outbox()
+        return box
+
+    def publish(self, kv_events: list[KVEvent]) -> None:
+        """The engine published new stats (after a step, or after commands while idle) and
+        these KV events: every subscriber gets them in a message now."""
+        self.kv_log.extend(kv_events)
+        for box in self._outboxes.values():
+            box.ready.set()
+
+    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+        """The subscriber's next message: at once when something is waiting, else when a step
+        produces something or after `timeout_s` (then with no events)."""
+        box = self.outbox(subscriber)
+        box.last_read = time.monotonic()
+        if not box.ready.is_set():
+            try:
+                await asyncio.wait_for(box.ready.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        self.reap_idle()
+        events, failures = box.take()
+        return WorkerOutputs(events, failures, self.kv_log.read(subscriber), self._stats())
+
+    def reap_idle(self, idle_s: float = SUBSCRIBER_IDLE_S) -> None:
+        """Drop the subscribers that stopped reading, aborting what they left running."""
+        now = time.monotonic()
+        for subscriber, box in list(self._outboxes.items()):
+            if now - box.last_read > idle_s:
+                for rid in box.samples_left:
+                    self._abort(rid)
+                del self._outboxes[subscriber]
+                self.kv_log.forget(subscriber)
