@@ -9,14 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.protocol import FinishReason, TokenEvent, TokenLogprob
-from workers.request import Request
+from workers.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sample:
     parent_id: str
     index: int
     detok: object | None  # IncrementalDetokenizer, None without a tokenizer
+    # characters held back while unfinished: a stop string could start there (0: no stops)
+    hold_back: int = 0
     text: str = ""  # all text so far (cut at a stop string once one is found)
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
@@ -35,7 +37,8 @@ class OutputProcessor:
 
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                            skip_special_tokens=req.params.skip_special_tokens)
-        sample = _Sample(parent_id, index, detok)
+        stops = req.params.stop
+        sample = _Sample(parent_id, index, detok, max(map(len, stops)) - 1 if stops else 0)
         self._samples[req.request_id] = sample
         if req.output_token_ids:  # tokens already sent by another worker (KV handoff)
             self._append_text(sample, req.output_token_ids)
@@ -54,12 +57,12 @@ class OutputProcessor:
         (the text is then cut there, keeping the stop string only when asked to)."""
         sample = self._samples[req.request_id]
         old_len = len(sample.text)
-        self._append_text(sample, req.output_token_ids[-1:])
+        if sample.detok is not None:
+            sample.text += sample.detok.add_tokens(req.output_token_ids[-1:])
         stops = req.params.stop
         if not stops or req.num_output_tokens <= req.params.min_tokens:
             return None
-        longest = max(len(s) for s in stops)
-        search_from = max(0, old_len - longest + 1)
+        search_from = max(0, old_len - sample.hold_back)
         found: tuple[int, str] | None = None
         for stop in stops:
             at = sample.text.find(stop, search_from)
@@ -77,23 +80,25 @@ class OutputProcessor:
         sample = self._samples[req.request_id]
         if logprob is not None:
             sample.pending_logprobs.append(logprob)
-        finished = req.is_finished
-        # a prefill-only request cut at its first token goes on elsewhere: keep an incomplete
-        # character back, as the decode worker (re-reading that token) will
-        continues = req.hold_kv and req.finish_reason is FinishReason.LENGTH
-        if finished and sample.detok is not None and req.stop_reason is None and not continues:
-            sample.text += sample.detok.flush()
-        end = len(sample.text)
-        if not finished and req.params.stop:
-            end -= max(len(s) for s in req.params.stop) - 1  # might be a stop string's start
-        end = max(end, sample.num_sent_chars)
-        new_tokens = req.output_token_ids[sample.num_sent_tokens:]
-        if not new_tokens and not finished:
+        finished = req.status is RequestStatus.FINISHED
+        num_sent_tokens = sample.num_sent_tokens
+        if not finished and len(req.output_token_ids) == num_sent_tokens:
             return None
-        first_event = sample.num_sent_tokens == 0
-        text = sample.text[sample.num_sent_chars:end]
+        if finished:
+            # a prefill-only request cut at its first token goes on elsewhere: keep an
+            # incomplete character back, as the decode worker (re-reading that token) will
+            continues = req.hold_kv and req.finish_reason is FinishReason.LENGTH
+            if sample.detok is not None and req.stop_reason is None and not continues:
+                sample.text += sample.detok.flush()
+            end = len(sample.text)
+        else:
+            end = len(sample.text) - sample.hold_back  # might be a stop string's start
+        start = sample.num_sent_chars
+        end = max(end, start)
+        new_tokens = req.output_token_ids[num_sent_tokens:]
+        text = sample.text[start:end]
         sample.num_sent_chars = end
-        sample.num_sent_tokens = req.num_output_tokens
+        sample.num_sent_tokens = len(req.output_token_ids)
         logprobs = None
         if req.params.logprobs is not None:
             logprobs, sample.pending_logprobs = sample.pending_logprobs, []
@@ -104,4 +109,4 @@ class OutputProcessor:
             logprobs=logprobs, finish_reason=req.finish_reason if finished else None,
             stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=req.prompt_logprobs if first_event else None)
+            prompt_logprobs=req.prompt_logprobs if num_sent_tokens == 0 else None)

@@ -47,7 +47,7 @@ class RunnerOutput:
 @dataclass(frozen=True)
 class _Batch:
     msg: StepMessage
-    sample_rows: list[int]  # row of each sampling chunk's last token, in chunk order
+    sampling: list[Request]  # the requests whose chunk samples, in chunk order
     prompt_rows: list[tuple[ScheduledChunk, int, int]]  # (chunk, first row, num rows)
 
 
@@ -85,7 +85,7 @@ class ModelRunner:
         batch = self._prepare(out)
         logits = self.executor.execute(batch.msg).to(self.device)  # [len(logit_rows), vocab]
         result = RunnerOutput()
-        sampling = [c.request for c in out.chunks if c.samples]
+        sampling = batch.sampling
         if sampling:
             sampled = self.sampler(logits[:len(sampling)], sampling)
             for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
@@ -103,6 +103,8 @@ class ModelRunner:
         return result
 
     def _prepare(self, out: SchedulerOutput) -> _Batch:
+        """The step's flat inputs, in one pass over the chunks: a decode (one token) appends
+        one entry to each list, a prefill chunk slices and ranges."""
         block_size = self.spec.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -110,33 +112,41 @@ class ModelRunner:
         starts = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        sampling: list[Request] = []
         prompt_rows: list[tuple[ScheduledChunk, int, int]] = []
+        row = num_decodes = 0
         for chunk in out.chunks:
-            req, s, n = chunk.request, chunk.start, chunk.num_tokens
-            row = starts[-1]
-            input_ids.extend(req.all_token_ids[s:s + n])
-            positions.extend(range(s, s + n))
-            blocks = chunk.block_ids
-            slots.extend(blocks[p // block_size] * block_size + p % block_size
-                         for p in range(s, s + n))
-            starts.append(row + n)
-            seq_lens.append(s + n)
-            if chunk.samples:
-                sample_rows.append(row + n - 1)
-            num_prompt_targets = _prompt_logprob_rows(req, s, n)
-            if num_prompt_targets:
-                prompt_rows.append((chunk, row, num_prompt_targets))
-        logit_rows = list(sample_rows)
+            req, s, n, blocks, samples = chunk
+            end = s + n
+            if n == 1:
+                num_decodes += 1
+                input_ids.append(req.all_token_ids[s])
+                positions.append(s)
+                slots.append(blocks[s // block_size] * block_size + s % block_size)
+            else:
+                input_ids.extend(req.all_token_ids[s:end])
+                positions.extend(range(s, end))
+                slots.extend(blocks[p // block_size] * block_size + p % block_size
+                             for p in range(s, end))
+            row += n
+            starts.append(row)
+            seq_lens.append(end)
+            if samples:
+                sample_rows.append(row - 1)
+                sampling.append(req)
+            if req.prompt_logprobs is not None:
+                num_prompt_targets = _prompt_logprob_rows(req, s, n)
+                if num_prompt_targets:
+                    prompt_rows.append((chunk, row - n, num_prompt_targets))
         for _, first, count in prompt_rows:
-            logit_rows.extend(range(first, first + count))
+            sample_rows.extend(range(first, first + count))
         self._step_id += 1
         msg = StepMessage(
             step_id=self._step_id, input_ids=tuple(input_ids), positions=tuple(positions),
             slot_mapping=tuple(slots), query_start_loc=tuple(starts), seq_lens=tuple(seq_lens),
-            block_tables=tuple(tuple(c.block_ids) for c in out.chunks),
-            num_decodes=out.num_decodes, logit_rows=tuple(logit_rows),
-            num_microbatches=self.num_microbatches)
-        return _Batch(msg, sample_rows, prompt_rows)
+            block_tables=tuple(c.block_ids for c in out.chunks), num_decodes=num_decodes,
+            logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches)
+        return _Batch(msg, sampling, prompt_rows)
 
 
 def _prompt_logprob_rows(req: Request, start: int, num_tokens: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from workers.kv_cache import KVCacheManager
 from workers.protocol import FinishReason
@@ -26,19 +27,16 @@ class SchedulerConfig:
     max_model_len: int  # tokens per sequence at most (prompt + output)
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """`num_tokens` new tokens of `request`, at positions [start, start + num_tokens)."""
+class ScheduledChunk(NamedTuple):
+    """`num_tokens` new tokens of `request`, at positions [start, start + num_tokens).
+
+    A NamedTuple, not a dataclass: one is made per running request per step."""
 
     request: Request
     start: int
     num_tokens: int
-    block_ids: tuple[int, ...]
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk brings the request level: its last logits pick the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    block_ids: tuple[int, ...]  # the request's whole block table (shared, not copied)
+    samples: bool  # the chunk brings the request level: its last logits pick the next token
 
 
 @dataclass(frozen=True)
@@ -109,9 +107,11 @@ class Scheduler:
     def _set_computed(self, req: Request, num_computed: int) -> None:
         """Move a waiting or running request's `num_computed_tokens`, keeping the count of
         pending prompt tokens."""
-        self.num_pending_prompt_tokens += (_prompt_left(req, num_computed)
-                                           - _prompt_left(req, req.num_computed_tokens))
+        old, num_prompt = req.num_computed_tokens, len(req.prompt_token_ids)
         req.num_computed_tokens = num_computed
+        if old < num_prompt or num_computed < num_prompt:  # not a decode past the prompt
+            self.num_pending_prompt_tokens += (max(0, num_prompt - num_computed)
+                                               - max(0, num_prompt - old))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -154,8 +154,9 @@ class Scheduler:
         return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted)
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
-        return ScheduledChunk(req, req.num_computed_tokens, num_new,
-                              tuple(self.kv.block_ids(req.request_id)))
+        start = req.num_computed_tokens
+        return ScheduledChunk(req, start, num_new, self.kv.block_table(req.request_id),
+                              start + num_new == len(req.all_token_ids))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -170,13 +171,12 @@ class Scheduler:
         tokens and finish requests that hit a stop condition. Returns the requests that got a
         token this step."""
         advanced: list[Request] = []
-        for chunk in out.chunks:
-            req = chunk.request
-            if req.is_finished:  # aborted while the step ran
+        for req, _, num_tokens, _, samples in out.chunks:
+            if req.status is RequestStatus.FINISHED:  # aborted while the step ran
                 continue
-            self._set_computed(req, req.num_computed_tokens + chunk.num_tokens)
+            self._set_computed(req, req.num_computed_tokens + num_tokens)
             self.kv.cache_blocks(req)
-            if not chunk.samples:
+            if not samples:
                 continue
             req.append_output(sampled[req.request_id])
             advanced.append(req)
@@ -186,16 +186,16 @@ class Scheduler:
         return advanced
 
     def _check_stop(self, req: Request) -> FinishReason | None:
-        token, params = req.output_token_ids[-1], req.params
-        if req.num_output_tokens > params.min_tokens:
+        params, num_output = req.params, len(req.output_token_ids)
+        if num_output > params.min_tokens:
+            token = req.output_token_ids[-1]
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return FinishReason.STOP
             if not params.ignore_eos and token in req.eos_token_ids:
                 return FinishReason.STOP
-        if req.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if (num_output >= params.max_tokens
+                or len(req.all_token_ids) >= self.config.max_model_len):
             return FinishReason.LENGTH
         return None
 

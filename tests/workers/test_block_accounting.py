@@ -19,6 +19,7 @@ def check_pool(scheduler) -> None:
     for rid in scheduler.requests:
         for block_id in kv.block_ids(rid):
             holders[block_id] += 1
+        assert kv.block_ids(rid) == [b.block_id for b in kv._blocks.get(rid, ())]
     for block in pool.blocks:
         assert block.ref_cnt == holders[block.block_id], block
     assert pool.num_free_blocks == sum(1 for b in pool.blocks if b.ref_cnt == 0)

@@ -22,6 +22,9 @@ class KVCacheManager:
         self.events = KVEventLog(block_size, enabled=enable_caching)
         self.pool = BlockPool(num_blocks, self.events, enable_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
+        # each request's block ids, in token order: rebuilt only when its blocks change, so the
+        # scheduler hands the same tuple to every step in between
+        self._tables: dict[str, tuple[int, ...]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
         self._held: dict[str, list[KVBlock]] = {}  # finished requests' blocks kept for a handoff
 
@@ -33,7 +36,11 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        return list(self._tables.get(request_id, ()))
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """The request's block ids in token order; the same object until its blocks change."""
+        return self._tables.get(request_id, ())
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._blocks
@@ -69,9 +76,12 @@ class KVCacheManager:
         """Make room for `num_new_tokens` after the request's computed tokens (and after the
         prefix hits `computed`, which this takes references on). False, and no change, when the
         pool is short of blocks."""
-        computed = computed or []
         blocks = self._blocks.get(req.request_id, [])
-        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        total = req.num_computed_tokens + num_new_tokens
+        if blocks and not computed and total <= len(blocks) * self.block_size:
+            return True  # fits the blocks it has (most decode steps)
+        computed = computed or []
+        total += len(computed) * self.block_size
         needed = self.num_blocks_for(total) - len(blocks) - len(computed)
         revived = sum(1 for b in computed if b.ref_cnt == 0)  # leave the free list when touched
         if max(needed, 0) > self.pool.num_free_blocks - revived:
@@ -83,6 +93,7 @@ class KVCacheManager:
             self._num_cached_blocks[req.request_id] = len(blocks)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
+        self._tables[req.request_id] = tuple(b.block_id for b in blocks)
         return True
 
     def cache_blocks(self, req: Request) -> None:
@@ -104,12 +115,14 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Return every block the request holds (tail first: its last blocks evict first)."""
         blocks = self._blocks.pop(req.request_id, [])
+        self._tables.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
         self.pool.release(blocks[::-1])
 
     def hold(self, req: Request) -> None:
         """Keep a finished request's blocks (a KV handoff reads them) until `free_held`."""
         self._held[req.request_id] = self._blocks.pop(req.request_id, [])
+        self._tables.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
 
     def held_block_ids(self, request_id: str) -> list[int]:
