@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "TransportUnavailable": "errors",
     "LocalHub": "local",
     "SelfCheckFailed": "selfcheck", "self_check": "selfcheck",
-    "TRANSPORTS": "transport", "make_transport": "transport",
+    "TRANSPORTS": "registry", "make_transport": "registry",
     "Transport": "transport", "TransportConfig": "transport",
 }
 

@@ -26,8 +26,8 @@ from kvtransfer.handoff import Handoff, KVLayout, check_transferable
 from kvtransfer.errors import InvalidDescriptor, LayoutMismatch, TransferError, TransferTimeout
 from kvtransfer.leases import LeaseTable, ReleaseCallback
 from kvtransfer.plan import ReadPlan, sources_for
-from kvtransfer.transport import (LayerSink, SourceRead, TransferStats, Transport,
-                                  TransportConfig, make_transport)
+from kvtransfer.registry import make_transport
+from kvtransfer.transport import LayerSink, SourceRead, TransferStats, Transport, TransportConfig
 from kvtransfer.wire import ReadRequest
 
 

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer.errors import InvalidDescriptor, PeerGone, TransferError, TransportUnavailable
-from kvtransfer.tcp import StreamServer, connect, open_read_or_reject, request_read
-from kvtransfer.transport import BlockSource, LayerSink, TransferStats, Transport
+from kvtransfer.control import StreamServer, connect, open_read_or_reject, request_read
+from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport,
+                                  TransportConfig)
 from kvtransfer.wire import (PairHello, ReadDone, ReadRequest, recv_message, send_message)
 
 TAG = 7
@@ -95,6 +96,11 @@ class CollectiveTransport(Transport):
         self._served: dict[str, dist.ProcessGroup] = {}  # pair key -> group (we are rank 0)
         self._pulled: dict[str, tuple[dist.TCPStore, str, dist.ProcessGroup]] = {}  # by address
         self._locks: dict[str, asyncio.Lock] = {}
+
+    @classmethod
+    def from_config(cls, config: TransportConfig,
+                    hub: object | None = None) -> CollectiveTransport:
+        return cls(config.host, config.port, config.collective_backend)
 
     def _backend_for(self, device: torch.device) -> str:
         if self._backend != "auto":

@@ -6,7 +6,8 @@ import asyncio
 import time
 
 from kvtransfer.errors import PeerGone
-from kvtransfer.transport import BlockSource, LayerSink, TransferStats, Transport
+from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport,
+                                  TransportConfig)
 from kvtransfer.wire import ReadRequest
 
 
@@ -41,6 +42,13 @@ class LocalTransport(Transport):
     def __init__(self, hub: LocalHub) -> None:
         self._hub = hub
         self._address: str | None = None
+
+    @classmethod
+    def from_config(cls, config: TransportConfig, hub: object | None = None) -> LocalTransport:
+        if not isinstance(hub, LocalHub):
+            raise ValueError("the local transport needs the LocalHub shared by both agents; got "
+                             f"{hub!r}")
+        return cls(hub)
 
     async def start(self, source: BlockSource) -> str:
         self._address = self._hub.register(source)

@@ -8,112 +8,23 @@ GPU caches are staged through host memory.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import socket
 import time
 
 import torch
 
-from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
-                               error_from_kind)
-from kvtransfer.transport import (BlockSource, LayerSink, SourceRead, TransferStats, Transport,
+from kvtransfer.control import (StreamServer, connect, open_read_or_reject, parse_address,
+                                request_read)
+from kvtransfer.errors import InvalidDescriptor
+from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport, TransportConfig,
                                   as_bytes)
-from kvtransfer.wire import (MessageKind, ReadAccepted, ReadDone, ReadRejected, ReadRequest,
-                             recv_exact, recv_header, recv_message, send_all, send_header,
-                             send_message)
-
-logger = logging.getLogger(__name__)
-
-
-def parse_address(address: str, scheme: str) -> tuple[str, int]:
-    prefix = f"{scheme}://"
-    host, _, port = address.removeprefix(prefix).rpartition(":")
-    if not address.startswith(prefix) or not host or not port.isdigit():
-        raise InvalidDescriptor(f"address {address!r}; expected {prefix}HOST:PORT")
-    return host, int(port)
+from kvtransfer.wire import (MessageKind, ReadDone, ReadRequest, recv_exact, recv_header,
+                             recv_message, send_all, send_header, send_message)
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
     """`t` itself when its bytes can be sent in place, else a contiguous host copy."""
     return t if t.is_contiguous() and t.device.type == "cpu" else t.contiguous().cpu()
-
-
-async def connect(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        await asyncio.get_running_loop().sock_connect(sock, (host, port))
-    except OSError as e:
-        sock.close()
-        raise PeerGone(f"cannot connect to {host}:{port}: {e}") from None
-    return sock
-
-
-class StreamServer:
-    """Accepts connections on a listening socket and runs `handle(conn)` for each; `close()`
-    cancels the handlers (their `finally` blocks run) and closes every socket."""
-
-    def __init__(self, host: str, port: int, handle) -> None:
-        self._handle = handle
-        self._listener = socket.create_server((host, port))
-        self._listener.setblocking(False)
-        self.host, self.port = host, self._listener.getsockname()[1]
-        self._tasks: set[asyncio.Task] = set()
-        self._accepting = asyncio.get_running_loop().create_task(self._accept())
-
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = loop.create_task(self._run(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, conn: socket.socket) -> None:
-        try:
-            await self._handle(conn)
-        except TransferError as e:
-            logger.info("pull ended early: %s", e)
-        finally:
-            conn.close()
-
-    async def close(self) -> None:
-        tasks = [self._accepting, *self._tasks]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._listener.close()
-
-
-async def open_read_or_reject(conn: socket.socket, source: BlockSource) -> SourceRead | None:
-    """Read the pull's request and open it, or send the rejection and return None."""
-    request = await recv_message(conn)
-    if not isinstance(request, ReadRequest):
-        raise InvalidDescriptor(f"expected a ReadRequest, got {type(request).__name__}")
-    try:
-        read = source.open_read(request)
-    except TransferError as e:
-        await send_message(conn, ReadRejected(e.kind, str(e)))
-        return None
-    await send_message(conn, ReadAccepted(read.bytes_per_layer))
-    return read
-
-
-async def request_read(sock: socket.socket, request: ReadRequest, sink: LayerSink) -> None:
-    """Send the pull's request; raise the source's rejection as its `TransferError` class."""
-    await send_message(sock, request)
-    reply = await recv_message(sock)
-    if isinstance(reply, ReadRejected):
-        raise error_from_kind(reply.kind, reply.message)
-    if not isinstance(reply, ReadAccepted):
-        raise InvalidDescriptor(f"expected ReadAccepted, got {type(reply).__name__}")
-    if reply.bytes_per_layer != sink.bytes_per_layer:
-        raise LayoutMismatch(f"source sends {reply.bytes_per_layer} bytes per layer; the "
-                             f"destination expects {sink.bytes_per_layer}")
 
 
 class TcpTransport(Transport):
@@ -123,6 +34,10 @@ class TcpTransport(Transport):
         self._host, self._port = host, port
         self._source: BlockSource | None = None
         self._server: StreamServer | None = None
+
+    @classmethod
+    def from_config(cls, config: TransportConfig, hub: object | None = None) -> TcpTransport:
+        return cls(config.host, config.port)
 
     async def start(self, source: BlockSource) -> str:
         self._source = source

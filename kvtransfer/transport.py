@@ -1,4 +1,4 @@
-"""The interface every transport implements, and the registry that picks one by name.
+"""The interface every transport implements (`registry` picks one by name).
 
 Contract of a `Transport` (one per agent; the agent owns it):
 
@@ -86,6 +86,11 @@ class LayerSink:
 class Transport(ABC):
     name: str
 
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: TransportConfig, hub: object | None = None) -> Transport:
+        """The transport `config` describes; `hub` is the `LocalHub` for kind "local"."""
+
     @abstractmethod
     async def start(self, source: BlockSource) -> str: ...
 
@@ -108,47 +113,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 class TransportConfig:
     """Which transport an agent uses. `host` is the interface to bind and publish."""
 
-    kind: str = "tcp"  # one of TRANSPORTS
+    kind: str = "tcp"  # one of `registry.TRANSPORTS`
     host: str = "127.0.0.1"
     port: int = 0  # 0 picks a free port
     collective_backend: str = "auto"  # nccl transport: "nccl", "gloo", or by the caches' device
-
-
-def make_transport(config: TransportConfig, *, hub: object | None = None) -> Transport:
-    """Build the transport `config.kind` names; `hub` is the `LocalHub` for kind "local"."""
-    factory = TRANSPORTS.get(config.kind)
-    if factory is None:
-        raise ValueError(f"transport {config.kind!r}; expected one of {sorted(TRANSPORTS)}")
-    return factory(config, hub)
-
-
-def _local(config: TransportConfig, hub: object | None) -> Transport:
-    from kvtransfer.local import LocalHub, LocalTransport
-
-    if not isinstance(hub, LocalHub):
-        raise ValueError("the local transport needs the LocalHub shared by both agents; got "
-                         f"{hub!r}")
-    return LocalTransport(hub)
-
-
-def _tcp(config: TransportConfig, hub: object | None) -> Transport:
-    from kvtransfer.tcp import TcpTransport
-
-    return TcpTransport(config.host, config.port)
-
-
-def _ucx(config: TransportConfig, hub: object | None) -> Transport:
-    from kvtransfer.ucx import UcxTransport
-
-    return UcxTransport(config.host, config.port)
-
-
-def _nccl(config: TransportConfig, hub: object | None) -> Transport:
-    from kvtransfer.collective import CollectiveTransport
-
-    return CollectiveTransport(config.host, config.port, config.collective_backend)
-
-
-TRANSPORTS: dict[str, Callable[[TransportConfig, object | None], Transport]] = {
-    "local": _local, "tcp": _tcp, "ucx": _ucx, "nccl": _nccl,
-}

@@ -52,8 +52,9 @@ import torch
 
 from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
                                TransportUnavailable, error_from_kind)
-from kvtransfer.tcp import parse_address
-from kvtransfer.transport import BlockSource, LayerSink, TransferStats, Transport
+from kvtransfer.control import parse_address
+from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport,
+                                  TransportConfig)
 from kvtransfer.wire import (HEADER, Message, ReadAccepted, ReadDone, ReadRejected, ReadRequest,
                              decode, encode)
 
@@ -205,6 +206,10 @@ class UcxTransport(Transport):
         self._endpoints: dict[str, _Endpoint] = {}  # puller: one per source address
         self._locks: dict[str, asyncio.Lock] = {}  # puller: held by the pull using the endpoint
         self._served: set[_Endpoint] = set()  # source: endpoints pullers opened to us
+
+    @classmethod
+    def from_config(cls, config: TransportConfig, hub: object | None = None) -> UcxTransport:
+        return cls(config.host, config.port)
 
     async def start(self, source: BlockSource) -> str:
         self._source = source
