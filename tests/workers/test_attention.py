@@ -4,6 +4,8 @@ computed naively on contiguous K/V."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,3 +93,17 @@ def test_decode_groups_cover_every_sequence_once_and_bound_the_padding():
     assert [i for s, e in groups for i in range(s, e)] == list(range(70))
     assert all(e - s <= 16 for s, e in groups)
     assert all(lens[e - 1] <= 1.5 * lens[s] + 16 for s, e in groups)
+
+
+def test_backends_are_found_by_name_and_unknown_names_list_the_known_ones():
+    assert get_backend("torch").name == "torch"
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'.*'cpu'.*'torch'"):
+        get_backend("flash")
+
+
+def test_the_registry_imports_no_backend_until_one_is_asked_for():
+    code = ("import sys, workers.attention\n"
+            "loaded = [m for m in sys.modules\n"
+            "          if m.startswith('workers.attention.') and m.endswith('_backend')]\n"
+            "assert not loaded, loaded\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

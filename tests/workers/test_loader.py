@@ -242,7 +242,7 @@ _TP_WORKER = r"""
 import json, sys
 import torch
 import torch.distributed as dist
-from workers.attention.backend import AttentionMetadata, get_backend
+from workers.attention import AttentionMetadata, get_backend
 from workers.loader import load_model
 from workers.model_config import ModelConfig
 

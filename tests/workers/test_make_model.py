@@ -18,7 +18,7 @@ pytest.importorskip("workers.tokenizer.build", reason="tokenizer builder not wri
 
 
 def torch_backend():  # type: ignore[no-untyped-def]
-    from workers.attention.backend import get_backend
+    from workers.attention import get_backend
 
     return get_backend("torch")
 

@@ -1,4 +1,5 @@
-"""The attention-backend contract. GPU kernels plug in here without touching the scheduler.
+"""The attention-backend contract. GPU kernels plug in here without touching the scheduler;
+`registry` picks one by name.
 
 The KV cache of one layer is one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 keys, 1 values). A token at position p of a sequence lives in slot
@@ -13,8 +14,6 @@ tokens.
 from __future__ import annotations
 
 import abc
-import importlib
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -60,32 +59,3 @@ class AttentionBackend(abc.ABC):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
-
-
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
-
-
-def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
-# Backends that need an optional package: name -> (package, module that registers it). Imported
-# only when asked for, so the torch backend neither needs nor pays for the package.
-_OPTIONAL_BACKENDS = {"triton": ("triton", "workers.attention.triton_backend")}
-
-
-def get_backend(name: str) -> AttentionBackend:
-    # import for registration side effects
-    from workers.attention import cpu_backend, torch_backend  # noqa: F401
-
-    if name in _OPTIONAL_BACKENDS and name not in _BACKENDS:
-        package, module = _OPTIONAL_BACKENDS[name]
-        if importlib.util.find_spec(package) is None:
-            raise ValueError(f"attention backend {name!r} needs the {package!r} package, which "
-                             f"is not installed")
-        importlib.import_module(module)
-    if name not in _BACKENDS:
-        known = sorted(_BACKENDS.keys() | _OPTIONAL_BACKENDS.keys())
-        raise ValueError(f"unknown attention backend {name!r}; expected one of {known}")
-    return _BACKENDS[name]()

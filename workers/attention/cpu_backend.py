@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from workers.attention.backend import AttentionMetadata, register_backend
+from workers.attention.backend import AttentionMetadata
 from workers.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,6 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     return out
 
 
-@register_backend
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 

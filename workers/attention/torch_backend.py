@@ -10,11 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.attention.backend import (
-    AttentionBackend,
-    AttentionMetadata,
-    register_backend,
-)
+from workers.attention.backend import AttentionBackend, AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,7 +49,6 @@ def decode_groups(seq_lens: list[int]) -> list[tuple[int, int]]:
     return groups
 
 
-@register_backend
 class TorchAttentionBackend(AttentionBackend):
     """NOTE: holds one gather buffer reused by every decode group of every layer, so one
     instance must not run two forwards at once (each model builds its own)."""

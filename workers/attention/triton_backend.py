@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.attention.torch_backend import write_kv
 from workers.attention.triton_decode import (
     DecodeScratch,
@@ -24,7 +24,6 @@ from workers.attention.triton_decode import (
 from workers.attention.triton_prefill import paged_prefill_attention
 
 
-@register_backend
 class TritonAttentionBackend(AttentionBackend):
     """Pure-decode forwards are CUDA-graph capturable: lengths and block tables are read on the
     device, and `num_splits` comes from the host metadata (a capture passes the longest length
