@@ -90,7 +90,7 @@ def prefix_ttft(model: str, prefix_len: int, num_requests: int, caching: bool,
 
     async def first_token(prompt: list[int]) -> float:
         start = time.perf_counter()
-        async for _ in engine.generate(prompt, params):
+        async for _ in engine.generate_stream(prompt, params):
             break
         return time.perf_counter() - start
 
