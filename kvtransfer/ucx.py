@@ -1,10 +1,12 @@
 """`ucx` transport over UCXX (PyPI `ucxx-cu12`, imported only when this transport is built).
 
 UCX picks the wire itself: on one node host memory moves by CMA zero-copy (the puller reads
-the source's pages with `process_vm_readv`, one copy), GPU memory through CUDA IPC; across nodes RDMA where present, else TCP. Each view
-(K or V of a coalesced segment, per layer) is one tagged message sent from and received into
-tensor memory, with up to `LAYERS_IN_FLIGHT` layers of messages posted at once on both sides;
-control messages are a 13-byte header then a JSON body, in the order described in `wire`.
+the source's pages with `process_vm_readv`, one copy), GPU memory through CUDA IPC; across nodes
+RDMA where present, else TCP. Each view (K or V of a coalesced segment, per layer) is one tagged
+message sent from and received into tensor memory, with up to `ucx_endpoint.LAYERS_IN_FLIGHT`
+layers of messages posted at once on both sides (`ucx_endpoint` also says how requests are
+waited for); control messages are a 13-byte header then a JSON body, in the order described in
+`wire`.
 Address: `ucx://HOST:PORT`. Opening an endpoint (UCXX connect, wire-up and peer-info exchange)
 takes 0.15 to 0.6 s on a 2-core host, more than a 1 GiB pull on one node, so the puller keeps one
 endpoint per source address and reuses it for later pulls, one pull at a time (an `asyncio.Lock`
@@ -27,13 +29,6 @@ user already set them; they take effect only if no UCX context exists yet in the
   view of a 1 GiB pull is 16 MiB; one call per view instead of 32 took CMA from about 3.3 to
   4.6 GB/s on a 2-core host (memcpy about 11).
 
-Waiting on a request polls it (`_unspun`): UCXX's own wait spins the event loop, and one spinning
-thread per process left CMA a fraction of a core. With the loop idle between polls, a 1 GiB pull
-on a 2-core host is one `process_vm_readv` thread at about 4.6 GB/s (0.40 to 0.47 of the two-thread
-memcpy bound with 4 KiB pages; 6 to 6.6 GB/s, 0.57 to 0.6, when both caches are on huge pages,
-whose pages CMA pins faster). A second reader thread would need a second UCX worker, which
-UCXX's public API does not offer (one context and worker per process).
-
 Control messages stay on TCP: `UCX_MM_ERROR_HANDLING=y` would move them to sysv/posix shared
 memory, but those detect a dead peer only by keepalive, so a killed puller held its lease for
 longer than the tests allow; TCP notices at once, and the control traffic is a few hundred bytes.
@@ -44,28 +39,22 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import deque
-from typing import Any, Callable, Coroutine, Iterable
+from typing import Any, Coroutine
 
-import numpy as np
 import torch
 
+from kvtransfer.control import parse_address
 from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
                                TransportUnavailable, error_from_kind)
-from kvtransfer.control import parse_address
 from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport,
                                   TransportConfig)
-from kvtransfer.wire import (HEADER, Message, ReadAccepted, ReadDone, ReadRejected, ReadRequest,
-                             decode, encode)
-
+from kvtransfer.ucx_endpoint import Endpoint, Pipeline
+from kvtransfer.wire import ReadAccepted, ReadDone, ReadRejected, ReadRequest
 
 UCX_DEFAULTS = {
     "UCX_CMA_MEMORY_INVALIDATE": "y",
     "UCX_CMA_SEG_SIZE": "16M",
 }
-LAYERS_IN_FLIGHT = 4  # layers whose messages are posted ahead of the oldest one not yet done
-SPIN_POLLS = 32  # polls of a UCX request back to back before sleeping between polls
-POLL_INTERVAL_S = 0.0005  # then this long between polls (the event loop rounds it up to 1 ms)
 
 
 def _import_ucxx() -> Any:
@@ -85,116 +74,6 @@ def _buffer(t: torch.Tensor) -> Any:
     return flat if flat.is_cuda else flat.numpy()  # CUDA tensors expose __cuda_array_interface__
 
 
-async def _unspun(coro: Coroutine) -> Any:
-    """Await `coro`, a UCXX send or receive, without letting it spin. With its notifier thread
-    off (the default, and the only mode that works across event loops) UCXX waits for a request
-    by `await asyncio.sleep(0)` in a loop: a busy core per process while any request is pending,
-    an idle source waiting for the next pull included, and on a 2-core host the CMA reads got
-    a third of a core. Each such bare yield is answered here by an immediate poll for the first
-    `SPIN_POLLS`, then by a sleep of `POLL_INTERVAL_S`; a future it yields is waited for as a
-    task would. Cancelling the caller throws into `coro`, as it would into a task's."""
-    polls, error = 0, None
-    try:
-        while True:
-            try:
-                yielded = coro.throw(error) if error is not None else coro.send(None)
-            except StopIteration as stop:
-                return stop.value
-            error = None
-            try:
-                if yielded is not None:  # `coro` reads the future's outcome itself
-                    await asyncio.wait([yielded])
-                    continue
-                polls += 1
-                await asyncio.sleep(0 if polls <= SPIN_POLLS else POLL_INTERVAL_S)
-            except asyncio.CancelledError as e:
-                if yielded is not None:
-                    yielded.cancel()
-                error = e
-    finally:
-        coro.close()
-
-
-class _Pipeline:
-    """Posts each layer's messages while up to `LAYERS_IN_FLIGHT` earlier layers are still
-    moving, so UCX always has the next rendezvous posted. Messages are posted in plan order (one
-    endpoint, one tag: UCX matches them in that order)."""
-
-    def __init__(self) -> None:
-        self._posted: list[asyncio.Future] = []
-
-    async def run(self, num_layers: int, post: Callable[[int], Iterable[Coroutine]],
-                  done: Callable[[int], None]) -> int:
-        """`post(layer)` gives the layer's send or receive coroutines; `done(layer)` runs in
-        layer order once all of them completed. Returns the number of messages; raises the
-        first message's error."""
-        window: deque[tuple[int, list[asyncio.Future]]] = deque()
-        messages = 0
-        for layer in range(num_layers):
-            ops = [asyncio.ensure_future(op) for op in post(layer)]
-            self._posted.extend(ops)
-            window.append((layer, ops))
-            while window and (len(window) > LAYERS_IN_FLIGHT or layer == num_layers - 1):
-                oldest, ops = window.popleft()
-                await asyncio.wait(ops)  # unlike gather, a cancelled pull leaves them to settle
-                for op in ops:
-                    op.result()
-                messages += len(ops)
-                done(oldest)
-        return messages
-
-    @property
-    def idle(self) -> bool:
-        """Whether every posted message has ended."""
-        return all(op.done() for op in self._posted)
-
-    async def settle(self) -> None:
-        """Wait for every posted message to end; call after closing the endpoint, which makes
-        UCX cancel those still in flight. Afterwards nothing reads or writes their buffers."""
-        await asyncio.gather(*self._posted, return_exceptions=True)
-
-
-class _Endpoint:
-    """A UCXX endpoint that speaks `wire` messages and raises `PeerGone` for UCX failures."""
-
-    def __init__(self, ucxx: Any, ep: Any) -> None:
-        self._errors = (ucxx.exceptions.UCXError,)
-        self.ep = ep
-
-    async def send(self, buf: Any) -> None:
-        try:
-            await _unspun(self.ep.send(buf))
-        except self._errors as e:
-            raise PeerGone(f"UCX send failed: {e!r}") from None
-
-    async def recv(self, buf: Any) -> None:
-        try:
-            await _unspun(self.ep.recv(buf))
-        except self._errors as e:
-            raise PeerGone(f"UCX receive failed: {e!r}") from None
-
-    async def send_message(self, msg: Message) -> None:
-        kind, payload = encode(msg)
-        await self.send(np.frombuffer(bytearray(HEADER.pack(kind, 0, len(payload))), np.uint8))
-        await self.send(np.frombuffer(bytearray(payload), np.uint8))
-
-    async def recv_message(self) -> Message:
-        header = np.empty(HEADER.size, np.uint8)
-        await self.recv(header)
-        kind, _, length = HEADER.unpack(header.tobytes())
-        if length > 1 << 24:
-            raise InvalidDescriptor(f"control message of {length} bytes; expected < 16 MiB")
-        body = np.empty(length, np.uint8)
-        await self.recv(body)
-        return decode(kind, body.tobytes())
-
-    async def close(self) -> None:
-        try:
-            await self.ep.close()
-        except self._errors:
-            pass
-
-
 class UcxTransport(Transport):
     name = "ucx"
 
@@ -203,9 +82,9 @@ class UcxTransport(Transport):
         self._host, self._port = host, port
         self._source: BlockSource | None = None
         self._listener: Any = None
-        self._endpoints: dict[str, _Endpoint] = {}  # puller: one per source address
+        self._endpoints: dict[str, Endpoint] = {}  # puller: one per source address
         self._locks: dict[str, asyncio.Lock] = {}  # puller: held by the pull using the endpoint
-        self._served: set[_Endpoint] = set()  # source: endpoints pullers opened to us
+        self._served: set[Endpoint] = set()  # source: endpoints pullers opened to us
 
     @classmethod
     def from_config(cls, config: TransportConfig, hub: object | None = None) -> UcxTransport:
@@ -219,7 +98,7 @@ class UcxTransport(Transport):
     async def _serve(self, raw_ep: Any) -> None:
         """Serve one puller's endpoint: pull after pull, until the peer closes it or a pull
         fails (the puller then drops the endpoint)."""
-        ep = _Endpoint(self._ucxx, raw_ep)
+        ep = Endpoint(self._ucxx, raw_ep)
         self._served.add(ep)
         try:
             while await self._serve_one(ep):
@@ -228,9 +107,9 @@ class UcxTransport(Transport):
             self._served.discard(ep)
             await ep.close()
 
-    async def _serve_one(self, ep: _Endpoint) -> bool:
+    async def _serve_one(self, ep: Endpoint) -> bool:
         """One pull on `ep`; True when it ended cleanly and the endpoint may carry the next."""
-        sends = _Pipeline()
+        sends = Pipeline()
         read = None
         try:
             request = await ep.recv_message()  # PeerGone here: the puller closed the endpoint
@@ -262,7 +141,7 @@ class UcxTransport(Transport):
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:  # one pull at a time on the cached endpoint
             ep = await self._endpoint(address)
-            receives = _Pipeline()
+            receives = Pipeline()
             try:
                 messages = await self._receive(ep, request, sink, receives)
             except BaseException:  # also cancellation: the endpoint may carry stray messages
@@ -274,7 +153,7 @@ class UcxTransport(Transport):
         return TransferStats(sink.bytes_per_layer * sink.num_layers, messages,
                              time.perf_counter() - start)
 
-    async def _endpoint(self, address: str) -> _Endpoint:
+    async def _endpoint(self, address: str) -> Endpoint:
         """The cached endpoint to `address`, or a new one when none is cached or it closed."""
         ep = self._endpoints.get(address)
         if ep is not None and not ep.ep.closed:
@@ -284,12 +163,12 @@ class UcxTransport(Transport):
             raw_ep = await self._ucxx.create_endpoint(host, port)
         except self._ucxx.exceptions.UCXError as e:
             raise PeerGone(f"cannot connect to {address}: {e!r}") from None
-        ep = self._endpoints[address] = _Endpoint(self._ucxx, raw_ep)
+        ep = self._endpoints[address] = Endpoint(self._ucxx, raw_ep)
         return ep
 
     @staticmethod
-    async def _receive(ep: _Endpoint, request: ReadRequest, sink: LayerSink,
-                       receives: _Pipeline) -> int:
+    async def _receive(ep: Endpoint, request: ReadRequest, sink: LayerSink,
+                       receives: Pipeline) -> int:
         """One pull's messages on `ep`; returns the number of data messages."""
         staged: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer: (view, staging)
 
