@@ -18,13 +18,8 @@ pytest.importorskip("triton", reason="the Triton attention kernels need the trit
 from tests.workers.factories import noise_paged_cache
 from workers.attention import AttentionMetadata, get_backend
 from workers.attention.triton_backend import TritonAttentionBackend
-from workers.attention.triton_decode import (
-    MAX_SPLITS,
-    DecodeScratch,
-    choose_num_splits,
-    max_split_rows,
-    paged_decode_attention,
-)
+from workers.attention.decode_splits import DecodeScratch
+from workers.attention.triton_decode import paged_decode_attention
 from workers.attention.triton_prefill import paged_prefill_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -145,27 +140,6 @@ def test_decode_rejects_a_scratch_too_small_for_the_split_count():
     with pytest.raises(ValueError, match="scratch"):
         paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, num_splits=4,
                                scratch=DecodeScratch.allocate(2, 4, DIM, DEVICE))
-
-
-def test_num_splits_fill_idle_sms_only_for_long_sequences():
-    assert choose_num_splits(batch=128, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 1
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=100, num_sms=132) == 1
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=32768, num_sms=132) == MAX_SPLITS
-    assert choose_num_splits(batch=4, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 4
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=1024, num_sms=132) == 4
-    with pytest.raises(ValueError, match="positive"):
-        choose_num_splits(batch=0, num_kv_heads=8, max_seq_len=10)
-
-
-@pytest.mark.parametrize("num_kv_heads,num_sms", [(8, 132), (1, 132), (4, 78), (2, 1)])
-def test_max_split_rows_covers_every_split_choice(num_kv_heads, num_sms):
-    """A scratch of max_split_rows never needs to grow, so graphs captured over it stay valid."""
-    rows = max_split_rows(num_kv_heads, num_sms)
-    for batch in range(1, 300):
-        for length in (1, 300, 5000, 10 ** 6):
-            splits = choose_num_splits(batch, num_kv_heads, length, num_sms)
-            assert splits == 1 or batch * splits <= rows
-    assert rows < 2 * num_sms / num_kv_heads + 1
 
 
 # (chunks as (cached tokens, new tokens), block_size, group, dtype)

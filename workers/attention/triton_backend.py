@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
-from workers.attention.torch_backend import write_kv
-from workers.attention.triton_decode import (
+from workers.attention.decode_splits import (
     DecodeScratch,
     choose_num_splits,
     device_num_sms,
     max_split_rows,
-    paged_decode_attention,
 )
+from workers.attention.torch_backend import write_kv
+from workers.attention.triton_decode import paged_decode_attention
 from workers.attention.triton_prefill import paged_prefill_attention
 
 
