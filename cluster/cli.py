@@ -12,11 +12,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model folder (config.json, safetensors, tokenizer); default: the "
                         "embedded tiny model, created on first use")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--load-format", default="auto", help="auto, safetensors or dummy")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # unset: `workers.config.EngineConfig`'s defaults
+    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
+    p.add_argument("--load-format", default=None, help="auto, safetensors or dummy")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
@@ -42,9 +43,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching)
+    """The `EngineConfig` fields given on the command line."""
+    given = dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
+                 max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens,
+                 enable_prefix_caching=False if args.no_prefix_caching else None)
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -71,30 +75,17 @@ def _check_model(config) -> None:  # noqa: ANN001 - a CleaveConfig
 
 
 def _serve_in_process(config) -> int:  # noqa: ANN001 - a CleaveConfig
-    """The same deployment with every worker an engine in this process (no Ray)."""
+    """The same deployment with every worker an engine in this process (no Ray): each pool
+    keeps the replicas it starts with."""
     from cluster.local_server import serve_local
+    from cluster.settings import in_process_plan, model_path
 
-    model = config.model.path
-    if model is None:
-        from workers.make_model import default_model_path
-
-        model = str(default_model_path())
-    pools = config.pools
-    count = {name: p.replicas.start for name, p in pools.items()}
-    some = next(p for _, p in pools.items())
-    engine = {"dtype": config.model.dtype, "load_format": config.model.load_format,
-              "max_model_len": config.model.max_model_len, **some.engine.engine_options()}
-    r = config.router
-    router_options = {"policy": r.policy, "max_in_flight": r.max_in_flight,
-                      "disagg_threshold_tokens": r.disagg_threshold_tokens,
-                      "served_model_name": config.model.served_model_name}
-    print(f"cleave: serving {model} in this process on http://{r.host}:{r.http_port} "
-          f"(OpenAI API) and {r.host}:{r.grpc_port} (gRPC): {count}", file=sys.stderr)
-    serve_local(model, count.get("aggregated", 0), r.host, r.http_port, r.grpc_port,
-                r.api_keys, router_options=router_options, engine_options=engine,
-                num_prefill_workers=count.get("prefill", 0),
-                num_decode_workers=count.get("decode", 0),
-                transport=config.kv_transfer.transport)
+    plan = in_process_plan(config, model_path(config))
+    count = {p.name: p.replicas for p in plan.pools}
+    print(f"cleave: serving {plan.router.model_path} in this process on "
+          f"http://{plan.host}:{plan.http_port} (OpenAI API) and {plan.host}:{plan.grpc_port} "
+          f"(gRPC): {count}", file=sys.stderr)
+    serve_local(plan)
     return 0
 
 

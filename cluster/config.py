@@ -6,6 +6,11 @@ Helm chart's `serveConfigV2` (whose application `args` are this model as a dict)
 Errors are raised as `ConfigError`, one line per problem, naming the field by its dotted path
 ("pools.decode.tp=3 does not divide the model's 8 KV heads").
 
+Defaults are written once (the rule is `cluster.settings`'s): a setting an inner record has
+(`router.config.RouterConfig`, `workers.config.EngineConfig`, `workers.worker.Worker`'s keywords)
+takes its default from that record (`default_of`); a setting only the cluster has (replicas,
+placement, autoscaling, ports) has its default here.
+
 Checks against the model's own config.json (head counts, layers, context length) need the model
 folder, so they run in `check_against_model`, called where the model is present (the CLI, the
 replicas), not on load (the chart renders the config on a machine without the model).
@@ -13,16 +18,33 @@ replicas), not on load (the chart renders the config on a machine without the mo
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from router.config import RouterConfig
+from workers.config import EngineConfig
+from workers.worker import Worker
+
 POOL_NAMES = ("prefill", "decode", "aggregated")
 # the worker role each pool's replicas serve (`workers.worker.ROLES`)
 POOL_ROLES = {"prefill": "prefill", "decode": "decode", "aggregated": "both"}
+# on Ray, how long a stream whose decode worker died waits for another by default: Serve
+# replaces a pool's lost replica, and a replica loads its model within this
+RAY_MIGRATION_WAIT_S = 120.0
+
+
+def default_of(record: Callable[..., Any], name: str) -> Any:
+    """The default of keyword `name` of `record` (a dataclass or a class): the one place that
+    default is written."""
+    default = inspect.signature(record).parameters[name].default
+    if default is inspect.Parameter.empty:
+        raise TypeError(f"{record.__name__}.{name} has no default to read")
+    return default
 
 
 class ConfigError(ValueError):
@@ -37,14 +59,18 @@ class ModelSettings(_Strict):
     path: str | None = Field(None, description=(
         "A model folder (config.json, safetensors, tokenizer files) readable on every node. "
         "Unset: the embedded tiny model, created on first use."))
-    served_model_name: str | None = Field(None, description=(
-        "The name clients pass as `model`; default: the model folder's name."))
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "Weights and activations; auto: the checkpoint's own dtype."))
-    max_model_len: int | None = Field(None, ge=2, description=(
-        "Tokens per sequence, prompt and output together; default: the model's context."))
-    load_format: Literal["auto", "safetensors", "dummy"] = Field("auto", description=(
-        "dummy: seeded random weights of the checkpoint's shapes (benchmarks)."))
+    served_model_name: str | None = Field(
+        default_of(RouterConfig, "served_model_name"), description=(
+            "The name clients pass as `model`; default: the model folder's name."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default_of(EngineConfig, "dtype"), description=(
+            "Weights and activations; auto: the checkpoint's own dtype."))
+    max_model_len: int | None = Field(
+        default_of(EngineConfig, "max_model_len"), ge=2, description=(
+            "Tokens per sequence, prompt and output together; default: the model's context."))
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        default_of(EngineConfig, "load_format"), description=(
+            "dummy: seeded random weights of the checkpoint's shapes (benchmarks)."))
 
 
 class ReplicaSettings(_Strict):
@@ -67,30 +93,39 @@ class ReplicaSettings(_Strict):
 
 
 class EngineSettings(_Strict):
-    """Per-replica engine options (the fields of `workers.config.EngineConfig`)."""
+    """Per-replica engine options: `workers.config.EngineConfig`'s fields, with its defaults."""
 
     block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(
-        16, description="Tokens per KV block; the same in every pool.")
-    kv_cache_memory_bytes: int | None = Field(None, gt=0, description=(
-        "KV-cache budget per rank; default 512 MiB on CPU, from gpu_memory_utilization on GPU."))
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
-        "On GPU: the fraction of memory free after loading the model given to the KV cache."))
-    num_blocks: int | None = Field(None, ge=1, description=(
+        default_of(EngineConfig, "block_size"), description=(
+            "Tokens per KV block; the same in every pool."))
+    kv_cache_memory_bytes: int | None = Field(
+        default_of(EngineConfig, "kv_cache_memory_bytes"), gt=0, description=(
+            "KV-cache budget per rank; default 512 MiB on CPU, from gpu_memory_utilization on "
+            "GPU."))
+    gpu_memory_utilization: float = Field(
+        default_of(EngineConfig, "gpu_memory_utilization"), gt=0, le=1, description=(
+            "On GPU: the fraction of memory free after loading the model given to the KV "
+            "cache."))
+    num_blocks: int | None = Field(default_of(EngineConfig, "num_blocks"), ge=1, description=(
         "Exactly this many KV blocks (overrides the memory budget)."))
-    max_num_seqs: int = Field(128, ge=1, description="Running sequences at most.")
-    max_num_batched_tokens: int = Field(2048, ge=1, description=(
-        "New tokens per engine step at most (the chunked-prefill budget)."))
-    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes.")
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field("auto", description=(
-        "Attention kernels. auto: triton on a GPU when installed; on the CPU, cpu (a C decode "
-        "kernel compiled at first use) when a C compiler is present; torch otherwise."))
-    enforce_eager: bool = Field(False, description=(
+    max_num_seqs: int = Field(default_of(EngineConfig, "max_num_seqs"), ge=1, description=(
+        "Running sequences at most."))
+    max_num_batched_tokens: int = Field(
+        default_of(EngineConfig, "max_num_batched_tokens"), ge=1, description=(
+            "New tokens per engine step at most (the chunked-prefill budget)."))
+    enable_prefix_caching: bool = Field(
+        default_of(EngineConfig, "enable_prefix_caching"), description=(
+            "Reuse cached KV blocks of prefixes."))
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        default_of(EngineConfig, "attention_backend"), description=(
+            "Attention kernels. auto: triton on a GPU when installed; on the CPU, cpu (a C "
+            "decode kernel compiled at first use) when a C compiler is present; torch "
+            "otherwise."))
+    enforce_eager: bool = Field(default_of(EngineConfig, "enforce_eager"), description=(
         "On a GPU: run every decode step eagerly instead of replaying CUDA graphs."))
-    max_cuda_graph_batch_size: int = Field(256, ge=0, description=(
-        "Decode batches up to this size replay CUDA graphs (0: none)."))
-
-    def engine_options(self) -> dict[str, Any]:
-        return self.model_dump()
+    max_cuda_graph_batch_size: int = Field(
+        default_of(EngineConfig, "max_cuda_graph_batch_size"), ge=0, description=(
+            "Decode batches up to this size replay CUDA graphs (0: none)."))
 
 
 class AutoscalingSettings(_Strict):
@@ -120,9 +155,11 @@ class AutoscalingSettings(_Strict):
 
 class PoolSettings(_Strict):
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
-    tp: int = Field(1, ge=1, description="Tensor-parallel ranks per replica.")
-    pp: int = Field(1, ge=1, description="Pipeline stages per replica.")
-    ep: int = Field(1, ge=1, description=(
+    tp: int = Field(default_of(EngineConfig, "tensor_parallel_size"), ge=1, description=(
+        "Tensor-parallel ranks per replica."))
+    pp: int = Field(default_of(EngineConfig, "pipeline_parallel_size"), ge=1, description=(
+        "Pipeline stages per replica."))
+    ep: int = Field(default_of(EngineConfig, "expert_parallel_size"), ge=1, description=(
         "Expert-parallel ranks (MoE models): 1, or tp to shard the experts across the "
         "tensor-parallel group."))
     gpus_per_rank: float = Field(0.0, ge=0, description=(
@@ -192,22 +229,28 @@ class RouterSettings(_Strict):
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC port.")
     policy: Literal["prefix_aware", "least_loaded", "round_robin"] = Field(
-        "prefix_aware", description="How a worker is chosen for a prompt.")
+        default_of(RouterConfig, "policy"), description="How a worker is chosen for a prompt.")
     policy_weights: dict[str, float] = Field(default_factory=dict, description=(
         "prefix_aware: w_hit, w_queue, w_kv, queue_scale."))
     api_keys: list[str] = Field(default_factory=list, description=(
         "Accepted bearer keys; empty and no api_keys_env: no authentication."))
     api_keys_env: str | None = Field(None, description=(
         "An environment variable holding comma-separated keys (e.g. from a Secret)."))
-    disagg_threshold_tokens: int = Field(64, ge=0, description=(
-        "Prompts with fewer uncached tokens than this prefill on the decode worker."))
-    max_in_flight: int = Field(256, ge=1, description="Requests per router replica; more: 429.")
-    max_n: int = Field(16, ge=1, description="Samples per request at most.")
-    kv_poll_interval_s: float = Field(0.5, gt=0, description=(
-        "How often the router reads the workers' KV events and loads."))
-    migration_wait_s: float = Field(120.0, ge=0, description=(
-        "A stream whose decode worker died waits this long for another one (a pool that "
-        "lost its only replica gets it replaced) before it fails."))
+    disagg_threshold_tokens: int = Field(
+        default_of(RouterConfig, "disagg_threshold_tokens"), ge=0, description=(
+            "Prompts with fewer uncached tokens than this prefill on the decode worker."))
+    max_in_flight: int = Field(default_of(RouterConfig, "max_in_flight"), ge=1, description=(
+        "Requests per router replica; more: 429."))
+    max_n: int = Field(default_of(RouterConfig, "max_n"), ge=1, description=(
+        "Samples per request at most."))
+    kv_poll_interval_s: float = Field(
+        default_of(RouterConfig, "kv_poll_interval_s"), gt=0, description=(
+            "How often the router re-checks its workers' health and the directory."))
+    migration_wait_s: float | None = Field(None, ge=0, description=(
+        f"A stream whose decode worker died waits this long for another one before it fails. "
+        f"Unset: {RAY_MIGRATION_WAIT_S:g} s on Ray, where a pool that lost its only replica "
+        f"gets it replaced; {default_of(RouterConfig, 'migration_wait_s'):g} s in process, where "
+        f"nothing replaces a dead worker."))
 
     @model_validator(mode="after")
     def _ports(self) -> RouterSettings:
@@ -226,12 +269,15 @@ class RouterSettings(_Strict):
 
 
 class KVTransferSettings(_Strict):
-    transport: Literal["tcp", "ucx", "nccl"] = Field("tcp", description=(
+    """Every worker's transfer options: `workers.worker.Worker`'s keywords, with its defaults."""
+
+    transport: Literal["tcp", "ucx", "nccl"] = Field(default_of(Worker, "transport"), description=(
         "How KV blocks move from prefill to decode workers (nccl runs on gloo with CPU "
         "caches)."))
-    lease_s: float = Field(30.0, gt=0, description=(
+    lease_s: float = Field(default_of(Worker, "lease_s"), gt=0, description=(
         "How long prefilled blocks wait for their decode worker at most."))
-    pull_timeout_s: float = Field(10.0, gt=0, description="How long a decode waits for its KV.")
+    pull_timeout_s: float = Field(default_of(Worker, "pull_timeout_s"), gt=0, description=(
+        "How long a decode waits for its KV."))
 
 
 class CleaveConfig(_Strict):

@@ -2,9 +2,11 @@
 engine workers on one machine: aggregated ("both") workers, and/or prefill and decode pools
 joined by KV handoffs over a real transport (TCP on 127.0.0.1 by default).
 
-`serve_local` blocks until SIGINT/SIGTERM; `LocalServer` runs the same stack on a background
-thread for tests and embedding. Building the workers imports torch (in `workers`), the router
-modules themselves never do.
+What runs is an `InProcessPlan` (`cluster.settings`): `cleave serve --in-process` makes it
+from the cluster config, as the Ray app makes its settings; `LocalServeConfig` is a shorthand
+for tests and embedding (one engine for every pool). `serve_local` blocks until SIGINT/SIGTERM;
+`LocalServer` runs the same stack on a background thread. Building the workers imports torch
+(in `workers`), the router modules themselves never do.
 """
 
 from __future__ import annotations
@@ -13,14 +15,20 @@ import asyncio
 import logging
 import socket
 import threading
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from cluster.config import RouterSettings, default_of
+from cluster.settings import InProcessPlan, PoolPlan, WorkerOptions
 from router.app import Router, RouterConfig
 from router.grpc_server import create_grpc_server
-from cluster.inprocess_client import InProcessWorkerClient
+from cluster.inprocess_client import in_process_client
+from router.channel import ChannelClient
+
+if TYPE_CHECKING:
+    from workers.worker import Worker
 from router.openai.api import create_app
 
 logger = logging.getLogger(__name__)
@@ -28,20 +36,28 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 5
 
 
+# worker ids are `<prefix>-i`; an aggregated pool's workers are `worker-i`
+_ID_PREFIX = {"aggregated": "worker"}
+
+
 @dataclass(frozen=True)
 class LocalServeConfig:
+    """A shorthand for an `InProcessPlan` (tests, embedding): one engine for every pool, and
+    any fields of `RouterConfig`, `EngineConfig` and `WorkerOptions`, the cluster config's or
+    not; what is left out takes those records' defaults."""
+
     model_path: str
     # aggregated ("both") workers; None: 1 without prefill/decode pools, else 0
     num_workers: int | None = None
-    host: str = "127.0.0.1"
-    http_port: int = 8000  # 0: any free port
-    grpc_port: int = 50051  # 0: any free port
+    host: str = default_of(RouterSettings, "host")
+    http_port: int = default_of(RouterSettings, "http_port")  # 0: any free port
+    grpc_port: int = default_of(RouterSettings, "grpc_port")  # 0: any free port
     router: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields besides model
     num_prefill_workers: int = 0  # "prefill" workers (prompt to first token, KV handed off)
     num_decode_workers: int = 0  # "decode" workers (continue handoffs, run short prompts)
-    transport: str = "tcp"  # the KV transport between workers (`kvtransfer.TRANSPORTS`)
-    worker: dict[str, Any] = field(default_factory=dict)  # Worker options (lease_s, ...)
+    transport: str = WorkerOptions.transport  # the KV transport between workers
+    worker: dict[str, Any] = field(default_factory=dict)  # WorkerOptions fields (lease_s, ...)
 
     def __post_init__(self) -> None:
         for name in ("num_prefill_workers", "num_decode_workers"):
@@ -64,34 +80,42 @@ class LocalServeConfig:
             return self.num_workers
         return 0 if self.num_prefill_workers or self.num_decode_workers else 1
 
+    def plan(self) -> InProcessPlan:
+        from workers.config import EngineConfig
 
-def build_workers(config: LocalServeConfig) -> list[InProcessWorkerClient]:
-    """One engine per worker, each with its own KV cache (blocking: loads the model). Ids:
-    `worker-i` (both), `prefill-i`, `decode-i`."""
-    from workers.config import EngineConfig
+        engine = EngineConfig(model=self.model_path, **self.engine)
+        worker = WorkerOptions(**{"transport": self.transport, **self.worker})
+        counts = (("aggregated", "both", self.num_both_workers),
+                  ("prefill", "prefill", self.num_prefill_workers),
+                  ("decode", "decode", self.num_decode_workers))
+        return InProcessPlan(RouterConfig(self.model_path, **self.router),
+                             tuple(PoolPlan(name, role, n, engine, worker)
+                                   for name, role, n in counts if n),
+                             self.host, self.http_port, self.grpc_port)
+
+
+def build_workers(plan: InProcessPlan) -> list[ChannelClient]:
+    """Each pool's workers, one engine each with its own KV cache (blocking: loads the model).
+    Ids: `worker-i` (aggregated), `prefill-i`, `decode-i`."""
     from workers.worker import Worker
 
-    engine = EngineConfig(model=config.model_path, **config.engine)
-    options = {"transport": config.transport, "host": config.host, **config.worker}
-    roles = ([("worker", "both")] * config.num_both_workers
-             + [("prefill", "prefill")] * config.num_prefill_workers
-             + [("decode", "decode")] * config.num_decode_workers)
-    counts: dict[str, int] = {}
     clients = []
-    for prefix, role in roles:
-        i = counts[prefix] = counts.get(prefix, -1) + 1
-        clients.append(InProcessWorkerClient(
-            Worker.from_config(f"{prefix}-{i}", engine, role, **options)))
+    for pool in plan.pools:
+        prefix = _ID_PREFIX.get(pool.name, pool.name)
+        for i in range(pool.replicas):
+            clients.append(in_process_client(
+                Worker.from_config(f"{prefix}-{i}", pool.engine, pool.role, host=plan.host,
+                                   **asdict(pool.worker))))
     return clients
 
 
 class _Stack:
     """Router, HTTP and gRPC servers sharing one running event loop."""
 
-    def __init__(self, config: LocalServeConfig, clients: list[InProcessWorkerClient]) -> None:
-        self.config = config
+    def __init__(self, plan: InProcessPlan, clients: list[ChannelClient]) -> None:
+        self.config = plan
         self.clients = clients
-        self.router = Router(RouterConfig(config.model_path, **config.router), list(clients))
+        self.router = Router(plan.router, list(clients))
         self.http_port = 0
         self.grpc_port = 0
         self._uvicorn: uvicorn.Server | None = None
@@ -131,26 +155,10 @@ class _Stack:
             self._uvicorn.should_exit = True
 
 
-def serve_local(model_path: str, num_workers: int = 1, host: str = "127.0.0.1",
-                http_port: int = 8000, grpc_port: int = 50051,
-                api_keys: tuple[str, ...] | list[str] = (), *,
-                router_options: dict[str, Any] | None = None,
-                engine_options: dict[str, Any] | None = None, num_prefill_workers: int = 0,
-                num_decode_workers: int = 0, transport: str = "tcp") -> None:
-    """Serve `model_path` with `num_workers` in-process engines until SIGINT or SIGTERM.
-
-    `router_options` are `RouterConfig` fields (served_model_name, policy, max_in_flight,
-    max_body_bytes, max_n, disagg_threshold_tokens, ...), `engine_options` `EngineConfig`
-    fields (block_size, num_blocks, max_model_len, ...). With prefill and decode workers, the
-    `num_workers` aggregated ones serve beside them (pass 0 for none); KV moves over
-    `transport`. Must run on the main thread (uvicorn takes the signals).
-    """
-    config = LocalServeConfig(model_path, num_workers, host, http_port, grpc_port,
-                              router={**(router_options or {}), "api_keys": tuple(api_keys)},
-                              engine=engine_options or {},
-                              num_prefill_workers=num_prefill_workers,
-                              num_decode_workers=num_decode_workers, transport=transport)
-    stack = _Stack(config, build_workers(config))
+def serve_local(plan: InProcessPlan) -> None:
+    """Serve `plan` (`cluster.settings.in_process_plan`) until SIGINT or SIGTERM. Must run on
+    the main thread (uvicorn takes the signals)."""
+    stack = _Stack(plan, build_workers(plan))
     asyncio.run(stack.serve())
 
 
@@ -158,10 +166,11 @@ class LocalServer:
     """The `serve_local` stack on a background thread: `start()` returns once both ports
     listen, `stop()` shuts everything down and joins the thread."""
 
-    def __init__(self, config: LocalServeConfig) -> None:
+    def __init__(self, config: LocalServeConfig | InProcessPlan) -> None:
         self.config = config
-        self.clients = build_workers(config)
-        self._stack = _Stack(config, self.clients)
+        self.plan = config if isinstance(config, InProcessPlan) else config.plan()
+        self.clients = build_workers(self.plan)
+        self._stack = _Stack(self.plan, self.clients)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="cleave-router", daemon=True)
@@ -170,6 +179,11 @@ class LocalServer:
     @property
     def router(self) -> Router:
         return self._stack.router
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The in-process workers behind the clients (tests look inside them)."""
+        return [c.channel.worker for c in self.clients]  # type: ignore[attr-defined]
 
     @property
     def http_port(self) -> int:

@@ -1,0 +1,148 @@
+"""The one translation of a `CleaveConfig` into the settings each part runs with.
+
+    CleaveConfig ──► RouterConfig                       the router (`router_config`)
+                 ──► per pool, PoolPlan:                the pools may differ
+                       EngineConfig                     the pool's engines (`engine_config`)
+                       WorkerOptions                    how their KV moves (`worker_options`)
+
+Every way of running goes through here: the Ray app (`cluster.pool.engine_spec` for the engine
+actors, `cluster.ingress` for the router), `cleave serve --in-process` (`in_process_plan`, run by
+`cluster.local_server`), and the Helm chart, whose `serveConfigV2` hands a CleaveConfig dict to
+`cluster.app.build_app`. What only Ray has (placement bundles, autoscaling, router replicas) is
+`cluster.app`'s; tests/cluster/test_config_coverage.py checks that every config field reaches a
+setting, the same one in both modes.
+
+Defaults are written once, by one rule: a setting an inner record has (`RouterConfig`,
+`EngineConfig`, `workers.worker.Worker`'s keywords) keeps its default in that record, the config
+model reads it from there (`cluster.config.default_of`), and this module passes every value the
+config holds explicitly. A setting only the cluster has (replicas, placement, autoscaling, ports)
+has its default in the config model. One default depends on the mode: `router.migration_wait_s`
+left unset waits `RAY_MIGRATION_WAIT_S` on Ray, where Serve replaces a pool's lost replica, and
+the router's own default in process, where nothing replaces a dead worker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from cluster.config import POOL_ROLES, RAY_MIGRATION_WAIT_S, CleaveConfig, PoolSettings, default_of
+from router.config import RouterConfig
+from workers.config import EngineConfig
+from workers.worker import Worker
+
+Mode = Literal["ray", "in_process"]
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """A worker's keywords besides its engine (`Worker.from_config`): how its KV moves."""
+
+    transport: str = default_of(Worker, "transport")  # `kvtransfer.TRANSPORTS`
+    lease_s: float = default_of(Worker, "lease_s")  # prefilled blocks wait for their puller
+    pull_timeout_s: float = default_of(Worker, "pull_timeout_s")  # a decode waits for its KV
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One pool's workers: how many at start, in which role, running which engine."""
+
+    name: str  # prefill, decode or aggregated
+    role: str  # the workers' role (`workers.worker.ROLES`)
+    replicas: int  # at start; in process for good (nothing autoscales there)
+    engine: EngineConfig
+    worker: WorkerOptions
+
+
+@dataclass(frozen=True)
+class InProcessPlan:
+    """What `cluster.local_server` runs: the router, where it listens, and its pools."""
+
+    router: RouterConfig
+    pools: tuple[PoolPlan, ...]
+    host: str  # the HTTP and gRPC servers' address, and the workers' KV transport's
+    http_port: int  # 0: any free port
+    grpc_port: int  # 0: any free port
+
+    def __post_init__(self) -> None:
+        if not any(p.role in ("decode", "both") and p.replicas for p in self.pools):
+            counts = {p.name: p.replicas for p in self.pools}
+            raise ValueError(f"in process the pools keep the replicas they start with, and "
+                             f"none of {counts} decodes: give the decode (or aggregated) pool "
+                             f"at least one replica at start")
+
+
+def model_path(config: CleaveConfig) -> str:
+    """The model folder; unset in the config: the embedded tiny model (created on first use)."""
+    if config.model.path is not None:
+        return config.model.path
+    from workers.make_model import default_model_path
+
+    return str(default_model_path())
+
+
+def router_config(config: CleaveConfig, model_path: str, mode: Mode = "ray") -> RouterConfig:
+    """The router's settings. Reads the `router.api_keys_env` variable now."""
+    r = config.router
+    keys = list(r.api_keys)
+    if r.api_keys_env:
+        keys += [k for k in os.environ.get(r.api_keys_env, "").split(",") if k]
+    wait = r.migration_wait_s
+    if wait is None:
+        wait = RAY_MIGRATION_WAIT_S if mode == "ray" else default_of(RouterConfig,
+                                                                   "migration_wait_s")
+    return RouterConfig(model_path, served_model_name=config.model.served_model_name,
+                        api_keys=tuple(keys), policy=r.policy,
+                        policy_options=tuple(sorted(r.policy_weights.items())),
+                        max_in_flight=r.max_in_flight, max_n=r.max_n,
+                        kv_poll_interval_s=r.kv_poll_interval_s,
+                        disagg_threshold_tokens=r.disagg_threshold_tokens,
+                        migration_wait_s=wait)
+
+
+def _pool(config: CleaveConfig, pool: str) -> PoolSettings:
+    settings = getattr(config.pools, pool, None) if pool in POOL_ROLES else None
+    if settings is None:
+        present = [name for name, _ in config.pools.items()]
+        raise ValueError(f"no pool {pool!r} in this config; it has {present}")
+    return settings
+
+
+def engine_config(config: CleaveConfig, pool: str, model_path: str) -> EngineConfig:
+    """The engine every replica of `pool` runs. The device follows `gpus_per_rank`, said
+    outright: on Ray an engine actor that only drives GPU ranks holds no GPU itself, so "auto"
+    would resolve to the CPU there."""
+    p = _pool(config, pool)
+    m = config.model
+    return EngineConfig(model=model_path, dtype=m.dtype, load_format=m.load_format,
+                        max_model_len=m.max_model_len,
+                        device="cpu" if p.gpus_per_rank == 0 else "cuda",
+                        tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
+                        expert_parallel_size=p.ep, **p.engine.model_dump())
+
+
+def worker_options(config: CleaveConfig) -> WorkerOptions:
+    """Every worker's transfer options (the same in every pool)."""
+    kv = config.kv_transfer
+    return WorkerOptions(kv.transport, kv.lease_s, kv.pull_timeout_s)
+
+
+def pool_plans(config: CleaveConfig, model_path: str) -> tuple[PoolPlan, ...]:
+    """The pools present, in `POOL_NAMES` order."""
+    return tuple(PoolPlan(name, POOL_ROLES[name], p.replicas.start,
+                          engine_config(config, name, model_path), worker_options(config))
+                 for name, p in config.pools.items())
+
+
+def torch_threads(pool: PoolSettings) -> int | None:
+    """On Ray, a CPU rank's torch threads: the CPUs it reserves (None on GPU: torch's default).
+    In process every worker shares the process's threads."""
+    return max(1, int(pool.cpus_per_rank)) if pool.gpus_per_rank == 0 else None
+
+
+def in_process_plan(config: CleaveConfig, model_path: str) -> InProcessPlan:
+    """`cleave serve --in-process`: each pool's starting replicas as engines in this process."""
+    r = config.router
+    return InProcessPlan(router_config(config, model_path, "in_process"),
+                         pool_plans(config, model_path), r.host, r.http_port, r.grpc_port)
