@@ -1,5 +1,10 @@
-"""The router as Ray Serve's ingress: the OpenAI HTTP app and the gRPC `Generation` service,
+"""The router as a Ray Serve deployment: the OpenAI HTTP app and the gRPC `Generation` service,
 side by side, over one `router.app.Router` per replica.
+
+With `router.ingress: direct` (the default) each replica serves both on the configured ports
+itself (`router.server.FrontEnds`, SO_REUSEPORT so replicas on one node share them) and Serve
+runs no proxy: no Ray hop per streamed chunk. With `serve`, Serve's proxies take the ports and
+forward to the replica's ASGI app and gRPC methods below (what KubeRay's serve Service expects).
 
 Each replica keeps its worker set in step with the `Directory` (every `kv_poll_interval_s`):
 new workers are added (their prefix-cache snapshot seeds the index), draining ones get no new
@@ -26,6 +31,7 @@ from router.app import Router, RouterConfig
 from router.grpc_server import GenerationService
 from router.openai.api import create_app
 from router.proto.cleave.v1 import generate_pb2 as pb
+from router.server import FrontEnds
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,12 @@ class RouterIngress:
         self.router.draining.update(e.worker_id for e in entries if e.draining)
         await self.router.start()
         self.grpc = GenerationService(self.router)
+        self.front: FrontEnds | None = None
+        if self.config.router.ingress == "direct":  # no Serve proxy: this replica serves
+            r = self.config.router
+            self.front = FrontEnds(self.router, r.host, r.http_port, r.grpc_port,
+                                   reuse_port=True)
+            await self.front.start()
         self._sync = asyncio.get_running_loop().create_task(self._sync_forever())
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -169,8 +181,14 @@ class RouterIngress:
         if self._sync.done() and not self._sync.cancelled():
             raise RuntimeError(f"router {self.subscriber}: the directory sync stopped: "
                                f"{self._sync.exception()!r}")
+        if self.front is not None and not self.front.running:
+            raise RuntimeError(f"router {self.subscriber}: its HTTP server stopped")
 
     async def __del__(self) -> None:
+        """Serve is removing this replica: stop taking connections, finish what is in flight
+        (up to `router.server.GRACEFUL_SHUTDOWN_S`), then stop."""
         self._sync.cancel()
+        if self.front is not None:
+            await self.front.stop()
         await self.router.stop()
 

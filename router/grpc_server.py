@@ -116,10 +116,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.HealthResponse(healthy=bool(healthy), healthy_workers=healthy)
 
 
-def create_grpc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def create_grpc_server(router: Router, host: str, port: int, *,
+                       reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to host:port (0: any free port); returns it and the bound port.
-    The caller starts and stops it."""
-    server = grpc.aio.server()
+    `reuse_port`: other processes may bind the same port (SO_REUSEPORT). The caller starts and
+    stops it."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
     pb_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -24,6 +24,7 @@ LONG = "the quick brown fox jumps over the lazy dog and keeps running far away "
 PROMPTS = ["Hello, my name is", LONG * 3, "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19",
            LONG * 6 + "finally"]
 MAX_TOKENS = 24
+LONG_MAX_TOKENS = 400  # streams long enough to still run when a replica is killed
 
 
 def autoscaling(**targets):
@@ -43,7 +44,7 @@ def app(local_ray, tiny_model):
                     "autoscaling": autoscaling(target_waiting_tokens=256)},
         "decode": {**pool, "engine": {"num_blocks": 512},
                    "autoscaling": autoscaling(target_running_seqs=4, target_kv_usage=0.9)}}))
-    deploy(config, proxy_location="HeadOnly")
+    deploy(config)
     yield config
 
 
@@ -55,6 +56,15 @@ def expected(tiny_model):
     llm = LLM(tiny_model)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return {p: out.outputs[0].text for p, out in zip(PROMPTS, llm.generate(PROMPTS, params))}
+
+
+@pytest.fixture(scope="module")
+def expected_long(tiny_model):
+    from workers import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=LONG_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return {p: out.outputs[0].text
+            for p, out in zip(PROMPTS, LLM(tiny_model).generate(PROMPTS, params))}
 
 
 def client(config, timeout=60.0):
@@ -123,13 +133,14 @@ def test_grpc_generate_runs_through_serves_grpc_proxy(app, expected):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def _streams(config, prompts, results, errors, started: threading.Barrier | None = None):
+def _streams(config, prompts, results, errors, started: threading.Barrier | None = None,
+             max_tokens: int = MAX_TOKENS):
     def one(i, prompt):
         try:
             c = client(config, timeout=120)
             text = ""
             for chunk in c.completions.create(model="tiny", prompt=prompt, stream=True,
-                                              max_tokens=MAX_TOKENS, temperature=0.0,
+                                              max_tokens=max_tokens, temperature=0.0,
                                               extra_body={"ignore_eos": True}):
                 if chunk.choices and chunk.choices[0].text and not text and started:
                     started.wait(60)
@@ -147,14 +158,14 @@ def _streams(config, prompts, results, errors, started: threading.Barrier | None
 
 
 def test_a_replica_killed_during_16_streams_loses_no_stream_and_the_pool_recovers(
-        app, expected):
+        app, expected, expected_long):
     import ray
 
     prompts = [PROMPTS[1] if i % 2 else PROMPTS[3] for i in range(16)]  # disaggregated ones
     results: dict[int, str] = {}
     errors: list[str] = []
     started = threading.Barrier(17)  # every stream has its first token, then the kill
-    threads = _streams(app, prompts, results, errors, started)
+    threads = _streams(app, prompts, results, errors, started, LONG_MAX_TOKENS)
     started.wait(120)
     before = {e.worker_id for e in directory_entries() if e.pool == "decode"}
     victim = next(name for name in _replica_actor_names() if "#pool-decode#" in name)
@@ -162,7 +173,7 @@ def test_a_replica_killed_during_16_streams_loses_no_stream_and_the_pool_recover
     for t in threads:
         t.join(180)
     assert not errors
-    assert all(results[i] == expected[p] for i, p in enumerate(prompts))
+    assert all(results[i] == expected_long[p] for i, p in enumerate(prompts))
     assert router_status()["fallbacks"].get("decode_worker_failed", 0) >= 1
     # Serve replaces the replica; the routers pick its worker up from the directory
     wait_for(lambda: {e.worker_id for e in directory_entries()

@@ -49,6 +49,9 @@ def test_the_kv_crosses_nodes_from_the_prefill_to_the_decode_pool(two_nodes, tin
         tiny_model, kv_transfer={"transport": transport},
         pools={"prefill": {**pool, "tp": 2, "resources": {"node_prefill": 1}},
                "decode": {**pool, "resources": {"node_decode": 1}}}))
+    # Serve's proxy in front of the router (the Kubernetes mode); test_ray_app covers direct
+    config = config.model_copy(update={"router": config.router.model_copy(
+        update={"ingress": "serve"})})
     deploy(config, proxy_location="HeadOnly")
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{config.router.http_port}/v1",
                       api_key="unused", max_retries=0, timeout=60)
