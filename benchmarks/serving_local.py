@@ -11,14 +11,13 @@ on CPU the ratio shows the scheduling effect only, not the isolation separate GP
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
 from pathlib import Path
 
+from loadgen import Workload, measure, plot
 from results_io import RESULTS, emit
-from serving import measure, plot, workload_setup
 
 from cluster.local_server import LocalServeConfig, LocalServer
 
@@ -37,13 +36,14 @@ def start(model_path: str, layout: dict, threshold: int) -> LocalServer:
     return LocalServer(config).start(timeout_s=300)
 
 
-def run_layout(args: argparse.Namespace, model_path: str, name: str) -> tuple[dict, list]:
-    server = start(model_path, LAYOUTS[name], args.disagg_threshold)
+def run_layout(model_path: str, name: str, workload: Workload, rate: float,
+               threshold: int) -> tuple[dict, list]:
+    server = start(model_path, LAYOUTS[name], threshold)
     try:
         base_url = f"http://127.0.0.1:{server.http_port}"
-        vocab_size = server.clients[0].worker.vocab_size
-        summary, results = measure(args, base_url, server.router.model_name,
-                                   args.rates[0], vocab_size)
+        vocab_size = server.workers[0].vocab_size
+        summary, results = measure(base_url, server.router.model_name, workload, rate,
+                                   vocab_size)
         c = server.router.counters
         # other processes on this machine (its 1-minute load average) skew the figures
         summary["load_average_1m"] = round(os.getloadavg()[0], 2)
@@ -56,14 +56,16 @@ def run_layout(args: argparse.Namespace, model_path: str, name: str) -> tuple[di
     return summary, results
 
 
-def compare_local(args: argparse.Namespace, command: str) -> dict:
-    """Both layouts on the same workload (seeded identically); emits and returns the JSON."""
-    if args.workload != "mixed":
-        print(f"note: --compare-local with the {args.workload!r} workload (the issue's "
+def compare_local(model: str | None, workload: Workload, rate: float, threshold: int,
+                  out: str | None, command: str) -> dict:
+    """Both layouts on the same workload (seeded identically) at `rate`, on `model` (None: a
+    fresh `small` preset); emits and returns the JSON."""
+    if workload.kind != "mixed":
+        print(f"note: --compare-local with the {workload.kind!r} workload (the issue's "
               "comparison uses --workload mixed)")
-    out = Path(args.out or RESULTS / "serving_compare_local.json")
+    out = Path(out or RESULTS / "serving_compare_local.json")
     with tempfile.TemporaryDirectory(prefix="cleave-small-") as tmp:
-        model_path = args.model_path
+        model_path = model
         if model_path is None:
             from workers.make_model import make_model
 
@@ -73,7 +75,7 @@ def compare_local(args: argparse.Namespace, command: str) -> dict:
         summaries, raw = {}, []
         for name in LAYOUTS:
             t0 = time.perf_counter()
-            summaries[name], results = run_layout(args, model_path, name)
+            summaries[name], results = run_layout(model_path, name, workload, rate, threshold)
             s = summaries[name]
             print(f"{name}: ITL {s['itl']}  TTFT {s['ttft']}  {s['output_throughput']} tok/s "
                   f"({time.perf_counter() - t0:.0f}s)")
@@ -85,10 +87,9 @@ def compare_local(args: argparse.Namespace, command: str) -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     result = {
         "benchmark": "serving_compare_local",
-        "model": args.model_path or "cleave make-model --preset small (llama)",
-        "workload": workload_setup(args)
-        | {"request_rate": summaries["aggregated"]["request_rate"]},
-        "disagg_threshold_tokens": args.disagg_threshold,
+        "model": model or "cleave make-model --preset small (llama)",
+        "workload": workload.setup() | {"request_rate": summaries["aggregated"]["request_rate"]},
+        "disagg_threshold_tokens": threshold,
         "aggregated": summaries["aggregated"], "disaggregated": summaries["disaggregated"],
         "itl_p99_ms_aggregated": agg, "itl_p99_ms_disaggregated": dis,
         "itl_p99_ratio": round(agg / dis, 3) if agg and dis else None,

@@ -1,0 +1,326 @@
+"""`serving.py --layers`: one fixed-concurrency sweep through Cleave's layers on the same
+requests, with transformers as the peer.
+
+At each concurrency c, the same N requests (random token ids, seeded by c, exactly
+`input_len` tokens, `output_len` output tokens with ignore_eos) go through:
+
+- `offline`: one `workers.engine.Engine` in this process, stepped with c requests in it at once
+  (the next added as one finishes); output tokens/s, and each step's wall time;
+- `inprocess_agg`: `cluster.local_server.LocalServer` with one aggregated worker (the offline
+  engine plus the router and HTTP), driven by the load generator over streamed HTTP;
+- `inprocess`: the same server with one prefill and one decode worker (KV over TCP);
+- `ray`: `cleave serve` as a subprocess on its own local Ray, one prefill and one decode replica;
+- `transformers`: `model.generate` on static batches of c of the same prompts (left padded,
+  max_new_tokens = min_new_tokens = output_len), at the sweep's largest c only.
+
+The ratios compare neighbouring layers on the same requests (`ray_vs_inprocess`: the Ray app
+against the in-process server of the same layout; `inprocess*_vs_offline`: a server against the
+bare engine), Cleave against transformers at the largest c, and the streamed inter-token latency
+p50 at the largest c against the offline engine's step time (p50) there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadgen import RequestSpec, Workload, measure, percentiles_ms
+
+LAYERS = ("offline", "transformers", "inprocess_agg", "inprocess", "ray")
+NOTE = ("{cores} CPU core(s) shared by every layer's engines, its router and this load generator "
+        "(and by other processes on the machine: see load_average_1m); the Ray app's replicas "
+        "run one torch thread each, the engines in this process {threads} (torch_threads)")
+INPROCESS_LAYOUTS = {"inprocess_agg": {"num_workers": 1},
+                     "inprocess": {"num_prefill_workers": 1, "num_decode_workers": 1}}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The requests of every level; the same for every layer."""
+
+    concurrencies: tuple[int, ...]
+    input_len: int = 128
+    output_len: int = 64
+    num_prompts: int | None = None  # per level; None: max(16, 2 x concurrency)
+    seed: int = 0
+    disagg_threshold: int = 64  # the servers' RouterConfig.disagg_threshold_tokens
+    time_limit_s: float = 600.0  # per level and layer: requests not started by then fail
+
+    def __post_init__(self) -> None:
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
+
+    def workload(self, concurrency: int, warmup: int = 0) -> Workload:
+        n = self.num_prompts or max(16, 2 * concurrency)
+        return Workload("random", n, self.input_len, self.output_len,
+                        max_concurrency=concurrency, warmup=warmup, seed=self.seed + concurrency)
+
+
+def run_offline(model: str, sweep: Sweep, vocab_size: int) -> dict[int, dict]:
+    """The bare engine at each concurrency: {c: figures}."""
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+
+    engine = Engine(EngineConfig(model=model))
+    try:
+        warm = sweep.workload(1, warmup=2)
+        _step_engine(engine, warm.warmup_specs(vocab_size), 2, "warm")
+        return {c: _step_engine(engine, sweep.workload(c).specs(vocab_size), c, f"c{c}")
+                for c in sweep.concurrencies}
+    finally:
+        engine.close()
+
+
+def _step_engine(engine, specs: list[RequestSpec], concurrency: int,  # noqa: ANN001 - Engine
+                 prefix: str) -> dict:
+    """Step `engine` over `specs`, keeping `concurrency` of them in it; figures of the run."""
+    from workers.protocol import SamplingParams, WorkerRequest
+
+    pending = list(reversed(specs))
+    added: dict[str, float] = {}  # request id -> when it was added
+    last: dict[str, float] = {}  # request id -> its latest token's time
+    ttft, itl, steps = [], [], []
+    tokens = finished = 0
+
+    def add() -> None:
+        spec = pending.pop()
+        rid = f"{prefix}-{len(added)}"
+        params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+        engine.generate(WorkerRequest(rid, tuple(spec.prompt), params))
+        added[rid] = time.perf_counter()
+
+    start = time.perf_counter()
+    while pending and len(added) - finished < concurrency:
+        add()
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        events = engine.step()
+        now = time.perf_counter()
+        steps.append(now - t0)
+        for e in events:
+            if e.token_ids:
+                tokens += len(e.token_ids)
+                if e.request_id in last:
+                    itl.append(now - last[e.request_id])
+                else:
+                    ttft.append(now - added[e.request_id])
+                last[e.request_id] = now
+            if e.finish_reason is not None:
+                finished += 1
+        while pending and len(added) - finished < concurrency:
+            add()
+    duration = time.perf_counter() - start
+    expected = sum(s.max_tokens for s in specs)
+    return {"requests": len(specs), "completed": finished, "failed": len(specs) - finished,
+            "output_tokens": tokens, "expected_output_tokens": expected,
+            "duration_s": round(duration, 2), "output_throughput": round(tokens / duration, 1),
+            "steps": len(steps), "step": percentiles_ms(steps), "ttft": percentiles_ms(ttft),
+            "itl": percentiles_ms(itl)}
+
+
+def run_transformers(model: str, sweep: Sweep, vocab_size: int) -> dict[int, dict]:
+    """transformers `generate` over static batches at the sweep's largest concurrency."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    c = max(sweep.concurrencies)
+    specs = sweep.workload(c).specs(vocab_size)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    pad, n_out = 0, sweep.output_len
+    with torch.inference_mode():
+        hf.generate(torch.tensor([specs[0].prompt[:16]]), max_new_tokens=2, do_sample=False,
+                    eos_token_id=None, pad_token_id=pad)  # warm-up
+        start = time.perf_counter()
+        for i in range(0, len(specs), c):
+            batch = [list(s.prompt) for s in specs[i:i + c]]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n_out,
+                              min_new_tokens=n_out, do_sample=False, eos_token_id=None,
+                              pad_token_id=pad)
+            if out.shape[1] - width != n_out:
+                raise RuntimeError(f"transformers made {out.shape[1] - width} tokens, not {n_out}")
+        duration = time.perf_counter() - start
+    tokens = len(specs) * n_out
+    return {c: {"requests": len(specs), "completed": len(specs), "failed": 0,
+                "batch_size": c, "output_tokens": tokens, "duration_s": round(duration, 2),
+                "output_throughput": round(tokens / duration, 1)}}
+
+
+def run_server(base_url: str, model_name: str, sweep: Sweep, vocab_size: int) -> dict[int, dict]:
+    """The load generator against a running server at each concurrency (warm-up first)."""
+    out = {}
+    for i, c in enumerate(sweep.concurrencies):
+        summary, _ = measure(base_url, model_name, sweep.workload(c, warmup=2 if i == 0 else 0),
+                             math.inf, vocab_size, sweep.time_limit_s)
+        out[c] = summary
+    return out
+
+
+def run_inprocess(model: str, sweep: Sweep, vocab_size: int, layer: str) -> dict[int, dict]:
+    from cluster.local_server import LocalServeConfig, LocalServer
+
+    server = LocalServer(LocalServeConfig(
+        model, http_port=0, grpc_port=0, router={"disagg_threshold_tokens": sweep.disagg_threshold},
+        **INPROCESS_LAYOUTS[layer])).start(timeout_s=300)
+    try:
+        return run_server(f"http://127.0.0.1:{server.http_port}", server.router.model_name,
+                          sweep, vocab_size)
+    finally:
+        server.stop()
+
+
+def run_ray(model: str, sweep: Sweep, vocab_size: int, num_cpus: float) -> dict:
+    """{c: figures} plus "_stop": how `cleave serve` ended."""
+    from serving_ray import RayApp
+
+    t0 = time.perf_counter()
+    for attempt in (1, 2):  # once more if it exits before ready (seen once, signalled)
+        app = RayApp(model, "bench", disagg_threshold=sweep.disagg_threshold, num_cpus=num_cpus)
+        try:
+            app.start()
+            break
+        except RuntimeError as exc:
+            if attempt == 2:
+                raise
+            print(f"  ray: cleave serve did not start ({str(exc)[:200]}); trying once more")
+    started_s = time.perf_counter() - t0
+    try:
+        out: dict = run_server(app.base_url, "bench", sweep, vocab_size)
+    finally:
+        stop = app.stop()
+    return out | {"_stop": stop | {"start_s": round(started_s, 1), "start_attempts": attempt}}
+
+
+def run_layer(layer: str, model: str, sweep: Sweep, vocab_size: int,
+              ray_num_cpus: float) -> dict:
+    if layer == "offline":
+        return run_offline(model, sweep, vocab_size)
+    if layer == "transformers":
+        return run_transformers(model, sweep, vocab_size)
+    if layer in INPROCESS_LAYOUTS:
+        return run_inprocess(model, sweep, vocab_size, layer)
+    if layer == "ray":
+        return run_ray(model, sweep, vocab_size, ray_num_cpus)
+    raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def ratios(levels: dict[str, dict], concurrencies: tuple[int, ...]) -> dict[str, float | None]:
+    """The comparisons between the layers that ran (keys end in `_ratio`)."""
+    def tput(layer: str, c: int) -> float | None:
+        run = levels.get(layer, {}).get(c)
+        return run["output_throughput"] if run and not run["failed"] else None
+
+    out: dict[str, float | None] = {}
+    top = max(concurrencies)
+    pairs = [("ray", "inprocess"), ("inprocess", "offline"), ("inprocess_agg", "offline")]
+    for a, b in pairs:
+        if a in levels and b in levels:
+            for c in concurrencies:
+                out[f"{a}_vs_{b}_c{c}_ratio"] = _ratio(tput(a, c), tput(b, c))
+    if "transformers" in levels:
+        for a in ("ray", "inprocess", "inprocess_agg", "offline"):
+            if a in levels:
+                out[f"{a}_vs_transformers_ratio"] = _ratio(tput(a, top), tput("transformers", top))
+    if "offline" in levels and top in levels["offline"]:
+        step = levels["offline"][top]["step"]["p50_ms"]
+        for a in ("ray", "inprocess", "inprocess_agg"):
+            if a in levels and top in levels[a]:
+                out[f"{a}_itl_p50_vs_offline_step_ratio"] = _ratio(
+                    levels[a][top]["itl"]["p50_ms"], step)
+    return out
+
+
+def vocab_of(model: str) -> int:
+    """Prompt ids are drawn below this: the model's vocabulary (at most 32,000)."""
+    from workers.model_config import ModelConfig
+
+    return min(ModelConfig.from_pretrained(model).vocab_size, 32000)
+
+
+def sweep_model(model: str, layers: list[str], sweep: Sweep, ray_num_cpus: float) -> dict:
+    """Every layer in `layers` on `model`: {"levels": {layer: {c: figures}}, "ratios": ...}."""
+    vocab_size = vocab_of(model)
+    levels, seconds, errors = {}, {}, {}
+    for layer in layers:
+        t0 = time.perf_counter()
+        try:
+            levels[layer] = run_layer(layer, model, sweep, vocab_size, ray_num_cpus)
+        except Exception as exc:  # one failing layer (say, Ray) still reports the others
+            errors[layer] = f"{type(exc).__name__}: {exc}"[-2000:]
+            print(f"  {layer}: FAILED {errors[layer]}")
+            continue
+        finally:
+            seconds[layer] = round(time.perf_counter() - t0, 1)
+            gc.collect()  # the layer's engines and KV caches, before the next layer's
+        for c, run in levels[layer].items():
+            if isinstance(c, int):
+                print(f"  {layer} c={c}: {run['output_throughput']} tok/s, "
+                      f"{run['completed']}/{run['requests']} ok, ITL p50 "
+                      f"{run.get('itl', {}).get('p50_ms')} ms, TTFT p50 "
+                      f"{run.get('ttft', {}).get('p50_ms')} ms")
+    return {"levels": levels, "layer_seconds": seconds, "errors": errors,
+            "ratios": ratios(levels, sweep.concurrencies),
+            "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def resolve_model(name: str, tmp: str) -> str:
+    """tiny: the embedded default `cleave serve` uses; small: the preset, written under `tmp`;
+    anything else: a model folder."""
+    if name == "tiny":
+        from workers.make_model import default_model_path
+
+        return str(default_model_path())
+    if name == "small":
+        from workers.make_model import make_model
+
+        return str(make_model(Path(tmp) / "small", arch="llama", preset="small"))
+    if not Path(name, "config.json").is_file():
+        raise ValueError(f"--models: {name!r} is neither tiny, small nor a model folder")
+    return name
+
+
+def layers_main(args: argparse.Namespace, command: str) -> dict:
+    """The sweep `serving.py --layers` describes, for each model; emits and returns the JSON."""
+    import torch
+    from results_io import RESULTS, emit
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    sweep = Sweep(args.concurrencies, args.input_len, args.output_len or 64, args.num_prompts,
+                  args.seed, args.disagg_threshold, args.time_limit_s)
+    result: dict = {"benchmark": "serving_layers", "command": command,
+                    "layers": args.layer_list, "sweep": dataclasses.asdict(sweep),
+                    "torch_threads": torch.get_num_threads(),
+                    "cpu_cores": len(os.sched_getaffinity(0)), "models": {}}
+    with tempfile.TemporaryDirectory(prefix="cleave-bench-") as tmp:
+        for entry in args.models.split(","):
+            name, _, path = entry.rpartition("=")
+            name = name or Path(path).name
+            model = resolve_model(path, tmp)
+            print(f"{name} ({model}):")
+            report = sweep_model(model, args.layer_list, sweep, args.ray_num_cpus)
+            if args.guidellm:
+                from serving_guidellm import compare_guidellm
+
+                report["guidellm"] = compare_guidellm(model, sweep, args.guidellm_bin,
+                                                     vocab_of(model))
+                report["ratios"]["guidellm_vs_loadgen_ratio"] = report["guidellm"]["ratio"]
+            result["models"][name] = report
+            for key, value in report["ratios"].items():
+                result[f"{name}_{key}"] = value
+                print(f"  {key}: {value}")
+    result["note"] = NOTE.format(cores=result["cpu_cores"], threads=result["torch_threads"])
+    return emit(result, Path(args.out or RESULTS / "serving_layers.json"))
