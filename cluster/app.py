@@ -8,6 +8,8 @@
 (`import_path: cluster.app:build_app`, `args: <the config as a dict>`); it needs no running Ray.
 Each pool is one deployment whose replica is one worker group: its ranks' resources are one
 placement group (`STRICT_PACK`), and it autoscales on its own signals (`cluster.autoscaling`).
+What the engines and the router run with comes from `cluster.settings`, as in process; the
+Serve options here (placement, autoscaling, replicas) are what only Ray has.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def pool_deployment_options(name: str, pool: PoolSettings) -> dict[str, Any]:
     return options
 
 
+def router_deployment_options(config: CleaveConfig) -> dict[str, Any]:
+    """Serve options of the router's deployment (its own settings: `cluster.settings`)."""
+    return {"name": "router", "num_replicas": config.router.replicas,
+            "ray_actor_options": {"num_cpus": ROUTER_CPUS},
+            "max_ongoing_requests": config.router.max_in_flight + 16}
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The application for a config dict (`CleaveConfig.to_dict()`); raises `ConfigError`."""
     config = CleaveConfig.parse(args)
@@ -72,7 +81,4 @@ def build_app(args: dict[str, Any]) -> Application:
                  **pool_deployment_options(name, pool)).bind(data, name, directory)
              for name, pool in config.pools.items()]
     return serve.deployment(RouterIngress).options(
-        name="router", num_replicas=config.router.replicas,
-        ray_actor_options={"num_cpus": ROUTER_CPUS},
-        max_ongoing_requests=config.router.max_in_flight + 16,
-    ).bind(data, directory, *pools)
+        **router_deployment_options(config)).bind(data, directory, *pools)
