@@ -23,15 +23,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from workers.protocol import (
-    Command,
-    EngineStats,
-    KVSnapshot,
-    PrefillResult,
-    WorkerInfo,
-    WorkerOutputs,
-    WorkerRequest,
-)
+from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from cluster.rank_actor import RankPlace

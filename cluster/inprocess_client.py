@@ -12,16 +12,8 @@ from typing import TYPE_CHECKING
 
 from router.channel import ChannelClient, WorkerChannel
 from router.errors import WorkerUnavailableError
-from workers.protocol import (
-    Command,
-    EngineShutDown,
-    EngineStats,
-    KVSnapshot,
-    PrefillResult,
-    WorkerInfo,
-    WorkerOutputs,
-    WorkerRequest,
-)
+from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from workers.worker import Worker

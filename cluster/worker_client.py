@@ -17,16 +17,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from router.channel import ChannelClient, WorkerChannel
 from router.errors import WorkerUnavailableError
-from workers.protocol import (
-    Command,
-    EngineShutDown,
-    EngineStats,
-    KVSnapshot,
-    PrefillResult,
-    WorkerInfo,
-    WorkerOutputs,
-    WorkerRequest,
-)
+from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 CALL_TIMEOUT_S = 10.0  # for the short calls (stats, snapshot, health, submit)
 T = TypeVar("T")

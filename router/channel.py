@@ -19,22 +19,18 @@ from typing import TYPE_CHECKING, Sequence
 
 from router.errors import WorkerUnavailableError
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
-from workers.protocol import (
+from workers.messages import (
     Abort,
     Command,
     DecodeFromHandoff,
-    EngineStats,
     FailureKind,
     Generate,
-    KVSnapshot,
     PrefillResult,
     Resume,
     StreamCommand,
-    TokenEvent,
-    WorkerInfo,
     WorkerOutputs,
-    WorkerRequest,
 )
+from workers.protocol import EngineStats, KVSnapshot, TokenEvent, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

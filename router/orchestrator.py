@@ -36,10 +36,10 @@ from router.policy import Decision, NoHealthyWorker, RoutingPolicy, WorkerLoad, 
 from router.streams import DONE, Generation, Handover
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
+from workers.messages import PrefillResult
 from workers.protocol import (
     InvalidRequestError,
     KVPullFailed,
-    PrefillResult,
     TokenEvent,
     WorkerRequest,
     WorkerRole,

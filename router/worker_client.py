@@ -13,12 +13,12 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
+from workers.messages import PrefillResult
 from workers.protocol import (
     EngineStats,
     KVEvent,
     KVPullFailed,
     KVSnapshot,
-    PrefillResult,
     TokenEvent,
     WorkerInfo,
     WorkerRequest,

@@ -16,10 +16,11 @@ import asyncio
 import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.outputs import RequestStream, Sink
 from workers.protocol import (
     EngineShutDown,
     EngineStats,
@@ -35,64 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["AsyncEngine", "EngineShutDown", "RequestStream", "Sink"]
 
 T = TypeVar("T")
-
-
-class Sink(Protocol):
-    """Where one or more requests' events go. Called on the event loop's thread."""
-
-    def put(self, event: TokenEvent) -> None:
-        """One new event of a request routed here."""
-
-    def fail(self, request_id: str, exc: BaseException) -> None:
-        """The request ended with `exc`; nothing of it is held by the engine any more."""
-
-    def flush(self) -> None:
-        """The step is over: deliver what `put` and `fail` gathered."""
-
-
-class RequestStream:
-    """One request's events as an async iterator, for in-process callers. Ends after the last
-    sample finished; raises what `fail` was given; `aclose()` before the end aborts."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        self._left = num_samples
-        self._done = False
-
-    def put(self, event: TokenEvent) -> None:
-        self._queue.put_nowait(event)
-
-    def fail(self, request_id: str, exc: BaseException) -> None:
-        self._queue.put_nowait(exc)
-
-    def flush(self) -> None:
-        pass  # the queue wakes the reader already
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled: the caller is gone
-            await self.aclose()
-            raise
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finish_reason is not None:
-            self._left -= 1
-            self._done = self._left == 0
-        return item
-
-    async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.abort(self.request_id)
 
 
 @dataclasses.dataclass
@@ -220,7 +163,7 @@ class AsyncEngine:
     def stream(self, start: Callable[[Sink], None], request_id: str,
                num_samples: int = 1) -> RequestStream:
         """`start(sink)` with a new `RequestStream` as the sink, returned to iterate."""
-        stream = RequestStream(self, request_id, num_samples)
+        stream = RequestStream(request_id, num_samples, self.abort)
         start(stream)
         return stream
 

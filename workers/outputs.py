@@ -1,4 +1,8 @@
-"""A worker's output channel: one `WorkerOutputs` message per engine step per subscriber.
+"""Where a worker's outputs go: the `Sink`s the async engine routes each request's events to,
+and the output channel, one `WorkerOutputs` message per engine step per subscriber.
+
+`RequestStream` is one request's events as an async iterator (in-process callers); an `Outbox`
+gathers a subscriber's requests' events for the channel.
 
 Each router (a subscriber) long-polls `OutputHub.next_outputs(subscriber)`: it returns as soon
 as a step produced something for that router's requests (all of them in one message: new tokens,
@@ -17,9 +21,70 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
-from workers.protocol import EngineStats, KVEvent, RequestFailed, TokenEvent, WorkerOutputs
+from workers.messages import RequestFailed, WorkerOutputs
+from workers.protocol import EngineStats, KVEvent, TokenEvent
+
+class Sink(Protocol):
+    """Where one or more requests' events go. Called on the event loop's thread."""
+
+    def put(self, event: TokenEvent) -> None:
+        """One new event of a request routed here."""
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """The request ended with `exc`; nothing of it is held by the engine any more."""
+
+    def flush(self) -> None:
+        """The step is over: deliver what `put` and `fail` gathered."""
+
+
+class RequestStream:
+    """One request's events as an async iterator, for in-process callers. Ends after the last
+    sample finished; raises what `fail` was given; `aclose()` before the end aborts."""
+
+    def __init__(self, request_id: str, num_samples: int,
+                 abort: Callable[[str], None]) -> None:
+        """`abort`: cancels the request on the engine (when the reader leaves early)."""
+        self._abort = abort
+        self.request_id = request_id
+        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self._left = num_samples
+        self._done = False
+
+    def put(self, event: TokenEvent) -> None:
+        self._queue.put_nowait(event)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        self._queue.put_nowait(exc)
+
+    def flush(self) -> None:
+        pass  # the queue wakes the reader already
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the caller is gone
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._left -= 1
+            self._done = self._left == 0
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abort(self.request_id)
+
 
 KV_EVENT_LOG_SIZE = 65536  # events kept for routers that have not read them yet
 SUBSCRIBER_IDLE_S = 30.0  # a subscriber silent this long is gone (it polls every second)
@@ -51,8 +116,7 @@ class KVEventLog:
 
 
 class Outbox:
-    """One subscriber's outputs not yet read: the `Sink` its requests' events go to (see
-    `workers.async_engine.Sink`). `samples_left`: its requests the engine still runs (the worker adds them)."""
+    """One subscriber's outputs not yet read: the `Sink` its requests' events go to. `samples_left`: its requests the engine still runs (the worker adds them)."""
 
     def __init__(self) -> None:
         self.events: list[TokenEvent] = []

@@ -19,31 +19,35 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from workers.outputs import OutputHub
-from workers.protocol import (
+from workers.messages import (
     Abort,
     Command,
     DecodeFromHandoff,
+    Generate,
+    PrefillResult,
+    Resume,
+    WorkerOutputs,
+)
+from workers.protocol import (
     EngineStats,
     FinishReason,
-    Generate,
     KVCacheFull,
     KVPullFailed,
     KVSnapshot,
-    PrefillResult,
-    Resume,
     WorkerInfo,
-    WorkerOutputs,
     WorkerRequest,
     WorkerRole,
 )
 
+from workers.outputs import OutputHub
+from workers.transfer import WorkerTransfer
+
 if TYPE_CHECKING:
     from kvtransfer import TransferAgent
-    from kvtransfer.handoff import KVHandoff
-    from workers.async_engine import AsyncEngine, RequestStream, Sink
+    from workers.async_engine import AsyncEngine
+    from workers.outputs import RequestStream, Sink
     from workers.config import EngineConfig
     from workers.engine import Engine
     from workers.parallel.group import RankLauncher
@@ -82,23 +86,14 @@ class Worker:
         `pull_timeout_s`: how long a decode waits for its KV to land."""
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
-        for name, value in (("lease_s", lease_s), ("pull_timeout_s", pull_timeout_s)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
         check_role_fits_engine(role, engine.engine)
         self.worker_id = worker_id
         self.role = role
         self.async_engine = engine
         self.engine = engine.engine
-        self.transport = transport
-        self.host = host
-        self.lease_s = lease_s
-        self.pull_timeout_s = pull_timeout_s
-        self._agents: list[TransferAgent] | None = None  # one per tensor-parallel rank
-        self._agent_lock = asyncio.Lock()
-        # offered blocks -> [request id, leases not yet ended] of the held requests they belong
-        # to (one tuple may be held twice); a request holds one lease per TP rank
-        self._leased: dict[tuple[int, ...], list[list]] = {}
+        self.transfer = WorkerTransfer(worker_id, engine.engine, self._free_held,
+                                       transport=transport, host=host, lease_s=lease_s,
+                                       pull_timeout_s=pull_timeout_s)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # decodes whose KV is being pulled
         self.outputs = OutputHub(lambda: engine.stats, self.abort)
         engine.on_publish = self.outputs.publish
@@ -196,8 +191,7 @@ class Worker:
 
         NOTE: a lease cancelled while a decode worker reads it frees the blocks under that read;
         only cancel when the decode side is being aborted too."""
-        for agent in self._agents or ():
-            agent.cancel(request_id)
+        self.transfer.cancel(request_id)
         pull = self._pulls.pop(request_id, None)
         if pull is not None:
             pull.cancel()
@@ -211,24 +205,11 @@ class Worker:
                              f"one of {allowed}")
 
     async def agents(self) -> list[TransferAgent]:
-        """This worker's transfer agents, one per tensor-parallel rank's shard of the cache
-        (each serves and pulls that rank's heads), started (listening) on first use."""
-        async with self._agent_lock:
-            if self._agents is None:
-                from kvtransfer import TransferAgent, TransportConfig, self_check
+        """This worker's transfer agents, started (`WorkerTransfer.agents`)."""
+        return await self.transfer.agents()
 
-                # the transport moves a test pattern to itself first: a broken path is an
-                # error here, at start, not a slow or failed first handoff
-                await self_check(TransportConfig(self.transport, self.host))
-                agents = [TransferAgent(layout, caches,
-                                        TransportConfig(self.transport, self.host),
-                                        on_release=self._on_release)
-                          for layout, caches in zip(self.engine.kv_layouts(),
-                                                    self.engine.kv_caches_by_rank())]
-                for agent in agents:
-                    await agent.start()
-                self._agents = agents
-            return self._agents
+    def _free_held(self, request_id: str) -> None:
+        self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
 
     async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
         """Run the prompt to its first token (sampled with its params) and offer its KV under
@@ -239,9 +220,7 @@ class Worker:
         self._check_role(PREFILL_ROLES, "prefill")
         if kv_readers < 1:
             raise ValueError(f"kv_readers must be at least 1, got {kv_readers}")
-        from kvtransfer.handoff import KVHandoff
-
-        agents = await self.agents()
+        await self.agents()
         rid, params = req.request_id, req.params
         first = None
         offered = False
@@ -255,34 +234,13 @@ class Worker:
                 raise RuntimeError(f"prefill of {rid!r} ended without a token")
             if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
                 return PrefillResult(first, None)  # the request is over (blocks freed below)
-            block_ids = self.engine.held_block_ids(rid)
-            handoffs = [agent.offer(rid, block_ids, lease_s=self.lease_s, readers=kv_readers)
-                        for agent in agents]
-            self._leased.setdefault(tuple(block_ids), []).append([rid, len(agents)])
+            handoff = self.transfer.offer(rid, self.engine.held_block_ids(rid), kv_readers)
             offered = True
-            return PrefillResult(dataclasses.replace(first, finish_reason=None),
-                                 KVHandoff(tuple(handoffs)))
+            return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
         finally:
             await stream.aclose()
             if not offered:  # queued after the abort of an unfinished request
                 self.async_engine.apply_soon(lambda: self.engine.free_held(rid))
-
-    def _on_release(self, block_ids: Sequence[int]) -> None:
-        """A lease ended (on the event loop): once every rank's lease of the request ended,
-        free its held blocks between steps."""
-        key = tuple(block_ids)
-        owners = self._leased.get(key)
-        if not owners:
-            logger.error("worker %s: a lease ended on blocks %s it never offered",
-                         self.worker_id, list(key)[:8])
-            return
-        owners[0][1] -= 1
-        if owners[0][1] > 0:
-            return
-        request_id = owners.pop(0)[0]
-        if not owners:
-            del self._leased[key]
-        self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
 
     async def _decode_from_handoff(self, cmd: DecodeFromHandoff, sink: Sink) -> None:
         """Pull the handoff's KV into fresh blocks, then decode after the first token; a pull
@@ -291,7 +249,7 @@ class Worker:
         rid = cmd.req.request_id
         assert cmd.handoff is not None
         try:
-            pull = await self._puller(rid, cmd.handoff)
+            pull = await self.transfer.puller(rid, cmd.handoff)
             await self.async_engine.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
                                                         sink)
         except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
@@ -300,28 +258,6 @@ class Worker:
         except KVPullFailed as exc:
             sink.fail(rid, exc)
             sink.flush()
-
-    async def _puller(self, request_id: str,
-                      handoff: KVHandoff) -> Callable[[list[int]], Awaitable[None]]:
-        """The pull of a handoff (one record per prefill TP rank) into given blocks: every
-        local rank's agent pulls its heads from the records that hold them. Raises
-        `KVPullFailed`."""
-        from kvtransfer import TransferError
-
-        agents = await self.agents()
-
-        async def pull(block_ids: list[int]) -> None:
-            # every rank's pull ends (landed or failed) before the blocks may be reused
-            results = await asyncio.gather(*(agent.pull(list(handoff.ranks), block_ids,
-                                                        timeout=self.pull_timeout_s)
-                                             for agent in agents), return_exceptions=True)
-            for exc in results:
-                if isinstance(exc, TransferError):
-                    raise KVPullFailed(request_id, type(exc).__name__, str(exc)) from None
-                if isinstance(exc, BaseException):
-                    raise exc
-
-        return pull
 
     def stats(self) -> EngineStats:
         """The engine's load as of its last step (published by the step thread)."""
@@ -332,7 +268,5 @@ class Worker:
 
     async def shutdown(self) -> None:
         """Stop serving KV (every lease ends) and stop the engine."""
-        for agent in self._agents or ():
-            await agent.close()
-        self._agents = None
+        await self.transfer.close()
         await self.async_engine.shutdown()

@@ -22,13 +22,13 @@ from router.orchestrator import Orchestrator
 from router.policy import get_policy
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
 from router.workers import WorkerSet
+from workers.messages import PrefillResult
 from workers.protocol import (
     EngineStats,
     FinishReason,
     InvalidRequestError,
     KVPullFailed,
     KVSnapshot,
-    PrefillResult,
     TokenEvent,
     WorkerInfo,
     WorkerRequest,

@@ -10,7 +10,7 @@ import pytest
 
 from cluster.local_server import LocalServer
 from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
-from workers.protocol import PrefillResult
+from workers.messages import PrefillResult
 
 THRESHOLD = 24  # tokens; the prompts below are longer, unless meant to be short
 _words = itertools.count()
@@ -57,7 +57,7 @@ def complete(srv: LocalServer, prompt: str, stream: bool = False, max_tokens: in
 def settled(srv: LocalServer) -> bool:
     """Every block of every worker free, and no lease left on any agent."""
     def leases() -> int:
-        return sum(a.num_leases for w in srv.workers for a in w._agents or ())
+        return sum(a.num_leases for w in srv.workers for a in w.transfer.started)
 
     return wait_until(lambda: all(srv.call(c.stats()).num_free_blocks == NUM_BLOCKS
                                   for c in srv.clients) and leases() == 0, 10.0)

@@ -15,7 +15,8 @@ import pytest
 from kvtransfer import LocalHub, TransferAgent, TransportConfig
 from tests.workers.hf_oracle import save_hf_model
 from workers import LLM, SamplingParams
-from workers.protocol import DecodeFromHandoff, WorkerRequest
+from workers.messages import DecodeFromHandoff
+from workers.protocol import WorkerRequest
 
 PROMPT = list(range(5, 40))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -11,14 +11,8 @@ import pytest
 from tests.workers.factories import create_request, create_scheduler, fake_step
 from workers.config import EngineConfig
 from workers.kv_cache import KVCacheManager
-from workers.protocol import (
-    DecodeFromHandoff,
-    FinishReason,
-    Generate,
-    KVPullFailed,
-    SamplingParams,
-    WorkerRequest,
-)
+from workers.messages import DecodeFromHandoff, Generate
+from workers.protocol import FinishReason, KVPullFailed, SamplingParams, WorkerRequest
 from workers.worker import Worker
 
 NUM_BLOCKS = 48
