@@ -153,6 +153,12 @@ class AutoscalingSettings(_Strict):
         "move to other workers."))
 
 
+# the autoscaling targets a pool of each kind does not scale on (prefill: waiting prompt tokens;
+# decode and aggregated: KV occupancy and running sequences)
+_UNUSED_TARGETS = {"prefill": ("target_kv_usage", "target_running_seqs"),
+                   "decode": ("target_waiting_tokens",)}
+
+
 class PoolSettings(_Strict):
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
     tp: int = Field(default_of(EngineConfig, "tensor_parallel_size"), ge=1, description=(
@@ -211,6 +217,14 @@ class PoolsSettings(_Strict):
                     f"{name}: a GPU pool of tp × pp = {pool.ranks} ranks keeps its KV cache on "
                     f"the ranks' GPUs and cannot hand it off yet; use an aggregated pool, or "
                     f"tp = pp = 1 for prefill/decode pools")
+        for name, pool in self.items():
+            unused = _UNUSED_TARGETS["prefill" if name == "prefill" else "decode"]
+            for field in unused:
+                value = getattr(pool.autoscaling, field)
+                if value != AutoscalingSettings.model_fields[field].default:
+                    used = _UNUSED_TARGETS["decode" if name == "prefill" else "prefill"]
+                    raise ValueError(f"{name}.autoscaling.{field}={value}: the {name} pool "
+                                     f"scales on {' and '.join(used)}")
         sizes = {b.engine.block_size for _, b in self.items()}
         if len(sizes) > 1:
             raise ValueError(f"every pool must use the same engine.block_size, got "

@@ -155,3 +155,64 @@ def test_the_decode_policy_takes_the_signal_that_asks_for_more():
     assert policy(Ctx())[0] == 2  # KV occupancy 0.9 against 0.5 per replica
     with pytest.raises(ValueError, match="unknown autoscaling signals"):
         PoolPolicy({"gpu_temperature": 80.0})
+
+
+def test_a_pool_refuses_an_autoscaling_target_it_does_not_scale_on():
+    with pytest.raises(ConfigError, match="prefill.autoscaling.target_kv_usage=0.5: the prefill "
+                                          "pool scales on target_waiting_tokens"):
+        parse(pools={"prefill": {"autoscaling": {"target_kv_usage": 0.5}}, "decode": {}})
+    with pytest.raises(ConfigError, match="decode.autoscaling.target_waiting_tokens=9"):
+        parse(pools={"decode": {"autoscaling": {"target_waiting_tokens": 9}}})
+
+
+def test_defaults_are_the_inner_records_own():
+    from router.config import RouterConfig
+    from workers.config import EngineConfig
+
+    c, engine, router = CleaveConfig(), EngineConfig(model="m"), RouterConfig("m")
+    assert c.pools.decode.engine.max_num_seqs == engine.max_num_seqs
+    assert c.pools.decode.tp == engine.tensor_parallel_size
+    assert c.router.max_n == router.max_n and c.router.policy == router.policy
+
+
+def test_in_process_each_pool_runs_its_own_engine_with_the_cluster_settings(monkeypatch):
+    from cluster.settings import in_process_plan, router_config
+
+    monkeypatch.setenv("KEYS", "k2")
+    c = parse(model={"path": "/models/m"},
+              pools={"prefill": {"engine": {"max_num_batched_tokens": 4096}},
+                     "decode": {"tp": 2, "replicas": {"min": 2, "max": 3}}},
+              router={"policy_weights": {"w_hit": 3.0}, "max_n": 4, "api_keys": ["k1"],
+                      "api_keys_env": "KEYS"},
+              kv_transfer={"lease_s": 5.0, "pull_timeout_s": 2.0})
+    plan = in_process_plan(c, "/models/m")
+    prefill, decode = plan.pools
+    assert (prefill.replicas, decode.replicas) == (1, 2)  # min: in process nothing autoscales
+    assert prefill.engine.max_num_batched_tokens == 4096
+    assert prefill.engine.tensor_parallel_size == 1
+    assert decode.engine.max_num_batched_tokens == 2048 and decode.engine.tensor_parallel_size == 2
+    assert (decode.worker.lease_s, decode.worker.pull_timeout_s) == (5.0, 2.0)
+    r = plan.router
+    assert r.policy_options == (("w_hit", 3.0),) and r.max_n == 4 and r.api_keys == ("k1", "k2")
+    assert r.migration_wait_s == 0.0  # nothing replaces a dead worker in process
+    assert router_config(c, "/models/m").migration_wait_s == 120.0  # Serve replaces it on Ray
+
+
+def test_in_process_a_deployment_that_starts_without_a_decoder_is_refused():
+    from cluster.settings import in_process_plan
+
+    c = parse(pools={"prefill": {}, "decode": {"replicas": {"min": 0, "max": 2}}})
+    with pytest.raises(ValueError, match="none of {'prefill': 1, 'decode': 0} decodes"):
+        in_process_plan(c, "/models/m")
+
+
+def test_the_local_shorthand_gives_every_pool_one_engine():
+    from cluster.local_server import LocalServeConfig
+
+    plan = LocalServeConfig("/models/m", num_prefill_workers=1, num_decode_workers=2,
+                            router={"max_body_bytes": 1024}, engine={"num_blocks": 96},
+                            worker={"lease_s": 10.0}).plan()
+    assert [(p.name, p.role, p.replicas) for p in plan.pools] == [("prefill", "prefill", 1),
+                                                                   ("decode", "decode", 2)]
+    assert {p.engine.num_blocks for p in plan.pools} == {96}
+    assert plan.pools[0].worker.lease_s == 10.0 and plan.router.max_body_bytes == 1024
