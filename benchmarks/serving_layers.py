@@ -7,7 +7,8 @@ At each concurrency c, the same N requests (random token ids, seeded by c, exact
 - `offline`: one `workers.engine.Engine` in this process, stepped with c requests in it at once
   (the next added as one finishes); output tokens/s, and each step's wall time;
 - `inprocess_agg`: `cluster.local_server.LocalServer` with one aggregated worker (the offline
-  engine plus the router and HTTP), driven by the load generator over streamed HTTP;
+  engine plus the router and HTTP), driven by the load generator over streamed HTTP; the
+  server runs in a child process, so the client shares no GIL with it (as with the Ray app);
 - `inprocess`: the same server with one prefill and one decode worker (KV over TCP);
 - `ray`: `cleave serve` as a subprocess on its own local Ray, one prefill and one decode replica;
 - `transformers`: `model.generate` on static batches of c of the same prompts (left padded,
@@ -25,10 +26,12 @@ import argparse
 import dataclasses
 import gc
 import math
+import multiprocessing
 import os
 import tempfile
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from loadgen import RequestSpec, Workload, measure, percentiles_ms
@@ -36,7 +39,8 @@ from loadgen import RequestSpec, Workload, measure, percentiles_ms
 LAYERS = ("offline", "transformers", "inprocess_agg", "inprocess", "ray")
 NOTE = ("{cores} CPU core(s) shared by every layer's engines, its router and this load generator "
         "(and by other processes on the machine: see load_average_1m); the Ray app's replicas "
-        "run one torch thread each, the engines in this process {threads} (torch_threads)")
+        "run one torch thread each, the offline engine and the in-process servers' engines "
+        "{threads} (torch_threads)")
 INPROCESS_LAYOUTS = {"inprocess_agg": {"num_workers": 1},
                      "inprocess": {"num_prefill_workers": 1, "num_decode_workers": 1}}
 
@@ -165,15 +169,47 @@ def run_server(base_url: str, model_name: str, sweep: Sweep, vocab_size: int) ->
     return out
 
 
-def run_inprocess(model: str, sweep: Sweep, vocab_size: int, layer: str) -> dict[int, dict]:
+def run_inprocess(model: str, sweep: Sweep, vocab_size: int, layer: str,
+                  torch_threads: int) -> dict[int, dict]:
+    """The in-process server of `layer`'s layout, run in a child process: the load generator
+    then shares no interpreter (GIL) with the router and engines, as with the Ray app."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_serve_in_child, daemon=True, name=f"cleave-{layer}",
+                        args=(model, INPROCESS_LAYOUTS[layer], sweep.disagg_threshold,
+                              torch_threads, child_conn))
+    child.start()
+    child_conn.close()  # the child's end: recv() then sees EOF if the child dies
+    try:
+        if not conn.poll(300):
+            raise TimeoutError(f"the {layer} server did not start within 300s")
+        port, model_name = conn.recv()  # EOFError: it failed (its traceback is on stderr)
+        return run_server(f"http://127.0.0.1:{port}", model_name, sweep, vocab_size)
+    finally:
+        conn.close()  # the child stops its server when the pipe closes
+        child.join(60)
+        if child.is_alive():
+            child.terminate()
+
+
+def _serve_in_child(model: str, layout: dict, threshold: int, torch_threads: int,
+                    conn: Connection) -> None:
+    """A `LocalServer` until `conn` closes; sends (HTTP port, model name) once it listens."""
+    import torch
+
     from cluster.local_server import LocalServeConfig, LocalServer
 
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
     server = LocalServer(LocalServeConfig(
-        model, http_port=0, grpc_port=0, router={"disagg_threshold_tokens": sweep.disagg_threshold},
-        **INPROCESS_LAYOUTS[layer])).start(timeout_s=300)
+        model, http_port=0, grpc_port=0, router={"disagg_threshold_tokens": threshold},
+        **layout)).start(timeout_s=300)
     try:
-        return run_server(f"http://127.0.0.1:{server.http_port}", server.router.model_name,
-                          sweep, vocab_size)
+        conn.send((server.http_port, server.router.model_name))
+        try:
+            conn.recv()
+        except EOFError:
+            pass
     finally:
         server.stop()
 
@@ -200,14 +236,14 @@ def run_ray(model: str, sweep: Sweep, vocab_size: int, num_cpus: float) -> dict:
     return out | {"_stop": stop | {"start_s": round(started_s, 1), "start_attempts": attempt}}
 
 
-def run_layer(layer: str, model: str, sweep: Sweep, vocab_size: int,
-              ray_num_cpus: float) -> dict:
+def run_layer(layer: str, model: str, sweep: Sweep, vocab_size: int, ray_num_cpus: float,
+              torch_threads: int) -> dict:
     if layer == "offline":
         return run_offline(model, sweep, vocab_size)
     if layer == "transformers":
         return run_transformers(model, sweep, vocab_size)
     if layer in INPROCESS_LAYOUTS:
-        return run_inprocess(model, sweep, vocab_size, layer)
+        return run_inprocess(model, sweep, vocab_size, layer, torch_threads)
     if layer == "ray":
         return run_ray(model, sweep, vocab_size, ray_num_cpus)
     raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
@@ -238,8 +274,11 @@ def ratios(levels: dict[str, dict], concurrencies: tuple[int, ...]) -> dict[str,
         step = levels["offline"][top]["step"]["p50_ms"]
         for a in ("ray", "inprocess", "inprocess_agg"):
             if a in levels and top in levels[a]:
-                out[f"{a}_itl_p50_vs_offline_step_ratio"] = _ratio(
-                    levels[a][top]["itl"]["p50_ms"], step)
+                # ITL: gaps between streamed chunks (near 0 when a client reads several at
+                # once); TPOT: each request's decode time per token, which bursts do not skew
+                for metric in ("itl", "tpot"):
+                    out[f"{a}_{metric}_p50_vs_offline_step_ratio"] = _ratio(
+                        levels[a][top][metric]["p50_ms"], step)
     return out
 
 
@@ -250,14 +289,16 @@ def vocab_of(model: str) -> int:
     return min(ModelConfig.from_pretrained(model).vocab_size, 32000)
 
 
-def sweep_model(model: str, layers: list[str], sweep: Sweep, ray_num_cpus: float) -> dict:
+def sweep_model(model: str, layers: list[str], sweep: Sweep, ray_num_cpus: float,
+                torch_threads: int) -> dict:
     """Every layer in `layers` on `model`: {"levels": {layer: {c: figures}}, "ratios": ...}."""
     vocab_size = vocab_of(model)
     levels, seconds, errors = {}, {}, {}
     for layer in layers:
         t0 = time.perf_counter()
         try:
-            levels[layer] = run_layer(layer, model, sweep, vocab_size, ray_num_cpus)
+            levels[layer] = run_layer(layer, model, sweep, vocab_size, ray_num_cpus,
+                                      torch_threads)
         except Exception as exc:  # one failing layer (say, Ray) still reports the others
             errors[layer] = f"{type(exc).__name__}: {exc}"[-2000:]
             print(f"  {layer}: FAILED {errors[layer]}")
@@ -292,6 +333,20 @@ def resolve_model(name: str, tmp: str) -> str:
     return name
 
 
+def code_state() -> dict:
+    """The commit measured, and the serving code's files that differed from it (uncommitted)."""
+    import subprocess
+
+    root = Path(__file__).parents[1]
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True).stdout
+
+    changed = git("status", "--porcelain", "--", "workers", "router", "cluster", "kvtransfer")
+    return {"commit": git("rev-parse", "HEAD").strip(),
+            "uncommitted": sorted(line[3:] for line in changed.splitlines())}
+
+
 def layers_main(args: argparse.Namespace, command: str) -> dict:
     """The sweep `serving.py --layers` describes, for each model; emits and returns the JSON."""
     import torch
@@ -304,14 +359,16 @@ def layers_main(args: argparse.Namespace, command: str) -> dict:
     result: dict = {"benchmark": "serving_layers", "command": command,
                     "layers": args.layer_list, "sweep": dataclasses.asdict(sweep),
                     "torch_threads": torch.get_num_threads(),
-                    "cpu_cores": len(os.sched_getaffinity(0)), "models": {}}
+                    "cpu_cores": len(os.sched_getaffinity(0)), "code": code_state(),
+                    "models": {}}
     with tempfile.TemporaryDirectory(prefix="cleave-bench-") as tmp:
         for entry in args.models.split(","):
             name, _, path = entry.rpartition("=")
             name = name or Path(path).name
             model = resolve_model(path, tmp)
             print(f"{name} ({model}):")
-            report = sweep_model(model, args.layer_list, sweep, args.ray_num_cpus)
+            report = sweep_model(model, args.layer_list, sweep, args.ray_num_cpus,
+                                 args.torch_threads)
             if args.guidellm:
                 from serving_guidellm import compare_guidellm
 

@@ -97,7 +97,8 @@ class RayApp:
                 line = self._proc.stdout.readline()
                 if not line and self._proc.poll() is not None:
                     raise RuntimeError(f"cleave serve exited with {self._proc.returncode}: "
-                                       f"{self.stderr_tail()}")
+                                       f"{self.stderr_tail()}\nraylet.out: "
+                                       f"{self.raylet_log_tail()}")
                 ready += line
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"cleave serve not ready within {timeout_s:.0f}s: "
@@ -114,6 +115,11 @@ class RayApp:
 
     def stderr_tail(self, chars: int = 2000) -> str:
         return "".join(self._stderr)[-chars:]
+
+    def raylet_log_tail(self, chars: int = 1500) -> str:
+        """The end of this app's raylet log (why Ray went away, when it did)."""
+        logs = sorted(Path(self._tmp).glob("ray/session_*/logs/raylet.out"))
+        return logs[-1].read_text(errors="replace")[-chars:] if logs else "(none)"
 
     def stop(self, timeout_s: float = 120.0) -> dict:
         """SIGTERM, wait, then end (by pid) any Ray process of this app still running after
