@@ -42,9 +42,26 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toJson $names }}
 {{- end }}
 
+{{/* Cleave's defaults of the config values the chart reads itself, for values left null (JSON).
+They are `cluster.config.CleaveConfig`'s; tests/deploy/test_chart_defaults.py checks they agree. */}}
+{{- define "cleave.defaults" -}}
+{{- dict "http_port" 8000 "grpc_port" 50051 "replicas_min" 1 "replicas_max" 1 "tp" 1 "pp" 1 "ep" 1 "gpus_per_rank" 0 "cpus_per_rank" 1 "block_size" 16 | toJson }}
+{{- end }}
+
+{{/* The router's HTTP port (Serve's HTTP proxy). */}}
+{{- define "cleave.httpPort" -}}
+{{- (default dict .Values.cleave.router).http_port | default (include "cleave.defaults" . | fromJson).http_port | int }}
+{{- end }}
+
+{{/* The router's gRPC port (Serve's gRPC proxy). */}}
+{{- define "cleave.grpcPort" -}}
+{{- (default dict .Values.cleave.router).grpc_port | default (include "cleave.defaults" . | fromJson).grpc_port | int }}
+{{- end }}
+
 {{/* Ranks (= tp × pp) per replica of the pool given as (dict "pool" <settings>). */}}
 {{- define "cleave.ranks" -}}
-{{- mul (int (default 1 .pool.tp)) (int (default 1 .pool.pp)) }}
+{{- $d := include "cleave.defaults" . | fromJson }}
+{{- mul (int (default $d.tp .pool.tp)) (int (default $d.pp .pool.pp)) }}
 {{- end }}
 
 {{/* The Ray custom resource naming a pool; each of its pods offers one unit per rank. */}}
@@ -88,8 +105,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "cleave.serveConfig" -}}
 {{- $args := include "cleave.args" . | fromJson }}
 {{- $router := $args.router }}
-{{- $http := dict "host" "0.0.0.0" "port" (default 8000 $router.http_port) }}
-{{- $grpc := dict "port" (default 50051 $router.grpc_port) "grpc_servicer_functions" (list "router.proto.cleave.v1.generate_pb2_grpc.add_GenerationServicer_to_server") }}
+{{- $http := dict "host" "0.0.0.0" "port" (include "cleave.httpPort" . | int) }}
+{{- $grpc := dict "port" (include "cleave.grpcPort" . | int) "grpc_servicer_functions" (list "router.proto.cleave.v1.generate_pb2_grpc.add_GenerationServicer_to_server") }}
 {{- $app := dict "name" "cleave" "route_prefix" "/" "import_path" "cluster.app:build_app" "args" $args }}
 {{- dict "proxy_location" "EveryNode" "http_options" $http "grpc_options" $grpc "applications" (list $app) | toYaml }}
 {{- end }}

@@ -79,11 +79,12 @@ initContainers:
 {{- $name := .name }}
 {{- $pool := index $root.Values.cleave.pools $name }}
 {{- $s := include "cleave.workerSettings" . | fromJson }}
+{{- $d := include "cleave.defaults" . | fromJson }}
 {{- $ranks := include "cleave.ranks" (dict "pool" $pool) | int }}
-{{- $gpus := mulf $ranks (ternary 0 $pool.gpus_per_rank (kindIs "invalid" $pool.gpus_per_rank)) }}
+{{- $gpus := mulf $ranks (ternary $d.gpus_per_rank $pool.gpus_per_rank (kindIs "invalid" $pool.gpus_per_rank)) }}
 {{- $replicas := default dict $pool.replicas }}
-{{- $min := ternary 1 $replicas.min (kindIs "invalid" $replicas.min) | int }}
-{{- $max := ternary 1 $replicas.max (kindIs "invalid" $replicas.max) | int }}
+{{- $min := ternary $d.replicas_min $replicas.min (kindIs "invalid" $replicas.min) | int }}
+{{- $max := ternary $d.replicas_max $replicas.max (kindIs "invalid" $replicas.max) | int }}
 {{- $initial := ternary $min $replicas.initial (kindIs "invalid" $replicas.initial) | int }}
 {{- $rayStart := dict "metrics-export-port" (toString $root.Values.monitoring.rayMetricsPort) "resources" (printf "\"{\\\"%s\\\": %d}\"" (include "cleave.poolResource" $name) $ranks) }}
 {{- range $k, $v := $s.rayStartParams }}{{ $_ := set $rayStart $k (toString $v) }}{{ end }}
@@ -145,8 +146,8 @@ initContainers:
             {{- with $s.env }}{{ toYaml . | nindent 12 }}{{ end }}
           {{- end }}
           ports:
-            - {name: serve, containerPort: {{ $root.Values.cleave.router.http_port }}}
-            - {name: grpc, containerPort: {{ $root.Values.cleave.router.grpc_port }}}
+            - {name: serve, containerPort: {{ include "cleave.httpPort" $root }}}
+            - {name: grpc, containerPort: {{ include "cleave.grpcPort" $root }}}
             - {name: ray-metrics, containerPort: {{ $root.Values.monitoring.rayMetricsPort }}}
           volumeMounts:
             {{- include "cleave.volumeMounts" $root | trim | nindent 12 }}

@@ -11,36 +11,38 @@ unknown keys are values.schema.json's job. */}}
 {{- fail "cleave.pools: a deployment needs a decode pool (with or without a prefill pool) or an aggregated pool" }}
 {{- end }}
 {{- $blockSizes := list }}
+{{- $d := include "cleave.defaults" . | fromJson }}
 {{- range $name := $names }}
 {{- $pool := index $pools $name }}
 {{- $where := printf "cleave.pools.%s" $name }}
 {{- $r := default dict $pool.replicas }}
-{{- $min := ternary 1 $r.min (kindIs "invalid" $r.min) | int }}
-{{- $max := ternary 1 $r.max (kindIs "invalid" $r.max) | int }}
+{{- $min := ternary $d.replicas_min $r.min (kindIs "invalid" $r.min) | int }}
+{{- $max := ternary $d.replicas_max $r.max (kindIs "invalid" $r.max) | int }}
 {{- if gt $min $max }}{{ fail (printf "%s.replicas: min=%d is more than max=%d" $where $min $max) }}{{ end }}
 {{- if not (kindIs "invalid" $r.initial) }}
 {{- if or (lt (int $r.initial) $min) (gt (int $r.initial) $max) }}{{ fail (printf "%s.replicas: initial=%d is outside [min=%d, max=%d]" $where (int $r.initial) $min $max) }}{{ end }}
 {{- end }}
-{{- $tp := default 1 $pool.tp | int }}
-{{- $ep := default 1 $pool.ep | int }}
+{{- $tp := default $d.tp $pool.tp | int }}
+{{- $ep := default $d.ep $pool.ep | int }}
 {{- if and (gt $ep 1) (ne $ep $tp) }}{{ fail (printf "%s: ep=%d must be 1 or equal to tp=%d (experts are sharded across the tensor-parallel group)" $where $ep $tp) }}{{ end }}
 {{- $ranks := include "cleave.ranks" (dict "pool" $pool) | int }}
-{{- $gpr := ternary 0 $pool.gpus_per_rank (kindIs "invalid" $pool.gpus_per_rank) }}
+{{- $gpr := ternary $d.gpus_per_rank $pool.gpus_per_rank (kindIs "invalid" $pool.gpus_per_rank) }}
 {{- $gpus := mulf $ranks $gpr }}
 {{- if ne (floor $gpus) $gpus }}{{ fail (printf "%s: tp × pp × gpus_per_rank = %d × %v = %v GPUs per pod; it must be a whole number" $where $ranks $gpr $gpus) }}{{ end }}
 {{- if and (gt $ranks 1) (gt (float64 $gpr) 0.0) (ne (floor $gpr) (float64 $gpr)) }}{{ fail (printf "%s: gpus_per_rank=%v with tp × pp = %d ranks: NCCL needs each rank on GPUs of its own; use a whole number" $where $gpr $ranks) }}{{ end }}
 {{- if and (ne $name "aggregated") (gt $ranks 1) (gt (float64 $gpr) 0.0) }}{{ fail (printf "%s: a GPU pool of tp × pp = %d ranks keeps its KV cache on the ranks' GPUs and cannot hand it off yet; use an aggregated pool, or tp = pp = 1 for prefill/decode pools" $where $ranks) }}{{ end }}
 {{- $s := include "cleave.workerSettings" (dict "root" $ "name" $name) | fromJson }}
-{{- $cpr := ternary 1 $pool.cpus_per_rank (kindIs "invalid" $pool.cpus_per_rank) }}
+{{- $cpr := ternary $d.cpus_per_rank $pool.cpus_per_rank (kindIs "invalid" $pool.cpus_per_rank) }}
 {{- if gt (float64 $cpr) (float64 $s.cpuPerRank) }}{{ fail (printf "%s.cpus_per_rank=%v is more than workers.%s.cpuPerRank=%v, the CPUs its pod has per rank" $where $cpr $name $s.cpuPerRank) }}{{ end }}
 {{- if $pool.memory_per_rank_bytes }}
 {{- if gt (float64 $pool.memory_per_rank_bytes) (mulf $s.memoryPerRankGi 1073741824) }}{{ fail (printf "%s.memory_per_rank_bytes=%v is more than workers.%s.memoryPerRankGi=%v GiB, the memory its pod has per rank" $where $pool.memory_per_rank_bytes $name $s.memoryPerRankGi) }}{{ end }}
 {{- end }}
-{{- $blockSizes = append $blockSizes ((default dict $pool.engine).block_size | default 16 | int) }}
+{{- $blockSizes = append $blockSizes ((default dict $pool.engine).block_size | default $d.block_size | int) }}
 {{- end }}
 {{- if gt (len (uniq $blockSizes)) 1 }}{{ fail (printf "cleave.pools: every pool must use the same engine.block_size, got %v" (uniq $blockSizes | sortAlpha)) }}{{ end }}
 {{- $router := .Values.cleave.router }}
-{{- if eq (int $router.http_port) (int $router.grpc_port) }}{{ fail (printf "cleave.router: http_port and grpc_port are both %d" (int $router.http_port)) }}{{ end }}
+{{- $http := include "cleave.httpPort" . | int }}
+{{- if eq $http (include "cleave.grpcPort" . | int) }}{{ fail (printf "cleave.router: http_port and grpc_port are both %d" $http) }}{{ end }}
 {{- range $key := $router.api_keys | default list }}{{ if not $key }}{{ fail "cleave.router.api_keys must not contain empty strings" }}{{ end }}{{ end }}
 {{- $weights := $router.policy_weights | default dict }}
 {{- range $key := keys $weights | sortAlpha }}
