@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 from cluster.config import CleaveConfig, ConfigError
-from cluster.serve_config import GRPC_SERVICER
+from cluster.serve_config import build_serve_config
 
 APP_NAME = "cleave"
 DEPLOY_TIMEOUT_S = 900.0
@@ -65,10 +65,10 @@ def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
     from cluster.app import build_app
 
     started_ray = _connect(num_cpus)
-    r = config.router
+    proxies = build_serve_config(config)  # the proxies' options as `serve deploy` gets them
     serve.start(proxy_location=proxy_location,
-                http_options={"host": r.host, "port": r.http_port},
-                grpc_options={"port": r.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+                http_options=proxies["http_options"],
+                grpc_options=proxies["grpc_options"])
     error: list[BaseException] = []
 
     def run() -> None:
@@ -154,15 +154,10 @@ def serve_forever(config: CleaveConfig, *, num_cpus: float | None = None) -> int
 
 
 def model_name(config: CleaveConfig) -> str:
-    from pathlib import Path
+    """The name clients pass as `model` (the router's `RouterConfig.model_name`)."""
+    from cluster.settings import model_path, router_config
 
-    if config.model.served_model_name:
-        return config.model.served_model_name
-    if config.model.path is None:
-        from workers.make_model import default_model_path
-
-        return default_model_path().name
-    return Path(config.model.path).resolve().name
+    return router_config(config, model_path(config)).model_name
 
 
 def main(argv: list[str] | None = None) -> int:
