@@ -45,7 +45,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, help="auto, torch or triton")
+    p.add_argument("--attention-backend", default=None, help="auto, torch, cpu or triton")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU: no CUDA graphs for decode steps")
     p.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
