@@ -21,7 +21,6 @@ from workers.models.layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     Shard,
     VocabParallelEmbedding,
@@ -29,7 +28,10 @@ from workers.models.layers import (
     _comm_for,
     kv_heads_per_rank,
 )
+from workers.models.rotary import RotaryEmbedding
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+MlpFactory = Callable[[int], tuple[str, nn.Module]]  # layer index -> (name, MLP module)
 # (our fused parameter, the HF projection it is made of, shard id)
 _STACKED = (
     ("qkv_proj", "q_proj", "q"),
@@ -287,10 +289,6 @@ class _LayersByIndex(nn.ModuleDict):
 
     def __getitem__(self, key: int | str) -> nn.Module:
         return super().__getitem__(str(key))
-
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-MlpFactory = Callable[[int], tuple[str, nn.Module]]
 
 
 def _our_name(hf_name: str) -> tuple[str, object]:

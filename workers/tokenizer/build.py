@@ -13,6 +13,9 @@ the special tokens and chat template of the family named by `arch`:
 bos is added by the post-processor on `encode(add_special_tokens=True)` (llama, mistral) and by the
 chat template itself, which is why chat prompts are encoded with `add_special_tokens=False`.
 The output is deterministic: the same arguments give a byte-identical `tokenizer.json`.
+
+Long because the training corpus (about 70 lines of multilingual text and code) is kept inline,
+so the tokenizer is built the same way with no package data to ship.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""Rotary position embeddings (RoPE), as transformers' `modeling_rope_utils` computes them:
+default, linear and Llama 3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from workers.model_config import RopeScaling
+
+
+def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2] fp32, as transformers' `modeling_rope_utils`."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        raise ValueError(f"unsupported rope type {scaling.rope_type!r}")
+    factor = scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low
+    high_freq_wavelen = old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate_half) RoPE with an fp32 cos/sin cache for every position."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.max_position = head_dim, max_position
+        # computed on CPU in fp32 like HF, then moved to the device the model is built on
+        inv_freq = compute_inv_freq(head_dim, theta, scaling)  # [head_dim // 2]
+        positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * inv_freq  # [max_position, head_dim // 2]
+        device = torch.get_default_device()
+        self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> same shapes, rotated
+        cos = self.cos_cache.index_select(0, positions)
+        sin = self.sin_cache.index_select(0, positions)
+        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
