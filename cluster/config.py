@@ -14,6 +14,9 @@ placement, autoscaling, ports) has its default here.
 Checks against the model's own config.json (head counts, layers, context length) need the model
 folder, so they run in `check_against_model`, called where the model is present (the CLI, the
 replicas), not on load (the chart renders the config on a machine without the model).
+
+Long because it is the config's reference: every field carries the description that the Helm
+chart's schema and values table are generated from.
 """
 
 from __future__ import annotations
