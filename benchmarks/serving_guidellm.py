@@ -1,7 +1,7 @@
-"""guidellm as an outside client: its own measurement of the in-process server (one prefill and
-one decode worker) at the sweep's largest concurrency, against the load generator's on the same
-server in the same run, as `guidellm_vs_loadgen_ratio` (output tokens/s; near 1: both clients
-see the same server).
+"""guidellm as an outside client: its own measurement of a server (`serving.py --layers
+--guidellm`: the in-process server, one prefill and one decode worker, at the sweep's largest
+concurrency) against the load generator's on the same server in the same run, as
+`guidellm_vs_loadgen_ratio` (output tokens/s; near 1: both clients see the same server).
 
 guidellm (`pip install -e .[bench]`) sends its own synthetic text prompts of `input_len` tokens
 (by the model's tokenizer), `output_len` output tokens with ignore_eos, `/v1/completions`
@@ -20,9 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen import measure
-
-INPROCESS_LAYOUT = {"num_prefill_workers": 1, "num_decode_workers": 1}
+from loadgen import Workload, measure
 
 
 def find_guidellm(explicit: str | None) -> str:
@@ -64,35 +62,28 @@ def guidellm_figures(report: dict[str, Any]) -> dict[str, Any]:
             "itl_p50_ms": round(m["inter_token_latency_ms"]["successful"]["median"], 2)}
 
 
-def compare_guidellm(model: str, sweep: Any, guidellm_bin: str | None,  # noqa: ANN401 - Sweep
-                     vocab_size: int) -> dict:
-    """Load generator then guidellm against one in-process server; figures and the ratio."""
-    from cluster.local_server import LocalServeConfig, LocalServer
-
+def compare_guidellm(base_url: str, model_name: str, tokenizer: str, workload: Workload,
+                     vocab_size: int, guidellm_bin: str | None,
+                     time_limit_s: float | None = None) -> dict:
+    """The load generator, then guidellm, against the server at `base_url`, with `workload`'s
+    concurrency, request count and lengths; both figures and the ratio."""
     guidellm = find_guidellm(guidellm_bin)
-    c = max(sweep.concurrencies)
-    workload = sweep.workload(c, warmup=2)
-    server = LocalServer(LocalServeConfig(
-        model, http_port=0, grpc_port=0, router={"disagg_threshold_tokens": sweep.disagg_threshold},
-        **INPROCESS_LAYOUT)).start(timeout_s=300)
-    try:
-        base_url = f"http://127.0.0.1:{server.http_port}"
-        name = server.router.model_name
-        loadgen, _ = measure(base_url, name, workload, math.inf, vocab_size, sweep.time_limit_s)
-        with tempfile.TemporaryDirectory(prefix="cleave-guidellm-") as tmp:
-            out = Path(tmp) / "guidellm.json"
-            cmd = guidellm_command(guidellm, base_url, name, model, c, workload.num_prompts,
-                                   sweep.input_len, sweep.output_len, out)
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-            seconds = time.perf_counter() - t0
-            if proc.returncode != 0 or not out.is_file():
-                raise RuntimeError(f"guidellm failed ({proc.returncode}): "
-                                   f"{(proc.stderr or proc.stdout)[-2000:]}")
-            report = json.loads(out.read_text())
-    finally:
-        server.stop()
-    guide = guidellm_figures(report)
+    c = workload.max_concurrency
+    if c is None:
+        raise ValueError("the workload must set max_concurrency (guidellm's streams)")
+    loadgen, _ = measure(base_url, model_name, workload, math.inf, vocab_size, time_limit_s)
+    with tempfile.TemporaryDirectory(prefix="cleave-guidellm-") as tmp:
+        out = Path(tmp) / "guidellm.json"
+        cmd = guidellm_command(guidellm, base_url, model_name, tokenizer, c,
+                               workload.num_prompts, workload.input_len, workload.output_len,
+                               out)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"guidellm failed ({proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout)[-2000:]}")
+        guide = guidellm_figures(json.loads(out.read_text()))
     rate = loadgen["output_throughput"]
     return {"concurrency": c, "requests": workload.num_prompts,
             "loadgen": {k: loadgen[k] for k in ("completed", "failed", "output_throughput",

@@ -23,6 +23,7 @@ p50 at the largest c against the offline engine's step time (p50) there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
@@ -33,6 +34,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Iterator
 
 from loadgen import RequestSpec, Workload, measure, percentiles_ms
 
@@ -171,20 +173,28 @@ def run_server(base_url: str, model_name: str, sweep: Sweep, vocab_size: int) ->
 
 def run_inprocess(model: str, sweep: Sweep, vocab_size: int, layer: str,
                   torch_threads: int) -> dict[int, dict]:
-    """The in-process server of `layer`'s layout, run in a child process: the load generator
-    then shares no interpreter (GIL) with the router and engines, as with the Ray app."""
+    with inprocess_server(model, INPROCESS_LAYOUTS[layer], sweep.disagg_threshold,
+                          torch_threads) as (base_url, model_name):
+        return run_server(base_url, model_name, sweep, vocab_size)
+
+
+@contextlib.contextmanager
+def inprocess_server(model: str, layout: dict, threshold: int,
+                     torch_threads: int) -> Iterator[tuple[str, str]]:
+    """A `LocalServer` of `layout` in a child process, as (base URL, model name): the load
+    generator then shares no interpreter (GIL) with the router and engines, as with the Ray
+    app. Stopped on exit."""
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_serve_in_child, daemon=True, name=f"cleave-{layer}",
-                        args=(model, INPROCESS_LAYOUTS[layer], sweep.disagg_threshold,
-                              torch_threads, child_conn))
+    child = ctx.Process(target=_serve_in_child, daemon=True, name="cleave-inprocess",
+                        args=(model, layout, threshold, torch_threads, child_conn))
     child.start()
     child_conn.close()  # the child's end: recv() then sees EOF if the child dies
     try:
         if not conn.poll(300):
-            raise TimeoutError(f"the {layer} server did not start within 300s")
+            raise TimeoutError("the in-process server did not start within 300s")
         port, model_name = conn.recv()  # EOFError: it failed (its traceback is on stderr)
-        return run_server(f"http://127.0.0.1:{port}", model_name, sweep, vocab_size)
+        yield f"http://127.0.0.1:{port}", model_name
     finally:
         conn.close()  # the child stops its server when the pipe closes
         child.join(60)
@@ -372,8 +382,12 @@ def layers_main(args: argparse.Namespace, command: str) -> dict:
             if args.guidellm:
                 from serving_guidellm import compare_guidellm
 
-                report["guidellm"] = compare_guidellm(model, sweep, args.guidellm_bin,
-                                                     vocab_of(model))
+                c = max(sweep.concurrencies)
+                with inprocess_server(model, INPROCESS_LAYOUTS["inprocess"],
+                                      sweep.disagg_threshold, args.torch_threads) as server:
+                    report["guidellm"] = compare_guidellm(
+                        *server, model, sweep.workload(c, warmup=2), vocab_of(model),
+                        args.guidellm_bin, sweep.time_limit_s)
                 report["ratios"]["guidellm_vs_loadgen_ratio"] = report["guidellm"]["ratio"]
             result["models"][name] = report
             for key, value in report["ratios"].items():
