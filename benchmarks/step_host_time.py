@@ -42,7 +42,7 @@ class TimedExecutor:
 
 def measure(model: str, batch: int, prompt_len: int, output_len: int,
             repeats: int) -> dict[str, float]:
-    """Median over `repeats` runs of the per-decode-step wall and model milliseconds."""
+    """Medians over the decode steps of `repeats` runs: wall, model and host milliseconds."""
     from workers import Engine, EngineConfig, SamplingParams
     from workers.protocol import WorkerRequest
 
@@ -55,27 +55,27 @@ def measure(model: str, batch: int, prompt_len: int, output_len: int,
     vocab = min(engine.model_config.vocab_size, 4096)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    step_ms, model_ms = [], []
+    step_ms, model_ms, host_ms = [], [], []
     for run in range(repeats + 1):  # the first warms up
         for i in range(batch):
             prompt = tuple(rng.randrange(3, vocab) for _ in range(prompt_len))
             engine.generate(WorkerRequest(f"{run}-{i}", prompt, params))
         engine.step()  # every prompt in one step
-        timed.seconds, num_steps = 0.0, 0
-        start = time.perf_counter()
         while engine.has_unfinished():
+            timed.seconds = 0.0
+            start = time.perf_counter()
             engine.step()
-            num_steps += 1
-        elapsed = time.perf_counter() - start
-        if run:
-            step_ms.append(elapsed / num_steps * 1e3)
-            model_ms.append(timed.seconds / num_steps * 1e3)
+            elapsed = time.perf_counter() - start
+            if run:
+                step_ms.append(elapsed * 1e3)
+                model_ms.append(timed.seconds * 1e3)
+                host_ms.append((elapsed - timed.seconds) * 1e3)
     engine.close()
-    step, forward = statistics.median(step_ms), statistics.median(model_ms)
-    return {"step_ms": round(step, 3), "model_ms": round(forward, 3),
-            "host_ms": round(step - forward, 3),
-            "host_us_per_seq": round((step - forward) / batch * 1e3, 2),
-            "host_to_model_ratio": round((step - forward) / forward, 3)}
+    # medians over every decode step: robust to other processes' bursts on a shared machine
+    step, forward, host = (statistics.median(t) for t in (step_ms, model_ms, host_ms))
+    return {"step_ms": round(step, 3), "model_ms": round(forward, 3), "host_ms": round(host, 3),
+            "host_us_per_seq": round(host / batch * 1e3, 2),
+            "host_to_model_ratio": round(host / forward, 3)}
 
 
 def main(argv: list[str] | None = None) -> dict:
