@@ -245,6 +245,11 @@ class RouterSettings(_Strict):
         "Address the HTTP and gRPC servers bind; 0.0.0.0 in a cluster."))
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC port.")
+    ingress: Literal["direct", "serve"] = Field("direct", description=(
+        "direct: each router replica serves HTTP and gRPC on the ports itself (several on one "
+        "node share them with SO_REUSEPORT; no proxy hop per token). serve: Ray Serve's "
+        "proxies take the ports and forward to the router replicas (what KubeRay's serve "
+        "Service expects)."))
     policy: Literal["prefix_aware", "least_loaded", "round_robin"] = Field(
         default_of(RouterConfig, "policy"), description="How a worker is chosen for a prompt.")
     policy_weights: dict[str, float] = Field(default_factory=dict, description=(

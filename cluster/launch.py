@@ -56,7 +56,7 @@ def _statuses() -> str:
 
 def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
            progress: Callable[[str], None] | None = None,
-           stop: threading.Event | None = None, proxy_location: str = "EveryNode") -> bool:
+           stop: threading.Event | None = None, proxy_location: str | None = None) -> bool:
     """Deploy the application and wait until it runs (or `stop` is set); True when this
     process started Ray. Raises `RuntimeError` (with Serve's message) when it fails to deploy."""
     import ray
@@ -66,7 +66,7 @@ def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
 
     started_ray = _connect(num_cpus)
     proxies = build_serve_config(config)  # the proxies' options as `serve deploy` gets them
-    serve.start(proxy_location=proxy_location,
+    serve.start(proxy_location=proxy_location or proxies["proxy_location"],
                 http_options=proxies["http_options"],
                 grpc_options=proxies["grpc_options"])
     error: list[BaseException] = []

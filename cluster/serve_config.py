@@ -15,10 +15,11 @@ IMPORT_PATH = "cluster.app:build_app"
 
 
 def build_serve_config(config: CleaveConfig, app_name: str = "cleave") -> dict[str, Any]:
-    """What `serve deploy` reads. The proxies bind `router.host`."""
+    """What `serve deploy` reads. The proxies bind `router.host`; with `router.ingress` direct
+    there are none (the router replicas bind the ports themselves)."""
     r = config.router
     return {
-        "proxy_location": "EveryNode",
+        "proxy_location": "EveryNode" if r.ingress == "serve" else "Disabled",
         "http_options": {"host": r.host, "port": r.http_port},
         "grpc_options": {"port": r.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
         "applications": [{"name": app_name, "route_prefix": "/", "import_path": IMPORT_PATH,

@@ -41,7 +41,7 @@ from workers.protocol import (
     WorkerRole,
 )
 
-from workers.outputs import OutputHub
+from workers.outputs import OUTPUT_INTERVAL_S, OutputHub
 from workers.transfer import WorkerTransfer
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class Worker:
                                        transport=transport, host=host, lease_s=lease_s,
                                        pull_timeout_s=pull_timeout_s)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # decodes whose KV is being pulled
-        self.outputs = OutputHub(lambda: engine.stats, self.abort)
+        self.outputs = OutputHub(lambda: engine.stats, self.abort, OUTPUT_INTERVAL_S)
         engine.on_publish = self.outputs.publish
 
     @classmethod

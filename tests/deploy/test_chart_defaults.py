@@ -14,6 +14,7 @@ from tests.deploy.chart import CHART, only, render, serve_config, worker_group
 # where the chart means to differ from Cleave's defaults: path (pools as *) -> why
 CHART_OVERRIDES = {
     "pools.*.gpus_per_rank": "the chart deploys to GPU clusters; Cleave's default runs on CPU",
+    "router.ingress": "the chart's Service sends to the pods whose Serve proxy is healthy",
 }
 
 

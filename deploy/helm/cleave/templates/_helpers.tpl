@@ -108,7 +108,8 @@ They are `cluster.config.CleaveConfig`'s; tests/deploy/test_chart_defaults.py ch
 {{- $http := dict "host" "0.0.0.0" "port" (include "cleave.httpPort" . | int) }}
 {{- $grpc := dict "port" (include "cleave.grpcPort" . | int) "grpc_servicer_functions" (list "router.proto.cleave.v1.generate_pb2_grpc.add_GenerationServicer_to_server") }}
 {{- $app := dict "name" "cleave" "route_prefix" "/" "import_path" "cluster.app:build_app" "args" $args }}
-{{- dict "proxy_location" "EveryNode" "http_options" $http "grpc_options" $grpc "applications" (list $app) | toYaml }}
+{{- $proxies := ternary "EveryNode" "Disabled" (eq (toString $router.ingress) "serve") }}
+{{- dict "proxy_location" $proxies "http_options" $http "grpc_options" $grpc "applications" (list $app) | toYaml }}
 {{- end }}
 
 {{/* Environment every Ray pod gets: NCCL/UCX settings and the API keys. */}}
