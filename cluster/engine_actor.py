@@ -28,19 +28,19 @@ from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from cluster.rank_actor import RankPlace
+    from cluster.settings import WorkerOptions
+    from workers.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
-    """What the actor builds: one `workers.worker.Worker`."""
+    """What the actor builds: one `workers.worker.Worker` (settings from `cluster.settings`)."""
 
     worker_id: str
     role: str  # "prefill", "decode" or "both"
-    engine: dict[str, Any]  # `workers.config.EngineConfig` fields, model included
-    transport: str = "tcp"
-    lease_s: float = 30.0
-    pull_timeout_s: float = 10.0
+    engine: EngineConfig  # model included
+    worker: WorkerOptions  # how its KV moves
     torch_threads: int | None = None  # None: torch's default
 
 
@@ -68,20 +68,17 @@ class EngineActor:
 
             torch.set_num_threads(spec.torch_threads)
         from cluster.rank_actor import RayActorLauncher
-        from workers.config import EngineConfig
         from workers.worker import Worker
 
         self.spec = spec
-        config = EngineConfig(**spec.engine)
+        config = spec.engine
         self.rank_launcher = (RayActorLauncher(placement_group)
                               if placement_group is not None and config.world_size > 1
                               else None)
         host = ray.util.get_node_ip_address()
         self.worker = Worker.from_config(spec.worker_id, config, spec.role,
-                                         rank_launcher=self.rank_launcher,
-                                         transport=spec.transport, host=host,
-                                         lease_s=spec.lease_s,
-                                         pull_timeout_s=spec.pull_timeout_s)
+                                         rank_launcher=self.rank_launcher, host=host,
+                                         **dataclasses.asdict(spec.worker))
         self._broken: str | None = None
 
     async def ready(self) -> ActorInfo:

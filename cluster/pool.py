@@ -37,8 +37,7 @@ def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
     """What one replica of `pool` runs, from the deployment's config (`cluster.settings`)."""
     engine = engine_config(config, pool, model_path(config))
     worker = worker_options(config)
-    return EngineSpec(worker_id, POOL_ROLES[pool], dataclasses.asdict(engine), worker.transport,
-                      worker.lease_s, worker.pull_timeout_s,
+    return EngineSpec(worker_id, POOL_ROLES[pool], engine, worker,
                       torch_threads=torch_threads(getattr(config.pools, pool)))
 
 
@@ -67,7 +66,7 @@ class WorkerReplica:
         replica = serve.get_replica_context().replica_id.unique_id
         self.worker_id = f"{pool}-{replica}"
         spec = engine_spec(self.config, pool, self.worker_id)
-        self.config.check_against_model(ModelConfig.from_pretrained(spec.engine["model"]))
+        self.config.check_against_model(ModelConfig.from_pretrained(spec.engine.model))
         pg = ray.util.get_current_placement_group()  # more than one rank: theirs too
         self.actor = ray.remote(EngineActor).options(
             **engine_actor_options(self.settings, pg)).remote(spec, pg)

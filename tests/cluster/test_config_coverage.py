@@ -20,8 +20,7 @@ from cluster.config import CleaveConfig, ConfigError
 from cluster.ingress import router_config as ray_router_config
 from cluster.pool import engine_spec
 from cluster.serve_config import build_serve_config
-from cluster.settings import WorkerOptions, in_process_plan, model_path
-from workers.config import EngineConfig
+from cluster.settings import in_process_plan, model_path
 
 MODEL = "/models/coverage-model"
 KEYS_ENV = "CLEAVE_COVERAGE_KEYS"  # `router.api_keys_env` names it; it holds one key
@@ -211,8 +210,8 @@ def ray_settings(config: CleaveConfig) -> dict[tuple[str, ...], Any]:
         spec = engine_spec(config, name, "worker")
         options = pool_deployment_options(name, pool)
         start = options.get("num_replicas") or options["autoscaling_config"]["initial_replicas"]
-        pools[name] = {"role": spec.role, "replicas": start, "engine": EngineConfig(**spec.engine),
-                       "worker": WorkerOptions(spec.transport, spec.lease_s, spec.pull_timeout_s)}
+        pools[name] = {"role": spec.role, "replicas": start, "engine": spec.engine,
+                       "worker": spec.worker}
         only_ray[f"pool-{name}"] = {**options, "torch_threads": spec.torch_threads}
     shared["pools"] = pools
     out: dict[tuple[str, ...], Any] = {}
