@@ -2,7 +2,11 @@
 
 One verb per operation, each taking the request record (`WorkerRequest`) whole: `generate`,
 `prefill`, `decode_from_handoff` + `kv_landed`, `resume`, `abort`. Not thread-safe: one caller
-drives them and `step` (the async engine serialises them for you).
+drives them and `step` (the async engine serialises them for you). How the engine is built
+from its config (model, KV budget, executor) is `workers.assembly`.
+
+Long because every request verb, the handoff's halves included, sits beside the step that serves
+them: one file shows a request's whole life in the engine.
 """
 
 from __future__ import annotations
@@ -10,20 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from workers import cuda_graphs, memory_profile
-from workers.attention import get_backend
+from workers import assembly
 from workers.config import EngineConfig
 from workers.kv_cache import KVCacheManager
-from workers.loader import load_model
 from workers.model_config import ModelConfig, resolve_dtype
 from workers.output_processor import OutputProcessor
-from workers.parallel.executor import GroupExecutor, GroupOptions, LocalExecutor, ModelExecutor
-from workers.parallel.group import SpawnLauncher
 from workers.parallel.validate import check_parallel
 from workers.protocol import (
     EngineStats,
@@ -37,7 +36,7 @@ from workers.protocol import (
     WorkerRequest,
 )
 from workers.request import Request
-from workers.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+from workers.runner import KVCacheSpec, ModelRunner
 from workers.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -45,8 +44,6 @@ if TYPE_CHECKING:
     from workers.parallel.group import RankLauncher
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 512 * 1024**2
 
 
 class Engine:
@@ -57,7 +54,7 @@ class Engine:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = torch.device(config.resolved_device)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = assembly.load_tokenizer(config.model)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -65,20 +62,27 @@ class Engine:
         # other launchers' ranks (Ray actors) each hold their own GPU, which this process (an
         # engine actor that holds none) may not see, and Ray has already placed them
         check_parallel(config, mc, torch.cuda.device_count()
-                       if self.device.type == "cuda" and _spawns_ranks(rank_launcher) else None)
+                       if self.device.type == "cuda" and assembly.spawns_ranks(rank_launcher)
+                       else None)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
             config.kv_cache_dtype, mc)
         spec = KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.num_key_value_heads,
                            mc.head_dim, kv_dtype)
         # loaded first: on a GPU the KV budget is what the weights and a profiled step leave
-        model = self._load_local_model() if config.world_size == 1 else None
-        spec = dataclasses.replace(spec, num_blocks=self._num_blocks(spec, model))
+        model = (assembly.load_local_model(config, mc, self.dtype, self.device)
+                 if config.world_size == 1 else None)
+        spec = dataclasses.replace(spec, num_blocks=assembly.num_kv_blocks(
+            config, spec, model, self.device, self.max_model_len))
         self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.max_model_len), self.kv)
-        executor = (self._local_executor(model, spec) if model is not None
-                    else self._group_executor(spec, rank_launcher))
+        if model is not None:
+            executor = assembly.local_executor(config, model, spec, self.device,
+                                               self.max_model_len)
+        else:
+            executor, self.device = assembly.group_executor(config, spec, rank_launcher,
+                                                            self.device, self.dtype)
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
                                   or config.pipeline_parallel_size)
@@ -90,80 +94,9 @@ class Engine:
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", mc.architecture,
                     self.device, spec.num_blocks, config.block_size)
 
-    def _load_local_model(self) -> torch.nn.Module:
-        config = self.config
-        return load_model(config.model, self.model_config, dtype=self.dtype, device=self.device,
-                          attn_backend=get_backend(config.resolved_attention_backend),
-                          load_format=config.load_format, seed=config.seed)
-
-    def _local_executor(self, model: torch.nn.Module, spec: KVCacheSpec) -> ModelExecutor:
-        """The model in this process; on a GPU its decode steps replay CUDA graphs unless
-        `enforce_eager` (the cache then has one extra block for the graphs' padded rows)."""
-        config = self.config
-        if (config.enforce_eager or config.max_cuda_graph_batch_size == 0
-                or not cuda_graphs.graphs_supported(model, model.attn_backend, self.device)):
-            return LocalExecutor(model, allocate_kv_caches(spec, self.device), self.device)
-        caches = allocate_kv_caches(
-            dataclasses.replace(spec, num_blocks=spec.num_blocks + 1), self.device)
-        return cuda_graphs.CudaGraphExecutor(
-            model, caches, self.device, sink_block=spec.num_blocks,
-            max_batch_size=min(config.max_cuda_graph_batch_size, config.max_num_seqs),
-            max_seq_len=self.max_model_len, capture=self.device.type == "cuda")
-
-    def _group_executor(self, spec: KVCacheSpec,
-                        launcher: RankLauncher | None) -> ModelExecutor:
-        """tensor_parallel_size x pipeline_parallel_size ranks, started by `launcher` (None:
-        spawned): processes over gloo on the CPU, or one GPU each over NCCL on cuda. A GPU
-        group keeps its KV cache on the ranks' devices, so it serves aggregated only (no KV
-        handoff). A driver that holds no GPU of its own (a Ray engine actor driving GPU rank
-        actors, or one that sees none) sets `self.device` to the CPU: it samples there, where
-        the logits arrive."""
-        config = self.config
-        kind = self.device.type
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"tensor/pipeline parallelism runs on 'cpu' or 'cuda'; "
-                             f"device={config.device!r} is not supported with "
-                             f"{config.world_size} ranks")
-        if self.device.index is not None:
-            raise ValueError(f"device={config.device!r} names one GPU, but "
-                             f"{config.world_size} ranks use one GPU each; set device='cuda' "
-                             f"(CUDA_VISIBLE_DEVICES chooses the GPUs)")
-        if kind == "cuda" and not (_spawns_ranks(launcher) and torch.cuda.is_available()):
-            self.device = torch.device("cpu")
-        options = GroupOptions(
-            config.tensor_parallel_size, config.pipeline_parallel_size,
-            config.expert_parallel_size > 1, config.model, str(self.dtype).removeprefix("torch."),
-            config.load_format, config.seed, config.resolved_attention_backend,
-            config.rank_timeout_s, kind)
-        logger.info("worker group: %d ranks on %s, sampling on %s", config.world_size, kind,
-                    self.device)
-        return GroupExecutor(options, spec.num_layers, spec.num_blocks, spec.block_size,
-                             spec.num_kv_heads, spec.head_dim, spec.dtype, launcher)
-
     def close(self) -> None:
         """Stop the rank processes, if any (idempotent). The engine cannot step afterwards."""
         self.runner.executor.close()
-
-    def _num_blocks(self, spec: KVCacheSpec, model: torch.nn.Module | None) -> int:
-        config = self.config
-        if config.num_blocks is not None:
-            return config.num_blocks
-        if config.kv_cache_memory_bytes is not None:
-            budget = config.kv_cache_memory_bytes
-        elif self.device.type == "cuda" and model is not None:
-            budget = memory_profile.gpu_kv_budget(
-                model, lambda n: allocate_kv_caches(dataclasses.replace(spec, num_blocks=n),
-                                                    self.device),
-                self.device, utilization=config.gpu_memory_utilization,
-                num_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
-                block_size=config.block_size, max_num_seqs=config.max_num_seqs)
-        else:
-            budget = CPU_KV_CACHE_BYTES
-        num_blocks = budget // spec.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
-                             f"{spec.bytes_per_block} bytes; raise kv_cache_memory_bytes")
-        return num_blocks
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -416,18 +349,3 @@ class Engine:
         sample = self._continuation(req, sent_token_ids)
         self._replay(sample, sent_token_ids)
         self.scheduler.add(sample)
-
-
-def _spawns_ranks(launcher: RankLauncher | None) -> bool:
-    """True when a group's ranks are this process's children, seeing the GPUs it sees; not so
-    for Ray rank actors, which hold their own (and Ray may show this process all or none)."""
-    return launcher is None or isinstance(launcher, SpawnLauncher)
-
-
-def _load_tokenizer(model_path: str) -> object | None:
-    if not (Path(model_path) / "tokenizer.json").exists():
-        logger.warning("no tokenizer.json in %s: prompts must be token ids", model_path)
-        return None
-    from workers.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(model_path)

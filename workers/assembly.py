@@ -1,0 +1,117 @@
+"""How an `Engine` is assembled from its config: the tokenizer, the model (here or on a group of
+ranks), the KV budget, and the executor that runs steps (local, CUDA-graph, or a rank group).
+Each function takes what it needs explicitly; `workers.engine` calls them once, at start."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers import cuda_graphs, memory_profile
+from workers.attention import get_backend
+from workers.config import EngineConfig
+from workers.loader import load_model
+from workers.model_config import ModelConfig
+from workers.parallel.executor import GroupExecutor, GroupOptions, LocalExecutor, ModelExecutor
+from workers.parallel.group import SpawnLauncher
+from workers.runner import KVCacheSpec, allocate_kv_caches
+
+if TYPE_CHECKING:
+    from workers.parallel.group import RankLauncher
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 512 * 1024**2
+
+
+def spawns_ranks(launcher: RankLauncher | None) -> bool:
+    """True when a group's ranks are this process's children, seeing the GPUs it sees; not so
+    for Ray rank actors, which hold their own (and Ray may show this process all or none)."""
+    return launcher is None or isinstance(launcher, SpawnLauncher)
+
+
+def load_tokenizer(model_path: str) -> object | None:
+    if not (Path(model_path) / "tokenizer.json").exists():
+        logger.warning("no tokenizer.json in %s: prompts must be token ids", model_path)
+        return None
+    from workers.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(model_path)
+
+
+def load_local_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                     device: torch.device) -> torch.nn.Module:
+    return load_model(config.model, model_config, dtype=dtype, device=device,
+                      attn_backend=get_backend(config.resolved_attention_backend),
+                      load_format=config.load_format, seed=config.seed)
+
+
+def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, model: torch.nn.Module | None,
+                  device: torch.device, max_model_len: int) -> int:
+    """KV blocks: as configured, or what `kv_cache_memory_bytes` holds, or on a GPU what the
+    weights and a profiled step leave of `gpu_memory_utilization`, else 512 MiB on the CPU."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif device.type == "cuda" and model is not None:
+        budget = memory_profile.gpu_kv_budget(
+            model, lambda n: allocate_kv_caches(dataclasses.replace(spec, num_blocks=n), device),
+            device, utilization=config.gpu_memory_utilization,
+            num_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+            block_size=config.block_size, max_num_seqs=config.max_num_seqs)
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    num_blocks = budget // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
+                         f"{spec.bytes_per_block} bytes; raise kv_cache_memory_bytes")
+    return num_blocks
+
+
+def local_executor(config: EngineConfig, model: torch.nn.Module, spec: KVCacheSpec,
+                   device: torch.device, max_model_len: int) -> ModelExecutor:
+    """The model in this process; on a GPU its decode steps replay CUDA graphs unless
+    `enforce_eager` (the cache then has one extra block for the graphs' padded rows)."""
+    if (config.enforce_eager or config.max_cuda_graph_batch_size == 0
+            or not cuda_graphs.graphs_supported(model, model.attn_backend, device)):
+        return LocalExecutor(model, allocate_kv_caches(spec, device), device)
+    caches = allocate_kv_caches(dataclasses.replace(spec, num_blocks=spec.num_blocks + 1), device)
+    return cuda_graphs.CudaGraphExecutor(
+        model, caches, device, sink_block=spec.num_blocks,
+        max_batch_size=min(config.max_cuda_graph_batch_size, config.max_num_seqs),
+        max_seq_len=max_model_len, capture=device.type == "cuda")
+
+
+def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLauncher | None,
+                   device: torch.device,
+                   dtype: torch.dtype) -> tuple[ModelExecutor, torch.device]:
+    """tensor_parallel_size x pipeline_parallel_size ranks, started by `launcher` (None:
+    spawned): processes over gloo on the CPU, or one GPU each over NCCL on cuda; and the device
+    the driver samples on. A GPU group keeps its KV cache on the ranks' devices, so it serves
+    aggregated only (no KV handoff). A driver that holds no GPU of its own (a Ray engine actor
+    driving GPU rank actors, or one that sees none) samples on the CPU, where the logits
+    arrive."""
+    kind = device.type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"tensor/pipeline parallelism runs on 'cpu' or 'cuda'; "
+                         f"device={config.device!r} is not supported with "
+                         f"{config.world_size} ranks")
+    if device.index is not None:
+        raise ValueError(f"device={config.device!r} names one GPU, but "
+                         f"{config.world_size} ranks use one GPU each; set device='cuda' "
+                         f"(CUDA_VISIBLE_DEVICES chooses the GPUs)")
+    if kind == "cuda" and not (spawns_ranks(launcher) and torch.cuda.is_available()):
+        device = torch.device("cpu")
+    options = GroupOptions(
+        config.tensor_parallel_size, config.pipeline_parallel_size,
+        config.expert_parallel_size > 1, config.model, str(dtype).removeprefix("torch."),
+        config.load_format, config.seed, config.resolved_attention_backend,
+        config.rank_timeout_s, kind)
+    logger.info("worker group: %d ranks on %s, sampling on %s", config.world_size, kind, device)
+    return GroupExecutor(options, spec.num_layers, spec.num_blocks, spec.block_size,
+                         spec.num_kv_heads, spec.head_dim, spec.dtype, launcher), device
