@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.attention import AttentionMetadata
@@ -92,7 +93,8 @@ def microbatch_tensors(
     for table in tables:
         flat.extend(table)
         flat.extend([0] * (width - len(table)))
-    staged = torch.tensor(flat, dtype=torch.int64).to(device)
+    # numpy builds the tensor from a list of ints about 5x faster than torch.tensor
+    staged = torch.from_numpy(np.array(flat, dtype=np.int64)).to(device)
     num_tokens, num_seqs = mb.num_tokens, len(seq_lens)
     ids, positions, slots, query_start, lens, table_rows = staged.split(
         [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width])
