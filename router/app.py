@@ -60,7 +60,7 @@ class Router:
         self.in_flight = 0
         self.metrics = RouterMetrics(self.workers, self.counters, lambda: self.in_flight)
         self.orchestrator = Orchestrator(self.workers, config, self.policy, self.counters,
-                                         self.metrics)
+                                         self.metrics, self.tokenizer)
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
 

@@ -60,7 +60,10 @@ class Orchestrator:
     """Routes and starts requests over a `WorkerSet`; implements `router.streams.Rerouter`."""
 
     def __init__(self, workers: WorkerSet, config: RouterConfig, policy: RoutingPolicy,
-                 counters: RouterCounters, metrics: RouterMetrics) -> None:
+                 counters: RouterCounters, metrics: RouterMetrics,
+                 tokenizer: object | None = None) -> None:
+        """`tokenizer`: the generations make their events' text with it (None: the workers')."""
+        self.tokenizer = tokenizer
         self.workers = workers
         self.config = config
         self.policy = policy
@@ -135,14 +138,16 @@ class Orchestrator:
         cached = decision.predicted_hit_blocks * self.block_size
         if result.handoff is None:  # finished at its first token
             return Generation(req, first, DONE, worker_id=prefill.worker_id,
-                              predicted_cached_tokens=cached, rerouter=self)
+                              predicted_cached_tokens=cached, rerouter=self,
+                              tokenizer=self.tokenizer)
         w.note_routed(decode_id)
         stream = decode.decode_from_handoff(req, first.token_ids[-1], result.handoff)
         return Generation(req, first, stream, worker_id=prefill.worker_id,
                           predicted_cached_tokens=cached, rerouter=self,
                           decode_worker_id=decode_id,
                           handover=Handover(prefill, decode, result.handoff, time.monotonic()),
-                          migration_retries=self.config.migration_retries)
+                          migration_retries=self.config.migration_retries,
+                          tokenizer=self.tokenizer)
 
     async def _aggregated(self, req: WorkerRequest, hashes: Sequence[int],
                           loads: list[WorkerLoad], reason: str | None) -> Generation:
@@ -156,7 +161,8 @@ class Orchestrator:
         return Generation(req, first, stream, worker_id=decision.worker_id,
                           predicted_cached_tokens=decision.predicted_hit_blocks * self.block_size,
                           rerouter=self, decode_worker_id=decision.worker_id,
-                          migration_retries=self.config.migration_retries)
+                          migration_retries=self.config.migration_retries,
+                          tokenizer=self.tokenizer)
 
     async def _first_event(self, stream: TokenStream, worker_id: str) -> TokenEvent:
         """The stream's first event; a refusal as a 400, an unreachable worker as a 503."""

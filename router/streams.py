@@ -1,7 +1,9 @@
 """A routed request's token stream, as the front ends read it: `Generation`. Torch-free.
 
-One async generator, `Generation.events()`, reads the worker's `TokenStream` and handles every
-recovery in place (see `router.orchestrator` for the whole path):
+One async generator, `Generation.events()`, reads the worker's `TokenStream`, makes each event's
+text (`workers.text.SampleText`: incremental detokenization, stop strings and their hold-back,
+here rather than on the engine's step thread; a stop string ends the sample and aborts the
+request on its worker), and handles every recovery in place (see `router.orchestrator`):
 - the decode half of a disaggregated request: its first event means the KV landed (the handoff
   is timed); a `KVPullFailed` instead makes the same decode worker compute the prompt itself,
   after the prefill worker's lease is ended;
@@ -14,6 +16,7 @@ recovery in place (see `router.orchestrator` for the whole path):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,7 +25,8 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol
 from router.errors import WorkerUnavailableError
 from router.metrics import NULL_RECORD, NullRecord, error_reason
 from router.worker_client import TokenStream, WorkerClient
-from workers.protocol import KVPullFailed, TokenEvent, WorkerRequest
+from workers.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
+from workers.text import SampleText
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -64,8 +68,14 @@ class Generation:
     def __init__(self, req: WorkerRequest, first: TokenEvent, stream: TokenStream, *,
                  worker_id: str, predicted_cached_tokens: int, rerouter: Rerouter,
                  decode_worker_id: str | None = None, handover: Handover | None = None,
-                 migration_retries: int = 0) -> None:
+                 migration_retries: int = 0, tokenizer: object | None = None) -> None:
+        """`tokenizer`: makes the events' text here (None: the worker's text is kept)."""
         self.req = req
+        self._tokenizer = tokenizer
+        self._texts: dict[int, SampleText] = {}  # sample index -> its text so far
+        self._ended: set[int] = set()  # samples that finished (here or on the worker)
+        first = self._with_text(first)
+        assert first is not None  # a first event always belongs to a live sample
         self.first = first
         self.worker_id = worker_id
         self.decode_worker_id = decode_worker_id
@@ -86,10 +96,10 @@ class Generation:
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         sent = list(self.first.token_ids)  # every token the client has been sent (sample 0)
-        finished = self.first.finish_reason is not None and self.req.params.n == 1
+        n = self.req.params.n
         try:
             yield self.first
-            while not finished:
+            while len(self._ended) < n:
                 try:
                     event = await self._stream.__anext__()
                 except StopAsyncIteration:
@@ -109,8 +119,10 @@ class Generation:
                     h, self._handover = self._handover, None
                     self._rerouter.kv_pulled(h.decode.worker_id, h.handoff,
                                              time.monotonic() - h.started)
+                event = self._with_text(event)
+                if event is None:  # a sample that already ended here
+                    continue
                 sent.extend(event.token_ids)
-                finished = event.finish_reason is not None and self.req.params.n == 1
                 self.record.on_event(event)
                 yield event
             self.record.finish("success")
@@ -119,6 +131,34 @@ class Generation:
             raise
         finally:
             await self.aclose()
+
+    def _with_text(self, event: TokenEvent) -> TokenEvent | None:
+        """The event with its text made here, cut at a stop string it completes (which ends
+        its sample); None for an event of a sample that already ended."""
+        if event.index in self._ended:
+            return None
+        if self._tokenizer is None:
+            if event.finish_reason is not None:
+                self._ended.add(event.index)
+            return event
+        text = self._texts.get(event.index)
+        if text is None:
+            text = self._texts[event.index] = SampleText(
+                self._tokenizer, self.req.prompt_token_ids, self.req.params)
+        for i, token_id in enumerate(event.token_ids):
+            stop = text.add_token(token_id)
+            if stop is not None:
+                self._ended.add(event.index)
+                kept = event.token_ids[:i + 1]
+                return dataclasses.replace(
+                    event, token_ids=kept, text=text.take(True, flush=False),
+                    logprobs=event.logprobs[:len(kept)] if event.logprobs else event.logprobs,
+                    finish_reason=FinishReason.STOP, stop_reason=stop)
+        finished = event.finish_reason is not None
+        if finished:
+            self._ended.add(event.index)
+        return dataclasses.replace(event, text=text.take(
+            finished, flush=finished and event.stop_reason is None))
 
     async def _compute_instead(self, exc: KVPullFailed) -> None:
         """The pull failed: end the prefill worker's lease, and have the decode worker compute

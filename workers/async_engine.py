@@ -60,10 +60,11 @@ class AsyncEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, rank_launcher: RankLauncher | None = None,
-                    **options: object) -> AsyncEngine:
-        """`rank_launcher`: how a parallel engine starts its ranks (None: spawned processes)."""
-        return cls(Engine(config, rank_launcher), **options)  # type: ignore[arg-type]
+    def from_config(cls, config: EngineConfig, rank_launcher: RankLauncher | None = None, *,
+                    detokenize: bool = True) -> AsyncEngine:
+        """`rank_launcher`: how a parallel engine starts its ranks (None: spawned processes);
+        `detokenize`: see `Engine`."""
+        return cls(Engine(config, rank_launcher, detokenize=detokenize))
 
     @property
     def is_healthy(self) -> bool:

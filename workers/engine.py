@@ -47,9 +47,11 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, rank_launcher: RankLauncher | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank_launcher: RankLauncher | None = None, *,
+                 detokenize: bool = True) -> None:
         """`rank_launcher`: starts the ranks when `config.world_size > 1` (default: spawned
-        processes; the cluster passes Ray actors)."""
+        processes; the cluster passes Ray actors). `detokenize` False: events carry token ids
+        and no text, and stop strings are not looked for (a router does both)."""
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = torch.device(config.resolved_device)
@@ -86,7 +88,7 @@ class Engine:
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
                                   or config.pipeline_parallel_size)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, detokenize)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
         self._samples: dict[str, list[str]] = {}  # request id -> its samples' internal ids

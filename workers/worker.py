@@ -100,12 +100,15 @@ class Worker:
 
     @classmethod
     def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both", *,
-                    rank_launcher: RankLauncher | None = None, **options: object) -> Worker:
+                    rank_launcher: RankLauncher | None = None, detokenize: bool = False,
+                    **options: object) -> Worker:
         """`options`: the keyword arguments of `Worker.__init__` (transport, lease_s, ...);
-        `rank_launcher`: how a parallel engine starts its ranks (None: spawned processes)."""
+        `rank_launcher`: how a parallel engine starts its ranks (None: spawned processes).
+        `detokenize` is off: a worker's events carry token ids, and the router makes their
+        text and finds stop strings off the step thread (`router.streams`)."""
         from workers.async_engine import AsyncEngine
 
-        engine = AsyncEngine.from_config(config, rank_launcher)
+        engine = AsyncEngine.from_config(config, rank_launcher, detokenize=detokenize)
         try:
             return cls(worker_id, engine, role, **options)  # type: ignore[arg-type]
         except BaseException:
