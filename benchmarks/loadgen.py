@@ -199,10 +199,15 @@ def measure(base_url: str, model: str, workload: Workload, rate: float,
     if workload.warmup:
         asyncio.run(run_load(base_url, model, workload.warmup_specs(vocab_size), math.inf, None,
                              workload.api_key, workload.ignore_eos))
+    cpu0 = time.process_time()
     results, duration = asyncio.run(run_load(
         base_url, model, workload.specs(vocab_size), rate, workload.max_concurrency,
         workload.api_key, workload.ignore_eos, workload.seed, time_limit_s))
+    cpu = time.process_time() - cpu0
     summary = summarize(results, duration, workload.slo_ttft_ms, workload.slo_tpot_ms)
+    # this process's CPU time over the run's wall time: near 1 (one core), the client itself
+    # may be what limits the figures (meaningful only when no server runs in this process)
+    summary["client_cpu_fraction"] = round(cpu / max(duration, 1e-9), 3)
     return {"request_rate": rate if math.isfinite(rate) else "inf", **summary}, results
 
 
