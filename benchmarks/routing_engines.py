@@ -3,7 +3,7 @@ in-process workers that run the model's forward passes. TTFT and throughput are 
 wall clock (`routing.py` is the cost-model simulation of the same question at larger scale).
 
 Setup: four `workers.worker.Worker`s (one `Engine` each: its own scheduler, paged KV cache and
-prefix cache) behind one `router.app.Router` over `InProcessWorkerClient`s, in one process and
+prefix cache) behind one `router.app.Router` over in-process worker clients, in one process and
 one event loop, the router's prefix index fed by the workers' KV events as in serving. Each
 policy gets FRESH workers (cold caches) and the same workload (same seed, same arrival times),
 one policy after another.
@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING
 from results_io import RESULTS, command_line, emit
 
 from router.app import Router, RouterConfig
-from cluster.inprocess_client import InProcessWorkerClient
+from cluster.inprocess_client import in_process_client
+from router.channel import ChannelClient
 from router.policy import Decision, RoutingPolicy, WorkerLoad, get_policy, healthy_loads
 from router.prefix_index import PrefixIndex
 from workers.protocol import SamplingParams, hash_prompt_blocks
@@ -180,7 +181,7 @@ async def converse(router: Router, observed: ObservedPolicy, workload: Workload,
         history += turn.user
         prompt = system + history
         params = SamplingParams(max_tokens=turn.reply_tokens, temperature=0.0, ignore_eos=True)
-        gen = await router.generate(prompt, params, request_id=f"c{conv_id}-t{i}")
+        gen = await router.generate(prompt, params)
         ttft = loop.time() - due
         reply: list[int] = []
         async for event in gen.events():
@@ -192,13 +193,13 @@ async def converse(router: Router, observed: ObservedPolicy, workload: Workload,
         due = loop.time()
 
 
-def build_clients(model_path: str, engine_options: dict) -> list[InProcessWorkerClient]:
+def build_clients(model_path: str, engine_options: dict) -> list[ChannelClient]:
     """Fresh workers (cold caches); blocking: builds the engines."""
     from workers.config import EngineConfig
     from workers.worker import Worker
 
     config = EngineConfig(model=model_path, **engine_options)
-    return [InProcessWorkerClient(Worker.from_config(f"worker-{i}", config))
+    return [in_process_client(Worker.from_config(f"worker-{i}", config))
             for i in range(NUM_WORKERS)]
 
 
@@ -216,8 +217,8 @@ async def run_policy(policy: str, workload: Workload, model_path: str, engine_op
     clients = build_clients(model_path, engine_options)
     router = Router(RouterConfig(model_path, policy="round_robin"), list(clients))
     observed = ObservedPolicy(None if policy == "oracle" else get_policy(policy),
-                              {c.worker_id: c.worker.engine for c in clients})
-    router.policy = observed  # the router asks it for every decision
+                              {c.worker_id: c.channel.worker.engine for c in clients})
+    router.orchestrator.policy = observed  # the router asks it for every decision
     results: list[TurnResult] = []
     await router.start()
     try:
