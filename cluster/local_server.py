@@ -13,27 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
-
 from cluster.config import RouterSettings, default_of
+from cluster.inprocess_client import in_process_client
 from cluster.settings import InProcessPlan, PoolPlan, WorkerOptions
 from router.app import Router, RouterConfig
-from router.grpc_server import create_grpc_server
-from cluster.inprocess_client import in_process_client
 from router.channel import ChannelClient
+from router.server import FrontEnds
 
 if TYPE_CHECKING:
     from workers.worker import Worker
-from router.openai.api import create_app
 
 logger = logging.getLogger(__name__)
-
-GRACEFUL_SHUTDOWN_S = 5
 
 
 # worker ids are `<prefix>-i`; an aggregated pool's workers are `worker-i`
@@ -116,43 +110,33 @@ class _Stack:
         self.config = plan
         self.clients = clients
         self.router = Router(plan.router, list(clients))
-        self.http_port = 0
-        self.grpc_port = 0
-        self._uvicorn: uvicorn.Server | None = None
+        self.front = FrontEnds(self.router, plan.host, plan.http_port, plan.grpc_port)
+
+    @property
+    def http_port(self) -> int:
+        return self.front.http_port
+
+    @property
+    def grpc_port(self) -> int:
+        return self.front.grpc_port
 
     async def serve(self, ready: threading.Event | None = None) -> None:
-        c = self.config
         await self.router.start()
-        grpc_server, self.grpc_port = create_grpc_server(self.router, c.host, c.grpc_port)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((c.host, c.http_port))
-        self.http_port = sock.getsockname()[1]
-        self._uvicorn = uvicorn.Server(uvicorn.Config(
-            create_app(self.router), log_level="warning", lifespan="off",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-        await grpc_server.start()
-        http_task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))
+        await self.front.start()
         try:
-            while not self._uvicorn.started and not http_task.done():
-                await asyncio.sleep(0.01)
             if ready is not None:
                 ready.set()
             logger.info("serving %s: HTTP on %s:%d, gRPC on %s:%d", self.router.model_name,
-                        c.host, self.http_port, c.host, self.grpc_port)
-            await http_task
+                        self.config.host, self.http_port, self.config.host, self.grpc_port)
+            await self.front.wait()
         finally:
-            self._uvicorn.should_exit = True
-            await asyncio.gather(http_task, return_exceptions=True)
-            await grpc_server.stop(GRACEFUL_SHUTDOWN_S)
+            await self.front.stop()
             await self.router.stop()
             for client in self.clients:
                 await client.close()
-            sock.close()
 
     def request_stop(self) -> None:
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
+        self.front.request_stop()
 
 
 def serve_local(plan: InProcessPlan) -> None:
