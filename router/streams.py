@@ -1,7 +1,7 @@
 """A routed request's token stream, as the front ends read it: `Generation`. Torch-free.
 
 One async generator, `Generation.events()`, reads the worker's `TokenStream`, makes each event's
-text (`workers.text.SampleText`: incremental detokenization, stop strings and their hold-back,
+text (`workers.tokenizer.detokenizer.SampleText`: incremental detokenization, stop strings and their hold-back,
 here rather than on the engine's step thread; a stop string ends the sample and aborts the
 request on its worker), and handles every recovery in place (see `router.orchestrator`):
 - the decode half of a disaggregated request: its first event means the KV landed (the handoff
@@ -26,7 +26,7 @@ from router.errors import WorkerUnavailableError
 from router.metrics import NULL_RECORD, NullRecord, error_reason
 from router.worker_client import TokenStream, WorkerClient
 from workers.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
-from workers.text import SampleText
+from workers.tokenizer.detokenizer import SampleText
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

@@ -1,4 +1,4 @@
-"""From sampled tokens to token events, with their text (`workers.text.SampleText`) unless the
+"""From sampled tokens to token events, with their text (`workers.tokenizer.detokenizer.SampleText`) unless the
 engine serves a router, which detokenizes off the step thread (`detokenize=False`: events carry
 token ids only, and stop strings are the router's to find)."""
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from workers.protocol import FinishReason, TokenEvent, TokenLogprob
 from workers.request import Request, RequestStatus
-from workers.text import SampleText
+from workers.tokenizer.detokenizer import SampleText
 
 
 @dataclass(slots=True)
