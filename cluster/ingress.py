@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any, AsyncIterator
 
 import grpc
@@ -25,9 +24,10 @@ from ray import serve
 
 from cluster.config import CleaveConfig
 from cluster.directory import WorkerEntry
+from cluster.settings import model_path, router_config
 from cluster.worker_client import ray_worker_client
+from router.app import Router
 from router.channel import ChannelClient
-from router.app import Router, RouterConfig
 from router.grpc_server import GenerationService
 from router.openai.api import create_app
 from router.proto.cleave.v1 import generate_pb2 as pb
@@ -37,9 +37,6 @@ logger = logging.getLogger(__name__)
 
 WORKERS_TIMEOUT_S = 600.0  # a router replica waits this long for a first decode-capable worker
 DECODE_CAPABLE = ("decode", "both")
-
-
-from cluster.settings import router_config  # noqa: E402  (the one translation)
 
 
 class _ServeGrpcContext:
@@ -71,13 +68,8 @@ class RouterIngress:
         self.directory = directory
         self.pools = pools  # bound so Serve deploys them; requests go to the engine actors
         self.subscriber = f"router-{serve.get_replica_context().replica_id.unique_id}"
-        model_path = self.config.model.path
-        if model_path is None:
-            from workers.make_model import default_model_path
-
-            model_path = str(default_model_path())
         entries = await self._wait_for_workers()
-        self.router = Router(router_config(self.config, model_path),
+        self.router = Router(router_config(self.config, model_path(self.config)),
                              [self._client(e) for e in entries])
         self.router.draining.update(e.worker_id for e in entries if e.draining)
         await self.router.start()
