@@ -38,7 +38,7 @@ from typing import Iterator
 
 from loadgen import RequestSpec, Workload, measure, percentiles_ms
 
-LAYERS = ("offline", "transformers", "inprocess_agg", "inprocess", "ray")
+LAYERS = ("offline", "transformers", "inprocess_agg", "inprocess", "ray", "ray_proxy")
 NOTE = ("{cores} CPU core(s) shared by every layer's engines, its router and this load generator "
         "(and by other processes on the machine: see load_average_1m); the Ray app's replicas "
         "run one torch thread each, the offline engine and the in-process servers' engines "
@@ -224,13 +224,16 @@ def _serve_in_child(model: str, layout: dict, threshold: int, torch_threads: int
         server.stop()
 
 
-def run_ray(model: str, sweep: Sweep, vocab_size: int, num_cpus: float) -> dict:
-    """{c: figures} plus "_stop": how `cleave serve` ended."""
+def run_ray(model: str, sweep: Sweep, vocab_size: int, num_cpus: float,
+            ingress: str = "direct") -> dict:
+    """{c: figures} plus "_stop": how `cleave serve` ended. `ingress`: direct (the router
+    replicas serve the ports) or serve (Ray Serve's proxies in front)."""
     from serving_ray import RayApp
 
     t0 = time.perf_counter()
     for attempt in (1, 2):  # once more if it exits before ready (seen once, signalled)
-        app = RayApp(model, "bench", disagg_threshold=sweep.disagg_threshold, num_cpus=num_cpus)
+        app = RayApp(model, "bench", disagg_threshold=sweep.disagg_threshold, num_cpus=num_cpus,
+                     extra_args=("--ingress", ingress))
         try:
             app.start()
             break
@@ -256,6 +259,8 @@ def run_layer(layer: str, model: str, sweep: Sweep, vocab_size: int, ray_num_cpu
         return run_inprocess(model, sweep, vocab_size, layer, torch_threads)
     if layer == "ray":
         return run_ray(model, sweep, vocab_size, ray_num_cpus)
+    if layer == "ray_proxy":
+        return run_ray(model, sweep, vocab_size, ray_num_cpus, ingress="serve")
     raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
 
 
@@ -271,7 +276,8 @@ def ratios(levels: dict[str, dict], concurrencies: tuple[int, ...]) -> dict[str,
 
     out: dict[str, float | None] = {}
     top = max(concurrencies)
-    pairs = [("ray", "inprocess"), ("inprocess", "offline"), ("inprocess_agg", "offline")]
+    pairs = [("ray", "inprocess"), ("inprocess", "offline"), ("inprocess_agg", "offline"),
+             ("ray", "ray_proxy")]
     for a, b in pairs:
         if a in levels and b in levels:
             for c in concurrencies:

@@ -25,7 +25,7 @@ _POOL_FLAGS = {"tensor_parallel_size": ("", "tp"), "pipeline_parallel_size": (""
 _MODEL_FLAGS = {"model": "path", "served_model_name": "served_model_name", "dtype": "dtype",
                 "max_model_len": "max_model_len", "load_format": "load_format"}
 _ROUTER_FLAGS = {"host": "host", "port": "http_port", "grpc_port": "grpc_port",
-                 "policy": "policy", "max_in_flight": "max_in_flight",
+                 "ingress": "ingress", "policy": "policy", "max_in_flight": "max_in_flight",
                  "disagg_threshold_tokens": "disagg_threshold_tokens"}
 
 
@@ -61,6 +61,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 50051)")
+    p.add_argument("--ingress", default=None, choices=("direct", "serve"),
+                   help="direct (default): router replicas serve the ports; serve: Ray Serve's "
+                        "proxies do")
     p.add_argument("--api-key", action="append", default=None,
                    help="accepted bearer key (repeatable; also CLEAVE_API_KEYS=a,b)")
     p.add_argument("--policy", default=None, help="prefix_aware, least_loaded or round_robin")
