@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Sequence
 
@@ -75,17 +77,23 @@ class WorkerChannel(abc.ABC):
 
 class RequestStream:
     """One request's events, fed by the client's reader. Iterating ends after the last sample
-    finished; a failure is raised as the worker raised it; `aclose()` before the end aborts."""
+    finished; a failure is raised as the worker raised it; `aclose()` before the end aborts.
+
+    Events of one sample that are already here when the reader asks are merged into one (their
+    tokens, text and logprobs in order): a router that falls behind the engine then does work per
+    message, not per token, so it catches up instead of staying behind."""
 
     def __init__(self, client: ChannelClient, request_id: str, num_samples: int) -> None:
         self._client = client
         self.request_id = request_id
-        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self._items: collections.deque[TokenEvent | BaseException] = collections.deque()
+        self._ready = asyncio.Event()
         self._left = num_samples
         self._done = False
 
     def put(self, item: TokenEvent | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -93,10 +101,17 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self._done:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self._finish(abort=False)
             raise item
+        while (item.finish_reason is None and self._items
+               and isinstance(self._items[0], TokenEvent)
+               and self._items[0].index == item.index):
+            item = _merged(item, self._items.popleft())  # type: ignore[arg-type]
         if item.finish_reason is not None:
             self._left -= 1
             if self._left == 0:
@@ -112,6 +127,15 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self._finish(abort=True)
+
+
+def _merged(a: TokenEvent, b: TokenEvent) -> TokenEvent:
+    """`b` appended to `a` (consecutive events of one sample)."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else [
+        *(a.logprobs or ()), *(b.logprobs or ())]
+    return dataclasses.replace(a, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text,
+                               logprobs=logprobs, finish_reason=b.finish_reason,
+                               stop_reason=b.stop_reason)
 
 
 class ChannelClient(WorkerClient):

@@ -185,10 +185,14 @@ class RequestRecord(NullRecord):
             self._metrics.generation_tokens.labels(*labels).inc(len(event.token_ids))
 
     def on_event(self, event: TokenEvent) -> None:
+        """One inter-token latency per token: the gap since the sample's last event for the
+        first, 0 for the others that arrived with it."""
         now = time.monotonic()
         labels = self._metrics.labels(self._streamer)
-        self._metrics.itl.labels(*labels).observe(now - self._last_at.get(event.index,
-                                                                          self._first_at))
+        itl = self._metrics.itl.labels(*labels)
+        itl.observe(now - self._last_at.get(event.index, self._first_at))
+        for _ in range(len(event.token_ids) - 1):
+            itl.observe(0.0)
         self._count_tokens(event, now, labels)
 
     @property

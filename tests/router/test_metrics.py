@@ -64,7 +64,8 @@ def test_requests_ttft_and_tokens_are_counted(server):
     chunks = list(client.completions.create(
         model=server.router.model_name, prompt="hello there", max_tokens=5, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert len([c for c in chunks if c.choices]) == 5
+    assert 1 <= len([c for c in chunks if c.choices]) <= 5  # tokens here at once share a chunk
+    assert chunks[-1].usage.completion_tokens == 5
     out = client.chat.completions.create(model=server.router.model_name, max_tokens=4,
                                          messages=[{"role": "user", "content": "hi"}],
                                          extra_body={"ignore_eos": True})

@@ -1,0 +1,97 @@
+"""The channel client's per-request stream: events of one sample that are already here merge into
+one (tokens, text and logprobs in order), never across samples, a finish or a failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.channel import ChannelClient, RequestStream, WorkerChannel
+from router.errors import WorkerUnavailableError
+from workers.protocol import (
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    WorkerRequest,
+)
+
+
+def event(index: int, token: int, last: bool = False) -> TokenEvent:
+    return TokenEvent("r", index, [token], f"<{token}>",
+                      logprobs=[TokenLogprob(token, -float(token), {})],
+                      finish_reason=FinishReason.LENGTH if last else None)
+
+
+class _QuietChannel(WorkerChannel):
+    """A worker that takes commands and never answers on its own (the test feeds the stream)."""
+
+    worker_id = "w"
+
+    async def info(self): ...
+
+    async def submit(self, subscriber, commands) -> None:
+        pass
+
+    async def next_outputs(self, subscriber, timeout_s):
+        await asyncio.Event().wait()
+
+    async def prefill(self, req, kv_readers): ...
+
+    async def stats(self): ...
+
+    async def kv_snapshot(self): ...
+
+    async def health(self) -> bool:
+        return True
+
+
+async def stream(num_samples: int = 1) -> RequestStream:
+    client = ChannelClient(_QuietChannel(), "router")
+    params = SamplingParams(n=num_samples, max_tokens=8)
+    return client.generate(WorkerRequest("r", (1, 2, 3), params))  # type: ignore[return-value]
+
+
+async def drain(s: RequestStream) -> list[TokenEvent]:
+    return [e async for e in s]
+
+
+def test_events_here_at_once_merge_until_a_finish():
+    async def go():
+        s = await stream()
+        for token in (1, 2, 3):
+            s.put(event(0, token))
+        s.put(event(0, 4, last=True))
+        return await drain(s)
+
+    out = asyncio.run(go())
+    assert len(out) == 1
+    assert out[0].token_ids == [1, 2, 3, 4] and out[0].text == "<1><2><3><4>"
+    assert [lp.token_id for lp in out[0].logprobs] == [1, 2, 3, 4]
+    assert out[0].finish_reason is FinishReason.LENGTH
+
+
+def test_samples_never_merge_with_each_other():
+    async def go():
+        s = await stream(num_samples=2)
+        for e in (event(0, 1), event(0, 2), event(1, 7), event(0, 3, last=True),
+                  event(1, 8, last=True)):
+            s.put(e)
+        return await drain(s)
+
+    out = asyncio.run(go())
+    assert [(e.index, e.token_ids) for e in out] == [(0, [1, 2]), (1, [7]), (0, [3]), (1, [8])]
+
+
+def test_a_failure_after_events_is_raised_after_them():
+    async def go():
+        s = await stream()
+        s.put(event(0, 1))
+        s.put(WorkerUnavailableError("w", "gone"))
+        first = await s.__anext__()
+        with pytest.raises(WorkerUnavailableError):
+            await s.__anext__()
+        return first
+
+    assert asyncio.run(go()).token_ids == [1]
