@@ -104,9 +104,6 @@ class EngineActor:
     async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
         return await self.worker.prefill(req, kv_readers)
 
-    async def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
-
     # ---- load, events, health --------------------------------------------------------------
 
     async def stats(self) -> EngineStats:

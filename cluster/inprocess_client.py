@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from router.channel import ChannelClient, WorkerChannel
+from router.channel import ChannelClient
 from router.errors import WorkerUnavailableError
+from router.worker_client import WorkerChannel
 from workers.messages import Command, PrefillResult, WorkerOutputs
 from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 

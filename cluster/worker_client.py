@@ -15,8 +15,9 @@ from typing import Any, Awaitable, TypeVar
 
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from router.channel import ChannelClient, WorkerChannel
+from router.channel import ChannelClient
 from router.errors import WorkerUnavailableError
+from router.worker_client import WorkerChannel
 from workers.messages import Command, PrefillResult, WorkerOutputs
 from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 

@@ -12,7 +12,6 @@ Across the process boundary there is one message per engine step, not one call p
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import collections
 import dataclasses
@@ -20,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING, Sequence
 
 from router.errors import WorkerUnavailableError
-from router.worker_client import TokenStream, WorkerClient, WorkerListener
+from router.worker_client import TokenStream, WorkerChannel, WorkerClient, WorkerListener
 from workers.messages import (
     Abort,
     Command,
@@ -41,38 +40,6 @@ logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 0.5  # a worker answers a poll at least this often (a heartbeat with its load)
 RETRY_PAUSE_S = 0.5  # after a failed poll, before the next
-
-
-class WorkerChannel(abc.ABC):
-    """The wire to one worker: the calls a `ChannelClient` makes. Each raises
-    `WorkerUnavailableError` when the worker cannot be reached; the worker's own refusals
-    (`InvalidRequestError`, `ValueError` for a role) are raised as the worker raised them."""
-
-    worker_id: str
-
-    @abc.abstractmethod
-    async def info(self) -> WorkerInfo: ...
-
-    @abc.abstractmethod
-    async def submit(self, subscriber: str, commands: list[Command]) -> None: ...
-
-    @abc.abstractmethod
-    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs: ...
-
-    @abc.abstractmethod
-    async def prefill(self, req: WorkerRequest, kv_readers: int) -> PrefillResult: ...
-
-    @abc.abstractmethod
-    async def stats(self) -> EngineStats: ...
-
-    @abc.abstractmethod
-    async def kv_snapshot(self) -> KVSnapshot: ...
-
-    @abc.abstractmethod
-    async def health(self) -> bool: ...
-
-    async def close(self) -> None:
-        """Release the channel (and what it owns: an in-process worker)."""
 
 
 class RequestStream:

@@ -177,6 +177,8 @@ class RequestRecord(NullRecord):
         m.predicted_cached.labels(*labels).inc(gen.predicted_cached_tokens)
         m.cached.labels(*labels).inc(gen.num_cached_tokens)
         self._count_tokens(gen.first, now, labels)
+        for _ in range(len(gen.first.token_ids) - 1):  # tokens that came with the first
+            m.itl.labels(*self._metrics.labels(self._streamer)).observe(0.0)
 
     def _count_tokens(self, event: TokenEvent, now: float, labels: tuple[str, str]) -> None:
         self._last_at[event.index] = now

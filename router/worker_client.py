@@ -1,8 +1,8 @@
 """The boundary between the router and a worker: one request record in, token events out.
 
 Torch-free. The router holds one `WorkerClient` per worker and never touches an engine directly.
-The one implementation is `router.channel.ChannelClient`, over a `WorkerChannel` in process
-(`cluster.inprocess_client`) or over Ray (`cluster.worker_client`); tests script fakes of this
+The one implementation is `router.channel.ChannelClient`, over a `WorkerChannel` (the wire, also
+defined here) in process (`cluster.inprocess_client`) or over Ray (`cluster.worker_client`); tests script fakes of this
 contract (`tests/router/fakes.py`). Prompts cross as token ids: the router tokenizes, so it can
 hash the prompt's blocks for routing. Every operation has one name at every layer: `generate`,
 `prefill`, `decode_from_handoff`, `resume`, `abort`.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
-from workers.messages import PrefillResult
+from workers.messages import Command, PrefillResult, WorkerOutputs
 from workers.protocol import (
     EngineStats,
     KVEvent,
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
     from router.errors import WorkerUnavailableError
 
-__all__ = ["EngineStats", "KVPullFailed", "PrefillResult", "TokenStream", "WorkerClient",
-           "WorkerInfo", "WorkerListener", "WorkerRequest", "WorkerRole"]
+__all__ = ["EngineStats", "KVPullFailed", "PrefillResult", "TokenStream", "WorkerChannel",
+           "WorkerClient", "WorkerInfo", "WorkerListener", "WorkerRequest", "WorkerRole"]
 
 
 class TokenStream(Protocol):
@@ -113,3 +113,35 @@ class WorkerClient(abc.ABC):
 
     async def close(self) -> None:
         """Release what the client holds (its channel, an in-process engine)."""
+
+
+class WorkerChannel(abc.ABC):
+    """The wire to one worker: the calls a `ChannelClient` makes. Each raises
+    `WorkerUnavailableError` when the worker cannot be reached; the worker's own refusals
+    (`InvalidRequestError`, `ValueError` for a role) are raised as the worker raised them."""
+
+    worker_id: str
+
+    @abc.abstractmethod
+    async def info(self) -> WorkerInfo: ...
+
+    @abc.abstractmethod
+    async def submit(self, subscriber: str, commands: list[Command]) -> None: ...
+
+    @abc.abstractmethod
+    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs: ...
+
+    @abc.abstractmethod
+    async def prefill(self, req: WorkerRequest, kv_readers: int) -> PrefillResult: ...
+
+    @abc.abstractmethod
+    async def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    async def kv_snapshot(self) -> KVSnapshot: ...
+
+    @abc.abstractmethod
+    async def health(self) -> bool: ...
+
+    async def close(self) -> None:
+        """Release the channel (and what it owns: an in-process worker)."""

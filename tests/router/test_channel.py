@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from router.channel import ChannelClient, RequestStream, WorkerChannel
+from router.channel import ChannelClient, RequestStream
 from router.errors import WorkerUnavailableError
+from router.worker_client import WorkerChannel
 from workers.protocol import (
     FinishReason,
     SamplingParams,
