@@ -30,6 +30,19 @@ def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
+def model_and_requests(model: str | None, num_requests: int,
+                       tmp: Path) -> tuple[str, list[tuple[list[int], int]]]:
+    """The checkpoint (the `small` preset made under `tmp` when None) and the workload."""
+    if model is None:
+        from workers.make_model import make_model
+
+        model = str(make_model(tmp / "small", arch="llama", preset="small"))
+    from workers.model_config import ModelConfig
+
+    vocab = min(ModelConfig.from_pretrained(model).vocab_size, 4096)
+    return model, make_requests(num_requests, vocab, seed=0)
+
+
 def run_cleave(model: str, requests, max_num_seqs: int, dtype: str,
                kv_bytes: int) -> tuple[float, int]:
     from workers import LLM, SamplingParams
@@ -124,15 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
 
     tmp = tempfile.TemporaryDirectory()
-    model = args.model
-    if model is None:
-        from workers.make_model import make_model
-
-        model = str(make_model(Path(tmp.name) / "small", arch="llama", preset="small"))
-    from workers.model_config import ModelConfig
-
-    vocab = min(ModelConfig.from_pretrained(model).vocab_size, 4096)
-    requests = make_requests(args.num_requests, vocab, seed=0)
+    model, requests = model_and_requests(args.model, args.num_requests, Path(tmp.name))
 
     cleave_s, cleave_tokens = run_cleave(model, requests, args.max_num_seqs, args.dtype,
                                          int(args.kv_cache_gib * 1024**3))

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine_throughput import make_requests, run_cleave, run_transformers
+from engine_throughput import model_and_requests, run_cleave, run_transformers
 from loadgen import RequestSpec, run_load, summarize
 from results_io import RESULTS, command_line, emit
 from serving_ray import RayApp
@@ -70,15 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     tmp = tempfile.TemporaryDirectory()
-    model = args.model
-    if model is None:
-        from workers.make_model import make_model
-
-        model = str(make_model(Path(tmp.name) / "small", arch="llama", preset="small"))
-    from workers.model_config import ModelConfig
-
-    vocab = min(ModelConfig.from_pretrained(model).vocab_size, 4096)
-    requests = make_requests(args.num_requests, vocab, seed=0)
+    model, requests = model_and_requests(args.model, args.num_requests, Path(tmp.name))
     kv_bytes = int(args.kv_cache_gib * 1024**3)
     engine_s, engine_tokens = run_cleave(model, requests, args.max_num_seqs, "float32",
                                          kv_bytes)
