@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import PlacementGroup

@@ -177,8 +177,7 @@ class RequestRecord(NullRecord):
         m.predicted_cached.labels(*labels).inc(gen.predicted_cached_tokens)
         m.cached.labels(*labels).inc(gen.num_cached_tokens)
         self._count_tokens(gen.first, now, labels)
-        for _ in range(len(gen.first.token_ids) - 1):  # tokens that came with the first
-            m.itl.labels(*self._metrics.labels(self._streamer)).observe(0.0)
+        self._observe_itl(gen.first, None)
 
     def _count_tokens(self, event: TokenEvent, now: float, labels: tuple[str, str]) -> None:
         self._last_at[event.index] = now
@@ -187,15 +186,19 @@ class RequestRecord(NullRecord):
             self._metrics.generation_tokens.labels(*labels).inc(len(event.token_ids))
 
     def on_event(self, event: TokenEvent) -> None:
-        """One inter-token latency per token: the gap since the sample's last event for the
-        first, 0 for the others that arrived with it."""
         now = time.monotonic()
-        labels = self._metrics.labels(self._streamer)
-        itl = self._metrics.itl.labels(*labels)
-        itl.observe(now - self._last_at.get(event.index, self._first_at))
+        self._observe_itl(event, now - self._last_at.get(event.index, self._first_at))
+        self._count_tokens(event, now, self._metrics.labels(self._streamer))
+
+    def _observe_itl(self, event: TokenEvent, gap: float | None) -> None:
+        """One inter-token latency per token: `gap` (since the sample's last event) for the
+        event's first token (None: the generation's first, which has none), 0 for the tokens
+        that arrived with it."""
+        itl = self._metrics.itl.labels(*self._metrics.labels(self._streamer))
+        if gap is not None:
+            itl.observe(gap)
         for _ in range(len(event.token_ids) - 1):
             itl.observe(0.0)
-        self._count_tokens(event, now, labels)
 
     @property
     def _streamer(self) -> str:

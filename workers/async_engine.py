@@ -240,14 +240,20 @@ class AsyncEngine:
                 self.on_publish(kv_events)
 
     def _fail_all(self, exc: BaseException) -> None:
+        for rid in self._fail_routes(lambda rid: exc):
+            self.engine.abort(rid)
+
+    def _fail_routes(self, error: Callable[[str], BaseException]) -> list[str]:
+        """Fail every routed request with `error(request_id)`, flushing each sink once; returns
+        their ids (no longer routed)."""
         routes, self._routes = self._routes, {}
         sinks: dict[int, Sink] = {}
         for rid, route in routes.items():
-            route.sink.fail(rid, exc)
+            route.sink.fail(rid, error(rid))
             sinks[id(route.sink)] = route.sink
-            self.engine.abort(rid)
         for sink in sinks.values():
             sink.flush()
+        return list(routes)
 
     async def shutdown(self) -> None:
         """Stop the step loop; every request still routed fails with `EngineShutDown`."""
@@ -259,10 +265,5 @@ class AsyncEngine:
                 pass
         self._executor.shutdown(wait=True)
         self.engine.close()  # a parallel engine's rank processes
-        routes, self._routes = self._routes, {}
-        sinks: dict[int, Sink] = {}
-        for rid, route in routes.items():
-            route.sink.fail(rid, EngineShutDown(f"the engine was shut down while {rid!r} ran"))
-            sinks[id(route.sink)] = route.sink
-        for sink in sinks.values():
-            sink.flush()
+        self._fail_routes(lambda rid: EngineShutDown(
+            f"the engine was shut down while {rid!r} ran"))

@@ -111,9 +111,10 @@ class KVEventLog:
         start = self._end - len(self._events)
         cursor = max(self._cursors.get(subscriber, start), start)
         self._cursors[subscriber] = self._end
-        if cursor == self._end:
-            return ()
-        return tuple(self._events)[cursor - start:]
+        # read from the right end: a message carries only the few newest events, and copying
+        # the whole log (up to KV_EVENT_LOG_SIZE) on every message would cost the step loop
+        events = self._events
+        return tuple(events[i - self._end] for i in range(cursor, self._end))
 
     def forget(self, subscriber: str) -> None:
         self._cursors.pop(subscriber, None)

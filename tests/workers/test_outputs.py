@@ -54,7 +54,8 @@ def test_a_router_that_falls_behind_the_log_sees_a_sequence_gap():
 def test_one_message_carries_a_step_for_all_of_a_routers_requests():
     async def go():
         hub = OutputHub(lambda: STATS, lambda rid: None)
-        a, b = hub.outbox("router-a"), hub.outbox("router-b")
+        a = hub.outbox("router-a")
+        hub.outbox("router-b")  # another router: it reads the same KV events, none of a's
         a.put(_event("r1", 5))
         a.put(_event("r2", 6))
         a.fail("r3", InvalidRequestError("bad prompt", param="prompt"))
