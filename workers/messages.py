@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 from workers.protocol import (
+    EngineOverloaded,
     EngineShutDown,
     EngineStats,
     InvalidRequestError,
@@ -42,6 +43,7 @@ class FailureKind(str, enum.Enum):
     KV_PULL_FAILED = "kv_pull_failed"  # its handoff's KV could not land (`KVPullFailed`)
     ENGINE_SHUT_DOWN = "engine_shut_down"  # the worker is going away (`EngineShutDown`)
     ENGINE_ERROR = "engine_error"  # a step failed
+    OVERLOADED = "overloaded"  # refused: the worker's waiting queue is full (`EngineOverloaded`)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class RequestFailed:
             return cls(request_id, FailureKind.KV_PULL_FAILED, exc.reason, pull_kind=exc.kind)
         if isinstance(exc, EngineShutDown):
             return cls(request_id, FailureKind.ENGINE_SHUT_DOWN, str(exc))
+        if isinstance(exc, EngineOverloaded):
+            return cls(request_id, FailureKind.OVERLOADED, exc.reason)
         return cls(request_id, FailureKind.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")
 
     def to_exception(self) -> Exception:
@@ -72,6 +76,8 @@ class RequestFailed:
             return KVPullFailed(self.request_id, self.pull_kind or "other", self.message)
         if self.kind is FailureKind.ENGINE_SHUT_DOWN:
             return EngineShutDown(self.message)
+        if self.kind is FailureKind.OVERLOADED:
+            return EngineOverloaded(self.request_id, self.message)
         return RuntimeError(self.message)
 
 

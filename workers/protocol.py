@@ -284,6 +284,16 @@ class EngineShutDown(RuntimeError):
     the router treats it as the worker failing)."""
 
 
+class EngineOverloaded(RuntimeError):
+    """A worker refused a request because its waiting queue is full (before its first event;
+    nothing of it is held). The router tries another worker, or answers 429."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r} refused: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
 class KVPullFailed(RuntimeError):
     """A decode worker could not land a handoff's KV. Raised before the request's first event;
     the request left nothing behind. `kind` names the cause for metrics and fallbacks (a
