@@ -2,6 +2,9 @@
 
 Everything that crosses a process or package boundary is one of these typed records: sampling
 parameters in, token events and KV events out.
+
+Long because it is the one list of the records and errors that cross the boundary, read
+together; split, the wire format would be scattered.
 """
 
 from __future__ import annotations
