@@ -13,12 +13,12 @@ Across the process boundary there is one message per engine step, not one call p
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 from typing import TYPE_CHECKING, Sequence
 
 from router.errors import WorkerUnavailableError
+from router.request_stream import RequestStream
 from router.worker_client import TokenStream, WorkerChannel, WorkerClient, WorkerListener
 from workers.messages import (
     Abort,
@@ -31,7 +31,7 @@ from workers.messages import (
     StreamCommand,
     WorkerOutputs,
 )
-from workers.protocol import EngineStats, KVSnapshot, TokenEvent, WorkerInfo, WorkerRequest
+from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -42,76 +42,27 @@ POLL_TIMEOUT_S = 0.5  # a worker answers a poll at least this often (a heartbeat
 RETRY_PAUSE_S = 0.5  # after a failed poll, before the next
 
 
-class RequestStream:
-    """One request's events, fed by the client's reader. Iterating ends after the last sample
-    finished; a failure is raised as the worker raised it; `aclose()` before the end aborts.
+@dataclasses.dataclass(frozen=True)
+class Deadlines:
+    """How long the router waits on a worker (`RouterConfig`'s `prefill_timeout_s` and
+    `stall_timeout_s`): a prefill not answered in time is aborted there and raised as
+    `WorkerUnavailableError`; a channel silent for `stall_s` past its heartbeat, or whose
+    worker reports itself unhealthy (a stalled step, a dead rank), fails its streams the same
+    way, so they move to other workers."""
 
-    Events of one sample that are already here when the reader asks are merged into one (their
-    tokens, text and logprobs in order): a router that falls behind the engine then does work per
-    message, not per token, so it catches up instead of staying behind."""
-
-    def __init__(self, client: ChannelClient, request_id: str, num_samples: int) -> None:
-        self._client = client
-        self.request_id = request_id
-        self._items: collections.deque[TokenEvent | BaseException] = collections.deque()
-        self._ready = asyncio.Event()
-        self._left = num_samples
-        self._done = False
-
-    def put(self, item: TokenEvent | BaseException) -> None:
-        self._items.append(item)
-        self._ready.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._items.popleft()
-        if isinstance(item, BaseException):
-            self._finish(abort=False)
-            raise item
-        while (item.finish_reason is None and self._items
-               and isinstance(self._items[0], TokenEvent)
-               and self._items[0].index == item.index):
-            item = _merged(item, self._items.popleft())  # type: ignore[arg-type]
-        if item.finish_reason is not None:
-            self._left -= 1
-            if self._left == 0:
-                self._finish(abort=False)
-        return item
-
-    def _finish(self, abort: bool) -> None:
-        if not self._done:
-            self._done = True
-            self._client._streams.pop(self.request_id, None)
-            if abort:
-                self._client._send(Abort(self.request_id))
-
-    async def aclose(self) -> None:
-        self._finish(abort=True)
-
-
-def _merged(a: TokenEvent, b: TokenEvent) -> TokenEvent:
-    """`b` appended to `a` (consecutive events of one sample)."""
-    logprobs = None if a.logprobs is None and b.logprobs is None else [
-        *(a.logprobs or ()), *(b.logprobs or ())]
-    return dataclasses.replace(a, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text,
-                               logprobs=logprobs, finish_reason=b.finish_reason,
-                               stop_reason=b.stop_reason)
+    prefill_s: float = 300.0
+    stall_s: float = 15.0
 
 
 class ChannelClient(WorkerClient):
     """One router's client of one worker. `subscriber` names the router to the worker (every
     router replica has its own output channel)."""
 
-    def __init__(self, channel: WorkerChannel, subscriber: str) -> None:
+    def __init__(self, channel: WorkerChannel, subscriber: str,
+                 deadlines: Deadlines = Deadlines()) -> None:
         self.channel = channel
         self.subscriber = subscriber
+        self.deadlines = deadlines
         self._streams: dict[str, RequestStream] = {}
         self._outgoing: list[Command] = []
         self._listener: WorkerListener | None = None
@@ -151,13 +102,13 @@ class ChannelClient(WorkerClient):
         """The command's stream; a closed client's fails at its first read."""
         rid = cmd.req.request_id
         if self._closed:
-            stream = RequestStream(self, rid, cmd.req.params.n)
+            stream = RequestStream(rid, cmd.req.params.n, self._stream_finished)
             stream.put(WorkerUnavailableError(self.worker_id, "the client is closed"))
             return stream
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already streaming from "
                              f"{self.worker_id!r}")
-        stream = RequestStream(self, rid, cmd.req.params.n)
+        stream = RequestStream(rid, cmd.req.params.n, self._stream_finished)
         self._streams[rid] = stream
         self._ensure_reader()
         self._send(cmd)
@@ -166,10 +117,20 @@ class ChannelClient(WorkerClient):
     async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
         self._check_open()
         try:
-            return await self.channel.prefill(req, kv_readers)
+            return await asyncio.wait_for(self.channel.prefill(req, kv_readers),
+                                          self.deadlines.prefill_s)
         except asyncio.CancelledError:
             self._send(Abort(req.request_id))
             raise
+        except asyncio.TimeoutError:
+            self._send(Abort(req.request_id))
+            raise WorkerUnavailableError(self.worker_id, f"prefill of {req.request_id!r} not "
+                                         f"answered in {self.deadlines.prefill_s} s") from None
+
+    def _stream_finished(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort:
+            self._send(Abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -217,14 +178,24 @@ class ChannelClient(WorkerClient):
     async def _read_forever(self) -> None:
         while not self._closed:
             try:
-                out = await self.channel.next_outputs(self.subscriber, POLL_TIMEOUT_S)
+                out = await asyncio.wait_for(
+                    self.channel.next_outputs(self.subscriber, POLL_TIMEOUT_S),
+                    POLL_TIMEOUT_S + self.deadlines.stall_s)
             except asyncio.CancelledError:
                 raise
+            except asyncio.TimeoutError:
+                self._fail_streams(WorkerUnavailableError(
+                    self.worker_id, f"its output channel was silent for "
+                    f"{POLL_TIMEOUT_S + self.deadlines.stall_s} s"))
+                continue
             except Exception as exc:  # noqa: BLE001 -- the worker is unreachable
                 self._fail_streams(exc)
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
             self._deliver(out)
+            if not getattr(out.stats, "healthy", True) and self._streams:
+                self._fail_streams(WorkerUnavailableError(
+                    self.worker_id, "it reports itself unhealthy (a stalled step or a dead rank)"))
 
     def _deliver(self, out: WorkerOutputs) -> None:
         streams = self._streams

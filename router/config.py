@@ -26,15 +26,29 @@ class RouterConfig:
     # how long a stream whose worker failed waits for a decode-pool worker to move to (a
     # cluster's pool replaces its lost replicas); 0: fail at once when none is healthy
     migration_wait_s: float = 0.0
+    # other workers tried when an aggregated request's worker fails before its first token
+    start_retries: int = 2
+    # admission: a worker with this many requests, or prompt tokens, waiting takes no more;
+    # when every healthy worker of the pool is that full, requests get 429 with Retry-After
+    max_waiting_per_worker: int = 256
+    max_pending_tokens_per_worker: int = 1 << 20
+    prefill_timeout_s: float = 300.0  # a prefill not answered by then is retried elsewhere
+    # a worker whose output channel says nothing for this long (it answers every 0.5 s when
+    # idle) is unhealthy, and the streams on it move to other workers
+    stall_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
         for name in ("disagg_threshold_tokens", "prefill_retries", "migration_retries",
-                     "migration_wait_s"):
+                     "migration_wait_s", "start_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s"):
+        for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s",
+                     "max_waiting_per_worker", "max_pending_tokens_per_worker"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("prefill_timeout_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kv_poll_interval_s > 0:
             raise ValueError(f"kv_poll_interval_s must be > 0, got {self.kv_poll_interval_s}")
         if any(not key for key in self.api_keys):

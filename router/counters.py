@@ -20,8 +20,10 @@ class RouterCounters:
     aggregated: dict[str, int] = field(default_factory=dict)
     # failures worked around, by reason: prefill_error (one attempt, retried elsewhere),
     # prefill_failed (every attempt), no_prefill_worker, kv_pull_failed (decode prefilled),
-    # decode_worker_failed (a stream moved to another worker mid-way, once per move)
+    # decode_worker_failed (a stream moved to another worker mid-way, once per move),
+    # start_failed (an aggregated request's worker failed before its first token: retried)
     fallbacks: dict[str, int] = field(default_factory=dict)
+    num_refused_overloaded: int = 0  # 429s because every worker's queue was full
     first_tokens_by_worker: dict[str, int] = field(default_factory=dict)  # worker id -> requests
     decodes_by_worker: dict[str, int] = field(default_factory=dict)  # who streamed the rest
 

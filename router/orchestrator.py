@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Sequence
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
-from router.errors import BadRequestError, NoHealthyWorkerError, WorkerUnavailableError
+from router.errors import (
+    BadRequestError,
+    NoHealthyWorkerError,
+    OverloadedError,
+    WorkerUnavailableError,
+)
 from router.metrics import RouterMetrics
 from router.policy import Decision, NoHealthyWorker, RoutingPolicy, WorkerLoad, get_policy
 from router.streams import DONE, Generation, Handover
@@ -38,6 +43,7 @@ from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
 from workers.messages import PrefillResult
 from workers.protocol import (
+    EngineOverloaded,
     InvalidRequestError,
     KVPullFailed,
     TokenEvent,
@@ -82,6 +88,7 @@ class Orchestrator:
         hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size, req.cache_salt)
         prefill_loads = w.loads(w.pool(*PREFILL_POOL))
         decode_loads = w.loads(w.pool(*DECODE_POOL))
+        self._admit(prefill_loads or decode_loads)
         if not prefill_loads:  # an aggregated deployment
             return await self._aggregated(req, hashes, decode_loads, None)
         if req.params.n > 1 or req.params.prompt_logprobs is not None:
@@ -106,6 +113,24 @@ class Orchestrator:
             tried.add(decision.worker_id)
         self.counters.count_fallback("prefill_failed")
         return await self._aggregated(req, hashes, decode_loads, "prefill_failed")
+
+    def _admit(self, loads: list[WorkerLoad]) -> None:
+        """Refuse the request (429) when every healthy worker that would queue its prompt
+        already has `RouterConfig.max_waiting_per_worker` requests or
+        `max_pending_tokens_per_worker` prompt tokens waiting, as they last reported plus what
+        was routed to them since; no healthy worker at all is left to the routing (503)."""
+        cfg = self.config
+        healthy = [load for load in loads if load.healthy]
+        if not healthy or any(load.num_waiting < cfg.max_waiting_per_worker
+                              and load.num_pending_prompt_tokens
+                              < cfg.max_pending_tokens_per_worker for load in healthy):
+            return
+        self.counters.num_refused_overloaded += 1
+        raise OverloadedError(
+            f"every worker's queue is full ({len(healthy)} workers, each with at least "
+            f"{cfg.max_waiting_per_worker} requests or {cfg.max_pending_tokens_per_worker} "
+            f"prompt tokens waiting); retry after {cfg.retry_after_s} s",
+            headers={"Retry-After": str(cfg.retry_after_s)})
 
     def _choose(self, hashes: Sequence[int], loads: list[WorkerLoad],
                 policy: RoutingPolicy) -> Decision:
@@ -151,30 +176,59 @@ class Orchestrator:
 
     async def _aggregated(self, req: WorkerRequest, hashes: Sequence[int],
                           loads: list[WorkerLoad], reason: str | None) -> Generation:
-        decision = self._choose(hashes, loads, self.policy)
+        """The whole request on one decode-pool worker; a worker that fails or is overloaded
+        before the first token is left for another (`RouterConfig.start_retries` more)."""
         if reason is not None:
             self.counters.count_aggregated(reason)
-        self.workers.note_routed(decision.worker_id)
-        stream = self.workers.clients[decision.worker_id].generate(req)
-        first = await self._first_event(stream, decision.worker_id)
-        self._count(req, decision, first, decision.worker_id)
-        return Generation(req, first, stream, worker_id=decision.worker_id,
-                          predicted_cached_tokens=decision.predicted_hit_blocks * self.block_size,
-                          rerouter=self, decode_worker_id=decision.worker_id,
-                          migration_retries=self.config.migration_retries,
-                          tokenizer=self.tokenizer)
+        failed: list[Exception] = []
+        tried: set[str] = set()
+        for _ in range(1 + self.config.start_retries):
+            candidates = [load for load in loads if load.worker_id not in tried]
+            try:
+                decision = self.policy.choose(hashes, candidates, self.workers.index)
+            except NoHealthyWorker as exc:
+                if failed:
+                    break
+                raise NoHealthyWorkerError(
+                    f"no healthy worker can take the request: {exc}") from None
+            wid = decision.worker_id
+            self.workers.note_routed(wid)
+            stream = self.workers.clients[wid].generate(req)
+            try:
+                first = await self._first_event(stream, wid)
+            except (WorkerUnavailableError, EngineOverloaded, RuntimeError) as exc:
+                logger.warning("request %s did not start on %s: %r", req.request_id, wid, exc)
+                self.counters.count_fallback("start_failed")
+                tried.add(wid)
+                failed.append(exc)
+                continue
+            self._count(req, decision, first, wid)
+            return Generation(req, first, stream, worker_id=wid,
+                              predicted_cached_tokens=decision.predicted_hit_blocks
+                              * self.block_size, rerouter=self, decode_worker_id=wid,
+                              migration_retries=self.config.migration_retries,
+                              tokenizer=self.tokenizer)
+        if all(isinstance(exc, EngineOverloaded) for exc in failed):
+            self.counters.num_refused_overloaded += 1
+            raise OverloadedError(
+                f"every worker tried ({', '.join(sorted(tried))}) refused the request as "
+                f"overloaded; retry after {self.config.retry_after_s} s",
+                headers={"Retry-After": str(self.config.retry_after_s)})
+        raise NoHealthyWorkerError(
+            f"the request could not start on any worker (tried {', '.join(sorted(tried))})")
 
     async def _first_event(self, stream: TokenStream, worker_id: str) -> TokenEvent:
-        """The stream's first event; a refusal as a 400, an unreachable worker as a 503."""
+        """The stream's first event; a refusal as a 400. An unreachable worker is marked
+        down; its error, an overload or an engine failure is raised for a retry elsewhere."""
         try:
             return await stream.__anext__()
         except InvalidRequestError as exc:
             await stream.aclose()
             raise BadRequestError(exc.message, param=exc.param) from None
-        except WorkerUnavailableError as exc:
+        except WorkerUnavailableError:
             await stream.aclose()
             self.workers.mark_unhealthy(worker_id)
-            raise NoHealthyWorkerError(str(exc)) from None
+            raise
         except BaseException:
             await stream.aclose()
             raise

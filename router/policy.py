@@ -28,6 +28,7 @@ class WorkerLoad:
     num_running: int  # requests in the running batch
     kv_usage: float
     healthy: bool = True
+    num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill there
 
     def __post_init__(self) -> None:
         if self.num_waiting < 0 or self.num_running < 0:

@@ -144,7 +144,8 @@ class WorkerSet:
             else:
                 loads.append(WorkerLoad(wid, s.num_waiting + s.num_waiting_for_kv + routed,
                                         s.num_running, min(1.0, max(0.0, s.kv_usage)),
-                                        healthy=healthy))
+                                        healthy=healthy,
+                                        num_pending_prompt_tokens=s.num_pending_prompt_tokens))
         return loads
 
     def note_routed(self, worker_id: str) -> None:
@@ -176,7 +177,8 @@ class WorkerSet:
             return
         self._stats[worker_id] = stats
         self._routed[worker_id] = 0
-        self._healthy[worker_id] = True
+        # a worker whose engine reports a stalled step or a dead rank takes no new requests
+        self._healthy[worker_id] = getattr(stats, "healthy", True)
         if kv_events:
             self.index.apply(worker_id, kv_events)
             if self.index.needs_resync(worker_id) and worker_id not in self._resyncing:
@@ -193,7 +195,9 @@ class WorkerSet:
             return
         self._resyncing.add(worker_id)
         try:
-            self.index.resync(worker_id, await client.kv_snapshot())
+            snapshot = await client.kv_snapshot()
+            if self.clients.get(worker_id) is client:  # else removed meanwhile: no ghost entry
+                self.index.resync(worker_id, snapshot)
         except WorkerUnavailableError as exc:
             logger.warning("dropping worker %s from the prefix index: %s", worker_id, exc)
             self.mark_unhealthy(worker_id)

@@ -1,5 +1,6 @@
-"""The channel client's per-request stream: events of one sample that are already here merge into
-one (tokens, text and logprobs in order), never across samples, a finish or a failure."""
+"""The channel client: its per-request stream merges events of one sample that are already here
+(tokens, text and logprobs in order), never across samples, a finish or a failure; its deadlines
+fail a silent channel's streams and abort a prefill that is not answered in time."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import asyncio
 
 import pytest
 
-from router.channel import ChannelClient, RequestStream
+from router.channel import ChannelClient, Deadlines
 from router.errors import WorkerUnavailableError
+from router.request_stream import RequestStream
 from router.worker_client import WorkerChannel
 from workers.protocol import (
     FinishReason,
@@ -96,3 +98,41 @@ def test_a_failure_after_events_is_raised_after_them():
         return first
 
     assert asyncio.run(go()).token_ids == [1]
+
+
+class _SlowChannel(_QuietChannel):
+    """A worker whose prefill never answers; it records the commands it is sent."""
+
+    def __init__(self) -> None:
+        self.commands: list[object] = []
+
+    async def submit(self, subscriber, commands) -> None:
+        self.commands.extend(commands)
+
+    async def prefill(self, req, kv_readers):
+        await asyncio.Event().wait()
+
+
+def test_a_silent_channel_fails_its_streams_as_the_worker_being_unavailable():
+    async def go():
+        client = ChannelClient(_QuietChannel(), "router", Deadlines(stall_s=0.05))
+        s = client.generate(WorkerRequest("r", (1, 2, 3), SamplingParams(max_tokens=8)))
+        with pytest.raises(WorkerUnavailableError, match="silent"):
+            await asyncio.wait_for(s.__anext__(), 5)
+        await client.close()
+
+    asyncio.run(go())
+
+
+def test_a_prefill_past_its_deadline_is_aborted_on_the_worker():
+    async def go():
+        channel = _SlowChannel()
+        client = ChannelClient(channel, "router", Deadlines(prefill_s=0.05))
+        with pytest.raises(WorkerUnavailableError, match="not answered in 0.05 s"):
+            await client.prefill(WorkerRequest("p", (1, 2, 3), SamplingParams(max_tokens=8)))
+        await asyncio.sleep(0.01)  # the abort goes out with the loop's next turn
+        assert [type(c).__name__ for c in channel.commands] == ["Abort"]
+        assert channel.commands[0].request_id == "p"
+        await client.close()
+
+    asyncio.run(go())
