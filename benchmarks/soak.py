@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import os
 import random
 import sys
@@ -93,6 +94,7 @@ async def references(clients: Clients, specs: list[Spec]) -> dict[str, list[str]
 
     async def take(batch: list[Spec]) -> None:
         outs = await asyncio.gather(*(send(clients, s, Variant(), 120.0) for s in batch))
+        print(f"soak: {len(refs) + len(outs)} references taken", flush=True)
         for out in outs:
             if out.status != "ok":
                 raise RuntimeError(f"reference request failed: {out.status} {out.detail}")
@@ -104,6 +106,7 @@ async def references(clients: Clients, specs: list[Spec]) -> dict[str, list[str]
                          if spec.temperature == 0.0 and spec.n == 1) if s is not None]
     for i in range(0, len(stops), 8):
         await take(stops[i:i + 8])
+    print(f"soak: {len(refs)} references ({len(stops)} with a stop string); soaking", flush=True)
     return refs
 
 
@@ -156,7 +159,7 @@ async def soak(clients: Clients, cluster: Cluster, refs: dict[str, list[str]], s
     async def fault_loop() -> None:
         schedule = list(SERVER_FAULTS + INPUT_FAULTS) if args.quick else []
         while more():
-            await asyncio.sleep(args.fault_interval_s)
+            await asyncio.sleep(min(args.fault_interval_s, max(0.0, end - time.monotonic())))
             if not more():
                 break
             fault = schedule.pop(0) if schedule else rng.choice(SERVER_FAULTS + INPUT_FAULTS)
@@ -258,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
 def judge_summary(results: list[tuple[str, Outcome]], injected: list[Injected]) -> dict:
     by_outcome = collections.Counter(verdict for verdict, _ in results)
     failed_injections = [f"{i.fault}: {i.detail}" for i in injected if not i.ok]
-    wrong = [f"{verdict} {o.spec}, {o.variant}: {o.detail}"
+    wrong = [f"{verdict} {dataclasses.replace(o.spec, prompt=o.spec.prompt[:24] + '...')}, "
+             f"{o.variant}: {o.detail}"
              for verdict, o in results if verdict in ("wrong", "error", "hung")][:10]
     return {"requests": len(results), "by_outcome": dict(sorted(by_outcome.items())),
             "faults": len(injected),

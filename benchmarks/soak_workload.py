@@ -220,11 +220,16 @@ async def send(clients: Clients, spec: Spec, variant: Variant, deadline_s: float
     (a router replica restarting) are `unavailable`."""
     start = time.monotonic()
     sender = send_grpc if spec.api == "grpc" else send_http
-    try:
-        out = await asyncio.wait_for(sender(clients, spec, variant), deadline_s)
-    except asyncio.TimeoutError:
+    # not `wait_for`: it would wait for the cancelled call to finish unwinding, and a call
+    # that never ends must be counted as hung, not hang the soak
+    task = asyncio.get_running_loop().create_task(sender(clients, spec, variant))
+    done, _ = await asyncio.wait({task}, timeout=deadline_s)
+    if not done:
+        task.cancel()
         out = Outcome(spec, variant, "hung", detail=f"no end within {deadline_s} s")
-    except (httpx.TransportError, grpc.aio.AioRpcError) as exc:
-        out = Outcome(spec, variant, "unavailable", detail=repr(exc)[:200])
+    elif isinstance(task.exception(), (httpx.TransportError, grpc.aio.AioRpcError)):
+        out = Outcome(spec, variant, "unavailable", detail=repr(task.exception())[:200])
+    else:
+        out = task.result()
     out.seconds = time.monotonic() - start
     return out
