@@ -176,8 +176,9 @@ class Orchestrator:
 
     async def _aggregated(self, req: WorkerRequest, hashes: Sequence[int],
                           loads: list[WorkerLoad], reason: str | None) -> Generation:
-        """The whole request on one decode-pool worker; a worker that fails or is overloaded
-        before the first token is left for another (`RouterConfig.start_retries` more)."""
+        """The whole request on one decode-pool worker; a worker that is unreachable, going
+        away or overloaded before the first token is left for another
+        (`RouterConfig.start_retries` more)."""
         if reason is not None:
             self.counters.count_aggregated(reason)
         failed: list[Exception] = []
@@ -196,7 +197,8 @@ class Orchestrator:
             stream = self.workers.clients[wid].generate(req)
             try:
                 first = await self._first_event(stream, wid)
-            except (WorkerUnavailableError, EngineOverloaded, RuntimeError) as exc:
+            # not an engine error: a request that broke one worker's step is not spread to more
+            except (WorkerUnavailableError, EngineOverloaded) as exc:
                 logger.warning("request %s did not start on %s: %r", req.request_id, wid, exc)
                 self.counters.count_fallback("start_failed")
                 tried.add(wid)

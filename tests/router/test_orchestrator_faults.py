@@ -42,12 +42,25 @@ def test_an_aggregated_request_whose_worker_fails_before_its_first_token_starts_
 
 def test_when_every_worker_fails_to_start_it_the_client_gets_a_503_naming_them():
     async def go():
-        ws = [FakeWorker(f"w{i}", BOTH, Script(stream_error=RuntimeError("step failed")))
-              for i in range(2)]
+        ws = [FakeWorker(f"w{i}", BOTH, Script(stream_error=WorkerUnavailableError(
+            f"w{i}", "it is shutting down"))) for i in range(2)]
         o = await orchestrator(*ws)
         with pytest.raises(NoHealthyWorkerError, match=r"tried w0, w1"):
             await o.generate(request())
         assert o.counters.fallbacks == {"start_failed": 2}
+
+    run(go())
+
+
+def test_an_engine_error_before_the_first_token_is_not_spread_to_other_workers():
+    async def go():
+        bad = FakeWorker("w0", BOTH, Script(stream_error=RuntimeError("the step failed")))
+        other = FakeWorker("w1", BOTH)
+        o = await orchestrator(bad, other, policy="round_robin")
+        with pytest.raises(RuntimeError, match="the step failed"):
+            for _ in range(2):  # round robin reaches w0 within two requests
+                await collect(await o.generate(request()))
+        assert not [s for s in other.calls.streams if s[1] == bad.calls.streams[0][1]]
 
     run(go())
 
