@@ -58,7 +58,9 @@ def disarm(point: str | None = None) -> None:
             _armed.pop(point, None)
 
 
-def _take(point: str) -> Fault | None:
+def _take(point: str) -> float | None:
+    """Spend one pass of an armed `point`: raise for `raise`, return the seconds to stall for
+    `stall`; None when it is not armed."""
     with _lock:
         fault = _armed.get(point)
         if fault is None:
@@ -66,28 +68,18 @@ def _take(point: str) -> Fault | None:
         fault.times -= 1
         if fault.times <= 0:
             del _armed[point]
-        return fault
+    if fault.action == "raise":
+        raise InjectedFault(f"injected fault at {point}")
+    return fault.seconds
 
 
 def hit(point: str) -> None:
     """Pass `point` on a thread: raise or sleep if it is armed."""
-    if not _armed:
-        return
-    fault = _take(point)
-    if fault is None:
-        return
-    if fault.action == "raise":
-        raise InjectedFault(f"injected fault at {point}")
-    time.sleep(fault.seconds)
+    if _armed and (seconds := _take(point)) is not None:
+        time.sleep(seconds)
 
 
 async def ahit(point: str) -> None:
     """Pass `point` on an event loop: raise or sleep (without blocking the loop) if armed."""
-    if not _armed:
-        return
-    fault = _take(point)
-    if fault is None:
-        return
-    if fault.action == "raise":
-        raise InjectedFault(f"injected fault at {point}")
-    await asyncio.sleep(fault.seconds)
+    if _armed and (seconds := _take(point)) is not None:
+        await asyncio.sleep(seconds)

@@ -193,7 +193,7 @@ class ChannelClient(WorkerClient):
                 await asyncio.sleep(RETRY_PAUSE_S)
                 continue
             self._deliver(out)
-            if not getattr(out.stats, "healthy", True) and self._streams:
+            if not out.stats.healthy and self._streams:
                 self._fail_streams(WorkerUnavailableError(
                     self.worker_id, "it reports itself unhealthy (a stalled step or a dead rank)"))
 

@@ -178,7 +178,7 @@ class WorkerSet:
         self._stats[worker_id] = stats
         self._routed[worker_id] = 0
         # a worker whose engine reports a stalled step or a dead rank takes no new requests
-        self._healthy[worker_id] = getattr(stats, "healthy", True)
+        self._healthy[worker_id] = stats.healthy
         if kv_events:
             self.index.apply(worker_id, kv_events)
             if self.index.needs_resync(worker_id) and worker_id not in self._resyncing:

@@ -147,6 +147,9 @@ class EngineStats:
     num_blocks: int  # KV blocks in the cache
     num_waiting_for_kv: int = 0  # handed-off requests whose KV is still arriving
     num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill
+    # False: a stalled step or a dead rank (the router routes nothing new there and moves the
+    # streams on it); the engine's step watchdog is still to come (issue 18, item 6)
+    healthy: bool = True
 
 
 @dataclass(frozen=True)

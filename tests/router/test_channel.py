@@ -12,7 +12,9 @@ from router.channel import ChannelClient, Deadlines
 from router.errors import WorkerUnavailableError
 from router.request_stream import RequestStream
 from router.worker_client import WorkerChannel
+from workers.messages import WorkerOutputs
 from workers.protocol import (
+    EngineStats,
     FinishReason,
     SamplingParams,
     TokenEvent,
@@ -133,6 +135,25 @@ def test_a_prefill_past_its_deadline_is_aborted_on_the_worker():
         await asyncio.sleep(0.01)  # the abort goes out with the loop's next turn
         assert [type(c).__name__ for c in channel.commands] == ["Abort"]
         assert channel.commands[0].request_id == "p"
+        await client.close()
+
+    asyncio.run(go())
+
+
+class _UnhealthyChannel(_QuietChannel):
+    """A worker whose output channel says its engine is unhealthy (a stalled step)."""
+
+    async def next_outputs(self, subscriber, timeout_s):
+        await asyncio.sleep(0.01)
+        return WorkerOutputs((), (), (), EngineStats(0, 1, 0.0, 8, 0, 8, healthy=False))
+
+
+def test_a_worker_reporting_itself_unhealthy_fails_its_streams_so_they_move():
+    async def go():
+        client = ChannelClient(_UnhealthyChannel(), "router")
+        s = client.generate(WorkerRequest("r", (1, 2, 3), SamplingParams(max_tokens=8)))
+        with pytest.raises(WorkerUnavailableError, match="unhealthy"):
+            await asyncio.wait_for(s.__anext__(), 5)
         await client.close()
 
     asyncio.run(go())
