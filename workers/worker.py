@@ -95,6 +95,7 @@ class Worker:
                                        transport=transport, host=host, lease_s=lease_s,
                                        pull_timeout_s=pull_timeout_s)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # decodes whose KV is being pulled
+        self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way
         self.outputs = OutputHub(lambda: engine.stats, self.abort, OUTPUT_INTERVAL_S)
         engine.on_publish = self.outputs.publish
 
@@ -195,9 +196,10 @@ class Worker:
         NOTE: a lease cancelled while a decode worker reads it frees the blocks under that read;
         only cancel when the decode side is being aborted too."""
         self.transfer.cancel(request_id)
-        pull = self._pulls.pop(request_id, None)
-        if pull is not None:
-            pull.cancel()
+        for tasks in (self._pulls, self._prefills):  # a prefill() call ends, raising Cancelled
+            task = tasks.pop(request_id, None)
+            if task is not None:
+                task.cancel()
         self.async_engine.abort(request_id)
 
     # ---- the KV handoff ----------------------------------------------------------------------
@@ -219,10 +221,24 @@ class Worker:
         a lease per TP rank, or return no handoff when the request ended at that token.
         `kv_readers`: the pulls each rank's lease waits for (decode TP size / this TP size when
         larger). Raises `InvalidRequestError` for a bad request; nothing is held after any
-        error or cancel."""
+        error or cancel; an `abort` of its id (the router's caller went away: its cancel
+        cannot cross a process boundary) ends the call with `CancelledError`."""
         self._check_role(PREFILL_ROLES, "prefill")
         if kv_readers < 1:
             raise ValueError(f"kv_readers must be at least 1, got {kv_readers}")
+        rid = req.request_id
+        task = asyncio.current_task()
+        assert task is not None
+        if rid in self._prefills:
+            raise ValueError(f"request id {rid!r} is already being prefilled here")
+        self._prefills[rid] = task
+        try:
+            return await self._prefill(req, kv_readers)
+        finally:
+            if self._prefills.get(rid) is task:
+                del self._prefills[rid]
+
+    async def _prefill(self, req: WorkerRequest, kv_readers: int) -> PrefillResult:
         await self.agents()
         rid, params = req.request_id, req.params
         first = None

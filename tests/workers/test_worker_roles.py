@@ -11,7 +11,7 @@ import pytest
 from tests.workers.factories import create_request, create_scheduler, fake_step
 from workers.config import EngineConfig
 from workers.kv_cache import KVCacheManager
-from workers.messages import DecodeFromHandoff, Generate
+from workers.messages import Abort, DecodeFromHandoff, Generate
 from workers.protocol import FinishReason, KVPullFailed, SamplingParams, WorkerRequest
 from workers.worker import Worker
 
@@ -159,6 +159,31 @@ def test_cancelled_prefill_and_cancelled_pull_leave_nothing_behind(trio, run):
         await stream.aclose()  # the client went away
         prefill.abort("r6")
         assert await until_all_free(prefill, decode)
+        assert prefill.engine.kv.num_held_requests == 0
+
+    run(go())
+
+
+def test_an_abort_ends_a_prefill_call_under_way_and_frees_its_blocks(trio, run):
+    """The router's cancel cannot cross a process boundary: it sends an Abort, which must end
+    the worker's prefill call (it waited forever) and free what it held."""
+    prefill, _, _ = trio
+    long_params = dataclasses.replace(GREEDY, max_tokens=50)
+
+    async def go() -> None:
+        for delay_s in (0.0, 0.005, 0.02):  # at its start, mid-prefill, maybe done
+            rid = f"ab{delay_s}"
+            prompt = [t + int(delay_s * 1000) for t in PROMPT * 8]  # no prefix-cache hit
+            task = asyncio.ensure_future(prefill.prefill(req(rid, prompt, long_params)))
+            await asyncio.sleep(0)  # started: a Ray actor starts calls in submission order
+            await asyncio.sleep(delay_s)
+            prefill.submit("router-1", [Abort(rid)])
+            done, _ = await asyncio.wait([task], timeout=5.0)
+            assert done, f"the prefill call of {rid} did not end after its abort"
+            if delay_s == 0.0:
+                assert task.cancelled()
+            assert rid not in prefill._prefills
+        assert await until_all_free(prefill)
         assert prefill.engine.kv.num_held_requests == 0
 
     run(go())
