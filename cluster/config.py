@@ -179,6 +179,9 @@ class PoolSettings(_Strict):
     resources: dict[str, float] = Field(default_factory=dict, description=(
         "Custom Ray resources each rank reserves, e.g. {cleave_pool_decode: 1} to keep the "
         "pool on nodes started with that resource."))
+    step_timeout_s: float = Field(default_of(Worker, "step_timeout_s"), gt=0, description=(
+        "A worker whose engine step runs longer fails its health check and leaves routing "
+        "(its streams move to other workers) until the step returns."))
     engine: EngineSettings = Field(default_factory=EngineSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
 

@@ -36,7 +36,7 @@ DIRECTORY_TIMEOUT_S = 2.0
 def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
     """What one replica of `pool` runs, from the deployment's config (`cluster.settings`)."""
     engine = engine_config(config, pool, model_path(config))
-    worker = worker_options(config)
+    worker = worker_options(config, pool)
     return EngineSpec(worker_id, POOL_ROLES[pool], engine, worker,
                       torch_threads=torch_threads(getattr(config.pools, pool)))
 

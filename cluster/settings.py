@@ -42,6 +42,7 @@ class WorkerOptions:
     transport: str = default_of(Worker, "transport")  # `kvtransfer.TRANSPORTS`
     lease_s: float = default_of(Worker, "lease_s")  # prefilled blocks wait for their puller
     pull_timeout_s: float = default_of(Worker, "pull_timeout_s")  # a decode waits for its KV
+    step_timeout_s: float = default_of(Worker, "step_timeout_s")  # the step watchdog's bound
 
 
 @dataclass(frozen=True)
@@ -122,16 +123,18 @@ def engine_config(config: CleaveConfig, pool: str, model_path: str) -> EngineCon
                         expert_parallel_size=p.ep, **p.engine.model_dump())
 
 
-def worker_options(config: CleaveConfig) -> WorkerOptions:
-    """Every worker's transfer options (the same in every pool)."""
+def worker_options(config: CleaveConfig, pool: str) -> WorkerOptions:
+    """A pool's workers' options: the transfer's (the same in every pool) and the pool's
+    step watchdog."""
     kv = config.kv_transfer
-    return WorkerOptions(kv.transport, kv.lease_s, kv.pull_timeout_s)
+    return WorkerOptions(kv.transport, kv.lease_s, kv.pull_timeout_s,
+                         _pool(config, pool).step_timeout_s)
 
 
 def pool_plans(config: CleaveConfig, model_path: str) -> tuple[PoolPlan, ...]:
     """The pools present, in `POOL_NAMES` order."""
     return tuple(PoolPlan(name, POOL_ROLES[name], p.replicas.start,
-                          engine_config(config, name, model_path), worker_options(config))
+                          engine_config(config, name, model_path), worker_options(config, name))
                  for name, p in config.pools.items())
 
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 
+from kvtransfer import faults
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.parallel.group import RankGroupError
 from workers.outputs import RequestStream, Sink
 from workers.protocol import (
     EngineShutDown,
@@ -46,12 +49,18 @@ class _Route:
 
 class AsyncEngine:
     def __init__(self, engine: Engine,
-                 on_publish: Callable[[list[KVEvent]], None] | None = None) -> None:
+                 on_publish: Callable[[list[KVEvent]], None] | None = None,
+                 step_timeout_s: float = 60.0) -> None:
         """`on_publish`: called on the event loop whenever `stats` is published (after each
-        step, and after commands applied while idle), with the KV events since the last."""
+        step, and after commands applied while idle), with the KV events since the last.
+        `step_timeout_s`: the watchdog's bound; a step running longer makes the engine
+        unhealthy until it returns."""
         self.engine = engine
         self.on_publish = on_publish
-        self.stats: EngineStats = engine.stats()  # published after each step
+        self.step_timeout_s = step_timeout_s
+        self._stats: EngineStats = engine.stats()  # published after each step
+        self._step_began: float | None = None  # monotonic time of the step running now
+        self._broken: str | None = None  # why the engine cannot step any more (a rank died)
         self._routes: dict[str, _Route] = {}
         self._ops: list[Callable[[], None]] = []
         self._wakeup: asyncio.Event | None = None
@@ -67,9 +76,30 @@ class AsyncEngine:
         return cls(Engine(config, rank_launcher, detokenize=detokenize))
 
     @property
+    def stats(self) -> EngineStats:
+        """The load as of the last step, and whether the engine is healthy now (the watchdog:
+        read on a timer by the output channel's heartbeat, so a hung step shows)."""
+        healthy = self.is_healthy
+        return self._stats if healthy == self._stats.healthy else dataclasses.replace(
+            self._stats, healthy=healthy)
+
+    @property
     def is_healthy(self) -> bool:
-        """False once the step loop has stopped: shut down, or crashed."""
-        return self._task is None or not self._task.done()
+        """False once the step loop has stopped (shut down, crashed), while a step runs past
+        `step_timeout_s`, and for good once a step failed for a lost rank."""
+        return self.unhealthy_reason is None
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        if self._task is not None and self._task.done():
+            return "its step loop has stopped"
+        if self._broken is not None:
+            return self._broken
+        began = self._step_began
+        if began is not None and time.monotonic() - began > self.step_timeout_s:
+            return (f"its step has run for {time.monotonic() - began:.1f} s "
+                    f"(step_timeout_s {self.step_timeout_s})")
+        return None
 
     # ---- commands (applied between steps; call from the event loop's thread) ----------------
 
@@ -191,6 +221,7 @@ class AsyncEngine:
 
     def _step(self) -> tuple[list[TokenEvent], EngineStats, list[KVEvent]]:
         """On the step thread: one step, then the stats and KV events it left."""
+        faults.hit("engine.step")
         events = self.engine.step()
         kv_events = self.engine.drain_kv_events() if self.on_publish is not None else []
         return events, self.engine.stats(), kv_events
@@ -225,16 +256,21 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 # no step follows to publish what the ops changed (an abort freed blocks);
                 # the engine is at rest, so reading it here races with nothing
-                self.stats = self.engine.stats()
+                self._stats = self.engine.stats()
                 if self.on_publish is not None:
                     self.on_publish(self.engine.drain_kv_events())
                 continue
+            self._step_began = time.monotonic()
             try:
-                events, self.stats, kv_events = await loop.run_in_executor(
+                events, self._stats, kv_events = await loop.run_in_executor(
                     self._executor, self._step)
             except Exception as exc:  # a broken step fails every request in flight
+                if isinstance(exc, RankGroupError):  # a rank is gone: no step will work again
+                    self._broken = f"a rank of its group failed: {exc}"
                 self._fail_all(exc)
                 continue
+            finally:
+                self._step_began = None
             self._dispatch(events)
             if self.on_publish is not None:
                 self.on_publish(kv_events)

@@ -147,8 +147,8 @@ class EngineStats:
     num_blocks: int  # KV blocks in the cache
     num_waiting_for_kv: int = 0  # handed-off requests whose KV is still arriving
     num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill
-    # False: a stalled step or a dead rank (the router routes nothing new there and moves the
-    # streams on it); the engine's step watchdog is still to come (issue 18, item 6)
+    # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):
+    # the router routes nothing new there and moves the streams on it
     healthy: bool = True
 
 

@@ -80,16 +80,18 @@ class Worker:
 
     def __init__(self, worker_id: str, engine: AsyncEngine, role: str = "both", *,
                  transport: str = "tcp", host: str = "127.0.0.1", lease_s: float = 30.0,
-                 pull_timeout_s: float = 10.0) -> None:
+                 pull_timeout_s: float = 10.0, step_timeout_s: float = 60.0) -> None:
         """`transport`: the KV transport's name (`kvtransfer.TRANSPORTS`), bound on `host`.
         `lease_s`: how long a prefilled request's blocks wait for their puller at most;
-        `pull_timeout_s`: how long a decode waits for its KV to land."""
+        `pull_timeout_s`: how long a decode waits for its KV to land; `step_timeout_s`: a
+        step running longer makes the worker unhealthy (`AsyncEngine`'s watchdog)."""
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
         check_role_fits_engine(role, engine.engine)
         self.worker_id = worker_id
         self.role = role
         self.async_engine = engine
+        engine.step_timeout_s = step_timeout_s
         self.engine = engine.engine
         self.transfer = WorkerTransfer(worker_id, engine.engine, self._free_held,
                                        transport=transport, host=host, lease_s=lease_s,

@@ -74,3 +74,39 @@ def test_leaving_the_stream_aborts_and_frees_blocks(tiny_model):
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_a_step_past_its_bound_or_a_lost_rank_makes_the_engine_unhealthy(tiny_model,
+                                                                          monkeypatch):
+    """The watchdog: a hung step shows in the published stats (read on a timer by the output
+    channel's heartbeat) while it lasts; a step that lost a rank makes it unhealthy for good."""
+    from kvtransfer import faults
+    from workers.parallel.group import RankGroupError
+
+    llm = LLM(tiny_model, num_blocks=128)
+    monkeypatch.setattr(faults, "ENABLED", True)
+
+    async def run():
+        engine = AsyncEngine(llm.engine, step_timeout_s=0.3)
+        try:
+            assert engine.is_healthy and engine.stats.healthy
+            faults.arm("engine.step", "stall", seconds=1.2)
+            task = asyncio.ensure_future(_drain(engine.generate_stream("hung", PARAMS)))
+            await asyncio.sleep(0.7)
+            assert not engine.is_healthy and not engine.stats.healthy
+            assert "step_timeout_s 0.3" in engine.unhealthy_reason
+            await asyncio.wait_for(task, 30)  # the step returned: the request finishes
+            assert engine.is_healthy and engine.stats.healthy
+
+            def lost_rank():
+                raise RankGroupError("rank 1 exited with code -9 during step 7")
+
+            monkeypatch.setattr(llm.engine, "step", lost_rank)
+            with pytest.raises(RankGroupError):
+                await _drain(engine.generate_stream("x", PARAMS))
+            assert not engine.stats.healthy and "rank 1 exited" in engine.unhealthy_reason
+        finally:
+            faults.disarm()
+            await engine.shutdown()
+
+    asyncio.run(run())
