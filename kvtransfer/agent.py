@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Coroutine, Sequence
 
 import torch
 
+from kvtransfer import faults
 from kvtransfer.handoff import Handoff, KVLayout, check_transferable
-from kvtransfer.errors import InvalidDescriptor, LayoutMismatch, TransferError, TransferTimeout
+from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
+                               TransferTimeout)
 from kvtransfer.leases import LeaseTable, ReleaseCallback
 from kvtransfer.plan import ReadPlan, sources_for
 from kvtransfer.registry import make_transport
@@ -184,9 +186,19 @@ class TransferAgent:
             jobs.append(self._transport.fetch(h.address, ReadRequest(h.lease_id, self.layout,
                                                                      dst_ids), sink))
         start = time.perf_counter()
-        stats = await _all_or_nothing(jobs, timeout)
+        stats = await _all_or_nothing([_at_pull_point(job) for job in jobs], timeout)
         return PullResult(sum(s.num_bytes for s in stats), sum(s.num_messages for s in stats),
                           len(stats), time.perf_counter() - start)
+
+
+async def _at_pull_point(job: Coroutine[object, object, TransferStats]) -> TransferStats:
+    """`job` after the `kv.pull` fault point (an injected failure is a lost peer)."""
+    try:
+        await faults.ahit("kv.pull")
+    except faults.InjectedFault as exc:
+        job.close()  # the fetch, never started
+        raise PeerGone(str(exc)) from None
+    return await job
 
 
 async def _all_or_nothing(jobs: list, timeout: float) -> list[TransferStats]:

@@ -39,13 +39,25 @@ async def connect(host: str, port: int) -> socket.socket:
     return sock
 
 
+# a connection serves one pull (or a pair's handshake): bounded in time, so a puller that stops
+# reading or never sends ReadDone cannot hold a lease's blocks past this; and in number
+CONNECTION_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 256
+
+
 class StreamServer:
     """Accepts connections on a listening socket and runs `handle(conn)` for each; `close()`
-    cancels the handlers (their `finally` blocks run) and closes every socket."""
+    cancels the handlers (their `finally` blocks run) and closes every socket. A handler still
+    running after `timeout_s` is cancelled (its read ends, so its lease can end); a connection
+    beyond `max_connections` open is closed at once (the puller sees `PeerGone`)."""
 
     def __init__(self, host: str, port: int,
-                 handle: Callable[[socket.socket], Awaitable[None]]) -> None:
+                 handle: Callable[[socket.socket], Awaitable[None]], *,
+                 timeout_s: float = CONNECTION_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self._handle = handle
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
         self._listener = socket.create_server((host, port))
         self._listener.setblocking(False)
         self.host, self.port = host, self._listener.getsockname()[1]
@@ -55,7 +67,12 @@ class StreamServer:
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
+            conn, peer = await loop.sock_accept(self._listener)
+            if len(self._tasks) >= self.max_connections:
+                logger.warning("refused a KV connection from %s: %d already open", peer,
+                               len(self._tasks))
+                conn.close()
+                continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = loop.create_task(self._run(conn))
@@ -64,9 +81,11 @@ class StreamServer:
 
     async def _run(self, conn: socket.socket) -> None:
         try:
-            await self._handle(conn)
+            await asyncio.wait_for(self._handle(conn), self.timeout_s)
         except TransferError as e:
             logger.info("pull ended early: %s", e)
+        except asyncio.TimeoutError:
+            logger.warning("a KV connection ran past %s s and was closed", self.timeout_s)
         finally:
             conn.close()
 

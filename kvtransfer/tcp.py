@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from kvtransfer import faults
 from kvtransfer.control import (StreamServer, connect, open_read_or_reject, parse_address,
                                 request_read)
 from kvtransfer.errors import InvalidDescriptor
@@ -53,6 +54,8 @@ class TcpTransport(Transport):
                 await send_header(conn, MessageKind.LAYER, layer, read.bytes_per_layer)
                 for view in read.layer_views(layer):
                     await send_all(conn, as_bytes(host_view(view)))
+                if layer == 0:
+                    await faults.ahit("kv.serve")  # mid-transfer
             if not isinstance(await recv_message(conn), ReadDone):
                 raise InvalidDescriptor("expected ReadDone after the last layer")
         finally:

@@ -43,7 +43,7 @@ from typing import Any, Coroutine
 
 import torch
 
-from kvtransfer.control import parse_address
+from kvtransfer.control import CONNECTION_TIMEOUT_S, parse_address
 from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
                                TransportUnavailable, error_from_kind)
 from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport,
@@ -124,11 +124,13 @@ class UcxTransport(Transport):
             await sends.run(read.num_layers, lambda layer: [
                 ep.send(_buffer(view.contiguous())) for view in read.layer_views(layer)],
                 lambda layer: None)
-            if not isinstance(await ep.recv_message(), ReadDone):
+            # a puller that never confirms must not hold the lease's blocks
+            done = await asyncio.wait_for(ep.recv_message(), CONNECTION_TIMEOUT_S)
+            if not isinstance(done, ReadDone):
                 raise InvalidDescriptor("expected ReadDone after the last layer")
             return True
-        except TransferError:
-            return False  # the puller sees its own error; the read ends below
+        except (TransferError, asyncio.TimeoutError):
+            return False  # the puller sees its own error (or stopped); the read ends below
         finally:
             if read is not None:
                 if not sends.idle:

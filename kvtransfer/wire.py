@@ -23,6 +23,9 @@ from kvtransfer.handoff import KVLayout
 from kvtransfer.errors import ErrorKind, InvalidDescriptor, PeerGone
 
 HEADER = struct.Struct("!BIQ")
+# a control message (a ReadRequest names a block id per block: 1 MiB is ~100k blocks) at most;
+# a peer announcing more is refused before anything is allocated
+MAX_CONTROL_BYTES = 1 << 20
 
 
 class MessageKind(IntEnum):
@@ -133,7 +136,7 @@ async def send_message(sock: socket.socket, msg: Message) -> None:
     await send_all(sock, HEADER.pack(kind, 0, len(payload)) + payload)
 
 
-async def recv_message(sock: socket.socket, max_bytes: int = 1 << 24) -> Message:
+async def recv_message(sock: socket.socket, max_bytes: int = MAX_CONTROL_BYTES) -> Message:
     kind, _, length = await recv_header(sock)
     if kind == MessageKind.LAYER or length > max_bytes:
         raise InvalidDescriptor(f"expected a control message, got kind {kind} of {length} bytes")

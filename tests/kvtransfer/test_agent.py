@@ -143,3 +143,77 @@ def test_close_releases_every_lease() -> None:
         assert src.pool.num_free == NUM_BLOCKS
 
     asyncio.run(run())
+
+
+def test_a_puller_that_stops_reading_cannot_hold_the_lease() -> None:
+    """The source bounds each connection in time: a puller that asks for a read and then
+    never confirms it (ReadDone) loses the read, and the expired lease frees its blocks."""
+    from kvtransfer.wire import send_message
+
+    async def run() -> None:
+        src, dst = await make_pair("tcp")
+        src.agent._transport._server.timeout_s = 0.5
+        handoff = src.agent.offer("r", src.pool.allocate(2), lease_s=0.2)
+        host, port = handoff.address.removeprefix("tcp://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.setblocking(False)
+        try:
+            await send_message(sock, ReadRequest(handoff.lease_id, dst.agent.layout, (0, 1)))
+            for _ in range(100):  # the layers arrive; the puller never says ReadDone
+                await asyncio.sleep(0.05)
+                if src.agent.num_leases == 0:
+                    break
+            assert src.agent.num_leases == 0 and src.pool.num_free == NUM_BLOCKS
+        finally:
+            sock.close()
+            await close(src, dst)
+
+    asyncio.run(run())
+
+
+def test_the_source_refuses_connections_beyond_its_cap_and_huge_control_messages() -> None:
+    from kvtransfer.wire import HEADER, MAX_CONTROL_BYTES, MessageKind
+
+    async def run() -> None:
+        src, dst = await make_pair("tcp")
+        server = src.agent._transport._server
+        server.max_connections = 2
+        address = ("127.0.0.1", server.port)
+        held = [socket.create_connection(address) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        extra = socket.create_connection(address)
+        extra.settimeout(5)
+        assert await asyncio.to_thread(extra.recv, 1) == b""  # closed at once
+        huge = socket.create_connection(address)
+        huge.settimeout(5)
+        for s in held:
+            s.close()
+        await asyncio.sleep(0.1)
+        huge.sendall(HEADER.pack(MessageKind.READ_REQUEST, 0, MAX_CONTROL_BYTES + 1))
+        assert await asyncio.to_thread(huge.recv, 1) == b""  # refused, nothing allocated
+        for s in (extra, huge):
+            s.close()
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
+def test_an_injected_pull_failure_is_a_lost_peer(monkeypatch) -> None:
+    from kvtransfer import PeerGone, faults
+
+    monkeypatch.setattr(faults, "ENABLED", True)
+
+    async def run() -> None:
+        src, dst = await make_pair("tcp")
+        handoff = src.agent.offer("r", src.pool.allocate(2))
+        faults.arm("kv.pull", "raise")
+        try:
+            with pytest.raises(PeerGone, match="injected fault at kv.pull"):
+                await dst.agent.pull(handoff, [0, 1])
+            result = await dst.agent.pull(handoff, [0, 1])  # the next pass is clean
+            assert result.num_bytes > 0
+        finally:
+            faults.disarm()
+            await close(src, dst)
+
+    asyncio.run(run())
