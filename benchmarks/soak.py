@@ -67,7 +67,7 @@ MAX_BODY_BYTES = 16 * 1024**2
 
 def app_config(model: str, http_port: int, grpc_port: int) -> dict:
     pool = {"cpus_per_rank": 0.25, "replicas": {"min": 2, "max": 2},
-            "engine": {"num_blocks": 512}}
+            "step_timeout_s": STEP_TIMEOUT_S, "engine": {"num_blocks": 512}}
     return {"model": {"path": model, "served_model_name": MODEL},
             "pools": {"prefill": dict(pool), "decode": dict(pool)},
             "kv_transfer": {"lease_s": 10.0, "pull_timeout_s": PULL_TIMEOUT_S},

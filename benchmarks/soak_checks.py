@@ -27,13 +27,17 @@ def settle(cluster: Cluster, expected_workers: int, timeout_s: float) -> dict:
 
 
 def leases_outstanding(cluster: Cluster) -> dict[str, int]:
-    """Each worker's KV leases still offered (`EngineActor.resources`)."""
+    """Each worker's leases, held handoffs, pulls and prefill calls still open
+    (`EngineActor.resources`, summed)."""
     import ray
 
     out = {}
     for entry in cluster.entries():
         try:
-            out[entry.worker_id] = ray.get(entry.actor.resources.remote(), timeout=30)["leases"]
+            held = ray.get(entry.actor.resources.remote(), timeout=30)
+            out[entry.worker_id] = sum(held.values())
+            if out[entry.worker_id]:
+                print(f"soak: {entry.worker_id} still holds {held}")
         except Exception as exc:  # noqa: BLE001 -- reported as unknown
             out[entry.worker_id] = -1
             print(f"soak: leases of {entry.worker_id} unknown: {exc!r}")

@@ -118,6 +118,19 @@ class EngineActor:
             return False
         return self.worker.async_engine.is_healthy
 
+    async def inject_fault(self, point: str, action: str, seconds: float = 0.0,
+                           times: int = 1) -> None:
+        """Arm a fault point in this process (`kvtransfer.faults`; the soak and tests). Raises
+        unless the actor was started with CLEAVE_FAULT_INJECTION=1 in its environment."""
+        from kvtransfer import faults
+
+        faults.arm(point, action, seconds, times)
+
+    async def resources(self) -> dict[str, int]:
+        """What this worker holds for others: KV leases offered and their blocks, pulls and
+        prefill calls under way (all 0 on an idle worker; the soak's leak check)."""
+        return self.worker.resources()
+
     async def mark_broken(self, reason: str) -> None:
         """Fail health checks from now on (tests: a broken engine)."""
         self._broken = reason

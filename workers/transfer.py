@@ -94,6 +94,11 @@ class WorkerTransfer:
             del self._leased[key]
         self.free_held(request_id)
 
+    @property
+    def num_leases(self) -> int:
+        """Leases offered and not yet ended, over every rank."""
+        return sum(agent.num_leases for agent in self.started)
+
     def cancel(self, request_id: str) -> None:
         """End the request's leases now (their blocks are freed through `free_held`)."""
         for agent in self.started:

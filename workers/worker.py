@@ -280,6 +280,13 @@ class Worker:
             sink.fail(rid, exc)
             sink.flush()
 
+    def resources(self) -> dict[str, int]:
+        """What this worker holds for requests: KV leases offered, blocks held for handoffs,
+        pulls and prefill calls under way (all 0 when idle and nothing leaked)."""
+        return {"leases": self.transfer.num_leases,
+                "held_requests": self.engine.kv.num_held_requests,
+                "pulls": len(self._pulls), "prefills": len(self._prefills)}
+
     def stats(self) -> EngineStats:
         """The engine's load as of its last step (published by the step thread)."""
         return self.async_engine.stats
