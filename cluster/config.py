@@ -271,6 +271,23 @@ class RouterSettings(_Strict):
     kv_poll_interval_s: float = Field(
         default_of(RouterConfig, "kv_poll_interval_s"), gt=0, description=(
             "How often the router re-checks its workers' health and the directory."))
+    start_retries: int = Field(default_of(RouterConfig, "start_retries"), ge=0, description=(
+        "Other workers an aggregated request is started on when its worker fails or refuses "
+        "it before the first token."))
+    max_waiting_per_worker: int = Field(
+        default_of(RouterConfig, "max_waiting_per_worker"), ge=1, description=(
+            "Admission: requests waiting on a worker at most; when every healthy worker of "
+            "the pool has this many, a request gets 429 with Retry-After."))
+    max_pending_tokens_per_worker: int = Field(
+        default_of(RouterConfig, "max_pending_tokens_per_worker"), ge=1, description=(
+            "Admission: prompt tokens waiting on a worker at most (same rule)."))
+    prefill_timeout_s: float = Field(
+        default_of(RouterConfig, "prefill_timeout_s"), gt=0, description=(
+            "A prefill not answered in this time is aborted and retried on another worker."))
+    stall_timeout_s: float = Field(
+        default_of(RouterConfig, "stall_timeout_s"), gt=0, description=(
+            "A worker whose output channel is silent this long (it answers every 0.5 s when "
+            "idle) is unhealthy; the streams on it move to other workers."))
     migration_wait_s: float | None = Field(None, ge=0, description=(
         f"A stream whose decode worker died waits this long for another one before it fails. "
         f"Unset: {RAY_MIGRATION_WAIT_S:g} s on Ray, where a pool that lost its only replica "

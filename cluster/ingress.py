@@ -69,8 +69,8 @@ class RouterIngress:
         self.pools = pools  # bound so Serve deploys them; requests go to the engine actors
         self.subscriber = f"router-{serve.get_replica_context().replica_id.unique_id}"
         entries = await self._wait_for_workers()
-        self.router = Router(router_config(self.config, model_path(self.config)),
-                             [self._client(e) for e in entries])
+        self.router_config = router_config(self.config, model_path(self.config))
+        self.router = Router(self.router_config, [self._client(e) for e in entries])
         self.router.draining.update(e.worker_id for e in entries if e.draining)
         await self.router.start()
         self.grpc = GenerationService(self.router)
@@ -86,7 +86,8 @@ class RouterIngress:
         return create_app(self.router)
 
     def _client(self, entry: WorkerEntry) -> ChannelClient:
-        return ray_worker_client(entry.worker_id, entry.actor, self.subscriber)
+        return ray_worker_client(entry.worker_id, entry.actor, self.subscriber,
+                                 self.router_config.deadlines)
 
     async def _wait_for_workers(self) -> list[WorkerEntry]:
         loop = asyncio.get_running_loop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.channel import ChannelClient
+from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
 from workers.messages import Command, PrefillResult, WorkerOutputs
@@ -70,6 +71,6 @@ class InProcessChannel(WorkerChannel):
             await self.worker.shutdown()
 
 
-def in_process_client(worker: Worker) -> ChannelClient:
+def in_process_client(worker: Worker, deadlines: Deadlines = Deadlines()) -> ChannelClient:
     """The router's client of a worker in this process (the client owns the worker)."""
-    return ChannelClient(InProcessChannel(worker), SUBSCRIBER)
+    return ChannelClient(InProcessChannel(worker), SUBSCRIBER, deadlines)

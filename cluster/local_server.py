@@ -99,7 +99,7 @@ def build_workers(plan: InProcessPlan) -> list[ChannelClient]:
         for i in range(pool.replicas):
             clients.append(in_process_client(
                 Worker.from_config(f"{prefix}-{i}", pool.engine, pool.role, host=plan.host,
-                                   **asdict(pool.worker))))
+                                   **asdict(pool.worker)), plan.router.deadlines))
     return clients
 
 

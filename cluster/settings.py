@@ -99,7 +99,11 @@ def router_config(config: CleaveConfig, model_path: str, mode: Mode = "ray") -> 
                         max_in_flight=r.max_in_flight, max_n=r.max_n,
                         kv_poll_interval_s=r.kv_poll_interval_s,
                         disagg_threshold_tokens=r.disagg_threshold_tokens,
-                        migration_wait_s=wait)
+                        start_retries=r.start_retries,
+                        max_waiting_per_worker=r.max_waiting_per_worker,
+                        max_pending_tokens_per_worker=r.max_pending_tokens_per_worker,
+                        prefill_timeout_s=r.prefill_timeout_s,
+                        stall_timeout_s=r.stall_timeout_s, migration_wait_s=wait)
 
 
 def _pool(config: CleaveConfig, pool: str) -> PoolSettings:

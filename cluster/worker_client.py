@@ -16,6 +16,7 @@ from typing import Any, Awaitable, TypeVar
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from router.channel import ChannelClient
+from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
 from workers.messages import Command, PrefillResult, WorkerOutputs
@@ -70,9 +71,10 @@ class RayChannel(WorkerChannel):
         pass  # the actor belongs to its pool replica, not to this channel
 
 
-def ray_worker_client(worker_id: str, actor: Any, subscriber: str) -> ChannelClient:
+def ray_worker_client(worker_id: str, actor: Any, subscriber: str,
+                      deadlines: Deadlines = Deadlines()) -> ChannelClient:
     """One router replica's client of one engine actor; `subscriber` names the router."""
-    return ChannelClient(RayChannel(worker_id, actor), subscriber)
+    return ChannelClient(RayChannel(worker_id, actor), subscriber, deadlines)
 
 
 def _cause(exc: RayTaskError, worker_id: str) -> BaseException:

@@ -13,10 +13,10 @@ Across the process boundary there is one message per engine step, not one call p
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Sequence
 
+from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.request_stream import RequestStream
 from router.worker_client import TokenStream, WorkerChannel, WorkerClient, WorkerListener
@@ -40,18 +40,6 @@ logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 0.5  # a worker answers a poll at least this often (a heartbeat with its load)
 RETRY_PAUSE_S = 0.5  # after a failed poll, before the next
-
-
-@dataclasses.dataclass(frozen=True)
-class Deadlines:
-    """How long the router waits on a worker (`RouterConfig`'s `prefill_timeout_s` and
-    `stall_timeout_s`): a prefill not answered in time is aborted there and raised as
-    `WorkerUnavailableError`; a channel silent for `stall_s` past its heartbeat, or whose
-    worker reports itself unhealthy (a stalled step, a dead rank), fails its streams the same
-    way, so they move to other workers."""
-
-    prefill_s: float = 300.0
-    stall_s: float = 15.0
 
 
 class ChannelClient(WorkerClient):

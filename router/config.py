@@ -7,6 +7,18 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
+class Deadlines:
+    """How long the router waits on a worker (`RouterConfig`'s `prefill_timeout_s` and
+    `stall_timeout_s`): a prefill not answered in time is aborted there and raised as
+    `WorkerUnavailableError`; a channel silent for `stall_s` past its heartbeat, or whose
+    worker reports itself unhealthy (a stalled step, a dead rank), fails its streams the same
+    way, so they move to other workers."""
+
+    prefill_s: float = 300.0
+    stall_s: float = 15.0
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model_path: str
     served_model_name: str | None = None  # default: the model folder's name
@@ -53,6 +65,11 @@ class RouterConfig:
             raise ValueError(f"kv_poll_interval_s must be > 0, got {self.kv_poll_interval_s}")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty strings")
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """What each channel client waits on its worker."""
+        return Deadlines(self.prefill_timeout_s, self.stall_timeout_s)
 
     @property
     def model_name(self) -> str:

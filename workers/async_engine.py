@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -23,6 +22,7 @@ from kvtransfer import faults
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.parallel.group import RankGroupError
+from workers.watchdog import StepWatchdog
 from workers.outputs import RequestStream, Sink
 from workers.protocol import (
     EngineShutDown,
@@ -53,14 +53,11 @@ class AsyncEngine:
                  step_timeout_s: float = 60.0) -> None:
         """`on_publish`: called on the event loop whenever `stats` is published (after each
         step, and after commands applied while idle), with the KV events since the last.
-        `step_timeout_s`: the watchdog's bound; a step running longer makes the engine
-        unhealthy until it returns."""
+        `step_timeout_s`: the watchdog's bound (`workers.watchdog`)."""
         self.engine = engine
         self.on_publish = on_publish
-        self.step_timeout_s = step_timeout_s
+        self.watchdog = StepWatchdog(step_timeout_s)
         self._stats: EngineStats = engine.stats()  # published after each step
-        self._step_began: float | None = None  # monotonic time of the step running now
-        self._broken: str | None = None  # why the engine cannot step any more (a rank died)
         self._routes: dict[str, _Route] = {}
         self._ops: list[Callable[[], None]] = []
         self._wakeup: asyncio.Event | None = None
@@ -86,20 +83,14 @@ class AsyncEngine:
     @property
     def is_healthy(self) -> bool:
         """False once the step loop has stopped (shut down, crashed), while a step runs past
-        `step_timeout_s`, and for good once a step failed for a lost rank."""
+        the watchdog's bound, and for good once a step failed for a lost rank."""
         return self.unhealthy_reason is None
 
     @property
     def unhealthy_reason(self) -> str | None:
         if self._task is not None and self._task.done():
             return "its step loop has stopped"
-        if self._broken is not None:
-            return self._broken
-        began = self._step_began
-        if began is not None and time.monotonic() - began > self.step_timeout_s:
-            return (f"its step has run for {time.monotonic() - began:.1f} s "
-                    f"(step_timeout_s {self.step_timeout_s})")
-        return None
+        return self.watchdog.problem
 
     # ---- commands (applied between steps; call from the event loop's thread) ----------------
 
@@ -260,17 +251,17 @@ class AsyncEngine:
                 if self.on_publish is not None:
                     self.on_publish(self.engine.drain_kv_events())
                 continue
-            self._step_began = time.monotonic()
+            self.watchdog.step_began()
             try:
                 events, self._stats, kv_events = await loop.run_in_executor(
                     self._executor, self._step)
             except Exception as exc:  # a broken step fails every request in flight
                 if isinstance(exc, RankGroupError):  # a rank is gone: no step will work again
-                    self._broken = f"a rank of its group failed: {exc}"
+                    self.watchdog.broken(f"a rank of its group failed: {exc}")
                 self._fail_all(exc)
                 continue
             finally:
-                self._step_began = None
+                self.watchdog.step_ended()
             self._dispatch(events)
             if self.on_publish is not None:
                 self.on_publish(kv_events)

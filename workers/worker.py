@@ -91,7 +91,7 @@ class Worker:
         self.worker_id = worker_id
         self.role = role
         self.async_engine = engine
-        engine.step_timeout_s = step_timeout_s
+        engine.watchdog.timeout_s = step_timeout_s
         self.engine = engine.engine
         self.transfer = WorkerTransfer(worker_id, engine.engine, self._free_held,
                                        transport=transport, host=host, lease_s=lease_s,

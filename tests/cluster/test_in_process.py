@@ -5,6 +5,7 @@ from __future__ import annotations
 from cluster.config import CleaveConfig
 from cluster.local_server import LocalServer
 from cluster.settings import in_process_plan
+from router.config import Deadlines
 
 
 def test_each_pool_runs_its_own_engine_and_transfer_settings(tiny_model, monkeypatch):
@@ -20,10 +21,12 @@ def test_each_pool_runs_its_own_engine_and_transfer_settings(tiny_model, monkeyp
     monkeypatch.setattr(Worker, "from_config", record)
     config = CleaveConfig.parse({
         "model": {"path": tiny_model},
-        "pools": {"prefill": {"engine": {"num_blocks": 32, "max_num_seqs": 4}},
+        "pools": {"prefill": {"engine": {"num_blocks": 32, "max_num_seqs": 4},
+                              "step_timeout_s": 9.0},
                   "decode": {"engine": {"num_blocks": 64}}},
         "router": {"http_port": 18000, "grpc_port": 18001, "max_n": 3,
-                   "policy_weights": {"w_hit": 2.0}},
+                   "policy_weights": {"w_hit": 2.0}, "prefill_timeout_s": 5.0,
+                   "stall_timeout_s": 4.0},
         "kv_transfer": {"lease_s": 7.0, "pull_timeout_s": 3.0}})
     plan = in_process_plan(config, tiny_model)
     server = LocalServer(plan)  # builds the workers; not started: no ports taken
@@ -37,6 +40,10 @@ def test_each_pool_runs_its_own_engine_and_transfer_settings(tiny_model, monkeyp
         assert {w: (o["lease_s"], o["pull_timeout_s"]) for w, o in built.items()} == {
             "prefill-0": (7.0, 3.0), "decode-0": (7.0, 3.0)}
         assert server.router.config.max_n == 3
+        assert prefill.async_engine.watchdog.timeout_s == 9.0
+        assert decode.async_engine.watchdog.timeout_s == 60.0
+        assert {c.deadlines for c in server.router.workers.clients.values()} == {
+            Deadlines(prefill_s=5.0, stall_s=4.0)}
         assert dict(server.router.config.policy_options) == {"w_hit": 2.0}
     finally:
         for w in server.workers:
