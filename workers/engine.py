@@ -37,6 +37,7 @@ from workers.protocol import (
 )
 from workers.request import Request
 from workers.runner import KVCacheSpec, ModelRunner
+from workers.sampler import sample_seed
 from workers.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ class Engine:
         reqs = []
         for i in range(params.n):
             p = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i,
+                params, n=1, seed=None if params.seed is None else sample_seed(params.seed, i),
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             rid = request_id if params.n == 1 else f"{request_id}/{i}"
             sample = Request(rid, ids, p, self.eos_token_ids, cache_salt=cache_salt)
@@ -346,8 +347,8 @@ class Engine:
         """Queue a request whose first output tokens, `sent_token_ids`, other workers sampled
         (and sent) but whose KV is not here (a failed KV pull, or a decode worker lost
         mid-stream): the prompt and those tokens are computed here, then it decodes on from
-        the next token. Greedy output equals an uninterrupted run; seeded sampling restarts
-        its generator here, so it may differ after the first token sent."""
+        the next token. Greedy and seeded output equal an uninterrupted run (a seeded draw
+        depends only on the seed and the output position)."""
         sample = self._continuation(req, sent_token_ids)
         self._replay(sample, sent_token_ids)
         self.scheduler.add(sample)

@@ -34,6 +34,12 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise InvalidRequestError(f"{param} {message}", param=param)
 
 
+# bounds on the per-token stop checks a request may ask for (every step scans them)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. Validated on construction (`InvalidRequestError`).
@@ -86,7 +92,15 @@ class SamplingParams:
                f"must be in [0, 20], got {self.logprobs}")
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
                "prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        _check(self.seed is None or -(1 << 63) <= self.seed < 1 << 63, "seed",
+               f"must be a 64-bit signed integer, got {self.seed}")
         _check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        _check(all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+               f"each stop string at most {MAX_STOP_CHARS} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                f"must be non-negative token ids, got {self.stop_token_ids}")
 

@@ -45,7 +45,6 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.block_hashes: list[int] = []  # chained hashes of the full blocks known so far
-        self.generator = None  # torch.Generator for seeded sampling, set by the runner
         # entry i: logprob of prompt token i given the tokens before it (None for the first)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)

@@ -1,7 +1,8 @@
 """Token sampling for one step: penalties, min_tokens, temperature, top-k/top-p/min-p, seeds.
 
-Seeded requests draw their randomness from their own generator, one draw per step, so a seed
-gives the same tokens whatever else shares the batch. Logprobs are of the model's raw
+A seeded request's randomness at each output position comes from (seed, position) alone
+(`position_seed`), so a seed gives the same tokens whatever else shares the batch, and whichever
+worker samples which position: aggregated, handed off after its first token, or migrated. Logprobs are of the model's raw
 distribution (before penalties and temperature), as vLLM reports them by default.
 """
 
@@ -19,6 +20,27 @@ from workers.request import Request
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+_U64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of output position `position` of a request seeded `seed` (any
+    int64): splitmix64 of the pair, in [0, 2**64)."""
+    z = ((seed & _U64) + (position + 1) * 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request seeded `seed` (sample 0 keeps it), in
+    the int64 range a seed must be in."""
+    if index == 0:
+        return seed
+    z = position_seed(seed, -2 - index)  # positions are >= 0: no overlap with those
+    return z - (1 << 64) if z >= 1 << 63 else z
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -106,6 +128,7 @@ class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self.generator = make_generator(seed, device)  # for requests without a seed
+        self._seeded = torch.Generator(device=device)  # reseeded per seeded row and step
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         # logits: [N, V] float32, one row per request that samples this step
@@ -126,9 +149,10 @@ class Sampler:
             probs = scaled.softmax(dim=-1)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for j, i in enumerate(random_rows):
-                gen = self._generator_for(reqs[i])
-                if gen is not None:
-                    noise[j].exponential_(generator=gen)
+                seed = params[i].seed
+                if seed is not None:
+                    self._seeded.manual_seed(position_seed(seed, reqs[i].num_output_tokens))
+                    noise[j].exponential_(generator=self._seeded)
             # Gumbel-max in exponential form: argmax p / E is a draw from p
             tokens[rows] = _greedy_tokens(probs / noise)
 
@@ -139,10 +163,3 @@ class Sampler:
             logprobs = [None if lp is None else TokenLogprob(lp.token_id, lp.logprob, dict(
                 list(lp.top.items())[:p.logprobs])) for lp, p in zip(logprobs, params)]
         return SamplerOutput(tokens.tolist(), logprobs)
-
-    def _generator_for(self, req: Request) -> torch.Generator | None:
-        if req.params.seed is None:
-            return None
-        if req.generator is None:
-            req.generator = make_generator(req.params.seed, self.device)
-        return req.generator

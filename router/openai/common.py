@@ -33,15 +33,39 @@ async def parse_body(request: Request, model: type[M]) -> M:
     if not isinstance(data, dict):
         raise BadRequestError(f"the request body must be a JSON object, got "
                               f"{type(data).__name__}")
+    for key, value in data.items():
+        if _has_lone_surrogate(value) or _has_lone_surrogate(key):
+            raise BadRequestError(f"{key}: contains a lone UTF-16 surrogate (an unpaired "
+                                  f"\\ud800-\\udfff escape), which is not text", param=key)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
 
+def _has_lone_surrogate(value: object) -> bool:
+    """True when a JSON value holds a string with an unpaired surrogate (JSON's "\\ud800"
+    escapes decode to one; it is no text and cannot be tokenized)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    return False
+
+
 def validation_error(exc: ValidationError) -> BadRequestError:
     first = exc.errors()[0]
     loc = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return BadRequestError(f"{loc}: unknown field; see the OpenAI API reference for the "
+                               f"fields this endpoint takes",
+                               param=str(first["loc"][0]))
     return BadRequestError(f"{loc or 'body'}: {first['msg']} (got "
                            f"{_short(first.get('input'))}); {exc.error_count()} error(s) in all",
                            param=str(first["loc"][0]) if first["loc"] else None)

@@ -1,7 +1,10 @@
 """OpenAI request bodies (with vLLM's sampling extensions), validated by pydantic.
 
 Only the HTTP edge uses these; `to_sampling_params` turns a body into the engine's
-`SamplingParams`. Unknown fields are ignored, as OpenAI and vLLM do.
+`SamplingParams`. A field the server does not know is refused with a 400 naming it (a client
+that sets `logit_bias` or `response_format` must not get output that ignores it); OpenAI's
+fields that change nothing here (`user`, `store`, `metadata`, ...) are accepted, and those that
+would change the output but are not supported yet are accepted only at their no-op values.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class StreamOptions(BaseModel):
 class _SamplingBody(BaseModel):
     """Fields the completions and chat bodies share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -35,6 +38,16 @@ class _SamplingBody(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI fields that change nothing here
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields not supported yet: accepted only when they ask for nothing
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, object] | None = None
+    tools: list[dict[str, object]] | None = None
+    tool_choice: Union[str, dict[str, object], None] = None
     # vLLM's extensions
     ignore_eos: bool = False
     top_k: int | None = None
@@ -69,7 +82,15 @@ class _SamplingBody(BaseModel):
             raise BadRequestError(exc.message, param=exc.param) from None
 
     def check_openai_ranges(self) -> None:
-        """OpenAI's documented ranges that the engine itself would accept."""
+        """OpenAI's documented ranges that the engine itself would accept, and the fields
+        not supported yet, refused when they ask for something."""
+        unsupported = {"logit_bias": bool(self.logit_bias),
+                       "response_format": self.response_format not in (None, {"type": "text"}),
+                       "tools": bool(self.tools),
+                       "tool_choice": self.tool_choice not in (None, "none", "auto")}
+        for name, asked in unsupported.items():
+            if asked:
+                raise BadRequestError(f"{name} is not supported by this server", param=name)
         if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
             raise BadRequestError(f"temperature must be in [0, 2], got {self.temperature}",
                                   param="temperature")

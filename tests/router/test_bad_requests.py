@@ -70,6 +70,22 @@ CASES = [
      "top_logprobs"),
     ("chat stream not a bool", CHAT, chat(stream="yes please"), JSON, 400, "stream"),
     ("unknown route", "/v1/embeddings", body(), JSON, 404, None),
+    ("seed past 64 bits", CMPL, body(seed=2**70, temperature=1.0), JSON, 400, "seed"),
+    ("seed below int64", CMPL, body(seed=-2**63 - 1), JSON, 400, "seed"),
+    ("too many stop strings", CMPL, body(stop=[f"s{i}" for i in range(65)]), JSON, 400,
+     "stop"),
+    ("too many stop token ids", CMPL, body(stop_token_ids=list(range(1025))), JSON, 400,
+     "stop_token_ids"),
+    ("lone surrogate in the prompt", CMPL, b'{"prompt": "a\\ud800b", "max_tokens": 2}', JSON,
+     400, "prompt"),
+    ("lone surrogate in a message", CHAT,
+     b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', JSON, 400,
+     "messages"),
+    ("lone surrogate in the salt", CMPL, b'{"prompt": "a", "cache_salt": "\\ud800"}', JSON,
+     400, "cache_salt"),
+    ("unsupported field logit_bias", CMPL, body(logit_bias={"5": 10}), JSON, 400,
+     "logit_bias"),
+    ("unknown field", CHAT, chat(frobnicate=True), JSON, 400, "frobnicate"),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.workers.factories import EOS, create_request
@@ -71,3 +72,18 @@ def test_logprobs_are_of_the_raw_distribution():
     lp = out.logprobs[0]
     assert lp.token_id == 0 and abs(lp.logprob - math.log(0.5)) < 1e-5
     assert list(lp.top) == [0, 1] and abs(lp.top[1] - math.log(0.3)) < 1e-5
+
+
+def test_seeds_are_64_bit_and_samples_of_n_derive_their_own():
+    from workers.protocol import InvalidRequestError, SamplingParams
+    from workers.sampler import position_seed, sample_seed
+
+    for bad in (2**63, -2**63 - 1, 2**70):
+        with pytest.raises(InvalidRequestError, match="seed"):
+            SamplingParams(seed=bad)
+    top = 2**63 - 1
+    derived = [sample_seed(top, i) for i in range(4)]
+    assert derived[0] == top and len(set(derived)) == 4
+    assert all(-2**63 <= s < 2**63 for s in derived)  # each sample's params validate
+    assert all(0 <= position_seed(s, p) < 2**64 for s in derived for p in (0, 1, 10**6))
+    assert position_seed(7, 0) != position_seed(7, 1) != position_seed(8, 1)

@@ -11,7 +11,7 @@ import pytest
 from tests.workers.factories import create_request, create_scheduler, fake_step
 from workers.config import EngineConfig
 from workers.kv_cache import KVCacheManager
-from workers.messages import Abort, DecodeFromHandoff, Generate
+from workers.messages import Abort, DecodeFromHandoff, Generate, Resume
 from workers.protocol import FinishReason, KVPullFailed, SamplingParams, WorkerRequest
 from workers.worker import Worker
 
@@ -98,6 +98,28 @@ def test_handoff_over_tcp_matches_aggregated_and_frees_every_block(trio, run):
 
     want, got = run(go())
     assert got == want and len(got) == GREEDY.max_tokens
+
+
+def test_a_seeded_request_samples_the_same_tokens_on_every_path(trio, run):
+    """A seed's draw at each output position depends on (seed, position) only: aggregated,
+    handed off after the first token, and resumed elsewhere after 4 tokens give one text."""
+    prefill, decode, both = trio
+    seeded = dataclasses.replace(GREEDY, temperature=1.0, top_k=50, seed=2**63 - 7)
+
+    async def go() -> None:
+        want = await collect(both.stream(Generate(req("s-agg", PROMPT, seeded))))
+        assert len(set(want)) > 2  # sampled, not a constant
+        result = await prefill.prefill(req("s-dis", PROMPT, seeded))
+        handed = result.first.token_ids + await collect(decode_stream(
+            decode, "s-dis", result.first.token_ids[0], result.handoff, params=seeded))
+        resumed = want[:4] + await collect(decode.stream(Resume(req("s-mig", PROMPT, seeded),
+                                                                tuple(want[:4]))))
+        assert handed == want and resumed == want
+        other = dataclasses.replace(seeded, seed=12345)
+        assert await collect(both.stream(Generate(req("s-other", PROMPT, other)))) != want
+        assert await until_all_free(prefill, decode, both)
+
+    run(go())
 
 
 def test_request_over_at_its_first_token_offers_nothing(trio, run):
