@@ -307,7 +307,8 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"sent token ids outside [0, {vocab}): {bad[:5]}",
                                       param="sent_token_ids")
-        sample = Request(request_id, ids, params, self.eos_token_ids)
+        sample = Request(request_id, ids, params, self.eos_token_ids,
+                         cache_salt=req.cache_salt)
         sample.append_output(sent_token_ids[0])
         return sample
 

@@ -122,6 +122,28 @@ def test_a_seeded_request_samples_the_same_tokens_on_every_path(trio, run):
     run(go())
 
 
+def test_a_salted_request_continued_on_a_decode_worker_caches_under_its_salt(trio, run):
+    """The decode side keeps the request's cache_salt: its blocks are found only by requests
+    of the same salt (an unsalted one was served them, and its usage showed it)."""
+    _, decode, _ = trio
+    prompt = [t + 300 for t in PROMPT]  # cached nowhere yet
+    salted = WorkerRequest("salted", tuple(prompt), GREEDY, "tenant-a")
+
+    async def first_cached(request_id: str, salt: str | None) -> int:
+        stream = decode.stream(Generate(WorkerRequest(request_id, tuple(prompt), GREEDY, salt)))
+        events = [e async for e in stream]
+        return events[0].num_cached_tokens
+
+    async def go() -> None:
+        sent = await collect(trio[2].stream(Generate(req("ref", prompt))))
+        await collect(decode.stream(Resume(salted, tuple(sent[:2]))))
+        assert await first_cached("unsalted", None) == 0
+        assert await first_cached("other-salt", "tenant-b") == 0
+        assert await first_cached("same-salt", "tenant-a") > 0
+
+    run(go())
+
+
 def test_request_over_at_its_first_token_offers_nothing(trio, run):
     prefill = trio[0]
 
