@@ -260,7 +260,11 @@ class RouterSettings(_Strict):
     api_keys: list[str] = Field(default_factory=list, description=(
         "Accepted bearer keys; empty and no api_keys_env: no authentication."))
     api_keys_env: str | None = Field(None, description=(
-        "An environment variable holding comma-separated keys (e.g. from a Secret)."))
+        "An environment variable holding comma-separated keys (e.g. from a Secret); unset or "
+        "empty where the router starts is an error, not an open server."))
+    allow_unauthenticated: bool = Field(False, description=(
+        "Serve on a non-loopback host without API keys. Without it such a config is "
+        "refused: every route but /health would be open to the network."))
     disagg_threshold_tokens: int = Field(
         default_of(RouterConfig, "disagg_threshold_tokens"), ge=0, description=(
             "Prompts with fewer uncached tokens than this prefill on the decode worker."))
@@ -300,6 +304,12 @@ class RouterSettings(_Strict):
             raise ValueError(f"http_port and grpc_port are both {self.http_port}")
         if any(not k for k in self.api_keys):
             raise ValueError("api_keys must not contain empty strings")
+        if not (is_loopback(self.host) or self.api_keys or self.api_keys_env
+                or self.allow_unauthenticated):
+            raise ValueError(
+                f"host={self.host!r} serves beyond this machine and no API key is set; set "
+                f"api_keys or api_keys_env (cleave serve: --api-key or CLEAVE_API_KEYS), or "
+                f"allow_unauthenticated (--allow-unauthenticated) to serve without keys")
         allowed = {"w_hit", "w_queue", "w_kv", "queue_scale"}
         unknown = sorted(set(self.policy_weights) - allowed)
         if unknown:
@@ -388,6 +398,18 @@ class CleaveConfig(_Strict):
                             f"of {model_config.max_position_embeddings} tokens")
         if problems:
             raise ConfigError("; ".join(problems))
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address (or name) only this machine reaches."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def format_errors(exc: ValidationError) -> str:

@@ -26,7 +26,8 @@ _MODEL_FLAGS = {"model": "path", "served_model_name": "served_model_name", "dtyp
                 "max_model_len": "max_model_len", "load_format": "load_format"}
 _ROUTER_FLAGS = {"host": "host", "port": "http_port", "grpc_port": "grpc_port",
                  "ingress": "ingress", "policy": "policy", "max_in_flight": "max_in_flight",
-                 "disagg_threshold_tokens": "disagg_threshold_tokens"}
+                 "disagg_threshold_tokens": "disagg_threshold_tokens",
+                 "allow_unauthenticated": "allow_unauthenticated"}
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -66,6 +67,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                         "proxies do")
     p.add_argument("--api-key", action="append", default=None,
                    help="accepted bearer key (repeatable; also CLEAVE_API_KEYS=a,b)")
+    p.add_argument("--allow-unauthenticated", action="store_true", default=None,
+                   help="serve on a non-loopback --host without API keys (refused otherwise)")
     p.add_argument("--policy", default=None, help="prefix_aware, least_loaded or round_robin")
     p.add_argument("--max-in-flight", type=int, default=None)
     p.add_argument("--disagg-threshold-tokens", type=int, default=None)

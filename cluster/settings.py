@@ -27,7 +27,14 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.config import POOL_ROLES, RAY_MIGRATION_WAIT_S, CleaveConfig, PoolSettings, default_of
+from cluster.config import (
+    POOL_ROLES,
+    RAY_MIGRATION_WAIT_S,
+    CleaveConfig,
+    ConfigError,
+    PoolSettings,
+    default_of,
+)
 from router.config import RouterConfig
 from workers.config import EngineConfig
 from workers.worker import Worker
@@ -88,7 +95,11 @@ def router_config(config: CleaveConfig, model_path: str, mode: Mode = "ray") -> 
     r = config.router
     keys = list(r.api_keys)
     if r.api_keys_env:
-        keys += [k for k in os.environ.get(r.api_keys_env, "").split(",") if k]
+        from_env = [k for k in os.environ.get(r.api_keys_env, "").split(",") if k]
+        if not from_env:  # a missing Secret must not open the server
+            raise ConfigError(f"router.api_keys_env={r.api_keys_env!r}: that environment "
+                              f"variable is unset or holds no key where the router starts")
+        keys += from_env
     wait = r.migration_wait_s
     if wait is None:
         wait = RAY_MIGRATION_WAIT_S if mode == "ray" else default_of(RouterConfig,

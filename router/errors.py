@@ -10,6 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 
+# what a client is told of an unexpected error (the details go to the server log only)
+INTERNAL_ERROR = "internal error; the server log has the details"
+
+
 class APIError(Exception):
     status: int = 500
     type: str = "internal_error"

@@ -14,7 +14,7 @@ import grpc
 
 from router.app import Router
 from router.streams import Generation
-from router.errors import APIError, BadRequestError
+from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
 from workers.protocol import InvalidRequestError, SamplingParams, TokenEvent
@@ -95,6 +95,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             if gen is None:  # one that streamed was counted by its record
                 router.metrics.count_error("grpc", exc)
             await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
+        except Exception as exc:  # noqa: BLE001 -- the client gets no internals
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            logger.exception("unhandled error serving a gRPC Generate")
+            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_ERROR)
         finally:
             if gen is not None:
                 await gen.aclose()
@@ -112,7 +117,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Health(self, request: pb.HealthRequest,
                      context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        healthy = await self.router.check_health()
+        """Liveness, open without a key (as HTTP's /health): reads no worker."""
+        healthy = self.router.healthy_workers()
         return pb.HealthResponse(healthy=bool(healthy), healthy_workers=healthy)
 
 

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.app import Router
 from router.errors import (
+    INTERNAL_ERROR,
     APIError,
     BadRequestError,
     NoHealthyWorkerError,
@@ -40,9 +41,14 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+# the one route open without a key: a bare liveness probe (it reads no worker)
+OPEN_PATHS = frozenset({"/health"})
+
+
 class GuardMiddleware:
-    """API keys on `/v1/*` and the body-size limit (by Content-Length, and by counting the bytes
-    of bodies sent without it), ahead of routing and parsing."""
+    """API keys on every route but `OPEN_PATHS` (whatever prefix the app is mounted under:
+    the path is taken after it), and the body-size limit (by Content-Length, and by counting
+    the bytes of bodies sent without it), ahead of routing and parsing."""
 
     def __init__(self, app: ASGIApp, router: Router) -> None:
         self.app = app
@@ -55,7 +61,8 @@ class GuardMiddleware:
         limit = self.router.config.max_body_bytes
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            if scope["path"].startswith("/v1/"):
+            path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+            if path not in OPEN_PATHS:
                 self.router.authenticate(_bearer(headers.get("authorization")))
             length = headers.get("content-length", "")
             if length.isdigit() and int(length) > limit:
@@ -123,11 +130,13 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> Respo
 
 async def _on_crash(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error serving %s", request.url.path)
-    return error_response(APIError(f"internal error: {type(exc).__name__}: {exc}"))
+    return error_response(APIError(INTERNAL_ERROR))
 
 
 async def health(request: Request) -> Response:
-    healthy = await _router(request).check_health()
+    """Liveness, open without a key: the workers healthy as last reported (their heartbeats),
+    asking none of them (a probe per second must not become a call per worker)."""
+    healthy = _router(request).healthy_workers()
     if not healthy:
         return error_response(NoHealthyWorkerError("no healthy worker"))
     return JSONResponse({"status": "ok", "healthy_workers": healthy})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -12,8 +13,10 @@ from starlette.requests import Request
 
 from router.app import Router
 from router.streams import Generation
-from router.errors import APIError, BadRequestError
+from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from workers.protocol import SamplingParams, TokenEvent
+
+logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -142,8 +145,10 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_error(exc: Exception) -> str:
     """An error after the stream began (the status is already 200): one error event, as vLLM
     sends it, before `[DONE]`."""
-    err = exc if isinstance(exc, APIError) else APIError(f"{type(exc).__name__}: {exc}")
-    return sse(err.body())
+    if not isinstance(exc, APIError):
+        logger.error("a stream failed after it began", exc_info=exc)
+        exc = APIError(INTERNAL_ERROR)
+    return sse(exc.body())
 
 
 def usage(gens: Sequence[Generation], num_completion_tokens: int) -> dict[str, Any]:

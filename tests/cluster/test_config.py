@@ -106,7 +106,8 @@ def test_vllm_flag_names_override_the_config_file(tmp_path):
 def test_the_serve_config_is_one_ray_serve_accepts():
     from ray.serve.schema import ServeDeploySchema
 
-    c = parse(router={"host": "0.0.0.0", "http_port": 8080, "grpc_port": 9090})
+    c = parse(router={"host": "0.0.0.0", "http_port": 8080, "grpc_port": 9090,
+                      "api_keys": ["k"]})
     serve_config = build_serve_config(c)
     schema = ServeDeploySchema.model_validate(serve_config)
     assert schema.http_options.port == 8080 and schema.grpc_options.port == 9090
@@ -216,3 +217,24 @@ def test_the_local_shorthand_gives_every_pool_one_engine():
                                                                    ("decode", "decode", 2)]
     assert {p.engine.num_blocks for p in plan.pools} == {96}
     assert plan.pools[0].worker.lease_s == 10.0 and plan.router.max_body_bytes == 1024
+
+
+def test_a_non_loopback_router_needs_keys_or_an_explicit_opt_in(monkeypatch):
+    from cluster.settings import router_config
+
+    with pytest.raises(ConfigError, match="host='0.0.0.0' serves beyond this machine"):
+        parse(router={"host": "0.0.0.0"})
+    with pytest.raises(ConfigError, match="10.1.2.3"):
+        _flags("--host", "10.1.2.3")
+    assert _flags("--host", "10.1.2.3", "--allow-unauthenticated").router.allow_unauthenticated
+    assert _flags("--host", "10.1.2.3", "--api-key", "k").router.api_keys == ["k"]
+    for loopback in ("127.0.0.1", "localhost", "::1"):
+        assert parse(router={"host": loopback}).router.host == loopback
+    # a key variable that resolves to nothing where the router starts is an error, not an open
+    # server
+    c = parse(router={"host": "0.0.0.0", "api_keys_env": "CLEAVE_TEST_KEYS"})
+    monkeypatch.delenv("CLEAVE_TEST_KEYS", raising=False)
+    with pytest.raises(ConfigError, match="CLEAVE_TEST_KEYS.*unset or holds no key"):
+        router_config(c, "/m")
+    monkeypatch.setenv("CLEAVE_TEST_KEYS", "a,b")
+    assert router_config(c, "/m").api_keys == ("a", "b")

@@ -60,10 +60,17 @@ REFUSED = {
     "pools.aggregated.autoscaling.target_waiting_tokens": "the aggregated pool scales on",
 }
 
+# Fields that gate the config's own checks and reach no setting: path -> (a config the check
+# refuses without the field, the text of that refusal). Each must let that config through.
+GATES = {
+    "router.allow_unauthenticated": ({"router": {"host": "0.0.0.0"}},
+                                     "serves beyond this machine"),
+}
+
 # Values the generic choice (`_other_value`) cannot make valid or telling: path -> value.
 VALUES = {
     "pools.*.replicas.initial": 2,  # the base starts min = 1 replica: initial 1 changes nothing
-    "router.host": "0.0.0.0",
+    "router.host": "127.0.0.2",  # loopback: a non-loopback host needs keys (tested apart)
     "router.policy_weights": {"w_hit": 2.0},
     "router.api_keys_env": KEYS_ENV,
 }
@@ -249,7 +256,7 @@ def test_the_bases_differ_only_in_the_modes_migration_wait(monkeypatch):
 def test_the_walk_covers_every_field_and_the_tables_name_real_ones():
     walked = {p for base in BASES.values() for p in leaf_fields(CleaveConfig.parse(base))}
     assert {_generic(p) for p in walked} == all_field_paths(CleaveConfig)
-    for pattern in [*ONE_MODE, *REFUSED, *VALUES]:
+    for pattern in [*ONE_MODE, *REFUSED, *VALUES, *GATES]:
         assert any(_matches(p, pattern) for p in walked), f"{pattern} names no config field"
 
 
@@ -273,6 +280,14 @@ def test_every_field_reaches_the_same_setting_in_both_modes(monkeypatch, base_na
     if refused is not None:
         with pytest.raises(ConfigError, match=refused):
             CleaveConfig.parse(data)
+        return
+    gate = GATES.get(name)
+    if gate is not None:
+        gated, refusal = gate
+        with pytest.raises(ConfigError, match=refusal):
+            CleaveConfig.parse({**base, **gated})
+        allowed = with_field({**base, **gated}, path, _other_value(path, node))
+        assert CleaveConfig.parse(allowed)
         return
     other = CleaveConfig.parse(data)
     ray = changed(ray_settings(config), ray_settings(other))

@@ -66,7 +66,25 @@ BAD_VALUES = [
                  False, id="model-path-twice"),
     pytest.param({"service": {"type": "Loadbalancer"}}, "/service/type", False,
                  id="bad-service-type"),
+    pytest.param({"apiKeys": {"generate": False}}, "no API key is set", True,
+                 id="no-api-key"),
 ]
+
+
+def test_the_default_install_serves_with_a_generated_key_and_open_needs_an_opt_in():
+    from tests.deploy.chart import only, serve_config
+
+    objects = render()
+    secret = only(objects, "Secret")
+    key = secret["data"]["api-keys"]
+    assert len(key) >= 40 and render() and only(render(), "Secret")["data"]["api-keys"] != key
+    args = serve_config(objects)["applications"][0]["args"]
+    assert args["router"]["api_keys_env"] == "CLEAVE_API_KEYS"
+    assert secret["metadata"]["name"] in str(only(objects, "RayService"))
+    opened = render({"apiKeys": {"generate": False},
+                     "cleave": {"router": {"allow_unauthenticated": True}}})
+    assert not [o for o in opened if o["kind"] == "Secret"]
+    assert "api_keys_env" not in serve_config(opened)["applications"][0]["args"]["router"]
 
 
 def _effective_cleave(values: dict) -> dict:
@@ -74,8 +92,12 @@ def _effective_cleave(values: dict) -> dict:
     import helm_python
 
     with helm_python.Chart.load(CHART) as chart:
-        merged = chart.merge_values(values)["cleave"]
+        all_values = chart.merge_values(values)
+    merged = all_values["cleave"]
     merged.setdefault("router", {})["host"] = "0.0.0.0"
+    keys = all_values["apiKeys"]
+    if keys["existingSecret"] or keys["generate"]:
+        merged["router"]["api_keys_env"] = "CLEAVE_API_KEYS"
     return merged
 
 

@@ -20,6 +20,7 @@ from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
 from cluster.local_server import LocalServer
 from tests.router.conftest import API_KEY, start_pools, start_server, wait_until
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "cleave-dashboard.json"
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count",
                                                              "_created")}
@@ -32,7 +33,7 @@ def long_prompt() -> str:
 
 def scrape(srv: LocalServer) -> dict[str, dict[tuple, float]]:
     """Sample name -> {sorted label items: value}."""
-    text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", timeout=10).text
+    text = httpx.get(f"http://127.0.0.1:{srv.http_port}/metrics", headers=AUTH, timeout=10).text
     out: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -161,7 +162,8 @@ def exposed_names(samples: dict[str, dict[tuple, float]], text: str) -> set[str]
 
 
 def test_dashboard_asks_only_for_exposed_metrics(server):
-    text = httpx.get(f"http://127.0.0.1:{server.http_port}/metrics", timeout=10).text
+    text = httpx.get(f"http://127.0.0.1:{server.http_port}/metrics", headers=AUTH,
+                     timeout=10).text
     names = exposed_names(scrape(server), text)
     dashboard = json.loads(DASHBOARD.read_text())
     variables = {v["name"] for v in dashboard["templating"]["list"]}

@@ -9,6 +9,8 @@ import pytest
 from tests.router.conftest import API_KEY, all_blocks_free, wait_until
 from workers.protocol import hash_prompt_blocks
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 
 @pytest.fixture(scope="module")
 def client(base_url) -> openai.OpenAI:
@@ -29,7 +31,7 @@ def test_models_lists_the_served_name_and_context(client, server, tiny_model):
 def test_health_and_version(base_url):
     health = httpx.get(f"{base_url}/health")
     assert health.status_code == 200 and len(health.json()["healthy_workers"]) == 2
-    assert httpx.get(f"{base_url}/version").json()["version"]
+    assert httpx.get(f"{base_url}/version", headers=AUTH).json()["version"]
 
 
 def test_completion(client, model):

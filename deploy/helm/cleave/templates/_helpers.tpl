@@ -86,7 +86,7 @@ They are `cluster.config.CleaveConfig`'s; tests/deploy/test_chart_defaults.py ch
 {{- $_ := set $args "model" $model }}
 {{- $router := default dict $args.router }}
 {{- $_ := set $router "host" "0.0.0.0" }}
-{{- if .Values.apiKeys.existingSecret }}{{ $_ := set $router "api_keys_env" "CLEAVE_API_KEYS" }}{{ end }}
+{{- if include "cleave.apiKeysSecret" . }}{{ $_ := set $router "api_keys_env" "CLEAVE_API_KEYS" }}{{ end }}
 {{- $_ := set $args "router" $router }}
 {{- range $name := include "cleave.poolNames" . | fromJsonArray }}
 {{- $pool := index $args.pools $name }}
@@ -125,11 +125,18 @@ They are `cluster.config.CleaveConfig`'s; tests/deploy/test_chart_defaults.py ch
 - name: {{ $k }}
   value: {{ index $vars $k | quote }}
 {{- end }}
-{{- if .Values.apiKeys.existingSecret }}
+{{- with include "cleave.apiKeysSecret" . }}
 - name: CLEAVE_API_KEYS
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.apiKeys.existingSecret }}
-      key: {{ .Values.apiKeys.secretKey }}
+      name: {{ . }}
+      key: {{ $.Values.apiKeys.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret the API keys come from: the existing one, the generated one, or "" (none). */}}
+{{- define "cleave.apiKeysSecret" -}}
+{{- if .Values.apiKeys.existingSecret }}{{ .Values.apiKeys.existingSecret }}
+{{- else if .Values.apiKeys.generate }}{{ include "cleave.fullname" . }}-api-keys
 {{- end }}
 {{- end }}

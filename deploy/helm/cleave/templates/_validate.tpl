@@ -44,6 +44,7 @@ unknown keys are values.schema.json's job. */}}
 {{- $http := include "cleave.httpPort" . | int }}
 {{- if eq $http (include "cleave.grpcPort" . | int) }}{{ fail (printf "cleave.router: http_port and grpc_port are both %d" $http) }}{{ end }}
 {{- range $key := $router.api_keys | default list }}{{ if not $key }}{{ fail "cleave.router.api_keys must not contain empty strings" }}{{ end }}{{ end }}
+{{- if not (or (include "cleave.apiKeysSecret" .) $router.api_keys $router.allow_unauthenticated) }}{{ fail "cleave.router: the router listens on 0.0.0.0 in the cluster and no API key is set; set apiKeys.existingSecret, keep apiKeys.generate, set cleave.router.api_keys, or set cleave.router.allow_unauthenticated=true to serve without keys" }}{{ end }}
 {{- $weights := $router.policy_weights | default dict }}
 {{- range $key := keys $weights | sortAlpha }}
 {{- if not (has $key (list "w_hit" "w_queue" "w_kv" "queue_scale")) }}{{ fail (printf "cleave.router.policy_weights: unknown weight %q; expected some of [queue_scale w_hit w_kv w_queue]" $key) }}{{ end }}
