@@ -68,7 +68,9 @@ def router_deployment_options(config: CleaveConfig) -> dict[str, Any]:
     """Serve options of the router's deployment (its own settings: `cluster.settings`)."""
     return {"name": "router", "num_replicas": config.router.replicas,
             "ray_actor_options": {"num_cpus": ROUTER_CPUS},
-            "max_ongoing_requests": config.router.max_in_flight + 16}
+            "max_ongoing_requests": config.router.max_in_flight + 16,
+            # with Serve's proxies in front (ingress: serve), their queue is bounded too
+            "max_queued_requests": config.router.max_in_flight}
 
 
 def build_app(args: dict[str, Any]) -> Application:

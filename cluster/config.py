@@ -182,6 +182,10 @@ class PoolSettings(_Strict):
     step_timeout_s: float = Field(default_of(Worker, "step_timeout_s"), gt=0, description=(
         "A worker whose engine step runs longer fails its health check and leaves routing "
         "(its streams move to other workers) until the step returns."))
+    max_waiting_requests: int = Field(
+        default_of(Worker, "max_waiting_requests"), ge=1, description=(
+            "Requests a worker queues at most; more are refused as overloaded (the router "
+            "tries another worker, or answers 429 when every one is full)."))
     engine: EngineSettings = Field(default_factory=EngineSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
 

@@ -50,6 +50,7 @@ class WorkerOptions:
     lease_s: float = default_of(Worker, "lease_s")  # prefilled blocks wait for their puller
     pull_timeout_s: float = default_of(Worker, "pull_timeout_s")  # a decode waits for its KV
     step_timeout_s: float = default_of(Worker, "step_timeout_s")  # the step watchdog's bound
+    max_waiting_requests: int = default_of(Worker, "max_waiting_requests")  # more: overloaded
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,9 @@ def worker_options(config: CleaveConfig, pool: str) -> WorkerOptions:
     """A pool's workers' options: the transfer's (the same in every pool) and the pool's
     step watchdog."""
     kv = config.kv_transfer
-    return WorkerOptions(kv.transport, kv.lease_s, kv.pull_timeout_s,
-                         _pool(config, pool).step_timeout_s)
+    p = _pool(config, pool)
+    return WorkerOptions(kv.transport, kv.lease_s, kv.pull_timeout_s, p.step_timeout_s,
+                         p.max_waiting_requests)
 
 
 def pool_plans(config: CleaveConfig, model_path: str) -> tuple[PoolPlan, ...]:

@@ -81,6 +81,12 @@ class AsyncEngine:
             self._stats, healthy=healthy)
 
     @property
+    def num_queued(self) -> int:
+        """Requests waiting: in the engine's queue, and commands not applied yet (a bound's
+        count; read on the event loop while a step may run)."""
+        return len(self.engine.scheduler.waiting) + len(self._ops)
+
+    @property
     def is_healthy(self) -> bool:
         """False once the step loop has stopped (shut down, crashed), while a step runs past
         the watchdog's bound, and for good once a step failed for a lost rank."""
@@ -107,8 +113,9 @@ class AsyncEngine:
         self._wakeup.set()
 
     async def apply(self, fn: Callable[[], T]) -> T:
-        """Run `fn` between two steps and return its result or raise its error. If the caller
-        is cancelled, `fn` still runs."""
+        """Run `fn` between two steps and return its result or raise its error: it sees the
+        engine at rest (the KV event log, the prefix cache). If the caller is cancelled, `fn`
+        still runs."""
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def op() -> None:
@@ -202,11 +209,6 @@ class AsyncEngine:
                 yield event
         finally:
             await stream.aclose()
-
-    async def run_between_steps(self, fn: Callable[[], T]) -> T:
-        """Run `fn` between two steps, serialised with the steps and the commands: it sees the
-        engine at rest (the KV event log, the prefix cache)."""
-        return await self.apply(fn)
 
     # ---- the step loop -----------------------------------------------------------------------
 

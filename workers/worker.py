@@ -31,6 +31,7 @@ from workers.messages import (
     WorkerOutputs,
 )
 from workers.protocol import (
+    EngineOverloaded,
     EngineStats,
     FinishReason,
     KVCacheFull,
@@ -42,6 +43,7 @@ from workers.protocol import (
 )
 
 from workers.outputs import OUTPUT_INTERVAL_S, OutputHub
+from workers.roles import DECODE_ROLES, PREFILL_ROLES, ROLES, check_role_fits_engine
 from workers.transfer import WorkerTransfer
 
 if TYPE_CHECKING:
@@ -54,42 +56,28 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# "both": prefill and decode here (aggregated; may also act as either side of a handoff).
-# "prefill": prompts to their first token, then hands the KV off. "decode": continues handoffs.
-ROLES = ("both", "prefill", "decode")
-PREFILL_ROLES = ("both", "prefill")
-DECODE_ROLES = ("both", "decode")
-
-
-def check_role_fits_engine(role: str, engine: Engine) -> None:
-    """Refuses a role that hands KV off ("prefill", "decode") to an engine whose KV cache this
-    process cannot reach (a GPU tensor/pipeline-parallel group keeps it on its ranks); such an
-    engine serves aggregated, as "both"."""
-    if role == "both":
-        return
-    from workers.parallel.executor import KVCacheNotShared
-
-    try:
-        engine.kv_caches_by_rank()
-    except KVCacheNotShared as exc:
-        raise ValueError(f"a worker of role {role!r} hands KV off, but {exc}") from None
-
-
 class Worker:
     """One engine serving requests for the router. Owns the engine: `shutdown()` stops it."""
 
     def __init__(self, worker_id: str, engine: AsyncEngine, role: str = "both", *,
                  transport: str = "tcp", host: str = "127.0.0.1", lease_s: float = 30.0,
-                 pull_timeout_s: float = 10.0, step_timeout_s: float = 60.0) -> None:
+                 pull_timeout_s: float = 10.0, step_timeout_s: float = 60.0,
+                 max_waiting_requests: int = 2048) -> None:
         """`transport`: the KV transport's name (`kvtransfer.TRANSPORTS`), bound on `host`.
         `lease_s`: how long a prefilled request's blocks wait for their puller at most;
         `pull_timeout_s`: how long a decode waits for its KV to land; `step_timeout_s`: a
-        step running longer makes the worker unhealthy (`AsyncEngine`'s watchdog)."""
+        step running longer makes the worker unhealthy (`AsyncEngine`'s watchdog);
+        `max_waiting_requests`: requests queued here at most; more are refused with
+        `EngineOverloaded` (the router tries another worker or answers 429)."""
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
         check_role_fits_engine(role, engine.engine)
         self.worker_id = worker_id
         self.role = role
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1, got "
+                             f"{max_waiting_requests}")
+        self.max_waiting_requests = max_waiting_requests
         self.async_engine = engine
         engine.watchdog.timeout_s = step_timeout_s
         self.engine = engine.engine
@@ -157,10 +145,19 @@ class Worker:
             rid = cmd.req.request_id
             box.samples_left[rid] = cmd.req.params.n
             try:
+                self._check_room(rid)
                 self.start(cmd, box)
-            except (ValueError, KVPullFailed) as exc:  # a role that cannot, a bad handoff
+            except (ValueError, KVPullFailed, EngineOverloaded) as exc:  # a role that cannot,
+                # a bad handoff, a full queue
                 box.fail(rid, exc)
                 box.flush()
+
+    def _check_room(self, request_id: str) -> None:
+        """Raise `EngineOverloaded` when `max_waiting_requests` are already queued here."""
+        queued = self.async_engine.num_queued
+        if queued >= self.max_waiting_requests:
+            raise EngineOverloaded(request_id, f"worker {self.worker_id!r} has {queued} "
+                                   f"requests waiting (max_waiting_requests)")
 
     def start(self, cmd: Generate | DecodeFromHandoff | Resume, sink: Sink) -> None:
         """Start one streaming command with its events to `sink` (a refusal is raised here when
@@ -229,6 +226,7 @@ class Worker:
         if kv_readers < 1:
             raise ValueError(f"kv_readers must be at least 1, got {kv_readers}")
         rid = req.request_id
+        self._check_room(rid)
         task = asyncio.current_task()
         assert task is not None
         if rid in self._prefills:
@@ -292,7 +290,7 @@ class Worker:
         return self.async_engine.stats
 
     async def kv_snapshot(self) -> KVSnapshot:
-        return await self.async_engine.run_between_steps(self.engine.kv_snapshot)
+        return await self.async_engine.apply(self.engine.kv_snapshot)
 
     async def shutdown(self) -> None:
         """Stop serving KV (every lease ends) and stop the engine."""

@@ -11,8 +11,14 @@ import pytest
 from tests.workers.factories import create_request, create_scheduler, fake_step
 from workers.config import EngineConfig
 from workers.kv_cache import KVCacheManager
-from workers.messages import Abort, DecodeFromHandoff, Generate, Resume
-from workers.protocol import FinishReason, KVPullFailed, SamplingParams, WorkerRequest
+from workers.messages import Abort, DecodeFromHandoff, FailureKind, Generate, Resume
+from workers.protocol import (
+    EngineOverloaded,
+    FinishReason,
+    KVPullFailed,
+    SamplingParams,
+    WorkerRequest,
+)
 from workers.worker import Worker
 
 NUM_BLOCKS = 48
@@ -140,6 +146,34 @@ def test_a_salted_request_continued_on_a_decode_worker_caches_under_its_salt(tri
         assert await first_cached("unsalted", None) == 0
         assert await first_cached("other-salt", "tenant-b") == 0
         assert await first_cached("same-salt", "tenant-a") > 0
+
+    run(go())
+
+
+def test_a_full_waiting_queue_refuses_with_a_typed_overload(trio, run):
+    prefill, _, both = trio
+
+    async def go() -> None:
+        both.max_waiting_requests = prefill.max_waiting_requests = 2
+        try:
+            both.submit("t", [Generate(req(f"q{i}")) for i in range(4)])  # none applied yet
+            failures, finished = [], set()
+            while len(failures) + len(finished) < 4:
+                out = await both.next_outputs("t", 5.0)
+                failures += out.failures
+                finished |= {e.request_id for e in out.events if e.finish_reason is not None}
+            assert finished == {"q0", "q1"}
+            assert [(f.request_id, f.kind) for f in failures] == [
+                ("q2", FailureKind.OVERLOADED), ("q3", FailureKind.OVERLOADED)]
+            assert "max_waiting_requests" in failures[0].message
+            calls = [asyncio.ensure_future(prefill.prefill(req(f"p{i}"))) for i in range(3)]
+            await asyncio.gather(*calls, return_exceptions=True)
+            assert isinstance(calls[2].exception(), EngineOverloaded)
+            for call in calls[:2]:
+                prefill.abort(call.result().first.request_id)
+            assert await until_all_free(prefill, both)
+        finally:
+            both.max_waiting_requests = prefill.max_waiting_requests = 2048
 
     run(go())
 

@@ -1,0 +1,28 @@
+"""A worker's role: which halves of a request it runs. No torch at import."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine import Engine
+
+# "both": prefill and decode here (aggregated; may also act as either side of a handoff).
+# "prefill": prompts to their first token, then hands the KV off. "decode": continues handoffs.
+ROLES = ("both", "prefill", "decode")
+PREFILL_ROLES = ("both", "prefill")
+DECODE_ROLES = ("both", "decode")
+
+
+def check_role_fits_engine(role: str, engine: Engine) -> None:
+    """Refuses a role that hands KV off ("prefill", "decode") to an engine whose KV cache this
+    process cannot reach (a GPU tensor/pipeline-parallel group keeps it on its ranks); such an
+    engine serves aggregated, as "both"."""
+    if role == "both":
+        return
+    from workers.parallel.executor import KVCacheNotShared
+
+    try:
+        engine.kv_caches_by_rank()
+    except KVCacheNotShared as exc:
+        raise ValueError(f"a worker of role {role!r} hands KV off, but {exc}") from None
