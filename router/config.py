@@ -28,6 +28,7 @@ class RouterConfig:
     max_in_flight: int = 256  # requests admitted at once; more get 429
     max_body_bytes: int = 16 * 1024**2  # larger HTTP bodies get 413
     max_n: int = 16  # samples per request at most
+    max_prompts_per_request: int = 64  # a completions body's prompts at most (each takes a slot)
     retry_after_s: int = 1  # the Retry-After a 429 suggests
     kv_poll_interval_s: float = 0.5  # background poll of the workers' KV events
     # prefill on a decode worker when fewer prompt tokens than this are not in the cache
@@ -55,6 +56,7 @@ class RouterConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s",
+                     "max_prompts_per_request",
                      "max_waiting_per_worker", "max_pending_tokens_per_worker"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

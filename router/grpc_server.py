@@ -64,10 +64,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 token = rest.strip() if scheme.lower() == "bearer" else None
         self.router.authenticate(token)
 
-    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return self.router.tokenize(request.text)
+            return await self.router.tokenize_async(request.text)
         if kind == "token_ids":
             return list(request.token_ids.ids)
         raise BadRequestError("set the prompt: text or token_ids", param="prompt")
@@ -80,11 +80,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             self._authenticate(context)
             router.check_model(request.model or None)
-            ids = self._prompt(request)
+            router.check_n(request.sampling.n or 1)
+            slot = router.admit()  # before any work on the prompt
+            ids = await self._prompt(request)
             router.check_prompt(ids)
             params = sampling_params(request.sampling, router.max_model_len - len(ids))
-            router.check_n(params.n)
-            slot = router.admit()
             gen = await router.generate(ids, params, request.cache_salt or None,
                                         frontend="grpc")
             # the client's id labels its responses; the router's own keys its blocks and leases

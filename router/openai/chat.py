@@ -4,6 +4,7 @@ events)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -14,7 +15,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from router.app import Admission, Router
+from router.app import TOKENIZE_INLINE_CHARS, Admission, Router
 from router.streams import Generation
 from router.errors import BadRequestError
 from router.openai.common import (
@@ -44,6 +45,12 @@ class _Choice:
     stop_reason: str | int | None = None
 
 
+def _long(body: ChatCompletionRequest) -> bool:
+    """Whether the messages are long enough to template and tokenize off the event loop."""
+    return sum(len(m.content) if isinstance(m.content, str) else 64 * len(m.content or ())
+               for m in body.messages) >= TOKENIZE_INLINE_CHARS
+
+
 def chat_prompt(router: Router, body: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_input() for m in body.messages]
     try:
@@ -60,7 +67,19 @@ async def create_chat_completion(router: Router, tokens: TokenStrings, request: 
     body.check()
     router.check_model(body.model)
     router.check_n(body.n)
-    ids = chat_prompt(router, body)
+    slot = router.admit()  # before the template and the tokenizer run
+    try:
+        return await _create(router, tokens, request, body, slot)
+    except BaseException:
+        slot.release()
+        raise
+
+
+async def _create(router: Router, tokens: TokenStrings, request: Request,
+                  body: ChatCompletionRequest, slot: Admission) -> Any:
+    """The chat completion of an admitted body; `slot` is released when it ends."""
+    ids = await asyncio.to_thread(chat_prompt, router, body) if _long(body) else chat_prompt(
+        router, body)
     router.check_prompt(ids, param="messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(
@@ -68,18 +87,13 @@ async def create_chat_completion(router: Router, tokens: TokenStrings, request: 
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": router.model_name}
     fmt = _Logprobs(tokens, body.logprobs)
-    slot = router.admit()
     if not body.stream:
         try:
             return await until_disconnected(request, _collect(router, body, ids, params, fmt,
                                                               meta))
         finally:
             slot.release()
-    try:
-        gens = await start_all(router, [ids], [params], body.cache_salt)
-    except BaseException:
-        slot.release()
-        raise
+    gens = await start_all(router, [ids], [params], body.cache_salt)
     return StreamingResponse(_stream(gens[0], body, fmt, meta, slot),
                              media_type="text/event-stream",
                              background=BackgroundTask(slot.release))

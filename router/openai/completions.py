@@ -44,14 +44,15 @@ class _Choice:
     stop_reason: str | int | None = None
 
 
-def prompt_token_lists(router: Router, prompt: Any) -> list[list[int]]:
-    """The prompt(s) as token id lists, whichever of OpenAI's four shapes it came in."""
+async def prompt_token_lists(router: Router, prompt: Any) -> list[list[int]]:
+    """The prompt(s) as token id lists, whichever of OpenAI's four shapes it came in (texts
+    tokenized off the event loop when long)."""
     if isinstance(prompt, str):
-        return [router.tokenize(prompt)]
+        return [await router.tokenize_async(prompt)]
     if not prompt:
         raise BadRequestError("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], str):
-        return [router.tokenize(p) for p in prompt]
+        return [await router.tokenize_async(p) for p in prompt]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(p) for p in prompt]
@@ -62,7 +63,25 @@ async def create_completion(router: Router, tokens: TokenStrings, request: Reque
     body.check()
     router.check_model(body.model)
     router.check_n(body.n)
-    prompts = prompt_token_lists(router, body.prompt)
+    slot = router.admit(num_prompts(body.prompt))  # before any work on the prompts
+    try:
+        return await _create(router, tokens, request, body, slot)
+    except BaseException:
+        slot.release()
+        raise
+
+
+def num_prompts(prompt: Any) -> int:
+    """How many prompts a body's `prompt` holds, by its shape alone."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+async def _create(router: Router, tokens: TokenStrings, request: Request,
+                  body: CompletionRequest, slot: Admission) -> Any:
+    """The completion of an admitted body; `slot` is released when it ends."""
+    prompts = await prompt_token_lists(router, body.prompt)
     texts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
         isinstance(body.prompt[0], str) else [body.prompt] * len(prompts)
     echo_texts = [t if isinstance(t, str) else router.tokenizer.decode(ids)
@@ -77,18 +96,13 @@ async def create_completion(router: Router, tokens: TokenStrings, request: Reque
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": router.model_name}
     fmt = _Formatter(tokens, body, echo_texts)
-    slot = router.admit()
     if not body.stream:
         try:
             return await until_disconnected(
                 request, _collect(router, body, prompts, params, fmt, meta))
         finally:
             slot.release()
-    try:
-        gens = await start_all(router, prompts, params, body.cache_salt)
-    except BaseException:
-        slot.release()
-        raise
+    gens = await start_all(router, prompts, params, body.cache_salt)
     return StreamingResponse(_stream(gens, body, fmt, meta, slot), media_type="text/event-stream",
                              background=BackgroundTask(slot.release))
 

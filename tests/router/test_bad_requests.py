@@ -86,6 +86,7 @@ CASES = [
     ("unsupported field logit_bias", CMPL, body(logit_bias={"5": 10}), JSON, 400,
      "logit_bias"),
     ("unknown field", CHAT, chat(frobnicate=True), JSON, 400, "frobnicate"),
+    ("too many prompts", CMPL, body(prompt=["a"] * 65), JSON, 400, "prompt"),
 ]
 
 
@@ -122,6 +123,33 @@ def small_server(tiny_model):
     srv = start_server(tiny_model, num_workers=1, max_in_flight=1, retry_after_s=3)
     yield srv
     srv.stop()
+
+
+def test_each_prompt_takes_a_slot_and_a_refusal_does_no_work(small_server, monkeypatch):
+    """A completions body of two prompts holds two slots (it is let in alone past a limit of
+    one); a request refused meanwhile is refused before its prompt is tokenized."""
+    router = small_server.router
+    url = f"http://127.0.0.1:{small_server.http_port}{CMPL}"
+    tokenized = []
+    real = router.tokenize_async
+
+    async def counting(text):
+        tokenized.append(text)
+        return await real(text)
+
+    monkeypatch.setattr(router, "tokenize_async", counting)
+    gate = threading.Event()
+    small_server.workers[0].async_engine._executor.submit(gate.wait, 30)
+    with ThreadPoolExecutor(1) as pool:
+        two = pool.submit(httpx.post, url, content=body(prompt=["a b", "c d"]), headers=JSON,
+                          timeout=30)
+        assert wait_until(lambda: router.in_flight == 2)
+        refused = httpx.post(url, content=body(prompt="never tokenized"), headers=JSON,
+                             timeout=30)
+        gate.set()
+        assert two.result().status_code == 200 and len(two.result().json()["choices"]) == 2
+    assert refused.status_code == 429 and "never tokenized" not in tokenized
+    assert wait_until(lambda: router.in_flight == 0)
 
 
 def test_overload_gets_429_with_retry_after_then_no_worker_gets_503(small_server):
