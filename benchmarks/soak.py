@@ -41,9 +41,9 @@ os.environ.pop("RAY_ADDRESS", None)
 from results_io import RESULTS, command_line, emit  # noqa: E402
 from serving_ray import free_ports  # noqa: E402
 from soak_checks import (  # noqa: E402
+    MemoryWatch,
     alive_actors,
     leases_outstanding,
-    router_memory,
     settle,
     shm_files,
 )
@@ -67,7 +67,8 @@ MAX_BODY_BYTES = 16 * 1024**2
 
 def app_config(model: str, http_port: int, grpc_port: int) -> dict:
     pool = {"cpus_per_rank": 0.25, "replicas": {"min": 2, "max": 2},
-            "step_timeout_s": STEP_TIMEOUT_S, "engine": {"num_blocks": 512}}
+            "step_timeout_s": STEP_TIMEOUT_S, "engine": {"num_blocks": 512},
+            "autoscaling": {"drain_timeout_s": 15.0}}
     return {"model": {"path": model, "served_model_name": MODEL},
             "pools": {"prefill": dict(pool), "decode": dict(pool)},
             "kv_transfer": {"lease_s": 10.0, "pull_timeout_s": PULL_TIMEOUT_S},
@@ -207,17 +208,21 @@ async def drive(args: argparse.Namespace, cluster: Cluster, http_port: int,
         specs = specs + [
             s for s in (with_stop(sp, refs[sp.key]) for sp in specs
                         if sp.temperature == 0.0 and sp.n == 1) if s is not None]
-        shm_before, memory_before = shm_files(), router_memory()
+        shm_before = shm_files()
+        memory = MemoryWatch()
+        watching = asyncio.get_running_loop().create_task(memory.watch())
         started = time.monotonic()
-        results, injected = await soak(clients, cluster, refs, specs, args)
+        try:
+            results, injected = await soak(clients, cluster, refs, specs, args)
+        finally:
+            watching.cancel()
         seconds = time.monotonic() - started
     finally:
         await clients.close()
     workers = await asyncio.to_thread(settle, cluster, 4, 120.0)
-    memory_after = router_memory()
+    await asyncio.to_thread(memory.sample)
     summary = judge_summary(results, injected)
     leases = await asyncio.to_thread(leases_outstanding, cluster)
-    same_routers = sorted(set(memory_before) & set(memory_after))
     return {**summary, "seconds": round(seconds, 1), "distinct_requests": len(refs),
             "workers_settled": {w: {k: s[k] for k in ("num_free_blocks", "num_blocks",
                                                       "num_running", "num_waiting")}
@@ -227,11 +232,7 @@ async def drive(args: argparse.Namespace, cluster: Cluster, http_port: int,
             "leases_outstanding": sum(max(0, n) for n in leases.values()),
             "engine_actors_alive": alive_actors("EngineActor"),
             "shm_files_left": sorted(shm_files() - shm_before),
-            "router_memory_mib": {"after_warmup": {k: v >> 20 for k, v in memory_before.items()},
-                                  "end": {k: v >> 20 for k, v in memory_after.items()}},
-            "router_memory_ratio": (round(sum(memory_after[k] for k in same_routers)
-                                          / sum(memory_before[k] for k in same_routers), 3)
-                                    if same_routers else None)}
+            **memory.report()}
 
 
 def main(argv: list[str] | None = None) -> dict:

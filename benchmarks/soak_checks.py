@@ -4,6 +4,7 @@ behind, and the router's memory close to its post-warm-up level."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
@@ -89,3 +90,37 @@ def own_pid_children() -> int:
             if int(fields[1]) == me:
                 count += 1
     return count
+
+
+class MemoryWatch:
+    """Each router replica's RSS, sampled through the run. A replica's post-warm-up level is
+    its first sample `WARMUP_S` after it appeared (a killed router's replacement warms up
+    anew); the ratio is the largest of end / post-warm-up over the replicas that have both."""
+
+    WARMUP_S = 45.0
+    EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self.first_seen: dict[str, float] = {}
+        self.after_warmup: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        for name, rss in router_memory().items():
+            seen = self.first_seen.setdefault(name, now)
+            if name not in self.after_warmup and now - seen >= self.WARMUP_S:
+                self.after_warmup[name] = rss
+            self.last[name] = rss
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.to_thread(self.sample)
+            await asyncio.sleep(self.EVERY_S)
+
+    def report(self) -> dict:
+        both = [n for n in self.after_warmup if n in self.last]
+        return {"router_memory_mib": {n: {"after_warmup": self.after_warmup[n] >> 20,
+                                          "end": self.last[n] >> 20} for n in both},
+                "router_memory_ratio": (round(max(self.last[n] / self.after_warmup[n]
+                                                  for n in both), 3) if both else None)}

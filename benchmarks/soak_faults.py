@@ -3,7 +3,9 @@
 Server-side faults reach the running processes: engine actors killed (`ray.kill`, Serve replaces
 the replica), a router or the directory replica killed (Serve restarts it), and fault points
 armed in an engine actor's process (`EngineActor.inject_fault`, `kvtransfer.faults`: a KV pull
-that fails or stalls past its timeout, an engine step that hangs past the watchdog). Hostile
+that fails or stalls past its timeout, an engine step that hangs past the watchdog), and a pool
+scaled down and up under load (a replica stopped as Serve stops one on scale-down: drained
+first, then killed; Serve starts its replacement). Hostile
 input goes through the front door (malformed, oversized, out-of-range bodies) and must be
 refused with an OpenAI-shaped 4xx. Client-side faults (disconnects, gRPC cancel and deadline,
 duplicate request ids) are `soak_workload.Variant`s.
@@ -18,7 +20,7 @@ import httpx
 
 APP = "cleave"
 SERVER_FAULTS = ("kill_prefill", "kill_decode", "kv_pull_raise", "kv_pull_stall",
-                 "step_stall", "kill_router", "kill_directory")
+                 "step_stall", "kill_router", "kill_directory", "scale_down_up")
 INPUT_FAULTS = ("malformed_json", "oversized_body", "bad_seed", "unknown_field",
                 "lone_surrogate", "missing_key")
 
@@ -70,6 +72,16 @@ class Cluster:
     def inject(self, fault: str, rng: random.Random) -> Injected:
         import ray
 
+        if fault == "scale_down_up":
+            pool = rng.choice(("prefill", "decode"))
+            names = self.replica_actors(f"pool-{pool}")
+            if not names:
+                return Injected(fault, "-", False, f"no {pool} replica alive")
+            name = rng.choice(sorted(names))
+            replica = ray.get_actor(name, namespace="serve")
+            ray.get(replica.perform_graceful_shutdown.remote(), timeout=120)  # drains
+            ray.kill(replica, no_restart=True)
+            return Injected(fault, name)
         if fault in ("kill_router", "kill_directory"):
             deployment = "router" if fault == "kill_router" else "directory"
             names = self.replica_actors(deployment)

@@ -17,6 +17,7 @@ from torch import nn
 
 from workers.parallel.executor import LocalExecutor
 from workers.parallel.messages import StepMessage
+from workers.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,9 @@ def profile_step(num_tokens: int, max_model_len: int, block_size: int,
                  max_num_seqs: int) -> tuple[StepMessage, int]:
     """The largest prefill step: `num_tokens` prompt tokens in sequences of up to
     `max_model_len`, laid out in consecutive blocks from 0, with the logits of up to
-    `max_num_seqs` rows requested. Returns the message and the blocks it needs."""
+    `max_num_seqs` sampled rows and the step's prompt-logprob rows
+    (`scheduler.PROMPT_LOGPROB_TOKENS_PER_STEP`) requested. Returns the message and the blocks
+    it needs."""
     lengths = [max_model_len] * (num_tokens // max_model_len)
     if num_tokens % max_model_len:
         lengths.append(num_tokens % max_model_len)
@@ -45,7 +48,8 @@ def profile_step(num_tokens: int, max_model_len: int, block_size: int,
         ids.extend([0] * length)
         positions.extend(range(length))
         starts.append(starts[-1] + length)
-    rows = tuple(range(max(0, num_tokens - max_num_seqs), num_tokens))
+    num_rows = max_num_seqs + PROMPT_LOGPROB_TOKENS_PER_STEP
+    rows = tuple(range(max(0, num_tokens - num_rows), num_tokens))
     msg = StepMessage(step_id=0, input_ids=tuple(ids), positions=tuple(positions),
                       slot_mapping=tuple(slots), query_start_loc=tuple(starts),
                       seq_lens=tuple(lengths), block_tables=tuple(tables), num_decodes=0,

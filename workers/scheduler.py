@@ -20,6 +20,21 @@ from workers.protocol import FinishReason
 from workers.request import Request, RequestStatus
 
 
+# Prompt-logprobs requests' prefill chunks compute a row of logits per token (tokens × vocab
+# floats, then their log-softmax): at most this many rows a step, over all of them, so a step
+# stays within the memory the profile measured (`workers.memory_profile`; a chunk of 8192 rows
+# of a 128k vocabulary would need 4 GiB twice over).
+PROMPT_LOGPROB_TOKENS_PER_STEP = 512
+
+
+def _logprob_rows(req: Request, num_new: int, rows_left: int) -> int:
+    """`num_new` within the step's prompt-logprob rows left (unchanged for other requests and
+    for a prompt-logprobs request past its prompt)."""
+    if req.prompt_logprobs is None or req.num_computed_tokens >= req.num_prompt_tokens:
+        return num_new
+    return min(num_new, rows_left)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int  # running sequences at most
@@ -117,10 +132,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        rows = PROMPT_LOGPROB_TOKENS_PER_STEP
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = _logprob_rows(req, min(req.num_tokens - req.num_computed_tokens, budget),
+                                    rows)
+            if num_new == 0:  # its prompt-logprob rows wait for the next step
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -128,6 +148,9 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                if req.prompt_logprobs is not None and req.num_computed_tokens < \
+                        req.num_prompt_tokens:
+                    rows -= num_new
                 chunks.append(self._chunk(req, num_new))
                 budget -= num_new
                 i += 1
@@ -138,7 +161,10 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
+            if req.prompt_logprobs is not None:
+                num_new = min(num_new, rows)
+                rows -= num_new
+            if num_new == 0 or not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:

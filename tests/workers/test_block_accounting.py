@@ -155,3 +155,24 @@ def test_preemption_frees_blocks_and_the_request_resumes():
     assert preempted, "six blocks cannot hold three 16-token sequences at once"
     assert scheduler.num_unfinished == 0
     assert scheduler.kv.pool.num_free_blocks == 6
+
+
+def test_prompt_logprob_rows_per_step_stay_within_the_profiled_bound():
+    """Every prefill token of a prompt-logprobs request costs a row of vocabulary-sized logits:
+    a step holds at most PROMPT_LOGPROB_TOKENS_PER_STEP of them, over every such request, while
+    other requests still fill the token budget."""
+    from workers.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP as ROWS
+
+    sched = create_scheduler(num_blocks=2048, block_size=16, max_num_seqs=8,
+                             max_num_batched_tokens=4096, max_model_len=4096)
+    for i in range(3):
+        sched.add(create_request(f"lp{i}", [5 + i] * 700, max_tokens=2, prompt_logprobs=1))
+    sched.add(create_request("plain", [9] * 900, max_tokens=2))
+    for _ in range(12):
+        out = fake_step(sched)
+        rows = sum(c.num_tokens for c in out.chunks
+                   if c.request.prompt_logprobs is not None and c.num_tokens > 1)
+        assert rows <= ROWS
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished()  # every request got through, in more steps
