@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
@@ -95,7 +95,8 @@ class Orchestrator:
             return await self._aggregated(req, hashes, decode_loads, "unsupported_params")
         tried: set[str] = set()
         for attempt in range(1 + self.config.prefill_retries):
-            candidates = [load for load in prefill_loads if load.worker_id not in tried]
+            candidates = self._present(prefill_loads, tried)
+            decode_loads = self._present(decode_loads, ())
             try:
                 decision = self.policy.choose(hashes, candidates, w.index)
             except NoHealthyWorker:
@@ -113,6 +114,13 @@ class Orchestrator:
             tried.add(decision.worker_id)
         self.counters.count_fallback("prefill_failed")
         return await self._aggregated(req, hashes, decode_loads, "prefill_failed")
+
+    def _present(self, loads: list[WorkerLoad], tried: Collection[str]) -> list[WorkerLoad]:
+        """The loads of workers still in the set and not tried yet (the set may have lost
+        a worker, removed or drained, since the loads were read: routing awaits)."""
+        clients = self.workers.clients
+        return [load for load in loads if load.worker_id in clients
+                and load.worker_id not in tried]
 
     def _admit(self, loads: list[WorkerLoad]) -> None:
         """Refuse the request (429) when every healthy worker that would queue its prompt
@@ -184,7 +192,7 @@ class Orchestrator:
         failed: list[Exception] = []
         tried: set[str] = set()
         for _ in range(1 + self.config.start_retries):
-            candidates = [load for load in loads if load.worker_id not in tried]
+            candidates = self._present(loads, tried)
             try:
                 decision = self.policy.choose(hashes, candidates, self.workers.index)
             except NoHealthyWorker as exc:

@@ -138,3 +138,32 @@ def test_a_worker_removed_while_its_cache_is_read_leaves_no_ghost_in_the_prefix_
         assert "w0" not in o.workers.index.workers()
 
     run(go())
+
+
+class _RemovesOthersWorker(FakeWorker):
+    """Its stream fails before the first token; meanwhile the other workers named leave the
+    set (a drain, a directory resync), so the loads the retry was routed on are stale."""
+
+    def __init__(self, worker_id: str, leaving: list[str]) -> None:
+        super().__init__(worker_id, BOTH, Script(stream_error=GONE))
+        self.leaving = leaving
+        self.orchestrator = None
+
+    def generate(self, req):
+        for wid in self.leaving:
+            asyncio.get_running_loop().create_task(self.orchestrator.workers.remove(wid))
+        self.leaving = []
+        return super().generate(req)
+
+
+def test_a_retry_never_routes_to_a_worker_that_left_the_set_meanwhile():
+    async def go():
+        first = _RemovesOthersWorker("w0", ["w1"])
+        o = await orchestrator(first, FakeWorker("w1", BOTH), FakeWorker("w2", BOTH),
+                               policy="round_robin")
+        first.orchestrator = o
+        req = request()
+        gen = await o.generate(req)  # w0 fails; w1 has left; not a KeyError but w2
+        assert gen.worker_id == "w2" and await collect(gen) == expected_tokens(req)
+
+    run(go())
