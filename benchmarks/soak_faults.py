@@ -13,6 +13,7 @@ duplicate request ids) are `soak_workload.Variant`s.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 
@@ -113,9 +114,23 @@ class Cluster:
 
 
 async def send_bad_input(http: httpx.AsyncClient, fault: str, model: str,
-                         max_body_bytes: int) -> Injected:
+                         max_body_bytes: int, retry_s: float = 60.0) -> Injected:
     """Hostile input at the front door: it must be refused with a 4xx carrying an
-    OpenAI-shaped error that names what was wrong, and no traceback."""
+    OpenAI-shaped error that names what was wrong, and no traceback. While no router answers
+    (one was just killed and is coming back) it is sent again, for `retry_s` at most."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_s
+    while True:
+        try:
+            return await _send_bad_input(http, fault, model, max_body_bytes)
+        except httpx.TransportError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+
+
+async def _send_bad_input(http: httpx.AsyncClient, fault: str, model: str,
+                          max_body_bytes: int) -> Injected:
     url, headers = "/v1/completions", dict(http.headers)
     good = {"model": model, "prompt": "hello", "max_tokens": 4}
     expect = 400

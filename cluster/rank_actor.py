@@ -20,6 +20,7 @@ import os
 import pickle
 import secrets
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -66,6 +67,30 @@ class _Channel:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def _read_token(sock: socket.socket, size: int) -> bytes:
+    """The token a connecting rank sends first (as `Connection.send_bytes` frames it: a 4-byte
+    big-endian length, then the bytes), read within TOKEN_TIMEOUT_S in all; b"" when the peer
+    sends anything else, too little or too late."""
+    want = 4 + size
+    got = b""
+    deadline = time.monotonic() + TOKEN_TIMEOUT_S
+    try:
+        while len(got) < want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b""
+            sock.settimeout(left)
+            chunk = sock.recv(want - len(got))
+            if not chunk:
+                return b""
+            got += chunk
+    except OSError:  # a timeout included
+        return b""
+    if int.from_bytes(got[:4], "big") != size:
+        return b""
+    return got[4:]
 
 
 class RankActor:
@@ -130,17 +155,12 @@ class ActorRank(RankHandle):
             sock, _ = self.server.accept()
         except (BlockingIOError, TimeoutError):
             return
-        sock.setblocking(True)
-        conn = Connection(sock.detach())
-        try:
-            if conn.poll(TOKEN_TIMEOUT_S) and hmac.compare_digest(
-                    conn.recv_bytes(len(self.token) + 1), self.token):
-                self.channel = _Channel(conn)
-                self.server.close()
-                return
-        except (EOFError, OSError):
-            pass
-        conn.close()  # not our rank: keep listening
+        if hmac.compare_digest(_read_token(sock, len(self.token)), self.token):
+            sock.setblocking(True)
+            self.channel = _Channel(Connection(sock.detach()))
+            self.server.close()
+            return
+        sock.close()  # not our rank (or too slow to say so): keep listening
 
     def recv(self) -> object:
         if self.channel is None:

@@ -143,3 +143,29 @@ def test_a_killed_rank_actor_fails_the_next_step_by_name_and_stops_the_other(
         engine.close()
     wait_for(lambda: not alive_rank_actors(), 30, "the rank actors to be gone")
     assert not cache_files()
+
+
+def test_a_connection_that_stalls_before_its_token_is_dropped_in_time(monkeypatch):
+    """The driver reads a connecting rank's token within a bound: a peer that sends part of
+    it and stops (or anything else) is dropped, and the real rank still gets in."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from cluster import rank_actor
+
+    monkeypatch.setattr(rank_actor, "TOKEN_TIMEOUT_S", 0.3)
+    server = socket.create_server(("127.0.0.1", 0))
+    token = b"t" * 32
+    rank = rank_actor.ActorRank(0, None, None, server, token)
+    port = server.getsockname()[1]
+    stray = socket.create_connection(("127.0.0.1", port))
+    stray.sendall(b"\x00\x00")  # half a length header, then silence
+    started = time.monotonic()
+    rank._accept(2.0)
+    assert rank.channel is None and time.monotonic() - started < 1.5
+    real = socket.create_connection(("127.0.0.1", port))
+    Connection(real.detach()).send_bytes(token)
+    rank._accept(2.0)
+    assert rank.channel is not None
+    stray.close()
+    rank.channel.close()
