@@ -32,6 +32,7 @@ class Injected:
     target: str
     ok: bool = True  # for input faults: refused as it should be
     detail: str = ""
+    skipped: bool = False  # not injected: no target alive (all being replaced), or it died first
 
 
 class Cluster:
@@ -77,7 +78,7 @@ class Cluster:
             pool = rng.choice(("prefill", "decode"))
             names = self.replica_actors(f"pool-{pool}")
             if not names:
-                return Injected(fault, "-", False, f"no {pool} replica alive")
+                return Injected(fault, "-", False, f"no {pool} replica alive", skipped=True)
             name = rng.choice(sorted(names))
             replica = ray.get_actor(name, namespace="serve")
             ray.get(replica.perform_graceful_shutdown.remote(), timeout=120)  # drains
@@ -87,7 +88,7 @@ class Cluster:
             deployment = "router" if fault == "kill_router" else "directory"
             names = self.replica_actors(deployment)
             if not names:
-                return Injected(fault, "-", False, f"no {deployment} replica alive")
+                return Injected(fault, "-", False, f"no {deployment} replica alive", skipped=True)
             name = rng.choice(sorted(names))
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
             return Injected(fault, name)
@@ -98,7 +99,7 @@ class Cluster:
             pool = "decode"
         entries = self.entries(pool)
         if not entries:
-            return Injected(fault, "-", False, f"no {pool} worker registered")
+            return Injected(fault, "-", False, f"no {pool} worker registered", skipped=True)
         entry = rng.choice(sorted(entries, key=lambda e: e.worker_id))
         if fault.startswith("kill_"):
             ray.kill(entry.actor, no_restart=True)

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 WORKERS_TIMEOUT_S = 600.0  # a router replica waits this long for a first decode-capable worker
 DECODE_CAPABLE = ("decode", "both")
+DIRECTORY_TIMEOUT_S = 10.0  # a directory call answers within this or is tried again later
 
 
 class _ServeGrpcContext:
@@ -89,11 +90,19 @@ class RouterIngress:
         return ray_worker_client(entry.worker_id, entry.actor, self.subscriber,
                                  self.router_config.deadlines)
 
+    async def _entries(self) -> list[WorkerEntry]:
+        """The directory's entries; `asyncio.TimeoutError` past DIRECTORY_TIMEOUT_S (a
+        directory being restarted must not hang the router's sync or its start-up)."""
+        return await asyncio.wait_for(self.directory.entries.remote(), DIRECTORY_TIMEOUT_S)
+
     async def _wait_for_workers(self) -> list[WorkerEntry]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WORKERS_TIMEOUT_S
         while True:
-            entries = await self.directory.entries.remote()
+            try:
+                entries = await self._entries()
+            except asyncio.TimeoutError:  # the directory restarting: ask again
+                entries = []
             if any(e.role in DECODE_CAPABLE and not e.draining for e in entries):
                 return entries
             if loop.time() > deadline:
@@ -111,7 +120,7 @@ class RouterIngress:
 
     async def sync_workers(self) -> None:
         """Bring the router's worker set in step with the directory."""
-        entries = {e.worker_id: e for e in await self.directory.entries.remote()}
+        entries = {e.worker_id: e for e in await self._entries()}
         r = self.router
         for wid in [w for w in r.clients if w not in entries]:
             logger.info("router %s: worker %s is gone", self.subscriber, wid)
@@ -159,7 +168,7 @@ class RouterIngress:
                             "num_waiting": load.num_waiting if load else None,
                             "num_running": load.num_running if load else None,
                             "kv_usage": load.kv_usage if load else None})
-        nodes = {e.worker_id: e.node_id for e in await self.directory.entries.remote()}
+        nodes = {e.worker_id: e.node_id for e in await self._entries()}
         for w in workers:
             w["node_id"] = nodes.get(w["worker_id"])
         return {"router": self.subscriber, "model": r.model_name, "workers": workers,

@@ -94,7 +94,7 @@ class WorkerReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """This replica's load, read by `cluster.autoscaling.PoolPolicy`."""
-        s: EngineStats = await self.actor.stats.remote()
+        s: EngineStats = await asyncio.wait_for(self.actor.stats.remote(), HEALTH_TIMEOUT_S)
         return {"pending_prompt_tokens": float(s.num_pending_prompt_tokens),
                 "kv_usage": s.kv_usage, "running_seqs": float(s.num_running + s.num_waiting)}
 
@@ -102,7 +102,8 @@ class WorkerReplica:
         """The replica's worker id, pool, node and load (`cleave status`)."""
         return {"worker_id": self.worker_id, "pool": self.pool, "node_id": self.entry.node_id,
                 "draining": self._draining,
-                **dataclasses.asdict(await self.actor.stats.remote())}
+                **dataclasses.asdict(await asyncio.wait_for(self.actor.stats.remote(),
+                                                            HEALTH_TIMEOUT_S))}
 
     async def __del__(self) -> None:
         """Serve is removing this replica (scale-down, redeploy, shutdown): drain, then stop."""
