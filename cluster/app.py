@@ -68,6 +68,7 @@ def router_deployment_options(config: CleaveConfig) -> dict[str, Any]:
     """Serve options of the router's deployment (its own settings: `cluster.settings`)."""
     return {"name": "router", "num_replicas": config.router.replicas,
             "ray_actor_options": {"num_cpus": ROUTER_CPUS},
+            "graceful_shutdown_wait_loop_s": 0.5,
             "max_ongoing_requests": config.router.max_in_flight + 16,
             # with Serve's proxies in front (ingress: serve), their queue is bounded too
             "max_queued_requests": config.router.max_in_flight}
@@ -78,7 +79,8 @@ def build_app(args: dict[str, Any]) -> Application:
     config = CleaveConfig.parse(args)
     data = config.to_dict()
     directory = serve.deployment(Directory).options(
-        name="directory", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind()
+        name="directory", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=5.0).bind()
     pools = [serve.deployment(WorkerReplica).options(
                  **pool_deployment_options(name, pool)).bind(data, name, directory)
              for name, pool in config.pools.items()]

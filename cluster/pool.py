@@ -114,8 +114,10 @@ class WorkerReplica:
             # bounded: when the whole app goes, the directory may already be gone
             await asyncio.wait_for(self.directory.set_draining.remote(self.worker_id),
                                    DIRECTORY_TIMEOUT_S)
-            # routers read the directory every kv_poll_interval_s: let them all see it
-            await asyncio.sleep(2 * self.config.router.kv_poll_interval_s + 0.5)
+            # routers read the directory every kv_poll_interval_s: let them all see it (an
+            # idle worker need not wait: a request routed meanwhile starts on another)
+            if await asyncio.wait_for(self.actor.num_in_flight.remote(), HEALTH_TIMEOUT_S):
+                await asyncio.sleep(2 * self.config.router.kv_poll_interval_s + 0.5)
             left = await self.actor.wait_idle.remote(a.drain_timeout_s)
             if left:
                 logger.warning("worker %s: %d requests still running after %.0fs of draining; "

@@ -58,14 +58,18 @@ def test_cleave_serve_starts_answers_and_stops_on_sigterm(tmp_path, tiny_model):
                                               messages=[{"role": "user", "content": "Hello!"}])
         assert chat.usage.completion_tokens == 4
     finally:
+        signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
             code = proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+    took = time.monotonic() - signalled
     err = proc.stderr.read()
     assert code == 0, err[-2000:]
+    # idle, it must be gone well within Kubernetes' default 30 s grace period (issue 18: 10 s)
+    assert took < 10.0, f"cleave serve took {took:.1f} s to exit after SIGTERM"
     assert "shutting down" in err
     deadline = time.monotonic() + 30
     while (left := ray_processes() - before) and time.monotonic() < deadline:
