@@ -3,10 +3,13 @@
     ray job submit --working-dir . -- python -m cluster.launch --config deploy/examples/local.yaml
 
 `deploy()` connects to Ray (`RAY_ADDRESS`, or a new local instance), starts Serve's HTTP and gRPC
-proxies on the router's ports, deploys the application, and returns once every deployment is
-running, reporting progress while the model loads. `serve_forever()` (what `cleave serve` runs)
-then waits for Ctrl-C or SIGTERM and takes everything down again, Ray included when it started
-it.
+proxies on the router's ports, deploys the application, and returns once it serves (a router
+replica runs) or once every deployment runs, reporting progress and what it waits for (a
+replica pending for resources, a failed one being replaced). `serve_forever()` (what `cleave
+serve` runs) then says each change of the application's state and serves with whatever runs,
+until Ctrl-C or SIGTERM takes everything down again, Ray included when it started it. Only an
+explicit stop ends a deployment: one that fails or waits after it started serving is reported,
+not torn down.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from cluster.config import CleaveConfig, ConfigError
 from cluster.serve_config import build_serve_config
 
 APP_NAME = "cleave"
-DEPLOY_TIMEOUT_S = 900.0
+STATUS_EVERY_S = 5.0  # a serving application's state is re-read this often (said when it changes)
 
 
 def _connect(num_cpus: float | None) -> bool:
@@ -40,25 +43,48 @@ def _connect(num_cpus: float | None) -> bool:
     return address is None
 
 
-def _statuses() -> str:
+def _app_status() -> Any:
+    """Serve's status of the application, or None before it exists."""
     from ray import serve
 
-    app = serve.status().applications.get(APP_NAME)
+    return serve.status().applications.get(APP_NAME)
+
+
+def describe(app: Any) -> str:
+    """One line: the application's state, each deployment's running replicas, and what the
+    ones short of their target are waiting for (Serve's message)."""
     if app is None:
         return "waiting for the application"
-    parts = []
+    parts, waiting = [], []
     for name, d in sorted(app.deployments.items()):
         running = sum(n for state, n in d.replica_states.items() if str(state).endswith("RUNNING"))
         total = sum(d.replica_states.values())
         parts.append(f"{name} {running}/{total}")
-    return f"{app.status.value.lower()}: " + ", ".join(parts)
+        if running < total and d.message:
+            waiting.append(f"{name}: {d.message.splitlines()[0][:200]}")
+    line = f"{app.status.value.lower()}: " + ", ".join(parts)
+    return line + (" (waiting: " + "; ".join(waiting) + ")" if waiting else "")
+
+
+def serving(app: Any) -> bool:
+    """A router replica runs: it serves (it started only once a decode-capable worker had
+    registered), whatever else is still pending or failed."""
+    if app is None:
+        return False
+    router = app.deployments.get("router")
+    return router is not None and any(
+        str(state).endswith("RUNNING") and n for state, n in router.replica_states.items())
 
 
 def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
            progress: Callable[[str], None] | None = None,
-           stop: threading.Event | None = None, proxy_location: str | None = None) -> bool:
-    """Deploy the application and wait until it runs (or `stop` is set); True when this
-    process started Ray. Raises `RuntimeError` (with Serve's message) when it fails to deploy."""
+           stop: threading.Event | None = None, proxy_location: str | None = None,
+           until: str = "running") -> bool:
+    """Deploy the application and wait until it runs (`until="running"`: every replica;
+    `"serving"`: a router replica answers, whatever is still pending), or until `stop` is set;
+    True when this process started Ray. A deployment waiting for resources is waited for, and
+    said (`progress`); nothing is torn down once the application serves. Raises
+    `RuntimeError` with Serve's message when it fails before ever serving."""
     import ray
     from ray import serve
 
@@ -69,36 +95,37 @@ def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
     serve.start(proxy_location=proxy_location or proxies["proxy_location"],
                 http_options=proxies["http_options"],
                 grpc_options=proxies["grpc_options"])
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            serve.run(build_app(config.to_dict()), name=APP_NAME, route_prefix="/")
-        except BaseException as exc:  # reported below
-            error.append(exc)
-
-    runner = threading.Thread(target=run, name="cleave-deploy", daemon=True)
-    runner.start()
-    deadline = time.monotonic() + DEPLOY_TIMEOUT_S
-    last = ""
-    while runner.is_alive() and not (stop is not None and stop.is_set()):
-        runner.join(1.0)
-        if progress is not None:
-            try:
-                line = _statuses()
-            except Exception:  # the controller is still starting
-                line = "starting Serve"
-            if line != last:
-                progress(line)
-                last = line
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the application did not start within {DEPLOY_TIMEOUT_S:.0f}s")
-    if error:
+    try:
+        serve._run(build_app(config.to_dict()), _blocking=False, name=APP_NAME,
+                   route_prefix="/")
+        _wait(until, progress, stop)
+    except BaseException:
         if started_ray:
             serve.shutdown()
             ray.shutdown()
-        raise RuntimeError(f"the application failed to deploy: {error[0]}") from error[0]
+        raise
     return started_ray
+
+
+def _wait(until: str, progress: Callable[[str], None] | None,
+          stop: threading.Event | None) -> None:
+    last = ""
+    while not (stop is not None and stop.is_set()):
+        try:
+            app = _app_status()
+        except Exception:  # the controller is still starting
+            app, line = None, "starting Serve"
+        else:
+            line = describe(app)
+        if progress is not None and line != last:
+            progress(line)
+            last = line
+        state = "" if app is None else app.status.value
+        if state == "RUNNING" or (until == "serving" and serving(app)):
+            return
+        if state == "DEPLOY_FAILED" and not serving(app):
+            raise RuntimeError(f"the application failed to deploy: {app.message or line}")
+        time.sleep(1.0)
 
 
 def shutdown(started_ray: bool) -> None:
@@ -140,17 +167,31 @@ def serve_forever(config: CleaveConfig, *, num_cpus: float | None = None) -> int
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        deploy(config, progress=say, stop=stop)
+        deploy(config, progress=say, stop=stop, until="serving")
         if not stop.is_set():
             print(ready_message(config, model_name(config)), flush=True)
-        while not stop.wait(0.5):
-            pass
+        watch(say, stop)
         say("shutting down")
         return 0
     finally:
         shutdown(started_ray)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def watch(say: Callable[[str], None], stop: threading.Event) -> None:
+    """Until `stop`: say the application's state whenever it changes (a replica lost and
+    replaced, one still waiting for resources); a partial or failed deployment keeps serving
+    with what runs, and only `stop` ends it."""
+    last = ""
+    while not stop.wait(STATUS_EVERY_S):
+        try:
+            line = describe(_app_status())
+        except Exception as exc:  # noqa: BLE001 -- the controller restarting: say so
+            line = f"cannot read the application's state: {exc!r}"
+        if line != last:
+            say(line)
+            last = line
 
 
 def model_name(config: CleaveConfig) -> str:
@@ -175,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.block:
         return serve_forever(config)
-    deploy(config, progress=lambda line: print(f"cleave: {line}", file=sys.stderr, flush=True))
+    deploy(config, progress=lambda line: print(f"cleave: {line}", file=sys.stderr, flush=True),
+           until="serving")
     print(ready_message(config, model_name(config)), flush=True)
     return 0
 

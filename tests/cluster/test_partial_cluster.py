@@ -1,0 +1,56 @@
+"""A partial cluster serves: on a local Ray with room for one of two decode replicas, `deploy`
+(as `cleave serve` runs it) returns once the application serves and says what it waits for;
+killing the running decode engine then takes nothing down: the router stays up, a replacement
+is started, and requests are answered again."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from tests.cluster.conftest import RAY_CPUS, app_config, directory_entries, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_a_replica_lost_while_another_is_pending_leaves_the_cluster_serving(local_ray,
+                                                                            tiny_model):
+    from ray import serve
+
+    from cluster.config import CleaveConfig
+    from cluster.launch import _app_status, deploy, describe
+
+    wide = RAY_CPUS * 0.6  # one decode replica fits, a second waits for CPUs
+    config = CleaveConfig.parse(app_config(tiny_model, pools={
+        "prefill": {"cpus_per_rank": 0.25, "engine": {"num_blocks": 256}},
+        "decode": {"cpus_per_rank": wide, "replicas": {"min": 2, "max": 2},
+                   "engine": {"num_blocks": 256}}}))
+    said: list[str] = []
+    started = time.monotonic()
+    deploy(config, progress=said.append, until="serving")
+    assert time.monotonic() - started < 240
+    line = describe(_app_status())
+    assert "pool-decode 1/2" in line, line
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.router.http_port}/v1",
+                           api_key="unused", max_retries=0, timeout=60)
+
+    def answered() -> bool:
+        try:
+            out = client.completions.create(model="tiny", prompt="Hello, my name is",
+                                            max_tokens=4, extra_body={"ignore_eos": True})
+        except openai.APIError:
+            return False
+        return out.usage.completion_tokens == 4
+
+    assert answered()
+    import ray
+
+    (running,) = [e for e in directory_entries() if e.pool == "decode"]
+    ray.kill(running.actor, no_restart=True)
+    # Serve sees the replica fail and places a new one; the router and the prefill pool stay
+    wait_for(answered, 240, "a completion after the decode engine was killed", interval_s=2.0)
+    assert serve.status().applications["cleave"].deployments["router"].replica_states
+    replacement = [e for e in directory_entries() if e.pool == "decode"]
+    assert replacement and running.worker_id not in {e.worker_id for e in replacement}
