@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import socket
 import time
 import uuid
@@ -28,6 +29,8 @@ from kvtransfer.control import StreamServer, connect, open_read_or_reject, reque
 from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport,
                                   TransportConfig)
 from kvtransfer.wire import (PairHello, ReadDone, ReadRequest, recv_message, send_message)
+
+logger = logging.getLogger(__name__)
 
 TAG = 7
 
@@ -58,6 +61,50 @@ def _make_group(backend: str, store: dist.Store, key: str, rank: int, host: str,
     opts = nccl.Options()
     opts._timeout = timeout
     return nccl(prefixed, rank, 2, opts)
+
+
+MAX_PAIRS = 64  # process groups kept per side; the least recently used beyond it are shut down
+
+
+def _shut(group: object) -> None:
+    """Release a pair's process group (NCCL's communicators; gloo's go with the object)."""
+    shutdown = getattr(group, "shutdown", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception as exc:  # noqa: BLE001 -- a broken group is dropped all the same
+            logger.debug("shutting a process group down failed: %r", exc)
+
+
+class PairCache(dict):
+    """Pair key (or address) -> what its process group needs, at most `limit`, least recently
+    used first out; every entry leaving (evicted, dropped, cleared) has its group shut down.
+    Peers come and go with autoscaling: without a bound, every one ever seen kept a group."""
+
+    def __init__(self, group_of: Callable[[object], object], limit: int = MAX_PAIRS) -> None:
+        super().__init__()
+        self.group_of, self.limit = group_of, limit
+
+    def use(self, key: str) -> object | None:
+        value = super().pop(key, None)
+        if value is not None:
+            super().__setitem__(key, value)  # now the most recent
+        return value
+
+    def put(self, key: str, value: object) -> None:
+        self.drop(key)
+        super().__setitem__(key, value)
+        while len(self) > self.limit:
+            self.drop(next(iter(self)))
+
+    def drop(self, key: str) -> None:
+        value = super().pop(key, None)
+        if value is not None:
+            _shut(self.group_of(value))
+
+    def drop_all(self) -> None:
+        for key in list(self):
+            self.drop(key)
 
 
 async def _in_thread(fn: Callable[[], None]) -> None:
@@ -93,8 +140,9 @@ class CollectiveTransport(Transport):
         self._source: BlockSource | None = None
         self._server: StreamServer | None = None
         self._store: dist.TCPStore | None = None
-        self._served: dict[str, dist.ProcessGroup] = {}  # pair key -> group (we are rank 0)
-        self._pulled: dict[str, tuple[dist.TCPStore, str, dist.ProcessGroup]] = {}  # by address
+        self._served = PairCache(lambda group: group)  # pair key -> group (we are rank 0)
+        # source address -> (its store, pair key, group)
+        self._pulled = PairCache(lambda entry: entry[2])
         self._locks: dict[str, asyncio.Lock] = {}
 
     @classmethod
@@ -122,13 +170,13 @@ class CollectiveTransport(Transport):
         if read is None:
             return
         try:
-            group = self._served.get(hello.pair_key)
+            group = self._served.use(hello.pair_key)
             device = read.caches[0].device
             if group is None:
                 group = await asyncio.to_thread(
                     _make_group, self._backend_for(device), self._store, hello.pair_key, 0,
                     self._host, self._op_timeout_s)
-                self._served[hello.pair_key] = group
+                self._served.put(hello.pair_key, group)
             for layer in range(read.num_layers):
                 views = [v.contiguous() for v in read.layer_views(layer)]
                 ops = [lambda v=v: group.send([v], 1, TAG) for v in views]
@@ -136,7 +184,7 @@ class CollectiveTransport(Transport):
             if not isinstance(await recv_message(conn), ReadDone):
                 raise InvalidDescriptor("expected ReadDone after the last layer")
         except (TransferError, asyncio.CancelledError):
-            self._served.pop(hello.pair_key, None)
+            self._served.drop(hello.pair_key)
             raise
         finally:
             self._source.close_read(read)
@@ -147,7 +195,7 @@ class CollectiveTransport(Transport):
             try:
                 return await self._fetch(address, request, sink)
             except (TransferError, asyncio.CancelledError):
-                self._pulled.pop(address, None)
+                self._pulled.drop(address)
                 raise
 
     async def _fetch(self, address: str, request: ReadRequest, sink: LayerSink) -> TransferStats:
@@ -155,7 +203,7 @@ class CollectiveTransport(Transport):
         host, port, store_port = _parse(address)
         sock = await connect(host, port)
         try:
-            cached = self._pulled.get(address)
+            cached = self._pulled.use(address)
             key = cached[1] if cached else uuid.uuid4().hex
             await send_message(sock, PairHello(key))
             await request_read(sock, request, sink)
@@ -166,7 +214,8 @@ class CollectiveTransport(Transport):
                 group = await asyncio.to_thread(
                     _make_group, self._backend_for(device), store, key, 1, self._host,
                     self._op_timeout_s)
-                cached = self._pulled[address] = (store, key, group)
+                cached = (store, key, group)
+                self._pulled.put(address, cached)
             group = cached[2]
             messages = 0
             for layer in range(sink.num_layers):
@@ -191,6 +240,6 @@ class CollectiveTransport(Transport):
         if self._server is not None:
             await self._server.close()
             self._server = None
-        self._served.clear()
-        self._pulled.clear()
+        self._served.drop_all()
+        self._pulled.drop_all()
         self._store = None

@@ -217,3 +217,27 @@ def test_an_injected_pull_failure_is_a_lost_peer(monkeypatch) -> None:
             await close(src, dst)
 
     asyncio.run(run())
+
+
+def test_pair_groups_are_bounded_and_each_one_leaving_is_shut_down() -> None:
+    from kvtransfer.collective import PairCache
+
+    class Group:
+        def __init__(self) -> None:
+            self.shut = False
+
+        def shutdown(self) -> None:
+            self.shut = True
+
+    groups = {k: Group() for k in "abcd"}
+    cache = PairCache(lambda g: g, limit=2)
+    cache.put("a", groups["a"])
+    cache.put("b", groups["b"])
+    assert cache.use("a") is groups["a"]  # now b is the least recently used
+    cache.put("c", groups["c"])
+    assert set(cache) == {"a", "c"} and groups["b"].shut and not groups["a"].shut
+    cache.drop("a")  # a failed pull
+    assert groups["a"].shut
+    cache.put("d", groups["d"])
+    cache.drop_all()  # the transport closes
+    assert not cache and all(g.shut for g in groups.values())
