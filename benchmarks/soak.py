@@ -44,6 +44,8 @@ from soak_checks import (  # noqa: E402
     MemoryWatch,
     alive_actors,
     leases_outstanding,
+    refusal_reason,
+    router_in_flight,
     settle,
     shm_files,
 )
@@ -223,6 +225,7 @@ async def drive(args: argparse.Namespace, cluster: Cluster, http_port: int,
     finally:
         await clients.close()
     workers = await asyncio.to_thread(settle, cluster, 4, 120.0)
+    in_flight = await router_in_flight(f"http://127.0.0.1:{http_port}", API_KEY)
     await asyncio.to_thread(memory.sample)
     summary = judge_summary(results, injected)
     leases = await asyncio.to_thread(leases_outstanding, cluster)
@@ -235,6 +238,7 @@ async def drive(args: argparse.Namespace, cluster: Cluster, http_port: int,
             "leases_outstanding": sum(max(0, n) for n in leases.values()),
             "engine_actors_alive": alive_actors("EngineActor"),
             "shm_files_left": sorted(shm_files() - shm_before),
+            "router_slots_held_after": in_flight,
             **memory.report()}
 
 
@@ -269,7 +273,10 @@ def judge_summary(results: list[tuple[str, Outcome]], injected: list[Injected]) 
     wrong = [f"{verdict} {dataclasses.replace(o.spec, prompt=o.spec.prompt[:24] + '...')}, "
              f"{o.variant}: {o.detail}"
              for verdict, o in results if verdict in ("wrong", "error", "hung")][:10]
+    reasons = collections.Counter(f"{verdict} {refusal_reason(o.detail)}"
+                                  for verdict, o in results if verdict in REFUSED)
     return {"requests": len(results), "by_outcome": dict(sorted(by_outcome.items())),
+            "refusals_by_reason": dict(reasons.most_common()),
             "faults": len(done),
             "faults_by_kind": dict(sorted(collections.Counter(i.fault for i in done).items())),
             "faults_skipped": [f"{i.fault}: {i.detail}" for i in injected if i.skipped][:20],

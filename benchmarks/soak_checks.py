@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 
@@ -124,3 +125,32 @@ class MemoryWatch:
                                           "end": self.last[n] >> 20} for n in both},
                 "router_memory_ratio": (round(max(self.last[n] / self.after_warmup[n]
                                                   for n in both), 3) if both else None)}
+
+
+async def router_in_flight(base: str, api_key: str) -> int | None:
+    """The router's admitted-and-unfinished requests after the run (`cleave_router_in_flight`;
+    0 unless a slot leaked), as its /metrics says."""
+    import httpx
+
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}) as http:
+        for _ in range(30):  # a router replica may just be coming back
+            try:
+                text = (await http.get(f"{base}/metrics", timeout=10)).text
+            except httpx.TransportError:
+                await asyncio.sleep(2.0)
+                continue
+            for line in text.splitlines():
+                if line.startswith("cleave_router_in_flight "):
+                    return int(float(line.split()[1]))
+            return None
+    return None
+
+
+def refusal_reason(detail: str) -> str:
+    """A refusal's kind: HTTP status and OpenAI error code, gRPC status, or the client's
+    connection error (a router replica restarting)."""
+    code = re.search(r'"code":\s*"([a-z_]+)"', detail)
+    if code:
+        return f"{detail.split(':', 1)[0]} {code.group(1)}"
+    head = re.match(r"[A-Za-z_0-9]+", detail)
+    return head.group(0) if head else detail[:40]

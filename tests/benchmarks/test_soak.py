@@ -40,3 +40,4 @@ def test_soak_subset_ends_every_request_and_leaves_nothing_behind(tmp_path, tiny
     assert result["engine_actors_alive"] == 4  # killed ones replaced, none left over
     assert result["shm_files_left"] == []
     assert result["ray_processes_left"] == 0
+    assert result["router_slots_held_after"] == 0
