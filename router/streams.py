@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
-from router.errors import WorkerUnavailableError
+from router.errors import NoHealthyWorkerError, WorkerUnavailableError
 from router.metrics import NULL_RECORD, NullRecord, error_reason
 from router.worker_client import TokenStream, WorkerClient
 from workers.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
@@ -128,6 +128,10 @@ class Generation:
             self.record.finish("success")
         except Exception as exc:
             self.record.finish("error", error_reason(exc))
+            if isinstance(exc, WorkerUnavailableError):  # no worker left to continue it: 503
+                raise NoHealthyWorkerError(
+                    f"the worker streaming this request went away and no other could continue "
+                    f"it: {exc}") from None
             raise
         finally:
             await self.aclose()

@@ -36,6 +36,7 @@ class WorkerSet:
         self.index = PrefixIndex()
         self.draining: set[str] = set()  # routed no new requests (being removed)
         self._infos: dict[str, WorkerInfo] = {}
+        self._model: WorkerInfo | None = None  # the first worker's: the model as served
         self._healthy: dict[str, bool] = {wid: True for wid in self.clients}
         self._stats: dict[str, EngineStats] = {}
         self._routed: dict[str, int] = {}  # requests routed since the worker's last report
@@ -52,6 +53,7 @@ class WorkerSet:
             raise ValueError(f"workers disagree on (block_size, max_model_len, vocab_size): "
                              f"{sorted(shapes)}; expected one model served one way")
         self._infos = {i.worker_id: i for i in infos}
+        self._model = infos[0] if infos else None
         for client in self.clients.values():
             await self._seed(client)
 
@@ -62,13 +64,14 @@ class WorkerSet:
         if wid in self.clients:
             raise ValueError(f"worker {wid!r} is already routed to")
         info = await client.info()
-        if self._infos:
-            mine, theirs = self._shape(self.any_info), self._shape(info)
+        if self._model is not None:
+            mine, theirs = self._shape(self._model), self._shape(info)
             if theirs != mine:
                 raise ValueError(f"worker {wid!r} serves (block_size, max_model_len, "
                                  f"vocab_size)={theirs}; the others serve {mine}")
         self.clients[wid] = client
         self._infos[wid] = info
+        self._model = self._model or info
         self._healthy[wid] = True
         await self._seed(client)
 
@@ -105,9 +108,11 @@ class WorkerSet:
 
     @property
     def any_info(self) -> WorkerInfo:
-        if not self._infos:
+        """How the model is served (block size, context, vocabulary: the same on every
+        worker), known from the first worker on, also while every worker is being replaced."""
+        if self._model is None:
             raise RuntimeError("WorkerSet.start() has not run")
-        return next(iter(self._infos.values()))
+        return self._model
 
     @property
     def infos(self) -> dict[str, WorkerInfo]:

@@ -165,13 +165,14 @@ def test_a_stream_fails_when_its_migrations_are_used_up_or_no_worker_is_left():
         b = FakeWorker("w1", BOTH, Script(stream_error=GONE, error_after=1))
         o = await orchestrator(a, b, migration_retries=5)
         gen = await o.generate(request())
-        with pytest.raises(WorkerUnavailableError):  # w0 failed, w1 failed, none left
+        # w0 failed, w1 failed, none left: the client is told 503, not an internal error
+        with pytest.raises(NoHealthyWorkerError, match="no other could continue it"):
             await collect(gen)
         assert o.counters.fallbacks == {"decode_worker_failed": 1}
         c = FakeWorker("w2", BOTH, Script(stream_error=GONE, error_after=1))
         o = await orchestrator(c, FakeWorker("w3", BOTH), migration_retries=0)
         o.workers.note_routed("w3")
-        with pytest.raises(WorkerUnavailableError):
+        with pytest.raises(NoHealthyWorkerError):
             await collect(await o.generate(request()))
 
     run(go())

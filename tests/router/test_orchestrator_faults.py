@@ -167,3 +167,16 @@ def test_a_retry_never_routes_to_a_worker_that_left_the_set_meanwhile():
         assert gen.worker_id == "w2" and await collect(gen) == expected_tokens(req)
 
     run(go())
+
+
+def test_a_request_while_every_worker_is_being_replaced_gets_a_503():
+    """The model's shape (block size, context) outlives the workers: with none in the set
+    (all being replaced), a request is told 503, not an internal error."""
+    async def go():
+        o = await orchestrator(FakeWorker("w0", BOTH))
+        await o.workers.remove("w0")
+        assert o.block_size > 0
+        with pytest.raises(NoHealthyWorkerError):
+            await o.generate(request())
+
+    run(go())
