@@ -103,3 +103,32 @@ def test_overload_is_resource_exhausted(stub, server):
 
 async def _fill(router, n: int) -> None:
     router.in_flight += n  # pretend n requests are in flight (on the router's loop)
+
+
+def test_client_request_ids_are_labels_not_keys(stub, server):
+    """Concurrent calls reusing one client id, and one shaped like another request's sample
+    ("dup/0" against an n=2 "dup"), each get their own output under their own label; aborting
+    one (its deadline) touches no other, and every block comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def call(request_id: str, n: int = 1, timeout: float = 60):
+        req = pb.GenerateRequest(text="the same prompt", request_id=request_id,
+                                 sampling=pb.SamplingParameters(max_tokens=12, n=n,
+                                                                temperature=0.0,
+                                                                ignore_eos=True))
+        return list(stub.Generate(req, metadata=AUTH, timeout=timeout))
+
+    alone = call("solo")
+    want = [t for e in alone for t in e.token_ids]
+    with ThreadPoolExecutor(4) as pool:
+        same = [pool.submit(call, "dup") for _ in range(2)]
+        sampled = pool.submit(call, "dup", 2)
+        sample_shaped = pool.submit(call, "dup/0")
+        for f in [*same, sample_shaped]:
+            events = f.result()
+            assert {e.request_id for e in events} <= {"dup", "dup/0"}
+            assert [t for e in events for t in e.token_ids] == want
+        events = sampled.result()
+        for i in (0, 1):
+            assert [t for e in events if e.index == i for t in e.token_ids] == want
+    assert wait_until(lambda: all_blocks_free(server))
