@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workers import LLM, SamplingParams, cuda_graphs
+from workers.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP
 from workers.memory_profile import profile_step, run_profile_step
 from workers.runner import KVCacheSpec, allocate_kv_caches
 
@@ -105,7 +106,9 @@ def test_profile_step_covers_the_largest_batch(tiny_model):
     assert msg.seq_lens == (40, 40, 20) and msg.num_tokens == 100
     assert num_blocks == 3 + 3 + 2
     assert len(set(msg.slot_mapping)) == 100 and max(msg.slot_mapping) < num_blocks * 16
-    assert msg.logit_rows == tuple(range(92, 100))
+    # every row of its last max_num_seqs, plus the step's prompt-logprob rows (all 100 here)
+    assert msg.logit_rows == tuple(range(max(0, 100 - 8 - PROMPT_LOGPROB_TOKENS_PER_STEP),
+                                         100))
     llm = LLM(tiny_model, num_blocks=16)
     model = llm.engine.runner.executor.model
     spec = llm.engine.runner.spec
@@ -116,7 +119,7 @@ def test_profile_step_covers_the_largest_batch(tiny_model):
                                   torch.device("cpu"))
 
     logits = run_profile_step(model, caches_for, torch.device("cpu"), 100, 40, 16, 8)
-    assert logits.shape == (8, llm.engine.model_config.vocab_size)
+    assert logits.shape == (len(msg.logit_rows), llm.engine.model_config.vocab_size)
     assert torch.isfinite(logits).all()
 
 
