@@ -253,6 +253,11 @@ def main(argv: list[str] | None = None) -> dict:
     http_port, grpc_port = free_ports(2)
     config = CleaveConfig.parse(app_config(model, http_port, grpc_port))
     started_ray = deploy(config, num_cpus=8)
+    import ray
+
+    # the state API (actors, replicas) finds "the" Ray by itself, and fails when another one
+    # runs on this machine: name this soak's own
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     try:
         result = asyncio.run(drive(args, Cluster(PULL_TIMEOUT_S, STEP_TIMEOUT_S), http_port,
                                    grpc_port))

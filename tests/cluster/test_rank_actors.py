@@ -69,9 +69,12 @@ def greedy(engine: object, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def alive_rank_actors() -> list[object]:
+    import ray
     from ray.util.state import list_actors
 
-    return list_actors(filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")],
+    # this module's own Ray, named: the state API fails when it finds another one running
+    return list_actors(address=ray.get_runtime_context().gcs_address,
+                       filters=[("class_name", "=", "RankActor"), ("state", "=", "ALIVE")],
                        detail=True)
 
 
