@@ -2,8 +2,10 @@
 time, so pools can grow and shrink (no fixed world). NCCL for GPU caches; the same code runs on
 gloo with CPU caches (what the CPU tests use).
 
-The source hosts a `TCPStore` and a TCP control socket; its address is
-`nccl://HOST:CONTROL_PORT/STORE_PORT`. The first pull from a source makes a two-rank process
+The source hosts a store and a TCP control socket; its address is
+`nccl://HOST:CONTROL_PORT/STORE_PORT`. torch's `TCPStore` listens on every interface whatever
+host it is given, so on a loopback host (every peer on this machine) the store is a `FileStore`
+instead, and the address `nccl://HOST:CONTROL_PORT/file:PATH`: nothing listens beyond the host. The first pull from a source makes a two-rank process
 group (source rank 0, puller rank 1) under a fresh key (`PrefixStore`); both sides cache it
 for later pulls, and drop it on any error. Control messages (request, accept/reject, done) go
 over the control socket as in `tcp`; the bytes go as one send per view (K and V of each
@@ -14,9 +16,13 @@ matches sends and receives by order, not tag).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import ipaddress
 import logging
+import os
 import socket
+import tempfile
 import time
 import uuid
 from typing import Callable
@@ -35,13 +41,30 @@ logger = logging.getLogger(__name__)
 TAG = 7
 
 
-def _parse(address: str) -> tuple[str, int, int]:
+def _parse(address: str) -> tuple[str, int, str]:
+    """(host, control port, store: a TCPStore port or `file:PATH`)."""
     rest = address.removeprefix("nccl://")
     hostport, _, store = rest.partition("/")
     host, _, port = hostport.rpartition(":")
-    if not address.startswith("nccl://") or not host or not port.isdigit() or not store.isdigit():
-        raise InvalidDescriptor(f"address {address!r}; expected nccl://HOST:PORT/STORE_PORT")
-    return host, int(port), int(store)
+    if (not address.startswith("nccl://") or not host or not port.isdigit()
+            or not (store.isdigit() or store.startswith("file:/"))):
+        raise InvalidDescriptor(f"address {address!r}; expected nccl://HOST:PORT/STORE_PORT "
+                                f"or nccl://HOST:PORT/file:PATH")
+    return host, int(port), store
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _open_store(host: str, store: str) -> dist.Store:
+    """The puller's end of a source's store."""
+    if store.startswith("file:"):
+        return dist.FileStore(store.removeprefix("file:"), -1)
+    return dist.TCPStore(host, int(store), None, False, datetime.timedelta(seconds=30))
 
 
 def _make_group(backend: str, store: dist.Store, key: str, rank: int, host: str,
@@ -139,7 +162,8 @@ class CollectiveTransport(Transport):
         self._op_timeout_s = op_timeout_s
         self._source: BlockSource | None = None
         self._server: StreamServer | None = None
-        self._store: dist.TCPStore | None = None
+        self._store: dist.Store | None = None
+        self._store_file: str | None = None  # the FileStore's, on a loopback host
         self._served = PairCache(lambda group: group)  # pair key -> group (we are rank 0)
         # source address -> (its store, pair key, group)
         self._pulled = PairCache(lambda entry: entry[2])
@@ -157,10 +181,17 @@ class CollectiveTransport(Transport):
 
     async def start(self, source: BlockSource) -> str:
         self._source = source
-        self._store = await asyncio.to_thread(
-            dist.TCPStore, self._host, 0, None, True, datetime.timedelta(seconds=30), False)
+        if _loopback(self._host):  # every peer is on this machine: nothing need listen
+            self._store_file = os.path.join(tempfile.gettempdir(),
+                                            f"cleave-kv-store-{uuid.uuid4().hex}")
+            self._store = dist.FileStore(self._store_file, -1)
+            where = f"file:{self._store_file}"
+        else:
+            tcp = await asyncio.to_thread(
+                dist.TCPStore, self._host, 0, None, True, datetime.timedelta(seconds=30), False)
+            self._store, where = tcp, str(tcp.port)
         self._server = StreamServer(self._host, self._port, self._serve)
-        return f"nccl://{self._server.host}:{self._server.port}/{self._store.port}"
+        return f"nccl://{self._server.host}:{self._server.port}/{where}"
 
     async def _serve(self, conn: socket.socket) -> None:
         hello = await recv_message(conn)
@@ -200,7 +231,7 @@ class CollectiveTransport(Transport):
 
     async def _fetch(self, address: str, request: ReadRequest, sink: LayerSink) -> TransferStats:
         start = time.perf_counter()
-        host, port, store_port = _parse(address)
+        host, port, store_at = _parse(address)
         sock = await connect(host, port)
         try:
             cached = self._pulled.use(address)
@@ -209,8 +240,7 @@ class CollectiveTransport(Transport):
             await request_read(sock, request, sink)
             device = sink.caches[0].device
             if cached is None:
-                store = await asyncio.to_thread(
-                    dist.TCPStore, host, store_port, None, False, datetime.timedelta(seconds=30))
+                store = await asyncio.to_thread(_open_store, host, store_at)
                 group = await asyncio.to_thread(
                     _make_group, self._backend_for(device), store, key, 1, self._host,
                     self._op_timeout_s)
@@ -243,3 +273,7 @@ class CollectiveTransport(Transport):
         self._served.drop_all()
         self._pulled.drop_all()
         self._store = None
+        if self._store_file is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self._store_file)
+            self._store_file = None

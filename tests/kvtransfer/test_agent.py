@@ -241,3 +241,30 @@ def test_pair_groups_are_bounded_and_each_one_leaving_is_shut_down() -> None:
     cache.put("d", groups["d"])
     cache.drop_all()  # the transport closes
     assert not cache and all(g.shut for g in groups.values())
+
+
+def test_the_nccl_transport_on_a_loopback_host_listens_on_loopback_only() -> None:
+    """torch's TCPStore listens on every interface whatever host it is given: on a loopback
+    host the pair rendezvous goes through a FileStore instead, removed at close."""
+    import os
+
+    from tests.sockets import listening, loopback
+
+    def open_to_all() -> set[tuple[str, int]]:
+        return {a for a in listening() if not loopback(a[0])}
+
+    async def run() -> None:
+        before = open_to_all()
+        src, dst = await make_pair("nccl")
+        ids = src.pool.allocate(3)
+        handoff = src.agent.offer("r", ids)
+        local = dst.pool.allocate(3)
+        await dst.agent.pull(handoff, local)
+        assert blocks_equal(src.caches, ids, dst.caches, local)
+        assert open_to_all() - before == set()
+        store_file = handoff.address.split("/file:", 1)[1]
+        assert os.path.exists(store_file)
+        await close(src, dst)
+        assert not os.path.exists(store_file)
+
+    asyncio.run(run())

@@ -16,6 +16,7 @@ from router.openai.api import create_app
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
 from tests.router.conftest import API_KEY, start_pools, wait_until
+from tests.sockets import listening, loopback
 from workers.protocol import hash_prompt_blocks
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -24,7 +25,7 @@ PROMPT = " ".join(f"secret{i}" for i in range(60))  # several full blocks, past 
 
 @pytest.fixture(scope="module")
 def disagg(tiny_model):
-    before = set(_listening())  # earlier tests in this process (a Ray driver) may listen too
+    before = set(listening())  # earlier tests in this process (a Ray driver) may listen too
     srv = start_pools(tiny_model, threshold=24, num_prefill_workers=1, num_decode_workers=1)
     srv.listening_before = before
     yield srv
@@ -134,44 +135,10 @@ def test_an_unexpected_error_tells_the_client_nothing_of_the_internals(disagg, m
         assert "secret.py" not in err.value.details()
 
 
-def _listening() -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket this process listens on (Linux /proc)."""
-    import ipaddress
-    import os
-
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                    continue
-                hex_ip, hex_port = fields[1].split(":")
-                raw = bytes.fromhex(hex_ip)
-                # /proc prints the address as 32-bit words in host (little-endian) order
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-                out.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
-    return out
-
-
 def test_no_listener_on_a_non_loopback_address_by_default(disagg):
     """HTTP, gRPC and the KV transfer servers of a default (in-process) deployment."""
-    import ipaddress
-
     disagg.call(disagg.clients[0].channel.worker.agents())  # the transfer servers are up
-    listening = [addr for addr in _listening() if addr not in disagg.listening_before]
-    ports = {port for _, port in listening}
-    assert {disagg.http_port, disagg.grpc_port} <= ports and len(ports) >= 4, listening
-    def loopback(ip: str) -> bool:
-        addr = ipaddress.ip_address(ip)
-        return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback
-
-    assert not [(ip, port) for ip, port in listening if not loopback(ip)]
+    opened = [addr for addr in listening() if addr not in disagg.listening_before]
+    ports = {port for _, port in opened}
+    assert {disagg.http_port, disagg.grpc_port} <= ports and len(ports) >= 4, opened
+    assert not [(ip, port) for ip, port in opened if not loopback(ip)]
