@@ -36,7 +36,9 @@ def _connect(num_cpus: float | None) -> bool:
     if ray.is_initialized():
         return False
     address = os.environ.get("RAY_ADDRESS") or None
-    kwargs: dict = {"address": address, "log_to_driver": False}
+    # "local": a new instance even when another runs on this machine (None would join the one
+    # `ray start` left, and stop nothing of it)
+    kwargs: dict = {"address": address or "local", "log_to_driver": False}
     if address is None and num_cpus is not None:
         kwargs["num_cpus"] = num_cpus
     ray.init(**kwargs)
