@@ -172,7 +172,8 @@ class RouterIngress:
         for w in workers:
             w["node_id"] = nodes.get(w["worker_id"])
         return {"router": self.subscriber, "model": r.model_name, "workers": workers,
-                "num_requests": c.num_requests, "num_disaggregated": c.num_disaggregated,
+                "num_requests": c.num_requests, "num_in_flight": r.in_flight,
+                "num_disaggregated": c.num_disaggregated,
                 "aggregated": dict(c.aggregated), "num_prompt_tokens": c.num_prompt_tokens,
                 "num_predicted_cached_tokens": c.num_predicted_cached_tokens,
                 "num_cached_tokens": c.num_cached_tokens, "fallbacks": dict(c.fallbacks)}

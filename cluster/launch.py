@@ -130,16 +130,69 @@ def _wait(until: str, progress: Callable[[str], None] | None,
         time.sleep(1.0)
 
 
-def shutdown(started_ray: bool) -> None:
-    """Delete the application (replicas drain), stop Serve, and stop Ray if we started it."""
+def _in_flight(timeout_s: float = 5.0) -> int:
+    """Requests in flight: at one router replica and on every worker's engine (0 for what
+    cannot be reached: an application not serving, or no longer)."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        if not serving(_app_status()):
+            return 0
+        count = serve.get_deployment_handle("router", app_name=APP_NAME).status.remote().result(
+            timeout_s=timeout_s)["num_in_flight"]
+        entries = serve.get_deployment_handle("directory", app_name=APP_NAME).entries.remote(
+            ).result(timeout_s=timeout_s)
+    except Exception:  # no router or directory answers: nothing reaches the workers
+        return 0
+    for ref in [e.actor.num_in_flight.remote() for e in entries]:
+        try:
+            count += ray.get(ref, timeout=timeout_s)
+        except Exception:  # a dead engine has nothing left to finish
+            pass
+    return count
+
+
+def drain_timeout_s(config: CleaveConfig) -> float:
+    """How long a shutdown lets requests in flight finish: the pools' longest drain."""
+    return max((p.autoscaling.drain_timeout_s for _, p in config.pools.items()), default=0.0)
+
+
+def shutdown(started_ray: bool, drain_s: float = 0.0,
+             hurry: threading.Event | None = None) -> None:
+    """Take the application down, and Ray when this process started it.
+
+    With requests in flight, Serve deletes the application (the router finishes its streams,
+    then the pools drain) for up to `drain_s`, or until `hurry` is set; then Serve and Ray go
+    regardless. With none and Ray this process's, Ray stops at once: about 1.5 s, where
+    Serve's deletion stops the deployments one after another (3-4 s more). `serve.shutdown`
+    alone gives up after 30 s, whatever the drain timeout."""
+    import ray
+    from ray import serve
+
+    hurry = hurry or threading.Event()
+    try:
+        if drain_s > 0 and ray.is_initialized() and _in_flight():
+            # not blocking: a blocking delete left in a thread past `ray.shutdown` would
+            # start a new local Ray (Ray's auto-init) when it next polled
+            serve.delete(APP_NAME, _blocking=False)
+            deadline = time.monotonic() + drain_s
+            while (not _gone_or_unknown() and time.monotonic() < deadline
+                   and not hurry.wait(0.2)):
+                pass
+        if not started_ray:
+            serve.shutdown()
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _gone_or_unknown() -> bool:
+    """The application is deleted, or Serve can no longer say."""
+    try:
+        return _app_status() is None
+    except Exception:  # the controller is gone too
+        return True
 
 
 def ready_message(config: CleaveConfig, model_name: str) -> str:
@@ -156,27 +209,35 @@ def ready_message(config: CleaveConfig, model_name: str) -> str:
             f"\"max_tokens\": 32}}'")
 
 
-def serve_forever(config: CleaveConfig, *, num_cpus: float | None = None) -> int:
-    """`cleave serve`: deploy, print the addresses, serve until SIGINT/SIGTERM, clean up."""
-    stop = threading.Event()
+def serve_forever(config: CleaveConfig, *, num_cpus: float | None = None,
+                  stop: threading.Event | None = None) -> int:
+    """`cleave serve`: deploy, print the addresses, serve until SIGINT/SIGTERM (or `stop`),
+    clean up; a second signal stops without waiting for requests in flight. Signals are
+    caught only when called from the main thread."""
+    stop = stop or threading.Event()
 
     def say(line: str) -> None:
         print(f"cleave: {line}", file=sys.stderr, flush=True)
 
     say("starting Ray and the application (the model loads in each pool replica)")
     started_ray = _connect(num_cpus)
-    # after ray.init, which installs handlers of its own
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        # after ray.init, which installs handlers of its own
+        previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         deploy(config, progress=say, stop=stop, until="serving")
         if not stop.is_set():
             print(ready_message(config, model_name(config)), flush=True)
         watch(say, stop)
-        say("shutting down")
+        say("shutting down (signal again to stop without waiting for requests in flight)")
         return 0
     finally:
-        shutdown(started_ray)
+        hurry = threading.Event()
+        for sig in previous:  # a second signal: stop now
+            signal.signal(sig, lambda *_: hurry.set())
+        shutdown(started_ray, drain_timeout_s(config), hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
