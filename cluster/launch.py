@@ -62,8 +62,9 @@ def describe(app: Any) -> str:
         running = sum(n for state, n in d.replica_states.items() if str(state).endswith("RUNNING"))
         total = sum(d.replica_states.values())
         parts.append(f"{name} {running}/{total}")
-        if running < total and d.message:
-            waiting.append(f"{name}: {d.message.splitlines()[0][:200]}")
+        if (running < total or d.status.value != "HEALTHY") and d.message.strip():
+            # a failed constructor's message is a traceback: its last line says what went wrong
+            waiting.append(f"{name}: {d.message.strip().splitlines()[-1].strip()[:300]}")
     line = f"{app.status.value.lower()}: " + ", ".join(parts)
     return line + (" (waiting: " + "; ".join(waiting) + ")" if waiting else "")
 
@@ -126,7 +127,7 @@ def _wait(until: str, progress: Callable[[str], None] | None,
         if state == "RUNNING" or (until == "serving" and serving(app)):
             return
         if state == "DEPLOY_FAILED" and not serving(app):
-            raise RuntimeError(f"the application failed to deploy: {app.message or line}")
+            raise RuntimeError(f"the application failed to deploy: {app.message}; {line}")
         time.sleep(1.0)
 
 

@@ -5,6 +5,7 @@ is started, and requests are answered again."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import openai
@@ -54,3 +55,25 @@ def test_a_replica_lost_while_another_is_pending_leaves_the_cluster_serving(loca
     assert serve.status().applications["cleave"].deployments["router"].replica_states
     replacement = [e for e in directory_entries() if e.pool == "decode"]
     assert replacement and running.worker_id not in {e.worker_id for e in replacement}
+
+
+def test_a_router_that_cannot_start_fails_the_deploy_naming_why(local_ray, tiny_model):
+    """Before it ever served, a hard failure still ends `deploy`, with the reason from the
+    failed constructor's traceback (Serve's own message only names the deployment)."""
+    from ray import serve
+
+    from cluster.config import CleaveConfig
+    from cluster.launch import deploy
+
+    try:
+        serve.delete("cleave")  # the test before leaves its application serving
+    except serve.exceptions.RayServeException:  # run alone: no Serve yet
+        pass
+    config = CleaveConfig.parse(app_config(tiny_model))
+    with socket.socket() as taken:  # the router's HTTP port, held by someone else
+        taken.bind(("127.0.0.1", config.router.http_port))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="failed to deploy") as failed:
+            deploy(config, until="serving")
+    assert "router: OSError: [Errno 98] Address already in use" in str(failed.value)
+    assert local_ray.is_initialized()  # not this call's Ray: left running
