@@ -127,7 +127,8 @@ def _wait(until: str, progress: Callable[[str], None] | None,
         if state == "RUNNING" or (until == "serving" and serving(app)):
             return
         if state == "DEPLOY_FAILED" and not serving(app):
-            raise RuntimeError(f"the application failed to deploy: {app.message}; {line}")
+            why = "; ".join(part for part in (app.message, line) if part)
+            raise RuntimeError(f"the application failed to deploy: {why}")
         time.sleep(1.0)
 
 
