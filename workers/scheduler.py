@@ -27,12 +27,10 @@ from workers.request import Request, RequestStatus
 PROMPT_LOGPROB_TOKENS_PER_STEP = 512
 
 
-def _logprob_rows(req: Request, num_new: int, rows_left: int) -> int:
-    """`num_new` within the step's prompt-logprob rows left (unchanged for other requests and
-    for a prompt-logprobs request past its prompt)."""
-    if req.prompt_logprobs is None or req.num_computed_tokens >= req.num_prompt_tokens:
-        return num_new
-    return min(num_new, rows_left)
+def _takes_logprob_rows(req: Request) -> bool:
+    """A prompt-logprobs request still in its prompt: its chunk counts against the step's
+    prompt-logprob rows."""
+    return req.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -136,11 +134,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = _logprob_rows(req, min(req.num_tokens - req.num_computed_tokens, budget),
-                                    rows)
-            if num_new == 0:  # its prompt-logprob rows wait for the next step
-                i += 1
-                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            takes_rows = _takes_logprob_rows(req)
+            if takes_rows:
+                num_new = min(num_new, rows)
+                if num_new == 0:  # its prompt-logprob rows wait for the next step
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -148,8 +148,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                if req.prompt_logprobs is not None and req.num_computed_tokens < \
-                        req.num_prompt_tokens:
+                if takes_rows:
                     rows -= num_new
                 chunks.append(self._chunk(req, num_new))
                 budget -= num_new
@@ -161,7 +160,7 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            if req.prompt_logprobs is not None:
+            if _takes_logprob_rows(req):
                 num_new = min(num_new, rows)
                 rows -= num_new
             if num_new == 0 or not self.kv.allocate_slots(req, num_new, hits):

@@ -21,6 +21,7 @@ from router.errors import BadRequestError
 from router.openai.common import (
     SSE_DONE,
     TokenStrings,
+    admitted,
     default_max_tokens,
     merge,
     parse_body,
@@ -67,12 +68,8 @@ async def create_chat_completion(router: Router, tokens: TokenStrings, request: 
     body.check()
     router.check_model(body.model)
     router.check_n(body.n)
-    slot = router.admit()  # before the template and the tokenizer run
-    try:
-        return await _create(router, tokens, request, body, slot)
-    except BaseException:
-        slot.release()
-        raise
+    return await admitted(router.admit(),  # before the template and the tokenizer run
+                          lambda slot: _create(router, tokens, request, body, slot))
 
 
 async def _create(router: Router, tokens: TokenStrings, request: Request,

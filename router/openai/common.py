@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from router.app import Router
+from router.app import Admission, Router
 from router.streams import Generation
 from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from workers.protocol import SamplingParams, TokenEvent
@@ -163,6 +163,16 @@ def usage(gens: Sequence[Generation], num_completion_tokens: int) -> dict[str, A
             "predicted_cached_tokens": sum(g.predicted_cached_tokens for g in gens),
         },
     }
+
+
+async def admitted(slot: Admission, work: Callable[[Admission], Awaitable[T]]) -> T:
+    """`work(slot)` for a request admitted before any work on its content; the slot is
+    released here if that fails (else when the response ends)."""
+    try:
+        return await work(slot)
+    except BaseException:
+        slot.release()
+        raise
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -20,6 +20,7 @@ from router.errors import BadRequestError
 from router.openai.common import (
     SSE_DONE,
     TokenStrings,
+    admitted,
     default_max_tokens,
     merge,
     parse_body,
@@ -63,12 +64,8 @@ async def create_completion(router: Router, tokens: TokenStrings, request: Reque
     body.check()
     router.check_model(body.model)
     router.check_n(body.n)
-    slot = router.admit(num_prompts(body.prompt))  # before any work on the prompts
-    try:
-        return await _create(router, tokens, request, body, slot)
-    except BaseException:
-        slot.release()
-        raise
+    return await admitted(router.admit(num_prompts(body.prompt)),  # before any work on the prompts
+                          lambda slot: _create(router, tokens, request, body, slot))
 
 
 def num_prompts(prompt: Any) -> int:
