@@ -33,6 +33,7 @@ class RequestSpec:
     prompt: list[int] | str  # token ids, or text
     max_tokens: int
     kind: str = "short"  # "short" or "long" (the mixed workload's two classes)
+    extra: dict | None = None  # more body fields (a structured-output constraint, ...)
 
 
 @dataclass
@@ -86,6 +87,7 @@ async def send(client: httpx.AsyncClient, url: str, model: str, spec: RequestSpe
             "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
     if ignore_eos:
         body["ignore_eos"] = True
+    body.update(spec.extra or {})
     out = RequestResult(spec.kind)
     start = last = time.perf_counter()
     chunks = 0

@@ -144,7 +144,7 @@ async def _send_bad_input(http: httpx.AsyncClient, fault: str, model: str,
     elif fault == "bad_seed":
         r = await http.post(url, json={**good, "seed": 2**70})
     elif fault == "unknown_field":
-        r = await http.post(url, json={**good, "logit_bias": {"5": 10}})
+        r = await http.post(url, json={**good, "frobnicate": True})
     elif fault == "lone_surrogate":
         content = ('{"model": "%s", "prompt": "bad \\ud800 text", "max_tokens": 4}' % model)
         r = await http.post(url, content=content.encode(),

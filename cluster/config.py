@@ -296,6 +296,10 @@ class RouterSettings(_Strict):
         default_of(RouterConfig, "stall_timeout_s"), gt=0, description=(
             "A worker whose output channel is silent this long (it answers every 0.5 s when "
             "idle) is unhealthy; the streams on it move to other workers."))
+    tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = Field(
+        None, description=(
+            "How the model writes tool calls (vLLM's --tool-call-parser names); unset: the "
+            "format its chat template's wording shows, and none when it renders no tools."))
     migration_wait_s: float | None = Field(None, ge=0, description=(
         f"A stream whose decode worker died waits this long for another one before it fails. "
         f"Unset: {RAY_MIGRATION_WAIT_S:g} s on Ray, where a pool that lost its only replica "

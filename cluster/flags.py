@@ -27,7 +27,8 @@ _MODEL_FLAGS = {"model": "path", "served_model_name": "served_model_name", "dtyp
 _ROUTER_FLAGS = {"host": "host", "port": "http_port", "grpc_port": "grpc_port",
                  "ingress": "ingress", "policy": "policy", "max_in_flight": "max_in_flight",
                  "disagg_threshold_tokens": "disagg_threshold_tokens",
-                 "allow_unauthenticated": "allow_unauthenticated"}
+                 "allow_unauthenticated": "allow_unauthenticated",
+                 "tool_call_parser": "tool_call_parser"}
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -72,6 +73,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="prefix_aware, least_loaded or round_robin")
     p.add_argument("--max-in-flight", type=int, default=None)
     p.add_argument("--disagg-threshold-tokens", type=int, default=None)
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=("llama3_json", "hermes", "mistral"),
+                   help="how the model writes tool calls; default: as its chat template shows")
 
 
 def _fixed(n: int) -> dict[str, int]:

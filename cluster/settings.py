@@ -115,7 +115,8 @@ def router_config(config: CleaveConfig, model_path: str, mode: Mode = "ray") -> 
                         max_waiting_per_worker=r.max_waiting_per_worker,
                         max_pending_tokens_per_worker=r.max_pending_tokens_per_worker,
                         prefill_timeout_s=r.prefill_timeout_s,
-                        stall_timeout_s=r.stall_timeout_s, migration_wait_s=wait)
+                        stall_timeout_s=r.stall_timeout_s, migration_wait_s=wait,
+                        tool_call_parser=r.tool_call_parser)
 
 
 def _pool(config: CleaveConfig, pool: str) -> PoolSettings:

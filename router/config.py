@@ -18,6 +18,10 @@ class Deadlines:
     stall_s: float = 15.0
 
 
+# the tool-call formats `router.openai.tool_parsers` reads (vLLM's --tool-call-parser names)
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     model_path: str
@@ -49,8 +53,13 @@ class RouterConfig:
     # a worker whose output channel says nothing for this long (it answers every 0.5 s when
     # idle) is unhealthy, and the streams on it move to other workers
     stall_timeout_s: float = 15.0
+    # how the model writes tool calls (TOOL_CALL_PARSERS); None: as its chat template says
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
+                             f"{self.tool_call_parser!r}")
         for name in ("disagg_threshold_tokens", "prefill_retries", "migration_retries",
                      "migration_wait_s", "start_retries"):
             if getattr(self, name) < 0:

@@ -18,6 +18,7 @@ from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
 from workers.protocol import InvalidRequestError, SamplingParams, TokenEvent
+from workers.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,28 @@ def sampling_params(msg: pb.SamplingParameters, max_tokens_default: int) -> Samp
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     try:
+        kwargs["logit_bias"] = dict(msg.logit_bias) or None
+        kwargs["structured"] = _constraint(msg)
         return SamplingParams(**kwargs)  # type: ignore[arg-type]
     except InvalidRequestError as exc:
         raise BadRequestError(exc.message, param=exc.param) from None
+
+
+def _constraint(msg: pb.SamplingParameters) -> StructuredOutput | None:
+    """The output constraint of the message (None: free text)."""
+    if not msg.HasField("constraint"):
+        return None
+    c, param = msg.constraint, "sampling.constraint"
+    kind = c.WhichOneof("kind")
+    if kind == "json_schema":
+        return StructuredOutput.json_schema(c.json_schema, param)
+    if kind == "json_object":
+        return StructuredOutput("json_object", param=param) if c.json_object else None
+    if kind == "choice":
+        return StructuredOutput.choice(list(c.choice.choices), param)
+    if kind in ("regex", "grammar"):
+        return StructuredOutput(kind, getattr(c, kind), param)
+    return None
 
 
 def _response(event: TokenEvent, gen: Generation, request_id: str) -> pb.GenerateResponse:

@@ -8,6 +8,14 @@ that router's requests) or one request's own stream (`RequestStream`, for in-pro
 After every step the sinks that received something are flushed once, the engine's stats are
 published (`stats`, computed on the step thread, or between steps when the engine is at rest)
 and `on_publish` is told, with the step's KV events.
+
+A structured-output request whose grammar is not compiled yet is compiled on a thread of its
+own first (milliseconds per new schema), so neither the step nor the event loop waits on it; a
+grammar that does not compile fails the request before anything is allocated
+(`workers.grammar.CompileQueue`).
+
+Long because each command's way into the engine (queued, compiled first, or awaited between
+steps) sits beside the step loop that applies it, so their ordering reads in one place.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
 from kvtransfer import faults
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.grammar import CompileQueue
 from workers.parallel.group import RankGroupError
 from workers.watchdog import StepWatchdog
 from workers.outputs import RequestStream, Sink
@@ -63,6 +72,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="cleave-engine")
+        self.compile_queue = CompileQueue(engine.grammars)
         self._ids = itertools.count()
 
     @classmethod
@@ -132,9 +142,19 @@ class AsyncEngine:
         return await done
 
     def _start(self, request_id: str, num_samples: int, add: Callable[[], object],
-               sink: Sink) -> None:
+               sink: Sink, params: SamplingParams | None = None) -> None:
         """Between steps: `add` the request to the engine and route its events to `sink`; an
-        error of `add` (a bad request) fails it there, leaving nothing behind."""
+        error of `add` (a bad request) fails it there, leaving nothing behind. With `params`
+        asking for a grammar not compiled yet, it is compiled first, off the step thread."""
+        if params is not None and self.compile_queue.needed(params):
+            def failed(exc: Exception) -> None:
+                sink.fail(request_id, exc)
+                sink.flush()
+
+            self.compile_queue.start_after(request_id, params, failed, lambda: self._start(
+                request_id, num_samples, add, sink))
+            return
+
         def op() -> None:
             try:
                 add()
@@ -148,15 +168,17 @@ class AsyncEngine:
 
     def generate(self, req: WorkerRequest, sink: Sink) -> None:
         """Run the whole request here; its events go to `sink`."""
-        self._start(req.request_id, req.params.n, lambda: self.engine.generate(req), sink)
+        self._start(req.request_id, req.params.n, lambda: self.engine.generate(req), sink,
+                    req.params)
 
     def prefill(self, req: WorkerRequest, sink: Sink) -> None:
         """Run the prompt to its first token and hold its blocks (`Engine.prefill`)."""
-        self._start(req.request_id, 1, lambda: self.engine.prefill(req), sink)
+        self._start(req.request_id, 1, lambda: self.engine.prefill(req), sink, req.params)
 
     def resume(self, req: WorkerRequest, sent_token_ids: tuple[int, ...], sink: Sink) -> None:
         """Continue after tokens other workers sent (`Engine.resume`)."""
-        self._start(req.request_id, 1, lambda: self.engine.resume(req, sent_token_ids), sink)
+        self._start(req.request_id, 1, lambda: self.engine.resume(req, sent_token_ids), sink,
+                    req.params)
 
     async def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
                                   pull: Callable[[list[int]], Awaitable[None]],
@@ -165,6 +187,7 @@ class AsyncEngine:
         after `first_token_id` with events to `sink`. Raises what the allocation
         (`KVCacheFull`) or `pull` raises, with nothing left behind; cancelled, it aborts."""
         rid = req.request_id
+        await self.compile_queue.compile(req.params)
         try:
             block_ids = await self.apply(
                 lambda: self.engine.decode_from_handoff(req, first_token_id))
@@ -182,6 +205,7 @@ class AsyncEngine:
         """Cancel a request (applied before the next step); its sink hears nothing more.
         Unknown ids are ignored."""
         self._routes.pop(request_id, None)
+        self.compile_queue.cancel(request_id)
 
         def op() -> None:  # after any queued start of the same request
             self._routes.pop(request_id, None)
@@ -292,6 +316,7 @@ class AsyncEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self.compile_queue.shutdown()
         self._executor.shutdown(wait=True)
         self.engine.close()  # a parallel engine's rank processes
         self._fail_routes(lambda rid: EngineShutDown(

@@ -20,6 +20,7 @@ import torch
 
 from workers import assembly
 from workers.config import EngineConfig
+from workers.grammar import Grammars
 from workers.kv_cache import KVCacheManager
 from workers.model_config import ModelConfig, resolve_dtype
 from workers.output_processor import OutputProcessor
@@ -92,6 +93,7 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, detokenize)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._samples: dict[str, list[str]] = {}  # request id -> its samples' internal ids
         self._forks: dict[str, list[Request]] = {}  # sample 0's id -> siblings not yet added
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", mc.architecture,
@@ -126,6 +128,10 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{params.max_tokens} in the completion).", param="max_tokens")
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias has token ids outside [0, {vocab}): {bad[:5]}", param="logit_bias")
         needed = self.kv.num_blocks_for(len(ids) + params.max_tokens)
         if needed > self.kv.pool.num_blocks:  # could never run, even alone
             raise InvalidRequestError(
@@ -148,8 +154,10 @@ class Engine:
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             rid = request_id if params.n == 1 else f"{request_id}/{i}"
             sample = Request(rid, ids, p, self.eos_token_ids, cache_salt=cache_salt)
-            self.outputs.add(sample, request_id, i)
+            self._constrain(sample, ())
             reqs.append(sample)
+        for i, sample in enumerate(reqs):
+            self.outputs.add(sample, request_id, i)
         self._samples[request_id] = [r.request_id for r in reqs]
         self.scheduler.add(reqs[0])
         if len(reqs) > 1:
@@ -184,6 +192,8 @@ class Engine:
             req.prompt_logprobs[first:first + len(logprobs)] = logprobs
         events: list[TokenEvent] = []
         for req in self.scheduler.update(out, result.sampled):
+            if req.grammar is not None:
+                self._advance_grammar(req)
             stop = self.outputs.find_stop_string(req)
             if stop is not None and not req.is_finished:
                 req.stop_reason = stop
@@ -196,6 +206,19 @@ class Engine:
             for sibling in self._forks.pop(req.request_id, ()):
                 self.scheduler.add(sibling)
         return events
+
+    def _advance_grammar(self, req: Request) -> None:
+        """Feed a constrained sample's new token to its matcher; a grammar that is complete
+        (its stop token accepted, even under ignore_eos) ends the request."""
+        matcher = req.grammar
+        if req.is_finished and req.finish_reason is not FinishReason.STOP:
+            return  # cut at max_tokens: the matcher is not used again
+        accepted = matcher.accept_token(req.output_token_ids[-1])  # type: ignore[attr-defined]
+        if not accepted:  # the mask forbids it: only a bug gets here
+            logger.error("request %s sampled token %d outside its grammar", req.request_id,
+                         req.output_token_ids[-1])
+        if (not accepted or matcher.is_terminated()) and not req.is_finished:  # type: ignore
+            self.scheduler.finish(req.request_id, FinishReason.STOP)
 
     def _retire(self, parent_id: str, sample_id: str) -> None:
         remaining = [s for s in self._samples.get(parent_id, ()) if s != sample_id]
@@ -271,6 +294,7 @@ class Engine:
         # max_tokens=1: the whole request, nothing to hand off
         sample = Request(request_id, ids, first_only, self.eos_token_ids,
                          cache_salt=req.cache_salt, hold_kv=params.max_tokens > 1)
+        self._constrain(sample, ())
         self.outputs.add(sample, request_id, 0)
         self._samples[request_id] = [request_id]
         self.scheduler.add(sample)
@@ -309,8 +333,16 @@ class Engine:
                                       param="sent_token_ids")
         sample = Request(request_id, ids, params, self.eos_token_ids,
                          cache_salt=req.cache_salt)
+        self._constrain(sample, sent_token_ids)
         sample.append_output(sent_token_ids[0])
         return sample
+
+    def _constrain(self, sample: Request, sent_token_ids: Sequence[int]) -> None:
+        """Give a structured-output sample its grammar matcher, at the state after the tokens
+        already sent (compiled here unless the async engine compiled it off the step thread)."""
+        spec = sample.params.structured
+        if spec is not None:
+            sample.grammar = self.grammars.matcher(spec, sent_token_ids)
 
     def _replay(self, sample: Request, sent_token_ids: Sequence[int]) -> None:
         """Track a continued sample, priming its detokenizer and stop-string state with the

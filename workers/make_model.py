@@ -24,7 +24,7 @@ from workers.loader import hf_weight_shapes, random_weight
 from workers.model_config import ModelConfig, resolve_dtype
 
 # bump when the files make_model writes change, so cached defaults are rebuilt
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: chat templates that render tools (llama, mistral)
 _DEFAULT_SHARD_BYTES = 2 * 1024**3
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

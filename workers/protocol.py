@@ -13,16 +13,12 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from workers.errors import InvalidRequestError  # noqa: F401 -- re-exported: every layer's refusal
 
-class InvalidRequestError(ValueError):
-    """A request the engine refuses; `param` names the offending field (OpenAI's `param`)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+if TYPE_CHECKING:
+    from workers.structured_output import StructuredOutput
 
 
 class KVCacheFull(RuntimeError):
@@ -38,6 +34,7 @@ def _check(ok: bool, param: str, message: str) -> None:
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
 
 
 @dataclass
@@ -65,6 +62,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output text's grammar (`workers.structured_output`); None: free text
+    structured: StructuredOutput | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +103,14 @@ class SamplingParams:
                f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                f"must be non-negative token ids, got {self.stop_token_ids}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                   f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+            _check(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias",
+                   f"keys must be non-negative token ids, got {[t for t in bias][:5]}")
+            bad = {t: v for t, v in bias.items() if not -100.0 <= v <= 100.0}
+            _check(not bad, "logit_bias", f"values must be in [-100, 100], got {bad}")
 
     @property
     def greedy(self) -> bool:

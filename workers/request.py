@@ -44,6 +44,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
+        # a structured-output request's grammar matcher (`workers.grammar`), in step with
+        # `output_token_ids`; None: free text
+        self.grammar: object | None = None
         self.block_hashes: list[int] = []  # chained hashes of the full blocks known so far
         # entry i: logprob of prompt token i given the tokens before it (None for the first)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (

@@ -3,7 +3,9 @@
 A seeded request's randomness at each output position comes from (seed, position) alone
 (`position_seed`), so a seed gives the same tokens whatever else shares the batch, and whichever
 worker samples which position: aggregated, handed off after its first token, or migrated. Logprobs are of the model's raw
-distribution (before penalties and temperature), as vLLM reports them by default.
+distribution (before penalties, logit_bias and temperature), as vLLM reports them by default;
+for a structured-output request, of that distribution with the grammar's mask applied (tokens it
+forbids are -inf, reported as -9999.0 as vLLM does, since JSON has no infinity).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.grammar import MaskBuffer
 from workers.protocol import SamplingParams, TokenLogprob
 from workers.request import Request
 
@@ -23,6 +26,7 @@ class SamplerOutput:
 
 
 _U64 = (1 << 64) - 1
+MIN_LOGPROB = -9999.0  # a masked token's logprob as reported
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -49,9 +53,10 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:
     """Chosen token's logprob plus the top `k` alternatives, per row. logprobs: [N, V]."""
-    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].clamp(min=MIN_LOGPROB).tolist()
     if k > 0:
         top_v, top_i = logprobs.topk(k, dim=-1)
+        top_v = top_v.clamp(min=MIN_LOGPROB)
         tops = [dict(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
     else:
         tops = [{} for _ in chosen_lp]
@@ -73,6 +78,7 @@ def _adjusted(req: Request) -> bool:
     masked until min_tokens)."""
     p = req.params
     return (req.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
+            or bool(p.logit_bias)
             or ((p.presence_penalty or p.frequency_penalty) and bool(req.output_token_ids)))
 
 
@@ -89,12 +95,17 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             out = torch.tensor(req.output_token_ids, device=logits.device).clamp_(max=vocab - 1)
             counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.logit_bias:  # ids were checked against the vocabulary on arrival
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device,
+                                             dtype=logits.dtype)
 
 
 def _mask_stops_before_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
     vocab = logits.shape[1]
     for row, req in enumerate(reqs):
-        if req.num_output_tokens < req.params.min_tokens:
+        # a grammar decides where a constrained request may end
+        if req.num_output_tokens < req.params.min_tokens and req.grammar is None:
             banned = [t for t in (*req.eos_token_ids, *req.params.stop_token_ids) if t < vocab]
             logits[row, banned] = float("-inf")
 
@@ -129,14 +140,19 @@ class Sampler:
         self.device = device
         self.generator = make_generator(seed, device)  # for requests without a seed
         self._seeded = torch.Generator(device=device)  # reseeded per seeded row and step
+        self._masks = MaskBuffer()
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         # logits: [N, V] float32, one row per request that samples this step
         params = [r.params for r in reqs]
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            logits = logits.clone()
+            self._masks.apply(logits, constrained, [reqs[i].grammar for i in constrained])
         k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = logits.log_softmax(dim=-1) if k is not None else None
         if any(_adjusted(r) for r in reqs):  # else the logits are read as they are
-            logits = logits.clone()
+            logits = logits if constrained else logits.clone()
             _mask_stops_before_min_tokens(logits, reqs)
             _apply_penalties(logits, reqs)
 

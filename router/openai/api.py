@@ -30,6 +30,7 @@ from router.errors import (
 from router.openai.chat import create_chat_completion
 from router.openai.common import TokenStrings
 from router.openai.completions import create_completion
+from router.openai.tokenize import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,14 @@ async def chat_completions(request: Request) -> Any:
     return await create_chat_completion(_router(request), request.app.state.tokens, request)
 
 
+async def tokenize_route(request: Request) -> Any:
+    return await tokenize(_router(request), request)
+
+
+async def detokenize_route(request: Request) -> Any:
+    return await detokenize(_router(request), request)
+
+
 def create_app(router: Router) -> FastAPI:
     """The HTTP app over `router`; the caller runs `router.start()` / `stop()` around it."""
     app = FastAPI(title="Cleave", openapi_url=None, docs_url=None, redoc_url=None)
@@ -183,6 +192,8 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize_route, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize_route, methods=["POST"])
     app.add_middleware(GuardMiddleware, router=router)
     return app
 

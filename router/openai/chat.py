@@ -5,6 +5,7 @@ events)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -32,7 +33,9 @@ from router.openai.common import (
     usage,
 )
 from router.openai.protocol import ChatCompletionRequest
-from workers.protocol import TokenLogprob
+from router.openai.tool_calls import ToolCallStream, message_with_calls, tool_call_format
+from router.openai.tool_parsers import ToolCallFormat
+from workers.protocol import InvalidRequestError, SamplingParams, TokenEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +57,11 @@ def _long(body: ChatCompletionRequest) -> bool:
 
 def chat_prompt(router: Router, body: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_input() for m in body.messages]
+    tools = body.template_tools() if isinstance(body, ChatCompletionRequest) else None
     try:
         ids = router.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+            tools=tools)
     except ValueError as exc:  # no template, or the template raised on these messages
         raise BadRequestError(f"the chat template could not format the messages: {exc}",
                               param="messages") from None
@@ -81,23 +86,53 @@ async def _create(router: Router, tokens: TokenStrings, request: Request,
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(
         default_max_tokens(router, body.requested_max_tokens, len(ids)), logprobs, None)
+    tool_format = _tool_format(router, body)
+    if tool_format is not None:
+        params = _force_call(body, tool_format, params)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": router.model_name}
     fmt = _Logprobs(tokens, body.logprobs)
     if not body.stream:
         try:
             return await until_disconnected(request, _collect(router, body, ids, params, fmt,
-                                                              meta))
+                                                              meta, tool_format))
         finally:
             slot.release()
     gens = await start_all(router, [ids], [params], body.cache_salt)
-    return StreamingResponse(_stream(gens[0], body, fmt, meta, slot),
+    return StreamingResponse(_stream(gens[0], body, fmt, meta, slot, tool_format),
                              media_type="text/event-stream",
                              background=BackgroundTask(slot.release))
 
 
+def _tool_format(router: Router, body: ChatCompletionRequest) -> ToolCallFormat | None:
+    """The format this request's tool calls are read in (None: it reads none)."""
+    if not body.reads_tool_calls:
+        return None
+    found = tool_call_format(router.config.tool_call_parser, router.tokenizer)
+    if found is None:
+        raise BadRequestError("this model's chat template renders no tools; serve it with a "
+                              "tool_call_parser (router.tool_call_parser)", param="tools")
+    return found
+
+
+def _force_call(body: ChatCompletionRequest, tool_format: ToolCallFormat,
+                params: SamplingParams) -> SamplingParams:
+    """`params` with the grammar of the call `tool_choice` forces, if it forces one."""
+    try:
+        forced = body.forced(tool_format)
+    except InvalidRequestError as exc:  # a function's parameters the grammar cannot enforce
+        raise BadRequestError(exc.message, param="tools") from None
+    if forced is None:
+        return params
+    if params.structured is not None:
+        raise BadRequestError(f"tool_choice forces a call; {params.structured.param} cannot "
+                              "constrain the same output", param="tool_choice")
+    return dataclasses.replace(params, structured=forced)
+
+
 async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int], params: Any,
-                   fmt: _Logprobs, meta: dict[str, Any]) -> JSONResponse:
+                   fmt: _Logprobs, meta: dict[str, Any],
+                   tool_format: ToolCallFormat | None) -> JSONResponse:
     gens = await start_all(router, [ids], [params], body.cache_salt)
     choices = [_Choice() for _ in range(body.n)]
     async for _, event in merge(gens):
@@ -108,15 +143,20 @@ async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int], 
         if event.finish_reason is not None:
             choice.finish_reason = event.finish_reason.value
             choice.stop_reason = event.stop_reason
-    out = [{"index": k, "message": {"role": "assistant", "content": c.content},
-            "logprobs": fmt(c.logprobs), "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason} for k, c in enumerate(choices)]
+    out = []
+    for k, c in enumerate(choices):
+        message, finish = {"role": "assistant", "content": c.content}, c.finish_reason
+        if tool_format is not None:
+            message, finish = message_with_calls(tool_format, c.content, finish)
+        out.append({"index": k, "message": message, "logprobs": fmt(c.logprobs),
+                    "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({**meta, "object": "chat.completion", "choices": out,
                          "usage": usage(gens, sum(c.num_tokens for c in choices))})
 
 
 async def _stream(gen: Generation, body: ChatCompletionRequest, fmt: _Logprobs,
-                  meta: dict[str, Any], slot: Admission) -> AsyncIterator[str]:
+                  meta: dict[str, Any], slot: Admission,
+                  tool_format: ToolCallFormat | None) -> AsyncIterator[str]:
     head = {**meta, "object": "chat.completion.chunk"}
     num_tokens = 0
 
@@ -129,13 +169,18 @@ async def _stream(gen: Generation, body: ChatCompletionRequest, fmt: _Logprobs,
     try:
         yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None} for k in range(body.n)])
+        calls = [ToolCallStream(tool_format) for _ in range(body.n)] if tool_format else None
         async for _, event in merge([gen]):
             num_tokens += len(event.token_ids)
             finish = None if event.finish_reason is None else event.finish_reason.value
-            delta = {"content": event.text} if event.text or finish is None else {}
-            yield chunk([{"index": event.index, "delta": delta,
-                          "logprobs": fmt(event.logprobs or []), "finish_reason": finish,
-                          "stop_reason": event.stop_reason}])
+            if calls is None:
+                delta = {"content": event.text} if event.text or finish is None else {}
+                yield chunk([{"index": event.index, "delta": delta,
+                              "logprobs": fmt(event.logprobs or []), "finish_reason": finish,
+                              "stop_reason": event.stop_reason}])
+                continue
+            for frame in _tool_frames(calls[event.index], event, finish, fmt):
+                yield chunk([frame])
         if body.include_usage:
             yield sse({**head, "choices": [], "usage": usage([gen], num_tokens)})
     except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
@@ -144,6 +189,23 @@ async def _stream(gen: Generation, body: ChatCompletionRequest, fmt: _Logprobs,
     finally:
         slot.release()
     yield SSE_DONE
+
+
+def _tool_frames(calls: ToolCallStream, event: TokenEvent, finish: str | None,
+                 fmt: _Logprobs) -> list[dict[str, Any]]:
+    """One event's frames of a choice whose tool calls are read: content or call deltas (the
+    event's logprobs ride on the first), the finish reason on the last."""
+    deltas = calls.feed(event.text)
+    if finish is not None:
+        deltas += calls.finish()
+        if calls.made_calls and finish == "stop":
+            finish = "tool_calls"
+    frames = [{"index": event.index, "delta": d, "logprobs": None, "finish_reason": None}
+              for d in deltas] or [{"index": event.index, "delta": {}, "logprobs": None,
+                                    "finish_reason": None}]
+    frames[0]["logprobs"] = fmt(event.logprobs or [])
+    frames[-1].update(finish_reason=finish, stop_reason=event.stop_reason)
+    return frames
 
 
 class _Logprobs:

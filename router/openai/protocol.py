@@ -1,19 +1,25 @@
 """OpenAI request bodies (with vLLM's sampling extensions), validated by pydantic.
 
-Only the HTTP edge uses these; `to_sampling_params` turns a body into the engine's
+Only the HTTP edge uses these; `sampling_params` turns a body into the engine's
 `SamplingParams`. A field the server does not know is refused with a 400 naming it (a client
-that sets `logit_bias` or `response_format` must not get output that ignores it); OpenAI's
-fields that change nothing here (`user`, `store`, `metadata`, ...) are accepted, and those that
-would change the output but are not supported yet are accepted only at their no-op values.
+that sets a field must not get output that ignores it); OpenAI's fields that change nothing here
+(`user`, `store`, `metadata`, ...) are accepted, and those that would change the output but are
+not supported yet are accepted only at their no-op values. Tools: `tool_calls.py`.
+
+Structured output comes as OpenAI's `response_format` (`json_object`, `json_schema`) or as
+vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) or its older
+`guided_*` fields: at most one of them per request (`structured_output.py`).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from router.errors import BadRequestError
+from router.openai.structured_output import StructuredFields
+from router.openai.tool_calls import ToolCallIn, ToolFields
 from workers.protocol import InvalidRequestError, SamplingParams
 
 
@@ -22,7 +28,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _SamplingBody(BaseModel):
+class _SamplingBody(StructuredFields):
     """Fields the completions and chat bodies share."""
 
     model_config = ConfigDict(extra="forbid")
@@ -42,12 +48,7 @@ class _SamplingBody(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
-    # OpenAI fields not supported yet: accepted only when they ask for nothing
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, object] | None = None
-    tools: list[dict[str, object]] | None = None
-    tool_choice: Union[str, dict[str, object], None] = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's extensions
     ignore_eos: bool = False
     top_k: int | None = None
@@ -77,23 +78,28 @@ class _SamplingBody(BaseModel):
                 stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                structured=self.structured_output(), logit_bias=self._logit_bias())
         except InvalidRequestError as exc:
             raise BadRequestError(exc.message, param=exc.param) from None
 
     def check_openai_ranges(self) -> None:
-        """OpenAI's documented ranges that the engine itself would accept, and the fields
-        not supported yet, refused when they ask for something."""
-        unsupported = {"logit_bias": bool(self.logit_bias),
-                       "response_format": self.response_format not in (None, {"type": "text"}),
-                       "tools": bool(self.tools),
-                       "tool_choice": self.tool_choice not in (None, "none", "auto")}
-        for name, asked in unsupported.items():
-            if asked:
-                raise BadRequestError(f"{name} is not supported by this server", param=name)
+        """OpenAI's documented ranges that the engine itself would accept."""
         if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
             raise BadRequestError(f"temperature must be in [0, 2], got {self.temperature}",
                                   param="temperature")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise BadRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                      param="logit_bias") from None
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -135,18 +141,24 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.as_template_input() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ChatCompletionRequest(_SamplingBody):
+class ChatCompletionRequest(_SamplingBody, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
@@ -156,6 +168,7 @@ class ChatCompletionRequest(_SamplingBody):
 
     def check(self) -> None:
         self.check_openai_ranges()
+        self.check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:

@@ -73,6 +73,7 @@ VALUES = {
     "router.host": "127.0.0.2",  # loopback: a non-loopback host needs keys (tested apart)
     "router.policy_weights": {"w_hit": 2.0},
     "router.api_keys_env": KEYS_ENV,
+    "router.tool_call_parser": "hermes",
 }
 
 

@@ -83,7 +83,7 @@ CASES = [
      "messages"),
     ("lone surrogate in the salt", CMPL, b'{"prompt": "a", "cache_salt": "\\ud800"}', JSON,
      400, "cache_salt"),
-    ("unsupported field logit_bias", CMPL, body(logit_bias={"5": 10}), JSON, 400,
+    ("logit_bias outside the vocabulary", CMPL, body(logit_bias={"999999": 10}), JSON, 400,
      "logit_bias"),
     ("unknown field", CHAT, chat(frobnicate=True), JSON, 400, "frobnicate"),
     ("too many prompts", CMPL, body(prompt=["a"] * 65), JSON, 400, "prompt"),

@@ -5,15 +5,18 @@ output)."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import openai
 import pytest
 
 from cluster.local_server import LocalServer
 from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
+from tests.schemas import random_schema
 
 STEP_DELAY_S = 0.01  # slows every engine step, so a stream is still running when its worker dies
 MAX_TOKENS = 40
@@ -136,3 +139,28 @@ def test_stream_ends_with_an_error_when_no_worker_is_left(tiny_model):
         assert failures(server) == 1  # moved once; the second failure left nowhere to go
     finally:
         server.stop()
+
+
+def test_a_structured_stream_migrates_and_stays_valid(srv):
+    """A JSON-schema stream whose worker dies goes on elsewhere with its grammar's state rebuilt
+    from the tokens sent: the same text as undisturbed, valid against the schema."""
+    schema = random_schema(11)
+    prompt = fresh_prompt()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key=API_KEY,
+                           timeout=60, max_retries=0)
+
+    def chunks():
+        return client.completions.create(
+            model=srv.router.model_name, prompt=prompt, max_tokens=300, temperature=0,
+            stream=True, extra_body={"structured_outputs": {"json": schema}})
+
+    expected = "".join(c.choices[0].text for c in chunks())
+    stream = chunks()
+    text = "".join(c.choices[0].text for c in itertools.islice(stream, 3))
+    victim = streaming_worker(srv)
+    assert srv.call(victim.stats()).num_running == 1
+    srv.call(victim.close())
+    text += "".join(c.choices[0].text for c in stream)
+    assert text == expected
+    jsonschema.validate(json.loads(text), schema)
+    assert failures(srv) == 1

@@ -61,36 +61,87 @@ class TokenizerInfo:
 
 # Chat templates modelled on the real families' `tokenizer_config.json` (Meta-Llama-3-8B-Instruct,
 # Mistral-7B-Instruct-v0.2, Qwen2.5-Instruct); the Jinja string literals keep their `\n` escapes.
-_LLAMA3_TEMPLATE = (
-    r"{% set loop_messages = messages %}{% for message in loop_messages %}"
-    r"{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    r"+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    r"{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    r"{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
+# Llama 3.1's JSON tool calling: the tools ahead of the first user message, a call written as
+# {"name": ..., "parameters": ...}, a tool's answer in an "ipython" turn.
+_LLAMA3_TEMPLATE = r"""{%- set ns = namespace(tools='', text='') %}
+{%- if tools %}
+    {%- set ns.tools = 'Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\n\nRespond in the format {"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n' %}
+    {%- for tool in tools %}
+        {%- set ns.tools = ns.tools + (tool | tojson) + '\n\n' %}
+    {%- endfor %}
+{%- endif %}
+{%- for message in messages %}
+    {%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}
+    {%- if message['tool_calls'] %}
+        {%- set ns.text = '' %}
+        {%- for call in message['tool_calls'] %}
+            {%- set ns.text = ns.text + '{"name": "' + call['function']['name'] + '", "parameters": ' + (call['function']['arguments'] | tojson) + '}' %}
+        {%- endfor %}
+    {%- else %}
+        {%- set ns.text = message['content'] | trim %}
+    {%- endif %}
+    {%- if role == 'user' and ns.tools %}
+        {%- set ns.text = ns.tools + ns.text %}
+        {%- set ns.tools = '' %}
+    {%- endif %}
+    {%- set content = '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + ns.text + '<|eot_id|>' %}
+    {%- if loop.index0 == 0 %}
+        {%- set content = bos_token + content %}
+    {%- endif %}
+    {{- content }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
 
+# Mistral v0.3's tool calling: [AVAILABLE_TOOLS] before the last user message, calls after
+# [TOOL_CALLS], results in [TOOL_RESULTS]; roles alternate only in a conversation without tools.
 _MISTRAL_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
     {%- set system_message = messages[0]['content'] %}
     {%- set loop_messages = messages[1:] %}
 {%- else %}
     {%- set loop_messages = messages %}
 {%- endif %}
+{%- set ns = namespace(last_user=-1, tooling=(tools is not none and tools | length > 0)) %}
+{%- for message in loop_messages %}
+    {%- if message['role'] == 'user' %}
+        {%- set ns.last_user = loop.index0 %}
+    {%- endif %}
+    {%- if message['role'] == 'tool' or message['tool_calls'] %}
+        {%- set ns.tooling = true %}
+    {%- endif %}
+{%- endfor %}
 
 {{- bos_token }}
 {%- for message in loop_messages %}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+    {%- if not ns.tooling and (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
         {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
     {%- endif %}
     {%- if message['role'] == 'user' %}
+        {%- if tools and loop.index0 == ns.last_user %}
+            {{- ' [AVAILABLE_TOOLS] ' + (tools | tojson) + ' [/AVAILABLE_TOOLS]' }}
+        {%- endif %}
         {%- if loop.first and system_message is defined %}
             {{- ' [INST] ' + system_message + '\n\n' + message['content'] + ' [/INST]' }}
         {%- else %}
             {{- ' [INST] ' + message['content'] + ' [/INST]' }}
         {%- endif %}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+        {{- ' [TOOL_CALLS] [' }}
+        {%- for call in message['tool_calls'] %}
+            {{- '{"name": "' + call['function']['name'] + '", "arguments": ' + (call['function']['arguments'] | tojson) + '}' }}
+            {%- if not loop.last %}
+                {{- ', ' }}
+            {%- endif %}
+        {%- endfor %}
+        {{- ']' + eos_token }}
     {%- elif message['role'] == 'assistant' %}
         {{- ' ' + message['content'] + eos_token}}
+    {%- elif message['role'] == 'tool' %}
+        {{- ' [TOOL_RESULTS] {"content": ' + (message['content'] | tojson) + '} [/TOOL_RESULTS]' }}
     {%- else %}
-        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}
+        {{- raise_exception('Only user, assistant and tool roles are supported, with the exception of an initial optional system message!') }}
     {%- endif %}
 {%- endfor %}
 """

@@ -83,6 +83,12 @@ class Tokenizer:
         )
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers` object, for libraries that read the whole vocabulary (the grammar
+        compiler). Do not mutate it."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids, added and special tokens included (`len()` of a transformers tokenizer)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
@@ -142,6 +148,14 @@ class Tokenizer:
         if tokenize:
             return self.encode(text, add_special_tokens=False)
         return text
+
+    def chat_template_source(self, tools: bool = False) -> str | None:
+        """The Jinja source `apply_chat_template` would use (with tools, or without); None
+        when the model has none."""
+        try:
+            return self._pick_chat_template([] if tools else None)
+        except ValueError:
+            return None
 
     def _pick_chat_template(self, tools: list[dict[str, Any]] | None) -> str:
         if not self._chat_templates:

@@ -24,37 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%router/proto/cleave/v1/generate.proto\x12\tcleave.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xe2\x05\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\xbd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.cleave.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.cleave.v1.SamplingParameters\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x82\x01\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12(\n\x03top\x18\x03 \x03(\x0b\x32\x1b.cleave.v1.Logprob.TopEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x92\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12$\n\x08logprobs\x18\x05 \x03(\x0b\x32\x12.cleave.v1.Logprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x1f\n\x17predicted_cached_tokens\x18\n \x01(\r\x12\x11\n\tworker_id\x18\x0b \x01(\t\"\x0f\n\rModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"2\n\x0eModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.cleave.v1.Model\"\x0f\n\rHealthRequest\":\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x17\n\x0fhealthy_workers\x18\x02 \x03(\t2\xd1\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.cleave.v1.GenerateRequest\x1a\x1b.cleave.v1.GenerateResponse0\x01\x12=\n\x06Models\x12\x18.cleave.v1.ModelsRequest\x1a\x19.cleave.v1.ModelsResponse\x12=\n\x06Health\x12\x18.cleave.v1.HealthRequest\x1a\x19.cleave.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%router/proto/cleave/v1/generate.proto\x12\tcleave.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x87\x07\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\x17\n\nignore_eos\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12/\n\nconstraint\x18\x13 \x01(\x0b\x32\x1b.cleave.v1.OutputConstraint\x12@\n\nlogit_bias\x18\x14 \x03(\x0b\x32,.cleave.v1.SamplingParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\x95\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.cleave.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xbd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.cleave.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.cleave.v1.SamplingParameters\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x82\x01\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12(\n\x03top\x18\x03 \x03(\x0b\x32\x1b.cleave.v1.Logprob.TopEntry\x1a*\n\x08TopEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x92\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12$\n\x08logprobs\x18\x05 \x03(\x0b\x32\x12.cleave.v1.Logprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\t \x01(\r\x12\x1f\n\x17predicted_cached_tokens\x18\n \x01(\r\x12\x11\n\tworker_id\x18\x0b \x01(\t\"\x0f\n\rModelsRequest\"*\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"2\n\x0eModelsResponse\x12 \n\x06models\x18\x01 \x03(\x0b\x32\x10.cleave.v1.Model\"\x0f\n\rHealthRequest\":\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x17\n\x0fhealthy_workers\x18\x02 \x03(\t2\xd1\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.cleave.v1.GenerateRequest\x1a\x1b.cleave.v1.GenerateResponse0\x01\x12=\n\x06Models\x12\x18.cleave.v1.ModelsRequest\x1a\x19.cleave.v1.ModelsResponse\x12=\n\x06Health\x12\x18.cleave.v1.HealthRequest\x1a\x19.cleave.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router.proto.cleave.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_LOGPROB_TOPENTRY']._loaded_options = None
   _globals['_LOGPROB_TOPENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=52
   _globals['_TOKENIDS']._serialized_end=75
   _globals['_SAMPLINGPARAMETERS']._serialized_start=78
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=816
-  _globals['_GENERATEREQUEST']._serialized_start=819
-  _globals['_GENERATEREQUEST']._serialized_end=1008
-  _globals['_LOGPROB']._serialized_start=1011
-  _globals['_LOGPROB']._serialized_end=1141
-  _globals['_LOGPROB_TOPENTRY']._serialized_start=1099
-  _globals['_LOGPROB_TOPENTRY']._serialized_end=1141
-  _globals['_GENERATERESPONSE']._serialized_start=1144
-  _globals['_GENERATERESPONSE']._serialized_end=1418
-  _globals['_MODELSREQUEST']._serialized_start=1420
-  _globals['_MODELSREQUEST']._serialized_end=1435
-  _globals['_MODEL']._serialized_start=1437
-  _globals['_MODEL']._serialized_end=1479
-  _globals['_MODELSRESPONSE']._serialized_start=1481
-  _globals['_MODELSRESPONSE']._serialized_end=1531
-  _globals['_HEALTHREQUEST']._serialized_start=1533
-  _globals['_HEALTHREQUEST']._serialized_end=1548
-  _globals['_HEALTHRESPONSE']._serialized_start=1550
-  _globals['_HEALTHRESPONSE']._serialized_end=1608
-  _globals['_GENERATION']._serialized_start=1611
-  _globals['_GENERATION']._serialized_end=1820
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=981
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=673
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=721
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=984
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=1133
+  _globals['_CHOICELIST']._serialized_start=1135
+  _globals['_CHOICELIST']._serialized_end=1164
+  _globals['_GENERATEREQUEST']._serialized_start=1167
+  _globals['_GENERATEREQUEST']._serialized_end=1356
+  _globals['_LOGPROB']._serialized_start=1359
+  _globals['_LOGPROB']._serialized_end=1489
+  _globals['_LOGPROB_TOPENTRY']._serialized_start=1447
+  _globals['_LOGPROB_TOPENTRY']._serialized_end=1489
+  _globals['_GENERATERESPONSE']._serialized_start=1492
+  _globals['_GENERATERESPONSE']._serialized_end=1766
+  _globals['_MODELSREQUEST']._serialized_start=1768
+  _globals['_MODELSREQUEST']._serialized_end=1783
+  _globals['_MODEL']._serialized_start=1785
+  _globals['_MODEL']._serialized_end=1827
+  _globals['_MODELSRESPONSE']._serialized_start=1829
+  _globals['_MODELSRESPONSE']._serialized_end=1879
+  _globals['_HEALTHREQUEST']._serialized_start=1881
+  _globals['_HEALTHREQUEST']._serialized_end=1896
+  _globals['_HEALTHRESPONSE']._serialized_start=1898
+  _globals['_HEALTHRESPONSE']._serialized_end=1956
+  _globals['_GENERATION']._serialized_start=1959
+  _globals['_GENERATION']._serialized_end=2168
 # @@protoc_insertion_point(module_scope)
