@@ -135,8 +135,16 @@ async def merge(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, TokenEve
         await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
 
 
+# Unicode line breaks JSON leaves raw but `str.splitlines` splits on (httpx's `iter_lines`
+# does): escaped, so every event stays on its one line for such clients too
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    text = json.dumps(payload, ensure_ascii=False)
+    if not text.isascii():
+        text = text.translate(_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

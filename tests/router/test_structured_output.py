@@ -258,3 +258,20 @@ def test_grpc_carries_the_constraint(srv):
         generate(pb.OutputConstraint(regex="a("))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling.constraint" in err.value.details()
+
+
+def test_a_stream_holding_unicode_line_breaks_reads_line_by_line(srv):
+    """U+0085, U+2028 and U+2029 are valid raw in JSON, but `str.splitlines` (httpx's
+    `iter_lines`, which guidellm and the load generator read SSE with) breaks lines on them: the
+    events carry them escaped."""
+    import httpx
+
+    body = {"model": srv.router.model_name, "prompt": "breaks", "max_tokens": 32, "stream": True,
+            "temperature": 0, "structured_outputs": {"regex": "a\u2028b\u0085c\u2029d"}}
+    text = ""
+    with httpx.stream("POST", f"http://127.0.0.1:{srv.http_port}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == "a\u2028b\u0085c\u2029d"
