@@ -157,6 +157,8 @@ def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         shapes.append((p + "self_attn.o_proj.weight", (h, q)))
         if config.o_proj_bias:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
+        if config.qk_norm:
+            shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
         shapes.append((p + "post_attention_layernorm.weight", (h,)))
         if config.is_moe_layer(i):
             shapes += _moe_shapes(config, p)

@@ -32,9 +32,12 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-# the MoE families use their dense relatives' tokenizers and chat templates
-_TOKENIZER_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2"}
+# the MoE families use their dense relatives' tokenizers and chat templates (Qwen3: Qwen2's)
+_TOKENIZER_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3": "qwen2",
+                     "qwen3_moe": "qwen2"}
 _NUM_EXPERTS, _TOP_K = 4, 2  # every preset's MoE shape: tiny, like the parallel tests
 
 
@@ -162,6 +165,9 @@ def _hf_config(
         kwargs.update(num_experts=_NUM_EXPERTS, num_experts_per_tok=_TOP_K,
                       moe_intermediate_size=shape.intermediate_size // 2,
                       shared_expert_intermediate_size=shape.intermediate_size)
+    if arch == "qwen3_moe":  # renormalized top-k, no shared expert, as Qwen3-30B-A3B
+        kwargs.update(num_experts=_NUM_EXPERTS, num_experts_per_tok=_TOP_K,
+                      moe_intermediate_size=shape.intermediate_size // 2, norm_topk_prob=True)
     kwargs.update(overrides)
     config_class = {
         "llama": transformers.LlamaConfig,
@@ -169,6 +175,8 @@ def _hf_config(
         "qwen2": transformers.Qwen2Config,
         "mixtral": transformers.MixtralConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[arch]
     return config_class(**kwargs)
 

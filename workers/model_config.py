@@ -15,7 +15,8 @@ from typing import Any, Mapping
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -23,6 +24,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _DEFAULT_ROPE_THETA = 10000.0
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -90,6 +93,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None  # tokens each query may see, None for full attention
     moe: MoEConfig | None = None  # None for dense models
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """True when layer `layer_idx` has a sparse MoE block instead of a dense MLP."""
@@ -99,8 +103,8 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        # Llama applies `attention_bias` to o_proj too; Qwen2 never has an o_proj bias
-        return self.attention_bias and self.model_type == "llama"
+        # Llama and Qwen3 apply `attention_bias` to o_proj too; Qwen2 never has an o_proj bias
+        return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe")
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -161,6 +165,7 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),  # dedup, keep order
             sliding_window=_sliding_window(raw, model_type),
             moe=_moe(raw, model_type),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
         )
 
 
@@ -197,9 +202,11 @@ def _moe(raw: Mapping[str, Any], model_type: str) -> MoEConfig | None:
         return MoEConfig(num_experts=int(raw["num_local_experts"]),
                          top_k=int(raw["num_experts_per_tok"]),
                          intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):  # Qwen3-MoE: no shared expert
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the hub's
+        # configs (and Qwen2-MoE's) as num_experts
         return MoEConfig(
-            num_experts=int(raw["num_experts"]), top_k=int(raw["num_experts_per_tok"]),
+            num_experts=int(raw.get("num_experts") or raw["num_local_experts"]), top_k=int(raw["num_experts_per_tok"]),
             intermediate_size=int(raw["moe_intermediate_size"]),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
@@ -250,8 +257,9 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
     window = raw.get("sliding_window")
     if window is None:
         return None
-    if model_type in ("qwen2", "qwen2_moe") and not raw.get("use_sliding_window", False):
-        return None  # Qwen2 writes a window but only applies it when this flag is set
+    if (model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+            and not raw.get("use_sliding_window", False)):
+        return None  # Qwen2 and Qwen3 write a window but only apply it when this flag is set
     if model_type == "llama":
         return None
     return int(window)

@@ -32,6 +32,13 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         config = tf.Qwen2MoeConfig(**TINY, moe_intermediate_size=32, num_experts=4,
                                    num_experts_per_tok=2, shared_expert_intermediate_size=64)
         cls = tf.Qwen2MoeForCausalLM
+    elif arch == "qwen3":  # q/k norm; a head_dim other than hidden / heads; o_proj bias
+        config = tf.Qwen3Config(**{**TINY, "head_dim": 24}, attention_bias=True)
+        cls = tf.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":  # q/k norm, 4 experts, top-2 renormalized, no shared expert
+        config = tf.Qwen3MoeConfig(**TINY, moe_intermediate_size=32, num_experts=4,
+                                   num_experts_per_tok=2, norm_topk_prob=True)
+        cls = tf.Qwen3MoeForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -40,6 +47,8 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.08)
+            elif "q_norm" in name or "k_norm" in name:  # not all ones: they must be loaded
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(out)
     return model
 

@@ -23,7 +23,8 @@ SHARED = list(range(100, 140))  # a 40-token prefix for the prefix-cache scenari
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "mixtral", "qwen2_moe",
+                                        "qwen3", "qwen3_moe"])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = save_hf_model(request.param, path)

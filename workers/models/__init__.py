@@ -14,6 +14,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # Llama's, with q/k norm
+    "Qwen3MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen2-MoE's, with q/k norm and no shared expert
 }
 
 

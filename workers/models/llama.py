@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
 
-The architectures differ only in q/k/v bias (Qwen2), o_proj bias (Llama's `attention_bias`) and
-tied input/output embeddings; the arithmetic, including the order of residual adds and the fp32
+The architectures differ only in q/k/v bias (Qwen2), o_proj bias (Llama's and Qwen3's
+`attention_bias`), Qwen3's RMSNorm of each head's q and k before RoPE, and tied input/output
+embeddings; the arithmetic, including the order of residual adds and the fp32
 RMSNorm, follows transformers' `modeling_llama` so fp32 logits match it to ~1e-5.
 """
 
@@ -69,6 +70,10 @@ class LlamaAttention(nn.Module):
             config.rope_scaling,
         )
         self.scale = config.head_dim**-0.5
+        if config.qk_norm:  # per head, over head_dim: the same weights on every TP rank
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -81,6 +86,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, scale=self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
