@@ -1,8 +1,7 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
 
-The architectures differ only in q/k/v bias (Qwen2), o_proj bias (Llama's and Qwen3's
-`attention_bias`), Qwen3's RMSNorm of each head's q and k before RoPE, and tied input/output
-embeddings; the arithmetic, including the order of residual adds and the fp32
+The architectures differ only in their attention (`workers.models.attention`) and tied
+input/output embeddings; the arithmetic, including the order of residual adds and the fp32
 RMSNorm, follows transformers' `modeling_llama` so fp32 logits match it to ~1e-5.
 """
 
@@ -17,10 +16,10 @@ from torch import nn
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.model_config import ModelConfig
+from workers.models.attention import LlamaAttention
 from workers.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     Shard,
@@ -29,7 +28,6 @@ from workers.models.layers import (
     _comm_for,
     kv_heads_per_rank,
 )
-from workers.models.rotary import RotaryEmbedding
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 MlpFactory = Callable[[int], tuple[str, nn.Module]]  # layer index -> (name, MLP module)
@@ -42,55 +40,6 @@ _STACKED = (
     ("gate_up_proj", "up_proj", 1),
 )
 _SHARDS_PER_PARAM = {"qkv_proj": 3, "gate_up_proj": 2}
-
-
-class LlamaAttention(nn.Module):
-    def __init__(
-        self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend, shard: Shard,
-    ) -> None:
-        tp_rank, tp_size = shard.tp_rank, shard.tp_size
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.attn_backend = attn_backend
-        self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_attention_heads,
-            config.num_key_value_heads, bias=config.attention_bias,
-            tp_rank=tp_rank, tp_size=tp_size,
-        )
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim, config.hidden_size,
-            bias=config.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size, comm=shard.comm,
-            site="attn",
-        )
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta,
-            config.rope_scaling,
-        )
-        self.scale = config.head_dim**-0.5
-        if config.qk_norm:  # per head, over head_dim: the same weights on every TP rank
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, scale=self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
