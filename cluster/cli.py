@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint (HF format)")
     make.add_argument("--arch", default="llama",
-                      help="llama, mistral, qwen2, qwen3, mixtral, qwen2_moe or qwen3_moe")
+                      help="llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2_moe or qwen3_moe")
     make.add_argument("--preset", default="tiny", help="tiny, small or llama-3-8b")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")

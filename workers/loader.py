@@ -150,7 +150,9 @@ def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes += [(p + "input_layernorm.weight", (h,))]
-        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        fused = config.model_type == "phi3"  # one qkv_proj and one gate_up_proj tensor
+        for proj, rows in ((("qkv_proj", q + 2 * kv),) if fused else (
+                ("q_proj", q), ("k_proj", kv), ("v_proj", kv))):
             shapes.append((f"{p}self_attn.{proj}.weight", (rows, h)))
             if config.attention_bias:
                 shapes.append((f"{p}self_attn.{proj}.bias", (rows,)))
@@ -163,7 +165,9 @@ def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         if config.is_moe_layer(i):
             shapes += _moe_shapes(config, p)
             continue
-        mlp = (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter)))
+        mlp = (("gate_up_proj", (2 * inter, h)),) if fused else (
+            ("gate_proj", (inter, h)), ("up_proj", (inter, h)))
+        mlp += (("down_proj", (h, inter)),)
         for proj, shape in mlp:
             shapes.append((f"{p}mlp.{proj}.weight", shape))
             if config.mlp_bias:

@@ -34,10 +34,11 @@ _ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # the MoE families use their dense relatives' tokenizers and chat templates (Qwen3: Qwen2's)
 _TOKENIZER_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3": "qwen2",
-                     "qwen3_moe": "qwen2"}
+                     "qwen3_moe": "qwen2", "phi3": "mistral"}  # phi3: a Llama-2-style vocab
 _NUM_EXPERTS, _TOP_K = 4, 2  # every preset's MoE shape: tiny, like the parallel tests
 
 
@@ -157,7 +158,7 @@ def _hf_config(
         pad_token_id=tokenizer.pad_token_id,
         dtype=shape.dtype,
     )
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "phi3"):
         kwargs["sliding_window"] = None  # full attention, as Mistral-7B-v0.2 and later
     if arch == "mixtral":
         kwargs.update(num_local_experts=_NUM_EXPERTS, num_experts_per_tok=_TOP_K)
@@ -177,6 +178,7 @@ def _hf_config(
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "phi3": transformers.Phi3Config,
     }[arch]
     return config_class(**kwargs)
 

@@ -16,7 +16,7 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -26,6 +26,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _DEFAULT_ROPE_THETA = 10000.0
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -224,6 +225,10 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
     params.update(raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
+    if float(partial) != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported; RoPE must cover "
+                         "the whole head (1.0)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return float(theta), None

@@ -39,6 +39,9 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         config = tf.Qwen3MoeConfig(**TINY, moe_intermediate_size=32, num_experts=4,
                                    num_experts_per_tok=2, norm_topk_prob=True)
         cls = tf.Qwen3MoeForCausalLM
+    elif arch == "phi3":  # fused qkv and gate_up tensors; GQA
+        config = tf.Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

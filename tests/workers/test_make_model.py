@@ -55,14 +55,15 @@ def test_same_seed_gives_identical_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "phi3"])
 def test_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path: Path, arch: str) -> None:
     path = make_model(tmp_path, arch=arch)
     config = ModelConfig.from_pretrained(path)
     assert config.architecture == {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                    "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
                                    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                   "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
+                                   "qwen3_moe": "Qwen3MoeForCausalLM",
+                                   "phi3": "Phi3ForCausalLM"}[arch]
     assert (config.moe is not None) == (arch in ("mixtral", "qwen2_moe", "qwen3_moe"))
     assert config.qk_norm == arch.startswith("qwen3")
     assert config.tie_word_embeddings == (arch == "qwen2")

@@ -152,3 +152,20 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype(torch.float16, bf16) == torch.float16
     with pytest.raises(ValueError, match="'int8'.*auto.*bfloat16"):
         resolve_dtype("int8", bf16)
+
+
+@pytest.mark.parametrize("where", ["top", "rope_parameters"])
+def test_partial_rotary_is_refused_by_name(where: str) -> None:
+    """Phi-3-small and others rotate only part of each head; the engine rotates all of it, so
+    such a checkpoint must fail to load rather than give wrong logits."""
+    raw = legacy_llama_config(architectures=["Phi3ForCausalLM"])
+    if where == "top":
+        raw["partial_rotary_factor"] = 0.5
+    else:
+        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4,
+                                  "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
+        ModelConfig.from_dict(raw)
+    raw.pop("partial_rotary_factor", None)
+    raw.pop("rope_parameters", None)
+    assert ModelConfig.from_dict(raw).architecture == "Phi3ForCausalLM"

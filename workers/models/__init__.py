@@ -6,6 +6,7 @@ from torch import nn
 
 from workers.models.llama import LlamaForCausalLM
 from workers.models.mixtral import MixtralForCausalLM
+from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2_moe import Qwen2MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -16,6 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,  # Llama's, with q/k norm
     "Qwen3MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen2-MoE's, with q/k norm and no shared expert
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # Llama's, from fused qkv and gate_up tensors
 }
 
 
@@ -28,5 +30,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return MODEL_REGISTRY[architecture]
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+           "Qwen2MoeForCausalLM",
            "get_model_class"]
