@@ -206,18 +206,22 @@ def _tool_call_grammar(value: str) -> Any:
     parts = [xgr.Grammar.from_json_schema(compilable_schema(json.dumps(spec["schema"])),
                                           any_whitespace=False)]
     if spec["prefix"]:
-        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(spec['prefix'])}"))
+        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {ebnf_literal(spec['prefix'])}"))
     if spec["suffix"]:
-        parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(spec['suffix'])}"))
+        parts.append(xgr.Grammar.from_ebnf(f"root ::= {ebnf_literal(spec['suffix'])}"))
     return parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts)
+
+
+def ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: BMP characters other than letters, digits and blanks
+    escaped as \\uXXXX, the rest as they are."""
+    return '"' + "".join(c if c.isalnum() or c == " " else f"\\u{ord(c):04x}"
+                         if ord(c) <= 0xFFFF else c for c in text) + '"'
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar matching exactly one of `choices`."""
-    def literal(text: str) -> str:
-        return '"' + "".join(c if c.isalnum() or c == " " else f"\\u{ord(c):04x}"
-                             if ord(c) <= 0xFFFF else c for c in text) + '"'
-    return "root ::= " + " | ".join(literal(c) for c in choices)
+    return "root ::= " + " | ".join(ebnf_literal(c) for c in choices)
 
 
 class MaskBuffer:
