@@ -114,6 +114,37 @@ def test_the_openai_client_gets_the_offline_engines_greedy_output(app, expected)
         c.completions.create(model="nope", prompt="x", max_tokens=1)
 
 
+def test_structured_output_and_a_forced_tool_call_through_the_ray_app(app):
+    """The constraint rides in the request record to every engine actor: a JSON schema holds
+    whether the prompt is handed off (long) or not (short), and a forced call is a valid one."""
+    import json
+
+    import jsonschema
+
+    from tests.schemas import random_schema
+
+    c = client(app)
+    for seed, prompt in ((1, "json please"), (2, LONG * 4 + "as json")):
+        before = router_status()["num_disaggregated"]
+        schema = random_schema(seed)
+        out = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=300,
+            temperature=0, response_format={"type": "json_schema",
+                                            "json_schema": {"name": "s", "schema": schema}})
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert router_status()["num_disaggregated"] == before + 1  # the long one was handed off
+    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}}, "required": ["n"]}
+    out = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=60,
+        temperature=0, tools=[{"type": "function", "function": {"name": "count",
+                                                                "parameters": params}}],
+        tool_choice="required")
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "count"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+
 def test_grpc_generate_runs_through_serves_grpc_proxy(app, expected):
     from router.proto.cleave.v1 import generate_pb2 as pb
     from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
