@@ -1,5 +1,6 @@
 """A TP=2 prefill engine hands its KV to a TP=1 decode engine (and the reverse) through the
-transfer layer, one agent per TP rank, and the greedy output equals the aggregated TP=1 run.
+transfer layer, one agent per TP rank, and the greedy output equals the aggregated TP=1 run
+(Llama, and Qwen3-MoE with its experts split over the TP=2 group).
 
 The TP=2 engine's cache lives in its rank processes; the driver holds shared-memory views of
 each rank's shard (`Engine.kv_caches_by_rank()`, described by `Engine.kv_layouts()`), so each
@@ -69,6 +70,27 @@ async def handoff(prefill, decode, request_id: str) -> list[int]:
 def test_prefill_and_decode_pools_of_different_tp_sizes_agree(engines, prefill_tp, decode_tp):
     by_tp, want = engines
     tokens = asyncio.run(handoff(by_tp[prefill_tp], by_tp[decode_tp], f"r{prefill_tp}"))
+    assert tokens == want
+
+
+@pytest.fixture(scope="module")
+def moe_engines(tmp_path_factory):
+    """Qwen3-MoE (q/k norm, experts): a TP=2, EP=2 engine and a single-rank one."""
+    path = str(tmp_path_factory.mktemp("qwen3_moe"))
+    save_hf_model("qwen3_moe", path)
+    single = LLM(path, block_size=4, num_blocks=64)
+    want = single.generate([PROMPT], PARAMS)[0].outputs[0].token_ids
+    tp2 = LLM(path, block_size=4, num_blocks=64, tensor_parallel_size=2,
+              expert_parallel_size=2)
+    yield {1: single.engine, 2: tp2.engine}, want
+    tp2.engine.close()
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_a_moe_model_hands_off_between_an_expert_parallel_group_and_one_rank(
+        moe_engines, prefill_tp, decode_tp):
+    by_tp, want = moe_engines
+    tokens = asyncio.run(handoff(by_tp[prefill_tp], by_tp[decode_tp], f"m{prefill_tp}"))
     assert tokens == want
 
 
