@@ -30,13 +30,14 @@ def make_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def model_and_requests(model: str | None, num_requests: int,
-                       tmp: Path) -> tuple[str, list[tuple[list[int], int]]]:
-    """The checkpoint (the `small` preset made under `tmp` when None) and the workload."""
+def model_and_requests(model: str | None, num_requests: int, tmp: Path,
+                       arch: str = "llama") -> tuple[str, list[tuple[list[int], int]]]:
+    """The checkpoint (the `small` preset of `arch` made under `tmp` when None) and the
+    workload."""
     if model is None:
         from workers.make_model import make_model
 
-        model = str(make_model(tmp / "small", arch="llama", preset="small"))
+        model = str(make_model(tmp / "small", arch=arch, preset="small"))
     from workers.model_config import ModelConfig
 
     vocab = min(ModelConfig.from_pretrained(model).vocab_size, 4096)
@@ -121,6 +122,9 @@ def prefix_ttft(model: str, prefix_len: int, num_requests: int, caching: bool,
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint folder; default: make the `small` preset")
+    parser.add_argument("--arch", default="llama",
+                        help="the made checkpoint's family (make-model's --arch); results go to "
+                             "engine_throughput_<arch>.json unless llama")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=128,
                         help="Cleave's running batch (the engine's default)")
@@ -131,13 +135,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prefix-requests", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    parser.add_argument("--out", default=str(RESULTS / "engine_throughput.json"))
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.out is None:
+        suffix = "" if args.arch == "llama" or args.model else f"_{args.arch}"
+        args.out = str(RESULTS / f"engine_throughput{suffix}.json")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     tmp = tempfile.TemporaryDirectory()
-    model, requests = model_and_requests(args.model, args.num_requests, Path(tmp.name))
+    model, requests = model_and_requests(args.model, args.num_requests, Path(tmp.name),
+                                         args.arch)
 
     cleave_s, cleave_tokens = run_cleave(model, requests, args.max_num_seqs, args.dtype,
                                          int(args.kv_cache_gib * 1024**3))
@@ -153,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "engine_throughput",
         "command": command_line(argv),
         "device": "cpu", "torch_threads": torch.get_num_threads(), "dtype": args.dtype,
+        "arch": None if args.model else args.arch,
         "num_requests": len(requests), "cleave_max_num_seqs": args.max_num_seqs,
         "transformers_batch_size": args.hf_batch_size,
         "cleave_tokens_per_s": round(cleave_tokens / cleave_s, 1),
