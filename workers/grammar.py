@@ -214,7 +214,7 @@ def _tool_call_grammar(value: str) -> Any:
 
 def ebnf_literal(text: str) -> str:
     """`text` as an EBNF string literal: BMP characters other than letters, digits and blanks
-    escaped as \\uXXXX, the rest as they are."""
+    escaped as a \\u and four hex digits, the rest as they are."""
     return '"' + "".join(c if c.isalnum() or c == " " else f"\\u{ord(c):04x}"
                          if ord(c) <= 0xFFFF else c for c in text) + '"'
 

@@ -23,15 +23,22 @@ PROMPT = list(range(5, 40))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("llama"))
-    save_hf_model("llama", path)
+def engines_of(tmp_path_factory, arch: str, **parallel: int):
+    """A single-rank engine and a TP=2 one (with `parallel`'s other sizes) of a transformers
+    checkpoint of `arch`, and the single rank's greedy output; closes the TP=2 group after."""
+    path = str(tmp_path_factory.mktemp(arch))
+    save_hf_model(arch, path)
     single = LLM(path, block_size=4, num_blocks=64)
     want = single.generate([PROMPT], PARAMS)[0].outputs[0].token_ids
-    tp2 = LLM(path, block_size=4, num_blocks=64, tensor_parallel_size=2)
+    tp2 = LLM(path, block_size=4, num_blocks=64, tensor_parallel_size=2, **parallel)
+    # a fresh single-rank engine: nothing of the prompt cached from computing `want`
     yield {1: LLM(path, block_size=4, num_blocks=64).engine, 2: tp2.engine}, want
     tp2.engine.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    yield from engines_of(tmp_path_factory, "llama")
 
 
 def agents(engine, hub):
@@ -76,14 +83,7 @@ def test_prefill_and_decode_pools_of_different_tp_sizes_agree(engines, prefill_t
 @pytest.fixture(scope="module")
 def moe_engines(tmp_path_factory):
     """Qwen3-MoE (q/k norm, experts): a TP=2, EP=2 engine and a single-rank one."""
-    path = str(tmp_path_factory.mktemp("qwen3_moe"))
-    save_hf_model("qwen3_moe", path)
-    single = LLM(path, block_size=4, num_blocks=64)
-    want = single.generate([PROMPT], PARAMS)[0].outputs[0].token_ids
-    tp2 = LLM(path, block_size=4, num_blocks=64, tensor_parallel_size=2,
-              expert_parallel_size=2)
-    yield {1: single.engine, 2: tp2.engine}, want
-    tp2.engine.close()
+    yield from engines_of(tmp_path_factory, "qwen3_moe", expert_parallel_size=2)
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
