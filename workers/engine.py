@@ -210,14 +210,14 @@ class Engine:
     def _advance_grammar(self, req: Request) -> None:
         """Feed a constrained sample's new token to its matcher; a grammar that is complete
         (its stop token accepted, even under ignore_eos) ends the request."""
+        if req.is_finished:
+            return  # its matcher is not used again (a continuation rebuilds its own)
         matcher = req.grammar
-        if req.is_finished and req.finish_reason is not FinishReason.STOP:
-            return  # cut at max_tokens: the matcher is not used again
         accepted = matcher.accept_token(req.output_token_ids[-1])  # type: ignore[attr-defined]
         if not accepted:  # the mask forbids it: only a bug gets here
             logger.error("request %s sampled token %d outside its grammar", req.request_id,
                          req.output_token_ids[-1])
-        if (not accepted or matcher.is_terminated()) and not req.is_finished:  # type: ignore
+        if not accepted or matcher.is_terminated():  # type: ignore[attr-defined]
             self.scheduler.finish(req.request_id, FinishReason.STOP)
 
     def _retire(self, parent_id: str, sample_id: str) -> None:

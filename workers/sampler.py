@@ -53,7 +53,7 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:
     """Chosen token's logprob plus the top `k` alternatives, per row. logprobs: [N, V]."""
-    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].clamp(min=MIN_LOGPROB).tolist()
+    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()  # sampled: never masked
     if k > 0:
         top_v, top_i = logprobs.topk(k, dim=-1)
         top_v = top_v.clamp(min=MIN_LOGPROB)

@@ -197,7 +197,7 @@ class ToolCallStream:
 
 def _marker_overlap(text: str, fmt: ToolCallFormat) -> int:
     """How many of `text`'s last characters could begin the opening marker."""
-    if fmt.name == "llama3_json":
+    if fmt.bare:
         return len(text)  # blank so far: a call may still open with "{"
     return max((k for k in range(1, len(fmt.start)) if text.endswith(fmt.start[:k])),
                default=0)

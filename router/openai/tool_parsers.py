@@ -36,6 +36,8 @@ class ToolCallFormat:
     prefix: str  # before each forced call
     suffix: str  # after each forced call
     in_list: bool = False  # mistral: the calls are one JSON list
+    bare: bool = False  # llama3_json: no marker, the call's own "{" opens it
+    marker_per_call: bool = False  # hermes: every call opens with `start` again
 
     def forced(self, tools: list[dict[str, Any]]) -> StructuredOutput:
         """The constraint of one call to one of `tools` (OpenAI function specs: name,
@@ -49,14 +51,14 @@ class ToolCallFormat:
 
     def opens(self, text: str) -> int:
         """Where the tool calls start in `text` (-1: not there, or not yet)."""
-        if self.name == "llama3_json":
+        if self.bare:
             stripped = text.lstrip()
             return len(text) - len(stripped) if stripped.startswith("{") else -1
         return text.find(self.start)
 
     def may_open(self, text: str) -> bool:
         """Whether `text`'s end could be the start of the opening marker still arriving."""
-        if self.name == "llama3_json":
+        if self.bare:
             return not text.strip()
         return any(text.endswith(self.start[:k]) for k in range(1, len(self.start)))
 
@@ -76,7 +78,7 @@ class ToolCallFormat:
         arguments text, possibly partial unless `final`), and whether the last is complete.
         None: `body` is not this format's calls."""
         calls: list[tuple[str, str]] = []
-        pos = len(self.start) if self.name != "llama3_json" else 0
+        pos = 0 if self.bare else len(self.start)
         if self.in_list:
             pos = _skip(body, pos)
             if pos < len(body) and body[pos] != "[":
@@ -110,7 +112,7 @@ class ToolCallFormat:
                 if sep and body.startswith(sep, pos):
                     pos += len(sep)
             pos = _skip(body, pos)
-            if self.start and self.name == "hermes" and body.startswith(self.start, pos):
+            if self.marker_per_call and body.startswith(self.start, pos):
                 pos += len(self.start)
 
 
@@ -149,9 +151,9 @@ def _held_back(partial: str) -> str:
 
 
 PARSERS: dict[str, ToolCallFormat] = {
-    "llama3_json": ToolCallFormat("llama3_json", "{", "parameters", "", ""),
+    "llama3_json": ToolCallFormat("llama3_json", "{", "parameters", "", "", bare=True),
     "hermes": ToolCallFormat("hermes", "<tool_call>", "arguments", "<tool_call>\n",
-                             "\n</tool_call>"),
+                             "\n</tool_call>", marker_per_call=True),
     "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "arguments", "[TOOL_CALLS][", "]",
                               in_list=True),
 }
