@@ -162,6 +162,9 @@ def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         if config.qk_norm:
             shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
         shapes.append((p + "post_attention_layernorm.weight", (h,)))
+        if config.model_type == "gemma3_text":  # norms around the MLP too
+            shapes += [(p + "pre_feedforward_layernorm.weight", (h,)),
+                       (p + "post_feedforward_layernorm.weight", (h,))]
         if config.is_moe_layer(i):
             shapes += _moe_shapes(config, p)
             continue
@@ -218,6 +221,11 @@ def random_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def random_weights(config: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, seeded fp32 CPU tensor) for every checkpoint tensor, one at a time."""
+    """Yields (HF name, seeded fp32 CPU tensor) for every checkpoint tensor, one at a time.
+    Gemma's norms store their offset from one, so theirs are zeros (a scale of one)."""
+    offset_norms = config.model_type == "gemma3_text"
     for name, shape in hf_weight_shapes(config):
-        yield name, random_weight(name, shape, seed)
+        if offset_norms and name.endswith("norm.weight"):
+            yield name, torch.zeros(shape)
+        else:
+            yield name, random_weight(name, shape, seed)

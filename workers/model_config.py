@@ -1,8 +1,7 @@
 """The model's shape and numerics, read from a Hugging Face checkpoint folder.
 
-Both spellings of the RoPE settings are accepted and normalized to the same `ModelConfig`:
-transformers < 5 writes `rope_theta` plus `rope_scaling` (keyed `type` or `rope_type`),
-transformers 5 writes one `rope_parameters` dict (`rope_type`, `rope_theta`, scaling keys).
+Every spelling of the RoPE settings on the hub is accepted (`workers.rope_config`) and normalized
+to the same `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -12,11 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
+from workers.dtypes import resolve_dtype
+from workers.rope_config import RopeScaling, layer_types, parse_local_rope, parse_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -27,34 +27,11 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
-_DEFAULT_ROPE_THETA = 10000.0
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Non-default RoPE frequency scaling, as transformers' `modeling_rope_utils` applies it."""
-
-    rope_type: str  # "linear" or "llama3"
-    factor: float
-    # llama3 only
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
-
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -94,7 +71,34 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None  # tokens each query may see, None for full attention
     moe: MoEConfig | None = None  # None for dense models
-    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
+    # per layer, "sliding_attention" or "full_attention"; () when every layer is alike (then
+    # `sliding_window`, if set, applies to all of them, as in Mistral)
+    layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers, if their own
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` attends over a sliding window."""
+        if self.sliding_window is None:
+            return False
+        return not self.layer_types or self.layer_types[layer_idx] == "sliding_attention"
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s sliding window in tokens, None for full attention."""
+        return self.sliding_window if self.is_sliding(layer_idx) else None
+
+    def rope_of(self, layer_idx: int) -> tuple[float, RopeScaling | None]:
+        """(theta, scaling) of layer `layer_idx`'s RoPE."""
+        if self.local_rope_theta is not None and self.is_sliding(layer_idx):
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """True when layer `layer_idx` has a sparse MoE block instead of a dense MLP."""
@@ -135,10 +139,19 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}"
             )
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported; expected 'silu'")
-        rope_theta, rope_scaling = _rope(raw)
+        hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported; expected one of "
+                             f"{list(_ACTIVATIONS)}")
+        if raw.get("attn_logit_softcapping") is not None:
+            raise ValueError(f"attn_logit_softcapping={raw['attn_logit_softcapping']} is not "
+                             "supported; expected null (as Gemma 3 ships)")
+        if raw.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=true (an embedding model) is not "
+                             "supported; expected a causal language model")
+        gemma = model_type == "gemma3_text"
+        rope = parse_rope(raw, 1_000_000.0 if gemma else 10_000.0)
+        num_layers = int(raw["num_hidden_layers"])
         generation = generation or {}
         eos = _token_ids(raw.get("eos_token_id")) + _token_ids(generation.get("eos_token_id"))
         bos = raw.get("bos_token_id")
@@ -150,13 +163,13 @@ class ModelConfig:
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(raw, model_type),
@@ -166,7 +179,13 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),  # dedup, keep order
             sliding_window=_sliding_window(raw, model_type),
             moe=_moe(raw, model_type),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            hidden_act=hidden_act,
+            layer_types=layer_types(raw, num_layers) if gemma else (),
+            local_rope_theta=parse_local_rope(raw, 10_000.0).theta if gemma else None,
+            query_pre_attn_scalar=(float(raw.get("query_pre_attn_scalar") or 256) if gemma
+                                   else None),
+            final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
         )
 
 
@@ -220,36 +239,6 @@ def _model_type_of(architecture: str) -> str:
     return {arch: mt for mt, arch in _ARCH_BY_MODEL_TYPE.items()}[architecture]
 
 
-def _rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    """Merges `rope_parameters` (transformers 5) and `rope_theta`/`rope_scaling` (older)."""
-    params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
-    params.update(raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
-    if float(partial) != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported; RoPE must cover "
-                         "the whole head (1.0)")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type == "linear":
-        return float(theta), RopeScaling(rope_type="linear", factor=float(params["factor"]))
-    if rope_type == "llama3":
-        original = params.get(
-            "original_max_position_embeddings", raw.get("max_position_embeddings", 2048)
-        )
-        return float(theta), RopeScaling(
-            rope_type="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(original),
-        )
-    raise ValueError(
-        f"unsupported rope type {rope_type!r}; expected one of ['default', 'linear', 'llama3']"
-    )
-
-
 def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -267,29 +256,14 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
         return None  # Qwen2 and Qwen3 write a window but only apply it when this flag is set
     if model_type == "llama":
         return None
+    if int(window) < 1:
+        raise ValueError(f"sliding_window={window} must be a positive number of tokens "
+                         "(or null for full attention)")
     return int(window)
 
 
-def resolve_dtype(name_or_dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
-    """Maps a user's dtype name to a torch dtype; "auto" is the checkpoint's own (fp32 if unset)."""
-    if isinstance(name_or_dtype, torch.dtype):
-        if name_or_dtype not in _DTYPES.values():
-            raise ValueError(f"unsupported dtype {name_or_dtype}; expected one of {_allowed()}")
-        return name_or_dtype
-    name = name_or_dtype.lower().removeprefix("torch.")
-    if name == "auto":
-        if config.torch_dtype is None:
-            return torch.float32
-        name = config.torch_dtype.lower().removeprefix("torch.")
-        if name not in _DTYPES:
-            raise ValueError(
-                f"checkpoint dtype {config.torch_dtype!r} is not supported; "
-                f"pass one of {_allowed()}"
-            )
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name_or_dtype!r}; expected one of {_allowed()}")
-    return _DTYPES[name]
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
-def _allowed() -> list[str]:
-    return ["auto", *_DTYPES]
+__all__ = ["ModelConfig", "MoEConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "resolve_dtype"]

@@ -20,8 +20,8 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
         cls = tf.LlamaForCausalLM
-    elif arch == "mistral":
-        config, cls = tf.MistralConfig(**TINY), tf.MistralForCausalLM
+    elif arch == "mistral":  # a sliding window shorter than the longer prompts
+        config, cls = tf.MistralConfig(**TINY, sliding_window=12), tf.MistralForCausalLM
     elif arch == "qwen2":
         config, cls = tf.Qwen2Config(**TINY, tie_word_embeddings=True), tf.Qwen2ForCausalLM
     elif arch == "mixtral":  # 4 experts, top-2, renormalized
@@ -42,6 +42,14 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
     elif arch == "phi3":  # fused qkv and gate_up tensors; GQA
         config = tf.Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         cls = tf.Phi3ForCausalLM
+    elif arch == "gemma3":  # one local layer (window 8, its own RoPE base), one global layer
+        config = tf.Gemma3TextConfig(
+            **TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+            query_pre_attn_scalar=20, final_logit_softcapping=30.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})
+        cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -50,6 +58,8 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.08)
+            elif arch == "gemma3":  # stored as offsets from one; not zero: they must be loaded
+                p.uniform_(-0.5, 0.5)
             elif "q_norm" in name or "k_norm" in name:  # not all ones: they must be loaded
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(out)

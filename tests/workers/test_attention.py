@@ -16,23 +16,25 @@ from workers.attention.torch_backend import decode_groups
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
 
-def naive(q, k_ctx, v_ctx, num_cached, scale):
-    """q: [Lq, H, D]; k_ctx/v_ctx: [L, Hkv, D] whole context; causal from num_cached."""
+def naive(q, k_ctx, v_ctx, num_cached, scale, window=None):
+    """q: [Lq, H, D]; k_ctx/v_ctx: [L, Hkv, D] whole context; causal from num_cached, over the
+    last `window` positions when given."""
     group = HEADS // KV_HEADS
     k = k_ctx.repeat_interleave(group, dim=1)
     v = v_ctx.repeat_interleave(group, dim=1)
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
-        visible = num_cached + i + 1
-        scores = torch.einsum("hd,lhd->hl", q[i], k[:visible]) * scale
-        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[:visible])
+        end = num_cached + i + 1
+        start = 0 if window is None else max(0, end - window)
+        scores = torch.einsum("hd,lhd->hl", q[i], k[start:end]) * scale
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[start:end])
     return out
 
 
 def run_mixed_batch(backend: str, seed: int, dim: int = DIM, dtype: torch.dtype = torch.float32,
-                    atol: float = 1e-5) -> None:
+                    atol: float = 1e-5, window: int | None = None) -> None:
     """Decodes and prefill chunks (fresh and after cached tokens) in one forward, each sequence's
-    output checked against naive attention over its whole context."""
+    output checked against naive attention over its whole context (or sliding window)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 512
@@ -70,21 +72,22 @@ def run_mixed_batch(backend: str, seed: int, dim: int = DIM, dtype: torch.dtype 
         query_start_loc_cpu=starts, seq_lens_cpu=[c + n for c, n in seqs])
     scale = dim ** -0.5
     out = get_backend(backend).forward(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new),
-                                       cache, meta, scale)
+                                       cache, meta, scale, window=window)
     for i, (k_ctx, v_ctx, cached) in enumerate(contexts):
-        want = naive(q_rows[i], k_ctx, v_ctx, cached, scale)
+        want = naive(q_rows[i], k_ctx, v_ctx, cached, scale, window)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("window", [None, 1, 6])  # 6: inside a block of 4, across one
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_mixed_batch_matches_naive_attention(backend, seed):
+def test_mixed_batch_matches_naive_attention(backend, seed, window):
     if backend == "cpu":
         from workers.attention import cpu_backend
 
         if not cpu_backend.available():
             pytest.skip("no C compiler here to build the cpu attention kernel")
-    run_mixed_batch(backend, seed)
+    run_mixed_batch(backend, seed, window=window)
 
 
 def test_decode_groups_cover_every_sequence_once_and_bound_the_padding():

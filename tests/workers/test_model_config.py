@@ -169,3 +169,49 @@ def test_partial_rotary_is_refused_by_name(where: str) -> None:
     raw.pop("partial_rotary_factor", None)
     raw.pop("rope_parameters", None)
     assert ModelConfig.from_dict(raw).architecture == "Phi3ForCausalLM"
+
+
+# Gemma-3-1B's config.json as the hub has it (transformers 4.50): local RoPE base and the
+# local/global pattern spelled as rope_local_base_freq and sliding_window_pattern
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+    "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+    "sliding_window_pattern": 6, "attn_logit_softcapping": None,
+    "final_logit_softcapping": None, "torch_dtype": "bfloat16", "tie_word_embeddings": True,
+    "bos_token_id": 2, "eos_token_id": [1, 106],
+}
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"factor": 8.0, "rope_type": "linear"}])
+def test_gemma3_hub_and_transformers5_spellings_parse_the_same(tmp_path: Path, rope_scaling):
+    legacy = ModelConfig.from_pretrained(
+        write_config(tmp_path / "hub", {**GEMMA3_1B, "rope_scaling": rope_scaling}))
+    kwargs = {k: v for k, v in GEMMA3_1B.items() if k not in ("architectures", "model_type")}
+    transformers.Gemma3TextConfig(**{**kwargs, "rope_scaling": rope_scaling}).save_pretrained(
+        tmp_path / "t5")
+    assert "layer_types" in json.loads((tmp_path / "t5" / "config.json").read_text())
+    new = ModelConfig.from_pretrained(tmp_path / "t5")
+    assert new == legacy
+    assert [new.window_of(i) for i in range(12)] == [512] * 5 + [None] + [512] * 5 + [None]
+    scaling = None if rope_scaling is None else RopeScaling("linear", 8.0)
+    assert new.rope_of(0) == (10000.0, None)  # local layers: their own base, never scaled
+    assert new.rope_of(5) == (1_000_000.0, scaling)  # global layers carry the scaling
+    assert new.attention_scale == 256 ** -0.5 and new.qk_norm
+    assert new.hidden_act == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+    ({"sliding_window": 0}, "sliding_window=0 must be a positive number"),
+    ({"layer_types": ["sliding_attention"] * 25 + ["chunked_attention"]},
+     "layer_types must list one of"),
+    ({"hidden_activation": "relu"}, "hidden_act 'relu' is not supported"),
+])
+def test_gemma3_settings_cleave_cannot_run_are_named(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**GEMMA3_1B, **change})

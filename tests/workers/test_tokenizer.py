@@ -23,7 +23,7 @@ from workers.tokenizer import (
 
 transformers = pytest.importorskip("transformers")
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "gemma")
 SAMPLE_TEXTS = (
     "",
     "Hello world",
@@ -168,6 +168,9 @@ def test_generation_prompt_ends_with_the_assistant_header(built: dict[str, Built
     qwen = built["qwen2"].ours.apply_chat_template(USER_ONLY_CONVERSATION)
     assert qwen.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
     assert qwen.endswith("<|im_start|>assistant\n")
+    gemma = built["gemma"].ours.apply_chat_template(SYSTEM_CONVERSATION[:2])
+    assert gemma == ("<bos><start_of_turn>user\nYou are terse.\n\nWhat is the capital of "
+                     "Japan?<end_of_turn>\n<start_of_turn>model\n")
     assert built["mistral"].ours.apply_chat_template(USER_ONLY_CONVERSATION).startswith("<s> [INST] ")
 
 

@@ -49,13 +49,17 @@ def make_paged(seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: i
     return Paged(cache.to(dtype).to(DEVICE), tables.to(DEVICE))
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
+              window: int | None = None) -> torch.Tensor:
     """Plain softmax attention in fp32. q: [Lq, Hq, D]; k, v: [L, Hkv, D], the whole context;
-    query i sees positions <= num_cached + i."""
+    query i sees positions <= num_cached + i (and > num_cached + i - window)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,lhd->hql", q.float(), k) * SCALE
-    visible = torch.arange(k.shape[0])[None, :] <= num_cached + torch.arange(q.shape[0])[:, None]
+    key_pos, query_pos = torch.arange(k.shape[0])[None, :], torch.arange(q.shape[0])[:, None]
+    visible = key_pos <= num_cached + query_pos
+    if window is not None:
+        visible &= key_pos > num_cached + query_pos - window
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
 
@@ -102,6 +106,20 @@ def test_decode_matches_softmax_attention_for_any_split_count(seq_lens, block_si
     assert_close(outs[4], outs[1], dtype)
 
 
+@pytest.mark.parametrize("window", [1, 16, 70])  # one token; a block; across tiles and splits
+def test_decode_over_a_sliding_window_for_any_split_count(window):
+    seq_lens = [1, 16, 17, 70, 200]
+    paged = make_paged(seq_lens, 16, torch.float32)
+    q = random_queries(len(seq_lens), KV_HEADS * 2, torch.float32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = torch.cat([reference(q[i:i + 1], *paged.context(i, n), n - 1, window)
+                      for i, n in enumerate(seq_lens)])
+    for num_splits in (1, 3):
+        got = paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, num_splits,
+                                     window=window)
+        assert_close(got, want, torch.float32)
+
+
 def test_decode_reads_a_cache_stored_in_another_dtype():
     seq_lens = [33, 100]
     paged = make_paged(seq_lens, 16, torch.float16)  # kv_cache_dtype=float16 under an fp32 model
@@ -140,6 +158,23 @@ def test_decode_rejects_a_scratch_too_small_for_the_split_count():
     with pytest.raises(ValueError, match="scratch"):
         paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, num_splits=4,
                                scratch=DecodeScratch.allocate(2, 4, DIM, DEVICE))
+
+
+@pytest.mark.parametrize("window", [1, 9, 50])
+def test_prefill_over_a_sliding_window(window):
+    chunks = [(0, 70), (37, 30), (100, 80)]  # fresh; after cached tokens; two query tiles
+    seq_lens = [cached + new for cached, new in chunks]
+    paged = make_paged(seq_lens, 16, torch.float32)
+    starts = [0, 70, 100, 180]
+    q = random_queries(starts[-1], KV_HEADS * 2, torch.float32)
+    got = paged_prefill_attention(
+        q, paged.cache, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), paged.tables, SCALE, starts,
+        window=window)
+    for i, (cached, _) in enumerate(chunks):
+        s, e = starts[i], starts[i + 1]
+        assert_close(got[s:e], reference(q[s:e], *paged.context(i, seq_lens[i]), cached, window),
+                     torch.float32)
 
 
 # (chunks as (cached tokens, new tokens), block_size, group, dtype)
@@ -198,11 +233,12 @@ def mixed_batch(seqs: list[tuple[int, int]], block_size: int, num_heads: int,
     ([(17, 1), (40, 1)], 32),  # decodes only
     ([(0, 7), (9, 20)], 4),  # prefill only; blocks smaller than a tile
 ])
-def test_backend_forward_matches_the_torch_backend(seqs, block_size):
+@pytest.mark.parametrize("window", [None, 7])
+def test_backend_forward_matches_the_torch_backend(seqs, block_size, window):
     q, k, v, cache, meta = mixed_batch(seqs, block_size, num_heads=4)
     torch_cache = cache.clone()
-    got = get_backend("triton").forward(q, k, v, cache, meta, SCALE)
-    want = get_backend("torch").forward(q, k, v, torch_cache, meta, SCALE)
+    got = get_backend("triton").forward(q, k, v, cache, meta, SCALE, window=window)
+    want = get_backend("torch").forward(q, k, v, torch_cache, meta, SCALE, window=window)
     assert torch.equal(cache, torch_cache)  # both stored the new K/V in the same slots
     assert_close(got, want, torch.float32)
 

@@ -5,6 +5,11 @@ The KV cache of one layer is one tensor `[2, num_blocks, block_size, num_kv_head
 (index 0 keys, 1 values). A token at position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
 
+A layer may attend over a sliding window: query position p then sees keys at positions
+(p - window, p], the last `window` tokens including itself, as transformers' sliding-window mask
+does (Mistral, Gemma 3's local layers). The cache still holds every token; only what is read
+changes.
+
 A batch is a flat list of new tokens from several sequences. The runner orders the sequences so
 the `num_decodes` sequences with exactly one new token come first (they can be batched as one
 kernel call); the rest are prefill chunks, which may start after cached or earlier-computed
@@ -57,5 +62,7 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,  # sliding window in tokens; None attends the whole context
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

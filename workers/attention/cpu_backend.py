@@ -102,7 +102,7 @@ def load_kernel() -> ctypes.CDLL:
     fn = lib.paged_decode_f32
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr,
-                   i32, i32, i32, i32, i32, ctypes.c_float, i32]
+                   i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
     fn.restype = i32
     return lib
 
@@ -121,11 +121,12 @@ def available() -> bool:
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                 num_threads: int | None = None) -> torch.Tensor:
+                 num_threads: int | None = None, window: int | None = None) -> torch.Tensor:
     """One new query token per sequence over its paged context. q: [B, Hq, D] fp32 on the CPU;
     kv_cache: [2, num_blocks, block_size, Hkv, D] fp32; block_tables: [B, >= blocks needed];
-    seq_lens: [B] (context length including the new token). Returns [B, Hq, D]. Threads default
-    to torch's; each sequence is computed by one thread, so the result does not depend on them."""
+    seq_lens: [B] (context length including the new token); window: attend only the last
+    `window` tokens. Returns [B, Hq, D]. Threads default to torch's; each sequence is computed
+    by one thread, so the result does not depend on them."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
     if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
@@ -148,7 +149,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     rc = load_kernel().paged_decode_f32(
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
-        head_dim, block_size, scale, num_threads or torch.get_num_threads())
+        head_dim, block_size, scale, window or 0, num_threads or torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode could not allocate its per-sequence scratch")
     return out
@@ -162,9 +163,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         load_kernel()  # build now, at model load, and fail there if it cannot be built
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None) -> torch.Tensor:
         if (q.dtype != torch.float32 or kv_cache.dtype != torch.float32
                 or q.device.type != "cpu" or q.shape[-1] % 8 or not kv_cache.is_contiguous()):
-            return super()._decode(q, kv_cache, meta, scale)
+            return super()._decode(q, kv_cache, meta, scale, window)
         batch = q.shape[0]
-        return paged_decode(q, kv_cache, meta.block_tables[:batch], meta.seq_lens[:batch], scale)
+        return paged_decode(q, kv_cache, meta.block_tables[:batch], meta.seq_lens[:batch], scale,
+                            window=window)

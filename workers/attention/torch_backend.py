@@ -67,30 +67,33 @@ class TorchAttentionBackend(AttentionBackend):
         return buf[:numel]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *,
+                window: int | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, window)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_seqs):
             s, e = starts[i], starts[i + 1]
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta.block_tables[i],
-                                     lens[i], scale)
+                                     lens[i], scale, window)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None) -> torch.Tensor:
         # q: [B, Hq, D]; one new token per sequence. Sequences of similar length are attended
         # together, so the gathered context is padded little and stays cache-sized.
         out = torch.empty_like(q)
         for start, end in decode_groups(meta.seq_lens_cpu[:q.shape[0]]):
-            out[start:end] = self._decode_group(q[start:end], kv_cache, meta, start, end, scale)
+            out[start:end] = self._decode_group(q[start:end], kv_cache, meta, start, end, scale,
+                                                window)
         return out
 
     def _decode_group(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      start: int, end: int, scale: float) -> torch.Tensor:
+                      start: int, end: int, scale: float,
+                      window: int | None) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
@@ -108,7 +111,10 @@ class TorchAttentionBackend(AttentionBackend):
         keys = gathered[0].view(shape).transpose(1, 2).to(q.dtype)
         values = gathered[1].view(shape).transpose(1, 2).to(q.dtype)
         positions = torch.arange(keys.shape[2], device=q.device)
-        mask = positions[None, :] < meta.seq_lens[start:end, None]  # [B, L]
+        lens = meta.seq_lens[start:end, None]
+        mask = positions[None, :] < lens  # [B, L]
+        if window is not None:
+            mask &= positions[None, :] >= lens - window
         # query heads of one KV head packed along the query axis: [B, Hkv, group, D]
         qg = q.view(batch, num_kv_heads, group, head_dim)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :],
@@ -116,19 +122,28 @@ class TorchAttentionBackend(AttentionBackend):
         return out.reshape(batch, num_heads, head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+                 block_table: torch.Tensor, seq_len: int, scale: float,
+                 window: int | None) -> torch.Tensor:
         # q: [Lq, Hq, D]; the chunk covers positions [seq_len - Lq, seq_len).
         query_len = q.shape[0]
         num_cached = seq_len - query_len
+        # the first key any query of the chunk sees; whole blocks before it are not read
+        first_key = 0 if window is None else max(0, num_cached - window + 1)
         if num_cached == 0:
-            keys, values = k, v
-            mask = None
+            keys, values, key_start = k, v, 0
         else:
-            keys = gather_context(kv_cache[0], block_table, seq_len)
-            values = gather_context(kv_cache[1], block_table, seq_len)
-            key_pos = torch.arange(seq_len, device=q.device)
+            block_size = kv_cache.shape[2]
+            skip = first_key // block_size
+            key_start = skip * block_size
+            keys = gather_context(kv_cache[0], block_table[skip:], seq_len - key_start)
+            values = gather_context(kv_cache[1], block_table[skip:], seq_len - key_start)
+        mask = None
+        if num_cached or (window is not None and window < query_len):
+            key_pos = torch.arange(key_start, seq_len, device=q.device)
             query_pos = torch.arange(num_cached, seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [Lq, L]
+            if window is not None:
+                mask &= key_pos[None, :] > query_pos[:, None] - window
         # 4-D [1, H, L, D]: with 3-D inputs and a mask, CPU SDPA falls back to its unfused math
         # path (3-4x slower on a 400-token chunk after 500 cached tokens)
         out = F.scaled_dot_product_attention(

@@ -76,7 +76,7 @@ def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visi
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    scale, num_splits,
+    scale, num_splits, window,
     stride_q_seq, stride_q_head,
     stride_cache_block, stride_cache_token, stride_cache_head,
     stride_table_seq,
@@ -90,9 +90,11 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # this split's tokens: a contiguous run of whole tiles, [lo, hi); empty for short sequences
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE), num_splits)
-    lo = split * tiles_per_split * TILE
+    # the keys attended, [first, seq_len): the last `window` of them under a sliding window
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # this split's share: a contiguous run of whole tiles, [lo, hi); empty for short sequences
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, TILE), num_splits)
+    lo = first + split * tiles_per_split * TILE
     hi = tl.minimum(lo + tiles_per_split * TILE, seq_len)
 
     rows = tl.arange(0, GROUP_ROWS)  # query heads of this KV head, padded
@@ -165,9 +167,11 @@ def paged_decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,  # [B, Hq, D], q's dtype; written in place when given
     scratch: DecodeScratch | None = None,  # needed when num_splits > 1; allocated if None
+    window: int | None = None,  # attend only the last `window` tokens (sliding window)
 ) -> torch.Tensor:  # [B, Hq, D]
     """Attend each sequence's one query token over its first seq_lens[b] cached tokens (the new
-    token's K/V must already be in the cache). A sequence with seq_len 0 gets zeros."""
+    token's K/V must already be in the cache), or the last `window` of them. A sequence with
+    seq_len 0 gets zeros."""
     _check_decode_inputs(q, kv_cache, block_tables, seq_lens, num_splits)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -194,7 +198,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, target, lse,
-        scale, num_splits,
+        scale, num_splits, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),

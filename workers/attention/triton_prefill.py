@@ -22,14 +22,14 @@ from workers.attention.triton_decode import LOG2E, attend_tile, check_layout, do
 # accumulator in registers/shared memory at 4 warps on current NVIDIA parts; short chunks waste
 # the unused rows of their last tile, which prefill (compute-light per byte here) tolerates.
 BLOCK_M = 64
-BLOCK_N = 64
+BLOCK_N = 64  # >= BLOCK_M: the sliding-window start in _prefill_kernel relies on it
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr,
-    scale,
+    scale, window,
     stride_q_token, stride_q_head,
     stride_cache_block, stride_cache_token, stride_cache_head,
     stride_table_seq,
@@ -50,7 +50,9 @@ def _prefill_kernel(
 
     rows = q_offset + tl.arange(0, TILE_M)
     row_ok = rows < q_len
-    q_pos = num_cached + rows  # absolute position of each query token
+    # absolute position of each query token; padding rows act as the chunk's last token, so
+    # under a sliding window they too see a key in the first tile (and stay finite)
+    q_pos = num_cached + tl.minimum(rows, q_len - 1)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_q_token + head * stride_q_head
                 + dims[None, :], mask=row_ok[:, None], other=0.0)  # [TILE_M, HEAD_DIM]
@@ -62,14 +64,18 @@ def _prefill_kernel(
     l = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq * stride_table_seq
-    # keys past the tile's last query position are masked for every row: stop before them
+    # keys past the tile's last query position are masked for every row: stop before them;
+    # under a sliding window, keys before the first row's window are seen by no row
     hi = tl.minimum(seq_len, num_cached + q_offset + TILE_M)
-    for start in range(0, hi, TILE_N):
+    lo = tl.where(window > 0, tl.maximum(num_cached + q_offset - window + 1, 0), 0)
+    for start in range(lo, hi, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         pos_ok = pos < hi
-        # key 0 is visible to every row (padding rows included), so after the first tile m is
-        # finite; a later fully masked row keeps m and adds exp2(-inf) = 0
+        # the first tile holds a key visible to every real row (key `lo` for row 0; row r's
+        # window starts r keys later, and r < TILE_M == TILE_N), so after it m is finite; a
+        # later fully masked row keeps m and adds exp2(-inf) = 0.
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible &= (window == 0) | (pos[None, :] > q_pos[:, None] - window)
         m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok,
                                 visible, kv_head, dims, qk_scale, stride_cache_block,
                                 stride_cache_token, stride_cache_head, BLOCK_SIZE, DOT_PRECISION)
@@ -99,6 +105,7 @@ def paged_prefill_attention(
     query_start_loc_cpu: Sequence[int],  # host copy of query_start_loc
     first_seq: int = 0,  # sequences before this one (decodes) are left alone
     out: torch.Tensor | None = None,  # [num_tokens, Hq, D]; only prefill rows are written
+    window: int | None = None,  # each query sees only the last `window` positions up to itself
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     """Causal attention of each chunk (sequences first_seq..) over its sequence's context."""
     check_layout(q, kv_cache)
@@ -116,7 +123,7 @@ def paged_prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[(tiles.shape[0], num_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
-        scale,
+        scale, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),

@@ -2,8 +2,10 @@
 output projection, sharded by heads over the tensor-parallel group.
 
 The families differ only here: q/k/v bias (Qwen2), o_proj bias (Llama's and Qwen3's
-`attention_bias`), and Qwen3's RMSNorm of each head's q and k before RoPE (its weights, one per
-head dimension, are the same on every TP rank).
+`attention_bias`), Qwen3's and Gemma 3's RMSNorm of each head's q and k before RoPE (its
+weights, one per head dimension, are the same on every TP rank), and per-layer settings: a
+sliding window (Mistral on every layer, Gemma 3 on its local layers), the local layers' own RoPE
+base and the attention scale (Gemma 3).
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from workers.models.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
+    """`norm_cls`: the q/k norm's class, where the model has one (Gemma's adds one to its
+    weights)."""
+
     def __init__(
         self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend, shard: Shard,
+        norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         tp_rank, tp_size = shard.tp_rank, shard.tp_size
         super().__init__()
@@ -39,13 +45,12 @@ class LlamaAttention(nn.Module):
             site="attn",
         )
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta,
-            config.rope_scaling,
-        )
-        self.scale = config.head_dim**-0.5
+            config.head_dim, config.max_position_embeddings, *config.rope_of(layer_idx))
+        self.scale = config.attention_scale
+        self.window = config.window_of(layer_idx)
         if config.qk_norm:  # per head, over head_dim: the same weights on every TP rank
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_cls(config.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_cls(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
     def forward(
@@ -62,5 +67,6 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, scale=self.scale)  # [T, Hq, D]
+        out = self.attn_backend.forward(q, k, v, kv_cache, meta, scale=self.scale,
+                                        window=self.window)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -56,10 +56,13 @@ class LlamaMLP(nn.Module):
             inter, config.hidden_size, bias=config.mlp_bias, tp_rank=tp_rank, tp_size=tp_size,
             comm=shard.comm, site=site,
         )
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate / tp_size]
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         # in place, in the projection's own output: no fresh [T, intermediate] buffers (their
         # page faults cost ~10x the arithmetic on CPU)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
@@ -98,12 +101,14 @@ class LlamaModel(nn.Module):
     """The decoder stack, or one pipeline stage of it: `shard.layers` (global indices) only.
 
     Every stage holds the embedding and the final norm (NOTE: replicated, a vocab-sized waste
-    per stage); the first stage embeds, the last normalizes.
+    per stage); the first stage embeds, the last normalizes. `layer_cls`, `norm_cls` and
+    `embed_scale` (the embedding's multiplier) are where a family's decoder differs (Gemma 3).
     """
 
     def __init__(
         self, config: ModelConfig, attn_backend: AttentionBackend, shard: Shard,
-        make_mlp: MlpFactory,
+        make_mlp: MlpFactory, layer_cls: type[nn.Module] | None = None,
+        norm_cls: type[RMSNorm] = RMSNorm, embed_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
@@ -116,10 +121,11 @@ class LlamaModel(nn.Module):
         self.is_last = self.layer_ids[-1] == config.num_hidden_layers - 1
         # keyed by the global layer index, so parameter names match the checkpoint's
         self.layers = _LayersByIndex(
-            {str(i): LlamaDecoderLayer(config, i, attn_backend, shard, *make_mlp(i))
+            {str(i): (layer_cls or LlamaDecoderLayer)(config, i, attn_backend, shard, *make_mlp(i))
              for i in self.layer_ids}
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale = embed_scale
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -128,6 +134,8 @@ class LlamaModel(nn.Module):
         """`hidden` [T, hidden]: the previous stage's output (None on the first stage)."""
         if hidden is None:
             hidden = self.embed_tokens(input_ids)  # [T, hidden]
+            if self.embed_scale is not None:  # rounded to the weights' dtype first, as HF does
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, meta)
         return self.norm(hidden) if self.is_last else hidden
@@ -157,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
                            shard.expert_parallel)
         self.config = config
         self.attn_backend = attn_backend
-        self.model = LlamaModel(config, attn_backend, self.shard, self.make_mlp)
+        self.model = self.make_model(config, attn_backend)
         self.num_layers = len(self.model.layer_ids)  # this stage's
         # per rank: the KV cache's head count
         self.num_kv_heads, _ = kv_heads_per_rank(config.num_key_value_heads, shard.tp_size)
@@ -168,6 +176,10 @@ class LlamaForCausalLM(nn.Module):
         )
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def make_model(self, config: ModelConfig, attn_backend: AttentionBackend) -> LlamaModel:
+        """The decoder stack (a family with other layers overrides this)."""
+        return LlamaModel(config, attn_backend, self.shard, self.make_mlp)
 
     def make_mlp(self, layer_idx: int) -> tuple[str, nn.Module]:
         """(checkpoint name, module) of layer `layer_idx`'s feed-forward block."""
@@ -188,7 +200,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab_size] float32 (full vocab on every rank)."""
-        return self.lm_head.compute_logits(hidden).float()
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model's dtype, as HF does, then fp32
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def map_name(self, hf_name: str) -> tuple[str, object]:
         """An HF tensor name -> (our parameter name, shard id or None)."""

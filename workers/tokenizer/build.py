@@ -9,6 +9,7 @@ the special tokens and chat template of the family named by `arch`:
 | `llama`   | `<|begin_of_text|>` | `<|eot_id|>`     | none            | `<|end_of_text|>`  | Llama 3    |
 | `mistral` | `<s>`               | `</s>`           | none            | -                  | `[INST]`   |
 | `qwen2`   | none                | `<|im_end|>`     | `<|endoftext|>` | `<|endoftext|>`    | ChatML     |
+| `gemma`   | `<bos>`             | `<end_of_turn>`  | `<pad>`         | `<eos>`            | Gemma 3    |
 
 bos is added by the post-processor on `encode(add_special_tokens=True)` (llama, mistral) and by the
 chat template itself, which is why chat prompts are encoded with `add_special_tokens=False`.
@@ -144,6 +145,26 @@ _MISTRAL_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
         {{- raise_exception('Only user, assistant and tool roles are supported, with the exception of an initial optional system message!') }}
     {%- endif %}
 {%- endfor %}
+"""
+
+# Gemma 3's turns: a system message becomes the first user turn's prefix; the assistant is "model"
+_GEMMA_TEMPLATE = r"""{{- bos_token }}
+{%- if messages and messages[0]['role'] == 'system' %}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set first_user_prefix = '' %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}
+    {{- '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+    {{- (message['content'] or '') | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<start_of_turn>model\n' }}
+{%- endif %}
 """
 
 _QWEN2_TEMPLATE = r"""{%- if tools %}
@@ -302,6 +323,12 @@ _FAMILIES: dict[str, _Family] = {
         bos=None, eos="<|im_end|>", pad="<|endoftext|>", unk=None,
         extra_stops=("<|endoftext|>",),
         chat_template=_QWEN2_TEMPLATE, model_max_length=32768,
+    ),
+    "gemma": _Family(
+        leading_specials=("<pad>", "<eos>", "<bos>", "<unk>"),
+        trailing_specials=("<start_of_turn>", "<end_of_turn>"),
+        bos="<bos>", eos="<end_of_turn>", pad="<pad>", unk="<unk>", extra_stops=("<eos>",),
+        chat_template=_GEMMA_TEMPLATE, model_max_length=32768,
     ),
 }
 

@@ -7,6 +7,7 @@
  *   k, v         [num_blocks, block_size, num_kv_heads, head_dim]  (a layer's cache, two halves)
  *   block_tables [batch, table_stride] int32
  *   seq_lens     [batch] int32: context length, the new token included
+ *   window       the last `window` tokens are attended (a sliding window); 0 for all of them
  * head_dim must be a multiple of 8 (the caller checks).
  *
  * A work item is one sequence, all heads. Per block: the K rows token by token (each row covers
@@ -37,7 +38,7 @@ typedef struct {
     const int32_t *seq_lens;
     float *out;
     int64_t table_stride;
-    int num_heads, num_kv_heads, head_dim, block_size, num_items;
+    int num_heads, num_kv_heads, head_dim, block_size, num_items, window;
     float scale;
     atomic_int next;
     int failed;
@@ -85,13 +86,16 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
     }
     for (int h = 0; h < H; h++) l[h] = 0.0f;
     const int num_blocks = (len + bs - 1) / bs;
-    for (int b = 0; b < num_blocks; b++) {
+    /* a sliding window starts at token `first`: blocks before it are never read */
+    const int first = j->window > 0 && len > j->window ? len - j->window : 0, b0 = first / bs;
+    for (int b = b0; b < num_blocks; b++) {
         const int n = b == num_blocks - 1 ? len - b * bs : bs;
+        const int t0 = b == b0 ? first - b * bs : 0;  /* tokens [t0, n) of this block */
         const float *kb = j->k + (int64_t)table[b] * bs * row;
         const float *vb = j->v + (int64_t)table[b] * bs * row;
         const float *kn = b + 1 < num_blocks ? j->k + (int64_t)table[b + 1] * bs * row : NULL;
         const float *vn = b + 1 < num_blocks ? j->v + (int64_t)table[b + 1] * bs * row : NULL;
-        for (int t = 0; t < n; t++) {  /* token-major: K rows read front to back */
+        for (int t = t0; t < n; t++) {  /* token-major: K rows read front to back */
             const float *kt = kb + t * row;
             if (kn != NULL)
                 for (int64_t i = 0; i < row; i += 16) __builtin_prefetch(kn + t * row + i, 0, 0);
@@ -109,17 +113,17 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
         }
         for (int h = 0; h < H; h++) {
             float *sh = s + h * bs;
-            float block_max = sh[0];
-            for (int t = 1; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
+            float block_max = sh[t0];
+            for (int t = t0 + 1; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
             c[h] = 1.0f;  /* rescales what was accumulated under the old maximum */
-            if (b == 0) {
+            if (b == b0) {
                 m[h] = block_max;  /* no infinities anywhere, so -ffast-math is safe */
             } else if (block_max > m[h]) {
                 c[h] = expf(m[h] - block_max);
                 m[h] = block_max;
             }
             float sum = 0.0f;
-            for (int t = 0; t < n; t++) {
+            for (int t = t0; t < n; t++) {
                 sh[t] = expf(sh[t] - m[h]);
                 sum += sh[t];
             }
@@ -129,7 +133,7 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
             if (c[h] != 1.0f)
                 for (int i = 0; i < dv; i++)
                     store_vf(acc + h * D + i * VL, load_vf(acc + h * D + i * VL) * c[h]);
-        for (int t = 0; t < n; t++) {  /* V rows front to back */
+        for (int t = t0; t < n; t++) {  /* V rows front to back */
             const float *vt = vb + t * row;
             if (vn != NULL)
                 for (int64_t i = 0; i < row; i += 16) __builtin_prefetch(vn + t * row + i, 0, 0);
@@ -171,11 +175,11 @@ static void *work(void *arg) {
 int paged_decode_f32(const float *q, const float *k, const float *v,
                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                      float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
-                     int block_size, float scale, int num_threads) {
+                     int block_size, float scale, int window, int num_threads) {
     job_t j = {.q = q, .k = k, .v = v, .block_tables = block_tables, .seq_lens = seq_lens,
                .out = out, .table_stride = table_stride, .num_heads = num_heads,
                .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
-               .num_items = batch, .scale = scale, .failed = 0};
+               .num_items = batch, .scale = scale, .window = window, .failed = 0};
     atomic_init(&j.next, 0);
     if (num_threads > batch) num_threads = batch;
     if (num_threads < 1) num_threads = 1;
