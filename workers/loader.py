@@ -161,6 +161,8 @@ def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             shapes.append((p + "self_attn.o_proj.bias", (h,)))
         if config.qk_norm:
             shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+        if config.attention_sinks:
+            shapes.append((p + "self_attn.sinks", (config.num_attention_heads,)))
         shapes.append((p + "post_attention_layernorm.weight", (h,)))
         if config.model_type == "gemma3_text":  # norms around the MLP too
             shapes += [(p + "pre_feedforward_layernorm.weight", (h,)),
@@ -187,6 +189,13 @@ def _moe_shapes(config: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]
     if moe is None:
         raise ValueError(f"{config.architecture} has no MoE settings")
     i = moe.intermediate_size
+    e = moe.num_experts
+    if config.model_type == "gpt_oss":  # stacked experts, gate and up interleaved
+        return [(f"{p}mlp.router.weight", (e, h)), (f"{p}mlp.router.bias", (e,)),
+                (f"{p}mlp.experts.gate_up_proj", (e, h, 2 * i)),
+                (f"{p}mlp.experts.gate_up_proj_bias", (e, 2 * i)),
+                (f"{p}mlp.experts.down_proj", (e, i, h)),
+                (f"{p}mlp.experts.down_proj_bias", (e, h))]
     mixtral = config.model_type == "mixtral"
     block = "block_sparse_moe" if mixtral else "mlp"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")

@@ -36,14 +36,15 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # the MoE families use their dense relatives' tokenizers and chat templates (Qwen3: Qwen2's)
 _TOKENIZER_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3": "qwen2",
                      "qwen3_moe": "qwen2", "phi3": "mistral",  # phi3: a Llama-2-style vocab
-                     "gemma3": "gemma"}
-# Gemma 3's local layers: a window of 512 tokens on five layers of six, as Gemma-3-1B; the tiny
-# preset's two layers get a window short enough for the tests' prompts to pass it
-_GEMMA_WINDOW = {"tiny": 16}
+                     "gemma3": "gemma", "gpt_oss": "qwen2"}  # gpt-oss: ChatML, not Harmony
+# Gemma 3's local layers: a window of 512 tokens on five layers of six, as Gemma-3-1B (gpt-oss:
+# 128 on every other layer); the tiny preset's window is short enough for tests to pass it
+_TINY_WINDOW = {"tiny": 16}
 _NUM_EXPERTS, _TOP_K = 4, 2  # every preset's MoE shape: tiny, like the parallel tests
 
 
@@ -171,14 +172,16 @@ def _hf_config(
         kwargs.update(num_experts=_NUM_EXPERTS, num_experts_per_tok=_TOP_K,
                       moe_intermediate_size=shape.intermediate_size // 2,
                       shared_expert_intermediate_size=shape.intermediate_size)
-    if arch == "gemma3":  # local layers with their own RoPE base; one global layer in six
-        kwargs.update(rope_parameters={
-            "full_attention": rope, "sliding_attention": {"rope_type": "default",
-                                                          "rope_theta": 10000.0}},
-            sliding_window=_GEMMA_WINDOW.get(preset, 512), query_pre_attn_scalar=shape.hidden_size
-            // shape.num_attention_heads, tie_word_embeddings=True,
-            layer_types=["full_attention" if (i + 1) % 6 == 0 or i == shape.num_hidden_layers - 1
-                         else "sliding_attention" for i in range(shape.num_hidden_layers)])
+    if arch == "gemma3":
+        kwargs.update(_gemma3_kwargs(preset, shape, rope))
+    if arch == "gpt_oss":  # as gpt-oss-20b: YaRN x32, every other layer a 128-token window
+        kwargs.update(num_local_experts=_NUM_EXPERTS, num_experts_per_tok=_TOP_K,
+                      intermediate_size=shape.intermediate_size // 2,
+                      sliding_window=_TINY_WINDOW.get(preset, 128),
+                      rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False,
+                                       "rope_theta": 150000.0,
+                                       "original_max_position_embeddings": 4096})
     if arch == "qwen3_moe":  # renormalized top-k, no shared expert, as Qwen3-30B-A3B
         kwargs.update(num_experts=_NUM_EXPERTS, num_experts_per_tok=_TOP_K,
                       moe_intermediate_size=shape.intermediate_size // 2, norm_topk_prob=True)
@@ -193,8 +196,21 @@ def _hf_config(
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "phi3": transformers.Phi3Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }[arch]
     return config_class(**kwargs)
+
+
+def _gemma3_kwargs(preset: str, shape: Preset, rope: dict[str, Any]) -> dict[str, Any]:
+    """Local layers with their own RoPE base; one global layer in six, and the last."""
+    layers = shape.num_hidden_layers
+    return dict(
+        rope_parameters={"full_attention": rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        sliding_window=_TINY_WINDOW.get(preset, 512), tie_word_embeddings=True,
+        query_pre_attn_scalar=shape.hidden_size // shape.num_attention_heads,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 or i == layers - 1
+                     else "sliding_attention" for i in range(layers)])
 
 
 def _generation_config(hf_config: Any) -> Any:

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from workers.dtypes import resolve_dtype
+from workers.moe_config import MoEConfig, parse_moe
 from workers.rope_config import RopeScaling, layer_types, parse_local_rope, parse_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
+                           "GptOssForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -28,23 +30,12 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "gpt_oss": 150_000.0}
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads")
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """The sparse MoE block of Mixtral / Qwen2-MoE, in the HF config's terms."""
-
-    num_experts: int  # routed experts per MoE layer
-    top_k: int  # experts each token goes to
-    intermediate_size: int  # per routed expert
-    norm_topk_prob: bool  # renormalize the top-k probabilities (Mixtral: always)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert, 0 for none
-    decoder_sparse_step: int = 1  # every n-th layer is sparse (Qwen2-MoE)
-    mlp_only_layers: tuple[int, ...] = ()  # layers kept dense (Qwen2-MoE)
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -79,6 +70,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # RoPE base of the sliding layers, if their own
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss)
 
     def is_sliding(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` attends over a sliding window."""
@@ -109,7 +101,8 @@ class ModelConfig:
     @property
     def o_proj_bias(self) -> bool:
         # Llama and Qwen3 apply `attention_bias` to o_proj too; Qwen2 never has an o_proj bias
-        return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe")
+        return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe",
+                                                           "gpt_oss")
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -143,14 +136,9 @@ class ModelConfig:
         if hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; expected one of "
                              f"{list(_ACTIVATIONS)}")
-        if raw.get("attn_logit_softcapping") is not None:
-            raise ValueError(f"attn_logit_softcapping={raw['attn_logit_softcapping']} is not "
-                             "supported; expected null (as Gemma 3 ships)")
-        if raw.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention=true (an embedding model) is not "
-                             "supported; expected a causal language model")
+        _refuse_quantized(raw)
         gemma = model_type == "gemma3_text"
-        rope = parse_rope(raw, 1_000_000.0 if gemma else 10_000.0)
+        rope = parse_rope(raw, _DEFAULT_THETA.get(model_type, 10_000.0))
         num_layers = int(raw["num_hidden_layers"])
         generation = generation or {}
         eos = _token_ids(raw.get("eos_token_id")) + _token_ids(generation.get("eos_token_id"))
@@ -178,14 +166,13 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(dict.fromkeys(eos)),  # dedup, keep order
             sliding_window=_sliding_window(raw, model_type),
-            moe=_moe(raw, model_type),
+            moe=parse_moe(raw, model_type),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             hidden_act=hidden_act,
-            layer_types=layer_types(raw, num_layers) if gemma else (),
-            local_rope_theta=parse_local_rope(raw, 10_000.0).theta if gemma else None,
-            query_pre_attn_scalar=(float(raw.get("query_pre_attn_scalar") or 256) if gemma
-                                   else None),
             final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
+            **(_gemma3(raw, num_layers) if gemma else {}),
+            **(dict(layer_types=layer_types(raw, num_layers, 2), attention_sinks=True)
+               if model_type == "gpt_oss" else {}),
         )
 
 
@@ -212,27 +199,11 @@ def _architecture(raw: Mapping[str, Any]) -> str:
 def _attention_bias(raw: Mapping[str, Any], model_type: str) -> bool:
     if model_type == "qwen2":
         return True
+    if model_type == "gpt_oss":
+        return bool(raw.get("attention_bias", True))
     if model_type == "qwen2_moe":
         return bool(raw.get("qkv_bias", True))
     return bool(raw.get("attention_bias", False))
-
-
-def _moe(raw: Mapping[str, Any], model_type: str) -> MoEConfig | None:
-    if model_type == "mixtral":
-        return MoEConfig(num_experts=int(raw["num_local_experts"]),
-                         top_k=int(raw["num_experts_per_tok"]),
-                         intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
-    if model_type in ("qwen2_moe", "qwen3_moe"):  # Qwen3-MoE: no shared expert
-        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the hub's
-        # configs (and Qwen2-MoE's) as num_experts
-        return MoEConfig(
-            num_experts=int(raw.get("num_experts") or raw["num_local_experts"]), top_k=int(raw["num_experts_per_tok"]),
-            intermediate_size=int(raw["moe_intermediate_size"]),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
-            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()))
-    return None
 
 
 def _model_type_of(architecture: str) -> str:
@@ -262,8 +233,29 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
     return int(window)
 
 
+def _gemma3(raw: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Gemma 3's own fields: local/global layers, the local RoPE base, the attention scale."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping={raw['attn_logit_softcapping']} is not "
+                         "supported; expected null (as Gemma 3 ships)")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=true (an embedding model) is not "
+                         "supported; expected a causal language model")
+    return dict(layer_types=layer_types(raw, num_layers, 6),
+                local_rope_theta=parse_local_rope(raw, 10_000.0).theta,
+                query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256))
+
+
+def _refuse_quantized(raw: Mapping[str, Any]) -> None:
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(f"quantized checkpoints are not supported yet (quantization_config "
+                         f"with quant_method {method!r}); expected full-precision weights")
+
+
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-__all__ = ["ModelConfig", "MoEConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "resolve_dtype"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "MoEConfig", "RopeScaling", "resolve_dtype"]

@@ -9,6 +9,7 @@ where older configs wrote the local base as `rope_local_base_freq`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -20,12 +21,18 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 class RopeScaling:
     """Non-default RoPE frequency scaling, as transformers' `modeling_rope_utils` applies it."""
 
-    rope_type: str  # "linear" or "llama3"
+    rope_type: str  # "linear", "llama3" or "yarn"
     factor: float
     # llama3 only
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
+    original_max_position_embeddings: int | None = None  # llama3 and yarn
+    # yarn only: the ramp's bounds in rotations, whether they round to whole dimensions, and
+    # the factor cos and sin are multiplied by (resolved from mscale/mscale_all_dim if unset)
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -76,17 +83,44 @@ def _scaling(params: Mapping[str, Any], raw: Mapping[str, Any]) -> RopeScaling |
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(original),
         )
-    raise ValueError(
-        f"unsupported rope type {rope_type!r}; expected one of ['default', 'linear', 'llama3']"
-    )
+    if rope_type == "yarn":
+        return _yarn(params, raw)
+    raise ValueError(f"unsupported rope type {rope_type!r}; expected one of "
+                     "['default', 'linear', 'llama3', 'yarn']")
 
 
-def layer_types(raw: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+def _yarn(params: Mapping[str, Any], raw: Mapping[str, Any]) -> RopeScaling:
+    """YaRN as transformers' `_compute_yarn_parameters` reads it (gpt-oss, DeepSeek-V3)."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(raw["max_position_embeddings"]) / original
+    factor = float(factor)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(params.get("beta_fast") or 32),
+                       beta_slow=float(params.get("beta_slow") or 1),
+                       truncate=bool(params.get("truncate", True)),
+                       attention_factor=float(attention_factor))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def layer_types(raw: Mapping[str, Any], num_layers: int, pattern: int) -> tuple[str, ...]:
     """Each layer's attention kind, "sliding_attention" or "full_attention": `layer_types` as
-    written, or (older Gemma 3 configs) every `sliding_window_pattern`-th layer global."""
+    written, or (older configs) every `sliding_window_pattern`-th layer global (`pattern` when
+    unwritten: Gemma 3's 6, gpt-oss's 2)."""
     written = raw.get("layer_types")
     if written is None:
-        pattern = int(raw.get("sliding_window_pattern") or 6)
+        pattern = int(raw.get("sliding_window_pattern") or pattern)
         return tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
                      for i in range(num_layers))
     kinds = tuple(str(kind) for kind in written)

@@ -50,13 +50,23 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
                                                 "rope_theta": 100000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})
         cls = tf.Gemma3ForCausalLM
+    elif arch == "gpt_oss":  # sinks, a window-8 layer then a global one, YaRN, biased experts
+        config = tf.GptOssConfig(
+            **{**TINY, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=8, head_dim=16,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                             "original_max_position_embeddings": 128})
+        cls = tf.GptOssForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(config).float().eval()
     with torch.no_grad():  # spread the logits so greedy argmax has no near-ties
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if name.endswith(".sinks"):  # large enough to take real weight from the keys
+                p.uniform_(-2.0, 2.0)
+            elif "norm" not in name:
                 p.normal_(0.0, 0.08)
             elif arch == "gemma3":  # stored as offsets from one; not zero: they must be loaded
                 p.uniform_(-0.5, 0.5)

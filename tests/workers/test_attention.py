@@ -16,9 +16,9 @@ from workers.attention.torch_backend import decode_groups
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
 
-def naive(q, k_ctx, v_ctx, num_cached, scale, window=None):
+def naive(q, k_ctx, v_ctx, num_cached, scale, window=None, sinks=None):
     """q: [Lq, H, D]; k_ctx/v_ctx: [L, Hkv, D] whole context; causal from num_cached, over the
-    last `window` positions when given."""
+    last `window` positions when given; `sinks` [H] join each softmax as gpt-oss computes it."""
     group = HEADS // KV_HEADS
     k = k_ctx.repeat_interleave(group, dim=1)
     v = v_ctx.repeat_interleave(group, dim=1)
@@ -27,12 +27,16 @@ def naive(q, k_ctx, v_ctx, num_cached, scale, window=None):
         end = num_cached + i + 1
         start = 0 if window is None else max(0, end - window)
         scores = torch.einsum("hd,lhd->hl", q[i], k[start:end]) * scale
-        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[start:end])
+        if sinks is not None:  # a column for the sink, dropped after the softmax
+            probs = torch.cat([scores, sinks[:, None]], dim=-1).softmax(-1)[:, :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[i] = torch.einsum("hl,lhd->hd", probs, v[start:end])
     return out
 
 
 def run_mixed_batch(backend: str, seed: int, dim: int = DIM, dtype: torch.dtype = torch.float32,
-                    atol: float = 1e-5, window: int | None = None) -> None:
+                    atol: float = 1e-5, window: int | None = None, sinks: bool = False) -> None:
     """Decodes and prefill chunks (fresh and after cached tokens) in one forward, each sequence's
     output checked against naive attention over its whole context (or sliding window)."""
     rng = random.Random(seed)
@@ -71,23 +75,25 @@ def run_mixed_batch(backend: str, seed: int, dim: int = DIM, dtype: torch.dtype 
         max_query_len=max(n for _, n in seqs), max_seq_len=max(c + n for c, n in seqs),
         query_start_loc_cpu=starts, seq_lens_cpu=[c + n for c, n in seqs])
     scale = dim ** -0.5
+    sink_logits = torch.randn(HEADS) * 2 if sinks else None
     out = get_backend(backend).forward(torch.cat(q_rows), torch.cat(k_new), torch.cat(v_new),
-                                       cache, meta, scale, window=window)
+                                       cache, meta, scale, window=window, sinks=sink_logits)
     for i, (k_ctx, v_ctx, cached) in enumerate(contexts):
-        want = naive(q_rows[i], k_ctx, v_ctx, cached, scale, window)
+        want = naive(q_rows[i], k_ctx, v_ctx, cached, scale, window, sink_logits)
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("window", [None, 1, 6])  # 6: inside a block of 4, across one
+@pytest.mark.parametrize("window,sinks", [(None, False), (1, False), (6, False),  # 6: part
+                                          (None, True), (6, True)])  # of a block, across one
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_mixed_batch_matches_naive_attention(backend, seed, window):
+def test_mixed_batch_matches_naive_attention(backend, seed, window, sinks):
     if backend == "cpu":
         from workers.attention import cpu_backend
 
         if not cpu_backend.available():
             pytest.skip("no C compiler here to build the cpu attention kernel")
-    run_mixed_batch(backend, seed, window=window)
+    run_mixed_batch(backend, seed, window=window, sinks=sinks)
 
 
 def test_decode_groups_cover_every_sequence_once_and_bound_the_padding():

@@ -24,7 +24,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "mixtral", "qwen2_moe",
-                                        "qwen3", "qwen3_moe", "phi3", "gemma3"])
+                                        "qwen3", "qwen3_moe", "phi3", "gemma3",
+                                        "gpt_oss"])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = save_hf_model(request.param, path)

@@ -24,7 +24,8 @@ class PromptOnlyBackend(AttentionBackend):
 
     name = "test-prompt-only"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, kv_cache, meta, scale, *, window=None, sinks=None):  # type: ignore[no-untyped-def]
+        assert window is None and sinks is None, "full attention only"
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         for s, e in zip(starts[:-1], starts[1:]):

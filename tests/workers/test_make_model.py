@@ -55,7 +55,8 @@ def test_same_seed_gives_identical_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3",
-                                  "qwen3_moe", "phi3", "gemma3"])
+                                  "qwen3_moe", "phi3", "gemma3",
+                                  "gpt_oss"])
 def test_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path: Path, arch: str) -> None:
     path = make_model(tmp_path, arch=arch)
     config = ModelConfig.from_pretrained(path)
@@ -63,12 +64,14 @@ def test_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path: Path, a
                                    "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
                                    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                    "qwen3_moe": "Qwen3MoeForCausalLM",
-                                   "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]
-    assert (config.moe is not None) == (arch in ("mixtral", "qwen2_moe", "qwen3_moe"))
+                                   "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                   "gpt_oss": "GptOssForCausalLM"}[arch]
+    assert (config.moe is not None) == (arch in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"))
+    assert config.attention_sinks == (arch == "gpt_oss")
     assert config.qk_norm == (arch.startswith("qwen3") or arch == "gemma3")
     assert config.tie_word_embeddings == (arch in ("qwen2", "gemma3"))
     # Gemma 3: a local layer with a 16-token window, then a global one
-    assert config.window_of(0) == (16 if arch == "gemma3" else None)
+    assert config.window_of(0) == (16 if arch in ("gemma3", "gpt_oss") else None)
     assert config.window_of(1) is None
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ours = load_model(path, config, dtype=torch.float32, device="cpu",

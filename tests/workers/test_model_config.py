@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +67,33 @@ def test_linear_and_default_rope(tmp_path: Path) -> None:
     assert linear.rope_scaling == RopeScaling("linear", 2.0)
     default = ModelConfig.from_dict(legacy_llama_config(rope_scaling=None, rope_theta=10000.0))
     assert default.rope_scaling is None and default.rope_theta == 10000.0
-    with pytest.raises(ValueError, match="'yarn'.*default.*linear.*llama3"):
-        ModelConfig.from_dict(legacy_llama_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="'dynamic'.*default.*linear.*llama3.*yarn"):
+        ModelConfig.from_dict(legacy_llama_config(rope_scaling={"rope_type": "dynamic",
+                                                                "factor": 4.0}))
+
+
+YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 256}  # as gpt-oss ships
+
+
+@pytest.mark.parametrize("yarn", [YARN, {**YARN, "truncate": True},
+                                  {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+                                  {**YARN, "attention_factor": 1.5}])
+def test_yarn_matches_transformers(yarn: dict[str, Any]) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from workers.models.rotary import RotaryEmbedding
+
+    hf_config = transformers.LlamaConfig(**SHAPE, head_dim=16,
+                                         rope_parameters={**yarn, "rope_theta": 150000.0})
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    config = ModelConfig.from_dict({**legacy_llama_config(), "rope_theta": 150000.0,
+                                    "rope_scaling": yarn, "head_dim": 16})
+    scaling = config.rope_scaling
+    assert scaling is not None and scaling.attention_factor == pytest.approx(factor, abs=1e-12)
+    torch.testing.assert_close(compute_inv_freq(16, 150000.0, scaling), expected, rtol=0, atol=0)
+    rope = RotaryEmbedding(16, 64, 150000.0, scaling)  # cos and sin carry the factor
+    torch.testing.assert_close(rope.cos_cache[3], (3 * expected).cos() * factor)
 
 
 @pytest.mark.parametrize("scaling", [None, RopeScaling("linear", 4.0),
@@ -78,7 +104,9 @@ def test_inv_freq_matches_transformers(scaling: RopeScaling | None) -> None:
 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 500000.0}
     if scaling is not None:
-        rope = {k: v for k, v in vars(scaling).items() if v is not None} | {"rope_theta": 500000.0}
+        rope = {k: v for k, v in vars(scaling).items()
+                if v is not None and k not in ("truncate", "attention_factor")}
+        rope |= {"rope_theta": 500000.0}
     hf_config = transformers.LlamaConfig(**SHAPE, rope_parameters=rope)
     if scaling is None:
         expected, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_config)
@@ -215,3 +243,41 @@ def test_gemma3_hub_and_transformers5_spellings_parse_the_same(tmp_path: Path, r
 def test_gemma3_settings_cleave_cannot_run_are_named(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**GEMMA3_1B, **change})
+
+
+# gpt-oss-20b's config.json as OpenAI publishes it (MXFP4 experts), less its layer list
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "experts_per_token": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "vocab_size": 201088, "eos_token_id": 200002, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn"],
+                            "quant_method": "mxfp4"},
+}
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_refused_naming_its_quantization():
+    with pytest.raises(ValueError, match="quant_method 'mxfp4'"):
+        ModelConfig.from_dict(GPT_OSS_20B)
+
+
+def test_gpt_oss_bf16_config_parses_as_transformers_reads_it(tmp_path: Path):
+    raw = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
+    legacy = ModelConfig.from_dict(raw)
+    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+    transformers.GptOssConfig(**kwargs).save_pretrained(tmp_path)
+    assert ModelConfig.from_pretrained(tmp_path) == legacy
+    assert [legacy.window_of(i) for i in range(4)] == [128, None, 128, None]
+    scaling = legacy.rope_scaling
+    assert scaling is not None and scaling.rope_type == "yarn" and not scaling.truncate
+    assert scaling.attention_factor == pytest.approx(0.1 * math.log(32) + 1)
+    moe = legacy.moe
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (32, 4, 2880)
+    assert moe.softmax_after_topk and moe.bias and moe.clamped_swiglu == (1.702, 7.0)
+    assert legacy.attention_sinks and legacy.attention_bias and legacy.o_proj_bias

@@ -21,7 +21,7 @@ TOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module", params=["llama", "mixtral", "qwen3_moe", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "mixtral", "qwen3_moe", "gemma3", "gpt_oss"])
 def checkpoint(request, tmp_path_factory):
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp(request.param)
@@ -51,6 +51,8 @@ LAYOUTS = {  # (tensor, pipeline, expert) parallel sizes
     "qwen3_moe": [(2, 1, 1), (2, 1, 2), (2, 2, 2)],
     # local and global layers, the embedding's scale on the first stage only
     "gemma3": [(2, 1, 1), (1, 2, 1), (2, 2, 1)],
+    # sinks split with the heads; expert biases (the output one added on one TP rank only)
+    "gpt_oss": [(2, 1, 1), (2, 1, 2), (2, 2, 2)],
 }
 
 

@@ -50,9 +50,10 @@ def make_paged(seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: i
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
-              window: int | None = None) -> torch.Tensor:
+              window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain softmax attention in fp32. q: [Lq, Hq, D]; k, v: [L, Hkv, D], the whole context;
-    query i sees positions <= num_cached + i (and > num_cached + i - window)."""
+    query i sees positions <= num_cached + i (and > num_cached + i - window); sinks [Hq]: a
+    column per head that joins the softmax and is dropped after it."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,lhd->hql", q.float(), k) * SCALE
@@ -61,7 +62,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
     if window is not None:
         visible &= key_pos > num_cached + query_pos - window
     scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-    return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+    sink = sinks.float().to(scores.device)[:, None, None].expand(-1, q.shape[0], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hql,lhd->qhd", probs, v)
 
 
 def random_queries(num_tokens: int, num_heads: int, dtype: torch.dtype,
@@ -120,6 +125,21 @@ def test_decode_over_a_sliding_window_for_any_split_count(window):
         assert_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("window", [None, 16])
+def test_decode_with_attention_sinks_counts_each_sink_once_over_splits(window):
+    seq_lens = [1, 17, 200]
+    paged = make_paged(seq_lens, 16, torch.float32)
+    q = random_queries(len(seq_lens), KV_HEADS * 2, torch.float32)
+    sinks = (torch.randn(KV_HEADS * 2, generator=torch.Generator().manual_seed(3)) * 2).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = torch.cat([reference(q[i:i + 1], *paged.context(i, n), n - 1, window, sinks)
+                      for i, n in enumerate(seq_lens)])
+    for num_splits in (1, 3):
+        got = paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, num_splits,
+                                     window=window, sinks=sinks)
+        assert_close(got, want, torch.float32)
+
+
 def test_decode_reads_a_cache_stored_in_another_dtype():
     seq_lens = [33, 100]
     paged = make_paged(seq_lens, 16, torch.float16)  # kv_cache_dtype=float16 under an fp32 model
@@ -160,21 +180,23 @@ def test_decode_rejects_a_scratch_too_small_for_the_split_count():
                                scratch=DecodeScratch.allocate(2, 4, DIM, DEVICE))
 
 
-@pytest.mark.parametrize("window", [1, 9, 50])
-def test_prefill_over_a_sliding_window(window):
+@pytest.mark.parametrize("window,with_sinks", [(1, False), (9, False), (50, False),
+                                               (None, True), (9, True)])
+def test_prefill_over_a_sliding_window_and_with_sinks(window, with_sinks):
     chunks = [(0, 70), (37, 30), (100, 80)]  # fresh; after cached tokens; two query tiles
     seq_lens = [cached + new for cached, new in chunks]
     paged = make_paged(seq_lens, 16, torch.float32)
     starts = [0, 70, 100, 180]
     q = random_queries(starts[-1], KV_HEADS * 2, torch.float32)
+    sinks = torch.linspace(-3, 3, KV_HEADS * 2).to(DEVICE) if with_sinks else None
     got = paged_prefill_attention(
         q, paged.cache, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), paged.tables, SCALE, starts,
-        window=window)
+        window=window, sinks=sinks)
     for i, (cached, _) in enumerate(chunks):
         s, e = starts[i], starts[i + 1]
-        assert_close(got[s:e], reference(q[s:e], *paged.context(i, seq_lens[i]), cached, window),
-                     torch.float32)
+        want = reference(q[s:e], *paged.context(i, seq_lens[i]), cached, window, sinks)
+        assert_close(got[s:e], want, torch.float32)
 
 
 # (chunks as (cached tokens, new tokens), block_size, group, dtype)
@@ -233,12 +255,14 @@ def mixed_batch(seqs: list[tuple[int, int]], block_size: int, num_heads: int,
     ([(17, 1), (40, 1)], 32),  # decodes only
     ([(0, 7), (9, 20)], 4),  # prefill only; blocks smaller than a tile
 ])
-@pytest.mark.parametrize("window", [None, 7])
-def test_backend_forward_matches_the_torch_backend(seqs, block_size, window):
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (7, False), (7, True)])
+def test_backend_forward_matches_the_torch_backend(seqs, block_size, window, with_sinks):
     q, k, v, cache, meta = mixed_batch(seqs, block_size, num_heads=4)
     torch_cache = cache.clone()
-    got = get_backend("triton").forward(q, k, v, cache, meta, SCALE, window=window)
-    want = get_backend("torch").forward(q, k, v, torch_cache, meta, SCALE, window=window)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE) if with_sinks else None
+    got = get_backend("triton").forward(q, k, v, cache, meta, SCALE, window=window, sinks=sinks)
+    want = get_backend("torch").forward(q, k, v, torch_cache, meta, SCALE, window=window,
+                                        sinks=sinks)
     assert torch.equal(cache, torch_cache)  # both stored the new K/V in the same slots
     assert_close(got, want, torch.float32)
 

@@ -10,6 +10,9 @@ A layer may attend over a sliding window: query position p then sees keys at pos
 does (Mistral, Gemma 3's local layers). The cache still holds every token; only what is read
 changes.
 
+A layer may have attention sinks (gpt-oss): one learned logit per query head that joins every
+softmax's denominator and attends to nothing, so a query can put weight nowhere.
+
 A batch is a flat list of new tokens from several sequences. The runner orders the sequences so
 the `num_decodes` sequences with exactly one new token come first (they can be batched as one
 kernel call); the rest are prefill chunks, which may start after cached or earlier-computed
@@ -64,5 +67,6 @@ class AttentionBackend(abc.ABC):
         scale: float,
         *,
         window: int | None = None,  # sliding window in tokens; None attends the whole context
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32 sink logits, in scaled units
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

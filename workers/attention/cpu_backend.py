@@ -101,7 +101,7 @@ def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_kernel()))
     fn = lib.paged_decode_f32
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr,
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr,
                    i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
     fn.restype = i32
     return lib
@@ -121,11 +121,12 @@ def available() -> bool:
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                 num_threads: int | None = None, window: int | None = None) -> torch.Tensor:
+                 num_threads: int | None = None, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One new query token per sequence over its paged context. q: [B, Hq, D] fp32 on the CPU;
     kv_cache: [2, num_blocks, block_size, Hkv, D] fp32; block_tables: [B, >= blocks needed];
     seq_lens: [B] (context length including the new token); window: attend only the last
-    `window` tokens. Returns [B, Hq, D]. Threads default to torch's; each sequence is computed
+    `window` tokens; sinks: [Hq] fp32 attention-sink logits. Returns [B, Hq, D]. Threads default to torch's; each sequence is computed
     by one thread, so the result does not depend on them."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
@@ -144,10 +145,16 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be [{num_heads}] (one per query head), got "
+                             f"{list(sinks.shape)}")
     if out is None:
         out = torch.empty_like(q)
     rc = load_kernel().paged_decode_f32(
-        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), tables.data_ptr(),
+        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        None if sinks is None else sinks.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
         head_dim, block_size, scale, window or 0, num_threads or torch.get_num_threads())
     if rc != 0:
@@ -163,10 +170,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         load_kernel()  # build now, at model load, and fail there if it cannot be built
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: int | None) -> torch.Tensor:
+                scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
         if (q.dtype != torch.float32 or kv_cache.dtype != torch.float32
                 or q.device.type != "cpu" or q.shape[-1] % 8 or not kv_cache.is_contiguous()):
-            return super()._decode(q, kv_cache, meta, scale, window)
+            return super()._decode(q, kv_cache, meta, scale, window, sinks)
         batch = q.shape[0]
         return paged_decode(q, kv_cache, meta.block_tables[:batch], meta.seq_lens[:batch], scale,
-                            window=window)
+                            window=window, sinks=sinks)

@@ -67,33 +67,33 @@ class TorchAttentionBackend(AttentionBackend):
         return buf[:numel]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, *,
-                window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, window)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, window, sinks)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         for i in range(nd, meta.num_seqs):
             s, e = starts[i], starts[i + 1]
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta.block_tables[i],
-                                     lens[i], scale, window)
+                                     lens[i], scale, window, sinks)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: int | None) -> torch.Tensor:
+                scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
         # q: [B, Hq, D]; one new token per sequence. Sequences of similar length are attended
         # together, so the gathered context is padded little and stays cache-sized.
         out = torch.empty_like(q)
         for start, end in decode_groups(meta.seq_lens_cpu[:q.shape[0]]):
             out[start:end] = self._decode_group(q[start:end], kv_cache, meta, start, end, scale,
-                                                window)
+                                                window, sinks)
         return out
 
     def _decode_group(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      start: int, end: int, scale: float,
-                      window: int | None) -> torch.Tensor:
+                      start: int, end: int, scale: float, window: int | None,
+                      sinks: torch.Tensor | None) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
@@ -117,13 +117,16 @@ class TorchAttentionBackend(AttentionBackend):
             mask &= positions[None, :] >= lens - window
         # query heads of one KV head packed along the query axis: [B, Hkv, group, D]
         qg = q.view(batch, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :],
-                                             scale=scale)
+        attn_mask = mask[:, None, None, :]
+        if sinks is not None:
+            keys, values, attn_mask = with_sinks(keys, values, attn_mask,
+                                                 sinks.view(num_kv_heads, group, 1))
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attn_mask, scale=scale)
         return out.reshape(batch, num_heads, head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  block_table: torch.Tensor, seq_len: int, scale: float,
-                 window: int | None) -> torch.Tensor:
+                 window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
         # q: [Lq, Hq, D]; the chunk covers positions [seq_len - Lq, seq_len).
         query_len = q.shape[0]
         num_cached = seq_len - query_len
@@ -146,8 +149,28 @@ class TorchAttentionBackend(AttentionBackend):
                 mask &= key_pos[None, :] > query_pos[:, None] - window
         # 4-D [1, H, L, D]: with 3-D inputs and a mask, CPU SDPA falls back to its unfused math
         # path (3-4x slower on a 400-token chunk after 500 cached tokens)
+        keys = keys.transpose(0, 1).to(q.dtype)[None]
+        values = values.transpose(0, 1).to(q.dtype)[None]
+        if sinks is not None:
+            if mask is None:  # causal, spelled out: the sink column joins it
+                mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril()
+            keys, values, mask = with_sinks(keys, values, mask, sinks.view(-1, 1, 1))
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.transpose(0, 1).to(q.dtype)[None],
-            values.transpose(0, 1).to(q.dtype)[None],
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+            q.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
+
+
+def with_sinks(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks as one more key that every query sees, with a zero value and a logit of
+    the head's sink (an additive float mask: q . 0 + sink). keys/values [..., L, D]; mask
+    boolean [..., L]; sinks shaped to broadcast against mask[..., :1] (decode: [Hkv, group,
+    1], prefill: [H, 1, 1]). Returns keys/values [..., L + 1, D] and the float mask."""
+    keys = F.pad(keys, (0, 0, 0, 1))
+    values = F.pad(values, (0, 0, 0, 1))
+    bias = torch.zeros(mask.shape, dtype=keys.dtype, device=keys.device)
+    bias.masked_fill_(~mask, float("-inf"))
+    shape = torch.broadcast_shapes(mask.shape[:-1] + (1,), sinks.shape)
+    sink = sinks.to(keys.dtype).expand(shape)
+    return keys, values, torch.cat([bias.expand(*shape[:-1], mask.shape[-1]), sink], dim=-1)

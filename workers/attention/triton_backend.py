@@ -41,8 +41,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._scratch: DecodeScratch | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, *,
-                window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -50,16 +50,17 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits = choose_num_splits(nd, kv_cache.shape[3], max(meta.seq_lens_cpu[:nd]),
                                            device_num_sms(q.device))
             self.decode(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                        out[:nd], num_splits, window=window)
+                        out[:nd], num_splits, window=window, sinks=sinks)
         if nd < meta.num_seqs:
             paged_prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, scale, meta.query_start_loc_cpu,
-                                    first_seq=nd, out=out, window=window)
+                                    first_seq=nd, out=out, window=window, sinks=sinks)
         return out
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
-               scratch: DecodeScratch | None = None, window: int | None = None) -> torch.Tensor:
+               scratch: DecodeScratch | None = None, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention only, into `out` [B, Hq, D], for a caller that fixes the shapes (a
         CUDA-graph runner driving attention itself). The new tokens' K/V must already be in the
         cache (`write_kv`).
@@ -74,7 +75,7 @@ class TritonAttentionBackend(AttentionBackend):
         if scratch is None and num_splits > 1:
             scratch = self._scratch_for(q, kv_cache.shape[3], num_splits)
         return paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, num_splits,
-                                      out=out, scratch=scratch, window=window)
+                                      out=out, scratch=scratch, window=window, sinks=sinks)
 
     def _scratch_for(self, q: torch.Tensor, num_kv_heads: int, num_splits: int) -> DecodeScratch:
         """The shared scratch; allocated on first use with room for every split count

@@ -74,8 +74,8 @@ def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visi
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+def _decode_split_kernel(  # long: one kernel body; splitting it costs registers and clarity
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr, sinks_ptr,
     scale, num_splits, window,
     stride_q_seq, stride_q_head,
     stride_cache_block, stride_cache_token, stride_cache_head,
@@ -85,6 +85,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,6 +110,11 @@ def _decode_split_kernel(
 
     m = tl.full([GROUP_ROWS], float("-inf"), tl.float32)  # running max (base-2 logits)
     l = tl.zeros([GROUP_ROWS], tl.float32)  # running sum of exp2(logit - m)
+    if HAS_SINKS:  # the sink joins the first split's softmax once: max = its logit, sum = 1
+        sink_row = row_ok & ((rows * 0 + split) == 0)  # [GROUP_ROWS] bool
+        sink = tl.load(sinks_ptr + heads, mask=sink_row, other=float("-inf")) * LOG2E
+        m = tl.where(sink_row, sink, m)
+        l = tl.where(sink_row, 1.0, l)
     acc = tl.zeros([GROUP_ROWS, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq * stride_table_seq
     for start in range(lo, hi, TILE):
@@ -168,18 +174,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, Hq, D], q's dtype; written in place when given
     scratch: DecodeScratch | None = None,  # needed when num_splits > 1; allocated if None
     window: int | None = None,  # attend only the last `window` tokens (sliding window)
+    sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Attend each sequence's one query token over its first seq_lens[b] cached tokens (the new
-    token's K/V must already be in the cache), or the last `window` of them. A sequence with
-    seq_len 0 gets zeros."""
+    """Attend each sequence's one query token over its first seq_lens[b] cached tokens (already
+    holding the new token's K/V), or the last `window` of them; zeros where seq_len is 0."""
     _check_decode_inputs(q, kv_cache, block_tables, seq_lens, num_splits)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim, got "
-                         f"{tuple(out.shape)} strides {out.stride()}")
+    out = output_buffer(q, out)
     if batch == 0:
         return out
     if num_splits == 1:
@@ -198,6 +200,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, target, lse,
+        q if sinks is None else sinks,
         scale, num_splits, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -207,7 +210,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=TILE_N,
         UPCAST_DOT=upcast, DOT_PRECISION=precision, WRITE_LSE=num_splits > 1,
-        num_warps=4,
+        HAS_SINKS=sinks is not None, num_warps=4,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
@@ -240,6 +243,16 @@ def check_layout(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
     if q.device.type == "cpu" and not interpreted():
         raise ValueError("Triton attention on CPU tensors needs TRITON_INTERPRET=1 set before "
                          "workers.attention's triton modules are imported")
+
+
+def output_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` checked to fit q (shape, contiguous last dim), or a new one."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    return out
 
 
 def _check_decode_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -16,7 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention.triton_decode import LOG2E, attend_tile, check_layout, dot_config
+from workers.attention.triton_decode import (
+    LOG2E,
+    attend_tile,
+    check_layout,
+    dot_config,
+    output_buffer,
+)
 
 # Query rows and keys per tile. 64 x 64 with head_dim up to 128 keeps q, one K/V tile and the
 # accumulator in registers/shared memory at 4 warps on current NVIDIA parts; short chunks waste
@@ -28,7 +34,7 @@ BLOCK_N = 64  # >= BLOCK_M: the sliding-window start in _prefill_kernel relies o
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr, sinks_ptr,
     scale, window,
     stride_q_token, stride_q_head,
     stride_cache_block, stride_cache_token, stride_cache_head,
@@ -36,7 +42,7 @@ def _prefill_kernel(
     stride_out_token, stride_out_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_M: tl.constexpr, TILE_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -62,6 +68,9 @@ def _prefill_kernel(
 
     m = tl.full([TILE_M], float("-inf"), tl.float32)
     l = tl.zeros([TILE_M], tl.float32)
+    if HAS_SINKS:  # the head's sink starts every row's softmax: max = its logit, sum = 1
+        m = tl.zeros([TILE_M], tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        l = l + 1.0
     acc = tl.zeros([TILE_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq * stride_table_seq
     # keys past the tile's last query position are masked for every row: stop before them;
@@ -106,16 +115,13 @@ def paged_prefill_attention(
     first_seq: int = 0,  # sequences before this one (decodes) are left alone
     out: torch.Tensor | None = None,  # [num_tokens, Hq, D]; only prefill rows are written
     window: int | None = None,  # each query sees only the last `window` positions up to itself
+    sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     """Causal attention of each chunk (sequences first_seq..) over its sequence's context."""
     check_layout(q, kv_cache)
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim, got "
-                         f"{tuple(out.shape)} strides {out.stride()}")
+    out = output_buffer(q, out)
     tiles = prefill_tiles(query_start_loc_cpu, first_seq, q.device)
     if tiles.shape[0] == 0:
         return out
@@ -123,6 +129,7 @@ def paged_prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[(tiles.shape[0], num_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
+        q if sinks is None else sinks,
         scale, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -130,6 +137,6 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         TILE_M=BLOCK_M, TILE_N=BLOCK_N, UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        num_warps=4,
+        HAS_SINKS=sinks is not None, num_warps=4,
     )
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from workers.models.gemma3 import Gemma3ForCausalLM
+from workers.models.gpt_oss import GptOssForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.mixtral import MixtralForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen2MoeForCausalLM,  # Qwen2-MoE's, with q/k norm and no shared expert
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Llama's, from fused qkv and gate_up tensors
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Llama's, with Gemma's norms and local layers
+    "GptOssForCausalLM": GptOssForCausalLM,  # Mixtral's, with sinks, biases, stacked experts
 }
 
 
@@ -32,6 +34,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return MODEL_REGISTRY[architecture]
 
 
-__all__ = ["MODEL_REGISTRY", "Gemma3ForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+__all__ = ["MODEL_REGISTRY", "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
            "Qwen2MoeForCausalLM",
            "get_model_class"]

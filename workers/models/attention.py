@@ -5,7 +5,8 @@ The families differ only here: q/k/v bias (Qwen2), o_proj bias (Llama's and Qwen
 `attention_bias`), Qwen3's and Gemma 3's RMSNorm of each head's q and k before RoPE (its
 weights, one per head dimension, are the same on every TP rank), and per-layer settings: a
 sliding window (Mistral on every layer, Gemma 3 on its local layers), the local layers' own RoPE
-base and the attention scale (Gemma 3).
+base and the attention scale (Gemma 3), attention sinks (gpt-oss: one logit per query head,
+split over TP ranks with the heads).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from torch import nn
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.model_config import ModelConfig
-from workers.models.layers import QKVParallelLinear, RMSNorm, RowParallelLinear, Shard
+from workers.models.layers import (
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    Shard,
+    WeightShapeError,
+    _make_param,
+)
 from workers.models.rotary import RotaryEmbedding
 
 
@@ -52,6 +60,17 @@ class LlamaAttention(nn.Module):
             self.q_norm = norm_cls(config.head_dim, config.rms_norm_eps)
             self.k_norm = norm_cls(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.sinks = None
+        if config.attention_sinks:
+            self.sinks = _make_param((self.num_heads,), self._load_sinks)
+        self.tp_rank, self.total_heads = tp_rank, config.num_attention_heads
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: object = None) -> None:
+        if tuple(loaded.shape) != (self.total_heads,):
+            raise WeightShapeError(f"attention sinks: expected shape [{self.total_heads}], got "
+                                   f"{list(loaded.shape)}")
+        param.data.copy_(loaded.narrow(0, self.tp_rank * self.num_heads, self.num_heads))
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -68,5 +87,5 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, scale=self.scale,
-                                        window=self.window)  # [T, Hq, D]
+                                        window=self.window, sinks=self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))

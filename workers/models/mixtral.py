@@ -9,8 +9,10 @@ from torch import nn
 from workers.models.llama import LlamaForCausalLM
 from workers.models.moe import DOWN, GATE, UP, SparseMoeBlock
 
-# model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight -> (..experts.w13_weight, (j, GATE))
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight -> (..experts.w13_weight, (j, GATE));
+# .bias -> w13_bias (gpt-oss's, once unstacked)
+_EXPERT = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|bias)$")
 _PART = {"w1": GATE, "gate_proj": GATE, "w3": UP, "up_proj": UP, "w2": DOWN, "down_proj": DOWN}
 
 
@@ -20,7 +22,7 @@ def expert_name(hf_name: str) -> tuple[str, object] | None:
     if match is None:
         return None
     prefix, expert, part = match.group(1), int(match.group(2)), _PART[match.group(3)]
-    param = "w2_weight" if part == DOWN else "w13_weight"
+    param = f"{'w2' if part == DOWN else 'w13'}_{match.group(4)}"
     return f"{prefix}.{param}", (expert, part)
 
 
@@ -43,8 +45,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def num_shards(self, name: str) -> int:
         num_experts = self.config.moe.num_experts  # type: ignore[union-attr]
-        if name.endswith(".w13_weight"):
+        if name.endswith((".w13_weight", ".w13_bias")):
             return 2 * num_experts
-        if name.endswith(".w2_weight"):
+        if name.endswith((".w2_weight", ".w2_bias")):
             return num_experts
         return super().num_shards(name)

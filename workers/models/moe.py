@@ -1,8 +1,10 @@
-"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE) with tensor or expert parallelism.
+"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) with tensor or
+expert parallelism.
 
 Routing follows transformers exactly: softmax over the router logits in fp32, top-k, optional
-renormalization of the k probabilities, then each token's output is the weighted sum of its
-experts' SwiGLU outputs.
+renormalization of the k probabilities (gpt-oss: top-k of the logits, then a softmax over those
+k), then each token's output is the weighted sum of its experts' SwiGLU outputs (gpt-oss: with
+biases, and its clamped SwiGLU).
 
 Two ways to shard over the TP group (`Shard.expert_parallel`):
 - tensor-parallel: every rank holds every expert with its intermediate dim split; partial outputs
@@ -23,14 +25,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.layers import Shard, WeightShapeError, _make_param, default_weight_loader
+from workers.moe_config import MoEConfig
 from workers.parallel.comm import Communicator
 
 GATE, UP, DOWN = 0, 1, 2  # shard ids of an expert's w1/gate_proj, w3/up_proj, w2/down_proj
 
 
-def route(router_logits: torch.Tensor, top_k: int,
-          normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits: [T, E] -> (expert ids [T, k] int64, weights [T, k] fp32), as HF."""
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool,
+          softmax_after_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] -> (expert ids [T, k] int64, weights [T, k]), as HF: fp32 weights,
+    or with `softmax_after_topk` (gpt-oss) in the logits' dtype."""
+    if softmax_after_topk:
+        values, ids = torch.topk(router_logits, top_k, dim=-1)
+        return ids, F.softmax(values, dim=-1, dtype=values.dtype)
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -38,13 +45,24 @@ def route(router_logits: torch.Tensor, top_k: int,
     return ids, weights
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float,
+                   limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation: both halves clamped, a sigmoid-weighted gate, up + 1."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class FusedExperts(nn.Module):
     """The routed experts of one layer, stacked: w13 [E_local, 2 * I_local, H] (gate | up) and
-    w2 [E_local, H, I_local]. Loaded from HF's per-expert tensors with shard id
-    (expert, GATE | UP | DOWN); experts another EP rank owns are skipped."""
+    w2 [E_local, H, I_local] (and with `bias`, w13_bias [E_local, 2 * I_local] and w2_bias
+    [E_local, H]). Loaded from HF's per-expert tensors with shard id (expert, GATE | UP |
+    DOWN); experts another EP rank owns are skipped. `clamped_swiglu`: (alpha, limit) of
+    gpt-oss's activation, else silu(gate) * up."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 shard: Shard, comm: Communicator | None) -> None:
+                 shard: Shard, comm: Communicator | None, bias: bool = False,
+                 clamped_swiglu: tuple[float, float] | None = None) -> None:
         super().__init__()
         size = shard.tp_size
         self.num_experts, self.hidden_size = num_experts, hidden_size
@@ -65,12 +83,22 @@ class FusedExperts(nn.Module):
         i, h = self.inter_local, hidden_size
         self.w13_weight = _make_param((self.num_local, 2 * i, h), self.weight_loader)
         self.w2_weight = _make_param((self.num_local, h, i), self.weight_loader)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = _make_param((self.num_local, 2 * i), self.weight_loader)
+            self.w2_bias = _make_param((self.num_local, h), self.weight_loader)
+        # under TP every rank's partial output is summed: the output bias is added on one
+        self.add_w2_bias = bias and (self.expert_parallel or shard.tp_rank == 0)
+        self.clamped_swiglu = clamped_swiglu
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
         expert, part = shard_id  # type: ignore[misc]
         h, inter = self.hidden_size, self.intermediate_size
+        is_bias = param is self.w13_bias or param is self.w2_bias
         expected = (h, inter) if part == DOWN else (inter, h)
+        if is_bias:
+            expected = expected[:1]
         if tuple(loaded.shape) != expected:
             raise WeightShapeError(f"expert {expert}: expected shape {list(expected)}, got "
                                    f"{list(loaded.shape)}")
@@ -80,7 +108,7 @@ class FusedExperts(nn.Module):
         i = self.inter_local
         start = 0 if self.expert_parallel else self.tp_rank * i
         if part == DOWN:
-            param.data[local].copy_(loaded.narrow(1, start, i))
+            param.data[local].copy_(loaded if is_bias else loaded.narrow(1, start, i))
         else:
             param.data[local].narrow(0, part * i, i).copy_(loaded.narrow(0, start, i))
 
@@ -89,10 +117,16 @@ class FusedExperts(nn.Module):
         """x: [N, H]; ids: [N, k] local expert ids; weights [N, k] or None (k == 1, unweighted).
         Returns sum_k weight * expert(x) [N, H], this rank's partial sum under TP."""
         out = torch.zeros_like(x)
+        b13, b2 = self.w13_bias, self.w2_bias if self.add_w2_bias else None
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)
-            gate, up = F.linear(x[rows], self.w13_weight[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2_weight[e])
+            gate, up = F.linear(x[rows], self.w13_weight[e],
+                                None if b13 is None else b13[e]).chunk(2, dim=-1)
+            if self.clamped_swiglu is not None:
+                hidden = clamped_swiglu(gate, up, *self.clamped_swiglu)
+            else:
+                hidden = F.silu(gate) * up
+            y = F.linear(hidden, self.w2_weight[e], None if b2 is None else b2[e])
             if weights is not None:
                 y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
@@ -139,13 +173,18 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  normalize: bool, shard: Shard, comm: Communicator | None,
-                 shared_expert: nn.Module | None = None, cast_weights: bool = False) -> None:
+                 shared_expert: nn.Module | None = None, cast_weights: bool = False,
+                 moe: MoEConfig | None = None) -> None:
         """`cast_weights`: cast the fp32 routing weights to the activations' dtype before use
-        (Qwen2-MoE does, Mixtral does not)."""
+        (Qwen2-MoE does, Mixtral does not). `moe`: gpt-oss's routing order, biases and
+        activation, when given."""
         super().__init__()
         self.top_k, self.normalize, self.cast_weights = top_k, normalize, cast_weights
-        self.gate = _ReplicatedLinear(hidden_size, num_experts)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, shard, comm)
+        self.softmax_after_topk = moe is not None and moe.softmax_after_topk
+        bias = moe is not None and moe.bias
+        self.gate = _ReplicatedLinear(hidden_size, num_experts, bias)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, shard, comm,
+                                    bias, None if moe is None else moe.clamped_swiglu)
         if shared_expert is not None:
             self.shared_expert = shared_expert
             self.shared_expert_gate = _ReplicatedLinear(hidden_size, 1)
@@ -154,7 +193,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
-        ids, weights = route(self.gate(x), self.top_k, self.normalize)
+        ids, weights = route(self.gate(x), self.top_k, self.normalize, self.softmax_after_topk)
         out = self.experts(x, ids, weights.to(x.dtype) if self.cast_weights else weights)
         if self.shared_expert is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -163,11 +202,12 @@ class SparseMoeBlock(nn.Module):
 
 
 class _ReplicatedLinear(nn.Module):
-    """y = x W^T, the same W on every rank (routers and the shared-expert gate)."""
+    """y = x W^T (+ b), the same W on every rank (routers and the shared-expert gate)."""
 
-    def __init__(self, input_size: int, output_size: int) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _make_param((output_size, input_size), default_weight_loader)
+        self.bias = _make_param((output_size,), default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)

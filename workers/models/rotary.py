@@ -1,5 +1,5 @@
 """Rotary position embeddings (RoPE), as transformers' `modeling_rope_utils` computes them:
-default, linear and Llama 3 frequency scaling."""
+default, linear, Llama 3 and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, inv_freq)
     if scaling.rope_type != "llama3":
         raise ValueError(f"unsupported rope type {scaling.rope_type!r}")
     factor = scaling.factor
@@ -34,6 +36,28 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
+                   inv_freq: torch.Tensor) -> torch.Tensor:
+    """Extrapolated (unscaled) frequencies for the fast dimensions, interpolated (divided by
+    the factor) for the slow ones, with a linear ramp between the correction range's bounds."""
+    original = scaling.original_max_position_embeddings or 0
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast or 32), correction_dim(scaling.beta_slow or 1)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    interpolated = 1.0 / (scaling.factor * pos_freqs)
+    return interpolated * (1 - extrapolation) + inv_freq * extrapolation
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate_half) RoPE with an fp32 cos/sin cache for every position."""
 
@@ -47,8 +71,10 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
         freqs = positions[:, None] * inv_freq  # [max_position, head_dim // 2]
         device = torch.get_default_device()
-        self.register_buffer("cos_cache", freqs.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(device), persistent=False)
+        # YaRN multiplies cos and sin by its attention factor (1 for the other kinds)
+        factor = scaling.attention_factor if scaling is not None else 1.0
+        self.register_buffer("cos_cache", (freqs.cos() * factor).to(device), persistent=False)
+        self.register_buffer("sin_cache", (freqs.sin() * factor).to(device), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

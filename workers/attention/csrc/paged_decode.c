@@ -8,6 +8,8 @@
  *   block_tables [batch, table_stride] int32
  *   seq_lens     [batch] int32: context length, the new token included
  *   window       the last `window` tokens are attended (a sliding window); 0 for all of them
+ *   sinks        [num_heads] attention-sink logits (scaled units) joining each softmax's
+ *                denominator, or NULL for none
  * head_dim must be a multiple of 8 (the caller checks).
  *
  * A work item is one sequence, all heads. Per block: the K rows token by token (each row covers
@@ -33,7 +35,7 @@
 #include <string.h>
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q, *k, *v, *sinks;
     const int32_t *block_tables;
     const int32_t *seq_lens;
     float *out;
@@ -84,7 +86,12 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
         qs[i] = q[i] * j->scale;
         acc[i] = 0.0f;
     }
-    for (int h = 0; h < H; h++) l[h] = 0.0f;
+    /* a sink starts each head's softmax: running max = its logit, sum = exp(0) = 1 */
+    const float *sinks = j->sinks;
+    for (int h = 0; h < H; h++) {
+        l[h] = sinks != NULL ? 1.0f : 0.0f;
+        m[h] = sinks != NULL ? sinks[h] : 0.0f;
+    }
     const int num_blocks = (len + bs - 1) / bs;
     /* a sliding window starts at token `first`: blocks before it are never read */
     const int first = j->window > 0 && len > j->window ? len - j->window : 0, b0 = first / bs;
@@ -116,7 +123,7 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
             float block_max = sh[t0];
             for (int t = t0 + 1; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
             c[h] = 1.0f;  /* rescales what was accumulated under the old maximum */
-            if (b == b0) {
+            if (b == b0 && sinks == NULL) {
                 m[h] = block_max;  /* no infinities anywhere, so -ffast-math is safe */
             } else if (block_max > m[h]) {
                 c[h] = expf(m[h] - block_max);
@@ -172,11 +179,11 @@ static void *work(void *arg) {
 }
 
 /* Returns 0 on success, -1 when memory for a work item's scratch could not be allocated. */
-int paged_decode_f32(const float *q, const float *k, const float *v,
+int paged_decode_f32(const float *q, const float *k, const float *v, const float *sinks,
                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                      float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
                      int block_size, float scale, int window, int num_threads) {
-    job_t j = {.q = q, .k = k, .v = v, .block_tables = block_tables, .seq_lens = seq_lens,
+    job_t j = {.q = q, .k = k, .v = v, .sinks = sinks, .block_tables = block_tables, .seq_lens = seq_lens,
                .out = out, .table_stride = table_stride, .num_heads = num_heads,
                .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
                .num_items = batch, .scale = scale, .window = window, .failed = 0};
