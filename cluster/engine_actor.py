@@ -101,8 +101,8 @@ class EngineActor:
         """The router's next message (`Worker.next_outputs`)."""
         return await self.worker.next_outputs(subscriber, timeout_s)
 
-    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
-        return await self.worker.prefill(req, kv_readers)
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
+        return await self.worker.prefill(req, decode_tp_size)
 
     # ---- load, events, health --------------------------------------------------------------
 

@@ -47,10 +47,10 @@ class InProcessChannel(WorkerChannel):
         self._check_open()
         return await self.worker.next_outputs(subscriber, timeout_s)
 
-    async def prefill(self, req: WorkerRequest, kv_readers: int) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
         self._check_open()
         try:
-            return await self.worker.prefill(req, kv_readers)
+            return await self.worker.prefill(req, decode_tp_size)
         except EngineShutDown as exc:
             raise WorkerUnavailableError(self.worker_id, str(exc)) from None
 

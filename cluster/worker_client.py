@@ -55,8 +55,8 @@ class RayChannel(WorkerChannel):
         return await self._wait(self.actor.next_outputs.remote(subscriber, timeout_s),
                                 "next_outputs", timeout_s + CALL_TIMEOUT_S)
 
-    async def prefill(self, req: WorkerRequest, kv_readers: int) -> PrefillResult:
-        return await self._wait(self.actor.prefill.remote(req, kv_readers), "prefill", None)
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
+        return await self._wait(self.actor.prefill.remote(req, decode_tp_size), "prefill", None)
 
     async def stats(self) -> EngineStats:
         return await self._wait(self.actor.stats.remote(), "stats")

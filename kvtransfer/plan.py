@@ -74,23 +74,19 @@ class ReadPlan:
         full = heads.num_heads == src.num_kv_heads == dst.num_kv_heads
         return cls(coalesce(src_ids, dst_ids), heads, full)
 
-    @property
-    def num_messages_per_layer(self) -> int:
-        """Views per layer (keys and values of each segment)."""
-        return 2 * len(self.segments)
-
     def src_views(self, cache: torch.Tensor) -> list[torch.Tensor]:
-        """One layer's source views in wire order: `[n, block_size, heads, head_dim]` each."""
+        """One layer's source views in wire order: `[n, block_size, heads, head_dim]` each,
+        keys' segments then values' (or the latent's only)."""
         h = self.heads
         return [cache[kv, s.src_start:s.src_start + s.num_blocks, :,
                       h.src_start:h.src_start + h.num_heads]
-                for kv in (0, 1) for s in self.segments]
+                for kv in range(cache.shape[0]) for s in self.segments]
 
     def dst_views(self, cache: torch.Tensor) -> list[torch.Tensor]:
         h = self.heads
         return [cache[kv, s.dst_start:s.dst_start + s.num_blocks, :,
                       h.dst_start:h.dst_start + h.num_heads]
-                for kv in (0, 1) for s in self.segments]
+                for kv in range(cache.shape[0]) for s in self.segments]
 
     def bytes_per_layer(self, layout: KVLayout) -> int:
         blocks = sum(s.num_blocks for s in self.segments)
@@ -112,6 +108,8 @@ def sources_for(dst: KVLayout, handoffs: Sequence[Handoff]) -> list[Handoff]:
                 f"handoffs of one request disagree: {h.num_blocks} blocks at TP "
                 f"{h.layout.tp_size} vs {first.num_blocks} blocks at TP {first.layout.tp_size}")
     needed = [h for h in handoffs if head_slice(h.layout, dst) is not None]
+    if dst.kind == "latent":  # every source rank holds the whole latent: one is enough
+        needed = needed[:1]
     covered = sum(head_slice(h.layout, dst).num_heads for h in needed)
     ranks = sorted(h.layout.tp_rank for h in needed)
     if covered != dst.num_kv_heads or len(set(ranks)) != len(ranks):

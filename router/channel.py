@@ -102,10 +102,10 @@ class ChannelClient(WorkerClient):
         self._send(cmd)
         return stream
 
-    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
         self._check_open()
         try:
-            return await asyncio.wait_for(self.channel.prefill(req, kv_readers),
+            return await asyncio.wait_for(self.channel.prefill(req, decode_tp_size),
                                           self.deadlines.prefill_s)
         except asyncio.CancelledError:
             self._send(Abort(req.request_id))

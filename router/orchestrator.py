@@ -155,7 +155,7 @@ class Orchestrator:
         p_tp, d_tp = w.info(prefill.worker_id).tp_size, w.info(decode_id).tp_size
         w.note_routed(prefill.worker_id)
         try:  # each prefill rank's KV is read by as many decode ranks as share its heads
-            result: PrefillResult = await prefill.prefill(req, max(1, d_tp // p_tp))
+            result: PrefillResult = await prefill.prefill(req, d_tp)
         except InvalidRequestError as exc:
             raise BadRequestError(exc.message, param=exc.param) from None
         except Exception as exc:  # noqa: BLE001 -- any worker failure: try another one

@@ -77,9 +77,9 @@ class WorkerClient(abc.ABC):
         """The whole request on this worker (aggregated), all n samples."""
 
     @abc.abstractmethod
-    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
         """Run the prompt to its first token and offer its KV under a lease per TP rank, each
-        waiting for `kv_readers` pulls (decode TP size / prefill TP size when larger). Raises
+        for the decode worker's `decode_tp_size` ranks to pull. Raises
         `InvalidRequestError` for a bad request; cancelling leaves nothing held."""
 
     @abc.abstractmethod
@@ -132,7 +132,7 @@ class WorkerChannel(abc.ABC):
     async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs: ...
 
     @abc.abstractmethod
-    async def prefill(self, req: WorkerRequest, kv_readers: int) -> PrefillResult: ...
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult: ...
 
     @abc.abstractmethod
     async def stats(self) -> EngineStats: ...

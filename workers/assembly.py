@@ -113,5 +113,4 @@ def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLaunch
         config.load_format, config.seed, config.resolved_attention_backend,
         config.rank_timeout_s, kind)
     logger.info("worker group: %d ranks on %s, sampling on %s", config.world_size, kind, device)
-    return GroupExecutor(options, spec.num_layers, spec.num_blocks, spec.block_size,
-                         spec.num_kv_heads, spec.head_dim, spec.dtype, launcher), device
+    return GroupExecutor(options, spec, launcher), device

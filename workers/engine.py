@@ -70,8 +70,8 @@ class Engine:
                        else None)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
             config.kv_cache_dtype, mc)
-        spec = KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.num_key_value_heads,
-                           mc.head_dim, kv_dtype)
+        spec = KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.kv_cache_heads,
+                           mc.kv_cache_head_dim, kv_dtype, latent=mc.mla is not None)
         # loaded first: on a GPU the KV budget is what the weights and a profiled step leave
         model = (assembly.load_local_model(config, mc, self.dtype, self.device)
                  if config.world_size == 1 else None)

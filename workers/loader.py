@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -17,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from workers.attention.backend import AttentionBackend
+from workers.checkpoint_shapes import random_weights
 from workers.model_config import ModelConfig
 from workers.models import get_model_class
 from workers.models.layers import Shard, WeightShapeError
@@ -138,103 +138,3 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of the HF checkpoint for `config`, in HF names and layer order."""
-    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes: list[tuple[str, tuple[int, ...]]] = [
-        ("model.embed_tokens.weight", (config.vocab_size, h))
-    ]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (h,))]
-        fused = config.model_type == "phi3"  # one qkv_proj and one gate_up_proj tensor
-        for proj, rows in ((("qkv_proj", q + 2 * kv),) if fused else (
-                ("q_proj", q), ("k_proj", kv), ("v_proj", kv))):
-            shapes.append((f"{p}self_attn.{proj}.weight", (rows, h)))
-            if config.attention_bias:
-                shapes.append((f"{p}self_attn.{proj}.bias", (rows,)))
-        shapes.append((p + "self_attn.o_proj.weight", (h, q)))
-        if config.o_proj_bias:
-            shapes.append((p + "self_attn.o_proj.bias", (h,)))
-        if config.qk_norm:
-            shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
-        if config.attention_sinks:
-            shapes.append((p + "self_attn.sinks", (config.num_attention_heads,)))
-        shapes.append((p + "post_attention_layernorm.weight", (h,)))
-        if config.model_type == "gemma3_text":  # norms around the MLP too
-            shapes += [(p + "pre_feedforward_layernorm.weight", (h,)),
-                       (p + "post_feedforward_layernorm.weight", (h,))]
-        if config.is_moe_layer(i):
-            shapes += _moe_shapes(config, p)
-            continue
-        mlp = (("gate_up_proj", (2 * inter, h)),) if fused else (
-            ("gate_proj", (inter, h)), ("up_proj", (inter, h)))
-        mlp += (("down_proj", (h, inter)),)
-        for proj, shape in mlp:
-            shapes.append((f"{p}mlp.{proj}.weight", shape))
-            if config.mlp_bias:
-                shapes.append((f"{p}mlp.{proj}.bias", (shape[0],)))
-    shapes.append(("model.norm.weight", (h,)))
-    if not config.tie_word_embeddings:
-        shapes.append(("lm_head.weight", (config.vocab_size, h)))
-    return shapes
-
-
-def _moe_shapes(config: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
-    """A sparse MoE layer's tensors under HF's names (Mixtral w1/w2/w3, Qwen2-MoE *_proj)."""
-    moe, h = config.moe, config.hidden_size
-    if moe is None:
-        raise ValueError(f"{config.architecture} has no MoE settings")
-    i = moe.intermediate_size
-    e = moe.num_experts
-    if config.model_type == "gpt_oss":  # stacked experts, gate and up interleaved
-        return [(f"{p}mlp.router.weight", (e, h)), (f"{p}mlp.router.bias", (e,)),
-                (f"{p}mlp.experts.gate_up_proj", (e, h, 2 * i)),
-                (f"{p}mlp.experts.gate_up_proj_bias", (e, 2 * i)),
-                (f"{p}mlp.experts.down_proj", (e, i, h)),
-                (f"{p}mlp.experts.down_proj_bias", (e, h))]
-    mixtral = config.model_type == "mixtral"
-    block = "block_sparse_moe" if mixtral else "mlp"
-    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    shapes: list[tuple[str, tuple[int, ...]]] = [(f"{p}{block}.gate.weight", (moe.num_experts, h))]
-    for e in range(moe.num_experts):
-        for name, shape in zip(names, ((i, h), (i, h), (h, i))):
-            shapes.append((f"{p}{block}.experts.{e}.{name}.weight", shape))
-    s = moe.shared_expert_intermediate_size
-    if s:
-        for name, shape in zip(names, ((s, h), (s, h), (h, s))):
-            shapes.append((f"{p}mlp.shared_expert.{name}.weight", shape))
-        shapes.append((f"{p}mlp.shared_expert_gate.weight", (1, h)))
-    return shapes
-
-
-def random_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """One seeded fp32 CPU tensor; the same for the same (name, shape, seed) on every machine.
-
-    Norm weights are ones and biases small. Matrices have std 1/sqrt(fan_in), which keeps
-    activations O(1), except the output projection (std 4/sqrt(hidden)) so logits spread by a
-    few units and greedy argmax is far from ties. Tied embeddings use that output scale too.
-    """
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    tensor_seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
-    generator = torch.Generator().manual_seed(tensor_seed)
-    if name.endswith(".bias"):
-        return torch.randn(shape, generator=generator) * 0.1
-    fan_in = shape[-1]
-    std = 4.0 / fan_in**0.5 if ("lm_head" in name or "embed_tokens" in name) else fan_in**-0.5
-    return torch.randn(shape, generator=generator) * std
-
-
-def random_weights(config: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, seeded fp32 CPU tensor) for every checkpoint tensor, one at a time.
-    Gemma's norms store their offset from one, so theirs are zeros (a scale of one)."""
-    offset_norms = config.model_type == "gemma3_text"
-    for name, shape in hf_weight_shapes(config):
-        if offset_norms and name.endswith("norm.weight"):
-            yield name, torch.zeros(shape)
-        else:
-            yield name, random_weight(name, shape, seed)

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from workers.dtypes import resolve_dtype
+from workers.mla_config import MLAConfig, parse_mla
 from workers.moe_config import MoEConfig, parse_moe
 from workers.rope_config import RopeScaling, layer_types, parse_local_rope, parse_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
-                           "GptOssForCausalLM")
+                           "GptOssForCausalLM", "DeepseekV3ForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -31,6 +32,7 @@ _ARCH_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 _DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "gpt_oss": 150_000.0}
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -71,6 +73,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attention_sinks: bool = False  # a learned sink logit per head (gpt-oss)
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3)
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """KV heads of the cache: the model's, or one latent per token under MLA."""
+        return 1 if self.mla is not None else self.num_key_value_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
 
     def is_sliding(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` attends over a sliding window."""
@@ -154,7 +166,8 @@ class ModelConfig:
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            # DeepSeek's head_dim is its RoPE part, as transformers sets it (MLA reads `mla`)
+            head_dim=int(raw.get("head_dim") or raw.get("qk_rope_head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope.theta,
             rope_scaling=rope.scaling,
@@ -173,6 +186,7 @@ class ModelConfig:
             **(_gemma3(raw, num_layers) if gemma else {}),
             **(dict(layer_types=layer_types(raw, num_layers, 2), attention_sinks=True)
                if model_type == "gpt_oss" else {}),
+            mla=parse_mla(raw) if model_type == "deepseek_v3" else None,
         )
 
 
@@ -258,4 +272,4 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "MoEConfig", "RopeScaling", "resolve_dtype"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "MLAConfig", "ModelConfig", "MoEConfig", "RopeScaling", "resolve_dtype"]

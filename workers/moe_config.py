@@ -24,6 +24,12 @@ class MoEConfig:
     softmax_after_topk: bool = False
     bias: bool = False
     clamped_swiglu: tuple[float, float] | None = None
+    # DeepSeek-V3: sigmoid scores plus a per-expert correction bias choose the experts, first
+    # the best `topk_group` of `n_group` groups (each scored by its two best experts); the
+    # chosen sigmoid scores (renormalized with norm_topk_prob) times routed_scaling_factor
+    # weigh them; and a shared expert (not gated) is added
+    sigmoid_groups: tuple[int, int] | None = None  # (n_group, topk_group)
+    routed_scaling_factor: float = 1.0
 
 
 def parse_moe(raw: Mapping[str, Any], model_type: str) -> MoEConfig | None:
@@ -42,6 +48,23 @@ def parse_moe(raw: Mapping[str, Any], model_type: str) -> MoEConfig | None:
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()))
+    if model_type == "deepseek_v3":
+        for key, v3 in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if raw.get(key, v3) != v3:
+                raise ValueError(f"{key} {raw[key]!r} is not supported; expected {v3!r} "
+                                 "(DeepSeek-V3's routing)")
+        if int(raw.get("moe_layer_freq") or 1) != 1:
+            raise ValueError(f"moe_layer_freq={raw['moe_layer_freq']} is not supported; "
+                             "expected 1 (every layer after first_k_dense_replace is sparse)")
+        inter = int(raw["moe_intermediate_size"])
+        return MoEConfig(
+            num_experts=int(raw.get("n_routed_experts") or raw["num_local_experts"]),
+            top_k=int(raw["num_experts_per_tok"]), intermediate_size=inter,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts") or 0),
+            mlp_only_layers=tuple(range(int(raw.get("first_k_dense_replace") or 0))),
+            sigmoid_groups=(int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0))
     if model_type == "gpt_oss":
         return MoEConfig(
             num_experts=int(raw["num_local_experts"]), top_k=int(raw["num_experts_per_tok"]),

@@ -33,6 +33,13 @@ class RopeScaling:
     beta_slow: float | None = None
     truncate: bool = True
     attention_factor: float = 1.0
+    mscale_all_dim: float | None = None  # DeepSeek scales its softmax by mscale(factor, this)**2
+
+    def softmax_mscale(self) -> float:
+        """The factor DeepSeek's attention multiplies its softmax scale by (1 when none)."""
+        if self.rope_type != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,9 @@ def _yarn(params: Mapping[str, Any], raw: Mapping[str, Any]) -> RopeScaling:
                        beta_fast=float(params.get("beta_fast") or 32),
                        beta_slow=float(params.get("beta_slow") or 1),
                        truncate=bool(params.get("truncate", True)),
-                       attention_factor=float(attention_factor))
+                       attention_factor=float(attention_factor),
+                       mscale_all_dim=(None if params.get("mscale_all_dim") is None
+                                       else float(params["mscale_all_dim"])))
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

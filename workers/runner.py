@@ -12,28 +12,13 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.kv_cache import host_memory
+from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.executor import ModelExecutor
 from workers.parallel.messages import StepMessage
 from workers.protocol import TokenLogprob
 from workers.request import Request
 from workers.sampler import Sampler, top_logprobs
 from workers.scheduler import ScheduledChunk, SchedulerOutput
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, keys and values."""
-        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-                * torch.empty((), dtype=self.dtype).element_size())
 
 
 @dataclass
@@ -52,9 +37,10 @@ class _Batch:
 
 
 def allocate_kv_caches(spec: KVCacheSpec, device: torch.device) -> list[torch.Tensor]:
-    """Per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]`, zeroed; on the host
-    backed by huge pages (faster same-node KV handoffs: `workers.kv_cache.host_memory`)."""
-    shape = (2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    """Per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]` (a latent: `[1, ...]`),
+    zeroed; on the host backed by huge pages (faster same-node KV handoffs:
+    `workers.kv_cache.host_memory`)."""
+    shape = (spec.planes, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return [host_memory.zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
 
 

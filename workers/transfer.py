@@ -68,13 +68,22 @@ class WorkerTransfer:
                 self.started = agents
             return self.started
 
-    def offer(self, request_id: str, block_ids: list[int], readers: int) -> KVHandoff:
-        """Lease a held request's blocks on every rank, each for `readers` pulls. Call with the
-        agents started (`agents()`), with no await between the prefill's end and this."""
+    def offer(self, request_id: str, block_ids: list[int], decode_tp_size: int) -> KVHandoff:
+        """Lease a held request's blocks for a decode worker of `decode_tp_size` ranks to pull.
+        Keys and values are split by heads: every rank offers its heads, each lease waiting for
+        the decode ranks that need them (decode TP / this TP when larger, else 1). A latent
+        cache (MLA) is whole on every rank: rank 0 alone offers it, once per decode rank. Call
+        with the agents started (`agents()`), with no await between the prefill's end and
+        this."""
         from kvtransfer.handoff import KVHandoff
 
+        agents = self.started
+        if agents[0].layout.kind == "latent":
+            agents, readers = agents[:1], decode_tp_size
+        else:
+            readers = max(1, decode_tp_size // len(agents))
         handoffs = [agent.offer(request_id, block_ids, lease_s=self.lease_s, readers=readers)
-                    for agent in self.started]
+                    for agent in agents]
         self._leased.setdefault(tuple(block_ids), []).append([request_id, len(handoffs)])
         return KVHandoff(tuple(handoffs))
 

@@ -215,16 +215,16 @@ class Worker:
     def _free_held(self, request_id: str) -> None:
         self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
 
-    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
         """Run the prompt to its first token (sampled with its params) and offer its KV under
         a lease per TP rank, or return no handoff when the request ended at that token.
-        `kv_readers`: the pulls each rank's lease waits for (decode TP size / this TP size when
-        larger). Raises `InvalidRequestError` for a bad request; nothing is held after any
+        `decode_tp_size`: the TP size of the worker that will pull it (each lease waits for
+        the pulls that many ranks make: `WorkerTransfer.offer`). Raises `InvalidRequestError` for a bad request; nothing is held after any
         error or cancel; an `abort` of its id (the router's caller went away: its cancel
         cannot cross a process boundary) ends the call with `CancelledError`."""
         self._check_role(PREFILL_ROLES, "prefill")
-        if kv_readers < 1:
-            raise ValueError(f"kv_readers must be at least 1, got {kv_readers}")
+        if decode_tp_size < 1:
+            raise ValueError(f"decode_tp_size must be at least 1, got {decode_tp_size}")
         rid = req.request_id
         self._check_room(rid)
         task = asyncio.current_task()
@@ -233,12 +233,12 @@ class Worker:
             raise ValueError(f"request id {rid!r} is already being prefilled here")
         self._prefills[rid] = task
         try:
-            return await self._prefill(req, kv_readers)
+            return await self._prefill(req, decode_tp_size)
         finally:
             if self._prefills.get(rid) is task:
                 del self._prefills[rid]
 
-    async def _prefill(self, req: WorkerRequest, kv_readers: int) -> PrefillResult:
+    async def _prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
         await self.agents()
         rid, params = req.request_id, req.params
         first = None
@@ -253,7 +253,7 @@ class Worker:
                 raise RuntimeError(f"prefill of {rid!r} ended without a token")
             if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
                 return PrefillResult(first, None)  # the request is over (blocks freed below)
-            handoff = self.transfer.offer(rid, self.engine.held_block_ids(rid), kv_readers)
+            handoff = self.transfer.offer(rid, self.engine.held_block_ids(rid), decode_tp_size)
             offered = True
             return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
         finally:

@@ -169,7 +169,7 @@ class FakeWorker(WorkerClient):
     def generate(self, req: WorkerRequest) -> TokenStream:
         return self._open("generate", req, 0)
 
-    async def prefill(self, req: WorkerRequest, kv_readers: int = 1) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
         self.calls.prefills.append(req.request_id)
         s = self.script
         if s.hang_prefill:

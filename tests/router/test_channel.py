@@ -42,7 +42,7 @@ class _QuietChannel(WorkerChannel):
     async def next_outputs(self, subscriber, timeout_s):
         await asyncio.Event().wait()
 
-    async def prefill(self, req, kv_readers): ...
+    async def prefill(self, req, decode_tp_size): ...
 
     async def stats(self): ...
 
@@ -111,7 +111,7 @@ class _SlowChannel(_QuietChannel):
     async def submit(self, subscriber, commands) -> None:
         self.commands.extend(commands)
 
-    async def prefill(self, req, kv_readers):
+    async def prefill(self, req, decode_tp_size):
         await asyncio.Event().wait()
 
 

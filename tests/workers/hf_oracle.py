@@ -58,6 +58,19 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
                              "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                              "original_max_position_embeddings": 128})
         cls = tf.GptOssForCausalLM
+    elif arch in ("deepseek_v3", "deepseek_v3_no_q_lora"):
+        # MLA (latent 48 + 16), YaRN with DeepSeek's softmax mscale, one dense layer, then 8
+        # experts in 2 groups (1 chosen), top-2, a shared expert; the variant without a
+        # low-rank query (one q_proj) is DeepSeek-V2-Lite's shape
+        config = tf.DeepseekV3Config(
+            **{**TINY, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+            first_k_dense_replace=1, kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
+            v_head_dim=24, q_lora_rank=None if arch.endswith("no_q_lora") else 32,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "rope_theta": 10000.0, "original_max_position_embeddings": 128})
+        cls = tf.DeepseekV3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -70,8 +83,11 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
                 p.normal_(0.0, 0.08)
             elif arch == "gemma3":  # stored as offsets from one; not zero: they must be loaded
                 p.uniform_(-0.5, 0.5)
-            elif "q_norm" in name or "k_norm" in name:  # not all ones: they must be loaded
+            elif "q_norm" in name or "k_norm" in name or "a_layernorm" in name:  # loaded?
                 p.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():  # DeepSeek's router correction bias
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.1, 0.1)
     model.save_pretrained(out)
     return model
 

@@ -19,7 +19,7 @@ HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 def naive(q, k_ctx, v_ctx, num_cached, scale, window=None, sinks=None):
     """q: [Lq, H, D]; k_ctx/v_ctx: [L, Hkv, D] whole context; causal from num_cached, over the
     last `window` positions when given; `sinks` [H] join each softmax as gpt-oss computes it."""
-    group = HEADS // KV_HEADS
+    group = q.shape[1] // k_ctx.shape[1]
     k = k_ctx.repeat_interleave(group, dim=1)
     v = v_ctx.repeat_interleave(group, dim=1)
     out = torch.empty_like(q)
@@ -36,13 +36,16 @@ def naive(q, k_ctx, v_ctx, num_cached, scale, window=None, sinks=None):
 
 
 def run_mixed_batch(backend: str, seed: int, dim: int = DIM, dtype: torch.dtype = torch.float32,
-                    atol: float = 1e-5, window: int | None = None, sinks: bool = False) -> None:
+                    atol: float = 1e-5, window: int | None = None, sinks: bool = False,
+                    latent: bool = False) -> None:
     """Decodes and prefill chunks (fresh and after cached tokens) in one forward, each sequence's
-    output checked against naive attention over its whole context (or sliding window)."""
+    output checked against naive attention over its whole context (or sliding window). `latent`:
+    MLA's cache, one plane and one head whose vectors are both the keys and the values."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 512
-    cache = torch.zeros(2, num_blocks, BLOCK, KV_HEADS, dim, dtype=dtype)
+    kv_heads = 1 if latent else KV_HEADS
+    cache = torch.zeros(1 if latent else 2, num_blocks, BLOCK, kv_heads, dim, dtype=dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     # (context already in the cache, new tokens): decodes first, then prefill chunks
@@ -53,11 +56,11 @@ def run_mixed_batch(backend: str, seed: int, dim: int = DIM, dtype: torch.dtype 
         total = cached + new
         blocks = [free.pop() for _ in range(-(-total // BLOCK))]
         tables.append(blocks)
-        k_ctx = torch.randn(total, KV_HEADS, dim).to(dtype).float()  # what the cache holds
-        v_ctx = torch.randn(total, KV_HEADS, dim).to(dtype).float()
+        k_ctx = torch.randn(total, kv_heads, dim).to(dtype).float()  # what the cache holds
+        v_ctx = k_ctx if latent else torch.randn(total, kv_heads, dim).to(dtype).float()
         for p in range(cached):  # earlier tokens already in the paged cache
             cache[0, blocks[p // BLOCK], p % BLOCK] = k_ctx[p]
-            cache[1, blocks[p // BLOCK], p % BLOCK] = v_ctx[p]
+            cache[-1, blocks[p // BLOCK], p % BLOCK] = v_ctx[p]
         contexts.append((k_ctx, v_ctx, cached))
         q_rows.append(torch.randn(new, HEADS, dim))
         k_new.append(k_ctx[cached:])
@@ -83,17 +86,18 @@ def run_mixed_batch(backend: str, seed: int, dim: int = DIM, dtype: torch.dtype 
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("window,sinks", [(None, False), (1, False), (6, False),  # 6: part
-                                          (None, True), (6, True)])  # of a block, across one
+@pytest.mark.parametrize("window,sinks,latent", [
+    (None, False, False), (1, False, False), (6, False, False),  # 6: part of a block, across one
+    (None, True, False), (6, True, False), (None, False, True)])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_mixed_batch_matches_naive_attention(backend, seed, window, sinks):
+def test_mixed_batch_matches_naive_attention(backend, seed, window, sinks, latent):
     if backend == "cpu":
         from workers.attention import cpu_backend
 
         if not cpu_backend.available():
             pytest.skip("no C compiler here to build the cpu attention kernel")
-    run_mixed_batch(backend, seed, window=window, sinks=sinks)
+    run_mixed_batch(backend, seed, window=window, sinks=sinks, latent=latent)
 
 
 def test_decode_groups_cover_every_sequence_once_and_bound_the_padding():

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.loader import hf_weight_shapes, load_model
+from workers.checkpoint_shapes import hf_weight_shapes
+from workers.loader import load_model
 from workers.make_model import PRESETS, default_model_path, make_model
 from workers.model_config import ModelConfig
 from workers.models import LlamaForCausalLM
@@ -29,8 +30,9 @@ def prompt_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 
     config, n, block_size = model.config, len(ids), 16
     num_blocks = (n + block_size - 1) // block_size
-    caches = [torch.zeros(2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-              for _ in range(config.num_hidden_layers)]
+    planes = 1 if config.mla is not None else 2  # a latent cache: one plane
+    caches = [torch.zeros(planes, num_blocks, block_size, config.kv_cache_heads,
+                          config.kv_cache_head_dim) for _ in range(config.num_hidden_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32),
@@ -56,7 +58,7 @@ def test_same_seed_gives_identical_files(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3",
                                   "qwen3_moe", "phi3", "gemma3",
-                                  "gpt_oss"])
+                                  "gpt_oss", "deepseek_v3"])
 def test_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path: Path, arch: str) -> None:
     path = make_model(tmp_path, arch=arch)
     config = ModelConfig.from_pretrained(path)
@@ -65,8 +67,11 @@ def test_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path: Path, a
                                    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                    "qwen3_moe": "Qwen3MoeForCausalLM",
                                    "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                                   "gpt_oss": "GptOssForCausalLM"}[arch]
-    assert (config.moe is not None) == (arch in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"))
+                                   "gpt_oss": "GptOssForCausalLM",
+                                   "deepseek_v3": "DeepseekV3ForCausalLM"}[arch]
+    assert (config.moe is not None) == (arch in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss",
+                                                 "deepseek_v3"))
+    assert (config.mla is not None) == (arch == "deepseek_v3")
     assert config.attention_sinks == (arch == "gpt_oss")
     assert config.qk_norm == (arch.startswith("qwen3") or arch == "gemma3")
     assert config.tie_word_embeddings == (arch in ("qwen2", "gemma3"))

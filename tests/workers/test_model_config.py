@@ -281,3 +281,54 @@ def test_gpt_oss_bf16_config_parses_as_transformers_reads_it(tmp_path: Path):
     assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (32, 4, 2880)
     assert moe.softmax_after_topk and moe.bias and moe.clamped_swiglu == (1.702, 7.0)
     assert legacy.attention_sinks and legacy.attention_bias and legacy.o_proj_bias
+
+
+# DeepSeek-V3's config.json as published (FP8 weights), rope_scaling spelled with "type"
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]},
+}
+
+
+def test_deepseek_v3_fp8_checkpoint_is_refused_naming_its_quantization():
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
+        ModelConfig.from_dict(DEEPSEEK_V3)
+
+
+def test_deepseek_v3_config_parses_as_transformers_reads_it(tmp_path: Path):
+    raw = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
+    legacy = ModelConfig.from_dict(raw)
+    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+    transformers.DeepseekV3Config(**kwargs).save_pretrained(tmp_path)
+    assert ModelConfig.from_pretrained(tmp_path) == legacy
+    mla, moe = legacy.mla, legacy.moe
+    assert mla is not None and mla.latent_dim == 576 and mla.q_lora_rank == 1536
+    assert (legacy.kv_cache_heads, legacy.kv_cache_head_dim) == (1, 576)
+    assert moe is not None and moe.sigmoid_groups == (8, 4) and moe.routed_scaling_factor == 2.5
+    assert moe.mlp_only_layers == (0, 1, 2) and moe.shared_expert_intermediate_size == 2048
+    scaling = legacy.rope_scaling
+    assert scaling is not None and scaling.rope_type == "yarn"
+    assert scaling.softmax_mscale() == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+    # what one token's KV costs per layer: the latent against per-head keys and values
+    per_head = 128 * (128 + 64 + 128)
+    assert per_head / mla.latent_dim == pytest.approx(71.1, abs=0.1)
+
+
+def test_deepseek_routing_other_than_v3s_is_refused():
+    with pytest.raises(ValueError, match="scoring_func 'softmax'"):
+        ModelConfig.from_dict({**DEEPSEEK_V3, "quantization_config": None,
+                               "scoring_func": "softmax"})

@@ -46,7 +46,9 @@ def agents(engine, hub):
             for layout, caches in zip(engine.kv_layouts(), engine.kv_caches_by_rank())]
 
 
-async def handoff(prefill, decode, request_id: str) -> list[int]:
+async def handoff(prefill, decode, request_id: str, moved: list | None = None) -> list[int]:
+    """The request prefilled on `prefill`, its KV pulled by `decode`'s ranks, decoded there.
+    `moved` collects the handoffs offered (their bytes)."""
     hub = LocalHub()
     sources, sinks = agents(prefill, hub), agents(decode, hub)
     for agent in sources + sinks:
@@ -58,8 +60,14 @@ async def handoff(prefill, decode, request_id: str) -> list[int]:
         events += prefill.step()
     first = events[-1].token_ids[0]
     src_blocks = prefill.held_block_ids(request_id)
-    readers = max(1, len(sinks) // len(sources))
-    handoffs = [a.offer(request_id, src_blocks, readers=readers) for a in sources]
+    # as WorkerTransfer.offer: heads from every rank; a latent (replicated) from rank 0 alone
+    if sources[0].layout.kind == "latent":
+        offering, readers = sources[:1], len(sinks)
+    else:
+        offering, readers = sources, max(1, len(sinks) // len(sources))
+    handoffs = [a.offer(request_id, src_blocks, readers=readers) for a in offering]
+    if moved is not None:
+        moved += handoffs
     dst_blocks = decode.decode_from_handoff(req, first)
     await asyncio.gather(*(a.pull(handoffs, dst_blocks) for a in sinks))
     prefill.free_held(request_id)
@@ -94,6 +102,41 @@ def test_a_moe_model_hands_off_between_an_expert_parallel_group_and_one_rank(
     assert tokens == want
 
 
+@pytest.fixture(scope="module")
+def mla_engines(tmp_path_factory):
+    """DeepSeek-V3 (latent attention, grouped routing): a TP=2, EP=2 engine and one rank."""
+    yield from engines_of(tmp_path_factory, "deepseek_v3", expert_parallel_size=2)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_latent_attention_hands_off_the_latent_between_tp_sizes(mla_engines, prefill_tp,
+                                                                decode_tp):
+    by_tp, want = mla_engines
+    moved: list = []
+    tokens = asyncio.run(handoff(by_tp[prefill_tp], by_tp[decode_tp], f"d{prefill_tp}", moved))
+    assert tokens == want
+    # one latent of kv_lora_rank + rope dims per token and layer crossed, from one rank, and
+    # every lease ended (the blocks went back): nothing per head, nothing twice
+    assert len(moved) == 1 and moved[0].layout.kind == "latent"
+    config = by_tp[1].model_config
+    num_blocks = -(-len(PROMPT) // 4)
+    latent_bytes = config.num_hidden_layers * config.mla.latent_dim * 4  # fp32, per token
+    assert moved[0].num_bytes == num_blocks * 4 * latent_bytes
+    mla = config.mla
+    per_head_kv = (config.num_hidden_layers * config.num_attention_heads * 4
+                   * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim))
+    assert per_head_kv / latent_bytes == 3.5  # 4 heads x (32 + 24) against 48 + 16 per token
+    for engine in (by_tp[prefill_tp], by_tp[decode_tp]):
+        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_latent_layouts_are_whole_on_every_rank(mla_engines):
+    by_tp, _ = mla_engines
+    layouts = by_tp[2].kv_layouts()
+    assert [(lay.kind, lay.head_start, lay.num_kv_heads, lay.total_kv_heads) for lay in layouts
+            ] == [("latent", 0, 1, 1)] * 2
+
+
 def test_layouts_name_each_ranks_heads(engines):
     by_tp, _ = engines
     layouts = by_tp[2].kv_layouts()
@@ -123,7 +166,7 @@ def test_workers_of_different_tp_sizes_hand_off_over_tcp(engines, tmp_path, pref
         prefill, decode = worker("p", "prefill", prefill_tp), worker("d", "decode", decode_tp)
         try:
             req = WorkerRequest("r", tuple(PROMPT), PARAMS)
-            result = await prefill.prefill(req, kv_readers=max(1, decode_tp // prefill_tp))
+            result = await prefill.prefill(req, decode_tp_size=decode_tp)
             tokens = list(result.first.token_ids)
             async for event in decode.stream(DecodeFromHandoff(req, tokens[0], result.handoff)):
                 tokens += event.token_ids

@@ -21,7 +21,8 @@ TOL = 1e-4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module", params=["llama", "mixtral", "qwen3_moe", "gemma3", "gpt_oss"])
+@pytest.fixture(scope="module", params=["llama", "mixtral", "qwen3_moe", "gemma3", "gpt_oss",
+                                        "deepseek_v3"])
 def checkpoint(request, tmp_path_factory):
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp(request.param)
@@ -53,6 +54,8 @@ LAYOUTS = {  # (tensor, pipeline, expert) parallel sizes
     "gemma3": [(2, 1, 1), (1, 2, 1), (2, 2, 1)],
     # sinks split with the heads; expert biases (the output one added on one TP rank only)
     "gpt_oss": [(2, 1, 1), (2, 1, 2), (2, 2, 2)],
+    # heads split, the latent cache whole on every rank; grouped routing over EP ranks
+    "deepseek_v3": [(2, 1, 1), (2, 1, 2), (2, 2, 2)],
 }
 
 

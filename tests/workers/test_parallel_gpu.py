@@ -15,6 +15,8 @@ import pickle
 import pytest
 import torch
 
+from workers.kv_cache.spec import KVCacheSpec
+
 from workers import SamplingParams
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
@@ -152,9 +154,9 @@ def test_cpu_ranks_still_map_their_heads_of_the_shared_caches():
 def test_a_gpu_group_allocates_no_shared_memory_and_refuses_to_hand_out_its_cache():
     launcher = FakeLauncher(vocab_size=32)
     before = cache_files()
-    group = GroupExecutor(options("cuda"), num_layers=2, num_blocks=8, block_size=4,
-                          num_kv_heads=2, head_dim=16, kv_dtype=torch.float16,
-                          launcher=launcher)
+    group = GroupExecutor(options("cuda"), KVCacheSpec(num_layers=2, num_blocks=8, block_size=4,
+                                                       num_kv_heads=2, head_dim=16,
+                                                       dtype=torch.float16), launcher=launcher)
     try:
         assert cache_files() == before
         assert [s.kv_caches for s in launcher.setups] == [

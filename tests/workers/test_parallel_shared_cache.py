@@ -11,6 +11,8 @@ import pickle
 import pytest
 import torch
 
+from workers.kv_cache.spec import KVCacheSpec
+
 from workers.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, map_tensors
 
 SHAPE = (2, 8, 4, 2, 8)  # [2, num_blocks, block_size, heads, head_dim]
@@ -48,6 +50,6 @@ def test_a_group_that_fails_to_start_leaves_no_cache_file(tmp_path):
                            dtype="float32", load_format="auto", seed=0,
                            attention_backend="torch", timeout_s=60, device="cpu")
     with pytest.raises(RankGroupError, match="no config.json"):
-        GroupExecutor(options, num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
-                      head_dim=8, kv_dtype=torch.float32)
+        GroupExecutor(options, KVCacheSpec(num_layers=2, num_blocks=8, block_size=4,
+                                           num_kv_heads=2, head_dim=8, dtype=torch.float32))
     assert not cache_files()

@@ -297,3 +297,15 @@ def test_llm_greedy_tokens_match_the_torch_backend(tiny_model):
     want = generate("torch")
     assert want[2] > 0
     assert generate("triton") == want
+
+
+def test_backend_forward_over_a_latent_cache_matches_the_torch_backend():
+    """MLA's cache: one plane, one head, its vectors both keys and values."""
+    q, k, v, cache, meta = mixed_batch([(30, 1), (4, 1), (0, 12), (21, 9)], 16, num_heads=4)
+    latent = cache[:1, :, :, :1].contiguous()
+    k = k[:, :1].contiguous()
+    torch_cache = latent.clone()
+    got = get_backend("triton").forward(q, k, k, latent, meta, SCALE)
+    want = get_backend("torch").forward(q, k, k, torch_cache, meta, SCALE)
+    assert torch.equal(latent, torch_cache)
+    assert_close(got, want, torch.float32)

@@ -3,7 +3,9 @@
 
 The KV cache of one layer is one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 keys, 1 values). A token at position p of a sequence lives in slot
-`block_table[p // block_size] * block_size + p % block_size`.
+`block_table[p // block_size] * block_size + p % block_size`. Under multi-head latent attention
+the cache is `[1, ...]`: one latent per token is both the key and the value (the model passes
+the same tensor as k and v, and takes the part of the output it needs).
 
 A layer may attend over a sliding window: query position p then sees keys at positions
 (p - window, p], the last `window` tokens including itself, as transformers' sliding-window mask

@@ -153,7 +153,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     if out is None:
         out = torch.empty_like(q)
     rc = load_kernel().paged_decode_f32(
-        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[-1].data_ptr(),
         None if sinks is None else sinks.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
         head_dim, block_size, scale, window or 0, num_threads or torch.get_num_threads())

@@ -15,11 +15,13 @@ from workers.attention.backend import AttentionBackend, AttentionMetadata
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V at their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    """Store the new tokens' K/V at their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]
+    (a latent cache, [1, ...], stores k only: its keys are its values)."""
+    planes, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(planes, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    if planes == 2:
+        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -95,21 +97,21 @@ class TorchAttentionBackend(AttentionBackend):
                       start: int, end: int, scale: float, window: int | None,
                       sinks: torch.Tensor | None) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
-        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        planes, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
         max_len = max(meta.seq_lens_cpu[start:end])
         max_blocks = (max_len + block_size - 1) // block_size
         tables = meta.block_tables[start:end, :max_blocks].flatten()
-        # whole blocks as rows: [2, num_blocks, block_size * Hkv * D]
-        blocks = kv_cache.view(2, num_blocks, -1)
-        buf = self._gather_buffer(2 * tables.numel() * blocks.shape[2], kv_cache)
-        gathered = buf.view(2, tables.numel(), blocks.shape[2])
-        torch.index_select(blocks[0], 0, tables, out=gathered[0])
-        torch.index_select(blocks[1], 0, tables, out=gathered[1])
-        # keys/values: [B, Hkv, L, D], L = max_blocks * block_size
+        # whole blocks as rows: [planes, num_blocks, block_size * Hkv * D]
+        blocks = kv_cache.view(planes, num_blocks, -1)
+        buf = self._gather_buffer(planes * tables.numel() * blocks.shape[2], kv_cache)
+        gathered = buf.view(planes, tables.numel(), blocks.shape[2])
+        for plane in range(planes):
+            torch.index_select(blocks[plane], 0, tables, out=gathered[plane])
+        # keys/values: [B, Hkv, L, D], L = max_blocks * block_size (a latent's are the same)
         shape = (batch, max_blocks * block_size, num_kv_heads, head_dim)
         keys = gathered[0].view(shape).transpose(1, 2).to(q.dtype)
-        values = gathered[1].view(shape).transpose(1, 2).to(q.dtype)
+        values = gathered[-1].view(shape).transpose(1, 2).to(q.dtype)
         positions = torch.arange(keys.shape[2], device=q.device)
         lens = meta.seq_lens[start:end, None]
         mask = positions[None, :] < lens  # [B, L]
@@ -139,7 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
             skip = first_key // block_size
             key_start = skip * block_size
             keys = gather_context(kv_cache[0], block_table[skip:], seq_len - key_start)
-            values = gather_context(kv_cache[1], block_table[skip:], seq_len - key_start)
+            values = gather_context(kv_cache[-1], block_table[skip:], seq_len - key_start)
         mask = None
         if num_cached or (window is not None and window < query_len):
             key_pos = torch.arange(key_start, seq_len, device=q.device)

@@ -196,7 +196,7 @@ def paged_decode_attention(
         target, lse = scratch.views(batch, num_splits)
         target_strides = target.stride()[:3]
     upcast, precision = dot_config(q.dtype)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = kv_cache[0], kv_cache[-1]  # a latent cache: both
     group = num_heads // num_kv_heads
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, target, lse,
@@ -227,7 +227,7 @@ def paged_decode_attention(
 def check_layout(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
     """Checks shared by the decode and prefill kernels; host metadata only (no device reads, so
     safe during graph capture)."""
-    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] not in (1, 2):
         raise ValueError(f"expected q [tokens, Hq, D] and kv_cache [2, blocks, block_size, Hkv, D], "
                          f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
     _, num_heads, head_dim = q.shape

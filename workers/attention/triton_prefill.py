@@ -126,7 +126,7 @@ def paged_prefill_attention(
     if tiles.shape[0] == 0:
         return out
     upcast, precision = dot_config(q.dtype)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = kv_cache[0], kv_cache[-1]  # a latent cache: both
     _prefill_kernel[(tiles.shape[0], num_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
         q if sinks is None else sinks,

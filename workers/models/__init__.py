@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from workers.models.deepseek import DeepseekV3ForCausalLM
 from workers.models.gemma3 import Gemma3ForCausalLM
 from workers.models.gpt_oss import GptOssForCausalLM
 from workers.models.llama import LlamaForCausalLM
@@ -22,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,  # Llama's, from fused qkv and gate_up tensors
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Llama's, with Gemma's norms and local layers
     "GptOssForCausalLM": GptOssForCausalLM,  # Mixtral's, with sinks, biases, stacked experts
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # latent attention, grouped sigmoid routing
 }
 
 
@@ -34,6 +36,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     return MODEL_REGISTRY[architecture]
 
 
-__all__ = ["MODEL_REGISTRY", "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+__all__ = ["MODEL_REGISTRY", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
            "Qwen2MoeForCausalLM",
            "get_model_class"]

@@ -133,6 +133,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _sharded_copy(param, loaded_weight, 0, self.tp_rank * size, size, dst_start=dst)
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T (+ b), the same W on every rank (routers, gates, DeepSeek's down-projections
+    into its latents)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _make_param((output_size, input_size), default_weight_loader)
+        self.bias = _make_param((output_size,), default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
     """(KV heads each rank holds, ranks holding each KV head): heads are split over ranks while
     there are enough, then replicated (tp_size must be a multiple of the head count)."""

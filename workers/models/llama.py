@@ -70,14 +70,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """`mlp_name`/`mlp`: the feed-forward block under its checkpoint name ("mlp", or Mixtral's
-    "block_sparse_moe")."""
+    "block_sparse_moe"). `attention_cls`: the attention block (DeepSeek's is latent)."""
+
+    attention_cls: type[nn.Module] = LlamaAttention
 
     def __init__(
         self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend, shard: Shard,
         mlp_name: str, mlp: nn.Module,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, attn_backend, shard)
+        self.self_attn = self.attention_cls(config, layer_idx, attn_backend, shard)
         self.mlp_name = mlp_name
         setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

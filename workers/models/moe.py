@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.layers import Shard, WeightShapeError, _make_param, default_weight_loader
+from workers.models.layers import ReplicatedLinear, Shard, WeightShapeError, _make_param
 from workers.moe_config import MoEConfig
 from workers.parallel.comm import Communicator
 
@@ -182,12 +182,12 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.normalize, self.cast_weights = top_k, normalize, cast_weights
         self.softmax_after_topk = moe is not None and moe.softmax_after_topk
         bias = moe is not None and moe.bias
-        self.gate = _ReplicatedLinear(hidden_size, num_experts, bias)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, shard, comm,
                                     bias, None if moe is None else moe.clamped_swiglu)
         if shared_expert is not None:
             self.shared_expert = shared_expert
-            self.shared_expert_gate = _ReplicatedLinear(hidden_size, 1)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         else:
             self.shared_expert = None
 
@@ -199,15 +199,3 @@ class SparseMoeBlock(nn.Module):
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
             out = out + shared
         return out
-
-
-class _ReplicatedLinear(nn.Module):
-    """y = x W^T (+ b), the same W on every rank (routers and the shared-expert gate)."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__()
-        self.weight = _make_param((output_size, input_size), default_weight_loader)
-        self.bias = _make_param((output_size,), default_weight_loader) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)

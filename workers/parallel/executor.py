@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
 from workers.parallel.messages import RankTiming, StepMessage
 from workers.parallel.pipeline import MicroBatch, microbatch_tensors, stage_layers
@@ -91,12 +92,14 @@ class GroupExecutor(ModelExecutor):
     Logits come back on the CPU.
     """
 
-    def __init__(self, options: GroupOptions, num_layers: int, num_blocks: int,
-                 block_size: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+    def __init__(self, options: GroupOptions, spec: KVCacheSpec,
                  launcher: RankLauncher | None = None) -> None:
         tp, pp = options.tp_size, options.pp_size
         self.tp_size, self.pp_size = tp, pp
-        shape = (2, num_blocks, block_size, num_kv_heads // tp, head_dim)
+        num_layers, kv_dtype = spec.num_layers, spec.dtype
+        # each rank holds its share of the KV heads; a latent is whole on every rank
+        heads = spec.num_kv_heads if spec.latent else spec.num_kv_heads // tp
+        shape = (spec.planes, spec.num_blocks, spec.block_size, heads, spec.head_dim)
         shared = SharedCaches(tp * num_layers, shape, kv_dtype) if options.device == "cpu" else None
         # [tp rank][layer]: `shape`, views of what the CPU ranks write; None: on the GPU ranks
         self.caches = (None if shared is None else

@@ -1,0 +1,185 @@
+"""DeepSeek-V3: multi-head latent attention (MLA) and a sparse MoE with sigmoid, group-limited
+routing and a shared expert, following transformers' `modeling_deepseek_v3`.
+
+MLA caches one vector per token and layer: the normed KV latent c (kv_lora_rank) and the rotated
+key part shared by every head, k_pe (qk_rope_head_dim). Attention runs over that latent with
+the up-projections absorbed, as DeepSeek's and vLLM's MLA decode does: each head's no-RoPE query
+is multiplied into latent space by its slice of kv_b_proj (W_UK), so
+
+    q . k = q_nope . (W_UK c) + q_pe . k_pe = (q_nope W_UK) . c + q_pe . k_pe,
+
+which is multi-query attention of [q_nope W_UK, q_pe] over the cached [c, k_pe] with head size
+kv_lora_rank + qk_rope_head_dim; the softmax-weighted sum of the same vectors, cut to its first
+kv_lora_rank entries, is multiplied back out by each head's W_UV. The backends see an ordinary
+attention call whose keys are its values (a `[1, ...]` cache). Under tensor parallelism the
+heads (q_b_proj, kv_b_proj, o_proj) are split and the latent, the same for every head, is
+replicated on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention.backend import AttentionBackend, AttentionMetadata
+from workers.model_config import ModelConfig
+from workers.models.layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RMSNorm,
+    RowParallelLinear,
+    Shard,
+    _check_divisible,
+    default_weight_loader,
+)
+from workers.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from workers.models.mixtral import MixtralForCausalLM
+from workers.models.moe import FusedExperts
+from workers.models.rotary import RotaryEmbedding
+
+_LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend,
+                 shard: Shard) -> None:
+        super().__init__()
+        mla = config.mla
+        if mla is None:
+            raise ValueError(f"{config.architecture} has no multi-head latent attention settings")
+        tp_rank, tp_size = shard.tp_rank, shard.tp_size
+        self.mla, self.attn_backend = mla, attn_backend
+        self.num_heads = _check_divisible(config.num_attention_heads, tp_size,
+                                          "num_attention_heads")
+        heads, h, bias = config.num_attention_heads, config.hidden_size, config.attention_bias
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(h, heads * qk, False, tp_rank, tp_size)
+        else:
+            self.q_a_proj = ReplicatedLinear(h, mla.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, heads * qk, False, tp_rank,
+                                                 tp_size)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, mla.latent_dim, bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), False, tp_rank,
+            tp_size)
+        self.o_proj = RowParallelLinear(heads * mla.v_head_dim, h, bias=bias, tp_rank=tp_rank,
+                                        tp_size=tp_size, comm=shard.comm, site="attn")
+        theta, scaling = config.rope_of(layer_idx)
+        self.rotary_emb = RotaryEmbedding(mla.qk_rope_head_dim, config.max_position_embeddings,
+                                          theta, scaling)
+        mscale = 1.0 if scaling is None else scaling.softmax_mscale()
+        self.scale = qk ** -0.5 * mscale
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        mla, num_tokens = self.mla, x.shape[0]
+        nope, rope, rank = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
+        if mla.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(num_tokens, self.num_heads, nope + rope).split([nope, rope], -1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([rank, rope], -1)
+        c = self.kv_a_layernorm(c.contiguous())  # [T, rank]
+        q_pe, k_pe = self.rotary_emb(positions, self._pairs_first(q_pe),
+                                     self._pairs_first(k_pe[:, None, :]))
+        # kv_b_proj's rows, per head: W_UK [nope, rank] then W_UV [v, rank]
+        w = self.kv_b_proj.weight.view(self.num_heads, nope + mla.v_head_dim, rank)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w[:, :nope])
+        latent = torch.cat([c, k_pe[:, 0]], dim=-1)[:, None, :]  # [T, 1, rank + rope]
+        out = self.attn_backend.forward(torch.cat([q_latent, q_pe], dim=-1), latent, latent,
+                                        kv_cache, meta, scale=self.scale)  # [T, H, rank + rope]
+        o = torch.einsum("thr,hvr->thv", out[..., :rank], w[:, nope:])
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * mla.v_head_dim))
+
+    def _pairs_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Interleaved RoPE dims (x0, x1), (x2, x3)... as halves (x0, x2, ...; x1, x3, ...): the
+        rotate-half layout, which transformers' interleaved RoPE also leaves them in."""
+        if not self.mla.rope_interleave:
+            return x
+        return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = MLAttention
+
+
+def route_sigmoid_groups(logits: torch.Tensor, correction: torch.Tensor, top_k: int,
+                         groups: tuple[int, int], normalize: bool,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router, as transformers': logits [T, E] fp32 -> (ids [T, k], weights [T, k]
+    fp32). Experts are chosen by sigmoid score + correction, within the `topk_group` best of
+    `n_group` groups (a group's score: its two best experts); weighed by their sigmoid scores."""
+    n_group, topk_group = groups
+    scores = logits.sigmoid()
+    choice = scores + correction
+    tokens, experts = scores.shape
+    group_scores = choice.view(tokens, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, experts // n_group).reshape(tokens, -1)
+    choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scale
+
+
+class DeepseekMoE(nn.Module):
+    """Router (`gate`, fp32, with its correction bias), routed experts, and a shared expert
+    (`shared_experts`, a dense MLP added ungated)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+        super().__init__()
+        moe = config.moe
+        if moe is None or moe.sigmoid_groups is None:
+            raise ValueError("a DeepSeek-V3 config needs n_routed_experts and n_group")
+        self.moe = moe
+        self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts)
+        correction = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32),
+                                  requires_grad=False)
+        correction.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.gate.e_score_correction_bias = correction
+        self.experts = FusedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size,
+                                    shard, shard.comm)
+        self.shared_experts = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_experts = LlamaMLP(config, shard, moe.shared_expert_intermediate_size,
+                                           site="shared_expert")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        logits = F.linear(x.float(), self.gate.weight.float())
+        ids, weights = route_sigmoid_groups(
+            logits, self.gate.e_score_correction_bias, moe.top_k, moe.sigmoid_groups,
+            moe.norm_topk_prob, moe.routed_scaling_factor)
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekV3ForCausalLM(MixtralForCausalLM):
+    """The first `first_k_dense_replace` layers have a dense MLP, the rest DeepseekMoE; the
+    multi-token-prediction layers some checkpoints carry (indices past num_hidden_layers) are
+    skipped by the loader as another stage's."""
+
+    def make_model(self, config: ModelConfig, attn_backend: AttentionBackend) -> LlamaModel:
+        return LlamaModel(config, attn_backend, self.shard, self.make_mlp,
+                          layer_cls=DeepseekV3DecoderLayer)
+
+    def map_name(self, hf_name: str) -> tuple[str, object]:
+        if ".self_attn." in hf_name:  # MLA's projections are not Llama's fused q/k/v
+            return hf_name, None
+        return super().map_name(hf_name)
+
+    def make_mlp(self, layer_idx: int) -> tuple[str, nn.Module]:
+        if not self.config.is_moe_layer(layer_idx):
+            return "mlp", LlamaMLP(self.config, self.shard)
+        return "mlp", DeepseekMoE(self.config, self.shard)
