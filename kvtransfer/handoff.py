@@ -98,8 +98,9 @@ class Handoff:
 @dataclass(frozen=True)
 class KVHandoff:
     """A request's prefilled KV, offered for a decode worker to pull: one `Handoff` per prefill
-    TP rank (ranks 0..tp_size-1, each once, same request, same block count). Crosses the router
-    by pickle; a reader refuses a `version` other than `HANDOFF_VERSION`."""
+    TP rank (ranks 0..tp_size-1, each once, same request, same block count; a latent cache: one
+    `Handoff` in all). Crosses the router by pickle; a reader refuses a `version` other than
+    `HANDOFF_VERSION`."""
 
     ranks: tuple[Handoff, ...]  # in any order; each holds its rank's heads of every block
     version: int = HANDOFF_VERSION
@@ -135,6 +136,11 @@ class KVHandoff:
                                     "same blocks on every rank")
         tp_sizes = sorted({h.layout.tp_size for h in self.ranks})
         tp_ranks = sorted(h.layout.tp_rank for h in self.ranks)
+        if all(h.layout.kind == "latent" for h in self.ranks):  # whole on any one rank
+            if len(self.ranks) != 1:
+                raise InvalidDescriptor(f"KVHandoff.ranks holds {len(self.ranks)} latent "
+                                        "handoffs; expected one (every rank holds it whole)")
+            return
         if len(tp_sizes) > 1 or tp_ranks != list(range(tp_sizes[0])):
             raise InvalidDescriptor(f"KVHandoff.ranks are tp_ranks {tp_ranks} of tp_sizes "
                                     f"{tp_sizes}; expected each rank of one TP group once")

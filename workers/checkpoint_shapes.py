@@ -100,13 +100,13 @@ def _moe_shapes(config: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]
     block = "block_sparse_moe" if mixtral else "mlp"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     shapes: list[tuple[str, tuple[int, ...]]] = [(f"{p}{block}.gate.weight", (moe.num_experts, h))]
-    if moe.sigmoid_groups is not None:  # DeepSeek: the router's correction bias
+    if moe.deepseek_scoring == "sigmoid":  # DeepSeek-V3: the router's correction bias
         shapes.append((f"{p}mlp.gate.e_score_correction_bias", (moe.num_experts,)))
     for e in range(moe.num_experts):
         for name, shape in zip(names, ((i, h), (i, h), (h, i))):
             shapes.append((f"{p}{block}.experts.{e}.{name}.weight", shape))
     s = moe.shared_expert_intermediate_size
-    if s and moe.sigmoid_groups is not None:  # DeepSeek: ungated shared experts
+    if s and moe.deepseek_scoring is not None:  # DeepSeek: ungated shared experts
         for name, shape in zip(names, ((s, h), (s, h), (h, s))):
             shapes.append((f"{p}mlp.shared_experts.{name}.weight", shape))
     elif s:

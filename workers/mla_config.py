@@ -24,12 +24,14 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-def parse_mla(raw: Mapping[str, Any]) -> MLAConfig:
-    """DeepSeek-V3's latent attention settings from its config.json."""
+def parse_mla(raw: Mapping[str, Any], model_type: str) -> MLAConfig:
+    """DeepSeek-V2's or -V3's latent attention settings from its config.json (V2's RoPE pairs
+    are always interleaved)."""
     q_lora = raw.get("q_lora_rank")
     return MLAConfig(q_lora_rank=None if q_lora is None else int(q_lora),
                      kv_lora_rank=int(raw["kv_lora_rank"]),
                      qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
                      qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
                      v_head_dim=int(raw["v_head_dim"]),
-                     rope_interleave=bool(raw.get("rope_interleave", True)))
+                     rope_interleave=model_type == "deepseek_v2"
+                     or bool(raw.get("rope_interleave", True)))

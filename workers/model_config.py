@@ -19,7 +19,8 @@ from workers.rope_config import RopeScaling, layer_types, parse_local_rope, pars
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
-                           "GptOssForCausalLM", "DeepseekV3ForCausalLM")
+                           "GptOssForCausalLM", "DeepseekV2ForCausalLM",
+                           "DeepseekV3ForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -32,6 +33,7 @@ _ARCH_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 _DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "gpt_oss": 150_000.0}
@@ -186,7 +188,7 @@ class ModelConfig:
             **(_gemma3(raw, num_layers) if gemma else {}),
             **(dict(layer_types=layer_types(raw, num_layers, 2), attention_sinks=True)
                if model_type == "gpt_oss" else {}),
-            mla=parse_mla(raw) if model_type == "deepseek_v3" else None,
+            mla=parse_mla(raw, model_type) if model_type.startswith("deepseek") else None,
         )
 
 

@@ -24,11 +24,13 @@ class MoEConfig:
     softmax_after_topk: bool = False
     bias: bool = False
     clamped_swiglu: tuple[float, float] | None = None
-    # DeepSeek-V3: sigmoid scores plus a per-expert correction bias choose the experts, first
-    # the best `topk_group` of `n_group` groups (each scored by its two best experts); the
-    # chosen sigmoid scores (renormalized with norm_topk_prob) times routed_scaling_factor
-    # weigh them; and a shared expert (not gated) is added
-    sigmoid_groups: tuple[int, int] | None = None  # (n_group, topk_group)
+    # DeepSeek: experts chosen within the best `topk_group` of `n_group` groups when `groups`
+    # is set, weighed by their scores times routed_scaling_factor, plus an ungated shared
+    # expert. V3 ("sigmoid"): sigmoid scores plus a per-expert correction bias choose, a
+    # group scores its two best experts, the chosen sigmoid scores are renormalized with
+    # norm_topk_prob. V2 ("softmax"): softmax scores, a group scores its best expert.
+    deepseek_scoring: str | None = None  # "sigmoid" (V3), "softmax" (V2), None: not DeepSeek
+    groups: tuple[int, int] | None = None  # (n_group, topk_group)
     routed_scaling_factor: float = 1.0
 
 
@@ -48,23 +50,8 @@ def parse_moe(raw: Mapping[str, Any], model_type: str) -> MoEConfig | None:
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()))
-    if model_type == "deepseek_v3":
-        for key, v3 in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
-            if raw.get(key, v3) != v3:
-                raise ValueError(f"{key} {raw[key]!r} is not supported; expected {v3!r} "
-                                 "(DeepSeek-V3's routing)")
-        if int(raw.get("moe_layer_freq") or 1) != 1:
-            raise ValueError(f"moe_layer_freq={raw['moe_layer_freq']} is not supported; "
-                             "expected 1 (every layer after first_k_dense_replace is sparse)")
-        inter = int(raw["moe_intermediate_size"])
-        return MoEConfig(
-            num_experts=int(raw.get("n_routed_experts") or raw["num_local_experts"]),
-            top_k=int(raw["num_experts_per_tok"]), intermediate_size=inter,
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-            shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts") or 0),
-            mlp_only_layers=tuple(range(int(raw.get("first_k_dense_replace") or 0))),
-            sigmoid_groups=(int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0))
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek(raw, model_type)
     if model_type == "gpt_oss":
         return MoEConfig(
             num_experts=int(raw["num_local_experts"]), top_k=int(raw["num_experts_per_tok"]),
@@ -73,3 +60,35 @@ def parse_moe(raw: Mapping[str, Any], model_type: str) -> MoEConfig | None:
             clamped_swiglu=(float(raw.get("swiglu_alpha", 1.702)),
                             float(raw.get("swiglu_limit", 7.0))))
     return None
+
+
+# DeepSeek's routing by version: (scoring_func, the topk_method values it may have)
+_DEEPSEEK_ROUTING = {"deepseek_v3": ("sigmoid", ("noaux_tc",)),
+                     "deepseek_v2": ("softmax", ("greedy", "group_limited_greedy"))}
+
+
+def _deepseek(raw: Mapping[str, Any], model_type: str) -> MoEConfig:
+    scoring, methods = _DEEPSEEK_ROUTING[model_type]
+    if raw.get("scoring_func", scoring) != scoring:
+        raise ValueError(f"scoring_func {raw['scoring_func']!r} is not supported for "
+                         f"{model_type}; expected {scoring!r}")
+    method = raw.get("topk_method") or methods[0]
+    if method not in methods:
+        raise ValueError(f"topk_method {method!r} is not supported for {model_type}; expected "
+                         f"one of {list(methods)}")
+    if int(raw.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"moe_layer_freq={raw['moe_layer_freq']} is not supported; "
+                         "expected 1 (every layer after first_k_dense_replace is sparse)")
+    inter = int(raw["moe_intermediate_size"])
+    grouped = method in ("noaux_tc", "group_limited_greedy")
+    return MoEConfig(
+        num_experts=int(raw.get("n_routed_experts") or raw["num_local_experts"]),
+        top_k=int(raw["num_experts_per_tok"]), intermediate_size=inter,
+        # V2's router never renormalizes (its configs say false); V3's does unless told not to
+        norm_topk_prob=scoring == "sigmoid" and bool(raw.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=inter * int(raw.get("n_shared_experts") or 0),
+        mlp_only_layers=tuple(range(int(raw.get("first_k_dense_replace") or 0))),
+        deepseek_scoring=scoring,
+        groups=(int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)) if grouped
+        else None,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0))

@@ -56,6 +56,40 @@ def test_missing_or_repeated_tp_ranks_are_refused() -> None:
         KVHandoff(())
 
 
+def latent_handoff(tp_rank: int = 0, tp_size: int = 2) -> Handoff:
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=64, block_size=4,
+                      dtype="bfloat16", tp_rank=tp_rank, tp_size=tp_size, kind="latent")
+    return make_rank_handoff(tp_rank, tp_size, layout=layout)
+
+
+def test_a_latent_cache_is_one_handoff_of_one_plane_whole_on_any_rank() -> None:
+    handoff = KVHandoff((latent_handoff(),))
+    # 3 blocks x 3 layers x one latent (no K/V pair) x 4 tokens x 64 dims x 2 bytes
+    assert handoff.num_bytes == 3 * 3 * 4 * 64 * 2
+    layout = handoff.ranks[0].layout
+    assert (layout.planes, layout.total_kv_heads, layout.head_start) == (1, 1, 0)
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(InvalidDescriptor, match="2 latent handoffs; expected one"):
+        KVHandoff((latent_handoff(0), latent_handoff(1)))
+
+
+def test_latent_layouts_are_checked_and_never_transfer_into_kv_layouts() -> None:
+    from kvtransfer.errors import LayoutMismatch
+    from kvtransfer.handoff import check_transferable
+
+    with pytest.raises(InvalidDescriptor, match="num_kv_heads = 2 for a latent layout"):
+        KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32",
+                 kind="latent")
+    with pytest.raises(InvalidDescriptor, match="KVLayout.kind = 'mla'"):
+        KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32",
+                 kind="mla")
+    latent = latent_handoff().layout
+    kv = dataclasses.replace(latent, kind="kv")
+    with pytest.raises(LayoutMismatch, match="kind 'latent' vs 'kv'"):
+        check_transferable(latent, kv)
+    check_transferable(latent, dataclasses.replace(latent, tp_rank=0, tp_size=1))
+
+
 def test_unknown_version_is_refused_in_plain_words() -> None:
     with pytest.raises(InvalidDescriptor, match=r"version = 2: this worker reads only version 1"):
         KVHandoff(make_kv_handoff().ranks, version=2)

@@ -58,15 +58,22 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
                              "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                              "original_max_position_embeddings": 128})
         cls = tf.GptOssForCausalLM
-    elif arch in ("deepseek_v3", "deepseek_v3_no_q_lora"):
+    elif arch == "deepseek_v2":  # V2-Lite's shape: no low-rank query, softmax routing, groups
+        config = tf.DeepseekV2Config(
+            **{**TINY, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
+            n_shared_experts=2, num_experts_per_tok=2, n_group=4, topk_group=2,
+            topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+            first_k_dense_replace=1, kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
+            v_head_dim=24, q_lora_rank=None)
+        cls = tf.DeepseekV2ForCausalLM
+    elif arch == "deepseek_v3":
         # MLA (latent 48 + 16), YaRN with DeepSeek's softmax mscale, one dense layer, then 8
-        # experts in 2 groups (1 chosen), top-2, a shared expert; the variant without a
-        # low-rank query (one q_proj) is DeepSeek-V2-Lite's shape
+        # experts in 2 groups (1 chosen), top-2, a shared expert
         config = tf.DeepseekV3Config(
             **{**TINY, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
             first_k_dense_replace=1, kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
-            v_head_dim=24, q_lora_rank=None if arch.endswith("no_q_lora") else 32,
+            v_head_dim=24, q_lora_rank=32,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                              "rope_theta": 10000.0, "original_max_position_embeddings": 128})

@@ -26,7 +26,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "mixtral", "qwen2_moe",
                                         "qwen3", "qwen3_moe", "phi3", "gemma3",
                                         "gpt_oss", "deepseek_v3",
-                                        "deepseek_v3_no_q_lora"])
+                                        "deepseek_v2"])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = save_hf_model(request.param, path)

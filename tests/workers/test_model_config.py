@@ -318,7 +318,7 @@ def test_deepseek_v3_config_parses_as_transformers_reads_it(tmp_path: Path):
     mla, moe = legacy.mla, legacy.moe
     assert mla is not None and mla.latent_dim == 576 and mla.q_lora_rank == 1536
     assert (legacy.kv_cache_heads, legacy.kv_cache_head_dim) == (1, 576)
-    assert moe is not None and moe.sigmoid_groups == (8, 4) and moe.routed_scaling_factor == 2.5
+    assert moe is not None and moe.groups == (8, 4) and moe.routed_scaling_factor == 2.5
     assert moe.mlp_only_layers == (0, 1, 2) and moe.shared_expert_intermediate_size == 2048
     scaling = legacy.rope_scaling
     assert scaling is not None and scaling.rope_type == "yarn"
@@ -332,3 +332,36 @@ def test_deepseek_routing_other_than_v3s_is_refused():
     with pytest.raises(ValueError, match="scoring_func 'softmax'"):
         ModelConfig.from_dict({**DEEPSEEK_V3, "quantization_config": None,
                                "scoring_func": "softmax"})
+
+
+# DeepSeek-V2-Lite's config.json: no low-rank query, softmax greedy routing
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 10944, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "moe_intermediate_size": 1408, "moe_layer_freq": 1,
+    "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy",
+    "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 102400,
+}
+
+
+def test_deepseek_v2_lite_config_parses_as_transformers_reads_it(tmp_path: Path):
+    legacy = ModelConfig.from_dict(DEEPSEEK_V2_LITE)
+    kwargs = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k not in ("architectures",
+                                                                      "model_type")}
+    transformers.DeepseekV2Config(**kwargs).save_pretrained(tmp_path)
+    assert ModelConfig.from_pretrained(tmp_path) == legacy
+    mla, moe = legacy.mla, legacy.moe
+    assert mla is not None and mla.q_lora_rank is None and mla.rope_interleave
+    assert moe is not None and moe.deepseek_scoring == "softmax" and moe.groups is None
+    assert not moe.norm_topk_prob and moe.shared_expert_intermediate_size == 2 * 1408
+    with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not supported"):
+        ModelConfig.from_dict({**DEEPSEEK_V2_LITE, "topk_method": "noaux_tc"})

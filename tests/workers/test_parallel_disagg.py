@@ -1,6 +1,7 @@
 """A TP=2 prefill engine hands its KV to a TP=1 decode engine (and the reverse) through the
 transfer layer, one agent per TP rank, and the greedy output equals the aggregated TP=1 run
-(Llama, and Qwen3-MoE with its experts split over the TP=2 group).
+(Llama; Qwen3-MoE with its experts split over the TP=2 group; DeepSeek-V3, whose latent cache
+every rank holds whole).
 
 The TP=2 engine's cache lives in its rank processes; the driver holds shared-memory views of
 each rank's shard (`Engine.kv_caches_by_rank()`, described by `Engine.kv_layouts()`), so each
@@ -147,26 +148,32 @@ def test_layouts_name_each_ranks_heads(engines):
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
-def test_workers_of_different_tp_sizes_hand_off_over_tcp(engines, tmp_path, prefill_tp,
-                                                         decode_tp):
+@pytest.mark.parametrize("arch, reference", [("llama", "engines"),
+                                             ("deepseek_v3", "mla_engines")])
+def test_workers_of_different_tp_sizes_hand_off_over_tcp(request, tmp_path, prefill_tp,
+                                                         decode_tp, arch, reference):
     """The same through `Worker` (what the router calls): one agent and lease per prefill
-    rank, the decode ranks pulling their heads over real sockets, leases all released."""
+    rank (a latent: one lease, on rank 0), the decode ranks pulling their heads over real
+    sockets, leases all released."""
     from workers.config import EngineConfig
     from workers.worker import Worker
 
-    _, want = engines
+    _, want = request.getfixturevalue(reference)
     path = str(tmp_path)
-    save_hf_model("llama", path)
+    save_hf_model(arch, path)
+    parallel = {"expert_parallel_size": 2} if arch == "deepseek_v3" else {}
 
     def worker(name, role, tp):
-        return Worker.from_config(name, EngineConfig(model=path, block_size=4, num_blocks=64,
-                                                     tensor_parallel_size=tp), role)
+        return Worker.from_config(name, EngineConfig(
+            model=path, block_size=4, num_blocks=64, tensor_parallel_size=tp,
+            **(parallel if tp == 2 else {})), role)
 
     async def run():
         prefill, decode = worker("p", "prefill", prefill_tp), worker("d", "decode", decode_tp)
         try:
             req = WorkerRequest("r", tuple(PROMPT), PARAMS)
             result = await prefill.prefill(req, decode_tp_size=decode_tp)
+            assert len(result.handoff.ranks) == (1 if arch == "deepseek_v3" else prefill_tp)
             tokens = list(result.first.token_ids)
             async for event in decode.stream(DecodeFromHandoff(req, tokens[0], result.handoff)):
                 tokens += event.token_ids

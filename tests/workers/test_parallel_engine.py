@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logp
 
 
 @pytest.fixture(scope="module", params=["llama", "mixtral", "qwen3_moe", "gemma3", "gpt_oss",
-                                        "deepseek_v3"])
+                                        "deepseek_v3", "phi3"])
 def checkpoint(request, tmp_path_factory):
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp(request.param)
@@ -56,6 +56,8 @@ LAYOUTS = {  # (tensor, pipeline, expert) parallel sizes
     "gpt_oss": [(2, 1, 1), (2, 1, 2), (2, 2, 2)],
     # heads split, the latent cache whole on every rank; grouped routing over EP ranks
     "deepseek_v3": [(2, 1, 1), (2, 1, 2), (2, 2, 2)],
+    # the fused qkv and gate_up tensors split into the parts each rank shards
+    "phi3": [(2, 1, 1), (1, 2, 1), (2, 2, 1)],
 }
 
 

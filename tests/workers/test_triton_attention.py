@@ -309,3 +309,42 @@ def test_backend_forward_over_a_latent_cache_matches_the_torch_backend():
     want = get_backend("torch").forward(q, k, k, torch_cache, meta, SCALE)
     assert torch.equal(latent, torch_cache)
     assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [24, 40])  # DeepSeek's latent is 576: no power of two
+def test_head_sizes_that_are_no_power_of_two_match_the_torch_backend(head_dim):
+    gen = torch.Generator().manual_seed(5)
+    seqs, block_size, num_heads = [(70, 1), (3, 1), (0, 9), (21, 30)], 16, 4
+    lens = [c + n for c, n in seqs]
+    tables = torch.arange(sum(-(-n // block_size) for n in lens), dtype=torch.int32)
+    rows, start = [], 0
+    for n in lens:
+        count = -(-n // block_size)
+        rows.append(tables[start:start + count].tolist())
+        start += count
+    width = max(len(r) for r in rows)
+    cache = torch.randn(2, len(tables) + 1, block_size, KV_HEADS, head_dim, generator=gen)
+    starts, slots = [0], []
+    for (cached, new), row in zip(seqs, rows):
+        starts.append(starts[-1] + new)
+        slots += [row[p // block_size] * block_size + p % block_size
+                  for p in range(cached, cached + new)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor([r + [0] * (width - len(r)) for r in rows],
+                                  dtype=torch.int32, device=DEVICE),
+        num_decodes=2, max_query_len=30, max_seq_len=max(lens), query_start_loc_cpu=starts,
+        seq_lens_cpu=lens)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(DEVICE)
+    k = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen).to(DEVICE)
+    v = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen).to(DEVICE)
+    cache = cache.to(DEVICE)
+    torch_cache = cache.clone()
+    got = get_backend("triton").forward(q, k, v, cache, meta, head_dim ** -0.5)
+    want = get_backend("torch").forward(q, k, v, torch_cache, meta, head_dim ** -0.5)
+    assert_close(got, want, torch.float32)
+    split = paged_decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2],
+                                   head_dim ** -0.5, num_splits=3)
+    assert_close(split, want[:2], torch.float32)

@@ -48,7 +48,7 @@ def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
 
 @triton.jit
 def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visible, kv_head,
-                dims, qk_scale, stride_cache_block, stride_cache_token, stride_cache_head,
+                dims, dim_ok, qk_scale, stride_cache_block, stride_cache_token, stride_cache_head,
                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One step of the online softmax over the keys at positions `pos` (of one sequence, found
     through its block `table`) for the query rows `q`: returns the new running max `m` (base-2
@@ -58,7 +58,8 @@ def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visi
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     slot = (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
             + kv_head * stride_cache_head)
-    k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+    kv_ok = pos_ok[:, None] & dim_ok[None, :]  # dims past a head size that is no power of 2
+    k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_ok, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))  # [rows, keys]
     # a row with no visible key yet keeps m = -inf only until its first one; rows that have
@@ -67,7 +68,7 @@ def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visi
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_ok, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                         input_precision=DOT_PRECISION)
     return m_new, l, acc
@@ -82,7 +83,7 @@ def _decode_split_kernel(  # long: one kernel body; splitting it costs registers
     stride_table_seq,
     stride_out_seq, stride_out_head, stride_out_split,
     stride_lse_seq, stride_lse_head,
-    GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -101,9 +102,10 @@ def _decode_split_kernel(  # long: one kernel body; splitting it costs registers
     rows = tl.arange(0, GROUP_ROWS)  # query heads of this KV head, padded
     row_ok = rows < GROUP
     heads = kv_head * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)  # HEAD_DIM: the head size DIM rounded up to a power of 2
+    dim_ok = dims < DIM
     q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
-                mask=row_ok[:, None], other=0.0)  # [GROUP_ROWS, HEAD_DIM]
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [GROUP_ROWS, HEAD_DIM]
     if UPCAST_DOT:
         q = q.to(tl.float32)
     qk_scale = scale * LOG2E
@@ -122,7 +124,8 @@ def _decode_split_kernel(  # long: one kernel body; splitting it costs registers
         pos_ok = pos < hi
         # every tile holds at least one valid key, so m stays finite after the first
         m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok,
-                                pos_ok[None, :], kv_head, dims, qk_scale, stride_cache_block,
+                                pos_ok[None, :], kv_head, dims, dim_ok, qk_scale,
+                                stride_cache_block,
                                 stride_cache_token, stride_cache_head, BLOCK_SIZE, DOT_PRECISION)
 
     # an empty split (or a zero-length padding sequence) has l == 0: write zeros and lse = -inf,
@@ -131,7 +134,7 @@ def _decode_split_kernel(  # long: one kernel body; splitting it costs registers
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
     out_rows = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head
     tl.store(out_rows + split * stride_out_split + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     if WRITE_LSE:
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
         tl.store(lse_ptr + seq * stride_lse_seq + heads * stride_lse_head + split, lse,
@@ -144,7 +147,7 @@ def _merge_splits_kernel(
     stride_part_seq, stride_part_head, stride_part_split,
     stride_lse_seq, stride_lse_head,
     stride_out_seq, stride_out_head,
-    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -157,11 +160,11 @@ def _merge_splits_kernel(
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
     parts = tl.load(part_ptr + seq * stride_part_seq + head * stride_part_head
                     + splits[:, None] * stride_part_split + dims[None, :],
-                    mask=split_ok[:, None], other=0.0)  # [SPLITS, HEAD_DIM]
+                    mask=split_ok[:, None] & (dims < DIM)[None, :], other=0.0)  # [SPLITS, HEAD_DIM]
     total = tl.sum(weight, 0)
     out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-             out.to(out_ptr.dtype.element_ty))
+             out.to(out_ptr.dtype.element_ty), mask=dims < DIM)
 
 
 def paged_decode_attention(
@@ -208,7 +211,8 @@ def paged_decode_attention(
         *target_strides,
         lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=TILE_N,
+        HEAD_DIM=triton.next_power_of_2(head_dim), DIM=head_dim, BLOCK_SIZE=block_size,
+        TILE=TILE_N,
         UPCAST_DOT=upcast, DOT_PRECISION=precision, WRITE_LSE=num_splits > 1,
         HAS_SINKS=sinks is not None, num_warps=4,
     )
@@ -218,7 +222,8 @@ def paged_decode_attention(
             target.stride(0), target.stride(1), target.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=triton.next_power_of_2(head_dim),
+            DIM=head_dim,
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out
@@ -235,9 +240,10 @@ def check_layout(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
     if cache_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q has {num_heads} heads of {head_dim}; the cache has {num_kv_heads} "
                          f"KV heads of {cache_dim}; expected equal dims and Hq divisible by Hkv")
-    if head_dim < 16 or head_dim & (head_dim - 1) or block_size & (block_size - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16 and block_size a power of two, "
-                         f"got head_dim {head_dim}, block_size {block_size}")
+    if head_dim < 16 or block_size & (block_size - 1):
+        raise ValueError(f"head_dim must be at least 16 (any size: tiles round it up to a power "
+                         f"of two) and block_size a power of two, got head_dim {head_dim}, "
+                         f"block_size {block_size}")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache need a contiguous last (head_dim) dimension")
     if q.device.type == "cpu" and not interpreted():

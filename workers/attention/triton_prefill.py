@@ -40,7 +40,7 @@ def _prefill_kernel(
     stride_cache_block, stride_cache_token, stride_cache_head,
     stride_table_seq,
     stride_out_token, stride_out_head,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
@@ -59,9 +59,10 @@ def _prefill_kernel(
     # absolute position of each query token; padding rows act as the chunk's last token, so
     # under a sliding window they too see a key in the first tile (and stay finite)
     q_pos = num_cached + tl.minimum(rows, q_len - 1)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM)  # HEAD_DIM: the head size DIM rounded up to a power of 2
+    dim_ok = dims < DIM
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_q_token + head * stride_q_head
-                + dims[None, :], mask=row_ok[:, None], other=0.0)  # [TILE_M, HEAD_DIM]
+                + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     qk_scale = scale * LOG2E
@@ -86,12 +87,13 @@ def _prefill_kernel(
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         visible &= (window == 0) | (pos[None, :] > q_pos[:, None] - window)
         m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok,
-                                visible, kv_head, dims, qk_scale, stride_cache_block,
+                                visible, kv_head, dims, dim_ok, qk_scale, stride_cache_block,
                                 stride_cache_token, stride_cache_head, BLOCK_SIZE, DOT_PRECISION)
 
     out = acc / l[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_out_token + head * stride_out_head
-             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+             + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
 
 
 def prefill_tiles(query_start_loc_cpu: Sequence[int], first_seq: int,
@@ -135,7 +137,8 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=triton.next_power_of_2(head_dim),
+        DIM=head_dim, BLOCK_SIZE=block_size,
         TILE_M=BLOCK_M, TILE_N=BLOCK_N, UPCAST_DOT=upcast, DOT_PRECISION=precision,
         HAS_SINKS=sinks is not None, num_warps=4,
     )

@@ -24,6 +24,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Llama's, with Gemma's norms and local layers
     "GptOssForCausalLM": GptOssForCausalLM,  # Mixtral's, with sinks, biases, stacked experts
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # latent attention, grouped sigmoid routing
+    "DeepseekV2ForCausalLM": DeepseekV3ForCausalLM,  # the same, with V2's softmax routing
 }
 
 

@@ -1,5 +1,7 @@
-"""DeepSeek-V3: multi-head latent attention (MLA) and a sparse MoE with sigmoid, group-limited
-routing and a shared expert, following transformers' `modeling_deepseek_v3`.
+"""DeepSeek-V3 and -V2: multi-head latent attention (MLA) and a sparse MoE with group-limited
+routing (V3: sigmoid scores with a correction bias; V2: softmax) and a shared expert,
+following transformers' `modeling_deepseek_v3` and `modeling_deepseek_v2` (whose RoPE, complex
+products of interleaved pairs, is the same rotation as V3's interleaved one).
 
 MLA caches one vector per token and layer: the normed KV latent c (kv_lora_rank) and the rotated
 key part shared by every head, k_pe (qk_rope_head_dim). Attention runs over that latent with
@@ -24,6 +26,7 @@ from torch import nn
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.model_config import ModelConfig
+from workers.moe_config import MoEConfig
 from workers.models.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -109,26 +112,33 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     attention_cls = MLAttention
 
 
-def route_sigmoid_groups(logits: torch.Tensor, correction: torch.Tensor, top_k: int,
-                         groups: tuple[int, int], normalize: bool,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's router, as transformers': logits [T, E] fp32 -> (ids [T, k], weights [T, k]
-    fp32). Experts are chosen by sigmoid score + correction, within the `topk_group` best of
-    `n_group` groups (a group's score: its two best experts); weighed by their sigmoid scores."""
-    n_group, topk_group = groups
-    scores = logits.sigmoid()
-    choice = scores + correction
-    tokens, experts = scores.shape
-    group_scores = choice.view(tokens, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, experts // n_group).reshape(tokens, -1)
-    choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if normalize:
+def route_deepseek(logits: torch.Tensor, correction: torch.Tensor | None, moe: MoEConfig,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routers, as transformers': logits [T, E] fp32 -> (ids [T, k], weights [T, k]
+    fp32). V3: experts chosen by sigmoid score + correction, within the `topk_group` best of
+    `n_group` groups (a group's score: its two best), weighed by their sigmoid scores
+    (renormalized). V2: softmax scores, greedy or within the best groups (a group's score: its
+    best expert; the others' scores zeroed). Both scaled by routed_scaling_factor."""
+    v3 = moe.deepseek_scoring == "sigmoid"
+    scores = logits.sigmoid() if v3 else logits.softmax(dim=-1, dtype=torch.float32)
+    choice = scores + correction if v3 and correction is not None else scores
+    if moe.groups is not None:
+        n_group, topk_group = moe.groups
+        tokens, experts = scores.shape
+        grouped = choice.view(tokens, n_group, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if v3 else grouped.max(-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(-1, -1, experts // n_group).reshape(tokens, -1)
+        choice = choice.masked_fill(~keep.bool(), float("-inf") if v3 else 0.0)
+    if v3:
+        ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+    else:
+        weights, ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)
+    if moe.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * scale
+    return ids, weights * moe.routed_scaling_factor
 
 
 class DeepseekMoE(nn.Module):
@@ -138,14 +148,15 @@ class DeepseekMoE(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         moe = config.moe
-        if moe is None or moe.sigmoid_groups is None:
-            raise ValueError("a DeepSeek-V3 config needs n_routed_experts and n_group")
+        if moe is None or moe.deepseek_scoring is None:
+            raise ValueError("a DeepSeek config needs n_routed_experts and num_experts_per_tok")
         self.moe = moe
         self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts)
-        correction = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32),
-                                  requires_grad=False)
-        correction.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-        self.gate.e_score_correction_bias = correction
+        if moe.deepseek_scoring == "sigmoid":  # V3's
+            correction = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32),
+                                      requires_grad=False)
+            correction.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+            self.gate.e_score_correction_bias = correction
         self.experts = FusedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size,
                                     shard, shard.comm)
         self.shared_experts = None
@@ -154,11 +165,9 @@ class DeepseekMoE(nn.Module):
                                            site="shared_expert")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        moe = self.moe
         logits = F.linear(x.float(), self.gate.weight.float())
-        ids, weights = route_sigmoid_groups(
-            logits, self.gate.e_score_correction_bias, moe.top_k, moe.sigmoid_groups,
-            moe.norm_topk_prob, moe.routed_scaling_factor)
+        ids, weights = route_deepseek(
+            logits, getattr(self.gate, "e_score_correction_bias", None), self.moe)
         out = self.experts(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
