@@ -32,7 +32,7 @@ BLOCK_N = 64  # >= BLOCK_M: the sliding-window start in _prefill_kernel relies o
 
 
 @triton.jit
-def _prefill_kernel(
+def _prefill_kernel(  # long: one kernel body; splitting it costs registers and clarity
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr, sinks_ptr,
     scale, window,
