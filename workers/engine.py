@@ -77,7 +77,8 @@ class Engine:
                  if config.world_size == 1 else None)
         spec = dataclasses.replace(spec, num_blocks=assembly.num_kv_blocks(
             config, spec, model, self.device, self.max_model_len))
-        self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 window=mc.uniform_window)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.max_model_len), self.kv)
@@ -132,7 +133,10 @@ class Engine:
         if bad:
             raise InvalidRequestError(
                 f"logit_bias has token ids outside [0, {vocab}): {bad[:5]}", param="logit_bias")
-        needed = self.kv.num_blocks_for(len(ids) + params.max_tokens)
+        tokens = len(ids) + params.max_tokens
+        if self.kv.window is not None:  # older blocks return: a step's chunk and the window
+            tokens = min(tokens, self.config.max_num_batched_tokens + self.kv.window)
+        needed = self.kv.num_blocks_for(tokens) + (self.kv.window is not None)
         if needed > self.kv.pool.num_blocks:  # could never run, even alone
             raise InvalidRequestError(
                 f"{len(ids)} prompt tokens plus max_tokens={params.max_tokens} need {needed} KV "

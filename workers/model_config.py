@@ -92,6 +92,12 @@ class ModelConfig:
             return False
         return not self.layer_types or self.layer_types[layer_idx] == "sliding_attention"
 
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has one (then older blocks can be returned), else None."""
+        layers = range(self.num_hidden_layers)
+        return self.sliding_window if all(self.is_sliding(i) for i in layers) else None
+
     def window_of(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s sliding window in tokens, None for full attention."""
         return self.sliding_window if self.is_sliding(layer_idx) else None

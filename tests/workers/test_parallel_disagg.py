@@ -19,6 +19,7 @@ from tests.workers.hf_oracle import save_hf_model
 from workers import LLM, SamplingParams
 from workers.messages import DecodeFromHandoff
 from workers.protocol import WorkerRequest
+from workers.request import Request
 
 PROMPT = list(range(5, 40))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -188,3 +189,22 @@ def test_workers_of_different_tp_sizes_hand_off_over_tcp(request, tmp_path, pref
             await decode.shutdown()
 
     assert asyncio.run(run()) == want
+
+
+def test_a_windowed_model_hands_off_every_block_and_decodes_in_its_window(tmp_path):
+    """Mistral (a 12-token window on every layer): the prefill side keeps and sends all the
+    prompt's blocks; the decode side caches what it pulled, then returns the blocks that fall
+    out of the window as it decodes, and its output is the aggregated run's."""
+    path = str(tmp_path)
+    save_hf_model("mistral", path)
+    want = LLM(path, block_size=4, num_blocks=64).generate([PROMPT], PARAMS)[0].outputs[0]
+    prefill, decode = (LLM(path, block_size=4, num_blocks=64).engine for _ in range(2))
+    moved: list = []
+    assert asyncio.run(handoff(prefill, decode, "w", moved)) == want.token_ids
+    assert moved[0].num_blocks == -(-len(PROMPT) // 4)  # every block of the prompt
+    for engine in (prefill, decode):
+        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    # the decode side cached the pulled prompt blocks before returning them: all 8 full
+    # blocks of the prompt are hits there
+    probe = Request("probe", list(PROMPT) + [1], PARAMS, frozenset())
+    assert len(decode.kv.get_computed_blocks(probe)) == len(PROMPT) // 4

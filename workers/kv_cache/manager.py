@@ -14,14 +14,23 @@ class KVCacheManager:
     Contract: `allocate_slots` either gives a request room for its next tokens or changes
     nothing; `free` returns every block the request holds; `cache_blocks` registers the
     request's newly computed full blocks in the prefix cache.
+
+    `window`: set when every layer attends over a sliding window of that many tokens (Mistral).
+    Then `allocate_slots` first returns the blocks no later query can see (every token before
+    the next query's window), except of requests held for a KV handoff, which must send them
+    all. They are cached first, so they stay prefix-cache hits until evicted. Their
+    table entries repeat the first live block's id: attention never reads them (the kernels
+    start at the window; the torch backend masks them).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 window: int | None = None) -> None:
         self.block_size = block_size
+        self.window = window
         self.enable_caching = enable_caching
         self.events = KVEventLog(block_size, enabled=enable_caching)
         self.pool = BlockPool(num_blocks, self.events, enable_caching)
-        self._blocks: dict[str, list[KVBlock]] = {}
+        self._blocks: dict[str, list[KVBlock | None]] = {}  # None: out of the window, returned
         # each request's block ids, in token order: rebuilt only when its blocks change, so the
         # scheduler hands the same tuple to every step in between
         self._tables: dict[str, tuple[int, ...]] = {}
@@ -76,6 +85,7 @@ class KVCacheManager:
         """Make room for `num_new_tokens` after the request's computed tokens (and after the
         prefix hits `computed`, which this takes references on). False, and no change, when the
         pool is short of blocks."""
+        self._drop_out_of_window(req)
         blocks = self._blocks.get(req.request_id, [])
         total = req.num_computed_tokens + num_new_tokens
         if blocks and not computed and total <= len(blocks) * self.block_size:
@@ -93,8 +103,24 @@ class KVCacheManager:
             self._num_cached_blocks[req.request_id] = len(blocks)
         if needed > 0:
             blocks.extend(self.pool.allocate(needed))
-        self._tables[req.request_id] = tuple(b.block_id for b in blocks)
+        self._tables[req.request_id] = _table(blocks)
         return True
+
+    def _drop_out_of_window(self, req: Request) -> None:
+        """Return the request's blocks wholly before its next query's window (see the class)."""
+        blocks = self._blocks.get(req.request_id)
+        if self.window is None or req.hold_kv or not blocks:
+            return
+        first_seen = req.num_computed_tokens - self.window + 1  # the next query's first key
+        dead = min(max(first_seen, 0) // self.block_size, len(blocks))
+        dropped = [b for b in blocks[:dead] if b is not None]
+        if not dropped:
+            return
+        # cached first (blocks pulled from another worker are not yet): they stay hits
+        self.cache_blocks(req)
+        blocks[:dead] = [None] * dead
+        self.pool.release(dropped[::-1])
+        self._tables[req.request_id] = _table(blocks)
 
     def cache_blocks(self, req: Request) -> None:
         """Register the request's full, computed blocks that are not in the cache yet."""
@@ -117,11 +143,14 @@ class KVCacheManager:
         blocks = self._blocks.pop(req.request_id, [])
         self._tables.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
-        self.pool.release(blocks[::-1])
+        self.pool.release([b for b in blocks[::-1] if b is not None])
 
     def hold(self, req: Request) -> None:
         """Keep a finished request's blocks (a KV handoff reads them) until `free_held`."""
-        self._held[req.request_id] = self._blocks.pop(req.request_id, [])
+        blocks = self._blocks.pop(req.request_id, [])
+        if None in blocks:  # hold_kv requests keep every block: never reached
+            raise RuntimeError(f"request {req.request_id!r} lost blocks out of its window")
+        self._held[req.request_id] = blocks  # type: ignore[assignment]
         self._tables.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
 
@@ -143,3 +172,9 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+
+def _table(blocks: list[KVBlock | None]) -> tuple[int, ...]:
+    """Block ids in token order; a returned block's entry repeats the first live block's id."""
+    live = next((b.block_id for b in blocks if b is not None), 0)
+    return tuple(live if b is None else b.block_id for b in blocks)
