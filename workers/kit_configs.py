@@ -7,19 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
+from workers.model_config import ARCH_BY_MODEL_TYPE
+
+# make-model's architecture names; each is its model_type but Gemma 3's ("gemma3_text")
+KIT_ARCHS = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+             "gemma3", "gpt_oss", "deepseek_v3")
+ARCHITECTURES = {arch: ARCH_BY_MODEL_TYPE["gemma3_text" if arch == "gemma3" else arch]
+                 for arch in KIT_ARCHS}
 # the MoE families use their dense relatives' tokenizers and chat templates (Qwen3: Qwen2's)
 TOKENIZER_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3": "qwen2",
                      "qwen3_moe": "qwen2", "phi3": "mistral",  # phi3: a Llama-2-style vocab

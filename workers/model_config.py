@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GptOssForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV3ForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
-_ARCH_BY_MODEL_TYPE = {
+ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -203,7 +203,7 @@ def _architecture(raw: Mapping[str, Any]) -> str:
     if architectures:
         architecture = architectures[0]
     else:
-        architecture = _ARCH_BY_MODEL_TYPE.get(raw.get("model_type", ""), "")
+        architecture = ARCH_BY_MODEL_TYPE.get(raw.get("model_type", ""), "")
         if not architecture:
             raise ValueError(
                 f"config.json has no 'architectures' and an unsupported model_type "
@@ -229,7 +229,7 @@ def _attention_bias(raw: Mapping[str, Any], model_type: str) -> bool:
 
 
 def _model_type_of(architecture: str) -> str:
-    return {arch: mt for mt, arch in _ARCH_BY_MODEL_TYPE.items()}[architecture]
+    return {arch: mt for mt, arch in ARCH_BY_MODEL_TYPE.items()}[architecture]
 
 
 def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:

@@ -199,6 +199,16 @@ def test_partial_rotary_is_refused_by_name(where: str) -> None:
     assert ModelConfig.from_dict(raw).architecture == "Phi3ForCausalLM"
 
 
+def parsed_both_ways(raw: dict[str, Any], config_class: str, folder: Path) -> ModelConfig:
+    """`raw` as the hub has it, parsed; asserts transformers 5's re-save of it (its own
+    spellings) parses the same."""
+    legacy = ModelConfig.from_dict(raw)
+    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+    getattr(transformers, config_class)(**kwargs).save_pretrained(folder)
+    assert ModelConfig.from_pretrained(folder) == legacy
+    return legacy
+
+
 # Gemma-3-1B's config.json as the hub has it (transformers 4.50): local RoPE base and the
 # local/global pattern spelled as rope_local_base_freq and sliding_window_pattern
 GEMMA3_1B = {
@@ -216,14 +226,9 @@ GEMMA3_1B = {
 
 @pytest.mark.parametrize("rope_scaling", [None, {"factor": 8.0, "rope_type": "linear"}])
 def test_gemma3_hub_and_transformers5_spellings_parse_the_same(tmp_path: Path, rope_scaling):
-    legacy = ModelConfig.from_pretrained(
-        write_config(tmp_path / "hub", {**GEMMA3_1B, "rope_scaling": rope_scaling}))
-    kwargs = {k: v for k, v in GEMMA3_1B.items() if k not in ("architectures", "model_type")}
-    transformers.Gemma3TextConfig(**{**kwargs, "rope_scaling": rope_scaling}).save_pretrained(
-        tmp_path / "t5")
-    assert "layer_types" in json.loads((tmp_path / "t5" / "config.json").read_text())
-    new = ModelConfig.from_pretrained(tmp_path / "t5")
-    assert new == legacy
+    new = parsed_both_ways({**GEMMA3_1B, "rope_scaling": rope_scaling}, "Gemma3TextConfig",
+                           tmp_path)
+    assert "layer_types" in json.loads((tmp_path / "config.json").read_text())
     assert [new.window_of(i) for i in range(12)] == [512] * 5 + [None] + [512] * 5 + [None]
     scaling = None if rope_scaling is None else RopeScaling("linear", 8.0)
     assert new.rope_of(0) == (10000.0, None)  # local layers: their own base, never scaled
@@ -262,17 +267,9 @@ GPT_OSS_20B = {
 }
 
 
-def test_gpt_oss_mxfp4_checkpoint_is_refused_naming_its_quantization():
-    with pytest.raises(ValueError, match="quant_method 'mxfp4'"):
-        ModelConfig.from_dict(GPT_OSS_20B)
-
-
 def test_gpt_oss_bf16_config_parses_as_transformers_reads_it(tmp_path: Path):
     raw = {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
-    legacy = ModelConfig.from_dict(raw)
-    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
-    transformers.GptOssConfig(**kwargs).save_pretrained(tmp_path)
-    assert ModelConfig.from_pretrained(tmp_path) == legacy
+    legacy = parsed_both_ways(raw, "GptOssConfig", tmp_path)
     assert [legacy.window_of(i) for i in range(4)] == [128, None, 128, None]
     scaling = legacy.rope_scaling
     assert scaling is not None and scaling.rope_type == "yarn" and not scaling.truncate
@@ -304,17 +301,15 @@ DEEPSEEK_V3 = {
 }
 
 
-def test_deepseek_v3_fp8_checkpoint_is_refused_naming_its_quantization():
-    with pytest.raises(ValueError, match="quant_method 'fp8'"):
-        ModelConfig.from_dict(DEEPSEEK_V3)
+@pytest.mark.parametrize("raw, method", [(GPT_OSS_20B, "mxfp4"), (DEEPSEEK_V3, "fp8")])
+def test_quantized_checkpoints_are_refused_naming_their_method(raw, method):
+    with pytest.raises(ValueError, match=f"quant_method '{method}'"):
+        ModelConfig.from_dict(raw)
 
 
 def test_deepseek_v3_config_parses_as_transformers_reads_it(tmp_path: Path):
     raw = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}
-    legacy = ModelConfig.from_dict(raw)
-    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
-    transformers.DeepseekV3Config(**kwargs).save_pretrained(tmp_path)
-    assert ModelConfig.from_pretrained(tmp_path) == legacy
+    legacy = parsed_both_ways(raw, "DeepseekV3Config", tmp_path)
     mla, moe = legacy.mla, legacy.moe
     assert mla is not None and mla.latent_dim == 576 and mla.q_lora_rank == 1536
     assert (legacy.kv_cache_heads, legacy.kv_cache_head_dim) == (1, 576)
@@ -354,11 +349,7 @@ DEEPSEEK_V2_LITE = {
 
 
 def test_deepseek_v2_lite_config_parses_as_transformers_reads_it(tmp_path: Path):
-    legacy = ModelConfig.from_dict(DEEPSEEK_V2_LITE)
-    kwargs = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k not in ("architectures",
-                                                                      "model_type")}
-    transformers.DeepseekV2Config(**kwargs).save_pretrained(tmp_path)
-    assert ModelConfig.from_pretrained(tmp_path) == legacy
+    legacy = parsed_both_ways(DEEPSEEK_V2_LITE, "DeepseekV2Config", tmp_path)
     mla, moe = legacy.mla, legacy.moe
     assert mla is not None and mla.q_lora_rank is None and mla.rope_interleave
     assert moe is not None and moe.deepseek_scoring == "softmax" and moe.groups is None
