@@ -35,6 +35,7 @@ class KVCacheManager:
         # scheduler hands the same tuple to every step in between
         self._tables: dict[str, tuple[int, ...]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
+        self._num_dropped: dict[str, int] = {}  # leading blocks returned, out of the window
         self._held: dict[str, list[KVBlock]] = {}  # finished requests' blocks kept for a handoff
 
     @property
@@ -113,13 +114,15 @@ class KVCacheManager:
             return
         first_seen = req.num_computed_tokens - self.window + 1  # the next query's first key
         dead = min(max(first_seen, 0) // self.block_size, len(blocks))
-        dropped = [b for b in blocks[:dead] if b is not None]
-        if not dropped:
+        done = self._num_dropped.get(req.request_id, 0)
+        if dead <= done:  # most steps: nothing new left the window
             return
         # cached first (blocks pulled from another worker are not yet): they stay hits
         self.cache_blocks(req)
-        blocks[:dead] = [None] * dead
-        self.pool.release(dropped[::-1])
+        dropped = blocks[done:dead]
+        blocks[done:dead] = [None] * (dead - done)
+        self._num_dropped[req.request_id] = dead
+        self.pool.release([b for b in dropped[::-1] if b is not None])
         self._tables[req.request_id] = _table(blocks)
 
     def cache_blocks(self, req: Request) -> None:
@@ -143,6 +146,7 @@ class KVCacheManager:
         blocks = self._blocks.pop(req.request_id, [])
         self._tables.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
+        self._num_dropped.pop(req.request_id, None)
         self.pool.release([b for b in blocks[::-1] if b is not None])
 
     def hold(self, req: Request) -> None:
