@@ -21,8 +21,9 @@ from workers.models.layers import (
     RMSNorm,
     RowParallelLinear,
     Shard,
-    WeightShapeError,
+    _check_shape,
     _make_param,
+    _sharded_copy,
 )
 from workers.models.rotary import RotaryEmbedding
 
@@ -67,10 +68,8 @@ class LlamaAttention(nn.Module):
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor,
                     shard_id: object = None) -> None:
-        if tuple(loaded.shape) != (self.total_heads,):
-            raise WeightShapeError(f"attention sinks: expected shape [{self.total_heads}], got "
-                                   f"{list(loaded.shape)}")
-        param.data.copy_(loaded.narrow(0, self.tp_rank * self.num_heads, self.num_heads))
+        _check_shape(loaded, (self.total_heads,), "attention sinks")
+        _sharded_copy(param, loaded, 0, self.tp_rank * self.num_heads, self.num_heads)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,

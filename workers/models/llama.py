@@ -109,7 +109,7 @@ class LlamaModel(nn.Module):
 
     def __init__(
         self, config: ModelConfig, attn_backend: AttentionBackend, shard: Shard,
-        make_mlp: MlpFactory, layer_cls: type[nn.Module] | None = None,
+        make_mlp: MlpFactory, layer_cls: type[nn.Module] = LlamaDecoderLayer,
         norm_cls: type[RMSNorm] = RMSNorm, embed_scale: float | None = None,
     ) -> None:
         super().__init__()
@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
         self.is_last = self.layer_ids[-1] == config.num_hidden_layers - 1
         # keyed by the global layer index, so parameter names match the checkpoint's
         self.layers = _LayersByIndex(
-            {str(i): (layer_cls or LlamaDecoderLayer)(config, i, attn_backend, shard, *make_mlp(i))
+            {str(i): layer_cls(config, i, attn_backend, shard, *make_mlp(i))
              for i in self.layer_ids}
         )
         self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)

@@ -117,7 +117,8 @@ class FusedExperts(nn.Module):
         """x: [N, H]; ids: [N, k] local expert ids; weights [N, k] or None (k == 1, unweighted).
         Returns sum_k weight * expert(x) [N, H], this rank's partial sum under TP."""
         out = torch.zeros_like(x)
-        b13, b2 = self.w13_bias, self.w2_bias if self.add_w2_bias else None
+        b13 = self.w13_bias
+        b2 = self.w2_bias if self.add_w2_bias else None
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)
             gate, up = F.linear(x[rows], self.w13_weight[e],
