@@ -7,6 +7,11 @@ prompt with a fresh tail, or a wholly new prompt), hashes its full blocks, and a
 `prefix_aware` policy to choose among 16 workers with varied loads. Pinned to one core when the
 OS allows it.
 
+Then the router's own routing step with loads and KV events pushed (`router_pushed.py`): a
+`WorkerSet` over 16 and 1,000 simulated workers, each reporting every `--report-interval-s`,
+the reports delivered between decisions; decisions/s counts the reports' cost too, and every
+call the router makes to a worker during the decisions is counted (target: none).
+
 Compared against the targets (5,000 decisions/s, p99 <= 1 ms) and, for hashing, against
 `workers.protocol.hash_prompt_blocks` (the reference the router's faster equivalent must equal).
 
@@ -100,6 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--index-blocks", type=int, default=100_000)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pushed-workers", default="16,1000",
+                        help="worker counts of the served-path runs (router_pushed.py)")
+    parser.add_argument("--report-interval-s", type=float, default=0.1,
+                        help="each simulated worker reports its load and KV events this often")
     parser.add_argument("--out", default=str(RESULTS / "router_overhead.json"))
     args = parser.parse_args(argv)
 
@@ -156,11 +165,43 @@ def main(argv: list[str] | None = None) -> dict:
         "match_p99_bound_ratio": round(TARGET_P99_S / percentile(match_lat, 0.99), 1),
         "command": command_line(argv),
     }
+    result["pushed"] = pushed(args, system_prompts, prompts)
+    for n, row in result["pushed"].items():
+        result[f"pushed_{n}_workers_decisions_per_s_vs_target_ratio"] = round(
+            row["decisions_per_s_with_reports"] / TARGET_DECISIONS_PER_S, 3)
+        result[f"pushed_{n}_workers_p99_bound_ratio"] = round(
+            TARGET_P99_S * 1e6 / row["decision"]["p99_us"], 3)
     print(f"decision: {result['decision']}  (targets: {TARGET_DECISIONS_PER_S:.0f}/s, p99 1 ms)")
     print(f"hash (router fast): {result['hash_router_fast']}  "
           f"reference: {result['hash_protocol_reference']}")
     print(f"match: {result['match']}  match+choose: {result['match_and_choose']}")
     return emit(result, args.out)
+
+
+def pushed(args: argparse.Namespace, system_prompts: list[list[int]],
+           prompts: list[list[int]]) -> dict:
+    """The router's routing step over pushed loads and events, per worker count."""
+    from router_pushed import run
+
+    out = {}
+    for n in (int(x) for x in args.pushed_workers.split(",")):
+        gc.unfreeze()
+        gc.collect()
+        r = run(n, BLOCK_SIZE, system_prompts, args.index_blocks, prompts,
+                TARGET_DECISIONS_PER_S, args.report_interval_s, args.seed, time.perf_counter)
+        decision_s = sum(r["decisions"]) / len(r["decisions"])
+        report_s = sum(r["reports"]) / max(len(r["reports"]), 1)
+        per_decision = r["reports_per_decision"]
+        out[str(n)] = {
+            "decision": summary_us(r["decisions"]),
+            "report": summary_us(r["reports"]) if r["reports"] else None,
+            "reports_per_decision": round(per_decision, 2),
+            "decisions_per_s_with_reports": round(1.0 / (decision_s + per_decision * report_s)),
+            "worker_calls_per_decision": sum(r["calls"].values()) / len(r["decisions"]),
+            "worker_calls_by_method": r["calls"],
+        }
+        print(f"pushed, {n} workers: {out[str(n)]}")
+    return out
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Online serving benchmarks against OpenAI-compatible servers (`/v1/completions`, streamed),
-with the load generator of `loadgen.py`. Three modes:
+with the load generator of `loadgen.py`. Two modes:
 
 1. Against any running server (`--base-url`): requests arriving as a Poisson process
    (`--request-rate`, inf: all at once) and/or capped at `--max-concurrency` in flight;
@@ -11,16 +11,16 @@ with the load generator of `loadgen.py`. Three modes:
    output tokens/s, and goodput under `--slo-ttft-ms` / `--slo-tpot-ms`; a PNG of the TTFT
    and ITL distributions lands next to the JSON.
 
-2. `--compare-local` (`serving_local.py`): two in-process deployments of the `small` model
-   (two aggregated workers; one prefill plus one decode worker over TCP) on the same mixed
-   workload, and `itl_p99_ratio` = aggregated / disaggregated (above 1: disaggregation helps).
-
-3. `--layers offline,inprocess_agg,inprocess,ray,transformers` (or `all`; `serving_layers.py`):
+2. `--layers offline,inprocess_agg,inprocess,ray,transformers` (or `all`; `serving_layers.py`):
    one fixed-concurrency sweep (`--concurrency 1,8,32,64`) through the offline engine, the
    in-process server, the Ray app (`cleave serve`) and a transformers static-batch loop, on the
    same requests, for each of `--models` (tiny: the embedded default; small: the preset; or a
    folder); `--guidellm` adds guidellm's own measurement of the in-process server at the
    largest concurrency, against the load generator's (`serving_guidellm.py`).
+
+Whether disaggregation pays is `disagg_goodput.py` (the Ray app, workers pinned to cores of
+their own, a sweep of arrival rates); it replaced this script's `--compare-local`, whose
+deployments shared one process.
 
 Last line: one JSON object; also written to benchmarks/results/ with the command.
 """
@@ -71,12 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare-local", action="store_true",
-                   help="start and compare two local deployments of the small model")
-    p.add_argument("--model-path", default=None, help="--compare-local: this model, not a "
-                   "fresh `make-model --preset small`")
     p.add_argument("--disagg-threshold", type=int, default=64,
-                   help="--compare-local, --layers: RouterConfig.disagg_threshold_tokens")
+                   help="--layers: RouterConfig.disagg_threshold_tokens")
     p.add_argument("--layers", default=None,
                    help=f"comma-separated, of {', '.join(LAYERS)}; or all")
     p.add_argument("--concurrency", default="1,8,32,64", help="--layers: streams per level")
@@ -96,8 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--guidellm-bin", default=None,
                    help="the guidellm command (default: next to this Python, else on PATH)")
     p.add_argument("--out", default=None, help="default: benchmarks/results/serving.json "
-                   "(serving_compare_local.json with --compare-local, serving_layers.json "
-                   "with --layers)")
+                   "(serving_layers.json with --layers)")
     args = p.parse_args(argv)
     rates = args.sweep_rates.split(",") if args.sweep_rates else [str(args.request_rate)]
     try:
@@ -118,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def workload_of(args: argparse.Namespace) -> Workload:
-    """Modes 1 and 2: the load the flags describe."""
+    """Mode 1: the load the flags describe."""
     return Workload(args.workload, args.num_prompts or 100, args.input_len, args.output_len or 128,
                     args.long_input_len, args.long_output_len, args.long_fraction,
                     args.max_concurrency, args.warmup, args.seed, args.ignore_eos,
@@ -131,11 +126,6 @@ def main(argv: list[str] | None = None) -> dict:
         from serving_layers import layers_main
 
         return layers_main(args, command_line(argv))
-    if args.compare_local:
-        from serving_local import compare_local
-
-        return compare_local(args.model_path, workload_of(args), args.rates[0],
-                             args.disagg_threshold, args.out, command_line(argv))
     base_url = args.base_url.rstrip("/")
     model = args.model or served_model(base_url, args.api_key)
     out = Path(args.out or RESULTS / "serving.json")

@@ -65,17 +65,20 @@ class RayApp:
 
     def __init__(self, model: str, served_model_name: str, *, prefill: int = 1, decode: int = 1,
                  disagg_threshold: int = 64, num_cpus: float = 4, device: str = "cpu",
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), config: str | None = None) -> None:
+        """`config`: a Cleave config file whose pools (and router settings) are used as they
+        are; then `prefill`, `decode` and `disagg_threshold` are not passed."""
         self.http_port, self.grpc_port = free_ports(2)
         self.served_model_name = served_model_name
         # short: Ray puts unix sockets under it (108-byte limit)
         self._tmp = tempfile.mkdtemp(prefix="crb-", dir="/tmp")
+        layout = (["--config", config] if config is not None else
+                  ["--prefill-workers", str(prefill), "--decode-workers", str(decode),
+                   "--disagg-threshold-tokens", str(disagg_threshold)])
         self.command = [CLEAVE, "serve", "--model", model, "--served-model-name",
                         served_model_name, "--port", str(self.http_port), "--grpc-port",
-                        str(self.grpc_port), "--prefill-workers", str(prefill),
-                        "--decode-workers", str(decode), "--disagg-threshold-tokens",
-                        str(disagg_threshold), "--num-cpus", str(num_cpus), "--device", device,
-                        *extra_args]
+                        str(self.grpc_port), *layout, "--num-cpus", str(num_cpus),
+                        "--device", device, *extra_args]
         self._proc: subprocess.Popen | None = None
         self._stderr: list[str] = []
 
@@ -143,3 +146,16 @@ class RayApp:
                 pass
         shutil.rmtree(self._tmp, ignore_errors=True)
         return {"exit_code": code, "killed_ray_pids": sorted(left)}
+
+    def processes(self, name: str) -> list[int]:
+        """Pids of this app's Ray worker processes whose title holds `name` (e.g.
+        "EngineActor": Ray titles an actor's process `ray::<class>.<method>`)."""
+        found = []
+        for pid in ray_processes(self._tmp):
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if name.encode() in title:
+                found.append(pid)
+        return sorted(found)

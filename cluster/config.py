@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from router.config import RouterConfig
 from workers.config import EngineConfig
@@ -48,6 +55,15 @@ def default_of(record: Callable[..., Any], name: str) -> Any:
     if default is inspect.Parameter.empty:
         raise TypeError(f"{record.__name__}.{name} has no default to read")
     return default
+
+
+def _check_cores(cores: list[int] | None) -> list[int] | None:
+    if cores is None:
+        return None
+    if not cores or min(cores) < 0 or len(set(cores)) != len(cores):
+        raise ValueError(f"cpu_affinity={cores}: expected distinct core numbers >= 0, at "
+                         f"least one")
+    return cores
 
 
 class ConfigError(ValueError):
@@ -179,6 +195,12 @@ class PoolSettings(_Strict):
     resources: dict[str, float] = Field(default_factory=dict, description=(
         "Custom Ray resources each rank reserves, e.g. {cleave_pool_decode: 1} to keep the "
         "pool on nodes started with that resource."))
+    cpu_affinity: list[int] | None = Field(None, description=(
+        "Host cores (on each node) this pool's ranks run on, as if each had a GPU to itself: "
+        "a rank claims cpus_per_rank of them (at least one) that no other worker on its node "
+        "holds, pins its process and its torch threads to them, and fails to start naming "
+        "the list when too few are free. Unset: not pinned (Ray runs"
+        " the rank's threads anywhere)."))
     step_timeout_s: float = Field(default_of(Worker, "step_timeout_s"), gt=0, description=(
         "A worker whose engine step runs longer fails its health check and leaves routing "
         "(its streams move to other workers) until the step returns."))
@@ -189,8 +211,14 @@ class PoolSettings(_Strict):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
 
+    _cores = field_validator("cpu_affinity")(lambda v: _check_cores(v))
+
     @model_validator(mode="after")
     def _ep_within_tp(self) -> PoolSettings:
+        if self.cpu_affinity is not None and len(self.cpu_affinity) < self.cores_per_rank:
+            raise ValueError(f"cpu_affinity={self.cpu_affinity} lists fewer cores than one "
+                             f"rank reserves (cpus_per_rank={self.cpus_per_rank}: "
+                             f"{self.cores_per_rank})")
         if self.ep not in (1, self.tp):
             raise ValueError(f"ep={self.ep} must be 1 or equal to tp={self.tp} (experts are "
                              f"sharded across the tensor-parallel group)")
@@ -204,6 +232,11 @@ class PoolSettings(_Strict):
     @property
     def ranks(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def cores_per_rank(self) -> int:
+        """The cores a rank claims from `cpu_affinity`: its CPUs, at least one."""
+        return max(1, int(self.cpus_per_rank))
 
 
 class PoolsSettings(_Strict):
@@ -269,6 +302,10 @@ class RouterSettings(_Strict):
     allow_unauthenticated: bool = Field(False, description=(
         "Serve on a non-loopback host without API keys. Without it such a config is "
         "refused: every route but /health would be open to the network."))
+    cpu_affinity: list[int] | None = Field(None, description=(
+        "Host cores the router replicas run on (shared by the replicas on a node; not claimed "
+        "from the pools' cores, so list others). Unset: not pinned."))
+    _cores = field_validator("cpu_affinity")(lambda v: _check_cores(v))
     disagg_threshold_tokens: int = Field(
         default_of(RouterConfig, "disagg_threshold_tokens"), ge=0, description=(
             "Prompts with fewer uncached tokens than this prefill on the decode worker."))

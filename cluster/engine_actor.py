@@ -42,6 +42,8 @@ class EngineSpec:
     engine: EngineConfig  # model included
     worker: WorkerOptions  # how its KV moves
     torch_threads: int | None = None  # None: torch's default
+    cpu_affinity: tuple[int, ...] | None = None  # the pool's cores to claim from (None: unpinned)
+    cores_per_rank: int = 1  # how many each rank claims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,7 @@ class ActorInfo:
     pid: int
     node_id: str
     ranks: tuple[RankPlace, ...]  # where each rank actor runs (empty: ranks in this process)
+    cores: tuple[int, ...] | None  # the host cores this process is pinned to (None: unpinned)
 
 
 class EngineActor:
@@ -72,9 +75,17 @@ class EngineActor:
 
         self.spec = spec
         config = spec.engine
-        self.rank_launcher = (RayActorLauncher(placement_group)
+        self.rank_launcher = (RayActorLauncher(placement_group, spec.cpu_affinity,
+                                               spec.cores_per_rank)
                               if placement_group is not None and config.world_size > 1
                               else None)
+        self._cores = None  # the ranks run here: this process holds their cores
+        if spec.cpu_affinity is not None and self.rank_launcher is None:
+            from cluster.cpu_affinity import claim_cores, pin_process
+
+            self._cores = claim_cores(spec.cpu_affinity, spec.cores_per_rank)
+            pin_process(self._cores.cores)
+            logger.info("worker %s pinned to cores %s", spec.worker_id, self._cores.cores)
         host = ray.util.get_node_ip_address()
         self.worker = Worker.from_config(spec.worker_id, config, spec.role,
                                          rank_launcher=self.rank_launcher, host=host,
@@ -89,7 +100,8 @@ class EngineActor:
             await w.agents()
         ranks = self.rank_launcher.ranks if self.rank_launcher is not None else []
         places = tuple([await r.actor.place.remote() for r in ranks])
-        return ActorInfo(w.info, os.getpid(), ray.get_runtime_context().get_node_id(), places)
+        return ActorInfo(w.info, os.getpid(), ray.get_runtime_context().get_node_id(), places,
+                         self._cores.cores if self._cores is not None else None)
 
     # ---- requests ------------------------------------------------------------------------
 

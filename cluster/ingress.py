@@ -24,7 +24,7 @@ from ray import serve
 
 from cluster.config import CleaveConfig
 from cluster.directory import WorkerEntry
-from cluster.settings import model_path, router_config
+from cluster.settings import model_path, router_config, router_cores
 from cluster.worker_client import ray_worker_client
 from router.app import Router
 from router.channel import ChannelClient
@@ -66,6 +66,11 @@ class RouterIngress:
 
     async def __init__(self, config: dict[str, Any], directory: Any, *pools: Any) -> None:
         self.config = CleaveConfig.parse(config)
+        cores = router_cores(self.config)
+        if cores is not None:
+            from cluster.cpu_affinity import pin_process
+
+            pin_process(cores, torch_threads=False)
         self.directory = directory
         self.pools = pools  # bound so Serve deploys them; requests go to the engine actors
         self.subscriber = f"router-{serve.get_replica_context().replica_id.unique_id}"

@@ -37,8 +37,11 @@ def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
     """What one replica of `pool` runs, from the deployment's config (`cluster.settings`)."""
     engine = engine_config(config, pool, model_path(config))
     worker = worker_options(config, pool)
+    settings: PoolSettings = getattr(config.pools, pool)
+    affinity = tuple(settings.cpu_affinity) if settings.cpu_affinity is not None else None
     return EngineSpec(worker_id, POOL_ROLES[pool], engine, worker,
-                      torch_threads=torch_threads(getattr(config.pools, pool)))
+                      torch_threads=torch_threads(settings), cpu_affinity=affinity,
+                      cores_per_rank=settings.cores_per_rank)
 
 
 def engine_actor_options(settings: PoolSettings, pg: PlacementGroup | None) -> dict[str, Any]:

@@ -48,6 +48,7 @@ class RankPlace:
     node_id: str  # hex
     pid: int
     placement_group_id: str | None  # hex
+    cores: tuple[int, ...] | None = None  # the host cores it is pinned to (None: unpinned)
 
 
 class _Channel:
@@ -97,8 +98,17 @@ class RankActor:
     """One rank's process. Build with `ray.remote(RankActor)`; `run` serves the rank until it
     ends, `place` answers meanwhile (the actor runs two calls at once)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, cpu_affinity: tuple[int, ...] | None = None,
+                 cores: int = 1) -> None:
+        """`cpu_affinity`: the pool's cores; the rank claims `cores` of them and pins its
+        process to them (`cluster.cpu_affinity`). None: unpinned."""
         self.rank = rank
+        self._cores = None
+        if cpu_affinity is not None:
+            from cluster.cpu_affinity import claim_cores, pin_process
+
+            self._cores = claim_cores(cpu_affinity, cores)
+            pin_process(self._cores.cores)
 
     def __repr__(self) -> str:  # Ray's name for the actor (`ray list actors`, logs)
         return f"RankActor(rank={self.rank})"
@@ -106,7 +116,8 @@ class RankActor:
     def place(self) -> RankPlace:
         ctx = ray.get_runtime_context()
         return RankPlace(self.rank, ctx.get_actor_id(), ctx.get_node_id(), os.getpid(),
-                         ctx.get_placement_group_id())
+                         ctx.get_placement_group_id(),
+                         self._cores.cores if self._cores is not None else None)
 
     def run(self, target: Callable[[object, object], None], setup: object, port: int,
             token: bytes) -> int:
@@ -199,8 +210,13 @@ class RayActorLauncher(RankLauncher):
     bundle's resources. The group must be on this process's node. `ranks`: the handles, in
     launch order."""
 
-    def __init__(self, placement_group: PlacementGroup) -> None:
+    def __init__(self, placement_group: PlacementGroup,
+                 cpu_affinity: tuple[int, ...] | None = None, cores_per_rank: int = 1) -> None:
+        """`cpu_affinity`, `cores_per_rank`: each rank claims that many of those cores and is
+        pinned to them (None: unpinned)."""
         self.placement_group = placement_group
+        self.cpu_affinity = cpu_affinity
+        self.cores_per_rank = cores_per_rank
         self.bundles: list[dict[str, float]] = placement_group.bundle_specs
         self.ranks: list[ActorRank] = []
 
@@ -212,7 +228,8 @@ class RayActorLauncher(RankLauncher):
         server = socket.create_server(("127.0.0.1", 0))
         token = secrets.token_bytes(32)
         try:
-            actor = ray.remote(RankActor).options(**self._options(rank)).remote(rank)
+            actor = ray.remote(RankActor).options(**self._options(rank)).remote(
+                rank, self.cpu_affinity, self.cores_per_rank)
             done = actor.run.remote(target, setup, server.getsockname()[1], token)
         except BaseException:
             server.close()

@@ -162,6 +162,12 @@ def torch_threads(pool: PoolSettings) -> int | None:
     return max(1, int(pool.cpus_per_rank)) if pool.gpus_per_rank == 0 else None
 
 
+def router_cores(config: CleaveConfig) -> tuple[int, ...] | None:
+    """On Ray, the host cores every router replica's process is pinned to (None: unpinned)."""
+    cores = config.router.cpu_affinity
+    return tuple(cores) if cores is not None else None
+
+
 def in_process_plan(config: CleaveConfig, model_path: str) -> InProcessPlan:
     """`cleave serve --in-process`: each pool's starting replicas as engines in this process."""
     r = config.router

@@ -204,7 +204,7 @@ class Router:
 
     def loads(self) -> list[WorkerLoad]:
         """Every worker's load as last reported (draining and unreachable ones unhealthy)."""
-        return self.workers.loads()
+        return list(self.workers.loads())
 
     def healthy_workers(self) -> list[str]:
         return self.workers.healthy_workers()

@@ -37,7 +37,8 @@ from router.errors import (
     WorkerUnavailableError,
 )
 from router.metrics import RouterMetrics
-from router.policy import Decision, NoHealthyWorker, RoutingPolicy, WorkerLoad, get_policy
+from router.loads import LoadTable
+from router.policy import Decision, NoHealthyWorker, RoutingPolicy, get_policy
 from router.streams import DONE, Generation, Handover
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
@@ -86,8 +87,8 @@ class Orchestrator:
         `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`."""
         w = self.workers
         hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size, req.cache_salt)
-        prefill_loads = w.loads(w.pool(*PREFILL_POOL))
-        decode_loads = w.loads(w.pool(*DECODE_POOL))
+        prefill_loads = w.pool_loads(*PREFILL_POOL)
+        decode_loads = w.pool_loads(*DECODE_POOL)
         self._admit(prefill_loads or decode_loads)
         if not prefill_loads:  # an aggregated deployment
             return await self._aggregated(req, hashes, decode_loads, None)
@@ -115,24 +116,22 @@ class Orchestrator:
         self.counters.count_fallback("prefill_failed")
         return await self._aggregated(req, hashes, decode_loads, "prefill_failed")
 
-    def _present(self, loads: list[WorkerLoad], tried: Collection[str]) -> list[WorkerLoad]:
-        """The loads of workers still in the set and not tried yet (the set may have lost
-        a worker, removed or drained, since the loads were read: routing awaits)."""
-        clients = self.workers.clients
-        return [load for load in loads if load.worker_id in clients
-                and load.worker_id not in tried]
+    def _present(self, loads: LoadTable, tried: Collection[str]) -> LoadTable:
+        """The workers still in the set and not tried yet (the set may have lost a worker,
+        removed or drained, since the loads were read: routing awaits)."""
+        return loads.without(tried)
 
-    def _admit(self, loads: list[WorkerLoad]) -> None:
+    def _admit(self, loads: LoadTable) -> None:
         """Refuse the request (429) when every healthy worker that would queue its prompt
         already has `RouterConfig.max_waiting_per_worker` requests or
         `max_pending_tokens_per_worker` prompt tokens waiting, as they last reported plus what
         was routed to them since; no healthy worker at all is left to the routing (503)."""
         cfg = self.config
-        healthy = [load for load in loads if load.healthy]
-        if not healthy or any(load.num_waiting < cfg.max_waiting_per_worker
-                              and load.num_pending_prompt_tokens
-                              < cfg.max_pending_tokens_per_worker for load in healthy):
+        room = loads.any_with_room(cfg.max_waiting_per_worker,
+                                   cfg.max_pending_tokens_per_worker)
+        if room is None or room:
             return
+        healthy = loads.healthy_rows()
         self.counters.num_refused_overloaded += 1
         raise OverloadedError(
             f"every worker's queue is full ({len(healthy)} workers, each with at least "
@@ -140,7 +139,7 @@ class Orchestrator:
             f"prompt tokens waiting); retry after {cfg.retry_after_s} s",
             headers={"Retry-After": str(cfg.retry_after_s)})
 
-    def _choose(self, hashes: Sequence[int], loads: list[WorkerLoad],
+    def _choose(self, hashes: Sequence[int], loads: LoadTable,
                 policy: RoutingPolicy) -> Decision:
         try:
             return policy.choose(hashes, loads, self.workers.index)
@@ -152,7 +151,7 @@ class Orchestrator:
         """The disaggregated generation, or None when the prefill worker failed (counted)."""
         w = self.workers
         prefill, decode = w.clients[decision.worker_id], w.clients[decode_id]
-        p_tp, d_tp = w.info(prefill.worker_id).tp_size, w.info(decode_id).tp_size
+        d_tp = w.info(decode_id).tp_size
         w.note_routed(prefill.worker_id)
         try:  # each prefill rank's KV is read by as many decode ranks as share its heads
             result: PrefillResult = await prefill.prefill(req, d_tp)
@@ -183,7 +182,7 @@ class Orchestrator:
                           tokenizer=self.tokenizer)
 
     async def _aggregated(self, req: WorkerRequest, hashes: Sequence[int],
-                          loads: list[WorkerLoad], reason: str | None) -> Generation:
+                          loads: LoadTable, reason: str | None) -> Generation:
         """The whole request on one decode-pool worker; a worker that is unreachable, going
         away or overloaded before the first token is left for another
         (`RouterConfig.start_retries` more)."""
@@ -268,8 +267,7 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.migration_wait_s
         while True:
-            loads = [load for load in w.loads(w.pool(*DECODE_POOL))
-                     if load.worker_id not in tried]
+            loads = w.pool_loads(*DECODE_POOL).without(tried)
             try:
                 decision = self.policy.choose(hashes, loads, w.index)
                 break

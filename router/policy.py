@@ -1,9 +1,11 @@
 """Routing policies: pick the worker for a prompt from the prefix index and the workers' loads.
 
 Policies are registered by name (`get_policy("prefix_aware", w_queue=0.5)`). Each takes the
-prompt's chained block hashes, one `WorkerLoad` per candidate worker and the `PrefixIndex`, and
-returns a `Decision`. Unhealthy workers are never chosen; with none healthy, `NoHealthyWorker`.
-Decisions are deterministic for the same inputs (round robin: for the same call history).
+prompt's chained block hashes, the candidates' loads (a `router.loads.LoadTable`, or any
+sequence of `WorkerLoad`s) and the `PrefixIndex`, and returns a `Decision`; the work per
+decision is a few array operations over the candidates, not a Python step per worker.
+Unhealthy workers are never chosen; with none healthy, `NoHealthyWorker`. Decisions are
+deterministic for the same inputs (round robin: for the same call history).
 """
 
 from __future__ import annotations
@@ -12,35 +14,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
+import numpy as np
+
+from router.loads import LoadTable, NoHealthyWorker, WorkerLoad
 from router.prefix_index import PrefixIndex
-
-
-class NoHealthyWorker(ValueError):
-    """No candidate worker is healthy (or none was given)."""
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """A worker's load as last reported. `kv_usage` is the fraction of KV blocks in use, 0..1."""
-
-    worker_id: str
-    num_waiting: int  # requests queued, not yet scheduled
-    num_running: int  # requests in the running batch
-    kv_usage: float
-    healthy: bool = True
-    num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill there
-
-    def __post_init__(self) -> None:
-        if self.num_waiting < 0 or self.num_running < 0:
-            raise ValueError(f"worker {self.worker_id!r}: num_waiting and num_running must be "
-                             f">= 0, got {self.num_waiting} and {self.num_running}")
-        if not 0.0 <= self.kv_usage <= 1.0:
-            raise ValueError(f"worker {self.worker_id!r}: kv_usage must be in [0, 1], "
-                             f"got {self.kv_usage}")
-
-    @property
-    def queue_depth(self) -> int:
-        return self.num_waiting + self.num_running
 
 
 @dataclass(frozen=True)
@@ -92,21 +69,10 @@ def get_policy(name: str, **options: float) -> RoutingPolicy:
 
 
 def healthy_loads(loads: Sequence[WorkerLoad]) -> list[WorkerLoad]:
-    """The healthy candidates; raises on duplicate worker ids or when none is healthy."""
-    seen: set[str] = set()
-    for load in loads:
-        if load.worker_id in seen:
-            raise ValueError(f"worker {load.worker_id!r} appears twice in loads; "
-                             f"expected one WorkerLoad per worker")
-        seen.add(load.worker_id)
-    healthy = [load for load in loads if load.healthy]
-    if not healthy:
-        raise NoHealthyWorker(f"no healthy worker among {sorted(seen) or 'no workers'}")
-    return healthy
-
-
-def _load_key(load: WorkerLoad) -> tuple[int, int, float, str]:
-    return (load.queue_depth, load.num_waiting, load.kv_usage, load.worker_id)
+    """The healthy candidates as records; raises on duplicate worker ids or when none is
+    healthy."""
+    table = LoadTable.of(loads)
+    return [table.load(int(r)) for r in table.healthy_rows()]
 
 
 @register_policy("prefix_aware")
@@ -134,19 +100,22 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
                index: PrefixIndex) -> Decision:
-        healthy = healthy_loads(loads)
+        table = LoadTable.of(loads)
+        rows = table.healthy_rows()
         hits = index.match(block_hashes)
-        hit_weight = self.w_hit / max(len(block_hashes), 1)
-        depths = [load.num_waiting + load.num_running for load in healthy]
-        queue_weight = self.w_queue / max(sum(depths) / len(depths), self.queue_scale)
-        best, best_key = healthy[0], None
-        for load, depth in zip(healthy, depths):
-            score = (hit_weight * hits.get(load.worker_id, 0) - queue_weight * depth
-                     - self.w_kv * load.kv_usage)
-            key = (-score, depth, load.num_waiting, load.kv_usage, load.worker_id)
-            if best_key is None or key < best_key:
-                best, best_key = load, key
-        return Decision(best.worker_id, hits.get(best.worker_id, 0))
+        depth = table.depth(rows)
+        hit = np.zeros(len(rows))
+        for wid, blocks in hits.items():
+            at = table.position(rows, wid)
+            if at is not None:
+                hit[at] = blocks
+        queue_weight = self.w_queue / max(float(depth.sum()) / len(rows), self.queue_scale)
+        score = (self.w_hit / max(len(block_hashes), 1) * hit - queue_weight * depth
+                 - self.w_kv * table.kv_usage[rows])
+        best = rows[score == score.max()]
+        row = int(best[0]) if len(best) == 1 else table.best_by_load(best)
+        wid = table.ids[row] or ""
+        return Decision(wid, hits.get(wid, 0))
 
 
 @register_policy("least_loaded")
@@ -156,8 +125,9 @@ class LeastLoadedPolicy(RoutingPolicy):
 
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
                index: PrefixIndex) -> Decision:
-        best = min(healthy_loads(loads), key=_load_key)
-        return Decision(best.worker_id, index.match(block_hashes).get(best.worker_id, 0))
+        table = LoadTable.of(loads)
+        wid = table.ids[table.best_by_load(table.healthy_rows())] or ""
+        return Decision(wid, index.match(block_hashes).get(wid, 0))
 
 
 @register_policy("round_robin")
@@ -171,9 +141,14 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
                index: PrefixIndex) -> Decision:
-        ids = sorted(load.worker_id for load in healthy_loads(loads))
+        table = LoadTable.of(loads)
+        ids = sorted(table.ids[r] or "" for r in table.healthy_rows().tolist())
         chosen = ids[0]
         if self._last is not None:
             chosen = next((w for w in ids if w > self._last), ids[0])
         self._last = chosen
         return Decision(chosen, index.match(block_hashes).get(chosen, 0))
+
+
+__all__ = ["Decision", "LoadTable", "NoHealthyWorker", "RoutingPolicy", "WorkerLoad",
+           "get_policy", "healthy_loads", "register_policy", "registered_policies"]

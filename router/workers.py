@@ -5,6 +5,10 @@ Loads and KV events are pushed: each `WorkerClient` tells the set (`on_outputs`)
 its worker's output channel, with every engine step and on the channel's heartbeat, so routing
 reads no stats per request. Requests routed to a worker since its last report count as waiting
 there (`note_routed`), so a burst does not pile onto the worker that looked idlest a moment ago.
+The loads live in one `router.loads.LoadTable`, a row per worker updated in place by each
+report; a pool's loads are that table with the pool's rows as candidates, so reading them costs
+nothing per worker. Rows are never reused: a table read before a worker left still names it
+(and `LoadTable.without` drops it as no longer present).
 The orchestrator, the policies' inputs and the metrics read this set through its public methods.
 """
 
@@ -14,8 +18,10 @@ import asyncio
 import logging
 from typing import Sequence
 
+import numpy as np
+
 from router.errors import WorkerUnavailableError
-from router.policy import WorkerLoad
+from router.loads import LoadTable
 from router.prefix_index import PrefixIndex
 from router.worker_client import WorkerClient
 from workers.protocol import EngineStats, KVEvent, WorkerInfo, WorkerRole
@@ -37,9 +43,13 @@ class WorkerSet:
         self.draining: set[str] = set()  # routed no new requests (being removed)
         self._infos: dict[str, WorkerInfo] = {}
         self._model: WorkerInfo | None = None  # the first worker's: the model as served
-        self._healthy: dict[str, bool] = {wid: True for wid in self.clients}
         self._stats: dict[str, EngineStats] = {}
-        self._routed: dict[str, int] = {}  # requests routed since the worker's last report
+        self._table = LoadTable([], *(np.zeros(0, dtype=t) for t in (
+            np.int64, np.int64, np.float64, np.int64, bool, bool)), np.zeros(0, dtype=np.int64),
+            {})
+        self._pools: dict[tuple[WorkerRole, ...], np.ndarray] = {}  # roles -> rows, ascending
+        for wid in self.clients:
+            self._add_row(wid)
         self._resyncing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -72,7 +82,7 @@ class WorkerSet:
         self.clients[wid] = client
         self._infos[wid] = info
         self._model = self._model or info
-        self._healthy[wid] = True
+        self._add_row(wid)
         await self._seed(client)
 
     async def remove(self, worker_id: str) -> None:
@@ -80,8 +90,13 @@ class WorkerSet:
         client = self.clients.pop(worker_id, None)
         if client is None:
             return
-        for table in (self._infos, self._healthy, self._stats, self._routed):
+        for table in (self._infos, self._stats):
             table.pop(worker_id, None)
+        t = self._table
+        row = t.index.pop(worker_id)
+        t.ids[row] = None
+        t.present[row] = t.healthy[row] = False
+        self._pools.clear()
         self.draining.discard(worker_id)
         self.index.remove_worker(worker_id)
         await client.close()
@@ -90,6 +105,22 @@ class WorkerSet:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _add_row(self, worker_id: str) -> None:
+        """A row for a new worker (the columns grow by doubling): idle, healthy, present."""
+        t = self._table
+        row = len(t.ids)
+        if row == len(t.waiting):
+            size = max(16, 2 * row)
+            for name in ("waiting", "running", "kv_usage", "pending", "healthy", "present"):
+                old = getattr(t, name)
+                grown = np.zeros(size, dtype=old.dtype)
+                grown[:row] = old
+                setattr(t, name, grown)
+        t.ids.append(worker_id)
+        t.index[worker_id] = row
+        t.healthy[row] = t.present[row] = True
+        self._pools.clear()
 
     async def _seed(self, client: WorkerClient) -> None:
         """The worker's prefix cache and load as of now; then its pushed updates."""
@@ -126,40 +157,57 @@ class WorkerSet:
         return [wid for wid, info in self._infos.items() if info.role in roles]
 
     def is_healthy(self, worker_id: str) -> bool:
-        return self._healthy.get(worker_id, False)
+        row = self._table.index.get(worker_id)
+        return row is not None and bool(self._table.healthy[row])
 
     def healthy_workers(self) -> list[str]:
-        return [wid for wid, ok in self._healthy.items() if ok and wid not in self.draining]
+        return [wid for wid in self.clients if self.is_healthy(wid) and wid not in self.draining]
 
     def stats(self, worker_id: str) -> EngineStats | None:
         """The worker's load as it last reported it (None before its first report)."""
         return self._stats.get(worker_id)
 
-    def loads(self, worker_ids: Sequence[str] | None = None) -> list[WorkerLoad]:
-        """Each worker's load as last reported plus the requests routed to it since; draining
-        and unreachable workers are marked unhealthy."""
+    def loads(self, worker_ids: Sequence[str] | None = None) -> LoadTable:
+        """The loads of `worker_ids` (default: every worker) as last reported plus the
+        requests routed to them since; draining and unreachable workers are unhealthy."""
+        t = self._table
         ids = list(self.clients) if worker_ids is None else worker_ids
-        loads = []
-        for wid in ids:
-            s = self._stats.get(wid)
-            healthy = self._healthy.get(wid, False) and wid not in self.draining
-            routed = self._routed.get(wid, 0)
-            if s is None:
-                loads.append(WorkerLoad(wid, routed, 0, 0.0, healthy=healthy))
-            else:
-                loads.append(WorkerLoad(wid, s.num_waiting + s.num_waiting_for_kv + routed,
-                                        s.num_running, min(1.0, max(0.0, s.kv_usage)),
-                                        healthy=healthy,
-                                        num_pending_prompt_tokens=s.num_pending_prompt_tokens))
-        return loads
+        return self._readable(t.select(np.array(sorted(t.index[w] for w in ids
+                                                       if w in t.index), dtype=np.int64)))
+
+    def pool_loads(self, *roles: WorkerRole) -> LoadTable:
+        """`loads(pool(*roles))` without a step per worker: the pool's rows are kept until
+        the membership changes."""
+        rows = self._pools.get(roles)
+        if rows is None:
+            rows = self._pools[roles] = np.array(sorted(
+                self._table.index[w] for w in self.pool(*roles)), dtype=np.int64)
+        return self._readable(self._table.select(rows))
+
+    def _readable(self, table: LoadTable) -> LoadTable:
+        """`table` with the draining workers unhealthy (their rows stay healthy in the set's
+        own table: draining is the cluster's word, health the worker's)."""
+        if not self.draining:
+            return table
+        healthy = table.healthy.copy()
+        for wid in self.draining:
+            if wid in table.index:
+                healthy[table.index[wid]] = False
+        return table.with_healthy(healthy)
 
     def note_routed(self, worker_id: str) -> None:
         """A request was just sent to the worker (it counts as waiting until its report)."""
-        self._routed[worker_id] = self._routed.get(worker_id, 0) + 1
+        row = self._table.index.get(worker_id)
+        if row is not None:
+            self._table.waiting[row] += 1
 
     def mark_unhealthy(self, worker_id: str) -> None:
-        if worker_id in self._healthy:
-            self._healthy[worker_id] = False
+        self._set_healthy(worker_id, False)
+
+    def _set_healthy(self, worker_id: str, healthy: bool) -> None:
+        row = self._table.index.get(worker_id)
+        if row is not None:
+            self._table.healthy[row] = healthy
 
     async def check_health(self) -> list[str]:
         """Ask every worker now; returns the healthy ones' ids."""
@@ -168,8 +216,7 @@ class WorkerSet:
                 ok = await asyncio.wait_for(client.health(), HEALTH_TIMEOUT_S)
             except (WorkerUnavailableError, asyncio.TimeoutError):
                 ok = False
-            if wid in self._healthy:
-                self._healthy[wid] = ok
+            self._set_healthy(wid, ok)
 
         await asyncio.gather(*(ask(w, c) for w, c in list(self.clients.items())))
         return self.healthy_workers()
@@ -178,12 +225,17 @@ class WorkerSet:
 
     def on_outputs(self, worker_id: str, kv_events: Sequence[KVEvent],
                    stats: EngineStats) -> None:
-        if worker_id not in self.clients:
+        row = self._table.index.get(worker_id)
+        if row is None:
             return
         self._stats[worker_id] = stats
-        self._routed[worker_id] = 0
+        t = self._table  # requests routed there since the last report are in this one
+        t.waiting[row] = stats.num_waiting + stats.num_waiting_for_kv
+        t.running[row] = stats.num_running
+        t.kv_usage[row] = min(1.0, max(0.0, stats.kv_usage))
+        t.pending[row] = stats.num_pending_prompt_tokens
         # a worker whose engine reports a stalled step or a dead rank takes no new requests
-        self._healthy[worker_id] = stats.healthy
+        t.healthy[row] = stats.healthy
         if kv_events:
             self.index.apply(worker_id, kv_events)
             if self.index.needs_resync(worker_id) and worker_id not in self._resyncing:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 class _Choice:
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -115,6 +116,7 @@ async def _collect(router: Router, body: CompletionRequest, prompts: list[list[i
             prompt_logprobs[i] = event.prompt_logprobs
         choice.text += event.text
         choice.num_tokens += len(event.token_ids)
+        choice.token_ids.extend(event.token_ids)
         choice.logprobs.extend(event.logprobs or ())
         if event.finish_reason is not None:
             choice.finish_reason = event.finish_reason.value
@@ -131,6 +133,8 @@ async def _collect(router: Router, body: CompletionRequest, prompts: list[list[i
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         })
+        if body.return_token_ids:
+            out[-1] |= {"prompt_token_ids": list(prompts[i]), "token_ids": choice.token_ids}
     return JSONResponse({**meta, "object": "text_completion", "choices": out,
                          "usage": usage(gens, sum(c.num_tokens for c in choices))})
 
@@ -140,6 +144,7 @@ async def _stream(gens: list[Generation], body: CompletionRequest, fmt: _Formatt
     head = {**meta, "object": "text_completion"}
     num_tokens = 0
     echoed: set[int] = set()
+    begun: set[int] = set()  # choices that have sent a chunk (their prompt ids went with it)
     try:
         async for i, event in merge(gens):
             k = i * body.n + event.index
@@ -149,12 +154,18 @@ async def _stream(gens: list[Generation], body: CompletionRequest, fmt: _Formatt
                 text = fmt.echo_texts[i] + text
                 prompt_ids, prompt_lps = gens[i].prompt_token_ids, gens[i].first.prompt_logprobs
             num_tokens += len(event.token_ids)
-            chunk = {**head, "choices": [{
+            choice = {
                 "index": k, "text": text,
                 "logprobs": fmt.logprobs(prompt_ids, prompt_lps, event.logprobs or []),
                 "finish_reason": None if event.finish_reason is None
                 else event.finish_reason.value,
-                "stop_reason": event.stop_reason}]}
+                "stop_reason": event.stop_reason}
+            if body.return_token_ids:
+                if k not in begun:
+                    begun.add(k)
+                    choice["prompt_token_ids"] = list(gens[i].prompt_token_ids)
+                choice["token_ids"] = list(event.token_ids)
+            chunk = {**head, "choices": [choice]}
             if body.continuous_usage:
                 chunk["usage"] = usage(gens, num_tokens)
             yield sse(chunk)

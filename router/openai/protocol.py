@@ -120,6 +120,8 @@ class CompletionRequest(_SamplingBody):
     echo: bool = False
     logprobs: int | None = None  # top alternatives per token, legacy format
     prompt_logprobs: int | None = None  # vLLM extension
+    # vLLM extension: each choice carries its prompt's and its output's token ids
+    return_token_ids: bool = False
     suffix: str | None = None
 
     def check(self) -> None:

@@ -20,7 +20,7 @@ from cluster.config import CleaveConfig, ConfigError
 from cluster.ingress import router_config as ray_router_config
 from cluster.pool import engine_spec
 from cluster.serve_config import build_serve_config
-from cluster.settings import in_process_plan, model_path
+from cluster.settings import in_process_plan, model_path, router_cores
 
 MODEL = "/models/coverage-model"
 KEYS_ENV = "CLEAVE_COVERAGE_KEYS"  # `router.api_keys_env` names it; it holds one key
@@ -48,6 +48,10 @@ ONE_MODE = {
                                      "in process every worker shares the process's CPUs"),
     "pools.*.memory_per_rank_bytes": ("ray", "a placement resource"),
     "pools.*.resources": ("ray", "a placement resource"),
+    "pools.*.cpu_affinity": ("ray", "each Ray worker's own process is pinned; in process "
+                                    "every worker shares one process"),
+    "router.cpu_affinity": ("ray", "the router replicas' processes are pinned; in process "
+                                   "the router shares the workers' process"),
     "pools.*.autoscaling.*": ("ray", "nothing autoscales in process"),
 }
 
@@ -74,6 +78,8 @@ VALUES = {
     "router.policy_weights": {"w_hit": 2.0},
     "router.api_keys_env": KEYS_ENV,
     "router.tool_call_parser": "hermes",
+    "pools.*.cpu_affinity": [0],
+    "router.cpu_affinity": [0],
 }
 
 
@@ -213,6 +219,7 @@ def ray_settings(config: CleaveConfig) -> dict[tuple[str, ...], Any]:
                         "http_port": serve["http_options"]["port"],
                         "grpc_port": serve["grpc_options"]["port"]}
     pools, only_ray = {}, {"router": router_deployment_options(config),
+                           "router_cores": router_cores(config),
                            "proxy_location": serve["proxy_location"]}
     for name, pool in config.pools.items():
         spec = engine_spec(config, name, "worker")
@@ -220,7 +227,9 @@ def ray_settings(config: CleaveConfig) -> dict[tuple[str, ...], Any]:
         start = options.get("num_replicas") or options["autoscaling_config"]["initial_replicas"]
         pools[name] = {"role": spec.role, "replicas": start, "engine": spec.engine,
                        "worker": spec.worker}
-        only_ray[f"pool-{name}"] = {**options, "torch_threads": spec.torch_threads}
+        only_ray[f"pool-{name}"] = {**options, "torch_threads": spec.torch_threads,
+                                    "cpu_affinity": spec.cpu_affinity,
+                                    "cores_per_rank": spec.cores_per_rank}
     shared["pools"] = pools
     out: dict[tuple[str, ...], Any] = {}
     _flat({**shared, "ray": only_ray}, (), out)

@@ -44,13 +44,14 @@ def two_bundles(ray_with_state):
     remove_placement_group(pg)
 
 
-def tp2_engine(model: str, pg: object, **options: object) -> tuple[object, object]:
+def tp2_engine(model: str, pg: object, cpu_affinity: tuple[int, ...] | None = None,
+               **options: object) -> tuple[object, object]:
     """A TP=2 engine whose ranks are actors in `pg`, and its launcher."""
     from cluster.rank_actor import RayActorLauncher
     from workers.config import EngineConfig
     from workers.engine import Engine
 
-    launcher = RayActorLauncher(pg)
+    launcher = RayActorLauncher(pg, cpu_affinity)
     config = EngineConfig(model=model, device="cpu", tensor_parallel_size=2, num_blocks=64,
                           **options)
     return Engine(config, launcher), launcher
@@ -172,3 +173,58 @@ def test_a_connection_that_stalls_before_its_token_is_dropped_in_time(monkeypatc
     assert rank.channel is not None
     stray.close()
     rank.channel.close()
+
+
+CORES = tuple(sorted(os.sched_getaffinity(0)))
+
+
+def test_pinned_rank_actors_each_hold_a_core_of_their_own(tiny_model, two_bundles):
+    import ray
+
+    from cluster.cpu_affinity import affinity_of
+
+    if len(CORES) < 2:
+        pytest.skip(f"two ranks need two cores to claim; this machine lets us use {CORES}")
+    engine, launcher = tp2_engine(tiny_model, two_bundles, cpu_affinity=CORES[:2])
+    try:
+        assert len(greedy(engine, PROMPT, MAX_TOKENS)) == MAX_TOKENS
+        places = ray.get([r.actor.place.remote() for r in launcher.ranks])
+        assert sorted(p.cores for p in places) == [(CORES[0],), (CORES[1],)]
+        assert all(affinity_of(p.pid) == p.cores for p in places)
+    finally:
+        engine.close()
+
+
+def test_a_pinned_engine_actor_holds_its_core_and_a_second_one_is_refused_by_name(tiny_model,
+                                                                                 ray_with_state):
+    import ray
+
+    from cluster.cpu_affinity import affinity_of
+    from cluster.engine_actor import EngineActor, EngineSpec
+    from cluster.settings import WorkerOptions
+    from workers.config import EngineConfig
+
+    def start(name: str) -> object:
+        spec = EngineSpec(name, "both", EngineConfig(model=tiny_model, device="cpu",
+                                                     num_blocks=64), WorkerOptions(),
+                          torch_threads=1, cpu_affinity=CORES[-1:])
+        return ray.remote(EngineActor).options(num_cpus=0).remote(spec)
+
+    first = start("w1")
+    info = ray.get(first.ready.remote(), timeout=120)
+    assert info.cores == CORES[-1:] and affinity_of(info.pid) == CORES[-1:]
+    second = start("w2")
+    with pytest.raises(ray.exceptions.RayActorError,
+                       match=rf"cpu_affinity=\[{CORES[-1]}\].*held by other workers"):
+        ray.get(second.ready.remote(), timeout=120)
+    ray.kill(first)  # a dead worker's core is free again, with nothing cleaned up
+    wait_for(lambda: _claims(start("w3")), 120, "a new worker to claim the freed core")
+
+
+def _claims(actor: object) -> bool:
+    import ray
+
+    try:
+        return ray.get(actor.ready.remote(), timeout=120).cores == CORES[-1:]
+    except ray.exceptions.RayActorError:
+        return False

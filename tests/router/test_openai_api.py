@@ -60,6 +60,21 @@ def test_streamed_completion_matches_the_unstreamed_one(client, model):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_return_token_ids_gives_the_prompt_and_output_ids_streamed_or_not(client, model):
+    """vLLM's extension: the ids a client needs to continue a conversation exactly."""
+    args = dict(model=model, prompt=[5, 6, 7, 8], max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = client.completions.create(**args).choices[0].model_dump()
+    assert whole["prompt_token_ids"] == [5, 6, 7, 8] and len(whole["token_ids"]) == 6
+    chunks = [c.choices[0].model_dump() for c in client.completions.create(stream=True, **args)
+              if c.choices]
+    assert chunks[0]["prompt_token_ids"] == [5, 6, 7, 8]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    plain = client.completions.create(model=model, prompt=[5, 6], max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_dump()
+
+
 def test_same_seed_same_text(client, model):
     def sample(seed: int) -> list[str]:
         out = client.completions.create(model=model, prompt="once upon", max_tokens=12,

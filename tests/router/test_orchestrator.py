@@ -270,3 +270,33 @@ def test_cancelling_before_the_first_aggregated_token_aborts_the_stream():
         assert w.calls.aborts == [req.request_id]
 
     run(go())
+
+
+def test_the_worker_sets_loads_follow_reports_routing_draining_and_removal():
+    from workers.protocol import EngineStats
+
+    async def go():
+        workers = [FakeWorker(f"w{i}") for i in range(3)]
+        o = await orchestrator(*workers)
+        ws = o.workers
+        before = ws.pool_loads(WorkerRole.BOTH, WorkerRole.DECODE)
+        assert before.worker_ids == ["w0", "w1", "w2"]
+        ws.note_routed("w1")
+        ws.note_routed("w1")
+        assert before[1].num_waiting == 2  # a pool's loads are the set's rows, not a copy
+        ws.on_outputs("w1", (), EngineStats(1, 3, 0.5, 10, 0, 20, num_waiting_for_kv=1,
+                                            num_pending_prompt_tokens=77))
+        assert before[1] == ws.loads(["w1"])[0]
+        assert (before[1].num_waiting, before[1].num_running, before[1].kv_usage,
+                before[1].num_pending_prompt_tokens) == (2, 3, 0.5, 77)  # the report wins
+        ws.draining.add("w0")
+        assert [x.healthy for x in ws.pool_loads(WorkerRole.BOTH)] == [False, True, True]
+        assert ws.is_healthy("w0") and "w0" not in ws.healthy_workers()
+        await ws.remove("w2")
+        assert before.without(()).worker_ids == ["w0", "w1"]  # read before, still knows
+        assert ws.pool_loads(WorkerRole.BOTH).worker_ids == ["w0", "w1"]
+        await ws.add(FakeWorker("w3"))  # a new row, never a reused one
+        assert ws.pool_loads(WorkerRole.BOTH).worker_ids == ["w0", "w1", "w3"]
+        assert before.without(()).worker_ids == ["w0", "w1"]
+
+    run(go())

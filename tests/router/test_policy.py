@@ -139,3 +139,33 @@ def test_policies_are_registered_by_name() -> None:
         get_policy("prefix_aware", w_queue=-1)
     with pytest.raises(ValueError, match="queue_scale"):
         get_policy("prefix_aware", queue_scale=0)
+
+
+def _prefix_aware_one_by_one(loads: list[WorkerLoad], hits: dict[str, int]) -> str:
+    """The prefix-aware score written out worker by worker, as the policy's docstring states
+    it (defaults: w_hit 1, w_queue 0.5, w_kv 0.1, queue_scale 8)."""
+    healthy = [w for w in loads if w.healthy]
+    depths = [w.queue_depth for w in healthy]
+    queue_weight = 0.5 / max(sum(depths) / len(depths), 8.0)
+    return min(healthy, key=lambda w: (
+        -(1.0 / len(PROMPT) * hits.get(w.worker_id, 0) - queue_weight * w.queue_depth
+          - 0.1 * w.kv_usage), w.queue_depth, w.num_waiting, w.kv_usage, w.worker_id)).worker_id
+
+
+@given(loads=st.lists(st.builds(WorkerLoad, st.sampled_from("abcdefgh"), st.integers(0, 9),
+                                st.integers(0, 9), st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+                                st.booleans()),
+                      min_size=1, max_size=8, unique_by=lambda w: w.worker_id),
+       held=st.dictionaries(st.sampled_from("abcdefgh"), st.integers(1, 10)))
+def test_the_column_policies_choose_as_the_formula_does_worker_by_worker(
+        loads: list[WorkerLoad], held: dict[str, int]) -> None:
+    """Ties included (few distinct values): the array form picks the same worker."""
+    if not any(w.healthy for w in loads):
+        return
+    index = index_with(**held)
+    assert get_policy("prefix_aware").choose(PROMPT, loads, index).worker_id == \
+        _prefix_aware_one_by_one(loads, held)
+    lightest = min((w for w in loads if w.healthy),
+                   key=lambda w: (w.queue_depth, w.num_waiting, w.kv_usage, w.worker_id))
+    assert get_policy("least_loaded").choose(PROMPT, loads, index).worker_id == \
+        lightest.worker_id

@@ -1,0 +1,175 @@
+"""Workers' loads as the routing policies read them. Torch-free.
+
+A policy looks at every candidate's load for every request. At hundreds of workers one Python
+object per worker per decision is the router's ceiling, so the loads are columns: `LoadTable`
+holds numpy arrays (waiting, running, KV usage, pending prompt tokens, healthy, present) over
+rows, one row per worker, and a set of candidate rows. The router's `WorkerSet` keeps one table
+and updates a worker's row when its report arrives; a pool's loads are that table with the
+pool's rows as candidates (no copy), so a decision costs a few array operations however many
+workers there are.
+
+A table is also a `Sequence[WorkerLoad]`: one record per candidate row on demand, for callers
+that look at a few loads by hand. Any sequence of `WorkerLoad`s becomes a table
+(`LoadTable.of`), so tests and simulations still pass lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+
+
+class NoHealthyWorker(ValueError):
+    """No candidate worker is healthy (or none was given)."""
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load as last reported. `kv_usage` is the fraction of KV blocks in use, 0..1."""
+
+    worker_id: str
+    num_waiting: int  # requests queued, not yet scheduled
+    num_running: int  # requests in the running batch
+    kv_usage: float
+    healthy: bool = True
+    num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill there
+
+    def __post_init__(self) -> None:
+        if self.num_waiting < 0 or self.num_running < 0:
+            raise ValueError(f"worker {self.worker_id!r}: num_waiting and num_running must be "
+                             f">= 0, got {self.num_waiting} and {self.num_running}")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"worker {self.worker_id!r}: kv_usage must be in [0, 1], "
+                             f"got {self.kv_usage}")
+
+    @property
+    def queue_depth(self) -> int:
+        return self.num_waiting + self.num_running
+
+
+class LoadTable(Sequence[WorkerLoad]):
+    """Loads as columns over rows (`ids[row]` is the row's worker; None: a row no longer used)
+    and the candidate rows (`rows`, ascending). Tables made by `select`/`without` share the
+    columns: they see later updates of the rows."""
+
+    def __init__(self, ids: list[str | None], waiting: np.ndarray, running: np.ndarray,
+                 kv_usage: np.ndarray, pending: np.ndarray, healthy: np.ndarray,
+                 present: np.ndarray, rows: np.ndarray, index: dict[str, int]) -> None:
+        self.ids = ids
+        self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
+        self.pending, self.healthy, self.present = pending, healthy, present
+        self.rows = rows
+        self.index = index  # worker id -> row
+
+    @classmethod
+    def of(cls, loads: Sequence[WorkerLoad]) -> LoadTable:
+        """`loads` as a table (itself when it is one). Raises `ValueError` on a worker id
+        given twice."""
+        if isinstance(loads, LoadTable):
+            return loads
+        ids = [load.worker_id for load in loads]
+        index = {wid: row for row, wid in enumerate(ids)}
+        if len(index) != len(ids):
+            twice = next(w for w in ids if ids.count(w) > 1)
+            raise ValueError(f"worker {twice!r} appears twice in loads; expected one WorkerLoad "
+                             f"per worker")
+        return cls(list(ids), np.array([x.num_waiting for x in loads], dtype=np.int64),
+                   np.array([x.num_running for x in loads], dtype=np.int64),
+                   np.array([x.kv_usage for x in loads], dtype=np.float64),
+                   np.array([x.num_pending_prompt_tokens for x in loads], dtype=np.int64),
+                   np.array([x.healthy for x in loads], dtype=bool),
+                   np.ones(len(ids), dtype=bool), np.arange(len(ids)), index)
+
+    # ---- as a sequence of records --------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, i: int) -> WorkerLoad: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[WorkerLoad]: ...
+
+    def __getitem__(self, i: int | slice) -> WorkerLoad | Sequence[WorkerLoad]:
+        if isinstance(i, slice):
+            return [self.load(int(r)) for r in self.rows[i]]
+        return self.load(int(self.rows[i]))
+
+    def load(self, row: int) -> WorkerLoad:
+        """Row `row` as a record."""
+        return WorkerLoad(self.ids[row] or "", int(self.waiting[row]), int(self.running[row]),
+                          float(self.kv_usage[row]), bool(self.healthy[row]),
+                          int(self.pending[row]))
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return [self.ids[r] or "" for r in self.rows]
+
+    # ---- narrowing the candidates ---------------------------------------------------------
+
+    def select(self, rows: np.ndarray) -> LoadTable:
+        """The same columns with other candidate rows (ascending)."""
+        return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
+                         self.healthy, self.present, rows, self.index)
+
+    def with_healthy(self, healthy: np.ndarray) -> LoadTable:
+        """The same candidates read against another healthy column."""
+        return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
+                         healthy, self.present, self.rows, self.index)
+
+    def without(self, worker_ids: Collection[str]) -> LoadTable:
+        """The candidates that are still present (not removed since) and not in
+        `worker_ids`."""
+        keep = self.present[self.rows]  # a copy (fancy indexing)
+        for wid in worker_ids:
+            at = self.position(self.rows, wid)
+            if at is not None:
+                keep[at] = False
+        return self.select(self.rows[keep])
+
+    # ---- what policies compute -----------------------------------------------------------
+
+    def healthy_rows(self) -> np.ndarray:
+        """The healthy candidates' rows; raises `NoHealthyWorker` when there is none."""
+        rows = self.rows[self.healthy[self.rows]]
+        if not len(rows):
+            raise NoHealthyWorker(f"no healthy worker among "
+                                  f"{sorted(self.worker_ids) or 'no workers'}")
+        return rows
+
+    def depth(self, rows: np.ndarray) -> np.ndarray:
+        """Queue depth (waiting + running) of `rows`, as floats."""
+        return (self.waiting[rows] + self.running[rows]).astype(np.float64)
+
+    def position(self, rows: np.ndarray, worker_id: str) -> int | None:
+        """Where `worker_id`'s row is in `rows` (ascending), or None."""
+        row = self.index.get(worker_id)
+        if row is None:
+            return None
+        at = int(np.searchsorted(rows, row))
+        return at if at < len(rows) and rows[at] == row else None
+
+    def any_with_room(self, max_waiting: int, max_pending_tokens: int) -> bool | None:
+        """Whether a healthy candidate has fewer than `max_waiting` requests and
+        `max_pending_tokens` prompt tokens waiting; None when no candidate is healthy."""
+        rows = self.rows[self.healthy[self.rows]]
+        if not len(rows):
+            return None
+        return bool(np.any((self.waiting[rows] < max_waiting)
+                           & (self.pending[rows] < max_pending_tokens)))
+
+    def best_by_load(self, rows: np.ndarray) -> int:
+        """The row among `rows` with the least (depth, waiting, kv usage, id)."""
+        for key in (lambda r: self.waiting[r] + self.running[r], lambda r: self.waiting[r],
+                    lambda r: self.kv_usage[r]):
+            if len(rows) == 1:
+                break
+            column = key(rows)
+            rows = rows[column == column.min()]
+        if len(rows) == 1:
+            return int(rows[0])
+        return min(rows.tolist(), key=lambda r: self.ids[r] or "")
