@@ -5,7 +5,8 @@ to a core of its own (the pool's `cpu_affinity`).
 Each policy gets a fresh app (cold caches) and the same workload (same seed, same arrival and
 think times). A turn is a streamed `/v1/completions` request of token ids: the tenant's system
 prompt, the conversation so far (the replies as the model wrote them, from vLLM's
-`return_token_ids`) and the new user message. Per turn the usage reports the tokens the worker
+`return_token_ids`) and the new user message. `--workers 4 --cores none` runs four unpinned
+workers (more workers than this machine has cores to give each its own). Per turn the usage reports the tokens the worker
 served from its prefix cache (`cached_tokens`) and what the router's index predicted
 (`predicted_cached_tokens`).
 
@@ -143,7 +144,7 @@ def report(turns: list[Turn], warmup: int) -> dict:
 def run_policy(policy: str, model: str, workload: Workload, args: argparse.Namespace,
                tmp: str) -> dict:
     config = {"pools": {"aggregated": {
-        "cpus_per_rank": 1, "cpu_affinity": args.cores,
+        "cpus_per_rank": 1, "cpu_affinity": args.cores or None,
         "replicas": {"min": args.workers, "max": args.workers, "initial": args.workers},
         "engine": {"num_blocks": args.num_blocks, "block_size": BLOCK_SIZE}}},
         "router": {"policy": policy}}
@@ -175,7 +176,9 @@ def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: routing_engines.py's shape")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--cores", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
+    p.add_argument("--cores", type=lambda s: [int(x) for x in s.split(",")] if s != "none"
+                   else [], default=[0, 1],
+                   help="the cores the workers are pinned to, one each; none: not pinned")
     p.add_argument("--conversations", type=int, default=44)
     p.add_argument("--warmup-conversations", type=int, default=12)
     p.add_argument("--conv-per-s", type=float, default=0.5)
@@ -196,7 +199,7 @@ def main() -> dict:
            "setup": {k: v for k, v in vars(args).items() if k != "out"} | {
                "model": args.model or "routing_engines.py's SHAPE, dummy weights",
                "cores": "each worker pinned to one core of --cores; the router, Ray and the "
-                        "client unpinned", "time": time.strftime("%Y-%m-%d %H:%M")},
+                        "client unpinned" if args.cores else "nothing pinned", "time": time.strftime("%Y-%m-%d %H:%M")},
            "policies": results,
            "prefix_aware_hit_rate_vs_oracle_bound_ratio": round(
                pa["hit_rate"] / pa["oracle_hit_rate"], 3),

@@ -56,8 +56,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     _check_model(config)
+    if args.process_per_worker and not args.in_process:
+        raise SystemExit("cleave serve: --process-per-worker is a mode of --in-process (on Ray "
+                         "every worker has a process of its own already)")
     if args.in_process:
-        return _serve_in_process(config)
+        return _serve_in_process(config, args.process_per_worker)
     from cluster.launch import serve_forever
 
     return serve_forever(config, num_cpus=args.num_cpus)
@@ -74,18 +77,19 @@ def _check_model(config) -> None:  # noqa: ANN001 - a CleaveConfig
         config.check_against_model(ModelConfig.from_pretrained(path))
 
 
-def _serve_in_process(config) -> int:  # noqa: ANN001 - a CleaveConfig
-    """The same deployment with every worker an engine in this process (no Ray): each pool
-    keeps the replicas it starts with."""
+def _serve_in_process(config, process_per_worker: bool) -> int:  # noqa: ANN001 - CleaveConfig
+    """The same deployment with every worker an engine in this process, or in a process of
+    its own (no Ray): each pool keeps the replicas it starts with."""
     from cluster.local_server import serve_local
     from cluster.settings import in_process_plan, model_path
 
     plan = in_process_plan(config, model_path(config))
     count = {p.name: p.replicas for p in plan.pools}
-    print(f"cleave: serving {plan.router.model_path} in this process on "
+    where = "worker processes behind this one" if process_per_worker else "this process"
+    print(f"cleave: serving {plan.router.model_path} in {where} on "
           f"http://{plan.host}:{plan.http_port} (OpenAI API) and {plan.host}:{plan.grpc_port} "
           f"(gRPC): {count}", file=sys.stderr)
-    serve_local(plan)
+    serve_local(plan, process_per_worker)
     return 0
 
 
@@ -139,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPUs of the local Ray instance (default: this machine's)")
     serve.add_argument("--in-process", action="store_true",
                        help="run every worker in this process instead of on Ray")
+    serve.add_argument("--process-per-worker", action="store_true",
+                       help="with --in-process: each worker in a process of its own (pinned to "
+                            "its pool's cpu_affinity), the router in this one")
     serve.set_defaults(func=_cmd_serve)
 
     build = sub.add_parser("build-serve-config",

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cluster.config import RouterSettings, default_of
-from cluster.inprocess_client import in_process_client
+from cluster.inprocess_client import SUBSCRIBER, in_process_client
 from cluster.settings import InProcessPlan, PoolPlan, WorkerOptions
 from router.app import Router, RouterConfig
 from router.channel import ChannelClient
@@ -88,19 +88,32 @@ class LocalServeConfig:
                              self.host, self.http_port, self.grpc_port)
 
 
-def build_workers(plan: InProcessPlan) -> list[ChannelClient]:
+def build_workers(plan: InProcessPlan, process_per_worker: bool = False) -> list[ChannelClient]:
     """Each pool's workers, one engine each with its own KV cache (blocking: loads the model).
-    Ids: `worker-i` (aggregated), `prefill-i`, `decode-i`."""
+    Ids: `worker-i` (aggregated), `prefill-i`, `decode-i`. `process_per_worker`: each in a
+    process of its own (`cluster.process_worker`), pinned to its pool's `cpu_affinity`."""
+    specs = [(f"{_ID_PREFIX.get(pool.name, pool.name)}-{i}", pool)
+             for pool in plan.pools for i in range(pool.replicas)]
+    if process_per_worker:
+        from cluster.process_worker import ProcessChannel, ProcessWorkerSpec
+
+        channels: list[ProcessChannel] = []
+        try:
+            for wid, pool in specs:
+                channels.append(ProcessChannel(ProcessWorkerSpec(
+                    wid, pool.engine, pool.role, plan.host, asdict(pool.worker),
+                    pool.cpu_affinity, pool.cores_per_rank)).start())
+        except BaseException:
+            for channel in channels:  # nothing started is left running
+                if channel.process is not None:
+                    channel.process.kill()
+            raise
+        return [ChannelClient(c, SUBSCRIBER, plan.router.deadlines) for c in channels]
     from workers.worker import Worker
 
-    clients = []
-    for pool in plan.pools:
-        prefix = _ID_PREFIX.get(pool.name, pool.name)
-        for i in range(pool.replicas):
-            clients.append(in_process_client(
-                Worker.from_config(f"{prefix}-{i}", pool.engine, pool.role, host=plan.host,
-                                   **asdict(pool.worker)), plan.router.deadlines))
-    return clients
+    return [in_process_client(Worker.from_config(wid, pool.engine, pool.role, host=plan.host,
+                                                 **asdict(pool.worker)), plan.router.deadlines)
+            for wid, pool in specs]
 
 
 class _Stack:
@@ -139,10 +152,10 @@ class _Stack:
         self.front.request_stop()
 
 
-def serve_local(plan: InProcessPlan) -> None:
+def serve_local(plan: InProcessPlan, process_per_worker: bool = False) -> None:
     """Serve `plan` (`cluster.settings.in_process_plan`) until SIGINT or SIGTERM. Must run on
     the main thread (uvicorn takes the signals)."""
-    stack = _Stack(plan, build_workers(plan))
+    stack = _Stack(plan, build_workers(plan, process_per_worker))
     asyncio.run(stack.serve())
 
 
@@ -150,10 +163,11 @@ class LocalServer:
     """The `serve_local` stack on a background thread: `start()` returns once both ports
     listen, `stop()` shuts everything down and joins the thread."""
 
-    def __init__(self, config: LocalServeConfig | InProcessPlan) -> None:
+    def __init__(self, config: LocalServeConfig | InProcessPlan,
+                 process_per_worker: bool = False) -> None:
         self.config = config
         self.plan = config if isinstance(config, InProcessPlan) else config.plan()
-        self.clients = build_workers(self.plan)
+        self.clients = build_workers(self.plan, process_per_worker)
         self._stack = _Stack(self.plan, self.clients)
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -166,7 +180,8 @@ class LocalServer:
 
     @property
     def workers(self) -> list[Worker]:
-        """The in-process workers behind the clients (tests look inside them)."""
+        """The in-process workers behind the clients (tests look inside them; not with
+        `process_per_worker`)."""
         return [c.channel.worker for c in self.clients]  # type: ignore[attr-defined]
 
     @property

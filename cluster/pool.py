@@ -23,7 +23,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import POOL_ROLES, CleaveConfig, PoolSettings
 from cluster.directory import HEARTBEAT_S, WorkerEntry
 from cluster.engine_actor import ActorInfo, EngineActor, EngineSpec
-from cluster.settings import engine_config, model_path, torch_threads, worker_options
+from cluster.settings import (
+    engine_config,
+    model_path,
+    pool_plans,
+    torch_threads,
+    worker_options,
+)
 from workers.model_config import ModelConfig
 from workers.protocol import EngineStats
 
@@ -38,10 +44,10 @@ def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
     engine = engine_config(config, pool, model_path(config))
     worker = worker_options(config, pool)
     settings: PoolSettings = getattr(config.pools, pool)
-    affinity = tuple(settings.cpu_affinity) if settings.cpu_affinity is not None else None
+    plan = next(p for p in pool_plans(config, model_path(config)) if p.name == pool)
     return EngineSpec(worker_id, POOL_ROLES[pool], engine, worker,
-                      torch_threads=torch_threads(settings), cpu_affinity=affinity,
-                      cores_per_rank=settings.cores_per_rank)
+                      torch_threads=torch_threads(settings), cpu_affinity=plan.cpu_affinity,
+                      cores_per_rank=plan.cores_per_rank)
 
 
 def engine_actor_options(settings: PoolSettings, pg: PlacementGroup | None) -> dict[str, Any]:

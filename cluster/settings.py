@@ -62,6 +62,8 @@ class PoolPlan:
     replicas: int  # at start; in process for good (nothing autoscales there)
     engine: EngineConfig
     worker: WorkerOptions
+    cpu_affinity: tuple[int, ...] | None = None  # cores each worker claims from (None: unpinned)
+    cores_per_rank: int = 1  # how many of them
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,9 @@ def worker_options(config: CleaveConfig, pool: str) -> WorkerOptions:
 def pool_plans(config: CleaveConfig, model_path: str) -> tuple[PoolPlan, ...]:
     """The pools present, in `POOL_NAMES` order."""
     return tuple(PoolPlan(name, POOL_ROLES[name], p.replicas.start,
-                          engine_config(config, name, model_path), worker_options(config, name))
+                          engine_config(config, name, model_path), worker_options(config, name),
+                          tuple(p.cpu_affinity) if p.cpu_affinity is not None else None,
+                          p.cores_per_rank)
                  for name, p in config.pools.items())
 
 
@@ -169,7 +173,8 @@ def router_cores(config: CleaveConfig) -> tuple[int, ...] | None:
 
 
 def in_process_plan(config: CleaveConfig, model_path: str) -> InProcessPlan:
-    """`cleave serve --in-process`: each pool's starting replicas as engines in this process."""
+    """`cleave serve --in-process`: each pool's starting replicas as engines in this process
+    (or, `--process-per-worker`, each in a process of its own, pinned by `cpu_affinity`)."""
     r = config.router
     return InProcessPlan(router_config(config, model_path, "in_process"),
                          pool_plans(config, model_path), r.host, r.http_port, r.grpc_port)

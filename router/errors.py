@@ -66,3 +66,7 @@ class WorkerUnavailableError(RuntimeError):
     def __init__(self, worker_id: str, reason: str) -> None:
         super().__init__(f"worker {worker_id!r} is unavailable: {reason}")
         self.worker_id = worker_id
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:  # pickled across processes with its own arguments
+        return type(self), (self.worker_id, self.reason)

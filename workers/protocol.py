@@ -321,6 +321,9 @@ class EngineOverloaded(RuntimeError):
         self.request_id = request_id
         self.reason = reason
 
+    def __reduce__(self) -> tuple:  # pickled across processes with its own arguments
+        return type(self), (self.request_id, self.reason)
+
 
 class KVPullFailed(RuntimeError):
     """A decode worker could not land a handoff's KV. Raised before the request's first event;
@@ -332,3 +335,6 @@ class KVPullFailed(RuntimeError):
         self.request_id = request_id
         self.kind = kind
         self.reason = reason
+
+    def __reduce__(self) -> tuple:  # pickled across processes with its own arguments
+        return type(self), (self.request_id, self.kind, self.reason)

@@ -44,12 +44,8 @@ ONE_MODE = {
     "router.ingress": ("ray", "how Serve exposes the router; in process it binds its ports"),
     "pools.*.replicas.max": ("ray", "an autoscaling bound; in process a pool keeps the "
                                     "replicas it starts with"),
-    "pools.*.cpus_per_rank": ("ray", "a placement resource (and a CPU rank's torch threads); "
-                                     "in process every worker shares the process's CPUs"),
     "pools.*.memory_per_rank_bytes": ("ray", "a placement resource"),
     "pools.*.resources": ("ray", "a placement resource"),
-    "pools.*.cpu_affinity": ("ray", "each Ray worker's own process is pinned; in process "
-                                    "every worker shares one process"),
     "router.cpu_affinity": ("ray", "the router replicas' processes are pinned; in process "
                                    "the router shares the workers' process"),
     "pools.*.autoscaling.*": ("ray", "nothing autoscales in process"),
@@ -226,10 +222,9 @@ def ray_settings(config: CleaveConfig) -> dict[tuple[str, ...], Any]:
         options = pool_deployment_options(name, pool)
         start = options.get("num_replicas") or options["autoscaling_config"]["initial_replicas"]
         pools[name] = {"role": spec.role, "replicas": start, "engine": spec.engine,
-                       "worker": spec.worker}
-        only_ray[f"pool-{name}"] = {**options, "torch_threads": spec.torch_threads,
-                                    "cpu_affinity": spec.cpu_affinity,
-                                    "cores_per_rank": spec.cores_per_rank}
+                       "worker": spec.worker, "cpu_affinity": spec.cpu_affinity,
+                       "cores_per_rank": spec.cores_per_rank}
+        only_ray[f"pool-{name}"] = {**options, "torch_threads": spec.torch_threads}
     shared["pools"] = pools
     out: dict[tuple[str, ...], Any] = {}
     _flat({**shared, "ray": only_ray}, (), out)
@@ -243,7 +238,9 @@ def in_process_settings(config: CleaveConfig) -> dict[tuple[str, ...], Any]:
     _flat({"router": plan.router,
            "listen": {"host": plan.host, "http_port": plan.http_port, "grpc_port": plan.grpc_port},
            "pools": {p.name: {"role": p.role, "replicas": p.replicas, "engine": p.engine,
-                              "worker": p.worker} for p in plan.pools}}, (), out)
+                              "worker": p.worker, "cpu_affinity": p.cpu_affinity,
+                              "cores_per_rank": p.cores_per_rank} for p in plan.pools}}, (),
+          out)
     return out
 
 

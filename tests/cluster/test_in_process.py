@@ -48,3 +48,46 @@ def test_each_pool_runs_its_own_engine_and_transfer_settings(tiny_model, monkeyp
     finally:
         for w in server.workers:
             w.engine.close()
+
+
+def test_process_per_worker_pins_each_worker_and_serves_the_same_greedy_text(tiny_model,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    """1 prefill + 1 decode worker, each in a process of its own on a core of its own, behind
+    the router in this process: a handed-off request gives the offline engine's text, and
+    stopping the server ends both processes and frees their cores."""
+    import os
+
+    import httpx
+
+    from cluster.cpu_affinity import affinity_of, claim_cores
+    from tests.cluster.conftest import free_ports
+    from workers import LLM, SamplingParams
+
+    monkeypatch.setenv("CLEAVE_CPU_CLAIM_DIR", str(tmp_path / "claims"))  # the children's too
+    cores = sorted(os.sched_getaffinity(0))
+    pool = {"engine": {"num_blocks": 64}, "cpu_affinity": cores}
+    http, grpc = free_ports(2)
+    config = CleaveConfig.parse({
+        "model": {"path": tiny_model, "served_model_name": "tiny"},
+        "pools": {"prefill": pool, "decode": pool},
+        "router": {"http_port": http, "grpc_port": grpc, "disagg_threshold_tokens": 8}})
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    expected = LLM(tiny_model).generate([prompt], SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0].text
+    server = LocalServer(in_process_plan(config, tiny_model), process_per_worker=True).start()
+    try:
+        channels = [c.channel for c in server.clients]
+        pids = [c.pid for c in channels]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        if len(cores) >= 2:  # each claimed a core of its own
+            assert sorted(affinity_of(p) for p in pids) == [(cores[0],), (cores[1],)]
+        out = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
+            "ignore_eos": True}).json()
+        assert out["choices"][0]["text"] == expected
+        assert server.router.counters.num_disaggregated == 1
+    finally:
+        server.stop()
+    assert all(not c.process.is_alive() for c in channels)
+    claim_cores(cores, len(cores)).release()  # every core is free again

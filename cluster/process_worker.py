@@ -1,0 +1,302 @@
+"""A worker in a process of its own, on one machine, without Ray: `cleave serve --in-process
+--process-per-worker`.
+
+Each worker runs in a spawned child process (pinned to cores of its own when its pool has a
+`cpu_affinity`), serving the `WorkerChannel` calls over a socket on 127.0.0.1 to the router's
+process, which talks to it through the same `router.channel.ChannelClient` as over Ray: one
+long-polled output channel, batched commands, no per-token call. So a layout measured this way
+has each worker on its own cores, as on separate GPUs, with no Ray in between.
+
+The wire: each message is a 4-byte length and a pickle. The child connects to the parent's
+listening socket and proves itself with a random token, then reports ("ready", info) or
+("failed", traceback). A call is (call id, method, args); its answer (call id, ok, value or
+exception). The child ends when its connection closes (the parent died or closed it) or after a
+"shutdown" call has stopped the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import multiprocessing as mp
+import pickle
+import secrets
+import socket
+import struct
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from router.errors import WorkerUnavailableError
+from router.worker_client import WorkerChannel
+from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # the child loads its model meanwhile
+STOP_TIMEOUT_S = 30.0
+_HEADER = struct.Struct("<I")
+CALLS = ("info", "submit", "next_outputs", "prefill", "stats", "kv_snapshot", "health",
+         "shutdown")
+
+
+@dataclass(frozen=True)
+class ProcessWorkerSpec:
+    """What the child builds: `Worker.from_config(worker_id, engine, role, host=host,
+    **options)`, pinned to `cores_per_rank` of `cpu_affinity` (None: unpinned, one torch
+    thread)."""
+
+    worker_id: str
+    engine: Any  # workers.config.EngineConfig
+    role: str
+    host: str
+    options: dict[str, Any]
+    cpu_affinity: tuple[int, ...] | None = None
+    cores_per_rank: int = 1
+
+
+def _send(sock: socket.socket, msg: object) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv(sock: socket.socket) -> object:
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    return pickle.loads(_recv_exact(sock, size))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+async def _read(reader: asyncio.StreamReader) -> object:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    return pickle.loads(await reader.readexactly(size))
+
+
+def _frame(msg: object) -> bytes:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
+
+
+# ---- the child ---------------------------------------------------------------------------------
+
+
+def child_main(spec: ProcessWorkerSpec, port: int, token: bytes) -> None:
+    """The worker process: pin, build the worker, connect, serve until the connection ends."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=START_TIMEOUT_S)
+    sock.sendall(token)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if spec.cpu_affinity is not None:
+            from cluster.cpu_affinity import claim_cores, pin_process
+
+            claim = claim_cores(spec.cpu_affinity, spec.cores_per_rank)
+            pin_process(claim.cores)
+        asyncio.run(_serve(spec, sock))
+    except BaseException:  # noqa: BLE001 - reported to the parent while it can hear
+        try:
+            _send(sock, ("failed", traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+
+
+async def _serve(spec: ProcessWorkerSpec, sock: socket.socket) -> None:
+    from cluster.inprocess_client import InProcessChannel
+    from workers.worker import Worker
+
+    worker = Worker.from_config(spec.worker_id, spec.engine, spec.role, host=spec.host,
+                                **spec.options)
+    channel = InProcessChannel(worker)
+    if worker.role != "both":
+        await worker.agents()  # the transport's self-check, before saying ready
+    sock.settimeout(None)
+    _send(sock, ("ready", worker.info))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def answer(call_id: int, method: str, args: tuple) -> None:
+        try:
+            if method == "shutdown":
+                value: object = await channel.close()
+            else:
+                value = await getattr(channel, method)(*args)
+            reply = (call_id, True, value)
+        except Exception as exc:  # noqa: BLE001 - the caller raises it
+            reply = (call_id, False, _transportable(exc))
+        writer.write(_frame(reply))
+        if method == "shutdown":
+            await writer.drain()
+            writer.close()
+
+    try:
+        while True:
+            call_id, method, args = await _read(reader)
+            task = asyncio.get_running_loop().create_task(answer(call_id, method, args))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass  # the parent closed the connection (or went away)
+    finally:
+        await channel.close()
+
+
+def _transportable(exc: Exception) -> Exception:
+    """`exc`, or a RuntimeError saying it where it would not survive pickling both ways."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any failure to travel
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+# ---- the parent --------------------------------------------------------------------------------
+
+
+class ProcessChannel(WorkerChannel):
+    """The router's wire to one worker process. `start()` spawns it and waits until its model
+    is loaded (blocking); the calls run on the router's event loop."""
+
+    def __init__(self, spec: ProcessWorkerSpec) -> None:
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.process: mp.process.BaseProcess | None = None
+        self.info_at_start: WorkerInfo | None = None
+        self._sock: socket.socket | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[object]] = {}
+        self._ids = itertools.count()
+        self._lost: str | None = None  # why the connection is gone
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> ProcessChannel:
+        server = socket.create_server(("127.0.0.1", 0))
+        token = secrets.token_bytes(32)
+        try:
+            self.process = mp.get_context("spawn").Process(
+                target=child_main, args=(self.spec, server.getsockname()[1], token),
+                name=f"cleave-{self.worker_id}", daemon=True)
+            self.process.start()
+            server.settimeout(timeout_s)
+            sock, _ = server.accept()
+        finally:
+            server.close()
+        sock.settimeout(timeout_s)
+        if not hmac.compare_digest(_recv_exact(sock, len(token)), token):
+            sock.close()
+            raise RuntimeError(f"worker {self.worker_id}: a process that is not the child "
+                               f"connected")
+        kind, value = _recv(sock)  # type: ignore[misc]
+        if kind != "ready":
+            sock.close()
+            self.process.join(10)
+            raise RuntimeError(f"worker {self.worker_id} failed to start:\n{value}")
+        self.info_at_start = value  # type: ignore[assignment]
+        self._sock = sock
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    async def _connect(self) -> asyncio.StreamWriter:
+        if self._writer is None:
+            if self._sock is None:
+                raise WorkerUnavailableError(self.worker_id, "the worker process is not running")
+            self._sock.settimeout(None)
+            reader, self._writer = await asyncio.open_connection(sock=self._sock)
+            self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+        return self._writer
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                call_id, ok, value = await _read(reader)  # type: ignore[misc]
+                future = self._pending.pop(call_id, None)
+                if future is not None and not future.done():
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value)  # type: ignore[arg-type]
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            self._fail_all(f"its process's connection closed ({type(exc).__name__})")
+        except Exception as exc:  # noqa: BLE001 - a message that does not decode
+            logger.exception("worker %s sent a message that does not decode", self.worker_id)
+            self._fail_all(f"it sent a message that does not decode: {exc!r}")
+
+    def _fail_all(self, why: str) -> None:
+        self._lost = why
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(WorkerUnavailableError(self.worker_id, why))
+        self._pending.clear()
+
+    async def _call(self, method: str, *args: object) -> Any:
+        if self._lost is not None:
+            raise WorkerUnavailableError(self.worker_id, self._lost)
+        writer = await self._connect()
+        call_id = next(self._ids)
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        try:
+            writer.write(_frame((call_id, method, args)))
+        except (ConnectionError, OSError) as exc:
+            self._pending.pop(call_id, None)
+            raise WorkerUnavailableError(self.worker_id, f"cannot reach it: {exc}") from None
+        return await future
+
+    async def info(self) -> WorkerInfo:
+        return await self._call("info")
+
+    async def submit(self, subscriber: str, commands: list[Command]) -> None:
+        await self._call("submit", subscriber, commands)
+
+    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+        return await self._call("next_outputs", subscriber, timeout_s)
+
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
+        return await self._call("prefill", req, decode_tp_size)
+
+    async def stats(self) -> EngineStats:
+        return await self._call("stats")
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        return await self._call("kv_snapshot")
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self._call("health"))
+        except WorkerUnavailableError:
+            return False
+
+    async def close(self) -> None:
+        """Stop the worker (its engine and KV serving), then its process."""
+        if self._lost is None and self._sock is not None:
+            try:
+                await asyncio.wait_for(self._call("shutdown"), STOP_TIMEOUT_S)
+            except (WorkerUnavailableError, asyncio.TimeoutError):
+                pass
+        self._lost = self._lost or "the worker was shut down"
+        if self._writer is not None:
+            self._writer.close()
+        elif self._sock is not None:
+            self._sock.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if self.process is not None:
+            await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+                await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
