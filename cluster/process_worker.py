@@ -39,8 +39,6 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # the child loads its model meanwhile
 STOP_TIMEOUT_S = 30.0
 _HEADER = struct.Struct("<I")
-CALLS = ("info", "submit", "next_outputs", "prefill", "stats", "kv_snapshot", "health",
-         "shutdown")
 
 
 @dataclass(frozen=True)
@@ -58,9 +56,13 @@ class ProcessWorkerSpec:
     cores_per_rank: int = 1
 
 
-def _send(sock: socket.socket, msg: object) -> None:
+def _frame(msg: object) -> bytes:
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    return _HEADER.pack(len(data)) + data
+
+
+def _send(sock: socket.socket, msg: object) -> None:
+    sock.sendall(_frame(msg))
 
 
 def _recv(sock: socket.socket) -> object:
@@ -81,11 +83,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 async def _read(reader: asyncio.StreamReader) -> object:
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
     return pickle.loads(await reader.readexactly(size))
-
-
-def _frame(msg: object) -> bytes:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
 
 
 # ---- the child ---------------------------------------------------------------------------------
@@ -173,7 +170,6 @@ class ProcessChannel(WorkerChannel):
         self.spec = spec
         self.worker_id = spec.worker_id
         self.process: mp.process.BaseProcess | None = None
-        self.info_at_start: WorkerInfo | None = None
         self._sock: socket.socket | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -203,7 +199,6 @@ class ProcessChannel(WorkerChannel):
             sock.close()
             self.process.join(10)
             raise RuntimeError(f"worker {self.worker_id} failed to start:\n{value}")
-        self.info_at_start = value  # type: ignore[assignment]
         self._sock = sock
         return self
 
