@@ -1,5 +1,6 @@
-"""Does disaggregation pay? The Ray app (`cleave serve`) in three layouts on the same cores and
-the same seeded workload, over a sweep of arrival rates:
+"""Does disaggregation pay? The Ray app (`cleave serve`; `--mode local`: the process-per-worker
+local mode, no Ray) in three layouts on the same cores and the same seeded workload, over a
+sweep of arrival rates:
 
 - aggregated: 2 workers that prefill and decode, each pinned to a core of its own;
 - disaggregated: 1 prefill + 1 decode worker on the same two cores, every prompt handed off
@@ -44,6 +45,7 @@ from pathlib import Path
 import yaml
 from loadgen import RequestResult, RequestSpec, percentiles_ms, run_load
 from results_io import RESULTS, command_line, emit
+from local_app import LocalApp
 from serving_ray import RayApp
 
 from cluster.cpu_affinity import affinity_of
@@ -145,12 +147,16 @@ def run_layout(layout: str, model: str, args: argparse.Namespace, vocab: int,
     sweep. Returns {"placement", "single" (or None), "runs": {rate: (results, duration)}}."""
     path = Path(tmp, f"{layout}.yaml")
     path.write_text(yaml.safe_dump(layout_config(layout, args.cores, args.threshold)))
-    app = RayApp(model, "model", config=str(path), num_cpus=len(args.cores) + 2).start()
+    if args.mode == "ray":
+        app = RayApp(model, "model", config=str(path), num_cpus=len(args.cores) + 2).start()
+        workers, routers = app.processes("EngineActor"), app.processes(
+            "ServeReplica:cleave:router")
+    else:
+        app = LocalApp(model, "model", config=str(path), num_workers=2).start()
+        workers, routers = app.processes(), [app.pid]
     try:
-        placement = {"engine_actors": {pid: list(affinity_of(pid))
-                                       for pid in app.processes("EngineActor")},
-                     "routers": {pid: list(affinity_of(pid))
-                                 for pid in app.processes("ServeReplica:cleave:router")}}
+        placement = {"workers": {pid: list(affinity_of(pid)) for pid in workers},
+                     "routers": {pid: list(affinity_of(pid)) for pid in routers}}
         print(f"{layout}: placement {placement}", file=sys.stderr)
         warm = workload(args, 4 / args.duration, vocab, 12345)[:4]
         run(app.base_url, [RequestSpec(s.prompt, 2, s.kind) for s in warm], math.inf, None, 0)
@@ -239,6 +245,9 @@ def main() -> dict:
                    help="the headline SLO's bound on a request's slowest gap, in single-request "
                         "ITLs (goodput at 2, 5, 10, 20 and 40 is reported too)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=("ray", "local"), default="ray",
+                   help="ray: `cleave serve`; local: `cleave serve --in-process "
+                        "--process-per-worker` (each worker its own process, no Ray)")
     p.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS),
                    help="a subset to look at one (aggregated first: it sets the SLO)")
     p.add_argument("--out", default=str(RESULTS / "disagg_goodput.json"))
