@@ -91,3 +91,44 @@ def test_process_per_worker_pins_each_worker_and_serves_the_same_greedy_text(tin
         server.stop()
     assert all(not c.process.is_alive() for c in channels)
     claim_cores(cores, len(cores)).release()  # every core is free again
+
+
+def test_a_killed_worker_process_loses_no_stream(tiny_model):
+    """Two aggregated workers in processes of their own: the one streaming a request is
+    killed mid-stream; the stream moves to the other and the client gets the whole text."""
+    import json
+    import os
+    import signal
+
+    import httpx
+
+    from tests.cluster.conftest import free_ports
+    from workers import LLM, SamplingParams
+
+    http, grpc = free_ports(2)
+    config = CleaveConfig.parse({
+        "model": {"path": tiny_model, "served_model_name": "tiny"},
+        "pools": {"aggregated": {"replicas": {"min": 2, "max": 2, "initial": 2},
+                                 "engine": {"num_blocks": 128}}},
+        "router": {"http_port": http, "grpc_port": grpc}})
+    prompt, max_tokens = "a stream that outlives its worker", 200
+    expected = LLM(tiny_model).generate([prompt], SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0].outputs[0].text
+    server = LocalServer(in_process_plan(config, tiny_model), process_per_worker=True).start()
+    try:
+        text, killed = "", None
+        with httpx.stream("POST", f"http://127.0.0.1:{http}/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if killed is None and len(text) > 10:
+                    (wid,) = server.router.counters.first_tokens_by_worker
+                    killed = next(c.channel for c in server.clients if c.worker_id == wid)
+                    os.kill(killed.pid, signal.SIGKILL)
+        assert killed is not None and text == expected
+        assert server.router.counters.fallbacks.get("decode_worker_failed") == 1
+    finally:
+        server.stop()
