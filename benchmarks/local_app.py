@@ -4,16 +4,14 @@ the router in one process, each worker in a process of its own (pinned by its po
 
 from __future__ import annotations
 
-import signal
 import subprocess
-import threading
 import time
 
 import httpx
-from serving_ray import CLEAVE, free_ports
+from serving_ray import CLEAVE, ServerProcess, free_ports
 
 
-class LocalApp:
+class LocalApp(ServerProcess):
     """`start()` returns once `/health` reports every worker; `stop()` sends SIGTERM and
     waits (then kills)."""
 
@@ -25,22 +23,14 @@ class LocalApp:
                         config, "--model", model, "--served-model-name", served_model_name,
                         "--port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                         "--device", "cpu"]
-        self._proc: subprocess.Popen | None = None
-        self._stderr: list[str] = []
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout_s: float = 300.0) -> LocalApp:
-        self._proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True)
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._spawn()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"cleave serve exited with {self._proc.returncode}: "
-                                   f"{''.join(self._stderr)[-2000:]}")
+                                   f"{self.stderr_tail()}")
             try:
                 health = httpx.get(f"{self.base_url}/health", timeout=2).json()
                 if len(health.get("healthy_workers", ())) == self.num_workers:
@@ -50,11 +40,6 @@ class LocalApp:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"cleave serve not ready within {timeout_s:.0f}s")
-
-    def _drain(self) -> None:
-        for line in self._proc.stderr:
-            self._stderr.append(line)
-            del self._stderr[:-200]
 
     @property
     def pid(self) -> int:
@@ -69,13 +54,4 @@ class LocalApp:
                       if name in line)
 
     def stop(self, timeout_s: float = 60.0) -> dict:
-        code = None
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.send_signal(signal.SIGTERM)
-            try:
-                code = self._proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                code = self._proc.wait()
-        return {"exit_code": code}
+        return {"exit_code": self._terminate(timeout_s)}

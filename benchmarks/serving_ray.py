@@ -58,7 +58,46 @@ def ray_processes(marker: str = "") -> set[int]:
     return ours
 
 
-class RayApp:
+class ServerProcess:
+    """A `cleave serve` subprocess: its stderr drained on a thread (the last 200 lines kept,
+    so a chatty server never blocks on a full pipe), stopped with SIGTERM."""
+
+    command: list[str]
+    http_port: int
+    _proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def _spawn(self, env: dict[str, str] | None = None, stdout: int = subprocess.DEVNULL) -> None:
+        self._stderr: list[str] = []
+        self._proc = subprocess.Popen(self.command, env=env, stdout=stdout,
+                                      stderr=subprocess.PIPE, text=True)
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+
+    def _drain_stderr(self) -> None:
+        for line in self._proc.stderr:
+            self._stderr.append(line)
+            del self._stderr[:-200]
+
+    def stderr_tail(self, chars: int = 2000) -> str:
+        return "".join(self._stderr)[-chars:]
+
+    def _terminate(self, timeout_s: float) -> int | None:
+        """SIGTERM, wait up to `timeout_s`, then kill; the exit code (None: never started)."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            return self._proc.wait()
+
+
+class RayApp(ServerProcess):
     """`cleave serve` with `prefill` prefill and `decode` decode replicas of `model`, on a local
     Ray of `num_cpus` logical CPUs. `start()` returns once it prints its ready message; `stop()`
     sends SIGTERM and waits until its Ray processes are gone (returns any it had to kill)."""
@@ -79,21 +118,12 @@ class RayApp:
                         served_model_name, "--port", str(self.http_port), "--grpc-port",
                         str(self.grpc_port), *layout, "--num-cpus", str(num_cpus),
                         "--device", device, *extra_args]
-        self._proc: subprocess.Popen | None = None
-        self._stderr: list[str] = []
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout_s: float = 300.0) -> RayApp:
         env = dict(os.environ, RAY_TMPDIR=self._tmp, RAY_AUTH_MODE="disabled",
                    RAY_USAGE_STATS_ENABLED="0")
         env.pop("RAY_ADDRESS", None)  # its own local Ray, never a cluster this shell points at
-        self._proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
-        # drain stderr on a thread, so a chatty Ray never blocks the subprocess on a full pipe
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._spawn(env, stdout=subprocess.PIPE)
         ready, deadline = "", time.monotonic() + timeout_s
         try:
             while "curl" not in ready:  # the ready message ends with a curl to paste
@@ -111,14 +141,6 @@ class RayApp:
             raise
         return self
 
-    def _drain_stderr(self) -> None:
-        for line in self._proc.stderr:
-            self._stderr.append(line)
-            del self._stderr[:-200]
-
-    def stderr_tail(self, chars: int = 2000) -> str:
-        return "".join(self._stderr)[-chars:]
-
     def raylet_log_tail(self, chars: int = 1500) -> str:
         """The end of this app's raylet log (why Ray went away, when it did)."""
         logs = sorted(Path(self._tmp).glob("ray/session_*/logs/raylet.out"))
@@ -127,15 +149,7 @@ class RayApp:
     def stop(self, timeout_s: float = 120.0) -> dict:
         """SIGTERM, wait, then end (by pid) any Ray process of this app still running after
         30 s. Returns {"exit_code", "killed_ray_pids"}; idempotent."""
-        code = None
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.send_signal(signal.SIGTERM)
-            try:
-                code = self._proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                code = self._proc.wait()
+        code = self._terminate(timeout_s)
         deadline = time.monotonic() + 30
         while (left := ray_processes(self._tmp)) and time.monotonic() < deadline:
             time.sleep(0.5)
