@@ -15,7 +15,7 @@ that look at a few loads by hand. Any sequence of `WorkerLoad`s becomes a table
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -82,6 +82,51 @@ class LoadTable(Sequence[WorkerLoad]):
                    np.array([x.num_pending_prompt_tokens for x in loads], dtype=np.int64),
                    np.array([x.healthy for x in loads], dtype=bool),
                    np.ones(len(ids), dtype=bool), np.arange(len(ids)), index)
+
+    @classmethod
+    def empty(cls) -> LoadTable:
+        """A table of no rows, to `add` workers to."""
+        return cls([], *(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.float64,
+                                                         np.int64, bool, bool)),
+                   np.zeros(0, dtype=np.int64), {})
+
+    # ---- kept by the router's worker set (one table, rows updated in place) -----------------
+
+    _COLUMNS = ("waiting", "running", "kv_usage", "pending", "healthy", "present")
+
+    def add(self, worker_id: str) -> int:
+        """A new row for `worker_id` (idle, healthy, present; the columns grow by doubling).
+        Rows are never reused. `rows` is left as it is."""
+        row = len(self.ids)
+        if row == len(self.waiting):
+            for name in self._COLUMNS:
+                grown = np.zeros(max(16, 2 * row), dtype=getattr(self, name).dtype)
+                grown[:row] = getattr(self, name)[:row]
+                setattr(self, name, grown)
+        self.ids.append(worker_id)
+        self.index[worker_id] = row
+        self.healthy[row] = self.present[row] = True
+        return row
+
+    def remove(self, worker_id: str) -> None:
+        """`worker_id`'s row is no longer present (tables read before still name it)."""
+        row = self.index.pop(worker_id)
+        self.ids[row] = None
+        self.present[row] = self.healthy[row] = False
+
+    def report(self, worker_id: str, waiting: int, running: int, kv_usage: float,
+               pending: int, healthy: bool) -> None:
+        """A worker's reported load replaces its row."""
+        row = self.index.get(worker_id)
+        if row is not None:
+            self.waiting[row], self.running[row] = waiting, running
+            self.kv_usage[row] = min(1.0, max(0.0, kv_usage))
+            self.pending[row], self.healthy[row] = pending, healthy
+
+    def rows_of(self, worker_ids: Iterable[str]) -> np.ndarray:
+        """The rows of those of `worker_ids` that have one, ascending."""
+        return np.array(sorted(self.index[w] for w in worker_ids if w in self.index),
+                        dtype=np.int64)
 
     # ---- as a sequence of records --------------------------------------------------------
 

@@ -44,12 +44,10 @@ class WorkerSet:
         self._infos: dict[str, WorkerInfo] = {}
         self._model: WorkerInfo | None = None  # the first worker's: the model as served
         self._stats: dict[str, EngineStats] = {}
-        self._table = LoadTable([], *(np.zeros(0, dtype=t) for t in (
-            np.int64, np.int64, np.float64, np.int64, bool, bool)), np.zeros(0, dtype=np.int64),
-            {})
+        self._table = LoadTable.empty()
         self._pools: dict[tuple[WorkerRole, ...], np.ndarray] = {}  # roles -> rows, ascending
         for wid in self.clients:
-            self._add_row(wid)
+            self._table.add(wid)
         self._resyncing: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -82,7 +80,8 @@ class WorkerSet:
         self.clients[wid] = client
         self._infos[wid] = info
         self._model = self._model or info
-        self._add_row(wid)
+        self._table.add(wid)
+        self._pools.clear()
         await self._seed(client)
 
     async def remove(self, worker_id: str) -> None:
@@ -92,10 +91,7 @@ class WorkerSet:
             return
         for table in (self._infos, self._stats):
             table.pop(worker_id, None)
-        t = self._table
-        row = t.index.pop(worker_id)
-        t.ids[row] = None
-        t.present[row] = t.healthy[row] = False
+        self._table.remove(worker_id)
         self._pools.clear()
         self.draining.discard(worker_id)
         self.index.remove_worker(worker_id)
@@ -105,22 +101,6 @@ class WorkerSet:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _add_row(self, worker_id: str) -> None:
-        """A row for a new worker (the columns grow by doubling): idle, healthy, present."""
-        t = self._table
-        row = len(t.ids)
-        if row == len(t.waiting):
-            size = max(16, 2 * row)
-            for name in ("waiting", "running", "kv_usage", "pending", "healthy", "present"):
-                old = getattr(t, name)
-                grown = np.zeros(size, dtype=old.dtype)
-                grown[:row] = old
-                setattr(t, name, grown)
-        t.ids.append(worker_id)
-        t.index[worker_id] = row
-        t.healthy[row] = t.present[row] = True
-        self._pools.clear()
 
     async def _seed(self, client: WorkerClient) -> None:
         """The worker's prefix cache and load as of now; then its pushed updates."""
@@ -170,18 +150,15 @@ class WorkerSet:
     def loads(self, worker_ids: Sequence[str] | None = None) -> LoadTable:
         """The loads of `worker_ids` (default: every worker) as last reported plus the
         requests routed to them since; draining and unreachable workers are unhealthy."""
-        t = self._table
         ids = list(self.clients) if worker_ids is None else worker_ids
-        return self._readable(t.select(np.array(sorted(t.index[w] for w in ids
-                                                       if w in t.index), dtype=np.int64)))
+        return self._readable(self._table.select(self._table.rows_of(ids)))
 
     def pool_loads(self, *roles: WorkerRole) -> LoadTable:
         """`loads(pool(*roles))` without a step per worker: the pool's rows are kept until
         the membership changes."""
         rows = self._pools.get(roles)
         if rows is None:
-            rows = self._pools[roles] = np.array(sorted(
-                self._table.index[w] for w in self.pool(*roles)), dtype=np.int64)
+            rows = self._pools[roles] = self._table.rows_of(self.pool(*roles))
         return self._readable(self._table.select(rows))
 
     def _readable(self, table: LoadTable) -> LoadTable:
@@ -225,17 +202,14 @@ class WorkerSet:
 
     def on_outputs(self, worker_id: str, kv_events: Sequence[KVEvent],
                    stats: EngineStats) -> None:
-        row = self._table.index.get(worker_id)
-        if row is None:
+        if worker_id not in self.clients:
             return
         self._stats[worker_id] = stats
-        t = self._table  # requests routed there since the last report are in this one
-        t.waiting[row] = stats.num_waiting + stats.num_waiting_for_kv
-        t.running[row] = stats.num_running
-        t.kv_usage[row] = min(1.0, max(0.0, stats.kv_usage))
-        t.pending[row] = stats.num_pending_prompt_tokens
-        # a worker whose engine reports a stalled step or a dead rank takes no new requests
-        t.healthy[row] = stats.healthy
+        # requests routed there since the last report are in this one; a worker whose engine
+        # reports a stalled step or a dead rank takes no new requests
+        self._table.report(worker_id, stats.num_waiting + stats.num_waiting_for_kv,
+                           stats.num_running, stats.kv_usage, stats.num_pending_prompt_tokens,
+                           stats.healthy)
         if kv_events:
             self.index.apply(worker_id, kv_events)
             if self.index.needs_resync(worker_id) and worker_id not in self._resyncing:
