@@ -91,6 +91,13 @@ def claim_cores(allowed: Sequence[int], count: int) -> CoreClaim:
     return CoreClaim(tuple(sorted(got)), fds)
 
 
+def claim_and_pin(allowed: Sequence[int], count: int) -> CoreClaim:
+    """`claim_cores`, then this process pinned to the claimed cores (`pin_process`)."""
+    claim = claim_cores(allowed, count)
+    pin_process(claim.cores)
+    return claim
+
+
 def pin_process(cores: Iterable[int], torch_threads: bool = True) -> tuple[int, ...]:
     """Every thread of this process onto `cores`; torch's intra-op threads to their number
     (`torch_threads`). Returns the cores, ascending."""

@@ -81,10 +81,9 @@ class EngineActor:
                               else None)
         self._cores = None  # the ranks run here: this process holds their cores
         if spec.cpu_affinity is not None and self.rank_launcher is None:
-            from cluster.cpu_affinity import claim_cores, pin_process
+            from cluster.cpu_affinity import claim_and_pin
 
-            self._cores = claim_cores(spec.cpu_affinity, spec.cores_per_rank)
-            pin_process(self._cores.cores)
+            self._cores = claim_and_pin(spec.cpu_affinity, spec.cores_per_rank)
             logger.info("worker %s pinned to cores %s", spec.worker_id, self._cores.cores)
         host = ray.util.get_node_ip_address()
         self.worker = Worker.from_config(spec.worker_id, config, spec.role,

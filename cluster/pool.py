@@ -26,7 +26,7 @@ from cluster.engine_actor import ActorInfo, EngineActor, EngineSpec
 from cluster.settings import (
     engine_config,
     model_path,
-    pool_plans,
+    pool_cores,
     torch_threads,
     worker_options,
 )
@@ -44,10 +44,10 @@ def engine_spec(config: CleaveConfig, pool: str, worker_id: str) -> EngineSpec:
     engine = engine_config(config, pool, model_path(config))
     worker = worker_options(config, pool)
     settings: PoolSettings = getattr(config.pools, pool)
-    plan = next(p for p in pool_plans(config, model_path(config)) if p.name == pool)
+    cores, per_rank = pool_cores(settings)
     return EngineSpec(worker_id, POOL_ROLES[pool], engine, worker,
-                      torch_threads=torch_threads(settings), cpu_affinity=plan.cpu_affinity,
-                      cores_per_rank=plan.cores_per_rank)
+                      torch_threads=torch_threads(settings), cpu_affinity=cores,
+                      cores_per_rank=per_rank)
 
 
 def engine_actor_options(settings: PoolSettings, pg: PlacementGroup | None) -> dict[str, Any]:

@@ -97,10 +97,9 @@ def child_main(spec: ProcessWorkerSpec, port: int, token: bytes) -> None:
 
         torch.set_num_threads(1)
         if spec.cpu_affinity is not None:
-            from cluster.cpu_affinity import claim_cores, pin_process
+            from cluster.cpu_affinity import claim_and_pin
 
-            claim = claim_cores(spec.cpu_affinity, spec.cores_per_rank)
-            pin_process(claim.cores)
+            claim_and_pin(spec.cpu_affinity, spec.cores_per_rank)
         asyncio.run(_serve(spec, sock))
     except BaseException:  # noqa: BLE001 - reported to the parent while it can hear
         try:

@@ -105,10 +105,9 @@ class RankActor:
         self.rank = rank
         self._cores = None
         if cpu_affinity is not None:
-            from cluster.cpu_affinity import claim_cores, pin_process
+            from cluster.cpu_affinity import claim_and_pin
 
-            self._cores = claim_cores(cpu_affinity, cores)
-            pin_process(self._cores.cores)
+            self._cores = claim_and_pin(cpu_affinity, cores)
 
     def __repr__(self) -> str:  # Ray's name for the actor (`ray list actors`, logs)
         return f"RankActor(rank={self.rank})"

@@ -151,12 +151,17 @@ def worker_options(config: CleaveConfig, pool: str) -> WorkerOptions:
                          p.max_waiting_requests)
 
 
+def pool_cores(pool: PoolSettings) -> tuple[tuple[int, ...] | None, int]:
+    """A pool's `cpu_affinity` (None: unpinned) and the cores each of its ranks claims."""
+    cores = tuple(pool.cpu_affinity) if pool.cpu_affinity is not None else None
+    return cores, pool.cores_per_rank
+
+
 def pool_plans(config: CleaveConfig, model_path: str) -> tuple[PoolPlan, ...]:
     """The pools present, in `POOL_NAMES` order."""
     return tuple(PoolPlan(name, POOL_ROLES[name], p.replicas.start,
                           engine_config(config, name, model_path), worker_options(config, name),
-                          tuple(p.cpu_affinity) if p.cpu_affinity is not None else None,
-                          p.cores_per_rank)
+                          *pool_cores(p))
                  for name, p in config.pools.items())
 
 
