@@ -124,7 +124,8 @@ async def send(client: httpx.AsyncClient, url: str, model: str, spec: RequestSpe
 async def run_load(base_url: str, model: str, specs: list[RequestSpec], request_rate: float,
                    max_concurrency: int | None = None, api_key: str = "EMPTY",
                    ignore_eos: bool = True, seed: int = 0,
-                   time_limit_s: float | None = None) -> tuple[list[RequestResult], float]:
+                   time_limit_s: float | None = None,
+                   keep_alive: bool = True) -> tuple[list[RequestResult], float]:
     """Send `specs` (Poisson arrivals at `request_rate`/s; inf: all at once), at most
     `max_concurrency` in flight; requests not started within `time_limit_s` are not sent.
     Returns the results in spec order and the wall time (s) from the first send to the last
@@ -137,7 +138,11 @@ async def run_load(base_url: str, model: str, specs: list[RequestSpec], request_
     limit = asyncio.Semaphore(max_concurrency or max(1, len(specs)))
     url = base_url.rstrip("/") + "/v1/completions"
     timeout = httpx.Timeout(600.0, connect=30.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # keep_alive=False: a fresh connection per request, for servers that close a connection
+    # after a few requests (llama.cpp's cpp-httplib), which a reused connection then meets as
+    # "disconnected without a response"
+    limits = httpx.Limits(max_connections=None,
+                          max_keepalive_connections=None if keep_alive else 0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits,
                                  headers={"Authorization": f"Bearer {api_key}"}) as client:
         start = time.perf_counter()
@@ -176,6 +181,7 @@ class Workload:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     api_key: str = field(default="EMPTY", repr=False)
+    keep_alive: bool = True  # reuse connections between requests
 
     def specs(self, vocab_size: int) -> list[RequestSpec]:
         return make_workload(self.kind, self.num_prompts, self.input_len, self.output_len,
@@ -200,11 +206,12 @@ def measure(base_url: str, model: str, workload: Workload, rate: float,
     loop). Returns (summary, results)."""
     if workload.warmup:
         asyncio.run(run_load(base_url, model, workload.warmup_specs(vocab_size), math.inf, None,
-                             workload.api_key, workload.ignore_eos))
+                             workload.api_key, workload.ignore_eos,
+                             keep_alive=workload.keep_alive))
     cpu0 = time.process_time()
     results, duration = asyncio.run(run_load(
         base_url, model, workload.specs(vocab_size), rate, workload.max_concurrency,
-        workload.api_key, workload.ignore_eos, workload.seed, time_limit_s))
+        workload.api_key, workload.ignore_eos, workload.seed, time_limit_s, workload.keep_alive))
     cpu = time.process_time() - cpu0
     summary = summarize(results, duration, workload.slo_ttft_ms, workload.slo_tpot_ms)
     # this process's CPU time over the run's wall time: near 1 (one core), the client itself

@@ -179,15 +179,16 @@ def run_inprocess(model: str, sweep: Sweep, vocab_size: int, layer: str,
 
 
 @contextlib.contextmanager
-def inprocess_server(model: str, layout: dict, threshold: int,
-                     torch_threads: int) -> Iterator[tuple[str, str]]:
-    """A `LocalServer` of `layout` in a child process, as (base URL, model name): the load
-    generator then shares no interpreter (GIL) with the router and engines, as with the Ray
-    app. Stopped on exit."""
+def inprocess_server(model: str, layout: dict, threshold: int, torch_threads: int,
+                     engine: dict | None = None) -> Iterator[tuple[str, str]]:
+    """A `LocalServer` of `layout` (`engine`: EngineConfig options) in a child process, as
+    (base URL, model name): the load generator then shares no interpreter (GIL) with the
+    router and engines, as with the Ray app. Stopped on exit."""
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_serve_in_child, daemon=True, name="cleave-inprocess",
-                        args=(model, layout, threshold, torch_threads, child_conn))
+                        args=(model, layout, threshold, torch_threads, child_conn,
+                              engine or {}))
     child.start()
     child_conn.close()  # the child's end: recv() then sees EOF if the child dies
     try:
@@ -203,7 +204,7 @@ def inprocess_server(model: str, layout: dict, threshold: int,
 
 
 def _serve_in_child(model: str, layout: dict, threshold: int, torch_threads: int,
-                    conn: Connection) -> None:
+                    conn: Connection, engine: dict) -> None:
     """A `LocalServer` until `conn` closes; sends (HTTP port, model name) once it listens."""
     import torch
 
@@ -213,7 +214,7 @@ def _serve_in_child(model: str, layout: dict, threshold: int, torch_threads: int
         torch.set_num_threads(torch_threads)
     server = LocalServer(LocalServeConfig(
         model, http_port=0, grpc_port=0, router={"disagg_threshold_tokens": threshold},
-        **layout)).start(timeout_s=300)
+        engine=engine, **layout)).start(timeout_s=300)
     try:
         conn.send((server.http_port, server.router.model_name))
         try:

@@ -16,6 +16,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
     p.add_argument("--load-format", default=None, help="auto, safetensors or dummy")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="auto, float32, bfloat16, float16, int8 or fp8")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -45,6 +47,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _engine_options(args: argparse.Namespace) -> dict:
     """The `EngineConfig` fields given on the command line."""
     given = dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
+                 kv_cache_dtype=args.kv_cache_dtype,
                  max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens,
                  enable_prefix_caching=False if args.no_prefix_caching else None)
@@ -118,6 +121,36 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from workers.quant.writer import quantize_checkpoint
+
+    out = quantize_checkpoint(
+        args.model, args.out, args.format, bits=args.bits,
+        group_size=None if args.group_size <= 0 else args.group_size,
+        symmetric=not args.asymmetric, act_order=args.act_order,
+        block=None if args.block <= 0 else args.block)
+    print(out)
+    return 0
+
+
+def _add_quantize_parser(sub: argparse._SubParsersAction) -> None:
+    quantize = sub.add_parser("quantize", help=(
+        "write a full-precision checkpoint in a quantized format (round-to-nearest): GPTQ, "
+        "AWQ, compressed-tensors or FP8"))
+    quantize.add_argument("--model", required=True, help="the full-precision checkpoint folder")
+    quantize.add_argument("--out", required=True, help="output folder")
+    quantize.add_argument("--format", required=True, choices=[
+        "gptq", "awq", "compressed-tensors", "compressed-tensors-fp8", "fp8"])
+    quantize.add_argument("--bits", type=int, default=4, help="4 or 8 (integer formats)")
+    quantize.add_argument("--group-size", type=int, default=128,
+                          help="input columns per scale; -1 for one per output channel")
+    quantize.add_argument("--asymmetric", action="store_true", help="store zero points")
+    quantize.add_argument("--act-order", action="store_true", help="gptq: act-order groups")
+    quantize.add_argument("--block", type=int, default=128,
+                          help="fp8: scale block (rows and columns); -1 for one per tensor")
+    quantize.set_defaults(func=_cmd_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cleave", description=(
         "Cleave: LLM serving with disaggregated prefill and decode."))
@@ -170,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--no-weights", action="store_true",
                       help="write config and tokenizer only; serve with --load-format dummy")
     make.set_defaults(func=_cmd_make_model)
+
+    _add_quantize_parser(sub)
     return parser
 
 

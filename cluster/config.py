@@ -117,6 +117,12 @@ class EngineSettings(_Strict):
     block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(
         default_of(EngineConfig, "block_size"), description=(
             "Tokens per KV block; the same in every pool."))
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8",
+                            "fp8_e4m3"] = Field(
+        default_of(EngineConfig, "kv_cache_dtype"), description=(
+            "KV-cache element type; the same in every pool. auto: the model's dtype. int8 / "
+            "fp8 (e4m3): 8 bits with a scale per token and head, about twice the blocks in "
+            "the same bytes; read by the torch and cpu attention backends."))
     kv_cache_memory_bytes: int | None = Field(
         default_of(EngineConfig, "kv_cache_memory_bytes"), gt=0, description=(
             "KV-cache budget per rank; default 512 MiB on CPU, from gpu_memory_utilization on "
@@ -268,10 +274,11 @@ class PoolsSettings(_Strict):
                     used = _UNUSED_TARGETS["decode" if name == "prefill" else "prefill"]
                     raise ValueError(f"{name}.autoscaling.{field}={value}: the {name} pool "
                                      f"scales on {' and '.join(used)}")
-        sizes = {b.engine.block_size for _, b in self.items()}
-        if len(sizes) > 1:
-            raise ValueError(f"every pool must use the same engine.block_size, got "
-                             f"{sorted(sizes)}")
+        for field in ("block_size", "kv_cache_dtype"):  # KV handed off block for block
+            values = {getattr(b.engine, field) for _, b in self.items()}
+            if len(values) > 1:
+                raise ValueError(f"every pool must use the same engine.{field}, got "
+                                 f"{sorted(values)}")
         return self
 
     def items(self) -> list[tuple[str, PoolSettings]]:

@@ -21,6 +21,7 @@ _POOL_FLAGS = {"tensor_parallel_size": ("", "tp"), "pipeline_parallel_size": (""
                "max_num_batched_tokens": ("engine", "max_num_batched_tokens"),
                "num_gpu_blocks_override": ("engine", "num_blocks"),
                "attention_backend": ("engine", "attention_backend"),
+               "kv_cache_dtype": ("engine", "kv_cache_dtype"),
                "max_cuda_graph_batch_size": ("engine", "max_cuda_graph_batch_size")}
 _MODEL_FLAGS = {"model": "path", "served_model_name": "served_model_name", "dtype": "dtype",
                 "max_model_len": "max_model_len", "load_format": "load_format"}
@@ -48,6 +49,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--attention-backend", default=None, help="auto, torch, cpu or triton")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="auto, float32, bfloat16, float16, int8 or fp8 (8 bits, a scale per "
+                        "token and head)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU: no CUDA graphs for decode steps")
     p.add_argument("--max-cuda-graph-batch-size", type=int, default=None)

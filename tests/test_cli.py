@@ -30,6 +30,23 @@ def test_make_model_then_generate_from_it(tmp_path):
     assert line["prompt"] == "hi" and len(line["token_ids"]) == 5
 
 
+def test_quantize_then_generate_from_it(tmp_path, tiny_model):
+    out = tmp_path / "awq"
+    made = run("quantize", "--model", tiny_model, "--out", str(out), "--format", "awq",
+               "--group-size", "32", "--asymmetric", env_dir=tmp_path)
+    assert made.returncode == 0, made.stderr
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "awq" and config["group_size"] == 32
+    assert (out / "tokenizer.json").exists()
+    gen = run("generate", "--model", str(out), "--dtype", "bfloat16", "--prompt", "hi",
+              "--max-tokens", "5", "--ignore-eos", env_dir=tmp_path)
+    assert gen.returncode == 0, gen.stderr
+    assert len(json.loads(gen.stdout.splitlines()[0])["token_ids"]) == 5
+    bad = run("quantize", "--model", tiny_model, "--out", str(tmp_path / "x"), "--format",
+              "gptq", "--group-size", "100", env_dir=tmp_path)
+    assert bad.returncode == 2 and "not a multiple of group_size 100" in bad.stderr
+
+
 def test_generate_defaults_to_the_embedded_model(tmp_path):
     gen = run("generate", "--max-tokens", "3", env_dir=tmp_path)
     assert gen.returncode == 0, gen.stderr

@@ -11,6 +11,10 @@ def _require(ok: bool, message: str) -> None:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# full precision (auto: the model's dtype) or 8 bits with a scale per token and head
+# (workers.attention.kv_quant)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # KV budget; default 512 MiB on CPU
     gpu_memory_utilization: float = 0.9  # on GPU: fraction of free memory (after loading) for KV
     num_blocks: int | None = None  # overrides the budget: exactly this many KV blocks
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16, float16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16, float16, int8, fp8
     max_num_seqs: int = 128  # running sequences at most
     max_num_batched_tokens: int = 2048  # new tokens per step at most (chunked-prefill budget)
     enable_prefix_caching: bool = True
@@ -68,11 +72,20 @@ class EngineConfig:
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
                  f"{self.attention_backend!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _require(not (self.quantized_kv_cache and self.attention_backend == "triton"),
+                 f"kv_cache_dtype {self.kv_cache_dtype!r} is read by the torch and cpu attention "
+                 "backends; the triton backend does not read 8-bit caches yet")
         _require(self.max_cuda_graph_batch_size >= 0,
                  f"max_cuda_graph_batch_size must be at least 0 (0: no CUDA graphs), got "
                  f"{self.max_cuda_graph_batch_size}")
         _require(self.rank_timeout_s > 0,
                  f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
+
+    @property
+    def quantized_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in QUANTIZED_KV_CACHE_DTYPES
 
     @property
     def world_size(self) -> int:
@@ -99,4 +112,6 @@ class EngineConfig:
             return "cpu" if cpu_backend.available() else "torch"
         import importlib.util
 
+        if self.quantized_kv_cache:  # the Triton kernels read full-precision caches only
+            return "torch"
         return "triton" if importlib.util.find_spec("triton") is not None else "torch"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers import assembly
+from workers.attention.kv_quant import KV_QUANT_DTYPES
 from workers.config import EngineConfig
 from workers.grammar import Grammars
 from workers.kv_cache import KVCacheManager
@@ -68,8 +69,9 @@ class Engine:
         check_parallel(config, mc, torch.cuda.device_count()
                        if self.device.type == "cuda" and assembly.spawns_ranks(rank_launcher)
                        else None)
-        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
-            config.kv_cache_dtype, mc)
+        kv_dtype = (self.dtype if config.kv_cache_dtype == "auto"
+                    else KV_QUANT_DTYPES.get(config.kv_cache_dtype)
+                    or resolve_dtype(config.kv_cache_dtype, mc))
         spec = KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.kv_cache_heads,
                            mc.kv_cache_head_dim, kv_dtype, latent=mc.mla is not None)
         # loaded first: on a GPU the KV budget is what the weights and a profiled step leave

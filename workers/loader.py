@@ -19,7 +19,10 @@ from workers.attention.backend import AttentionBackend
 from workers.checkpoint_shapes import random_weights
 from workers.model_config import ModelConfig
 from workers.models import get_model_class
-from workers.models.layers import Shard, WeightShapeError
+from workers.models.layers import LINEAR_LAYERS, Shard, WeightShapeError
+from workers.quant.decode import QuantizedTensorError, decode_checkpoint
+from workers.quant.linear import prepare_layers, quantize_layers
+from workers.quant.scheme import QuantScheme
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -62,19 +65,25 @@ def load_model(
     model_class = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config, attn_backend, shard=shard or Shard(tp_rank, tp_size))
+    # "dummy" draws full-precision weights whatever the checkpoint's quantization
+    scheme = config.quantization if load_format != "dummy" else None
+    kept = quantize_layers(model, scheme, dtype, torch.device(device), LINEAR_LAYERS) \
+        if scheme is not None else set()
     error: str | None = None
     try:
         with torch.no_grad():
             if load_format == "dummy":
                 model.load_weights(random_weights(config, seed))
             else:
-                _load_safetensors(model, files, Path(path))  # type: ignore[arg-type]
+                _load_safetensors(model, files, Path(path), scheme, kept)  # type: ignore[arg-type]
     except WeightLoadError as e:
         error = str(e)
     if error is not None:
         # raised outside the except block so no traceback keeps the half-built model alive
         del model
         raise WeightLoadError(error)
+    if kept:
+        prepare_layers(model)
     return model.eval()
 
 
@@ -103,7 +112,8 @@ def find_safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(model: nn.Module, files: list[Path], folder: Path) -> None:
+def _load_safetensors(model: nn.Module, files: list[Path], folder: Path,
+                      scheme: QuantScheme | None = None, kept: set[str] | None = None) -> None:
     current: list[str] = ["", ""]  # (file, tensor) being read, for error messages
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,8 +123,11 @@ def _load_safetensors(model: nn.Module, files: list[Path], folder: Path) -> None
                     current[:] = [file.name, name]
                     yield name, f.get_tensor(name)
 
+    stream = tensors() if scheme is None else decode_checkpoint(tensors(), scheme, kept or set())
     try:
-        loaded = model.load_weights(tensors())
+        loaded = model.load_weights(stream)
+    except QuantizedTensorError as e:
+        raise WeightLoadError(f"{str(folder)!r}: {e}") from None
     except WeightShapeError as e:
         raise WeightLoadError(f"{current[0]} in {str(folder)!r}: {e}") from None
     except KeyError as e:

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from workers.dtypes import resolve_dtype
 from workers.mla_config import MLAConfig, parse_mla
 from workers.moe_config import MoEConfig, parse_moe
+from workers.quant.scheme import QuantScheme, parse_quantization
 from workers.rope_config import RopeScaling, layer_types, parse_local_rope, parse_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -76,6 +77,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attention_sinks: bool = False  # a learned sink logit per head (gpt-oss)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3)
+    quantization: QuantScheme | None = None  # how the checkpoint stores its weights
 
     @property
     def kv_cache_heads(self) -> int:
@@ -156,7 +158,6 @@ class ModelConfig:
         if hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; expected one of "
                              f"{list(_ACTIVATIONS)}")
-        _refuse_quantized(raw)
         gemma = model_type == "gemma3_text"
         rope = parse_rope(raw, _DEFAULT_THETA.get(model_type, 10_000.0))
         num_layers = int(raw["num_hidden_layers"])
@@ -195,6 +196,7 @@ class ModelConfig:
             **(dict(layer_types=layer_types(raw, num_layers, 2), attention_sinks=True)
                if model_type == "gpt_oss" else {}),
             mla=parse_mla(raw, model_type) if model_type.startswith("deepseek") else None,
+            quantization=parse_quantization(raw),
         )
 
 
@@ -266,14 +268,6 @@ def _gemma3(raw: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     return dict(layer_types=layer_types(raw, num_layers, 6),
                 local_rope_theta=parse_local_rope(raw, 10_000.0).theta,
                 query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256))
-
-
-def _refuse_quantized(raw: Mapping[str, Any]) -> None:
-    quantization = raw.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(f"quantized checkpoints are not supported yet (quantization_config "
-                         f"with quant_method {method!r}); expected full-precision weights")
 
 
 def _optional_float(value: Any) -> float | None:

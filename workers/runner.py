@@ -40,7 +40,8 @@ def allocate_kv_caches(spec: KVCacheSpec, device: torch.device) -> list[torch.Te
     """Per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]` (a latent: `[1, ...]`),
     zeroed; on the host backed by huge pages (faster same-node KV handoffs:
     `workers.kv_cache.host_memory`)."""
-    shape = (spec.planes, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (spec.planes, spec.num_blocks, spec.block_size, spec.num_kv_heads,
+             spec.cache_head_dim)
     return [host_memory.zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
 
 

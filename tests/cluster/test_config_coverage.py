@@ -187,9 +187,9 @@ def with_field(base: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[
     generic = _generic(path)
     if generic == "pools.*.ep":  # ep is 1 or tp
         node["tp"] = value
-    if generic == "pools.*.engine.block_size":  # the same in every pool
+    if generic in ("pools.*.engine.block_size", "pools.*.engine.kv_cache_dtype"):  # all pools
         for pool in data["pools"].values():
-            pool.setdefault("engine", {})["block_size"] = value
+            pool.setdefault("engine", {})[path[-1]] = value
     return data
 
 

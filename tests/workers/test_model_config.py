@@ -301,10 +301,15 @@ DEEPSEEK_V3 = {
 }
 
 
-@pytest.mark.parametrize("raw, method", [(GPT_OSS_20B, "mxfp4"), (DEEPSEEK_V3, "fp8")])
-def test_quantized_checkpoints_are_refused_naming_their_method(raw, method):
-    with pytest.raises(ValueError, match=f"quant_method '{method}'"):
-        ModelConfig.from_dict(raw)
+def test_mxfp4_checkpoints_are_refused_naming_their_method():
+    with pytest.raises(ValueError, match="quant_method 'mxfp4' is not supported"):
+        ModelConfig.from_dict(GPT_OSS_20B)
+
+
+def test_deepseek_v3_fp8_blocks_are_read_from_its_config():
+    scheme = ModelConfig.from_dict(DEEPSEEK_V3).quantization
+    assert scheme is not None and (scheme.kind, scheme.block) == ("fp8", (128, 128))
+    assert scheme.fp8_scale_name == "weight_scale_inv"
 
 
 def test_deepseek_v3_config_parses_as_transformers_reads_it(tmp_path: Path):

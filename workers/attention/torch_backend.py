@@ -11,17 +11,25 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
+from workers.attention.kv_quant import as_copyable, is_quantized, quantize_kv, read_kv
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V at their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]
-    (a latent cache, [1, ...], stores k only: its keys are its values)."""
+    (a latent cache, [1, ...], stores k only: its keys are its values; an 8-bit cache stores
+    each head's values and scale, `workers.attention.kv_quant`)."""
     planes, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(planes, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat = as_copyable(kv_cache).view(planes, num_blocks * block_size, num_kv_heads, head_dim)
+    if is_quantized(kv_cache.dtype):
+        def store(x: torch.Tensor) -> torch.Tensor:
+            return quantize_kv(x, kv_cache.dtype).view(flat.dtype)
+    else:
+        def store(x: torch.Tensor) -> torch.Tensor:
+            return x.to(kv_cache.dtype)
+    flat[0].index_copy_(0, slot_mapping, store(k))
     if planes == 2:
-        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, store(v))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -56,9 +64,11 @@ class TorchAttentionBackend(AttentionBackend):
     instance must not run two forwards at once (each model builds its own)."""
 
     name = "torch"
+    quantized_kv = True
 
     def __init__(self) -> None:
         self._gather_buf = torch.empty(0)
+        self._kv_dtype = torch.float32  # the dtype of the cache the current forward reads
 
     def _gather_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A scratch tensor of `numel` elements; reused (not reallocated) so the gathered context
@@ -72,6 +82,8 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        self._kv_dtype = kv_cache.dtype
+        kv_cache = as_copyable(kv_cache)  # 8-bit caches are read through read_kv
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -97,7 +109,7 @@ class TorchAttentionBackend(AttentionBackend):
                       start: int, end: int, scale: float, window: int | None,
                       sinks: torch.Tensor | None) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
-        planes, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        planes, num_blocks, block_size, num_kv_heads, stored_dim = kv_cache.shape
         group = num_heads // num_kv_heads
         max_len = max(meta.seq_lens_cpu[start:end])
         max_blocks = (max_len + block_size - 1) // block_size
@@ -109,9 +121,10 @@ class TorchAttentionBackend(AttentionBackend):
         for plane in range(planes):
             torch.index_select(blocks[plane], 0, tables, out=gathered[plane])
         # keys/values: [B, Hkv, L, D], L = max_blocks * block_size (a latent's are the same)
-        shape = (batch, max_blocks * block_size, num_kv_heads, head_dim)
-        keys = gathered[0].view(shape).transpose(1, 2).to(q.dtype)
-        values = gathered[-1].view(shape).transpose(1, 2).to(q.dtype)
+        shape = (batch, max_blocks * block_size, num_kv_heads, stored_dim)
+        keys = read_kv(gathered[0].view(shape), q.dtype, self._kv_dtype).transpose(1, 2)
+        values = (keys if planes == 1
+                  else read_kv(gathered[-1].view(shape), q.dtype, self._kv_dtype).transpose(1, 2))
         positions = torch.arange(keys.shape[2], device=q.device)
         lens = meta.seq_lens[start:end, None]
         mask = positions[None, :] < lens  # [B, L]
@@ -140,8 +153,12 @@ class TorchAttentionBackend(AttentionBackend):
             block_size = kv_cache.shape[2]
             skip = first_key // block_size
             key_start = skip * block_size
-            keys = gather_context(kv_cache[0], block_table[skip:], seq_len - key_start)
-            values = gather_context(kv_cache[-1], block_table[skip:], seq_len - key_start)
+            length = seq_len - key_start
+            keys = read_kv(gather_context(kv_cache[0], block_table[skip:], length), q.dtype,
+                           self._kv_dtype)
+            values = keys if kv_cache.shape[0] == 1 else read_kv(
+                gather_context(kv_cache[-1], block_table[skip:], length), q.dtype,
+                self._kv_dtype)
         mask = None
         if num_cached or (window is not None and window < query_len):
             key_pos = torch.arange(key_start, seq_len, device=q.device)

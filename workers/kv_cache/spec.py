@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.attention.kv_quant import storage_head_dim
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -23,7 +25,12 @@ class KVCacheSpec:
         return 1 if self.latent else 2
 
     @property
+    def cache_head_dim(self) -> int:
+        """The cache's last dimension: `head_dim`, plus an 8-bit cache's scale bytes."""
+        return storage_head_dim(self.head_dim, self.dtype)
+
+    @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, keys and values (or the latent)."""
         return (self.planes * self.num_layers * self.block_size * self.num_kv_heads
-                * self.head_dim * torch.empty((), dtype=self.dtype).element_size())
+                * self.cache_head_dim * torch.empty((), dtype=self.dtype).element_size())

@@ -179,6 +179,10 @@ class DeepseekV3ForCausalLM(MixtralForCausalLM):
     multi-token-prediction layers some checkpoints carry (indices past num_hidden_layers) are
     skipped by the loader as another stage's."""
 
+    # read as a matrix by the latent attention, never multiplied as a layer: a quantized
+    # checkpoint's copy is dequantized on load (workers.quant.linear)
+    dense_after_load = ("kv_b_proj",)
+
     def make_model(self, config: ModelConfig, attn_backend: AttentionBackend) -> LlamaModel:
         return LlamaModel(config, attn_backend, self.shard, self.make_mlp,
                           layer_cls=DeepseekV3DecoderLayer)

@@ -11,7 +11,6 @@ converting dtype and device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -80,6 +79,14 @@ def _sharded_copy(
     param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, start, size))
 
 
+def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) with the layer's weight, full-precision or quantized."""
+    if layer.quant is None:
+        return F.linear(x, layer.weight, bias)
+    out = layer.quant(layer, x)
+    return out if bias is None else out + bias
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split over ranks; output stays sharded."""
 
@@ -102,9 +109,11 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         _sharded_copy(param, loaded_weight, 0, self.tp_rank * size, size)
 
+    quant: object | None = None  # a quantized weight's matmul (workers.quant.linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size] -> [num_tokens, output_size / tp_size]
-        return F.linear(x, self.weight, self.bias)
+        return _linear(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -142,8 +151,10 @@ class ReplicatedLinear(nn.Module):
         self.weight = _make_param((output_size, input_size), default_weight_loader)
         self.bias = _make_param((output_size,), default_weight_loader) if bias else None
 
+    quant: object | None = None  # a quantized weight's matmul (workers.quant.linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return _linear(self, x, self.bias)
 
 
 def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
@@ -212,13 +223,17 @@ class RowParallelLinear(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        _check_shape(loaded_weight, (self.output_size, self.input_size), "row-parallel tensor")
-        size = self.input_size_per_rank
+        # the weight, or a quantized weight's per-group scales: split along the same columns
+        size = param.shape[1]
+        full = (self.output_size, size * self.tp_size)
+        _check_shape(loaded_weight, full, "row-parallel tensor")
         _sharded_copy(param, loaded_weight, 1, self.tp_rank * size, size)
+
+    quant: object | None = None  # a quantized weight's matmul (workers.quant.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size / tp_size] -> [num_tokens, output_size]
-        out = F.linear(x, self.weight)
+        out = _linear(self, x, None)
         if self.comm is not None and self.tp_size > 1:
             self.comm.all_reduce(out, self.site)
         if self.bias is not None:
@@ -226,53 +241,8 @@ class RowParallelLinear(nn.Module):
         return out
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding table with rows split over ranks (the last rank's shard is zero-padded)."""
-
-    def __init__(
-        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1,
-        comm: Communicator | None = None,
-    ) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.comm = _comm_for(comm, tp_size)
-        self.num_embeddings_per_rank = math.ceil(num_embeddings / tp_size)
-        self.vocab_start = tp_rank * self.num_embeddings_per_rank
-        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
-        self.weight = _make_param((self.num_embeddings_per_rank, embedding_dim), self.weight_loader)
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
-    ) -> None:
-        _check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), "vocab tensor")
-        size = self.vocab_end - self.vocab_start
-        if size < param.shape[0]:
-            param.data[size:].zero_()
-        _sharded_copy(param, loaded_weight, 0, self.vocab_start, size)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # input_ids: [num_tokens] -> [num_tokens, embedding_dim]
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
-        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
-        return self.comm.all_reduce(out, "embed")
-
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary; may share its weight with the input embedding."""
-
-    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        self.weight = embedding.weight
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> [N, num_embeddings]
-        logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            logits = self.comm.all_gather(logits, "lm_head", dim=-1)
-        return logits[..., : self.num_embeddings]
+# the layers whose weights a quantized checkpoint may keep quantized (workers.quant.linear)
+LINEAR_LAYERS = (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear)
 
 
 class RMSNorm(nn.Module):

@@ -19,15 +19,14 @@ from workers.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
 from workers.models.layers import (
     MergedColumnParallelLinear,
-    ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
     Shard,
-    VocabParallelEmbedding,
     WeightShapeError,
     _comm_for,
     kv_heads_per_rank,
 )
+from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 MlpFactory = Callable[[int], tuple[str, nn.Module]]  # layer index -> (name, MLP module)

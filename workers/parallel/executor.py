@@ -99,7 +99,7 @@ class GroupExecutor(ModelExecutor):
         num_layers, kv_dtype = spec.num_layers, spec.dtype
         # each rank holds its share of the KV heads; a latent is whole on every rank
         heads = spec.num_kv_heads if spec.latent else spec.num_kv_heads // tp
-        shape = (spec.planes, spec.num_blocks, spec.block_size, heads, spec.head_dim)
+        shape = (spec.planes, spec.num_blocks, spec.block_size, heads, spec.cache_head_dim)
         shared = SharedCaches(tp * num_layers, shape, kv_dtype) if options.device == "cpu" else None
         # [tp rank][layer]: `shape`, views of what the CPU ranks write; None: on the GPU ranks
         self.caches = (None if shared is None else

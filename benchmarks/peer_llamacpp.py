@@ -1,0 +1,213 @@
+"""Cleave against llama.cpp's server on the same weights, full precision and quantized, one run.
+
+The peer: `llama-server` built from the `llama-cpp-python` source distribution's vendored
+llama.cpp (downloaded from the package registry, built with cmake for this CPU, cached under
+`--cache`; not a dependency of Cleave). The weights: one `make-model` checkpoint (default the
+`small` preset, ~40M parameters, fp32) converted by llama.cpp's own `convert_hf_to_gguf.py` to
+F32 GGUF (its tokenizer check is bypassed: the prompts are token ids, so the tokenizer never
+runs) and quantized by `llama-quantize` to Q8_0 and Q4_0; for Cleave, the same checkpoint and
+`cleave quantize` copies in compressed-tensors int8 (one scale per output channel) and int4
+(groups of 32, as Q4_0's blocks). Pairs: fp32 against F32, int8 against Q8_0, int4 against
+Q4_0 (Cleave's quantized pairs run in bf16, where its packed kernels run).
+
+The workload (`benchmarks/serving.py`'s load generator, `loadgen.py`): random token-id prompts
+of `--input-len` tokens, `--output-len` tokens out (ignore_eos), streamed `/v1/completions` at a
+fixed concurrency (1, 8, 32), the same requests for both servers. Each server runs alone on the
+same cores: `llama-server -np 32 -t <threads>` and `cleave serve --in-process` (one aggregated
+worker, `<threads>` torch threads), each in a child process.
+
+Reported per pair and concurrency: output tokens/s, TTFT and ITL p50/p99 of both, and
+`cleave_vs_llamacpp_<pair>_c<c>_ratio` (output tokens/s, Cleave over llama.cpp), plus the
+inter-token latency p50 ratio at concurrency 1 (`..._itl_p50_c1_ratio`, Cleave over llama.cpp:
+under 1 is faster).
+
+Last line: one JSON object; also written to benchmarks/results/peer_llamacpp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+from loadgen import measure
+from results_io import RESULTS, command_line, emit
+from serving_layers import Sweep, inprocess_server
+from serving_ray import ServerProcess, free_ports
+
+VERSION = "0.3.36"  # llama-cpp-python's sdist (its vendored llama.cpp)
+PAIRS = {  # name: (cleave checkpoint, cleave dtype, llama.cpp GGUF type)
+    "fp32": ("fp32", "float32", "f32"),
+    "int8": ("int8", "bfloat16", "q8_0"),
+    "int4": ("int4", "bfloat16", "q4_0"),
+}
+_CONVERT = '''import runpy, sys
+from pathlib import Path
+root = Path(sys.argv[1]); sys.path.insert(0, str(root)); sys.path.insert(1, str(root / "gguf-py"))
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+def _no_sentencepiece(self, *args, **kwargs):
+    raise FileNotFoundError("a tokenizer.json model")
+base.TextModel._set_vocab_sentencepiece = _no_sentencepiece
+sys.argv = [str(root / "convert_hf_to_gguf.py"), *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def llama_cpp(cache: Path) -> Path:
+    """The vendored llama.cpp source tree with `build/bin/llama-server` built (cached)."""
+    tree = cache / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+    if (tree / "build" / "bin" / "llama-server").exists():
+        return tree
+    sdist = cache / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", f"llama-cpp-python=={VERSION}", "-d", str(cache)], check=True)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(cache, filter="data")
+    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF"], cwd=tree, check=True)
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "llama-quantize",
+                    f"-j{os.cpu_count()}"], cwd=tree, check=True)
+    return tree
+
+
+def checkpoints(cache: Path, preset: str, tree: Path) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(Cleave's checkpoints by name, llama.cpp's GGUF files by type), written once."""
+    from workers.make_model import make_model
+    from workers.quant.writer import quantize_checkpoint
+
+    fp32 = cache / f"llama-{preset}"
+    if not (fp32 / "config.json").exists():
+        make_model(fp32, arch="llama", preset=preset)
+    cleave = {"fp32": fp32}
+    for name, bits, group in (("int8", 8, None), ("int4", 4, 32)):
+        path = cache / f"llama-{preset}-{name}"
+        if not (path / "config.json").exists():
+            quantize_checkpoint(fp32, path, "compressed-tensors", bits=bits, group_size=group)
+        cleave[name] = path
+    gguf = {"f32": cache / f"llama-{preset}-f32.gguf"}
+    if not gguf["f32"].exists():
+        script = cache / "convert_no_tokenizer_check.py"
+        script.write_text(_CONVERT)
+        subprocess.run([sys.executable, str(script), str(tree), str(fp32), "--outtype", "f32",
+                        "--outfile", str(gguf["f32"])], check=True, capture_output=True)
+    for kind in ("q8_0", "q4_0"):
+        gguf[kind] = cache / f"llama-{preset}-{kind}.gguf"
+        if not gguf[kind].exists():
+            subprocess.run([str(tree / "build/bin/llama-quantize"), str(gguf["f32"]),
+                            str(gguf[kind]), kind.upper()], check=True, capture_output=True)
+    return cleave, gguf
+
+
+class LlamaServer(ServerProcess):
+    """`llama-server` on a free port: `-np` slots, `threads` threads, a context for them all."""
+
+    def __init__(self, tree: Path, gguf: Path, slots: int, threads: int, ctx: int) -> None:
+        (self.http_port,) = free_ports(1)
+        self.command = [str(tree / "build/bin/llama-server"), "-m", str(gguf), "--host",
+                        "127.0.0.1", "--port", str(self.http_port), "-np", str(slots),
+                        "-t", str(threads), "-tb", str(threads), "-c", str(ctx)]
+
+    def start(self, timeout_s: float = 120.0) -> LlamaServer:
+        self._spawn()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {self.stderr_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self._terminate(10)
+        raise TimeoutError("llama-server not ready")
+
+    def stop(self) -> None:
+        self._terminate(30)
+
+
+def sweep_server(base_url: str, model: str, sweep: Sweep, vocab: int) -> dict[int, dict]:
+    out = {}
+    for i, c in enumerate(sweep.concurrencies):
+        # a connection per request for both servers: llama-server closes kept-alive ones
+        workload = dataclasses.replace(sweep.workload(c, warmup=2 if i == 0 else 0),
+                                       keep_alive=False)
+        summary, _ = measure(base_url, model, workload, math.inf, vocab, sweep.time_limit_s)
+        if summary.get("failed"):
+            raise RuntimeError(f"{summary['failed']} requests failed at concurrency {c}: "
+                               f"{summary.get('errors')}")
+        out[c] = summary
+    return out
+
+
+def _figures(level: dict) -> dict:
+    return {"output_throughput": level["output_throughput"],
+            **{f"{k}_{q}_ms": level[k][f"{q}_ms"] for k in ("ttft", "itl") for q in ("p50", "p99")}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cache", default=str(Path.home() / ".cache/cleave/peer_llamacpp"))
+    p.add_argument("--preset", default="small")
+    p.add_argument("--pairs", default=",".join(PAIRS))
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--out", default=str(RESULTS / "peer_llamacpp.json"))
+    args = p.parse_args(argv)
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    tree = llama_cpp(cache)
+    cleave_ckpts, ggufs = checkpoints(cache, args.preset, tree)
+    concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+    sweep = Sweep(concurrencies, args.input_len, args.output_len, args.num_prompts)
+    from workers.model_config import ModelConfig
+
+    vocab = min(ModelConfig.from_pretrained(str(cleave_ckpts["fp32"])).vocab_size, 4096)
+    slots = max(concurrencies)
+    result: dict = {"command": command_line(argv), "preset": args.preset,
+                    "threads": args.threads, "sweep": {"input_len": args.input_len,
+                                                      "output_len": args.output_len},
+                    "llama_cpp": f"llama-cpp-python {VERSION} (vendored llama.cpp)",
+                    "pairs": {}}
+    for pair in args.pairs.split(","):
+        ckpt, dtype, kind = PAIRS[pair]
+        server = LlamaServer(tree, ggufs[kind], slots, args.threads,
+                             slots * (args.input_len + args.output_len + 16)).start()
+        try:
+            peer = sweep_server(server.base_url, ggufs[kind].name, sweep, vocab)
+        except RuntimeError as e:
+            raise RuntimeError(f"llama-server ({ggufs[kind].name}): {e}; its log ends: "
+                               f"{server.stderr_tail(1500)}") from None
+        finally:
+            server.stop()
+        with inprocess_server(str(cleave_ckpts[ckpt]), {"num_workers": 1}, 64, args.threads,
+                              {"dtype": dtype}) as (base_url, model_name):
+            ours = sweep_server(base_url, model_name, sweep, vocab)
+        result["pairs"][pair] = {c: {"cleave": _figures(ours[c]), "llama_cpp": _figures(peer[c])}
+                                 for c in concurrencies}
+        for c in concurrencies:
+            ratio = ours[c]["output_throughput"] / peer[c]["output_throughput"]
+            result[f"cleave_vs_llamacpp_{pair}_c{c}_ratio"] = round(ratio, 3)
+            print(f"{pair} c={c}: cleave {ours[c]['output_throughput']:.1f} tok/s, llama.cpp "
+                  f"{peer[c]['output_throughput']:.1f} tok/s ({ratio:.2f}x)", file=sys.stderr)
+        if 1 in concurrencies:
+            result[f"cleave_vs_llamacpp_{pair}_itl_p50_c1_ratio"] = round(
+                ours[1]["itl"]["p50_ms"] / peer[1]["itl"]["p50_ms"], 3)
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Decode speed of quantized weights on the CPU against fp32, and each against its bytes bound.
+
+One Llama-shaped checkpoint (default ~0.7B parameters: hidden 1536, 24 layers, GQA 12/4 heads,
+MLP 4096, vocabulary 32,000) is written once in fp32, then by `cleave quantize` as int8 (one
+scale per output channel, compressed-tensors) and int4 (groups of 128, compressed-tensors). Each
+variant is loaded by the engine and decodes at batch 1 and batch 16:
+
+- fp32: fp32 weights and activations; bf16: the same weights cast to bf16;
+- int8, int4: weight-only, the weights packed for torch's CPU int8/int4 kernels, bf16
+  activations.
+
+Decode tokens/s = batch x new tokens / (time of the whole generation - time of the prefill
+alone, measured by a 1-token generation of the same prompts). The bound is what the memory
+system allows: per step the weights read (every parameter and packed buffer but the input
+embedding) plus each sequence's KV, divided by the read bandwidth measured in the same run (a
+sum over a 1 GiB tensor with the same threads). Ratios: each variant's tokens/s over fp32's at
+the same batch.
+
+Last line: one JSON object; also written to benchmarks/results/quantized_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from results_io import RESULTS, command_line, emit
+
+SHAPE = dict(hidden_size=1536, num_hidden_layers=24, num_attention_heads=12,
+             num_key_value_heads=4, intermediate_size=4096, vocab_size=32000)
+VARIANTS = {  # name: (checkpoint, dtype)
+    "fp32": ("fp32", "float32"),
+    "bf16": ("fp32", "bfloat16"),
+    "int8": ("int8", "bfloat16"),
+    "int4": ("int4", "bfloat16"),
+}
+
+
+def checkpoints(cache: Path, shape: dict, group_size: int) -> dict[str, Path]:
+    """The fp32 checkpoint and its int8/int4 copies under `cache` (written once)."""
+    from workers.make_model import make_model
+    from workers.quant.writer import quantize_checkpoint
+
+    tag = "-".join(str(v) for v in shape.values())
+    fp32 = cache / f"llama-{tag}"
+    if not (fp32 / "config.json").exists():
+        make_model(fp32, arch="llama", preset="small", overrides=dict(shape))
+    out = {"fp32": fp32}
+    for name, bits, group in (("int8", 8, None), ("int4", 4, group_size)):
+        path = cache / f"llama-{tag}-{name}"
+        if not (path / "config.json").exists():
+            quantize_checkpoint(fp32, path, "compressed-tensors", bits=bits, group_size=group)
+        out[name] = path
+    return out
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read (a sum over a tensor much larger than the caches)."""
+    x = torch.ones(int(gib * 2**30 / 4), dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def bytes_per_step(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: parameters and packed buffers but the input
+    embedding (unless it doubles as the output projection)."""
+    packed = [b for m in model.modules() if getattr(m, "quant", None) is not None
+              for b in m.buffers(recurse=False)]
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *packed]}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    embed = model.model.embed_tokens.weight
+    if model.lm_head.weight.data_ptr() != embed.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def measure(path: Path, dtype: str, batch: int, prompt_len: int, new_tokens: int
+            ) -> dict:
+    from workers import LLM, SamplingParams
+    from workers.model_config import ModelConfig
+
+    llm = LLM(str(path), dtype=dtype, max_num_seqs=batch, num_blocks=batch * 8 + 8,
+              block_size=16, max_num_batched_tokens=max(256, batch * prompt_len))
+    mc = ModelConfig.from_pretrained(str(path))
+    prompts = [[3 + (i * 7 + j) % 500 for j in range(prompt_len)] for i in range(batch)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    start = time.perf_counter()
+    llm.generate(prompts, one)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, full)
+    total_s = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == new_tokens + 1 for o in outputs)
+    model = llm.engine.runner.executor.model
+    elem = torch.empty((), dtype=model.model.embed_tokens.weight.dtype).element_size()
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * elem
+    kv_read = batch * kv_per_token * (prompt_len + new_tokens / 2)
+    llm.engine.close()
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {"tokens_per_s": batch * new_tokens / decode_s,
+            "step_ms": decode_s / new_tokens * 1e3,
+            "weight_bytes": bytes_per_step(model), "kv_bytes_per_step": int(kv_read)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cache", default=str(Path.home() / ".cache/cleave/quantized_decode"))
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--shape", default=None,
+                        help="override the shape: key=value,... (hidden_size=..., ...)")
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--out", default=str(RESULTS / "quantized_decode.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape = dict(SHAPE)
+    if args.shape:
+        shape.update({k: int(v) for k, v in (kv.split("=") for kv in args.shape.split(","))})
+    paths = checkpoints(Path(args.cache), shape, args.group_size)
+    bandwidth = read_bandwidth()
+    batches = [int(b) for b in args.batches.split(",")]
+    runs: dict[str, dict] = {}
+    for name, (ckpt, dtype) in VARIANTS.items():
+        for batch in batches:
+            run = measure(paths[ckpt], dtype, batch, args.prompt_len, args.new_tokens)
+            step_bound_s = (run["weight_bytes"] + run["kv_bytes_per_step"]) / bandwidth
+            run["bound_tokens_per_s"] = batch / step_bound_s
+            run["fraction_of_bound"] = run["tokens_per_s"] / run["bound_tokens_per_s"]
+            runs[f"{name}_batch{batch}"] = run
+            print(f"{name:5s} batch {batch:3d}: {run['tokens_per_s']:8.1f} tok/s, step "
+                  f"{run['step_ms']:7.1f} ms, {run['fraction_of_bound']:.2f} of the bytes bound "
+                  f"({run['weight_bytes'] / 1e6:.0f} MB weights)", file=sys.stderr)
+    result = {
+        "command": command_line(argv), "threads": args.threads, "shape": shape,
+        "read_bandwidth_gb_s": bandwidth / 1e9, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "runs": runs,
+    }
+    for name in ("bf16", "int8", "int4"):
+        for batch in batches:
+            result[f"{name}_vs_fp32_batch{batch}_ratio"] = (
+                runs[f"{name}_batch{batch}"]["tokens_per_s"]
+                / runs[f"fp32_batch{batch}"]["tokens_per_s"])
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""8-bit KV caches (`kv_cache_dtype` int8 / fp8): values and their scale in each block, the same
+greedy tokens as the full-precision cache, about twice the blocks in the same bytes, and blocks
+that move between workers and ranks with their scales."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from workers import LLM, SamplingParams
+from workers.attention.kv_quant import dequantize_kv, quantize_kv
+from workers.config import EngineConfig
+from workers.kv_cache.spec import KVCacheSpec
+from workers.messages import DecodeFromHandoff, Generate
+from workers.protocol import KVPullFailed, WorkerRequest
+from workers.worker import Worker
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.int8, 1 / 254), (torch.float8_e4m3fn, 1 / 16)])
+def test_each_head_is_stored_with_its_scale(dtype, bound):
+    x = torch.randn(5, 3, 16) * torch.tensor([0.01, 1.0, 100.0])[None, :, None]
+    stored = quantize_kv(x, dtype)
+    assert stored.dtype == dtype and stored.shape == (5, 3, 20)
+    back = dequantize_kv(stored, torch.float32)
+    amax = x.abs().amax(-1, keepdim=True)
+    assert ((back - x).abs() <= amax * bound + 1e-12).all()  # relative to each head's max
+
+
+def test_the_same_bytes_hold_about_twice_the_blocks():
+    def blocks(dtype):
+        return 2**30 // KVCacheSpec(32, 1, 16, 8, 128, dtype).bytes_per_block
+    bf16 = KVCacheSpec(32, 1, 16, 8, 128, torch.bfloat16).bytes_per_block
+    assert KVCacheSpec(32, 1, 16, 8, 128, torch.int8).bytes_per_block / bf16 == 132 / 256
+    assert blocks(torch.int8) / blocks(torch.bfloat16) > 1.93
+    assert blocks(torch.float8_e4m3fn) == blocks(torch.int8)
+
+
+def test_int8_keeps_greedy_tokens_and_fp8_decodes(tiny_model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 60))] for _ in range(20)]
+    base = [o.outputs[0] for o in LLM(tiny_model, num_blocks=256).generate(prompts, GREEDY)]
+    int8 = LLM(tiny_model, num_blocks=256, kv_cache_dtype="int8")
+    cache = int8.engine.runner.kv_caches[0]
+    assert cache.dtype == torch.int8 and cache.shape[-1] == 16 + 4  # tiny: head_dim 16
+    outs = [o.outputs[0] for o in int8.generate(prompts, GREEDY)]
+    same = [a.token_ids == b.token_ids for a, b in zip(base, outs)]
+    assert sum(same) >= 0.95 * len(prompts)  # measured on this model: all 20
+    worst = max(abs(x.logprob - y.logprob) for a, b, s in zip(base, outs, same) if s
+                for x, y in zip(a.logprobs, b.logprobs))
+    assert worst < 0.1
+    # a prefix read back from the cache (scales and all) gives the same continuation
+    longest = max(prompts, key=len) + [7]
+    first = int8.generate([longest], GREEDY)[0]
+    again = int8.generate([longest], GREEDY)[0]
+    assert again.num_cached_tokens >= 48
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    fp8 = LLM(tiny_model, num_blocks=256, kv_cache_dtype="fp8")
+    assert fp8.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert all(len(o.outputs[0].token_ids) == 32 for o in fp8.generate(prompts[:4], GREEDY))
+
+
+def test_triton_does_not_read_8_bit_caches_yet(tiny_model):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is read by the torch and cpu"):
+        EngineConfig(model=tiny_model, kv_cache_dtype="int8", attention_backend="triton")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(model=tiny_model, kv_cache_dtype="int4")
+
+
+def test_tensor_parallel_ranks_keep_their_heads_scales(tiny_model):
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(20, 60))]
+    single = LLM(tiny_model, num_blocks=64, kv_cache_dtype="int8")
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY)]
+    llm = LLM(tiny_model, num_blocks=64, kv_cache_dtype="int8", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+    finally:
+        llm.engine.close()
+
+
+def _worker(model: str, worker_id: str, role: str, kv_dtype: str, dtype: str) -> Worker:
+    config = EngineConfig(model=model, num_blocks=48, kv_cache_dtype=kv_dtype, dtype=dtype)
+    return Worker.from_config(worker_id, config, role, lease_s=5.0, pull_timeout_s=5.0)
+
+
+@pytest.mark.parametrize("case", ["int8-kv", "awq-weights"])
+def test_a_quantized_handoff_matches_aggregated(case, tiny_model, tmp_path):
+    """Prefill and decode workers with an 8-bit cache (a full-precision decoder refuses its
+    blocks by layout), or serving AWQ weights with their packed kernels."""
+    if case == "awq-weights":
+        from workers.quant.writer import quantize_checkpoint
+
+        model = str(quantize_checkpoint(tiny_model, tmp_path / "awq", "awq", group_size=32))
+        kv_dtype, dtype = "auto", "bfloat16"
+    else:
+        model, kv_dtype, dtype = tiny_model, "int8", "auto"
+    prompt = tuple(range(5, 45))  # two full blocks of 16 and a partial one
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    loop = asyncio.new_event_loop()
+    run = lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 60))  # noqa: E731
+    workers = [_worker(model, "p", "prefill", kv_dtype, dtype),
+               _worker(model, "d", "decode", kv_dtype, dtype),
+               _worker(model, "b", "both", kv_dtype, dtype)]
+    if case == "int8-kv":
+        workers.append(_worker(model, "f", "decode", "auto", dtype))
+
+    async def tokens(stream) -> list[int]:
+        return [t async for event in stream for t in event.token_ids]
+
+    async def go() -> None:
+        prefill, decode, both = workers[:3]
+        want = await tokens(both.stream(Generate(WorkerRequest("agg", prompt, params))))
+        first = await prefill.prefill(WorkerRequest("r1", prompt, params))
+        rest = await tokens(decode.stream(DecodeFromHandoff(
+            WorkerRequest("r1", prompt, params), first.first.token_ids[0], first.handoff)))
+        assert first.first.token_ids + rest == want and len(want) == 10
+        if case == "int8-kv":
+            second = await prefill.prefill(WorkerRequest("r2", prompt, params))
+            with pytest.raises(KVPullFailed, match="LayoutMismatch.*dtype 'int8' vs 'float32'"):
+                await tokens(workers[3].stream(DecodeFromHandoff(
+                    WorkerRequest("r2", prompt, params), second.first.token_ids[0],
+                    second.handoff)))
+
+    try:
+        run(go())
+    finally:
+        for w in workers:
+            run(w.shutdown())
+        loop.close()

@@ -1,0 +1,58 @@
+"""8-bit KV caches: each token's key (and value) of each head in 8 bits with its own scale.
+
+`--kv-cache-dtype int8` or `fp8` (e4m3) stores a head's `head_dim` values quantized by the
+head's absolute maximum, followed by the fp32 scale's four bytes, in a cache of the 8-bit dtype:
+`[planes, num_blocks, block_size, num_kv_heads, head_dim + 4]`. The scale travels inside the
+block, so prefix caching, block copies and KV transfers move it with the values, and the layout
+(dtype and last dimension) tells an 8-bit cache from a full-precision one. A block takes
+(head_dim + 4) / (2 head_dim) of a bf16 block's bytes: 1.94x the blocks at head_dim 128.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_QUANT_DTYPES: dict[str, torch.dtype] = {
+    "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+}
+SCALE_ELEMS = 4  # the fp32 scale's bytes, as elements of the 1-byte cache dtype
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in _QMAX
+
+
+def storage_head_dim(head_dim: int, dtype: torch.dtype) -> int:
+    """The cache's last dimension for `head_dim` values in `dtype`."""
+    return head_dim + SCALE_ELEMS if is_quantized(dtype) else head_dim
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D] -> [..., D + 4] of `dtype`: the values scaled into its range, then the scale."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / _QMAX[dtype]
+    scaled = xf / scale
+    values = (scaled.round().clamp(-127, 127).to(dtype) if dtype == torch.int8
+              else scaled.to(dtype))
+    return torch.cat([values, scale.view(dtype)], dim=-1)
+
+
+def dequantize_kv(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D + 4] 8-bit -> [..., D] in `dtype` (values times their scale)."""
+    head_dim = stored.shape[-1] - SCALE_ELEMS
+    scale = stored[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
+    return (stored[..., :head_dim].float() * scale).to(dtype)
+
+
+def as_copyable(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as a dtype torch's CPU copy and gather kernels take (fp8 as its bytes)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
+def read_kv(stored: torch.Tensor, dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents (of a cache of `cache_dtype`, perhaps viewed `as_copyable`) as `dtype`
+    values: dequantized when 8-bit, else converted."""
+    if not is_quantized(cache_dtype):
+        return stored.to(dtype)
+    return dequantize_kv(stored.view(cache_dtype), dtype)

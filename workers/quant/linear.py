@@ -1,0 +1,156 @@
+"""Linear layers that keep their weights quantized, and the kernels that multiply by them.
+
+`quantize_layers` runs on a freshly built model before its checkpoint is read: every linear
+layer whose weight this device and dtype can multiply in quantized form trades its `weight`
+parameter for `qweight` (int8 [N, K]), `scales` and `zeros` ([N, K / group]) of this rank's
+shard, loaded by the layer's own (sharding) weight loader. Every other quantized tensor is
+dequantized while it is read (`workers.quant.decode`), so the layer stays a plain one.
+After loading, `prepare_layers` packs each kept weight for its kernel.
+
+Kernels (CPU, bf16 or fp16 activations, run in bf16): int8 with one scale per output channel
+through `torch.ops.aten._weight_int8pack_mm` below 8 rows, and from 8 rows (prefill, large
+decode batches) with the activations quantized per token to int8 and `torch._int_mm`; int4 in
+groups of 32-256 input columns through `_weight_int4pack_mm_for_cpu`. fp32 activations, GPUs and other layouts get the dequantized
+weight (measured in `benchmarks/quantized_decode.py`; GPU kernels are not built yet).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from workers.quant.scheme import QuantScheme
+
+INT4_GROUPS = (32, 64, 128, 256)
+# from this many rows on, int8 weights multiply int8 activations (`torch._int_mm`): the
+# weight-only kernel's time grows with each row, the int8 matmul's barely (measured here:
+# 1.2 vs 2.3 ms at 16 rows of a 2048 x 5632 weight, bf16 1.4 ms)
+INT8_ACTIVATION_ROWS = 8
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def kernel_for(scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
+               in_features: int) -> str | None:
+    """The kernel that multiplies by `scheme`'s weights here, None when none does."""
+    if scheme.kind != "int" or scheme.act_order or device.type != "cpu":
+        return None
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if scheme.bits == 8 and scheme.group_size is None:
+        return "int8"
+    if scheme.bits == 4 and scheme.group_size in INT4_GROUPS \
+            and in_features % scheme.group_size == 0:
+        return "int4"
+    return None
+
+
+def checkpoint_names(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint modules fused into our module `name` (itself when not fused)."""
+    parent, _, leaf = name.rpartition(".")
+    parts = [f"{parent}.{p}" for p in _FUSED.get(leaf, ())]
+    mapped = [p for p in parts if model.map_name(p + ".weight")[0] == name + ".weight"]
+    return mapped or [name]
+
+
+def quantize_layers(model: nn.Module, scheme: QuantScheme, dtype: torch.dtype,
+                    device: torch.device, linear_types: tuple[type, ...]) -> set[str]:
+    """Gives each linear layer a kernel can serve quantized params in place of its weight.
+
+    Returns the checkpoint module names kept quantized; the loader dequantizes the rest.
+    """
+    kept: set[str] = set()
+    dense = set(getattr(model, "dense_after_load", ()))
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, linear_types) or name.rpartition(".")[2] in dense:
+            continue
+        names = checkpoint_names(model, name)
+        quantized = [scheme.quantizes(n) for n in names]
+        if any(quantized) and not all(quantized):
+            raise ValueError(f"{names} are fused into one layer but the quantization config "
+                             "skips only some of them; expected all or none")
+        in_features = module.weight.shape[1]
+        kernel = kernel_for(scheme, dtype, device, in_features) if all(quantized) else None
+        if kernel is None:
+            continue
+        _swap(module, scheme, kernel)
+        kept.update(names)
+    return kept
+
+
+def _swap(module: nn.Module, scheme: QuantScheme, kernel: str) -> None:
+    n, k = module.weight.shape
+    groups = k // (scheme.group_size or k)
+    loader: Callable[..., None] = module.weight.weight_loader  # type: ignore[attr-defined]
+    del module.weight
+    for pname, shape, dtype in (("qweight", (n, k), torch.int8),
+                                ("scales", (n, groups), torch.float32),
+                                ("zeros", (n, groups), torch.float32)):
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        param.weight_loader = loader  # type: ignore[attr-defined]
+        module.register_parameter(pname, param)
+    module.quant = QuantizedMatmul(kernel)
+
+
+class QuantizedMatmul:
+    """y = x W^T for a layer whose W is held packed; `pack` runs once, after loading."""
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        self.out_dtype: torch.dtype | None = None
+
+    def pack(self, module: nn.Module) -> None:
+        q, scales, zeros = module.qweight.data, module.scales.data, module.zeros.data
+        del module.qweight, module.scales, module.zeros
+        bf16 = torch.bfloat16
+        if self.kernel == "int8":
+            module.register_buffer("qweight", q.contiguous())
+            module.register_buffer("scales", scales[:, 0].to(bf16).contiguous())
+            module.register_buffer("scales_f32", scales[:, 0].float().contiguous())
+            zero_terms = (zeros[:, 0] * scales[:, 0]).to(bf16)
+            self.has_zeros = bool(zeros.any())
+            module.register_buffer("zero_terms", zero_terms if self.has_zeros else None)
+            return
+        unsigned = (q.to(torch.int32) + 8).contiguous()
+        self.group_size = q.shape[1] // scales.shape[1]
+        module.register_buffer(
+            "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
+        # tinygemm's form: w = (u - 8) * scale + zero, so zero = -z * scale
+        scale_zero = torch.stack([scales.t(), (-zeros * scales).t()], dim=-1)
+        module.register_buffer("scale_zero", scale_zero.to(bf16).contiguous())
+
+    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N] in x's dtype (computed with bf16 activations)
+        xb = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
+        if self.kernel == "int8" and x.shape[0] >= INT8_ACTIVATION_ROWS:
+            y = _int8_activations_mm(xb, module.qweight, module.scales_f32)
+            if self.has_zeros:
+                y = y - xb.float().sum(-1, keepdim=True) * module.zero_terms.float()
+        elif self.kernel == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(xb, module.qweight, module.scales)
+            if self.has_zeros:
+                y = y - xb.float().sum(-1, keepdim=True).to(y.dtype) * module.zero_terms
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb, module.qweight, self.group_size, module.scale_zero)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _int8_activations_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
+                         ) -> torch.Tensor:
+    """x [M, K] (bf16) times int8 q [N, K] with activations quantized per token to int8 (as
+    llama.cpp's Q8_0 does): one int8 x int8 -> int32 matmul, then both scales. fp32 [M, N]."""
+    xf = x.float()
+    x_scales = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127.0
+    xq = torch.round(xf / x_scales).to(torch.int8)
+    return torch._int_mm(xq, q.t()).float() * x_scales * scales
+
+
+def prepare_layers(model: nn.Module) -> None:
+    """Packs every kept quantized weight for its kernel (after the checkpoint is loaded)."""
+    with torch.no_grad():
+        for module in model.modules():
+            quant = getattr(module, "quant", None)
+            if isinstance(quant, QuantizedMatmul):
+                quant.pack(module)
