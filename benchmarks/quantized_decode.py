@@ -72,7 +72,7 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 def bytes_per_step(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: parameters and packed buffers but the input
     embedding (unless it doubles as the output projection)."""
-    packed = [b for m in model.modules() if getattr(m, "quant", None) is not None
+    packed = [b for m in model.modules() if getattr(m, "matmul", None) is not None
               for b in m.buffers(recurse=False)]
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *packed]}
     total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -20,9 +20,11 @@ from workers.checkpoint_shapes import random_weights
 from workers.model_config import ModelConfig
 from workers.models import get_model_class
 from workers.models.layers import LINEAR_LAYERS, Shard, WeightShapeError
+from workers.models.vocab import ParallelLMHead
 from workers.quant.decode import QuantizedTensorError, decode_checkpoint
 from workers.quant.linear import prepare_layers, quantize_layers
 from workers.quant.scheme import QuantScheme
+from workers.small_gemm import use_small_batch_kernel
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -84,6 +86,7 @@ def load_model(
         raise WeightLoadError(error)
     if kept:
         prepare_layers(model)
+    use_small_batch_kernel(model, (*LINEAR_LAYERS, ParallelLMHead))
     return model.eval()
 
 

@@ -18,6 +18,7 @@ from tests.workers.hf_oracle import greedy_reference, save_hf_model
 from tests.workers.quant_reference import dequantized_model, dequantized_state_dict
 from workers import LLM, SamplingParams
 from workers.loader import WeightLoadError
+from workers.quant.linear import QuantizedMatmul
 from workers.quant.scheme import parse_quantization
 from workers.quant.writer import quantize_checkpoint
 
@@ -78,8 +79,8 @@ def test_fp32_logits_and_tokens_match_transformers_on_the_dequantized_weights(qu
 
 def modules_with_kernels(llm: LLM) -> dict[str, str]:
     model = llm.engine.runner.executor.model
-    return {name: m.quant.kernel for name, m in model.named_modules()
-            if getattr(m, "quant", None) is not None}
+    return {name: m.matmul.kernel for name, m in model.named_modules()
+            if isinstance(getattr(m, "matmul", None), QuantizedMatmul)}
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "phi3", "deepseek_v3"])

@@ -22,77 +22,26 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from workers.attention.backend import AttentionMetadata
 from workers.attention.torch_backend import TorchAttentionBackend
+from workers.native import KernelBuildError, build_library
+
+__all__ = ["KernelBuildError", "available", "build_kernel", "load_kernel", "paged_decode"]
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-# -ffast-math lets the dot products vectorize (reassociation) and expf use libmvec; the kernel
-# never forms an infinity or NaN from finite inputs, so the finite-math assumption holds. It is
-# given when compiling only: linked with it, gcc (before 13) adds crtfastmath.o, whose constructor
-# turns on flush-to-zero for the whole process when the library loads, changing every float
-# computation after it (torch's included).
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp")
-LDFLAGS = ("-shared", "-fopenmp")
-
-
-class KernelBuildError(RuntimeError):
-    """The C compiler is missing or failed on the kernel."""
-
-
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        import platform
-
-        return platform.processor() or platform.machine()
-    keep = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(keep))  # one copy per distinct line (every core repeats them)
-
-
-def kernel_dir() -> Path:
-    root = Path(os.environ.get("CLEAVE_CACHE_DIR") or Path.home() / ".cache" / "cleave")
-    return root / "kernels"
 
 
 def build_kernel(compiler: str | None = None) -> Path:
-    """The compiled kernel's path, compiling it unless this source, compiler, flags and CPU were
-    compiled before. Concurrent builds (several engine processes starting) each build in a
-    private folder and rename the library into place, so a reader never sees a partial one."""
-    compiler = compiler or os.environ.get("CC") or "cc"
-    source = SOURCE.read_bytes()
-    flags = " ".join(CFLAGS + LDFLAGS)
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), flags.encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:16]
-    target = kernel_dir() / f"paged_decode-{key}.so"
-    if target.exists():
-        return target
-    if shutil.which(compiler) is None:
-        raise KernelBuildError(f"C compiler {compiler!r} not found (set $CC to one)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = os.path.join(tmp, "paged_decode.o"), os.path.join(tmp, "paged_decode.so")
-        for step in ([compiler, *CFLAGS, "-c", "-o", obj, str(SOURCE)],
-                     [compiler, *LDFLAGS, "-o", lib, obj, "-lm"]):
-            proc = subprocess.run(step, capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise KernelBuildError(f"{' '.join(step)} failed (exit {proc.returncode}):\n"
-                                       f"{proc.stderr.strip()}")
-        os.replace(lib, target)
-    return target
+    """The compiled decode kernel (`workers.native.build_library`)."""
+    return build_library(SOURCE, compiler)
 
 
 @functools.lru_cache(maxsize=None)

@@ -81,9 +81,9 @@ def _sharded_copy(
 
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) with the layer's weight, full-precision or quantized."""
-    if layer.quant is None:
+    if layer.matmul is None:
         return F.linear(x, layer.weight, bias)
-    out = layer.quant(layer, x)
+    out = layer.matmul(layer, x)
     return out if bias is None else out + bias
 
 
@@ -109,7 +109,9 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         _sharded_copy(param, loaded_weight, 0, self.tp_rank * size, size)
 
-    quant: object | None = None  # a quantized weight's matmul (workers.quant.linear)
+    # x W^T by a kernel of its own: a quantized weight's (workers.quant.linear), or a few rows
+    # on the CPU (workers.small_gemm); None: F.linear
+    matmul: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size] -> [num_tokens, output_size / tp_size]
@@ -151,7 +153,9 @@ class ReplicatedLinear(nn.Module):
         self.weight = _make_param((output_size, input_size), default_weight_loader)
         self.bias = _make_param((output_size,), default_weight_loader) if bias else None
 
-    quant: object | None = None  # a quantized weight's matmul (workers.quant.linear)
+    # x W^T by a kernel of its own: a quantized weight's (workers.quant.linear), or a few rows
+    # on the CPU (workers.small_gemm); None: F.linear
+    matmul: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self, x, self.bias)
@@ -229,7 +233,9 @@ class RowParallelLinear(nn.Module):
         _check_shape(loaded_weight, full, "row-parallel tensor")
         _sharded_copy(param, loaded_weight, 1, self.tp_rank * size, size)
 
-    quant: object | None = None  # a quantized weight's matmul (workers.quant.linear)
+    # x W^T by a kernel of its own: a quantized weight's (workers.quant.linear), or a few rows
+    # on the CPU (workers.small_gemm); None: F.linear
+    matmul: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size / tp_size] -> [num_tokens, output_size]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.models.layers import _check_shape, _comm_for, _make_param, _sharded_copy
+from workers.models.layers import _check_shape, _comm_for, _linear, _make_param, _sharded_copy
 from workers.parallel.comm import Communicator
 
 
@@ -51,12 +51,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; may share its weight with the input embedding."""
 
+    matmul = None  # as a linear layer's (workers.models.layers): a kernel of its own, or None
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, num_embeddings]
-        logits = F.linear(hidden, self.weight)
+        logits = _linear(self, hidden, None)
         if self.tp_size > 1:
             logits = self.comm.all_gather(logits, "lm_head", dim=-1)
         return logits[..., : self.num_embeddings]

@@ -90,7 +90,7 @@ def _swap(module: nn.Module, scheme: QuantScheme, kernel: str) -> None:
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
         param.weight_loader = loader  # type: ignore[attr-defined]
         module.register_parameter(pname, param)
-    module.quant = QuantizedMatmul(kernel)
+    module.matmul = QuantizedMatmul(kernel)
 
 
 class QuantizedMatmul:
@@ -151,6 +151,6 @@ def prepare_layers(model: nn.Module) -> None:
     """Packs every kept quantized weight for its kernel (after the checkpoint is loaded)."""
     with torch.no_grad():
         for module in model.modules():
-            quant = getattr(module, "quant", None)
-            if isinstance(quant, QuantizedMatmul):
-                quant.pack(module)
+            matmul = getattr(module, "matmul", None)
+            if isinstance(matmul, QuantizedMatmul):
+                matmul.pack(module)

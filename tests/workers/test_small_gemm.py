@@ -1,0 +1,40 @@
+"""The CPU small-batch matmul kernel against torch, and the layers that carry it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers import LLM
+from workers.small_gemm import SmallBatchMatmul, small_gemm
+
+
+@pytest.mark.parametrize("n, k", [(64, 128), (37, 100), (5, 17), (130, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_matches_torch_for_every_row_count(n, k, dtype):
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k).to(dtype)
+    for m in (1, 2, 3, 4, 5, 8, 9, 17):
+        x = torch.randn(m, k)
+        want = x @ w.float().t()
+        one = small_gemm(x, w, num_threads=1)
+        torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
+        for threads in (2, 3):  # each output is one thread's: the same bits on any count
+            assert torch.equal(small_gemm(x, w, num_threads=threads), one)
+
+
+def test_bad_operands_are_named():
+    with pytest.raises(ValueError, match="fp32 x \\[M, K\\] and fp32/bf16 w \\[N, K\\]"):
+        small_gemm(torch.randn(2, 8), torch.randn(4, 9))
+
+
+def test_layers_on_the_cpu_carry_it_and_hand_many_rows_to_torch(tiny_model):
+    model = LLM(tiny_model, num_blocks=16).engine.runner.executor.model
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer.matmul, SmallBatchMatmul)
+    assert isinstance(model.lm_head.matmul, SmallBatchMatmul)
+    for rows in (1, 16, 17, 40):  # the kernel up to 16 fp32 rows, torch's linear beyond
+        x = torch.randn(rows, layer.weight.shape[1])
+        torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+    bf16 = LLM(tiny_model, dtype="bfloat16", num_blocks=16).engine.runner.executor.model
+    assert bf16.model.layers[0].mlp.down_proj.matmul.max_rows == 2

@@ -1,0 +1,146 @@
+/* Small-batch matmul for the CPU: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (a decode
+ * step's tokens), weights fp32 or bf16, activations and output fp32.
+ *
+ * A decode step of a small model reads every weight once per token: the step is bound by memory
+ * bandwidth. torch's fp32 `linear` with one row goes to MKL's sgemv, which runs on one thread
+ * (2.4 ms for a 5632 x 2048 weight on this 2-core machine with 1 or 2 threads: 19 GB/s, where
+ * a streaming read reaches 35). Here `num_threads` OpenMP threads (torch's own pool: the library
+ * links the same libgomp) each take a contiguous run of output rows; a tile of 4 weight rows is
+ * read once and multiplied by up to 4 input rows held in 16 accumulators of 16 floats (AVX-512
+ * through GCC's vector extensions; pairs of AVX registers elsewhere), so each weight byte crosses
+ * the memory bus once per 4 tokens. More than 4 input rows run in blocks of 4.
+ *
+ * bf16 weights are widened to fp32 in registers (a bf16 is the top half of an fp32). With one row
+ * of x, 8 weight rows go at a time (more reads in flight). int8 and int4 weights go through
+ * torch's own kernels (workers/quant/linear.py): versions of this loop widening bytes were no
+ * faster than them (int8: 16-21 GB/s both, on weights out of cache).
+ *
+ * Built at first use by workers/native.py: cc -O3 -march=native -ffast-math -fopenmp.
+ */
+#include <stdint.h>
+#include <omp.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+#define VL 16
+#define ROWS 4 /* weight rows per tile */
+#define MB 4   /* input rows per pass */
+
+static inline vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf load_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+static inline float widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One tile: rows [n0, n0 + nr) of w against input rows [m0, m0 + mr). Inlined into calls with
+ * constant counts (`DEFINE_ROWS`), so the accumulators live in registers: with the counts left
+ * variable GCC kept them in memory. */
+#define DEFINE_TILE(NAME, WTYPE, LOAD, SCALAR)                                                \
+    static inline __attribute__((always_inline)) void NAME(                                   \
+        const float *x, const WTYPE *w, float *y, int64_t N, int64_t K, int64_t m0,           \
+        int64_t n0, const int mr, const int nr) {                                             \
+        vf acc[MB][2 * ROWS];                                                                 \
+        for (int i = 0; i < mr; i++)                                                          \
+            for (int j = 0; j < nr; j++) acc[i][j] = (vf){0};                                 \
+        int64_t k = 0;                                                                        \
+        for (; k + VL <= K; k += VL) {                                                        \
+            vf wv[2 * ROWS];                                                                  \
+            for (int j = 0; j < nr; j++) wv[j] = LOAD(w + (n0 + j) * K + k);                  \
+            for (int i = 0; i < mr; i++) {                                                    \
+                vf xv = load_f32(x + (m0 + i) * K + k);                                       \
+                for (int j = 0; j < nr; j++) acc[i][j] += xv * wv[j];                         \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < mr; i++)                                                          \
+            for (int j = 0; j < nr; j++) {                                                    \
+                float s = hsum(acc[i][j]);                                                    \
+                for (int64_t t = k; t < K; t++)                                               \
+                    s += x[(m0 + i) * K + t] * SCALAR(w[(n0 + j) * K + t]);                   \
+                y[(m0 + i) * N + n0 + j] = s;                                                 \
+            }                                                                                 \
+    }
+
+#define IDENTITY(v) (v)
+DEFINE_TILE(tile_f32, float, load_f32, IDENTITY)
+DEFINE_TILE(tile_bf16, uint16_t, load_bf16, widen)
+
+/* Every tile of output rows [start, end): full tiles with constant counts, the rest generic. */
+#define DEFINE_ROWS(NAME, TILE, WTYPE)                                                        \
+    static void NAME(const float *x, const WTYPE *w, float *y, int64_t M, int64_t N,          \
+                     int64_t K, int64_t start, int64_t end) {                                 \
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {                                              \
+            int mr = M - m0 < MB ? (int)(M - m0) : MB;                                        \
+            for (int64_t n0 = start; n0 < end;) {                                             \
+                int nr = end - n0 < ROWS ? (int)(end - n0) : ROWS;                            \
+                if (mr == 1 && end - n0 >= 2 * ROWS) {                                        \
+                    TILE(x, w, y, N, K, m0, n0, 1, 2 * ROWS);                                 \
+                    n0 += 2 * ROWS;                                                           \
+                    continue;                                                                 \
+                }                                                                             \
+                if (nr == ROWS && mr == 2) TILE(x, w, y, N, K, m0, n0, 2, ROWS);              \
+                else if (nr == ROWS && mr == 4) TILE(x, w, y, N, K, m0, n0, 4, ROWS);         \
+                else TILE(x, w, y, N, K, m0, n0, mr, nr);                                     \
+                n0 += nr;                                                                     \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+DEFINE_ROWS(rows_f32, tile_f32, float)
+DEFINE_ROWS(rows_bf16, tile_bf16, uint16_t)
+
+/* Output rows split into `num_threads` contiguous runs of whole tiles. */
+static void split(int64_t N, int thread, int num_threads, int64_t *start, int64_t *end) {
+    int64_t tiles = (N + ROWS - 1) / ROWS;
+    *start = tiles * thread / num_threads * ROWS;
+    *end = tiles * (thread + 1) / num_threads * ROWS;
+    if (*end > N) *end = N;
+}
+
+int small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                   int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t start, end;
+        split(N, omp_get_thread_num(), num_threads, &start, &end);
+        rows_f32(x, w, y, M, N, K, start, end);
+    }
+    return 0;
+}
+
+int small_gemm_bf16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t start, end;
+        split(N, omp_get_thread_num(), num_threads, &start, &end);
+        rows_bf16(x, w, y, M, N, K, start, end);
+    }
+    return 0;
+}
+

@@ -1,0 +1,71 @@
+"""C kernels compiled at first use with the system C compiler (`$CC`, default `cc`) for the host
+CPU and cached under `$CLEAVE_CACHE_DIR/kernels/` (default `~/.cache/cleave/kernels/`), keyed by
+the source, the flags and the CPU, as Triton and torch's extensions cache theirs. Each kernel is
+one C file linked against libgomp, so it runs on torch's own OpenMP threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# -ffast-math lets the dot products vectorize (reassociation) and expf use libmvec; the kernel
+# never forms an infinity or NaN from finite inputs, so the finite-math assumption holds. It is
+# given when compiling only: linked with it, gcc (before 13) adds crtfastmath.o, whose constructor
+# turns on flush-to-zero for the whole process when the library loads, changing every float
+# computation after it (torch's included).
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp")
+LDFLAGS = ("-shared", "-fopenmp")
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler is missing or failed on the kernel."""
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(keep))  # one copy per distinct line (every core repeats them)
+
+
+def kernel_dir() -> Path:
+    root = Path(os.environ.get("CLEAVE_CACHE_DIR") or Path.home() / ".cache" / "cleave")
+    return root / "kernels"
+
+
+def build_library(path: Path, compiler: str | None = None) -> Path:
+    """The compiled library of the C file `path`, compiling it unless this source, compiler,
+    flags and CPU were compiled before. Concurrent builds (several engine processes starting)
+    each build in a private folder and rename the library into place, so a reader never sees a
+    partial one."""
+    compiler = compiler or os.environ.get("CC") or "cc"
+    source = path.read_bytes()
+    flags = " ".join(CFLAGS + LDFLAGS)
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), flags.encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:16]
+    target = kernel_dir() / f"{path.stem}-{key}.so"
+    if target.exists():
+        return target
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"C compiler {compiler!r} not found (set $CC to one)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = os.path.join(tmp, f"{path.stem}.o"), os.path.join(tmp, f"{path.stem}.so")
+        for step in ([compiler, *CFLAGS, "-c", "-o", obj, str(path)],
+                     [compiler, *LDFLAGS, "-o", lib, obj, "-lm"]):
+            proc = subprocess.run(step, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise KernelBuildError(f"{' '.join(step)} failed (exit {proc.returncode}):\n"
+                                       f"{proc.stderr.strip()}")
+        os.replace(lib, target)
+    return target

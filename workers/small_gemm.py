@@ -1,0 +1,103 @@
+"""Small-batch matmuls on the CPU by a C kernel (`csrc/small_gemm.c`): a decode step's few rows
+against fp32 or bf16 weights on all of torch's threads, where torch's own `linear` of one row
+runs on one (MKL's sgemv). `SmallBatchMatmul` is what a dense linear layer (and the output
+projection) on the CPU carries (`use_small_batch_kernel`): a few rows go through the kernel,
+more through `linear`.
+
+When, measured on this 2-core machine (`benchmarks/small_gemm.py`): fp32 weights of 0.7-46 MB,
+1.7-3.7x torch's `linear` at 1 row, 2-6x at 2-8 rows, even at 16; bf16 weights (bf16
+activations widened to fp32 first), 1.8-2.6x at 1 row, 1.3-1.8x at 2, even at 4, slower
+beyond (oneDNN's bf16 matmul uses both cores).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workers.native import KernelBuildError, build_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
+MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2}  # rows through the kernel, by weight dtype
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernel() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(SOURCE)))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fn in (lib.small_gemm_f32, lib.small_gemm_bf16):
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the kernel builds and loads here; warns once, with the reason, when it does not."""
+    try:
+        load_kernel()
+    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("the small-batch matmul kernel is unavailable, using torch's linear: %s",
+                       e)
+        return False
+    return True
+
+
+def small_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+               num_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] fp32 times w [N, K] (fp32 or bf16, contiguous) transposed -> [M, N] fp32."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or x.dtype != torch.float32 or w.dtype not in (torch.float32,
+                                                                       torch.bfloat16):
+        raise ValueError(f"small_gemm takes fp32 x [M, K] and fp32/bf16 w [N, K], got "
+                         f"{x.dtype} {list(x.shape)} and {w.dtype} {list(w.shape)}")
+    x = x.contiguous()
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    lib = load_kernel()
+    fn = lib.small_gemm_f32 if w.dtype == torch.float32 else lib.small_gemm_bf16
+    fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k,
+       num_threads or torch.get_num_threads())
+    return out
+
+
+class SmallBatchMatmul:
+    """A dense layer's matmul on the CPU: the kernel for a few rows, `linear` for more."""
+
+    kernel = "small_gemm"
+
+    def __init__(self, weight_dtype: torch.dtype) -> None:
+        self.max_rows = MAX_ROWS[weight_dtype]
+
+    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        w = module.weight
+        if x.shape[0] > self.max_rows or x.dtype != w.dtype:
+            return torch.nn.functional.linear(x, w)
+        if w.dtype == torch.float32:
+            return small_gemm(x, w)
+        return small_gemm(x.float(), w).to(x.dtype)
+
+
+def use_small_batch_kernel(model: nn.Module, layer_types: tuple[type, ...]) -> int:
+    """Gives every dense CPU layer of `layer_types` with fp32 or bf16 weights the kernel (when
+    it builds here). Returns how many layers took it."""
+    count = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if (not isinstance(module, layer_types) or module.matmul is not None or w is None
+                or w.device.type != "cpu" or w.dtype not in MAX_ROWS or not w.is_contiguous()):
+            continue
+        if not available():
+            return 0
+        module.matmul = SmallBatchMatmul(w.dtype)
+        count += 1
+    return count
