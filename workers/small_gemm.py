@@ -78,13 +78,15 @@ class SmallBatchMatmul:
     def __init__(self, weight_dtype: torch.dtype) -> None:
         self.max_rows = MAX_ROWS[weight_dtype]
 
-    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: nn.Module, x: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         w = module.weight
         if x.shape[0] > self.max_rows or x.dtype != w.dtype:
-            return torch.nn.functional.linear(x, w)
-        if w.dtype == torch.float32:
-            return small_gemm(x, w)
-        return small_gemm(x.float(), w).to(x.dtype)
+            y = torch.nn.functional.linear(x, w)
+        else:
+            y = small_gemm(x if x.dtype == torch.float32 else x.float(), w)
+        out_dtype = out_dtype or x.dtype
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def use_small_batch_kernel(model: nn.Module, layer_types: tuple[type, ...]) -> int:

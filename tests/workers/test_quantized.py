@@ -119,7 +119,9 @@ def test_bf16_keeps_weights_packed_and_the_kernels_match_the_reference(name, ful
         want_y = x.float() @ w.t()
         assert (got - want_y).abs().max() <= 0.02 * want_y.abs().max()
     packed_bytes = sum(b.numel() * b.element_size() for b in layer.mlp.down_proj.buffers())
-    assert packed_bytes < w.numel() * 2 * (0.6 if want == "int8" else 0.35)  # vs bf16
+    # against bf16: int8 one byte and a scale per row; int4 half a byte and, per 32 columns
+    # here, an fp32 scale and offset (a quarter byte more)
+    assert packed_bytes < w.numel() * 2 * (0.6 if want == "int8" else 0.4)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
                                                    ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)

@@ -109,9 +109,10 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         _sharded_copy(param, loaded_weight, 0, self.tp_rank * size, size)
 
-    # x W^T by a kernel of its own: a quantized weight's (workers.quant.linear), or a few rows
-    # on the CPU (workers.small_gemm); None: F.linear
-    matmul: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
+    # weight's (workers.quant.linear), or a few rows on the CPU (workers.small_gemm); None:
+    # F.linear
+    matmul: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size] -> [num_tokens, output_size / tp_size]
@@ -153,9 +154,10 @@ class ReplicatedLinear(nn.Module):
         self.weight = _make_param((output_size, input_size), default_weight_loader)
         self.bias = _make_param((output_size,), default_weight_loader) if bias else None
 
-    # x W^T by a kernel of its own: a quantized weight's (workers.quant.linear), or a few rows
-    # on the CPU (workers.small_gemm); None: F.linear
-    matmul: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
+    # weight's (workers.quant.linear), or a few rows on the CPU (workers.small_gemm); None:
+    # F.linear
+    matmul: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self, x, self.bias)
@@ -233,15 +235,23 @@ class RowParallelLinear(nn.Module):
         _check_shape(loaded_weight, full, "row-parallel tensor")
         _sharded_copy(param, loaded_weight, 1, self.tp_rank * size, size)
 
-    # x W^T by a kernel of its own: a quantized weight's (workers.quant.linear), or a few rows
-    # on the CPU (workers.small_gemm); None: F.linear
-    matmul: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
+    # weight's (workers.quant.linear), or a few rows on the CPU (workers.small_gemm); None:
+    # F.linear
+    matmul: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size / tp_size] -> [num_tokens, output_size]
-        out = _linear(self, x, None)
-        if self.comm is not None and self.tp_size > 1:
+        if self.comm is None or self.tp_size == 1:
+            out = _linear(self, x, None)
+        elif self.matmul is not None:
+            # a kernel's fp32 partial sums are summed in fp32, then rounded once, as one rank's
+            # are (bf16 partials rounded before the sum change greedy tokens of a small model)
+            out = self.matmul(self, x, torch.float32)
             self.comm.all_reduce(out, self.site)
+            out = out.to(x.dtype)
+        else:
+            out = self.comm.all_reduce(F.linear(x, self.weight), self.site)
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -264,8 +274,6 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # the fused kernel computes the same as below, in one pass
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(input_dtype)
+        # normalized in fp32 (one fused op), rounded to x's dtype, then scaled, as HF does
+        normed = F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)

@@ -7,11 +7,10 @@ shard, loaded by the layer's own (sharding) weight loader. Every other quantized
 dequantized while it is read (`workers.quant.decode`), so the layer stays a plain one.
 After loading, `prepare_layers` packs each kept weight for its kernel.
 
-Kernels (CPU, bf16 or fp16 activations, run in bf16): int8 with one scale per output channel
-through `torch.ops.aten._weight_int8pack_mm` below 8 rows, and from 8 rows (prefill, large
-decode batches) with the activations quantized per token to int8 and `torch._int_mm`; int4 in
-groups of 32-256 input columns through `_weight_int4pack_mm_for_cpu`. fp32 activations, GPUs and other layouts get the dequantized
-weight (measured in `benchmarks/quantized_decode.py`; GPU kernels are not built yet).
+Kernels (CPU, bf16 or fp16 activations): int8 with one scale per output channel and int4 in
+groups of 32-256 input columns, by Cleave's VNNI kernels or torch's (`QuantizedMatmul`). fp32
+activations, GPUs and other layouts get the dequantized weight (measured in
+`benchmarks/quantized_decode.py`; GPU kernels are not built yet).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from workers.quant import int_kernels
 from workers.quant.scheme import QuantScheme
 
 INT4_GROUPS = (32, 64, 128, 256)
@@ -94,47 +94,73 @@ def _swap(module: nn.Module, scheme: QuantScheme, kernel: str) -> None:
 
 
 class QuantizedMatmul:
-    """y = x W^T for a layer whose W is held packed; `pack` runs once, after loading."""
+    """y = x W^T for a layer whose W is held packed; `pack` runs once, after loading.
+
+    With AVX-512 VNNI (`workers.quant.int_kernels`) the weights are blocked for Cleave's own
+    kernels, activations quantized to int8 in blocks of 32 columns (int8: 1.8x torch's
+    weight-only kernel on weights out of cache, int4: 1.4x; both 2.3-4x in cache). Otherwise torch's: int8
+    weight-only below `INT8_ACTIVATION_ROWS` rows and `torch._int_mm` from there, int4
+    weight-only (tinygemm).
+    """
 
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel
-        self.out_dtype: torch.dtype | None = None
+        self.vnni = False
 
     def pack(self, module: nn.Module) -> None:
         q, scales, zeros = module.qweight.data, module.scales.data, module.zeros.data
         del module.qweight, module.scales, module.zeros
-        bf16 = torch.bfloat16
+        self.out_features, k = q.shape
+        self.group_size = k // scales.shape[1]
+        self.has_zeros = bool(zeros.any())
         if self.kernel == "int8":
-            module.register_buffer("qweight", q.contiguous())
-            module.register_buffer("scales", scales[:, 0].to(bf16).contiguous())
             module.register_buffer("scales_f32", scales[:, 0].float().contiguous())
-            zero_terms = (zeros[:, 0] * scales[:, 0]).to(bf16)
-            self.has_zeros = bool(zeros.any())
-            module.register_buffer("zero_terms", zero_terms if self.has_zeros else None)
-            return
-        unsigned = (q.to(torch.int32) + 8).contiguous()
-        self.group_size = q.shape[1] // scales.shape[1]
-        module.register_buffer(
-            "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
-        # tinygemm's form: w = (u - 8) * scale + zero, so zero = -z * scale
-        scale_zero = torch.stack([scales.t(), (-zeros * scales).t()], dim=-1)
-        module.register_buffer("scale_zero", scale_zero.to(bf16).contiguous())
+            module.register_buffer("zero_terms", (zeros[:, 0] * scales[:, 0]).float()
+                                   if self.has_zeros else None)
+        self.vnni = int_kernels.available() and (
+            k % 64 == 0 if self.kernel == "int8" else k % 32 == 0 and self.group_size % 32 == 0)
+        if self.vnni and self.kernel == "int8":
+            module.register_buffer("qweight", int_kernels.block_int8(q))
+        elif self.vnni:
+            packed, block_scales, offsets = int_kernels.block_int4(q, scales, zeros)
+            module.register_buffer("qweight", packed)
+            module.register_buffer("scales", block_scales)
+            module.register_buffer("offsets", offsets)
+        elif self.kernel == "int8":
+            module.register_buffer("qweight", q.contiguous())
+            module.register_buffer("scales", scales[:, 0].to(torch.bfloat16).contiguous())
+        else:
+            unsigned = (q.to(torch.int32) + 8).contiguous()
+            module.register_buffer(
+                "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
+            # tinygemm's form: w = (u - 8) * scale + zero, so zero = -z * scale
+            scale_zero = torch.stack([scales.t(), (-zeros * scales).t()], dim=-1)
+            module.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
 
-    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, K] -> [T, N] in x's dtype (computed with bf16 activations)
+    def __call__(self, module: nn.Module, x: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # x: [T, K] -> [T, N] in out_dtype (default x's)
+        if self.vnni:
+            y = (int_kernels.int8_gemm(x.float(), module.qweight, module.scales_f32)
+                 if self.kernel == "int8"
+                 else int_kernels.int4_gemm(x.float(), (module.qweight, module.scales,
+                                                        module.offsets),
+                                            self.out_features, self.group_size))
+        else:
+            y = self._torch_kernels(module, x)
+        if self.has_zeros and self.kernel == "int8":
+            y = y - x.float().sum(-1, keepdim=True) * module.zero_terms
+        out_dtype = out_dtype or x.dtype
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    def _torch_kernels(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         xb = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
         if self.kernel == "int8" and x.shape[0] >= INT8_ACTIVATION_ROWS:
-            y = _int8_activations_mm(xb, module.qweight, module.scales_f32)
-            if self.has_zeros:
-                y = y - xb.float().sum(-1, keepdim=True) * module.zero_terms.float()
-        elif self.kernel == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(xb, module.qweight, module.scales)
-            if self.has_zeros:
-                y = y - xb.float().sum(-1, keepdim=True).to(y.dtype) * module.zero_terms
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                xb, module.qweight, self.group_size, module.scale_zero)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+            return _int8_activations_mm(xb, module.qweight, module.scales_f32)
+        if self.kernel == "int8":
+            return torch.ops.aten._weight_int8pack_mm(xb, module.qweight, module.scales).float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb, module.qweight, self.group_size, module.scale_zero)
 
 
 def _int8_activations_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor

@@ -1,0 +1,237 @@
+/* Integer matmuls on the CPU: int8 or int4 weights times activations quantized to int8 in blocks
+ * of 32 columns (each block's absolute maximum / 127, as llama.cpp's Q8_0 does), with AVX-512
+ * VNNI's 4-way byte dot products (vpdpbusd). Widening each weight byte to a float first (the
+ * weight-only way) keeps a core busy converting: 16-21 GB/s of int8 weights on this 2-core
+ * machine, where one vpdpbusd does 64 multiply-adds with no conversion. Blocks of 32 columns
+ * make a tensor-parallel shard of x (whole blocks) quantize exactly as the whole row does.
+ *
+ * vpdpbusd multiplies unsigned bytes by signed ones. Weights are the unsigned side:
+ * - int8 q stored as q + 128 (one scale per output row): per block b,
+ *   sum (q + 128) xq = sum q xq + 128 sum xq, and the last term is the row of x's alone;
+ * - int4 stored as u = q + 8 (one scale and zero per group of columns g):
+ *   w = (u - 8 - z_g) s_g, so y = sum_g s_g sum_b xs_b sum u xq - sum_g (8 + z_g) s_g X_g with
+ *   X_g = sum_{b in g} xs_b sum xq, the offsets (8 + z_g) s_g given per group.
+ * Both come blocked by workers/quant/int_kernels.py (`block_int8`, `block_int4`): a thread reads
+ * each tile of 4 output rows as one sequential stream (rows of a few KB read side by side left
+ * the prefetcher restarting: 20 GB/s, where a stream reaches 30+), and a tile read once serves
+ * every pass over the rows of x from the core's own caches.
+ *
+ * Returns -1 where the CPU has no AVX-512 VNNI (the caller then uses torch's kernels), -2 for a
+ * shape it does not take (K a multiple of 64 for int8; of 32, with groups of 32 dividing it, for
+ * int4), -3 when out of memory.
+ *
+ * Built at first use by workers/native.py: cc -O3 -march=native -ffast-math -fopenmp.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+#define ROWS 4  /* weight rows per tile */
+#define BLOCK 32 /* columns of x per activation scale */
+#define MB 4    /* rows of x per pass over a tile */
+
+int int_gemm_available(void) { return HAVE_VNNI; }
+
+/* x [M, K] -> int8 blocks xq, each block's scale xs [M, K / BLOCK] and its scale times the sum
+ * of its values (xw [M, K / BLOCK], for the offsets of the unsigned weights). */
+static void quantize_blocks(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs,
+                            float *xw) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K / BLOCK; b++) {
+            const float *src = x + m * K + b * BLOCK;
+            float amax = 0.0f;
+            for (int k = 0; k < BLOCK; k++) amax = fmaxf(amax, fabsf(src[k]));
+            float scale = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / scale;
+            int sum = 0;
+            for (int k = 0; k < BLOCK; k++) {
+                int v = (int)lrintf(src[k] * inv);
+                xq[m * K + b * BLOCK + k] = (int8_t)v;
+                sum += v;
+            }
+            xs[m * (K / BLOCK) + b] = scale;
+            xw[m * (K / BLOCK) + b] = scale * (float)sum;
+        }
+}
+
+static void split(int64_t N, int thread, int num_threads, int64_t *start, int64_t *end) {
+    int64_t tiles = (N + ROWS - 1) / ROWS;
+    *start = tiles * thread / num_threads * ROWS;
+    *end = tiles * (thread + 1) / num_threads * ROWS;
+    if (*end > N) *end = N;
+}
+
+#if HAVE_VNNI
+/* The 4 sums of each 128-bit lane of v. */
+static inline __m128 lane_sums(__m512 v) {
+    __m128 a0 = _mm512_extractf32x4_ps(v, 0), a1 = _mm512_extractf32x4_ps(v, 1);
+    __m128 a2 = _mm512_extractf32x4_ps(v, 2), a3 = _mm512_extractf32x4_ps(v, 3);
+    return _mm_hadd_ps(_mm_hadd_ps(a0, a1), _mm_hadd_ps(a2, a3));
+}
+
+/* int8, tile layout: per 64 columns, the tile's 4 rows' 64 bytes (q + 128) one after another. */
+static void rows_i8(const int8_t *xq, const float *xs, const float *xw, const uint8_t *w,
+                    const float *scales, float *y, int64_t M, int64_t N, int64_t K,
+                    int64_t start, int64_t end) {
+    int64_t blocks = K / BLOCK;
+    for (int64_t n0 = start; n0 < end; n0 += ROWS) {
+        int nr = end - n0 < ROWS ? (int)(end - n0) : ROWS;
+        const uint8_t *tile = w + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            int mr = M - m0 < MB ? (int)(M - m0) : MB;
+            __m512 acc[MB][ROWS];
+            float corr[MB];
+            for (int i = 0; i < MB; i++) {
+                corr[i] = 0.0f;
+                for (int j = 0; j < ROWS; j++) acc[i][j] = _mm512_setzero_ps();
+            }
+            for (int64_t c = 0; c < K / 64; c++) {
+                __m512i wv[ROWS];
+                for (int j = 0; j < ROWS; j++)
+                    wv[j] = _mm512_loadu_si512((const void *)(tile + (c * ROWS + j) * 64));
+                for (int i = 0; i < mr; i++) {
+                    int64_t row = m0 + i;
+                    __m512i xv = _mm512_loadu_si512((const void *)(xq + row * K + c * 64));
+                    /* lanes 0-7 hold the first block of 32 columns, 8-15 the second */
+                    __m512 sv = _mm512_insertf32x8(
+                        _mm512_set1_ps(xs[row * blocks + 2 * c]),
+                        _mm256_set1_ps(xs[row * blocks + 2 * c + 1]), 1);
+                    for (int j = 0; j < ROWS; j++) {
+                        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv);
+                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sv, acc[i][j]);
+                    }
+                }
+            }
+            for (int i = 0; i < mr; i++) {
+                int64_t row = m0 + i;
+                for (int64_t b = 0; b < blocks; b++) corr[i] += xw[row * blocks + b];
+                for (int j = 0; j < nr; j++)
+                    y[row * N + n0 + j] =
+                        (_mm512_reduce_add_ps(acc[i][j]) - 128.0f * corr[i]) * scales[n0 + j];
+            }
+        }
+    }
+}
+
+/* int4, tile layout: per 32 columns, 64 bytes, 16 per row, byte i of row j holding column i
+ * (low nibble) and i + 16 (high). One 64-byte load gives all 4 rows: the low nibbles against
+ * x's 16 columns broadcast to each 128-bit lane, the high ones against the next 16, so lane j
+ * of the accumulator sums row j. Scales and offsets are [tiles, groups, 4]. */
+static void rows_i4(const int8_t *xq, const float *xs, const float *xw, const uint8_t *w,
+                    const float *scales, const float *offsets, float *y, int64_t M, int64_t N,
+                    int64_t K, int64_t group, int64_t start, int64_t end) {
+    int64_t groups = K / group, per_group = group / BLOCK, blocks = K / BLOCK;
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int64_t n0 = start; n0 < end; n0 += ROWS) {
+        int nr = end - n0 < ROWS ? (int)(end - n0) : ROWS;
+        int64_t t = n0 / ROWS;
+        const uint8_t *tile = w + t * ROWS * (K / 2);
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            int mr = M - m0 < MB ? (int)(M - m0) : MB;
+            __m512 total[MB];
+            __m128 corr[MB];
+            for (int i = 0; i < MB; i++) total[i] = _mm512_setzero_ps(), corr[i] = _mm_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                __m512 acc[MB];
+                float xg[MB];
+                for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps(), xg[i] = 0.0f;
+                for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
+                    __m512i b = _mm512_loadu_si512((const void *)(tile + c * 64));
+                    __m512i lo = _mm512_and_si512(b, low);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+                    for (int i = 0; i < mr; i++) {
+                        int64_t row = m0 + i;
+                        const int8_t *xr = xq + row * K + c * BLOCK;
+                        __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xr));
+                        __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xr + 16)));
+                        __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(xs[row * blocks + c]), acc[i]);
+                        xg[i] += xw[row * blocks + c];
+                    }
+                }
+                int64_t at = (t * groups + g) * ROWS;
+                __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scales + at)));
+                __m128 o = _mm_loadu_ps(offsets + at);
+                for (int i = 0; i < mr; i++) {
+                    total[i] = _mm512_fmadd_ps(acc[i], s, total[i]);
+                    corr[i] = _mm_fmadd_ps(o, _mm_set1_ps(xg[i]), corr[i]);
+                }
+            }
+            for (int i = 0; i < mr; i++) {
+                float out[ROWS];
+                _mm_storeu_ps(out, _mm_sub_ps(lane_sums(total[i]), corr[i]));
+                for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = out[j];
+            }
+        }
+    }
+}
+#endif
+
+/* The quantized activations: x's int8 blocks and their scales, or NULL (out of memory). */
+typedef struct {
+    int8_t *xq;
+    float *xs, *xw;
+} acts_t;
+
+static int quantize(const float *x, int64_t M, int64_t K, acts_t *a) {
+    a->xq = malloc(M * K);
+    a->xs = malloc(sizeof(float) * M * (K / BLOCK));
+    a->xw = malloc(sizeof(float) * M * (K / BLOCK));
+    if (!a->xq || !a->xs || !a->xw) return -3;
+    quantize_blocks(x, M, K, a->xq, a->xs, a->xw);
+    return 0;
+}
+
+static void release(acts_t *a) { free(a->xq), free(a->xs), free(a->xw); }
+
+int int8_gemm(const float *x, const uint8_t *w, const float *scales, float *y, int64_t M,
+              int64_t N, int64_t K, int num_threads) {
+#if HAVE_VNNI
+    if (K % 64) return -2;
+    acts_t a;
+    int rc = quantize(x, M, K, &a);
+    if (rc == 0) {
+        if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t start, end;
+            split(N, omp_get_thread_num(), num_threads, &start, &end);
+            rows_i8(a.xq, a.xs, a.xw, w, scales, y, M, N, K, start, end);
+        }
+    }
+    release(&a);
+    return rc;
+#else
+    return -1;
+#endif
+}
+
+int int4_gemm(const float *x, const uint8_t *w, const float *scales, const float *offsets,
+              float *y, int64_t M, int64_t N, int64_t K, int64_t group, int num_threads) {
+#if HAVE_VNNI
+    if (K % BLOCK || group % BLOCK || K % group) return -2;
+    acts_t a;
+    int rc = quantize(x, M, K, &a);
+    if (rc == 0) {
+        if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t start, end;
+            split(N, omp_get_thread_num(), num_threads, &start, &end);
+            rows_i4(a.xq, a.xs, a.xw, w, scales, offsets, y, M, N, K, group, start, end);
+        }
+    }
+    release(&a);
+    return rc;
+#else
+    return -1;
+#endif
+}
