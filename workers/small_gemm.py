@@ -26,7 +26,7 @@ from workers.native import KernelBuildError, build_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
-MAX_ROWS = {torch.float32: 16, torch.bfloat16: 2}  # rows through the kernel, by weight dtype
+MAX_ROWS = {torch.float32: 8, torch.bfloat16: 2}  # rows through the kernel, by weight dtype
 
 
 @functools.lru_cache(maxsize=None)
