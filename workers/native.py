@@ -7,11 +7,15 @@ one C file linked against libgomp, so it runs on torch's own OpenMP threads.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
 
 # -ffast-math lets the dot products vectorize (reassociation) and expf use libmvec; the kernel
 # never forms an infinity or NaN from finite inputs, so the finite-math assumption holds. It is
@@ -69,3 +73,14 @@ def build_library(path: Path, compiler: str | None = None) -> Path:
                                        f"{proc.stderr.strip()}")
         os.replace(lib, target)
     return target
+
+
+def loads(load: Callable[[], object], what: str, log: logging.Logger = logger) -> bool:
+    """Whether a kernel's `load()` builds and loads it here; warns on `log`, with the reason and
+    `what` is used instead, when it does not (callers cache the answer: once per process)."""
+    try:
+        load()
+    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as e:
+        log.warning("%s: %s", what, e)
+        return False
+    return True

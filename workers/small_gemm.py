@@ -15,13 +15,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from workers.native import KernelBuildError, build_library
+from workers.native import build_library, loads
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +41,8 @@ def load_kernel() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the kernel builds and loads here; warns once, with the reason, when it does not."""
-    try:
-        load_kernel()
-    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as e:
-        logger.warning("the small-batch matmul kernel is unavailable, using torch's linear: %s",
-                       e)
-        return False
-    return True
+    return loads(load_kernel, "the small-batch matmul kernel is unavailable, using torch's "
+                              "linear", logger)
 
 
 def small_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,

@@ -23,14 +23,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
 from workers.attention.backend import AttentionMetadata
 from workers.attention.torch_backend import TorchAttentionBackend
-from workers.native import KernelBuildError, build_library
+from workers.native import KernelBuildError, build_library, loads
 
 __all__ = ["KernelBuildError", "available", "build_kernel", "load_kernel", "paged_decode"]
 
@@ -59,13 +58,8 @@ def load_kernel() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the kernel builds and loads here; warns once, with the reason, when it does not."""
-    try:
-        load_kernel()
-    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as e:
-        logger.warning("the cpu attention kernel is unavailable, decoding with the torch "
-                       "backend instead: %s", e)
-        return False
-    return True
+    return loads(load_kernel, "the cpu attention kernel is unavailable, decoding with the "
+                              "torch backend instead", logger)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -192,23 +192,28 @@ static int quantize(const float *x, int64_t M, int64_t K, acts_t *a) {
 
 static void release(acts_t *a) { free(a->xq), free(a->xs), free(a->xw); }
 
+/* Quantizes x, then runs `CALL` (a rows_* call over [start, end)) on `num_threads` threads. */
+#define QUANTIZE_THEN_OVER_THREADS(CALL)                                                      \
+    do {                                                                                      \
+        acts_t a;                                                                             \
+        int rc = quantize(x, M, K, &a);                                                       \
+        if (rc == 0) {                                                                        \
+            if (num_threads < 1) num_threads = 1;                                             \
+            _Pragma("omp parallel num_threads(num_threads)") {                                \
+                int64_t start, end;                                                           \
+                split(N, omp_get_thread_num(), num_threads, &start, &end);                    \
+                CALL;                                                                         \
+            }                                                                                 \
+        }                                                                                     \
+        release(&a);                                                                          \
+        return rc;                                                                            \
+    } while (0)
+
 int int8_gemm(const float *x, const uint8_t *w, const float *scales, float *y, int64_t M,
               int64_t N, int64_t K, int num_threads) {
 #if HAVE_VNNI
     if (K % 64) return -2;
-    acts_t a;
-    int rc = quantize(x, M, K, &a);
-    if (rc == 0) {
-        if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
-        {
-            int64_t start, end;
-            split(N, omp_get_thread_num(), num_threads, &start, &end);
-            rows_i8(a.xq, a.xs, a.xw, w, scales, y, M, N, K, start, end);
-        }
-    }
-    release(&a);
-    return rc;
+    QUANTIZE_THEN_OVER_THREADS(rows_i8(a.xq, a.xs, a.xw, w, scales, y, M, N, K, start, end));
 #else
     return -1;
 #endif
@@ -218,19 +223,8 @@ int int4_gemm(const float *x, const uint8_t *w, const float *scales, const float
               float *y, int64_t M, int64_t N, int64_t K, int64_t group, int num_threads) {
 #if HAVE_VNNI
     if (K % BLOCK || group % BLOCK || K % group) return -2;
-    acts_t a;
-    int rc = quantize(x, M, K, &a);
-    if (rc == 0) {
-        if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
-        {
-            int64_t start, end;
-            split(N, omp_get_thread_num(), num_threads, &start, &end);
-            rows_i4(a.xq, a.xs, a.xw, w, scales, offsets, y, M, N, K, group, start, end);
-        }
-    }
-    release(&a);
-    return rc;
+    QUANTIZE_THEN_OVER_THREADS(
+        rows_i4(a.xq, a.xs, a.xw, w, scales, offsets, y, M, N, K, group, start, end));
 #else
     return -1;
 #endif

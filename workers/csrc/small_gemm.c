@@ -120,27 +120,26 @@ static void split(int64_t N, int thread, int num_threads, int64_t *start, int64_
     if (*end > N) *end = N;
 }
 
+/* `ROWS_FN(x, w, y, M, N, K, start, end)` on `num_threads` threads, each its run of rows. */
+#define OVER_THREADS(ROWS_FN)                                                                 \
+    do {                                                                                      \
+        if (num_threads < 1) num_threads = 1;                                                 \
+        _Pragma("omp parallel num_threads(num_threads)") {                                    \
+            int64_t start, end;                                                               \
+            split(N, omp_get_thread_num(), num_threads, &start, &end);                        \
+            ROWS_FN(x, w, y, M, N, K, start, end);                                            \
+        }                                                                                     \
+    } while (0)
+
 int small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                    int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
-    {
-        int64_t start, end;
-        split(N, omp_get_thread_num(), num_threads, &start, &end);
-        rows_f32(x, w, y, M, N, K, start, end);
-    }
+    OVER_THREADS(rows_f32);
     return 0;
 }
 
 int small_gemm_bf16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
                     int64_t K, int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
-    {
-        int64_t start, end;
-        split(N, omp_get_thread_num(), num_threads, &start, &end);
-        rows_bf16(x, w, y, M, N, K, start, end);
-    }
+    OVER_THREADS(rows_bf16);
     return 0;
 }
 

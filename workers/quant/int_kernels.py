@@ -8,12 +8,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
-from workers.native import KernelBuildError, build_library
+from workers.native import build_library, loads
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +32,8 @@ def load_kernel() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the kernels build here and the CPU has AVX-512 VNNI."""
-    try:
-        return bool(load_kernel().int_gemm_available())
-    except (KernelBuildError, OSError, subprocess.TimeoutExpired) as e:
-        logger.warning("the int8/int4 CPU kernels are unavailable: %s", e)
-        return False
+    return (loads(load_kernel, "the int8/int4 CPU kernels are unavailable, using torch's", logger)
+            and bool(load_kernel().int_gemm_available()))
 
 
 def _check(rc: int, what: str) -> None:
