@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from workers.quant.formats import decode, ignored_parts, required_parts
+from workers.quant.formats import IGNORED_PARTS, decode, required_parts
 from workers.quant.scheme import QuantScheme
 from workers.quant.weights import FP8, IntWeight
 
@@ -28,7 +28,7 @@ def decode_checkpoint(
     tensors: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme, kept: set[str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) pairs -> the pairs the model loads (see the module doc)."""
-    required, ignored = required_parts(scheme), ignored_parts(scheme)
+    required = required_parts(scheme)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         prefix, _, suffix = name.rpartition(".")
@@ -36,7 +36,7 @@ def decode_checkpoint(
             yield name, tensor  # a full-precision tensor (norms, embeddings, skipped modules)
             continue
         if suffix not in required:
-            if suffix in ignored:
+            if suffix in IGNORED_PARTS:
                 continue
             yield name, tensor
             continue

@@ -28,9 +28,8 @@ def required_parts(scheme: QuantScheme) -> tuple[str, ...]:
     return ("weight", scheme.fp8_scale_name)
 
 
-def ignored_parts(scheme: QuantScheme) -> tuple[str, ...]:
-    """Suffixes a quantized module may carry that weight-only serving does not use."""
-    return ("g_idx", "input_scale", "weight_g_idx", "bias_scale", "k_scale", "v_scale")
+# suffixes a quantized module may carry that weight-only serving does not use
+IGNORED_PARTS = ("g_idx", "input_scale", "weight_g_idx", "bias_scale", "k_scale", "v_scale")
 
 
 def decode(scheme: QuantScheme, parts: dict[str, torch.Tensor]) -> IntWeight | Fp8Weight:
