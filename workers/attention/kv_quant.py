@@ -50,6 +50,15 @@ def as_copyable(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """New keys or values [..., D] as a cache of `cache_dtype` stores them, in `as_copyable`'s
+    dtype (8-bit: values and scale; else converted): the inverse of `read_kv`."""
+    if not is_quantized(cache_dtype):
+        return x.to(cache_dtype)
+    stored = quantize_kv(x, cache_dtype)
+    return stored.view(torch.uint8) if cache_dtype == torch.float8_e4m3fn else stored
+
+
 def read_kv(stored: torch.Tensor, dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.Tensor:
     """Cache contents (of a cache of `cache_dtype`, perhaps viewed `as_copyable`) as `dtype`
     values: dequantized when 8-bit, else converted."""

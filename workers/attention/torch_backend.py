@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
-from workers.attention.kv_quant import as_copyable, is_quantized, quantize_kv, read_kv
+from workers.attention.kv_quant import as_copyable, read_kv, to_cache
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -21,15 +21,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     each head's values and scale, `workers.attention.kv_quant`)."""
     planes, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = as_copyable(kv_cache).view(planes, num_blocks * block_size, num_kv_heads, head_dim)
-    if is_quantized(kv_cache.dtype):
-        def store(x: torch.Tensor) -> torch.Tensor:
-            return quantize_kv(x, kv_cache.dtype).view(flat.dtype)
-    else:
-        def store(x: torch.Tensor) -> torch.Tensor:
-            return x.to(kv_cache.dtype)
-    flat[0].index_copy_(0, slot_mapping, store(k))
+    flat[0].index_copy_(0, slot_mapping, to_cache(k, kv_cache.dtype))
     if planes == 2:
-        flat[1].index_copy_(0, slot_mapping, store(v))
+        flat[1].index_copy_(0, slot_mapping, to_cache(v, kv_cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
