@@ -45,6 +45,8 @@ class RequestResult:
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)  # gaps between streamed chunks
     output_tokens: int = 0
+    prompt_tokens: int = 0  # from the usage chunk, where the server sends one
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage's details)
 
     @property
     def tpot_s(self) -> float | None:
@@ -104,7 +106,11 @@ async def send(client: httpx.AsyncClient, url: str, model: str, spec: RequestSpe
                     out.error = str(chunk["error"].get("message"))[:200]
                     return out
                 if chunk.get("usage"):
-                    out.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    out.output_tokens = usage["completion_tokens"]
+                    out.prompt_tokens = usage.get("prompt_tokens") or 0
+                    out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens") or 0
                 if chunk.get("choices"):
                     now = time.perf_counter()
                     if chunks == 0:

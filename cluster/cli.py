@@ -21,6 +21,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory keeping evicted prefix-cache blocks")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -50,7 +52,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
                  kv_cache_dtype=args.kv_cache_dtype,
                  max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens,
-                 enable_prefix_caching=False if args.no_prefix_caching else None)
+                 enable_prefix_caching=False if args.no_prefix_caching else None,
+                 host_kv_cache_memory_bytes=(None if args.kv_offloading_size is None
+                                             else int(args.kv_offloading_size * 2**30)))
     return {k: v for k, v in given.items() if v is not None}
 
 

@@ -127,6 +127,11 @@ class EngineSettings(_Strict):
         default_of(EngineConfig, "kv_cache_memory_bytes"), gt=0, description=(
             "KV-cache budget per rank; default 512 MiB on CPU, from gpu_memory_utilization on "
             "GPU."))
+    host_kv_cache_memory_bytes: int = Field(
+        default_of(EngineConfig, "host_kv_cache_memory_bytes"), ge=0, description=(
+            "Host memory per replica for the KV cache's host tier: prefix-cache blocks evicted "
+            "from the KV cache are kept there and copied back on a hit instead of recomputed. "
+            "0: no host tier. Needs enable_prefix_caching."))
     gpu_memory_utilization: float = Field(
         default_of(EngineConfig, "gpu_memory_utilization"), gt=0, le=1, description=(
             "On GPU: the fraction of memory free after loading the model given to the KV "

@@ -52,6 +52,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=None,
                    help="auto, float32, bfloat16, float16, int8 or fp8 (8 bits, a scale per "
                         "token and head)")
+    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory per replica keeping evicted prefix-cache blocks, "
+                        "copied back on a hit instead of recomputed (default 0: none)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU: no CUDA graphs for decode steps")
     p.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
@@ -130,6 +133,12 @@ def config_from_args(args: argparse.Namespace) -> CleaveConfig:
                                                                                            flag)
         if args.no_prefix_caching:
             settings.setdefault("engine", {})["enable_prefix_caching"] = False
+        if args.kv_offloading_size is not None:
+            if not args.kv_offloading_size >= 0:
+                raise ConfigError(f"--kv-offloading-size must be >= 0 GiB, got "
+                                  f"{args.kv_offloading_size}")
+            settings.setdefault("engine", {})["host_kv_cache_memory_bytes"] = int(
+                args.kv_offloading_size * 2**30)
         if args.enforce_eager:
             settings.setdefault("engine", {})["enforce_eager"] = True
         if gpus is not None:

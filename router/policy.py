@@ -80,7 +80,8 @@ class PrefixAwarePolicy(RoutingPolicy):
     """Score = w_hit * hit_fraction - w_queue * queue / max(mean queue, queue_scale)
     - w_kv * kv_usage; highest wins, ties go to the lighter worker, then the smaller id.
 
-    hit_fraction is the share of the prompt's full blocks the worker holds as a leading run;
+    hit_fraction is the share of the prompt's full blocks the worker holds as a leading run,
+    a block in its host tier counting what it saves (1 - its `host_hit_cost`);
     queue is waiting + running requests, normalized by the mean over the healthy workers so the
     penalty grows without bound on an overloaded worker. `queue_scale` keeps small absolute
     differences between nearly idle workers from outweighing a prefix hit. With the defaults a
@@ -102,20 +103,20 @@ class PrefixAwarePolicy(RoutingPolicy):
                index: PrefixIndex) -> Decision:
         table = LoadTable.of(loads)
         rows = table.healthy_rows()
-        hits = index.match(block_hashes)
+        hits = index.match_tiers(block_hashes)
         depth = table.depth(rows)
         hit = np.zeros(len(rows))
-        for wid, blocks in hits.items():
+        for wid, (blocks, in_host) in hits.items():
             at = table.position(rows, wid)
-            if at is not None:
-                hit[at] = blocks
+            if at is not None:  # recompute saved, in blocks: a host hit costs its copy
+                hit[at] = blocks - in_host * index.host_hit_cost(wid) if in_host else blocks
         queue_weight = self.w_queue / max(float(depth.sum()) / len(rows), self.queue_scale)
         score = (self.w_hit / max(len(block_hashes), 1) * hit - queue_weight * depth
                  - self.w_kv * table.kv_usage[rows])
         best = rows[score == score.max()]
         row = int(best[0]) if len(best) == 1 else table.best_by_load(best)
         wid = table.ids[row] or ""
-        return Decision(wid, hits.get(wid, 0))
+        return Decision(wid, hits.get(wid, (0, 0))[0])
 
 
 @register_policy("least_loaded")

@@ -8,6 +8,11 @@ Layout: one dict from block hash to a bitmask of the workers holding it (one bit
 slot), so `match` walks a prompt's chained hashes with one dict lookup and one AND per block,
 plus a set of hashes per worker for removal, clears and resync. Not thread-safe: use one index
 per event loop (or guard it with a lock).
+
+Tiers: a worker holds a block in its device pool or only in its host-memory tier (the events'
+`medium`). Both hit; a second bitmask marks the host-only holders, and `match_tiers` counts how
+many of a worker's leading hits must be copied back from host memory, which a policy scores at
+the worker's measured cost of a host hit (`host_hit_cost`) rather than as free or as a miss.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from workers.protocol import (
+    HOST,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -36,7 +42,9 @@ class _WorkerView:
     epoch: str | None = None
     next_seq: int = 0  # the seq the index expects next in `epoch`
     needs_resync: bool = False
-    blocks: set[int] = field(default_factory=set)
+    blocks: set[int] = field(default_factory=set)  # in the device pool
+    host_blocks: set[int] = field(default_factory=set)  # in the host tier (some also above)
+    host_hit_cost: float = 0.0  # a host hit's time as a fraction of recomputing the block
     retired_epochs: list[str] = field(default_factory=list)  # oldest first
 
 
@@ -50,6 +58,7 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}  # block hash -> bitmask of worker slots
+        self._host_only: dict[int, int] = {}  # block hash -> slots holding it in host memory only
         self._views: dict[str, _WorkerView] = {}
         self._slot_owner: dict[int, str] = {}  # slot -> worker id
         self._free_slots: list[int] = []
@@ -76,6 +85,7 @@ class PrefixIndex:
         if view is None:
             return
         self._drop_blocks(view, view.blocks)
+        self._drop_host_blocks(view, view.host_blocks)
         del self._slot_owner[view.slot]
         self._free_slots.append(view.slot)
 
@@ -83,6 +93,11 @@ class PrefixIndex:
         """The hashes the index believes `worker_id` holds (empty for unknown workers)."""
         view = self._views.get(worker_id)
         return frozenset(view.blocks) if view is not None else frozenset()
+
+    def worker_host_blocks(self, worker_id: str) -> frozenset[int]:
+        """The hashes the index believes `worker_id` holds in its host tier."""
+        view = self._views.get(worker_id)
+        return frozenset(view.host_blocks) if view is not None else frozenset()
 
     def needs_resync(self, worker_id: str) -> bool:
         """True once the worker's event stream had a gap (or began mid-stream): call `resync`."""
@@ -101,18 +116,35 @@ class PrefixIndex:
         for h in hashes:
             holders[h] = holders.get(h, 0) | bit
         view.blocks.update(hashes)
+        if view.host_blocks:  # back in the device pool: no longer host-only
+            _clear_bits(self._host_only, [h for h in hashes if h in view.host_blocks], ~bit)
 
     def _drop_blocks(self, view: _WorkerView, hashes: Sequence[int] | set[int]) -> None:
-        keep, holders, blocks = ~(1 << view.slot), self._holders, view.blocks
-        for h in list(hashes):
-            if h not in blocks:
-                continue
-            blocks.discard(h)
-            mask = holders[h] & keep
-            if mask:
-                holders[h] = mask
-            else:
-                del holders[h]
+        bit, blocks = 1 << view.slot, view.blocks
+        gone = [h for h in hashes if h in blocks]
+        blocks.difference_update(gone)
+        in_host = [h for h in gone if h in view.host_blocks] if view.host_blocks else []
+        if in_host:  # still held, in host memory only
+            gone = [h for h in gone if h not in view.host_blocks]
+            for h in in_host:
+                self._host_only[h] = self._host_only.get(h, 0) | bit
+        _clear_bits(self._holders, gone, ~bit)
+
+    def _add_host_blocks(self, view: _WorkerView, hashes: Sequence[int]) -> None:
+        bit, holders, host_only = 1 << view.slot, self._holders, self._host_only
+        for h in hashes:
+            if h not in view.blocks:
+                holders[h] = holders.get(h, 0) | bit
+                host_only[h] = host_only.get(h, 0) | bit
+        view.host_blocks.update(hashes)
+
+    def _drop_host_blocks(self, view: _WorkerView, hashes: Sequence[int] | set[int]) -> None:
+        gone = [h for h in hashes if h in view.host_blocks]
+        view.host_blocks.difference_update(gone)
+        only = [h for h in gone if h not in view.blocks]
+        keep = ~(1 << view.slot)
+        _clear_bits(self._host_only, only, keep)
+        _clear_bits(self._holders, only, keep)
 
     def _start_epoch(self, view: _WorkerView, epoch: str) -> None:
         """The worker restarted: everything known about it is gone."""
@@ -122,6 +154,7 @@ class PrefixIndex:
             view.retired_epochs.append(view.epoch)
             del view.retired_epochs[:-_MAX_RETIRED_EPOCHS]
         self._drop_blocks(view, view.blocks)
+        self._drop_host_blocks(view, view.host_blocks)
         view.epoch, view.next_seq, view.needs_resync = epoch, 0, False
 
     # -- event stream ----------------------------------------------------------------------------
@@ -151,11 +184,18 @@ class PrefixIndex:
 
     def _apply_one(self, view: _WorkerView, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
-            self._add_blocks(view, event.block_hashes)
+            if event.medium == HOST:
+                self._add_host_blocks(view, event.block_hashes)
+            else:
+                self._add_blocks(view, event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            self._drop_blocks(view, event.block_hashes)
+            if event.medium == HOST:
+                self._drop_host_blocks(view, event.block_hashes)
+            else:
+                self._drop_blocks(view, event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
             self._drop_blocks(view, view.blocks)
+            self._drop_host_blocks(view, view.host_blocks)
         else:
             raise TypeError(f"expected BlockStored, BlockRemoved or AllBlocksCleared, "
                             f"got {type(event).__name__}")
@@ -168,10 +208,18 @@ class PrefixIndex:
         view = self._view(worker_id)
         if snapshot.epoch != view.epoch:
             self._start_epoch(view, snapshot.epoch)
-        stale = view.blocks - snapshot.block_hashes
-        self._drop_blocks(view, stale)
+        self._drop_host_blocks(view, view.host_blocks - snapshot.host_block_hashes)
+        self._drop_blocks(view, view.blocks - snapshot.block_hashes)
         self._add_blocks(view, list(snapshot.block_hashes - view.blocks))
+        self._add_host_blocks(view, list(snapshot.host_block_hashes - view.host_blocks))
         view.next_seq, view.needs_resync = snapshot.next_seq, False
+
+    def set_host_hit_cost(self, worker_id: str, cost: float) -> None:
+        """A host-tier hit on `worker_id` takes `cost` (0..1) of the time recomputing the block
+        would: its measured copy time over its measured prefill time per block."""
+        if not 0.0 <= cost <= 1.0:
+            raise ValueError(f"host_hit_cost must be in [0, 1], got {cost}")
+        self._view(worker_id).host_hit_cost = cost
 
     # -- lookup ----------------------------------------------------------------------------------
 
@@ -195,6 +243,36 @@ class PrefixIndex:
                     return hits
         _credit(hits, owner, mask, len(block_hashes))
         return hits
+
+
+    def match_tiers(self, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """Worker id -> (leading blocks it holds in either tier, how many of those only in its
+        host tier)."""
+        depths = self.match(block_hashes)
+        host_only = self._host_only
+        if not host_only:
+            return {wid: (depth, 0) for wid, depth in depths.items()}
+        tiers: dict[str, tuple[int, int]] = {}
+        for wid, depth in depths.items():
+            bit = 1 << self._views[wid].slot
+            tiers[wid] = (depth, sum(1 for h in block_hashes[:depth]
+                                     if host_only.get(h, 0) & bit))
+        return tiers
+
+    def host_hit_cost(self, worker_id: str) -> float:
+        """What `set_host_hit_cost` last said for the worker (0.0 when never set or unknown)."""
+        view = self._views.get(worker_id)
+        return view.host_hit_cost if view is not None else 0.0
+
+
+def _clear_bits(masks: dict[int, int], hashes: Sequence[int], keep: int) -> None:
+    """AND each hash's mask with `keep`; drop masks that become 0."""
+    for h in hashes:
+        mask = masks.get(h, 0) & keep
+        if mask:
+            masks[h] = mask
+        else:
+            masks.pop(h, None)
 
 
 def _credit(hits: dict[str, int], owner: dict[int, str], mask: int, depth: int) -> None:

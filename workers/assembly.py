@@ -73,23 +73,40 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, model: torch.nn.Modul
     return num_blocks
 
 
+def num_host_blocks(config: EngineConfig, spec: KVCacheSpec) -> int:
+    """Blocks of the host tier: what `host_kv_cache_memory_bytes` holds (0: no tier). A tier
+    too small for one block is refused; without prefix caching there is nothing to keep."""
+    budget = config.host_kv_cache_memory_bytes
+    if budget == 0:
+        return 0
+    if not config.enable_prefix_caching:
+        raise ValueError("host_kv_cache_memory_bytes keeps evicted prefix-cache blocks; it "
+                         "needs enable_prefix_caching")
+    num_blocks = budget // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"host_kv_cache_memory_bytes={budget} holds no block of "
+                         f"{spec.bytes_per_block} bytes")
+    return num_blocks
+
+
 def local_executor(config: EngineConfig, model: torch.nn.Module, spec: KVCacheSpec,
-                   device: torch.device, max_model_len: int) -> ModelExecutor:
+                   device: torch.device, max_model_len: int,
+                   host_blocks: int = 0) -> ModelExecutor:
     """The model in this process; on a GPU its decode steps replay CUDA graphs unless
     `enforce_eager` (the cache then has one extra block for the graphs' padded rows)."""
     if (config.enforce_eager or config.max_cuda_graph_batch_size == 0
             or not cuda_graphs.graphs_supported(model, model.attn_backend, device)):
-        return LocalExecutor(model, allocate_kv_caches(spec, device), device)
+        return LocalExecutor(model, allocate_kv_caches(spec, device), device, host_blocks)
     caches = allocate_kv_caches(dataclasses.replace(spec, num_blocks=spec.num_blocks + 1), device)
     return cuda_graphs.CudaGraphExecutor(
         model, caches, device, sink_block=spec.num_blocks,
         max_batch_size=min(config.max_cuda_graph_batch_size, config.max_num_seqs),
-        max_seq_len=max_model_len, capture=device.type == "cuda")
+        max_seq_len=max_model_len, capture=device.type == "cuda", host_blocks=host_blocks)
 
 
 def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLauncher | None,
-                   device: torch.device,
-                   dtype: torch.dtype) -> tuple[ModelExecutor, torch.device]:
+                   device: torch.device, dtype: torch.dtype,
+                   host_blocks: int = 0) -> tuple[ModelExecutor, torch.device]:
     """tensor_parallel_size x pipeline_parallel_size ranks, started by `launcher` (None:
     spawned): processes over gloo on the CPU, or one GPU each over NCCL on cuda; and the device
     the driver samples on. A GPU group keeps its KV cache on the ranks' devices, so it serves
@@ -111,6 +128,6 @@ def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLaunch
         config.tensor_parallel_size, config.pipeline_parallel_size,
         config.expert_parallel_size > 1, config.model, str(dtype).removeprefix("torch."),
         config.load_format, config.seed, config.resolved_attention_backend,
-        config.rank_timeout_s, kind)
+        config.rank_timeout_s, kind, host_blocks)
     logger.info("worker group: %d ranks on %s, sampling on %s", config.world_size, kind, device)
     return GroupExecutor(options, spec, launcher), device

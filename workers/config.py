@@ -30,6 +30,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # KV budget; default 512 MiB on CPU
     gpu_memory_utilization: float = 0.9  # on GPU: fraction of free memory (after loading) for KV
     num_blocks: int | None = None  # overrides the budget: exactly this many KV blocks
+    # the host-memory tier: evicted prefix-cache blocks kept in this many bytes of host memory
+    # and copied back on a hit instead of recomputed (0: off; workers.kv_cache.host_tier)
+    host_kv_cache_memory_bytes: int = 0
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16, float16, int8, fp8
     max_num_seqs: int = 128  # running sequences at most
     max_num_batched_tokens: int = 2048  # new tokens per step at most (chunked-prefill budget)
@@ -58,6 +61,9 @@ class EngineConfig:
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        _require(self.host_kv_cache_memory_bytes >= 0,
+                 f"host_kv_cache_memory_bytes must be >= 0 (0: no host tier), got "
+                 f"{self.host_kv_cache_memory_bytes}")
         _require(self.num_blocks is None or self.num_blocks >= 1,
                  f"num_blocks must be at least 1, got {self.num_blocks}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):

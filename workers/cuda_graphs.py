@@ -57,8 +57,8 @@ class CudaGraphExecutor(LocalExecutor):
 
     def __init__(self, model: nn.Module, caches: list[torch.Tensor], device: torch.device, *,
                  sink_block: int, max_batch_size: int, max_seq_len: int,
-                 capture: bool = True) -> None:
-        super().__init__(model, caches, device)
+                 capture: bool = True, host_blocks: int = 0) -> None:
+        super().__init__(model, caches, device, host_blocks)
         self._backend_graph_safe = model.attn_backend.cuda_graph_safe
         self.sizes = capture_sizes(max_batch_size)
         self.max_seq_len = max_seq_len
@@ -88,6 +88,7 @@ class CudaGraphExecutor(LocalExecutor):
         size = self._graph_size(msg)
         if size is None:
             return super().execute(msg)
+        self.copy_tiers(msg)
         self._load(msg, size)
         if self._graphs:
             graph, logits = self._graphs[size]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from workers.attention.kv_quant import KV_QUANT_DTYPES
 from workers.config import EngineConfig
 from workers.grammar import Grammars
 from workers.kv_cache import KVCacheManager
+from workers.kv_cache.host_tier import HostHitCost
 from workers.model_config import ModelConfig, resolve_dtype
 from workers.output_processor import OutputProcessor
 from workers.parallel.validate import check_parallel
@@ -79,17 +81,19 @@ class Engine:
                  if config.world_size == 1 else None)
         spec = dataclasses.replace(spec, num_blocks=assembly.num_kv_blocks(
             config, spec, model, self.device, self.max_model_len))
+        host_blocks = assembly.num_host_blocks(config, spec)
+        self.host_hit_cost = HostHitCost(config.block_size) if host_blocks else None
         self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 window=mc.uniform_window)
+                                 window=mc.uniform_window, host_blocks=host_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.max_model_len), self.kv)
         if model is not None:
             executor = assembly.local_executor(config, model, spec, self.device,
-                                               self.max_model_len)
+                                               self.max_model_len, host_blocks)
         else:
             executor, self.device = assembly.group_executor(config, spec, rank_launcher,
-                                                            self.device, self.dtype)
+                                                            self.device, self.dtype, host_blocks)
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
                                   or config.pipeline_parallel_size)
@@ -192,7 +196,13 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        start = time.perf_counter()
         result = self.runner.execute(out)
+        if self.host_hit_cost is not None:
+            self.host_hit_cost.record_step(time.perf_counter() - start,
+                                           self.runner.executor.last_tier_copy_s,
+                                           out.block_copies,
+                                           out.num_batched_tokens - out.num_decodes)
         for rid, (first, logprobs) in result.prompt_logprobs.items():
             req = self.scheduler.requests[rid]
             req.prompt_logprobs[first:first + len(logprobs)] = logprobs
@@ -242,15 +252,18 @@ class Engine:
         sched, pool = self.scheduler, self.kv.pool
         return EngineStats(len(sched.waiting), len(sched.running), pool.usage,
                            pool.num_free_blocks, pool.num_cached_blocks, pool.num_blocks,
-                           len(sched.waiting_for_kv), sched.num_pending_prompt_tokens)
+                           len(sched.waiting_for_kv), sched.num_pending_prompt_tokens,
+                           self.host_hit_cost.value if self.host_hit_cost is not None else 0.0)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()
 
     def kv_snapshot(self) -> KVSnapshot:
         """The prefix cache's hashes, consistent with the events emitted so far."""
+        host = self.kv.host
         return KVSnapshot(self.kv.events.epoch, self.kv.events.next_seq,
-                          frozenset(self.kv.pool.cached_hashes()))
+                          frozenset(self.kv.pool.cached_hashes()),
+                          frozenset(host.cached_hashes()) if host is not None else frozenset())
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

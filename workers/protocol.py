@@ -169,6 +169,9 @@ class EngineStats:
     num_blocks: int  # KV blocks in the cache
     num_waiting_for_kv: int = 0  # handed-off requests whose KV is still arriving
     num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill
+    # a prefix hit in the host tier, as a fraction of recomputing the block (measured; see
+    # workers.kv_cache.host_tier.HostHitCost); 0.0 without a host tier
+    host_hit_cost: float = 0.0
     # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):
     # the router routes nothing new there and moves the streams on it
     healthy: bool = True
@@ -271,21 +274,32 @@ class KVEvent:
     seq: int
 
 
+# The tiers a worker's prefix cache keeps blocks in (`medium` of the events): the primary pool
+# the model reads (GPU memory, or on a CPU worker its cache tensors), and the host-memory tier
+# evicted blocks are saved to and copied back from (`workers.kv_cache.host_tier`).
+DEVICE = "device"
+HOST = "host"
+MEDIA = (DEVICE, HOST)
+
+
 @dataclass(frozen=True)
 class BlockStored(KVEvent):
-    """Full blocks entered the prefix cache, each chained to the previous (first to `parent_hash`)."""
+    """Full blocks entered the prefix cache's tier `medium`, each chained to the previous (first
+    to `parent_hash`). Blocks saved to the host tier carry no tokens and no parent."""
 
     block_hashes: tuple[int, ...]
     parent_hash: int | None
     token_ids: tuple[int, ...]  # the tokens of all the stored blocks, concatenated
     block_size: int
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved(KVEvent):
-    """Blocks left the prefix cache (evicted): their hashes no longer hit."""
+    """Blocks left the prefix cache's tier `medium` (evicted): they no longer hit there."""
 
     block_hashes: tuple[int, ...]
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True)
@@ -301,6 +315,7 @@ class KVSnapshot:
     epoch: str
     next_seq: int
     block_hashes: frozenset[int]
+    host_block_hashes: frozenset[int] = frozenset()  # in the host tier (some also above)
 
 
 # ---------------------------------------------------------------------------------------------

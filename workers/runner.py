@@ -132,7 +132,8 @@ class ModelRunner:
             step_id=self._step_id, input_ids=tuple(input_ids), positions=tuple(positions),
             slot_mapping=tuple(slots), query_start_loc=tuple(starts), seq_lens=tuple(seq_lens),
             block_tables=tuple(c.block_ids for c in out.chunks), num_decodes=num_decodes,
-            logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches)
+            logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches,
+            block_copies=out.block_copies)
         return _Batch(msg, sampling, prompt_rows)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from workers.kv_cache import KVCacheManager
+from workers.kv_cache.host_tier import NO_COPIES, BlockCopies
 from workers.protocol import FinishReason
 from workers.request import Request, RequestStatus
 
@@ -57,6 +58,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]  # single-token chunks (decodes) first, by context length
     num_batched_tokens: int
     preempted: list[str]  # request ids preempted this step
+    # KV copies between the cache's tiers, made before the forward pass (saves, then loads)
+    block_copies: BlockCopies = NO_COPIES
 
     @property
     def num_decodes(self) -> int:
@@ -98,8 +101,9 @@ class Scheduler:
     def add_waiting_for_kv(self, req: Request) -> bool:
         """Allocate blocks for the prompt of a request whose KV another worker computed (the
         caller fills them) and hold it, unscheduled, until `kv_landed`. False, and nothing
-        changes, when the blocks are not free."""
-        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
+        changes, when the blocks are not free. Cache entries evicted for room are not saved to
+        the host tier: the pull writes the blocks before the next step could copy them."""
+        if not self.kv.allocate_slots(req, req.num_prompt_tokens, save_evicted=False):
             return False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req
@@ -176,7 +180,8 @@ class Scheduler:
 
         # decodes first, shortest context first (the attention backend batches similar lengths)
         chunks.sort(key=lambda c: (c.num_tokens != 1, c.start))
-        return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted,
+                               self.kv.take_copies())
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens

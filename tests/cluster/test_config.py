@@ -85,6 +85,14 @@ def _flags(*argv):
     return config_from_args(p.parse_args(list(argv)))
 
 
+def test_kv_offloading_size_gives_every_pool_a_host_tier_in_gib():
+    c = _flags("--kv-offloading-size", "0.5", "--device", "cpu")
+    assert c.pools.prefill.engine.host_kv_cache_memory_bytes == 2**29
+    assert c.pools.decode.engine.host_kv_cache_memory_bytes == 2**29
+    with pytest.raises(ConfigError, match="--kv-offloading-size must be >= 0 GiB, got -1"):
+        _flags("--kv-offloading-size", "-1")
+
+
 def test_vllm_flag_names_override_the_config_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": "/models/a", "dtype": "float16"},

@@ -76,6 +76,7 @@ VALUES = {
     "router.tool_call_parser": "hermes",
     "pools.*.cpu_affinity": [0],
     "router.cpu_affinity": [0],
+    "pools.*.engine.host_kv_cache_memory_bytes": 64 << 20,
 }
 
 

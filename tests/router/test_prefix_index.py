@@ -136,6 +136,20 @@ def test_remove_worker_forgets_it_and_its_slot_is_reused_cleanly() -> None:
     assert not index.needs_resync("a")
 
 
+def test_a_block_moved_to_host_memory_still_hits_there_until_it_leaves() -> None:
+    index = PrefixIndex()
+    index.apply("w", [stored("e", 0, 1, 2, 3),
+                      BlockStored("e", 1, (2, 3), None, (), 4, medium="host"),
+                      removed("e", 2, 2, 3)])  # evicted from the device pool, saved to host
+    assert index.match_tiers([1, 2, 3]) == {"w": (3, 2)}
+    index.apply("w", [stored("e", 3, 2)])  # brought back: a device block again
+    assert index.match_tiers([1, 2, 3]) == {"w": (3, 1)}
+    index.apply("w", [BlockRemoved("e", 4, (3,), medium="host")])
+    assert index.match_tiers([1, 2, 3]) == {"w": (2, 0)}
+    index.apply("w", [AllBlocksCleared("e", 5)])
+    assert index.match([1]) == {} and not index.worker_host_blocks("w")
+
+
 def test_bad_inputs_name_what_was_expected() -> None:
     index = PrefixIndex()
     with pytest.raises(TypeError, match="BlockStored"):
@@ -165,15 +179,18 @@ OPS = st.lists(st.tuples(
 
 
 def _snapshot(sched: Scheduler) -> KVSnapshot:
-    events = sched.kv.events
-    return KVSnapshot(events.epoch, events.next_seq, frozenset(sched.kv.pool.cached_hashes()))
+    events, host = sched.kv.events, sched.kv.host
+    return KVSnapshot(events.epoch, events.next_seq, frozenset(sched.kv.pool.cached_hashes()),
+                      frozenset(host.cached_hashes()) if host is not None else frozenset())
 
 
 class _Cluster:
-    """Three small engines whose event batches reach the index late, lossily or twice."""
+    """Three small engines whose event batches reach the index late, lossily or twice; with
+    `host_blocks`, each keeps evicted blocks in a host tier of that size."""
 
-    def __init__(self) -> None:
-        self.scheds = {w: create_scheduler(num_blocks=12) for w in WORKERS}
+    def __init__(self, host_blocks: int = 0) -> None:
+        self.host_blocks = host_blocks
+        self.scheds = {w: self._scheduler() for w in WORKERS}
         self.late: dict[str, list[KVEvent]] = {w: [] for w in WORKERS}
         self.index = PrefixIndex()
         self.num_requests = 0
@@ -196,7 +213,10 @@ class _Cluster:
 
     def restart(self, worker: str) -> None:
         self.late[worker] += self.scheds[worker].kv.events.drain()  # may arrive after new epoch
-        self.scheds[worker] = create_scheduler(num_blocks=12)
+        self.scheds[worker] = self._scheduler()
+
+    def _scheduler(self) -> Scheduler:
+        return create_scheduler(num_blocks=12, host_blocks=self.host_blocks)
 
     def run(self, op: str, worker: str, rng: random.Random) -> None:
         sched = self.scheds[worker]
@@ -227,22 +247,26 @@ class _Cluster:
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=OPS)
-def test_index_matches_what_real_block_pools_hold(ops: list[tuple[str, str, int]]) -> None:
-    cluster = _Cluster()
+@given(ops=OPS, host_blocks=st.sampled_from([0, 5]))
+def test_index_matches_what_real_block_pools_hold(ops: list[tuple[str, str, int]],
+                                                  host_blocks: int) -> None:
+    cluster = _Cluster(host_blocks)
     for op, worker, seed in ops:
         cluster.run(op, worker, random.Random(seed))
     cluster.settle()
     index = cluster.index
     for worker, sched in cluster.scheds.items():
         assert index.worker_blocks(worker) == frozenset(sched.kv.pool.cached_hashes())
+        assert index.worker_host_blocks(worker) == _snapshot(sched).host_block_hashes
         assert not index.needs_resync(worker)
     for prefix in PREFIXES:
         hashes = hash_prompt_blocks(prefix + [1000, 1001, 1002, 1003], 4)
         expected = {}
         for worker in WORKERS:
-            held = index.worker_blocks(worker)
+            device = index.worker_blocks(worker)
+            held = device | index.worker_host_blocks(worker)
             depth = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
             if depth:
-                expected[worker] = depth
-        assert index.match(hashes) == expected
+                expected[worker] = (depth, sum(1 for h in hashes[:depth] if h not in device))
+        assert index.match_tiers(hashes) == expected
+        assert index.match(hashes) == {w: depth for w, (depth, _) in expected.items()}

@@ -15,8 +15,8 @@ EOS = 0
 
 def create_scheduler(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 4,
                      max_num_batched_tokens: int = 16, max_model_len: int = 256,
-                     enable_caching: bool = True) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, enable_caching)
+                     enable_caching: bool = True, host_blocks: int = 0) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching, host_blocks=host_blocks)
     return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), kv)
 
 
@@ -34,15 +34,16 @@ def fake_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     return out
 
 
-def replay_events(events: list) -> set[int]:
-    """The set of cached block hashes that a consumer of the KV events would believe in."""
+def replay_events(events: list, medium: str = "device") -> set[int]:
+    """The set of block hashes cached in tier `medium` that a consumer of the KV events would
+    believe in."""
     from workers.protocol import AllBlocksCleared, BlockRemoved, BlockStored
 
     cached: set[int] = set()
     for event in events:
-        if isinstance(event, BlockStored):
+        if isinstance(event, BlockStored) and event.medium == medium:
             cached.update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
+        elif isinstance(event, BlockRemoved) and event.medium == medium:
             cached.difference_update(event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
             cached.clear()

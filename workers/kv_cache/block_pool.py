@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from workers.kv_cache.events import KVEventLog
+from workers.kv_cache.host_tier import HostTier
 
 
 class KVBlock:
@@ -26,10 +27,11 @@ class BlockPool:
 
     Free blocks sit in `_free` in eviction order (least recently freed first). A free block with a
     hash is still a prefix-cache entry: `touch` revives it; `allocate` evicts it (and says so in
-    the event log) only when it is reused.
+    the event log) only when it is reused, first saving it to the host tier when there is one.
     """
 
-    def __init__(self, num_blocks: int, events: KVEventLog, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog, enable_caching: bool = True,
+                 host: HostTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -38,6 +40,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}
+        self.host = host
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,8 +61,10 @@ class BlockPool:
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash)
 
-    def allocate(self, n: int) -> list[KVBlock]:
-        """Take `n` free blocks (ref count 1 each), evicting their old cache entries."""
+    def allocate(self, n: int, save_evicted: bool = True) -> list[KVBlock]:
+        """Take `n` free blocks (ref count 1 each), evicting their old cache entries: saved to
+        the host tier, unless `save_evicted` is False (blocks written before the next step,
+        which the save would then copy too late: a KV handoff's)."""
         if n > len(self._free):
             raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} free")
         out: list[KVBlock] = []
@@ -69,6 +74,8 @@ class BlockPool:
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
                 del self._cached[block.block_hash]
+                if self.host is not None and save_evicted:
+                    self.host.save(block.block_hash, block.block_id)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -126,5 +133,7 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.host is not None:
+            self.host.clear()
         self.events.cleared()
         return True

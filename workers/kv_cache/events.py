@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from workers.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from workers.protocol import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class KVEventLog:
@@ -25,14 +25,15 @@ class KVEventLog:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         return seq
 
-    def stored(self, hashes: list[int], parent: int | None, token_ids: list[int]) -> None:
+    def stored(self, hashes: list[int], parent: int | None, token_ids: list[int],
+               medium: str = DEVICE) -> None:
         if self.enabled and hashes:
             self._pending.append(BlockStored(self.epoch, self._seq(), tuple(hashes), parent,
-                                             tuple(token_ids), self.block_size))
+                                             tuple(token_ids), self.block_size, medium))
 
-    def removed(self, hashes: list[int]) -> None:
+    def removed(self, hashes: list[int], medium: str = DEVICE) -> None:
         if self.enabled and hashes:
-            self._pending.append(BlockRemoved(self.epoch, self._seq(), tuple(hashes)))
+            self._pending.append(BlockRemoved(self.epoch, self._seq(), tuple(hashes), medium))
 
     def cleared(self) -> None:
         if self.enabled:

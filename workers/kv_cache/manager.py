@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from workers.kv_cache.block_pool import BlockPool, KVBlock
 from workers.kv_cache.events import KVEventLog
+from workers.kv_cache.host_tier import NO_COPIES, BlockCopies, HostTier
 from workers.protocol import hash_block
 from workers.request import Request
+
+
+class HostHit(NamedTuple):
+    """A prefix hit in the host tier: the block's KV is copied into a fresh device block."""
+
+    block_hash: int
 
 
 class KVCacheManager:
@@ -21,15 +30,21 @@ class KVCacheManager:
     all. They are cached first, so they stay prefix-cache hits until evicted. Their
     table entries repeat the first live block's id: attention never reads them (the kernels
     start at the window; the torch backend masks them).
+
+    `host_blocks`: the size of the host-memory tier (`workers.kv_cache.host_tier`; 0: none).
+    Prefix hits there are brought back by copies the runner makes before the step's forward
+    pass (`take_copies`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 window: int | None = None) -> None:
+                 window: int | None = None, host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.window = window
         self.enable_caching = enable_caching
         self.events = KVEventLog(block_size, enabled=enable_caching)
-        self.pool = BlockPool(num_blocks, self.events, enable_caching)
+        self.host = (HostTier(host_blocks, self.events)
+                     if host_blocks > 0 and enable_caching else None)
+        self.pool = BlockPool(num_blocks, self.events, enable_caching, self.host)
         self._blocks: dict[str, list[KVBlock | None]] = {}  # None: out of the window, returned
         # each request's block ids, in token order: rebuilt only when its blocks change, so the
         # scheduler hands the same tuple to every step in between
@@ -63,8 +78,9 @@ class KVCacheManager:
                                      req.all_token_ids[i * size:(i + 1) * size],
                                      req.cache_salt if i == 0 else None))
 
-    def get_computed_blocks(self, req: Request) -> list[KVBlock]:
-        """The longest run of the request's leading full blocks found in the prefix cache.
+    def get_computed_blocks(self, req: Request) -> list[KVBlock | HostHit]:
+        """The longest run of the request's leading full blocks found in the prefix cache: in
+        the device pool (a `KVBlock`) or else in the host tier (a `HostHit`).
 
         Leaves at least one token to compute (its logits give the next token). Requests that
         want prompt logprobs compute everything. Takes no references.
@@ -73,39 +89,76 @@ class KVCacheManager:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)
-        hits: list[KVBlock] = []
+        hits: list[KVBlock | HostHit] = []
+        host = self.host
         for block_hash in req.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
-            if block is None:
+            if block is not None:
+                hits.append(block)
+            elif host is not None and block_hash in host:
+                hits.append(HostHit(block_hash))
+            else:
                 break
-            hits.append(block)
         return hits
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: list[KVBlock] | None = None) -> bool:
+                       computed: list[KVBlock | HostHit] | None = None, *,
+                       save_evicted: bool = True) -> bool:
         """Make room for `num_new_tokens` after the request's computed tokens (and after the
-        prefix hits `computed`, which this takes references on). False, and no change, when the
-        pool is short of blocks."""
+        prefix hits `computed`: references on the device ones, fresh blocks the host ones are
+        copied into). False, and no change, when the pool is short of blocks. `save_evicted`
+        False: the cache entries evicted for room are dropped, not saved to the host tier (the
+        caller writes the blocks before the next step: a KV handoff)."""
         self._drop_out_of_window(req)
         blocks = self._blocks.get(req.request_id, [])
         total = req.num_computed_tokens + num_new_tokens
         if blocks and not computed and total <= len(blocks) * self.block_size:
             return True  # fits the blocks it has (most decode steps)
         computed = computed or []
+        on_device = [b for b in computed if isinstance(b, KVBlock)]
         total += len(computed) * self.block_size
-        needed = self.num_blocks_for(total) - len(blocks) - len(computed)
-        revived = sum(1 for b in computed if b.ref_cnt == 0)  # leave the free list when touched
+        needed = self.num_blocks_for(total) - len(blocks) - len(on_device)
+        revived = sum(1 for b in on_device if b.ref_cnt == 0)  # leave the free list when touched
         if max(needed, 0) > self.pool.num_free_blocks - revived:
             return False
-        self.pool.touch(computed)
+        self.pool.touch(on_device)
+        from_host = [h.block_hash for h in computed if isinstance(h, HostHit)]
+        if from_host:
+            self.host.protect(from_host)  # type: ignore[union-attr]  # the saves below keep them
+        fresh = self.pool.allocate(needed, save_evicted) if needed > 0 else []
         blocks = self._blocks.setdefault(req.request_id, blocks)
-        blocks.extend(computed)
         if computed:
-            self._num_cached_blocks[req.request_id] = len(blocks)
-        if needed > 0:
-            blocks.extend(self.pool.allocate(needed))
+            self._place_hits(req, blocks, computed, fresh[:len(from_host)])
+            fresh = fresh[len(from_host):]
+        blocks.extend(fresh)
         self._tables[req.request_id] = _table(blocks)
         return True
+
+    def _place_hits(self, req: Request, blocks: list[KVBlock | None],
+                    computed: list[KVBlock | HostHit], targets: list[KVBlock]) -> None:
+        """Append the hits in token order; each host hit's KV is loaded into the next target,
+        which enters the device cache at once (the load runs before any step reads it)."""
+        targets_left = iter(targets)
+        first = len(blocks)
+        for hit in computed:
+            if isinstance(hit, HostHit):
+                block = next(targets_left)
+                self.host.load(hit.block_hash, block.block_id)  # type: ignore[union-attr]
+                blocks.append(block)
+            else:
+                blocks.append(hit)
+        if targets:
+            size = self.block_size
+            placed: list[KVBlock] = blocks[first:]  # type: ignore[assignment]  # no None here
+            self.pool.cache(placed, req.block_hashes[first:len(blocks)],
+                            req.block_hashes[first - 1] if first else None,
+                            req.all_token_ids[first * size:len(blocks) * size])
+        self._num_cached_blocks[req.request_id] = len(blocks)
+
+    def take_copies(self) -> BlockCopies:
+        """The tier copies the next step must make before its forward pass (saves of evicted
+        blocks, then loads of host hits); none without a host tier."""
+        return self.host.take_copies() if self.host is not None else NO_COPIES
 
     def _drop_out_of_window(self, req: Request) -> None:
         """Return the request's blocks wholly before its next query's window (see the class)."""

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import abc
 import socket
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from workers.kv_cache.host_caches import HostCaches
 from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
 from workers.parallel.messages import RankTiming, StepMessage
@@ -38,13 +40,38 @@ class ModelExecutor(abc.ABC):
     def close(self) -> None:
         """Stop whatever runs the model (idempotent)."""
 
+    @property
+    def last_tier_copy_s(self) -> float:
+        """Seconds the last step spent copying KV blocks to and from the host tier."""
+        return 0.0
+
 
 class LocalExecutor(ModelExecutor):
+    """The model in this process. `host_blocks`: the size of the KV cache's host tier."""
+
     def __init__(self, model: nn.Module, caches: list[torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, host_blocks: int = 0) -> None:
         self.model, self.caches, self.device = model, caches, device
+        self.host = HostCaches(caches, host_blocks) if host_blocks else None
+        self._tier_copy_s = 0.0
+
+    @property
+    def last_tier_copy_s(self) -> float:
+        return self._tier_copy_s
+
+    def copy_tiers(self, msg: StepMessage) -> None:
+        """The step's copies between the cache and its host tier, before its forward pass."""
+        self._tier_copy_s = 0.0
+        if msg.block_copies:
+            if self.host is None:
+                raise RuntimeError("a step carries KV tier copies, but this executor has no "
+                                   "host tier")
+            start = time.perf_counter()
+            self.host.apply(msg.block_copies)  # on a GPU: a load's launch, a save's wait
+            self._tier_copy_s = time.perf_counter() - start
 
     def execute(self, msg: StepMessage) -> torch.Tensor:
+        self.copy_tiers(msg)
         whole = MicroBatch(0, msg.num_seqs, 0, msg.num_tokens)
         ids, positions, meta = microbatch_tensors(msg, whole, self.device)
         hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
@@ -68,6 +95,7 @@ class GroupOptions:
     attention_backend: str
     timeout_s: float
     device: str  # the ranks' kind: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+    host_blocks: int = 0  # the KV cache's host tier: each rank keeps its own share
 
 
 GPU_GROUP_KV_ERROR = (
@@ -122,6 +150,10 @@ class GroupExecutor(ModelExecutor):
             return torch.empty(0, 0)
         return logits
 
+    @property
+    def last_tier_copy_s(self) -> float:
+        return max((t.tier_copy_s for t in self.last_timings), default=0.0)
+
     def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
         if self.caches is None:
             raise KVCacheNotShared(GPU_GROUP_KV_ERROR)
@@ -155,7 +187,7 @@ def rank_setups(options: GroupOptions, num_layers: int, cache_shape: tuple[int, 
                       load_format=options.load_format, seed=options.seed,
                       attention_backend=options.attention_backend,
                       kv_caches=caches(t, stages[stage]), timeout_s=options.timeout_s,
-                      device=options.device)
+                      device=options.device, host_blocks=options.host_blocks)
             for stage in range(pp) for t in range(tp)]
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.kv_cache.host_tier import NO_COPIES, BlockCopies
+
 
 @dataclass(frozen=True)
 class StepMessage:
@@ -22,6 +24,9 @@ class StepMessage:
     num_decodes: int  # leading sequences with exactly one new token
     logit_rows: tuple[int, ...]  # rows (token indices) whose logits come back, in this order
     num_microbatches: int = 1  # pipeline micro-batches the batch is split into (by sequence)
+    # KV copies between the cache and its host tier, made by each cache's holder before the
+    # forward pass (workers.kv_cache.host_caches)
+    block_copies: BlockCopies = NO_COPIES
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +51,7 @@ class RankTiming:
     comm_s: float  # inside collectives and pipeline receives (waiting included)
     microbatch_busy_s: tuple[float, ...] = ()  # compute seconds per micro-batch
     comm_bytes: dict[str, int] = field(default_factory=dict)  # payload bytes by site
+    tier_copy_s: float = 0.0  # copying KV blocks between the cache and its host tier
 
     @property
     def compute_s(self) -> float:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from workers.attention import get_backend
+from workers.kv_cache.host_caches import HostCaches
 from workers.parallel.comm import CommStats, Communicator, StageLink
 from workers.parallel.messages import (
     RankFailed,
@@ -67,6 +68,7 @@ class RankSetup:
     kv_caches: RankCaches  # this stage's layers, this rank's heads
     timeout_s: float  # collectives give up after this long
     device: str  # the kind, "cpu" (gloo) or "cuda" (NCCL); `rank_device` picks which GPU
+    host_blocks: int = 0  # blocks of this rank's host tier of its caches (0: none)
 
     @property
     def stage(self) -> int:
@@ -154,12 +156,20 @@ class _StageRunner:
         self.hidden_size = config.hidden_size
         self.is_first, self.is_last = setup.stage == 0, setup.stage == pp - 1
         self.kv_caches = allocate_rank_caches(setup.kv_caches, self.device)
+        self.host = (HostCaches(self.kv_caches, setup.host_blocks) if setup.host_blocks
+                     else None)
 
     @torch.inference_mode()
     def step(self, msg: StepMessage) -> StepReply:
         start = time.perf_counter()
         self.stats.reset()
         tp, rank = self.setup.tp_size, self.setup.rank
+        if msg.block_copies:
+            if self.host is None:
+                raise RuntimeError(f"rank {rank}: a step carries KV tier copies, but the rank "
+                                   "has no host tier")
+            self.host.apply(msg.block_copies)  # this rank's layers and heads
+        tier_copy_s = time.perf_counter() - start
         outputs, busy, pending = [], [], []
         for mb in split_microbatches(msg):
             hidden = None
@@ -186,5 +196,5 @@ class _StageRunner:
             # is raised in the step that caused it
             torch.cuda.synchronize(self.device)
         timing = RankTiming(rank, time.perf_counter() - start, self.stats.seconds, tuple(busy),
-                            dict(self.stats.bytes_by_site))
+                            dict(self.stats.bytes_by_site), tier_copy_s)
         return StepReply(msg.step_id, timing, logits)
