@@ -29,6 +29,7 @@ from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 if TYPE_CHECKING:
     from cluster.rank_actor import RankPlace
     from cluster.settings import WorkerOptions
+    from kvtransfer.handoff import KVHandoff
     from workers.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ class EngineActor:
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
         return await self.worker.prefill(req, decode_tp_size)
+
+    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
+                            reader_tp_size: int = 1) -> KVHandoff | None:
+        return await self.worker.export_prefix(request_id, block_hashes, reader_tp_size)
 
     # ---- load, events, health --------------------------------------------------------------
 

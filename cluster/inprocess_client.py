@@ -18,6 +18,7 @@ from workers.messages import Command, PrefillResult, WorkerOutputs
 from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
+    from kvtransfer.handoff import KVHandoff
     from workers.worker import Worker
 
 SUBSCRIBER = "in-process"
@@ -51,6 +52,14 @@ class InProcessChannel(WorkerChannel):
         self._check_open()
         try:
             return await self.worker.prefill(req, decode_tp_size)
+        except EngineShutDown as exc:
+            raise WorkerUnavailableError(self.worker_id, str(exc)) from None
+
+    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
+                            reader_tp_size: int) -> KVHandoff | None:
+        self._check_open()
+        try:
+            return await self.worker.export_prefix(request_id, block_hashes, reader_tp_size)
         except EngineShutDown as exc:
             raise WorkerUnavailableError(self.worker_id, str(exc)) from None
 

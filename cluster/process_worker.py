@@ -27,12 +27,15 @@ import socket
 import struct
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
 from workers.messages import Command, PrefillResult, WorkerOutputs
 from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
+
+if TYPE_CHECKING:
+    from kvtransfer.handoff import KVHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +265,10 @@ class ProcessChannel(WorkerChannel):
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
         return await self._call("prefill", req, decode_tp_size)
+
+    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
+                            reader_tp_size: int) -> KVHandoff | None:
+        return await self._call("export_prefix", request_id, block_hashes, reader_tp_size)
 
     async def stats(self) -> EngineStats:
         return await self._call("stats")

@@ -11,7 +11,7 @@ re-raised as they were raised on the worker; a dead or unreachable actor becomes
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -21,6 +21,9 @@ from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
 from workers.messages import Command, PrefillResult, WorkerOutputs
 from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
+
+if TYPE_CHECKING:
+    from kvtransfer.handoff import KVHandoff
 
 CALL_TIMEOUT_S = 10.0  # for the short calls (stats, snapshot, health, submit)
 T = TypeVar("T")
@@ -57,6 +60,12 @@ class RayChannel(WorkerChannel):
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
         return await self._wait(self.actor.prefill.remote(req, decode_tp_size), "prefill", None)
+
+    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
+                            reader_tp_size: int) -> KVHandoff | None:
+        return await self._wait(self.actor.export_prefix.remote(request_id, block_hashes,
+                                                                reader_tp_size),
+                                "export_prefix", None)
 
     async def stats(self) -> EngineStats:
         return await self._wait(self.actor.stats.remote(), "stats")

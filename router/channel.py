@@ -27,6 +27,7 @@ from workers.messages import (
     FailureKind,
     Generate,
     PrefillResult,
+    PrefixFetch,
     Resume,
     StreamCommand,
     WorkerOutputs,
@@ -76,8 +77,19 @@ class ChannelClient(WorkerClient):
 
     # ---- the streaming operations ------------------------------------------------------------
 
-    def generate(self, req: WorkerRequest) -> TokenStream:
-        return self._open(Generate(req))
+    def generate(self, req: WorkerRequest, prefix: PrefixFetch | None = None) -> TokenStream:
+        return self._open(Generate(req, prefix))
+
+    async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
+                            reader_tp_size: int = 1) -> KVHandoff | None:
+        self._check_open()
+        try:
+            return await asyncio.wait_for(
+                self.channel.export_prefix(request_id, tuple(block_hashes), reader_tp_size),
+                self.deadlines.prefill_s)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailableError(self.worker_id, f"export_prefix for {request_id!r} "
+                                         f"not answered in {self.deadlines.prefill_s} s") from None
 
     def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
                             handoff: KVHandoff | None) -> TokenStream:

@@ -26,6 +26,13 @@ class RouterCounters:
     num_refused_overloaded: int = 0  # 429s because every worker's queue was full
     first_tokens_by_worker: dict[str, int] = field(default_factory=dict)  # worker id -> requests
     decodes_by_worker: dict[str, int] = field(default_factory=dict)  # who streamed the rest
+    # prefix fetches (a request's worker pulled its prompt's leading blocks from another's
+    # cache): requests that did, the blocks offered them, how many of those the requests found
+    # beyond their worker's own, and the seconds of prefill the pulls were predicted to save
+    num_prefix_fetches: int = 0
+    prefix_fetch_blocks: int = 0
+    prefix_fetch_blocks_hit: int = 0
+    prefix_fetch_predicted_saved_s: float = 0.0
 
     def count_fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1

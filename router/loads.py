@@ -36,6 +36,9 @@ class WorkerLoad:
     kv_usage: float
     healthy: bool = True
     num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill there
+    # pulling a prefix block from another worker, as a fraction of recomputing it here
+    # (measured; None: this worker fetches no prefixes)
+    fetch_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_waiting < 0 or self.num_running < 0:
@@ -57,8 +60,12 @@ class LoadTable(Sequence[WorkerLoad]):
 
     def __init__(self, ids: list[str | None], waiting: np.ndarray, running: np.ndarray,
                  kv_usage: np.ndarray, pending: np.ndarray, healthy: np.ndarray,
-                 present: np.ndarray, rows: np.ndarray, index: dict[str, int]) -> None:
+                 present: np.ndarray, rows: np.ndarray, index: dict[str, int],
+                 fetch_cost: np.ndarray | None = None) -> None:
         self.ids = ids
+        # NaN: the row's worker fetches no prefixes
+        self.fetch_cost = (np.full(len(waiting), np.nan) if fetch_cost is None
+                           else fetch_cost)
         self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
         self.pending, self.healthy, self.present = pending, healthy, present
         self.rows = rows
@@ -81,7 +88,9 @@ class LoadTable(Sequence[WorkerLoad]):
                    np.array([x.kv_usage for x in loads], dtype=np.float64),
                    np.array([x.num_pending_prompt_tokens for x in loads], dtype=np.int64),
                    np.array([x.healthy for x in loads], dtype=bool),
-                   np.ones(len(ids), dtype=bool), np.arange(len(ids)), index)
+                   np.ones(len(ids), dtype=bool), np.arange(len(ids)), index,
+                   np.array([np.nan if x.fetch_cost is None else x.fetch_cost for x in loads],
+                            dtype=np.float64))
 
     @classmethod
     def empty(cls) -> LoadTable:
@@ -92,7 +101,7 @@ class LoadTable(Sequence[WorkerLoad]):
 
     # ---- kept by the router's worker set (one table, rows updated in place) -----------------
 
-    _COLUMNS = ("waiting", "running", "kv_usage", "pending", "healthy", "present")
+    _COLUMNS = ("waiting", "running", "kv_usage", "pending", "healthy", "present", "fetch_cost")
 
     def add(self, worker_id: str) -> int:
         """A new row for `worker_id` (idle, healthy, present; the columns grow by doubling).
@@ -106,6 +115,7 @@ class LoadTable(Sequence[WorkerLoad]):
         self.ids.append(worker_id)
         self.index[worker_id] = row
         self.healthy[row] = self.present[row] = True
+        self.fetch_cost[row] = np.nan
         return row
 
     def remove(self, worker_id: str) -> None:
@@ -115,13 +125,14 @@ class LoadTable(Sequence[WorkerLoad]):
         self.present[row] = self.healthy[row] = False
 
     def report(self, worker_id: str, waiting: int, running: int, kv_usage: float,
-               pending: int, healthy: bool) -> None:
+               pending: int, healthy: bool, fetch_cost: float | None = None) -> None:
         """A worker's reported load replaces its row."""
         row = self.index.get(worker_id)
         if row is not None:
             self.waiting[row], self.running[row] = waiting, running
             self.kv_usage[row] = min(1.0, max(0.0, kv_usage))
             self.pending[row], self.healthy[row] = pending, healthy
+            self.fetch_cost[row] = np.nan if fetch_cost is None else fetch_cost
 
     def rows_of(self, worker_ids: Iterable[str]) -> np.ndarray:
         """The rows of those of `worker_ids` that have one, ascending."""
@@ -146,9 +157,10 @@ class LoadTable(Sequence[WorkerLoad]):
 
     def load(self, row: int) -> WorkerLoad:
         """Row `row` as a record."""
+        cost = float(self.fetch_cost[row])
         return WorkerLoad(self.ids[row] or "", int(self.waiting[row]), int(self.running[row]),
                           float(self.kv_usage[row]), bool(self.healthy[row]),
-                          int(self.pending[row]))
+                          int(self.pending[row]), None if np.isnan(cost) else cost)
 
     @property
     def worker_ids(self) -> list[str]:
@@ -159,12 +171,12 @@ class LoadTable(Sequence[WorkerLoad]):
     def select(self, rows: np.ndarray) -> LoadTable:
         """The same columns with other candidate rows (ascending)."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
-                         self.healthy, self.present, rows, self.index)
+                         self.healthy, self.present, rows, self.index, self.fetch_cost)
 
     def with_healthy(self, healthy: np.ndarray) -> LoadTable:
         """The same candidates read against another healthy column."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
-                         healthy, self.present, self.rows, self.index)
+                         healthy, self.present, self.rows, self.index, self.fetch_cost)
 
     def without(self, worker_ids: Collection[str]) -> LoadTable:
         """The candidates that are still present (not removed since) and not in

@@ -39,6 +39,7 @@ from router.errors import (
 from router.metrics import RouterMetrics
 from router.loads import LoadTable
 from router.policy import Decision, NoHealthyWorker, RoutingPolicy, get_policy
+from router.prefix_fetch import export_prefix
 from router.streams import DONE, Generation, Handover
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
@@ -201,7 +202,8 @@ class Orchestrator:
                     f"no healthy worker can take the request: {exc}") from None
             wid = decision.worker_id
             self.workers.note_routed(wid)
-            stream = self.workers.clients[wid].generate(req)
+            prefix = await export_prefix(self.workers, self.counters, req, hashes, decision)
+            stream = self.workers.clients[wid].generate(req, prefix)
             try:
                 first = await self._first_event(stream, wid)
             # not an engine error: a request that broke one worker's step is not spread to more
@@ -212,6 +214,9 @@ class Orchestrator:
                 failed.append(exc)
                 continue
             self._count(req, decision, first, wid)
+            if prefix is not None:  # what the pull brought beyond the worker's own blocks
+                self.counters.prefix_fetch_blocks_hit += max(
+                    0, first.num_cached_tokens // self.block_size - decision.predicted_hit_blocks)
             return Generation(req, first, stream, worker_id=wid,
                               predicted_cached_tokens=decision.predicted_hit_blocks
                               * self.block_size, rerouter=self, decode_worker_id=wid,

@@ -24,6 +24,10 @@ from router.prefix_index import PrefixIndex
 class Decision:
     worker_id: str
     predicted_hit_blocks: int  # leading prompt blocks the index says the worker holds
+    # another worker whose device pool holds more of the prompt's leading blocks: the chosen
+    # worker pulls the first `fetch_blocks` of them from it before computing the rest
+    fetch_from: str | None = None
+    fetch_blocks: int = 0
 
 
 class RoutingPolicy(ABC):
@@ -87,17 +91,26 @@ class PrefixAwarePolicy(RoutingPolicy):
     differences between nearly idle workers from outweighing a prefix hit. With the defaults a
     worker holding the whole prompt keeps it until its queue exceeds an idle worker's by twice
     the mean queue (or by 16 requests, whichever is more).
+
+    Prefix fetch: a worker that reports a `fetch_cost` (pulling a block from another worker as a
+    fraction of recomputing it, below 1) is credited the blocks the longest device-pool holder
+    has beyond its own, at 1 - that cost, when they are at least `min_fetch_blocks`; chosen so,
+    the `Decision` names the holder to pull them from. So a lightly loaded worker can take a
+    request without losing its prefix hit.
     """
 
     def __init__(self, w_hit: float = 1.0, w_queue: float = 0.5, w_kv: float = 0.1,
-                 queue_scale: float = 8.0) -> None:
+                 queue_scale: float = 8.0, min_fetch_blocks: int = 4) -> None:
         for option, value in (("w_hit", w_hit), ("w_queue", w_queue), ("w_kv", w_kv)):
             if not value >= 0.0:
                 raise ValueError(f"{option} must be >= 0, got {value}")
         if not queue_scale > 0.0:
             raise ValueError(f"queue_scale must be > 0, got {queue_scale}")
+        if not min_fetch_blocks >= 1:
+            raise ValueError(f"min_fetch_blocks must be >= 1, got {min_fetch_blocks}")
         self.w_hit, self.w_queue, self.w_kv = w_hit, w_queue, w_kv
         self.queue_scale = queue_scale
+        self.min_fetch_blocks = int(min_fetch_blocks)
 
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
                index: PrefixIndex) -> Decision:
@@ -105,18 +118,45 @@ class PrefixAwarePolicy(RoutingPolicy):
         rows = table.healthy_rows()
         hits = index.match_tiers(block_hashes)
         depth = table.depth(rows)
-        hit = np.zeros(len(rows))
+        held = np.zeros(len(rows))  # leading blocks held, either tier
+        hit = np.zeros(len(rows))  # recompute saved, in blocks
         for wid, (blocks, in_host) in hits.items():
             at = table.position(rows, wid)
-            if at is not None:  # recompute saved, in blocks: a host hit costs its copy
+            if at is not None:  # a host hit costs its copy
+                held[at] = blocks
                 hit[at] = blocks - in_host * index.host_hit_cost(wid) if in_host else blocks
+        source, fetch = self._fetchable(block_hashes, index, table, rows, held)
+        hit += fetch
         queue_weight = self.w_queue / max(float(depth.sum()) / len(rows), self.queue_scale)
         score = (self.w_hit / max(len(block_hashes), 1) * hit - queue_weight * depth
                  - self.w_kv * table.kv_usage[rows])
         best = rows[score == score.max()]
         row = int(best[0]) if len(best) == 1 else table.best_by_load(best)
         wid = table.ids[row] or ""
-        return Decision(wid, hits.get(wid, (0, 0))[0])
+        own = hits.get(wid, (0, 0))[0]
+        at = table.position(rows, wid)
+        if source is not None and at is not None and fetch[at] > 0:
+            return Decision(wid, own, source[0], source[1])
+        return Decision(wid, own)
+
+    def _fetchable(self, block_hashes: Sequence[int], index: PrefixIndex, table: LoadTable,
+                   rows: np.ndarray, held: np.ndarray
+                   ) -> tuple[tuple[str, int] | None, np.ndarray]:
+        """The worker whose device pool holds the longest run of the prompt's leading blocks
+        (and how many), and per candidate the recompute a pull from it saves, in blocks: the
+        blocks it adds over the candidate's own, at 1 - the candidate's `fetch_cost` (0 where
+        that is unknown, 1 or more, or the gain under `min_fetch_blocks`)."""
+        none = np.zeros(len(rows))
+        costs = table.fetch_cost[rows]
+        if np.isnan(costs).all():
+            return None, none
+        on_device = index.match_device(block_hashes)
+        if not on_device:
+            return None, none
+        source = min(on_device.items(), key=lambda item: (-item[1], item[0]))
+        extra = source[1] - held
+        ok = (extra >= self.min_fetch_blocks) & (costs < 1.0)  # NaN compares False
+        return source, np.where(ok, extra * (1.0 - np.nan_to_num(costs, nan=1.0)), 0.0)
 
 
 @register_policy("least_loaded")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from workers.protocol import (
     HOST,
@@ -45,6 +45,9 @@ class _WorkerView:
     blocks: set[int] = field(default_factory=set)  # in the device pool
     host_blocks: set[int] = field(default_factory=set)  # in the host tier (some also above)
     host_hit_cost: float = 0.0  # a host hit's time as a fraction of recomputing the block
+    # pulling a block from another worker, as a fraction of recomputing it here (None: this
+    # worker does not fetch prefixes)
+    fetch_cost: float | None = None
     retired_epochs: list[str] = field(default_factory=list)  # oldest first
 
 
@@ -224,18 +227,31 @@ class PrefixIndex:
     # -- lookup ----------------------------------------------------------------------------------
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Worker id -> how many LEADING blocks of `block_hashes` it holds (up to its first
-        miss). Only workers holding at least the first block appear."""
+        """Worker id -> how many LEADING blocks of `block_hashes` it holds in either tier (up
+        to its first miss). Only workers holding at least the first block appear."""
+        return self._match(block_hashes, self._holders.get)
+
+    def match_device(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """`match` over the device pools only: the leading blocks a worker could hand another
+        worker now (`export_prefix`)."""
+        holders, host_only = self._holders, self._host_only
+
+        def on_device(h: int, default: int) -> int:
+            return holders.get(h, default) & ~host_only.get(h, 0)
+
+        return self._match(block_hashes, on_device if host_only else holders.get)
+
+    def _match(self, block_hashes: Sequence[int],
+               holders_of: Callable[[int, int], int]) -> dict[str, int]:
         if not block_hashes:
             return {}
-        holders = self._holders
-        mask = holders.get(block_hashes[0], 0)
+        mask = holders_of(block_hashes[0], 0)
         if not mask:
             return {}
         owner = self._slot_owner
         hits: dict[str, int] = {}
         for depth in range(1, len(block_hashes)):
-            still = mask & holders.get(block_hashes[depth], 0)
+            still = mask & holders_of(block_hashes[depth], 0)
             if still != mask:
                 _credit(hits, owner, mask & ~still, depth)
                 mask = still
@@ -258,6 +274,17 @@ class PrefixIndex:
             tiers[wid] = (depth, sum(1 for h in block_hashes[:depth]
                                      if host_only.get(h, 0) & bit))
         return tiers
+
+    def set_fetch_cost(self, worker_id: str, cost: float | None) -> None:
+        """Pulling a block from another worker into `worker_id` takes `cost` of the time its
+        recompute would (its measured pull rate and prefill rate); None: it fetches none."""
+        if cost is not None and not cost >= 0.0:
+            raise ValueError(f"fetch_cost must be >= 0 or None, got {cost}")
+        self._view(worker_id).fetch_cost = cost
+
+    def fetch_cost(self, worker_id: str) -> float | None:
+        view = self._views.get(worker_id)
+        return view.fetch_cost if view is not None else None
 
     def host_hit_cost(self, worker_id: str) -> float:
         """What `set_host_hit_cost` last said for the worker (0.0 when never set or unknown)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
-from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.messages import Command, PrefillResult, PrefixFetch, WorkerOutputs
 from workers.protocol import (
     EngineStats,
     KVEvent,
@@ -73,8 +73,17 @@ class WorkerClient(abc.ABC):
         """Start telling `listener` the worker's KV events and load as they arrive."""
 
     @abc.abstractmethod
-    def generate(self, req: WorkerRequest) -> TokenStream:
-        """The whole request on this worker (aggregated), all n samples."""
+    def generate(self, req: WorkerRequest, prefix: PrefixFetch | None = None) -> TokenStream:
+        """The whole request on this worker (aggregated), all n samples; with `prefix` (from
+        another worker's `export_prefix`) that part of the prompt's KV is pulled, not
+        computed (a failed pull only means it is computed)."""
+
+    @abc.abstractmethod
+    async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
+                            reader_tp_size: int = 1) -> KVHandoff | None:
+        """Offer the KV of the leading `block_hashes` this worker caches (up to the first miss)
+        under a lease per TP rank, for the worker that will run `request_id` (of
+        `reader_tp_size` ranks) to pull; None when it caches none of them."""
 
     @abc.abstractmethod
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
@@ -133,6 +142,10 @@ class WorkerChannel(abc.ABC):
 
     @abc.abstractmethod
     async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult: ...
+
+    @abc.abstractmethod
+    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
+                            reader_tp_size: int) -> KVHandoff | None: ...
 
     @abc.abstractmethod
     async def stats(self) -> EngineStats: ...

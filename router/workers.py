@@ -29,6 +29,21 @@ from workers.protocol import EngineStats, KVEvent, WorkerInfo, WorkerRole
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+# a prefix pull before the worker has measured any pull: half a recompute (its prefill rate
+# is measured; the pull's is learned from the first ones)
+FETCH_COST_PRIOR = 0.5
+
+
+def fetch_cost(info: WorkerInfo | None, stats: EngineStats) -> float | None:
+    """Pulling one KV block into the worker as a fraction of recomputing it there: the block's
+    bytes at its measured pull rate over a block of prompt tokens at its measured prefill rate.
+    None (it fetches nothing) until its prefill rate is measured."""
+    if info is None or not info.kv_bytes_per_block or not stats.prefill_s_per_token:
+        return None
+    if not stats.kv_pull_bytes_per_s:
+        return FETCH_COST_PRIOR
+    recompute_s = stats.prefill_s_per_token * info.block_size
+    return info.kv_bytes_per_block / stats.kv_pull_bytes_per_s / recompute_s
 
 
 class WorkerSet:
@@ -132,6 +147,16 @@ class WorkerSet:
     def info(self, worker_id: str) -> WorkerInfo:
         return self._infos[worker_id]
 
+    def fetch_saving_s(self, worker_id: str, num_blocks: int) -> float:
+        """The prefill seconds a pull of `num_blocks` into `worker_id` is predicted to save
+        (its recompute at the measured prefill rate, less the pull at the measured cost)."""
+        stats, info = self._stats.get(worker_id), self._infos.get(worker_id)
+        if stats is None or info is None:
+            return 0.0
+        cost = fetch_cost(info, stats)
+        recompute_s = num_blocks * info.block_size * stats.prefill_s_per_token
+        return recompute_s * (1.0 - cost) if cost is not None else 0.0
+
     def pool(self, *roles: WorkerRole) -> list[str]:
         """Ids of the workers serving one of `roles` (healthy or not)."""
         return [wid for wid, info in self._infos.items() if info.role in roles]
@@ -209,7 +234,7 @@ class WorkerSet:
         # reports a stalled step or a dead rank takes no new requests
         self._table.report(worker_id, stats.num_waiting + stats.num_waiting_for_kv,
                            stats.num_running, stats.kv_usage, stats.num_pending_prompt_tokens,
-                           stats.healthy)
+                           stats.healthy, fetch_cost(self._infos.get(worker_id), stats))
         if stats.host_hit_cost:
             self.index.set_host_hit_cost(worker_id, stats.host_hit_cost)
         if kv_events:

@@ -24,7 +24,6 @@ from workers.attention.kv_quant import KV_QUANT_DTYPES
 from workers.config import EngineConfig
 from workers.grammar import Grammars
 from workers.kv_cache import KVCacheManager
-from workers.kv_cache.host_tier import HostHitCost
 from workers.model_config import ModelConfig, resolve_dtype
 from workers.output_processor import OutputProcessor
 from workers.parallel.validate import check_parallel
@@ -42,6 +41,7 @@ from workers.protocol import (
 from workers.request import Request
 from workers.runner import KVCacheSpec, ModelRunner
 from workers.sampler import sample_seed
+from workers.step_costs import StepCosts
 from workers.scheduler import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ class Engine:
         spec = dataclasses.replace(spec, num_blocks=assembly.num_kv_blocks(
             config, spec, model, self.device, self.max_model_len))
         host_blocks = assembly.num_host_blocks(config, spec)
-        self.host_hit_cost = HostHitCost(config.block_size) if host_blocks else None
+        self.costs = StepCosts(config.block_size)
+        self.kv_pull_bytes_per_s = 0.0  # measured by the worker's transfer layer, reported
         self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching,
                                  window=mc.uniform_window, host_blocks=host_blocks)
         self.scheduler = Scheduler(
@@ -198,11 +199,8 @@ class Engine:
             return []
         start = time.perf_counter()
         result = self.runner.execute(out)
-        if self.host_hit_cost is not None:
-            self.host_hit_cost.record_step(time.perf_counter() - start,
-                                           self.runner.executor.last_tier_copy_s,
-                                           out.block_copies,
-                                           out.num_batched_tokens - out.num_decodes)
+        self.costs.record_step(time.perf_counter() - start, self.runner.executor.last_tier_copy_s,
+                               out.block_copies, out.num_batched_tokens, out.num_decodes)
         for rid, (first, logprobs) in result.prompt_logprobs.items():
             req = self.scheduler.requests[rid]
             req.prompt_logprobs[first:first + len(logprobs)] = logprobs
@@ -253,7 +251,8 @@ class Engine:
         return EngineStats(len(sched.waiting), len(sched.running), pool.usage,
                            pool.num_free_blocks, pool.num_cached_blocks, pool.num_blocks,
                            len(sched.waiting_for_kv), sched.num_pending_prompt_tokens,
-                           self.host_hit_cost.value if self.host_hit_cost is not None else 0.0)
+                           self.costs.host_hit_cost if self.kv.host is not None else 0.0,
+                           self.costs.prefill_s_per_token or 0.0, self.kv_pull_bytes_per_s)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()
@@ -317,6 +316,27 @@ class Engine:
         self.outputs.add(sample, request_id, 0)
         self._samples[request_id] = [request_id]
         self.scheduler.add(sample)
+
+    # ---- a prefix pulled from another worker (either side) -----------------------------------
+
+    def export_prefix(self, hold_id: str, block_hashes: Sequence[int]) -> list[int]:
+        """Hold the device blocks of the leading `block_hashes` this prefix cache has (up to the
+        first miss) for another worker to pull, until `free_held(hold_id)`; their ids."""
+        return self.kv.hold_prefix(hold_id, block_hashes)
+
+    def reserve_prefix(self, hold_id: str, num_blocks: int) -> list[int]:
+        """Fresh blocks for a pulled prefix, held until `land_prefix` or `free_held`. Raises
+        `KVCacheFull` (nothing held) when they are not free."""
+        block_ids = self.kv.reserve(hold_id, num_blocks)
+        if block_ids is None:
+            raise KVCacheFull(f"no {num_blocks} KV blocks free for the prefix of {hold_id!r}")
+        return block_ids
+
+    def land_prefix(self, hold_id: str, block_hashes: Sequence[int],
+                    token_ids: Sequence[int]) -> None:
+        """The reserved blocks hold the prefix `token_ids` (hashing to `block_hashes`): they
+        join the prefix cache, so the request sent next finds them."""
+        self.kv.cache_reserved(hold_id, block_hashes, token_ids)
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """Blocks of a finished prefill-only request, in token order ([] when none are held)."""

@@ -86,10 +86,21 @@ class RequestFailed:
 
 
 @dataclass(frozen=True)
+class PrefixFetch:
+    """The KV of a prompt's leading blocks, held by another worker under a lease
+    (`export_prefix`): pulled before the request starts, instead of recomputed."""
+
+    handoff: KVHandoff
+    block_hashes: tuple[int, ...]  # the prompt's leading blocks the handoff holds, in order
+
+
+@dataclass(frozen=True)
 class Generate:
-    """Run the whole request here (aggregated), n samples."""
+    """Run the whole request here (aggregated), n samples; with `prefix`, pull that part of
+    the prompt's KV first (a failed pull only means it is computed here)."""
 
     req: WorkerRequest
+    prefix: PrefixFetch | None = None
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,7 @@ class WorkerInfo:
     vocab_size: int  # token ids must be in [0, vocab_size)
     num_blocks: int  # KV blocks in the worker's cache
     tp_size: int = 1  # tensor-parallel ranks, each holding its share of the KV heads
+    kv_bytes_per_block: int = 0  # one block of KV, all layers and ranks (what a pull moves)
 
 
 @dataclass(frozen=True)
@@ -169,9 +170,11 @@ class EngineStats:
     num_blocks: int  # KV blocks in the cache
     num_waiting_for_kv: int = 0  # handed-off requests whose KV is still arriving
     num_pending_prompt_tokens: int = 0  # prompt tokens queued or mid-prefill
-    # a prefix hit in the host tier, as a fraction of recomputing the block (measured; see
-    # workers.kv_cache.host_tier.HostHitCost); 0.0 without a host tier
+    # a prefix hit in the host tier, as a fraction of recomputing the block (measured:
+    # workers.step_costs); 0.0 without a host tier
     host_hit_cost: float = 0.0
+    prefill_s_per_token: float = 0.0  # measured on prefill steps (0.0: not yet)
+    kv_pull_bytes_per_s: float = 0.0  # the worker's KV pulls, measured (0.0: none yet)
     # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):
     # the router routes nothing new there and moves the streams on it
     healthy: bool = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from workers.protocol import KVPullFailed
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Pull = Callable[[list[int]], Awaitable[None]]
+PULL_RATE_WEIGHT = 0.2  # of each pull in the moving average of the pull rate
 
 
 class WorkerTransfer:
@@ -122,6 +124,7 @@ class WorkerTransfer:
 
         async def pull(block_ids: list[int]) -> None:
             # every rank's pull ends (landed or failed) before the blocks may be reused
+            start = time.perf_counter()
             results = await asyncio.gather(*(agent.pull(list(handoff.ranks), block_ids,
                                                         timeout=self.pull_timeout_s)
                                              for agent in agents), return_exceptions=True)
@@ -130,8 +133,18 @@ class WorkerTransfer:
                     raise KVPullFailed(request_id, type(exc).__name__, str(exc)) from None
                 if isinstance(exc, BaseException):
                     raise exc
+            self._measured(handoff.num_bytes, time.perf_counter() - start)
 
         return pull
+
+    def _measured(self, num_bytes: int, seconds: float) -> None:
+        """A pull's rate into the engine's moving average (reported in its `EngineStats`: the
+        router prices a prefix fetch with it)."""
+        if seconds <= 0:
+            return
+        rate, old = num_bytes / seconds, self.engine.kv_pull_bytes_per_s
+        self.engine.kv_pull_bytes_per_s = rate if not old else old + PULL_RATE_WEIGHT * (rate
+                                                                                        - old)
 
     async def close(self) -> None:
         """Stop serving KV: every lease ends."""

@@ -12,6 +12,10 @@ The KV handoff: a "prefill" (or "both") worker runs a prompt to its first token 
 `TransferAgent`; the lease's end (pulled, cancelled, expired) frees them between steps. A
 "decode" (or "both") worker's `decode()` allocates blocks, pulls the handoff into them, and
 decodes on. Each worker owns one agent, started on first use with the configured transport.
+A prompt's prefix cached on another worker is pulled the same way (`workers.prefix_fetch`).
+
+Long because it is the engine's one face to the router: every verb a channel carries lands
+here, each delegating to the async engine, the transfer layer or the prefix fetcher.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Coroutine, Sequence
 
 from workers.messages import (
     Abort,
@@ -43,11 +47,13 @@ from workers.protocol import (
 )
 
 from workers.outputs import OUTPUT_INTERVAL_S, OutputHub
+from workers.prefix_fetch import PrefixFetcher
 from workers.roles import DECODE_ROLES, PREFILL_ROLES, ROLES, check_role_fits_engine
 from workers.transfer import WorkerTransfer
 
 if TYPE_CHECKING:
     from kvtransfer import TransferAgent
+    from kvtransfer.handoff import KVHandoff
     from workers.async_engine import AsyncEngine
     from workers.outputs import RequestStream, Sink
     from workers.config import EngineConfig
@@ -84,7 +90,8 @@ class Worker:
         self.transfer = WorkerTransfer(worker_id, engine.engine, self._free_held,
                                        transport=transport, host=host, lease_s=lease_s,
                                        pull_timeout_s=pull_timeout_s)
-        self._pulls: dict[str, asyncio.Task[None]] = {}  # decodes whose KV is being pulled
+        self.prefixes = PrefixFetcher(engine, self.transfer)
+        self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled
         self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way
         self.outputs = OutputHub(lambda: engine.stats, self.abort, OUTPUT_INTERVAL_S)
         engine.on_publish = self.outputs.publish
@@ -129,7 +136,8 @@ class Worker:
     @property
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, WorkerRole(self.role), self.block_size,
-                          self.max_model_len, self.vocab_size, self.num_blocks, self.tp_size)
+                          self.max_model_len, self.vocab_size, self.num_blocks, self.tp_size,
+                          self.engine.kv_cache_spec.bytes_per_block)
 
     # ---- commands and the output channel ---------------------------------------------------
 
@@ -163,7 +171,9 @@ class Worker:
         """Start one streaming command with its events to `sink` (a refusal is raised here when
         the role cannot run it, or given to `sink.fail` when the engine refuses it)."""
         e = self.async_engine
-        if isinstance(cmd, Generate):
+        if isinstance(cmd, Generate) and cmd.prefix is not None:
+            self._track_pull(cmd.req.request_id, self.prefixes.generate(cmd, sink))
+        elif isinstance(cmd, Generate):
             e.generate(cmd.req, sink)
         elif isinstance(cmd, Resume):
             self._check_role(DECODE_ROLES, "resume")
@@ -173,10 +183,19 @@ class Worker:
             e.resume(cmd.req, (cmd.first_token_id,), sink)
         else:
             self._check_role(DECODE_ROLES, "decode_from_handoff")
-            rid = cmd.req.request_id
-            task = asyncio.get_running_loop().create_task(self._decode_from_handoff(cmd, sink))
-            self._pulls[rid] = task
-            task.add_done_callback(lambda _: self._pulls.pop(rid, None))
+            self._track_pull(cmd.req.request_id, self._decode_from_handoff(cmd, sink))
+
+    def _track_pull(self, request_id: str, pull: Coroutine[object, object, None]) -> None:
+        """Run a command that pulls KV first as a task an `abort` cancels."""
+        task = asyncio.get_running_loop().create_task(pull)
+        self._pulls[request_id] = task
+        task.add_done_callback(lambda _: self._pulls.pop(request_id, None))
+
+    async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
+                            reader_tp_size: int = 1) -> KVHandoff | None:
+        """Offer the leading `block_hashes` cached here for a worker of `reader_tp_size` ranks
+        to pull before it runs `request_id` (`PrefixFetcher.export`)."""
+        return await self.prefixes.export(request_id, block_hashes, reader_tp_size)
 
     def stream(self, cmd: Generate | DecodeFromHandoff | Resume) -> RequestStream:
         """One command's events as an async iterator (in-process callers, tests); closing it

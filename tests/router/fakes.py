@@ -22,7 +22,7 @@ from router.orchestrator import Orchestrator
 from router.policy import get_policy
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
 from router.workers import WorkerSet
-from workers.messages import PrefillResult
+from workers.messages import PrefillResult, PrefixFetch
 from workers.protocol import (
     EngineStats,
     FinishReason,
@@ -79,6 +79,8 @@ class Calls:
     streams: list[tuple[str, str]] = field(default_factory=list)  # (verb, request id)
     aborts: list[str] = field(default_factory=list)
     handoffs: list[object] = field(default_factory=list)  # what decode_from_handoff got
+    exports: list[tuple[str, int]] = field(default_factory=list)  # (request id, blocks asked)
+    prefixes: list[object] = field(default_factory=list)  # what generate got as `prefix`
 
 
 class FakeStream:
@@ -166,8 +168,21 @@ class FakeWorker(WorkerClient):
             return FakeStream(self, req, start, WorkerUnavailableError(self._id, "closed"))
         return FakeStream(self, req, start)
 
-    def generate(self, req: WorkerRequest) -> TokenStream:
+    def generate(self, req: WorkerRequest, prefix: PrefixFetch | None = None) -> TokenStream:
+        self.calls.prefixes.append(prefix)
         return self._open("generate", req, 0)
+
+    async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
+                            reader_tp_size: int = 1) -> KVHandoff | None:
+        """A handoff of every block asked for (a fake holds what its index says)."""
+        self.calls.exports.append((request_id, len(block_hashes)))
+        if self.script.refuse or not block_hashes:
+            return None
+        layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=BLOCK_SIZE,
+                          dtype="float32")
+        return KVHandoff((Handoff(request_id, f"tcp://{self._id}:1", layout,
+                                  tuple(range(len(block_hashes))), f"lease-{request_id}",
+                                  time.time() + 30.0),))
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
         self.calls.prefills.append(req.request_id)

@@ -149,11 +149,11 @@ class _RemovesOthersWorker(FakeWorker):
         self.leaving = leaving
         self.orchestrator = None
 
-    def generate(self, req):
+    def generate(self, req, prefix=None):
         for wid in self.leaving:
             asyncio.get_running_loop().create_task(self.orchestrator.workers.remove(wid))
         self.leaving = []
-        return super().generate(req)
+        return super().generate(req, prefix)
 
 
 def test_a_retry_never_routes_to_a_worker_that_left_the_set_meanwhile():

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from tests.workers.factories import create_request, create_scheduler, replay_events
 from tests.workers.test_block_accounting import check_pool
-from workers.kv_cache.host_tier import HostHitCost
 from workers.llm import LLM
 from workers.protocol import FinishReason, SamplingParams, hash_prompt_blocks
+from workers.step_costs import StepCosts
 
 
 class FakeTensors:
@@ -222,7 +222,7 @@ def test_greedy_output_is_identical_with_the_host_tier(tiny_model, without_tier,
     assert pool.num_free_blocks == pool.num_blocks  # every block back
     assert llm.engine.kv_snapshot().host_block_hashes == frozenset(host.cached_hashes())
     # measured, not the prior: copying a block back is far cheaper than recomputing it here
-    assert 0.0 < llm.engine.stats().host_hit_cost < HostHitCost.PRIOR
+    assert 0.0 < llm.engine.stats().host_hit_cost < StepCosts.HOST_HIT_PRIOR
 
 
 def test_tensor_parallel_ranks_keep_their_own_host_tier(tiny_model, without_tier):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from workers.kv_cache.block_pool import BlockPool, KVBlock
 from workers.kv_cache.events import KVEventLog
@@ -210,6 +210,49 @@ class KVCacheManager:
         self._held[req.request_id] = blocks  # type: ignore[assignment]
         self._tables.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
+
+    def hold_prefix(self, hold_id: str, block_hashes: Sequence[int]) -> list[int]:
+        """Hold the device blocks of the leading `block_hashes` found in the prefix cache (up
+        to the first miss) for another worker to pull, until `free_held(hold_id)`; their ids in
+        token order ([] when the first is not cached, and nothing is held)."""
+        self._check_new_hold(hold_id)
+        blocks: list[KVBlock] = []
+        for block_hash in block_hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        if blocks:
+            self.pool.touch(blocks)
+            self._held[hold_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def reserve(self, hold_id: str, num_blocks: int) -> list[int] | None:
+        """Hold `num_blocks` fresh blocks for a pull to fill (what they evict is not saved to
+        the host tier: the pull writes them first), until `cache_reserved` or `free_held`.
+        None, and nothing held, when that many are not free."""
+        self._check_new_hold(hold_id)
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(num_blocks, save_evicted=False)
+        self._held[hold_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def cache_reserved(self, hold_id: str, block_hashes: Sequence[int],
+                       token_ids: Sequence[int]) -> None:
+        """The reserved blocks hold the KV of the prompt's leading `block_hashes` (of
+        `token_ids`): they enter the prefix cache and are released, free but findable, so the
+        request that follows finds them as hits."""
+        blocks = self._held.pop(hold_id)
+        if len(block_hashes) != len(blocks):
+            raise ValueError(f"{hold_id!r}: {len(block_hashes)} hashes for {len(blocks)} "
+                             "reserved blocks")
+        self.pool.cache(blocks, list(block_hashes), None, list(token_ids))
+        self.pool.release(blocks[::-1])
+
+    def _check_new_hold(self, hold_id: str) -> None:
+        if hold_id in self._held or hold_id in self._blocks:
+            raise ValueError(f"{hold_id!r} already holds blocks here")
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """The held blocks of a finished request, in token order; [] when none are held."""
