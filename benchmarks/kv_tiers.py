@@ -22,8 +22,9 @@ turns (target >= 2), `ttft_p50_ratio`, and the same over turns after the first
 (`ttft_p90_later_turns_ratio`, `ttft_p50_later_turns_ratio`): first turns find nothing cached
 in either run, and with few turns per conversation they set the all-turns p90.
 
-Not measured here yet (issue 23's other half): prefix fetch from another worker against
-recompute, on tcp and ucx.
+`--parts fetch` (`kv_fetch.py`): prefix fetch from another worker against recompute, per prompt
+length (`--fetch-lengths`, default 1k-8k tokens) on each of `--transports`, measured beside the
+router's cost model's prediction; the crossover (the shortest length where a fetch wins) of each.
 
 Last line: one JSON object; also written to benchmarks/results/kv_tiers.json with the command.
 """
@@ -38,6 +39,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import kv_fetch
 from loadgen import RequestResult, RequestSpec, percentiles_ms, send, served_model
 from results_io import RESULTS, command_line, emit
 from serving_layers import code_state, inprocess_server, resolve_model, vocab_of
@@ -160,25 +162,49 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parts", default="tiers,fetch", help="tiers, fetch, or both")
+    p.add_argument("--fetch-lengths", default="1024,2048,4096,8192")
+    p.add_argument("--transports", default="tcp,ucx")
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS / "kv_tiers.json"))
     args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"tiers", "fetch"}:
+        p.error(f"--parts: expected tiers and/or fetch, got {args.parts!r}")
+    result: dict = {"benchmark": "kv_tiers", "command": command_line(argv), **code_state()}
+    with tempfile.TemporaryDirectory() as tmp:
+        if "tiers" in parts:
+            result.update(_tiers(args, tmp))
+        if "fetch" in parts:
+            result["fetch"] = kv_fetch.run(
+                tmp, args.transports.split(","), [int(x) for x in args.fetch_lengths.split(",")],
+                args.repeats, args.block_size, args.torch_threads, args.seed)
+            for transport, figures in result["fetch"].items():
+                longest = args.fetch_lengths.split(",")[-1]
+                row = figures.get("lengths", {}).get(longest) if transport != "setup" else None
+                if row:
+                    result[f"fetch_{transport}_{longest}_speedup_ratio"] = (
+                        row["measured_speedup_ratio"])
+    return emit(result, args.out)
+
+
+def _tiers(args: argparse.Namespace, tmp: str) -> dict:
+    """The host tier's two runs (see the module's docstring)."""
     shape = Shape(args.conversations, args.turns, args.system_len, args.user_len,
                   args.reply_len)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = resolve_model(args.model, tmp)
-        total_tokens = shape.conversations * shape.longest
-        num_blocks = max(int(total_tokens * args.pool_fraction) // args.block_size,
-                         args.concurrency * (-(-shape.longest // args.block_size)))
-        host_bytes = 2 * total_tokens * kv_bytes_per_token(model)  # all of it, with room
-        base = {"block_size": args.block_size, "num_blocks": num_blocks}
-        runs = {}
-        for name, extra in (("without_host_tier", {}),
-                            ("with_host_tier", {"host_kv_cache_memory_bytes": host_bytes})):
-            runs[name] = run(model, shape, {**base, **extra}, args.concurrency,
-                             args.torch_threads, args.seed)
+    model = resolve_model(args.model, tmp)
+    total_tokens = shape.conversations * shape.longest
+    num_blocks = max(int(total_tokens * args.pool_fraction) // args.block_size,
+                     args.concurrency * (-(-shape.longest // args.block_size)))
+    host_bytes = 2 * total_tokens * kv_bytes_per_token(model)  # all of it, with room
+    base = {"block_size": args.block_size, "num_blocks": num_blocks}
+    runs = {}
+    for name, extra in (("without_host_tier", {}),
+                        ("with_host_tier", {"host_kv_cache_memory_bytes": host_bytes})):
+        runs[name] = run(model, shape, {**base, **extra}, args.concurrency,
+                         args.torch_threads, args.seed)
     without, with_tier = runs["without_host_tier"], runs["with_host_tier"]
-    result = {
-        "benchmark": "kv_tiers", "command": command_line(argv), **code_state(),
+    return {
         "setup": {"model": args.model, "shape": vars(shape) | {"longest": shape.longest},
                   "total_kv_tokens": total_tokens,
                   "primary_pool_tokens": num_blocks * args.block_size,
@@ -192,7 +218,6 @@ def main(argv: list[str] | None = None) -> dict:
         "hit_rate_without": without["hit_rate"], "hit_rate_with": with_tier["hit_rate"],
         "target": "ttft_p90_ratio >= 2",
     }
-    return emit(result, args.out)
 
 
 if __name__ == "__main__":

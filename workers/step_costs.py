@@ -12,6 +12,10 @@ from __future__ import annotations
 from workers.kv_cache.host_tier import BlockCopies
 
 WEIGHT = 0.2  # of each new sample in the moving averages
+# prefill steps with fewer prompt tokens than this many blocks' worth do not count: their time
+# is mostly per step and per sequence (a prefix fetch's tail of a few tokens measured 2x a
+# long prompt's seconds per token)
+PREFILL_MIN_BLOCKS = 4
 
 
 def _mix(old: float | None, sample: float) -> float:
@@ -30,12 +34,12 @@ class StepCosts:
     def record_step(self, seconds: float, copy_seconds: float, copies: BlockCopies,
                     num_batched_tokens: int, num_decodes: int) -> None:
         """One step: `seconds` in all, `copy_seconds` of it making `copies`. Steps with fewer
-        than a block's worth of prompt tokens do not count toward the prefill rate: their time
-        is mostly per step and per sequence, not per token."""
+        than `PREFILL_MIN_BLOCKS` blocks' worth of prompt tokens do not count toward the
+        prefill rate."""
         num_copied = len(copies.swap_out) + len(copies.swap_in)
         if num_copied:
             self.copy_s_per_block = _mix(self.copy_s_per_block, copy_seconds / num_copied)
-        if num_batched_tokens - num_decodes >= self.block_size:
+        if num_batched_tokens - num_decodes >= PREFILL_MIN_BLOCKS * self.block_size:
             self.prefill_s_per_token = _mix(self.prefill_s_per_token,
                                             max(seconds - copy_seconds, 0.0)
                                             / num_batched_tokens)

@@ -191,7 +191,7 @@ def _conversations(llm: LLM, turns: int = 3, seed: int = 0) -> list[tuple[list[i
     KV outgrows a small cache, so earlier turns' prefixes are evicted between visits. Returns
     every turn's greedy tokens and cached prompt tokens."""
     rng = random.Random(seed)
-    histories = [[rng.randrange(5, 500) for _ in range(48)] for _ in range(5)]
+    histories = [[rng.randrange(5, 500) for _ in range(80)] for _ in range(5)]
     results = []
     for _ in range(turns):
         for history in histories:
