@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from kvtransfer import faults
 from workers.config import EngineConfig
@@ -186,20 +186,42 @@ class AsyncEngine:
         """Allocate blocks, await `pull(block_ids)` to land the prompt's KV in them, then decode
         after `first_token_id` with events to `sink`. Raises what the allocation
         (`KVCacheFull`) or `pull` raises, with nothing left behind; cancelled, it aborts."""
+        await self.continue_with_kv(req, [first_token_id], len(req.prompt_token_ids), pull,
+                                    sink)
+
+    async def continue_with_kv(self, req: WorkerRequest, sent_token_ids: Sequence[int],
+                               num_kv_tokens: int,
+                               pull: Callable[[list[int]], Awaitable[None]], sink: Sink,
+                               hold_id: str | None = None) -> None:
+        """`decode_from_handoff` after several sent tokens, with the KV of the first
+        `num_kv_tokens` tokens pulled (`Engine.continue_with_kv`; `hold_id`: blocks a first
+        pull already filled), then the rest computed and decoded on with events to `sink`."""
         rid = req.request_id
         await self.compile_queue.compile(req.params)
         try:
-            block_ids = await self.apply(
-                lambda: self.engine.decode_from_handoff(req, first_token_id))
+            block_ids = await self.apply(lambda: self.engine.continue_with_kv(
+                req, sent_token_ids, num_kv_tokens, hold_id))
         except asyncio.CancelledError:
             self.abort(rid)
             raise
         try:
-            await pull(block_ids)
+            if block_ids:
+                await pull(block_ids)
         except BaseException:
             self.abort(rid)
             raise
         self._start(rid, 1, lambda: self.engine.kv_landed(rid), sink)
+
+    async def pause(self, request_id: str,
+                    moved: BaseException) -> tuple[list[int], int, list[int]]:
+        """Stop a running request between steps, its blocks held (`Engine.pause`); its sink
+        then gets `moved` as its failure, after every event it produced here."""
+        result = await self.apply(lambda: self.engine.pause(request_id))
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            route.sink.fail(request_id, moved)
+            route.sink.flush()
+        return result
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (applied before the next step); its sink hears nothing more.

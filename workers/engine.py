@@ -38,7 +38,7 @@ from workers.protocol import (
     TokenEvent,
     WorkerRequest,
 )
-from workers.request import Request
+from workers.request import Request, RequestStatus
 from workers.runner import KVCacheSpec, ModelRunner
 from workers.sampler import sample_seed
 from workers.step_costs import StepCosts
@@ -403,12 +403,71 @@ class Engine:
         to fill. The request waits for its KV (no step schedules it) until `kv_landed`, then
         decodes after `first_token_id` (already sent to the client by that worker). `abort`
         frees it. Raises `KVCacheFull` (nothing allocated) when the blocks are not free."""
-        sample = self._continuation(req, [first_token_id])
-        if not self.scheduler.add_waiting_for_kv(sample):
-            raise KVCacheFull(f"no KV blocks free for the {sample.num_prompt_tokens}-token "
-                              f"handoff of {req.request_id!r}")
-        self._replay(sample, [first_token_id])
-        return self.kv.block_ids(req.request_id)
+        return self.continue_with_kv(req, [first_token_id], len(req.prompt_token_ids))
+
+    def continue_with_kv(self, req: WorkerRequest, sent_token_ids: Sequence[int],
+                         num_kv_tokens: int, hold_id: str | None = None) -> list[int]:
+        """The continuation of a request after `sent_token_ids` (sampled and sent by another
+        worker), whose first `num_kv_tokens` tokens' KV that worker computed: blocks are
+        allocated for it and their ids returned to fill, but for blocks already filled and held
+        under `hold_id` (a live migration's first pull), which the request takes first. It waits
+        (no step schedules it) until `kv_landed`, then computes the tokens after that KV.
+        `abort` frees it. Raises `KVCacheFull` (nothing kept, the held blocks freed too)."""
+        rid = req.request_id
+        try:
+            sample = self._continuation(req, sent_token_ids)
+            total = len(req.prompt_token_ids) + len(sent_token_ids)
+            if not 0 < num_kv_tokens < total:
+                raise InvalidRequestError(
+                    f"the KV of {num_kv_tokens} tokens of a {total}-token continuation: "
+                    "expected at least 1 and fewer than all (the last is computed here)",
+                    param="num_kv_tokens")
+        except InvalidRequestError:
+            if hold_id is not None:
+                self.kv.free_held(hold_id)
+            raise
+        if hold_id is not None:
+            self.kv.adopt(hold_id, rid)
+        filled = len(self.kv.block_ids(rid))
+        if not self.scheduler.add_waiting_for_kv(sample, num_kv_tokens):
+            self.kv.free(sample)
+            raise KVCacheFull(f"no KV blocks free for the {num_kv_tokens}-token handoff of "
+                              f"{rid!r}")
+        self._replay(sample, sent_token_ids)
+        return self.kv.block_ids(rid)[filled:]
+
+    # ---- a live migration's source side -------------------------------------------------------
+
+    def export_running(self, request_id: str, hold_id: str) -> list[int]:
+        """Hold the full blocks of a running single-sample request's computed tokens (which it
+        never writes again) for a live migration's target to pull while the request decodes on
+        here, until `free_held(hold_id)`; their ids."""
+        req = self._migratable(request_id)
+        num_full = req.num_computed_tokens // self.config.block_size
+        return self.kv.hold_leading(hold_id, request_id, num_full)
+
+    def pause(self, request_id: str) -> tuple[list[int], int, list[int]]:
+        """Stop a running single-sample request here, between steps and with no further
+        event, keeping its blocks held until `free_held(request_id)`: its output tokens so
+        far, how many of its tokens' KV its blocks hold, and their ids (a live migration's
+        target pulls what it lacks and continues)."""
+        req = self._migratable(request_id)
+        tokens, num_kv = list(req.output_token_ids), req.num_computed_tokens
+        self.scheduler.finish(request_id, FinishReason.ABORT, hold=True)
+        self.outputs.remove(request_id)
+        self._samples.pop(request_id, None)
+        return tokens, num_kv, self.kv.held_block_ids(request_id)
+
+    def _migratable(self, request_id: str) -> Request:
+        samples = self._samples.get(request_id)
+        req = self.scheduler.requests.get(request_id)
+        if samples != [request_id] or req is None:
+            raise InvalidRequestError(f"request {request_id!r} is not running here as one "
+                                      "sample", param="request_id")
+        if req.status is RequestStatus.WAITING_FOR_REMOTE_KV or not req.output_token_ids:
+            raise InvalidRequestError(f"request {request_id!r} has no output yet",
+                                      param="request_id")
+        return req
 
     def kv_landed(self, request_id: str) -> None:
         """The handed-off KV has landed in the request's blocks: start decoding it. KeyError

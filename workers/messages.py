@@ -44,6 +44,7 @@ class FailureKind(str, enum.Enum):
     ENGINE_SHUT_DOWN = "engine_shut_down"  # the worker is going away (`EngineShutDown`)
     ENGINE_ERROR = "engine_error"  # a step failed
     OVERLOADED = "overloaded"  # refused: the worker's waiting queue is full (`EngineOverloaded`)
+    MOVED = "moved"  # paused here for a live migration: another worker continues it
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class RequestFailed:
             return cls(request_id, FailureKind.ENGINE_SHUT_DOWN, str(exc))
         if isinstance(exc, EngineOverloaded):
             return cls(request_id, FailureKind.OVERLOADED, exc.reason)
+        if isinstance(exc, RequestMoved):
+            return cls(request_id, FailureKind.MOVED, str(exc))
         return cls(request_id, FailureKind.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")
 
     def to_exception(self) -> Exception:
@@ -78,6 +81,8 @@ class RequestFailed:
             return EngineShutDown(self.message)
         if self.kind is FailureKind.OVERLOADED:
             return EngineOverloaded(self.request_id, self.message)
+        if self.kind is FailureKind.MOVED:
+            return RequestMoved(self.message)
         return RuntimeError(self.message)
 
 
@@ -114,12 +119,36 @@ class DecodeFromHandoff:
 
 
 @dataclass(frozen=True)
+class MigratedKV:
+    """A live migration's KV (`Resume.kv`): the blocks a first pull landed here
+    (`prepare_migration`), and the source's handoff of the rest, written since (None: none)."""
+
+    num_kv_tokens: int  # tokens whose KV the source had computed when it paused
+    num_landed_blocks: int
+    handoff: KVHandoff | None
+
+
+@dataclass(frozen=True)
+class Paused:
+    """What a live migration's source answers when it pauses a request (`pause`)."""
+
+    output_token_ids: tuple[int, ...]  # its output so far: the target continues after them
+    num_kv_tokens: int
+    handoff: KVHandoff | None  # its blocks past those exported before, under a lease
+
+
+class RequestMoved(Exception):
+    """A request's stream on its source worker ended because it moved to another worker."""
+
+
+@dataclass(frozen=True)
 class Resume:
-    """Continue after `sent_token_ids` (sampled and sent by workers that failed): compute the
-    KV of the prompt and those tokens here."""
+    """Continue after `sent_token_ids` (sampled and sent by other workers): compute the KV of
+    the prompt and those tokens here, or with `kv` (a live migration) pull it."""
 
     req: WorkerRequest
     sent_token_ids: tuple[int, ...]
+    kv: MigratedKV | None = None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}  # request id -> request whose KV is coming
+        self._kv_tokens: dict[str, int] = {}  # request id -> tokens whose KV is coming
         self.requests: dict[str, Request] = {}  # every unfinished request, wherever it is
         self.num_preemptions = 0  # since start, for metrics and tests
         # prompt tokens of waiting and running requests not computed yet; kept as
@@ -98,25 +99,31 @@ class Scheduler:
         self.waiting.append(req)
         self.num_pending_prompt_tokens += _prompt_left(req, req.num_computed_tokens)
 
-    def add_waiting_for_kv(self, req: Request) -> bool:
-        """Allocate blocks for the prompt of a request whose KV another worker computed (the
-        caller fills them) and hold it, unscheduled, until `kv_landed`. False, and nothing
+    def add_waiting_for_kv(self, req: Request, num_kv_tokens: int | None = None) -> bool:
+        """Allocate blocks for the first `num_kv_tokens` tokens (default: the prompt) of a
+        request whose KV another worker computed (the caller fills them; blocks the request
+        already holds count) and hold it, unscheduled, until `kv_landed`. False, and nothing
         changes, when the blocks are not free. Cache entries evicted for room are not saved to
         the host tier: the pull writes the blocks before the next step could copy them."""
-        if not self.kv.allocate_slots(req, req.num_prompt_tokens, save_evicted=False):
+        num = req.num_prompt_tokens if num_kv_tokens is None else num_kv_tokens
+        if num < 1:
+            raise ValueError(f"the KV of {num} tokens: expected at least 1")
+        if not self.kv.allocate_slots(req, num, save_evicted=False):
             return False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[req.request_id] = req
         self.waiting_for_kv[req.request_id] = req
+        self._kv_tokens[req.request_id] = num
         return True
 
     def kv_landed(self, request_id: str) -> None:
-        """The prompt's KV is in the request's blocks: it runs from the next step, computing
-        only its output tokens. KeyError when it is not waiting for its KV."""
+        """The KV is in the request's blocks: it runs from the next step, computing only the
+        tokens after it. KeyError when it is not waiting for its KV."""
         req = self.waiting_for_kv.pop(request_id, None)
         if req is None:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV")
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = self._kv_tokens.pop(request_id)
+        self.num_pending_prompt_tokens += _prompt_left(req, req.num_computed_tokens)
         self.kv.cache_blocks(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -229,21 +236,24 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+    def finish(self, request_id: str, reason: FinishReason,
+               hold: bool | None = None) -> Request | None:
         """End a request wherever it is and free its blocks (hold them, for a request that
-        asked to, unless aborted). Unknown or finished ids: None."""
+        asked to, unless aborted; `hold` says so instead when given). Unknown or finished ids:
+        None."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_kv[request_id]
+            del self._kv_tokens[request_id]
         else:
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
             self.num_pending_prompt_tokens -= _prompt_left(req, req.num_computed_tokens)
-        if req.hold_kv and reason is not FinishReason.ABORT:
+        if (req.hold_kv and reason is not FinishReason.ABORT) if hold is None else hold:
             self.kv.hold(req)
         else:
             self.kv.free(req)

@@ -30,6 +30,7 @@ from workers.messages import (
     Command,
     DecodeFromHandoff,
     Generate,
+    Paused,
     PrefillResult,
     Resume,
     WorkerOutputs,
@@ -47,6 +48,7 @@ from workers.protocol import (
 )
 
 from workers.outputs import OUTPUT_INTERVAL_S, OutputHub
+from workers.migration import Migrations
 from workers.prefix_fetch import PrefixFetcher
 from workers.roles import DECODE_ROLES, PREFILL_ROLES, ROLES, check_role_fits_engine
 from workers.transfer import WorkerTransfer
@@ -91,6 +93,7 @@ class Worker:
                                        transport=transport, host=host, lease_s=lease_s,
                                        pull_timeout_s=pull_timeout_s)
         self.prefixes = PrefixFetcher(engine, self.transfer)
+        self.migrations = Migrations(engine, self.transfer)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled
         self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way
         self.outputs = OutputHub(lambda: engine.stats, self.abort, OUTPUT_INTERVAL_S)
@@ -175,6 +178,9 @@ class Worker:
             self._track_pull(cmd.req.request_id, self.prefixes.generate(cmd, sink))
         elif isinstance(cmd, Generate):
             e.generate(cmd.req, sink)
+        elif isinstance(cmd, Resume) and cmd.kv is not None:
+            self._check_role(DECODE_ROLES, "resume")
+            self._track_pull(cmd.req.request_id, self.migrations.continue_(cmd, sink))
         elif isinstance(cmd, Resume):
             self._check_role(DECODE_ROLES, "resume")
             e.resume(cmd.req, cmd.sent_token_ids, sink)
@@ -190,6 +196,21 @@ class Worker:
         task = asyncio.get_running_loop().create_task(pull)
         self._pulls[request_id] = task
         task.add_done_callback(lambda _: self._pulls.pop(request_id, None))
+
+    # ---- live migration (`workers.migration`) ------------------------------------------------
+
+    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
+        """Offer a running request's full computed blocks to the worker it moves to."""
+        return await self.migrations.export(request_id, reader_tp_size)
+
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
+        """Pull a moving request's exported blocks ahead of its `Resume`; the blocks landed."""
+        self._check_role(DECODE_ROLES, "prepare_migration")
+        return await self.migrations.prepare(request_id, handoff, self.transfer.lease_s)
+
+    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
+        """Stop a running request here for the worker it moves to (`Migrations.pause`)."""
+        return await self.migrations.pause(request_id, reader_tp_size)
 
     async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
                             reader_tp_size: int = 1) -> KVHandoff | None:

@@ -250,6 +250,27 @@ class KVCacheManager:
         self.pool.cache(blocks, list(block_hashes), None, list(token_ids))
         self.pool.release(blocks[::-1])
 
+    def hold_leading(self, hold_id: str, request_id: str, num_blocks: int) -> list[int]:
+        """Hold one more reference on a running request's first `num_blocks` blocks for another
+        worker to pull while the request runs on here, until `free_held(hold_id)`; their ids.
+        ValueError for a request whose blocks left its sliding window."""
+        self._check_new_hold(hold_id)
+        blocks = self._blocks.get(request_id, [])[:num_blocks]
+        if any(b is None for b in blocks):
+            raise ValueError(f"request {request_id!r} returned blocks out of its window")
+        if blocks:
+            self.pool.touch(blocks)  # type: ignore[arg-type]
+            self._held[hold_id] = list(blocks)  # type: ignore[arg-type]
+        return [b.block_id for b in blocks]  # type: ignore[union-attr]
+
+    def adopt(self, hold_id: str, request_id: str) -> None:
+        """Held blocks (reserved, and filled by a pull) become a new request's first blocks."""
+        if request_id in self._blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        blocks = self._held.pop(hold_id, [])
+        self._blocks[request_id] = blocks  # type: ignore[assignment]
+        self._tables[request_id] = _table(blocks)  # type: ignore[arg-type]
+
     def _check_new_hold(self, hold_id: str) -> None:
         if hold_id in self._held or hold_id in self._blocks:
             raise ValueError(f"{hold_id!r} already holds blocks here")

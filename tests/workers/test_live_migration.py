@@ -1,0 +1,147 @@
+"""Live KV migration between two workers: the request moves with its KV, its stream goes on with
+no token repeated or lost, the target computes no prompt token, and both workers let go."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
+from workers.llm import LLM
+from workers.messages import Generate, MigratedKV, RequestMoved, Resume
+from workers.protocol import InvalidRequestError, SamplingParams, WorkerRequest
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    server = start_server(tiny_model, num_workers=2)
+    for client in server.clients:  # slow each step: a stream is still running when it moves
+        engine = client.channel.worker.engine
+        real_step = engine.step
+
+        def slow_step(real_step=real_step):
+            time.sleep(0.005)
+            return real_step()
+
+        engine.step = slow_step
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS)
+    return lambda prompt: list(llm.generate([prompt], GREEDY)[0].outputs[0].token_ids)
+
+
+def _worker(server, i: int):
+    return server.clients[i].channel.worker
+
+
+def _idle(server) -> bool:
+    return all(_worker(server, i).resources() == {"leases": 0, "held_requests": 0, "pulls": 0,
+                                                  "prefills": 0}
+               and server.call(server.clients[i].stats()).num_free_blocks == NUM_BLOCKS
+               for i in range(2))
+
+
+def _prompt(seed: int, n: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(5, 500) for _ in range(n))
+
+
+def _count_prompt_tokens(worker) -> list[int]:
+    """Wrap the worker's scheduler: the prompt (non-decode) tokens its steps compute."""
+    computed = [0]
+    scheduler = worker.engine.scheduler
+    real = scheduler.schedule
+
+    def schedule():
+        out = real()
+        computed[0] += out.num_batched_tokens - out.num_decodes
+        return out
+
+    scheduler.schedule = schedule
+    return computed
+
+
+def _move(server, rid: str, prompt: tuple[int, ...], after: int, between: int,
+          break_second_pull: bool = False) -> tuple[list[int], list[int], object]:
+    """Run `rid` on worker 0; after `after` events export its KV to worker 1, let `between`
+    more events pass, pause it, and continue it on worker 1. Returns the tokens each streamed
+    and the pause's answer."""
+    a, b = _worker(server, 0), _worker(server, 1)
+    req = WorkerRequest(rid, prompt, GREEDY)
+
+    async def go():
+        on_a, on_b = [], []
+        stream = a.stream(Generate(req))
+        events = aiter(stream)
+        for _ in range(after):
+            on_a.extend((await anext(events)).token_ids)
+        first = await a.export_running(rid, 1)
+        landed = await b.prepare_migration(rid, first) if first is not None else 0
+        for _ in range(between):
+            on_a.extend((await anext(events)).token_ids)
+        paused = await a.pause(rid, 1)
+        with pytest.raises(RequestMoved):  # every token produced there comes first
+            async for event in events:
+                on_a.extend(event.token_ids)
+        if break_second_pull and paused.handoff is not None:
+            a.transfer.cancel(rid)  # the source lets go before the target's second pull
+        kv = MigratedKV(paused.num_kv_tokens, landed, paused.handoff)
+        async for event in b.stream(Resume(req, paused.output_token_ids, kv)):
+            on_b.extend(event.token_ids)
+        return on_a, on_b, paused
+
+    return server.call(go())
+
+
+@pytest.mark.parametrize("after,between", [(1, 0), (4, 3), (9, 0)],
+                         ids=["after-the-first-token", "mid-stream", "at-a-block-boundary"])
+def test_a_moved_stream_goes_on_with_nothing_recomputed(pair, expected, after, between):
+    prompt = _prompt(after, 37)  # 2 full blocks and a part: both pulls carry blocks
+    computed_on_b = _count_prompt_tokens(_worker(pair, 1))
+    on_a, on_b, paused = _move(pair, f"move-{after}-{between}", prompt, after, between)
+    assert list(paused.output_token_ids) == on_a  # the target continues after exactly those
+    assert on_a + on_b == expected(list(prompt))
+    assert len(on_a) >= after + between and on_b
+    assert paused.num_kv_tokens == len(prompt) + len(on_a) - 1
+    assert computed_on_b[0] == 0  # nothing recomputed: every step on worker 1 was a decode
+    assert _worker(pair, 1).migrations.num_moved_in >= 1
+    assert wait_until(lambda: _idle(pair))
+
+
+def test_a_failed_second_pull_computes_the_kv_and_the_stream_still_goes_on(pair, expected):
+    prompt = _prompt(7, 45)
+    recomputed = _worker(pair, 1).migrations.num_recomputed
+    on_a, on_b, paused = _move(pair, "move-broken", prompt, 3, 2, break_second_pull=True)
+    assert paused.handoff is not None
+    assert on_a + on_b == expected(list(prompt))
+    assert _worker(pair, 1).migrations.num_recomputed == recomputed + 1
+    assert wait_until(lambda: _idle(pair))
+
+
+def test_only_a_running_single_sample_request_can_move(pair):
+    a = _worker(pair, 0)
+    with pytest.raises(InvalidRequestError, match="not running here as one sample"):
+        pair.call(a.pause("nobody", 1))
+    req = WorkerRequest("two", _prompt(9, 20), SamplingParams(n=2, max_tokens=MAX_TOKENS,
+                                                              ignore_eos=True))
+
+    async def go():
+        stream = aiter(a.stream(Generate(req)))
+        await anext(stream)
+        try:
+            await a.export_running("two", 1)
+        finally:
+            await stream.aclose()
+
+    with pytest.raises(InvalidRequestError, match="not running here as one sample"):
+        pair.call(go())
+    assert wait_until(lambda: _idle(pair))
