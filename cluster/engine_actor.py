@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.messages import Command, Paused, PrefillResult, WorkerOutputs
 from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
@@ -119,6 +119,15 @@ class EngineActor:
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int = 1) -> KVHandoff | None:
         return await self.worker.export_prefix(request_id, block_hashes, reader_tp_size)
+
+    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
+        return await self.worker.export_running(request_id, reader_tp_size)
+
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
+        return await self.worker.prepare_migration(request_id, handoff)
+
+    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
+        return await self.worker.pause(request_id, reader_tp_size)
 
     # ---- load, events, health --------------------------------------------------------------
 

@@ -138,8 +138,12 @@ class RouterIngress:
                 except Exception as exc:  # not ready or gone again: next round
                     logger.warning("router %s: cannot add worker %s: %s", self.subscriber,
                                    wid, exc)
-            if entry.draining and wid in r.clients:
-                r.draining.add(wid)
+            if entry.draining and wid in r.clients and wid not in r.draining:
+                # its running streams move to the other workers with their KV, so the drain
+                # ends without waiting for them (nor recomputing them)
+                moved = await r.drain(wid)
+                logger.info("router %s: draining %s, %d streams moved", self.subscriber, wid,
+                            moved)
 
     # ---- gRPC (`cleave.v1.Generation`, through Serve's gRPC proxy) -------------------------
 

@@ -8,13 +8,13 @@ worker is built by the caller).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 from router.channel import ChannelClient
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.messages import Command, Paused, PrefillResult, WorkerOutputs
 from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from workers.worker import Worker
 
 SUBSCRIBER = "in-process"
+T = TypeVar("T")
 
 
 class InProcessChannel(WorkerChannel):
@@ -60,6 +61,22 @@ class InProcessChannel(WorkerChannel):
         self._check_open()
         try:
             return await self.worker.export_prefix(request_id, block_hashes, reader_tp_size)
+        except EngineShutDown as exc:
+            raise WorkerUnavailableError(self.worker_id, str(exc)) from None
+
+    async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None:
+        return await self._call(self.worker.export_running(request_id, reader_tp_size))
+
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
+        return await self._call(self.worker.prepare_migration(request_id, handoff))
+
+    async def pause(self, request_id: str, reader_tp_size: int) -> Paused:
+        return await self._call(self.worker.pause(request_id, reader_tp_size))
+
+    async def _call(self, call: Awaitable[T]) -> T:
+        self._check_open()
+        try:
+            return await call
         except EngineShutDown as exc:
             raise WorkerUnavailableError(self.worker_id, str(exc)) from None
 

@@ -24,14 +24,18 @@ import multiprocessing as mp
 import pickle
 import secrets
 import socket
-import struct
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cluster.process_wire import frame as _frame
+from cluster.process_wire import read as _read
+from cluster.process_wire import recv as _recv
+from cluster.process_wire import recv_exact as _recv_exact
+from cluster.process_wire import send as _send
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.messages import Command, Paused, PrefillResult, WorkerOutputs
 from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
@@ -41,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # the child loads its model meanwhile
 STOP_TIMEOUT_S = 30.0
-_HEADER = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -57,35 +60,6 @@ class ProcessWorkerSpec:
     options: dict[str, Any]
     cpu_affinity: tuple[int, ...] | None = None
     cores_per_rank: int = 1
-
-
-def _frame(msg: object) -> bytes:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
-
-
-def _send(sock: socket.socket, msg: object) -> None:
-    sock.sendall(_frame(msg))
-
-
-def _recv(sock: socket.socket) -> object:
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return pickle.loads(_recv_exact(sock, size))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-async def _read(reader: asyncio.StreamReader) -> object:
-    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    return pickle.loads(await reader.readexactly(size))
 
 
 # ---- the child ---------------------------------------------------------------------------------
@@ -269,6 +243,15 @@ class ProcessChannel(WorkerChannel):
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int) -> KVHandoff | None:
         return await self._call("export_prefix", request_id, block_hashes, reader_tp_size)
+
+    async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None:
+        return await self._call("export_running", request_id, reader_tp_size)
+
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
+        return await self._call("prepare_migration", request_id, handoff)
+
+    async def pause(self, request_id: str, reader_tp_size: int) -> Paused:
+        return await self._call("pause", request_id, reader_tp_size)
 
     async def stats(self) -> EngineStats:
         return await self._call("stats")

@@ -19,7 +19,7 @@ from router.channel import ChannelClient
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, PrefillResult, WorkerOutputs
+from workers.messages import Command, Paused, PrefillResult, WorkerOutputs
 from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
@@ -66,6 +66,18 @@ class RayChannel(WorkerChannel):
         return await self._wait(self.actor.export_prefix.remote(request_id, block_hashes,
                                                                 reader_tp_size),
                                 "export_prefix", None)
+
+    async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None:
+        return await self._wait(self.actor.export_running.remote(request_id, reader_tp_size),
+                                "export_running", None)
+
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
+        return await self._wait(self.actor.prepare_migration.remote(request_id, handoff),
+                                "prepare_migration", None)
+
+    async def pause(self, request_id: str, reader_tp_size: int) -> Paused:
+        return await self._wait(self.actor.pause.remote(request_id, reader_tp_size), "pause",
+                                None)
 
     async def stats(self) -> EngineStats:
         return await self._wait(self.actor.stats.remote(), "stats")

@@ -22,6 +22,7 @@ from router.errors import (
     NotFoundError,
     OverloadedError,
 )
+from router.live_migration import LiveMigrations
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.policy import WorkerLoad, get_policy
@@ -65,6 +66,7 @@ class Router:
         self.metrics = RouterMetrics(self.workers, self.counters, lambda: self.in_flight)
         self.orchestrator = Orchestrator(self.workers, config, self.policy, self.counters,
                                          self.metrics, self.tokenizer)
+        self.migrations = LiveMigrations(self.workers, self.counters)
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
 
@@ -182,7 +184,13 @@ class Router:
                             cache_salt)
         gen = await self.orchestrator.generate(req)
         gen.record = self.metrics.record(gen, started, frontend)
+        self.migrations.track(gen)
         return gen
+
+    async def drain(self, worker_id: str) -> int:
+        """Route nothing new to the worker and move its running streams, KV and all, to the
+        others (`router.live_migration`); how many moved."""
+        return await self.migrations.drain(worker_id)
 
     # ---- the worker set, for the cluster's membership and status ---------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Awaitable, Sequence, TypeVar
 
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
@@ -26,6 +26,8 @@ from workers.messages import (
     DecodeFromHandoff,
     FailureKind,
     Generate,
+    MigratedKV,
+    Paused,
     PrefillResult,
     PrefixFetch,
     Resume,
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_TIMEOUT_S = 0.5  # a worker answers a poll at least this often (a heartbeat with its load)
 RETRY_PAUSE_S = 0.5  # after a failed poll, before the next
@@ -95,8 +98,29 @@ class ChannelClient(WorkerClient):
                             handoff: KVHandoff | None) -> TokenStream:
         return self._open(DecodeFromHandoff(req, first_token_id, handoff))
 
-    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> TokenStream:
-        return self._open(Resume(req, tuple(sent_token_ids)))
+    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int],
+               kv: MigratedKV | None = None) -> TokenStream:
+        return self._open(Resume(req, tuple(sent_token_ids), kv))
+
+    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
+        return await self._call(self.channel.export_running(request_id, reader_tp_size),
+                                "export_running", request_id)
+
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
+        return await self._call(self.channel.prepare_migration(request_id, handoff),
+                                "prepare_migration", request_id)
+
+    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
+        return await self._call(self.channel.pause(request_id, reader_tp_size), "pause",
+                                request_id)
+
+    async def _call(self, call: Awaitable[T], what: str, request_id: str) -> T:
+        self._check_open()
+        try:
+            return await asyncio.wait_for(call, self.deadlines.prefill_s)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailableError(self.worker_id, f"{what} of {request_id!r} not "
+                                         f"answered in {self.deadlines.prefill_s} s") from None
 
     def _open(self, cmd: StreamCommand) -> RequestStream:
         """The command's stream; a closed client's fails at its first read."""

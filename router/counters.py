@@ -33,6 +33,10 @@ class RouterCounters:
     prefix_fetch_blocks: int = 0
     prefix_fetch_blocks_hit: int = 0
     prefix_fetch_predicted_saved_s: float = 0.0
+    # live migrations (a running stream moved with its KV: a drain): done, and not done (it
+    # stayed on its worker, or had to recompute there)
+    num_live_migrations: int = 0
+    num_live_migrations_failed: int = 0
 
     def count_fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1

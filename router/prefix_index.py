@@ -45,9 +45,6 @@ class _WorkerView:
     blocks: set[int] = field(default_factory=set)  # in the device pool
     host_blocks: set[int] = field(default_factory=set)  # in the host tier (some also above)
     host_hit_cost: float = 0.0  # a host hit's time as a fraction of recomputing the block
-    # pulling a block from another worker, as a fraction of recomputing it here (None: this
-    # worker does not fetch prefixes)
-    fetch_cost: float | None = None
     retired_epochs: list[str] = field(default_factory=list)  # oldest first
 
 
@@ -274,17 +271,6 @@ class PrefixIndex:
             tiers[wid] = (depth, sum(1 for h in block_hashes[:depth]
                                      if host_only.get(h, 0) & bit))
         return tiers
-
-    def set_fetch_cost(self, worker_id: str, cost: float | None) -> None:
-        """Pulling a block from another worker into `worker_id` takes `cost` of the time its
-        recompute would (its measured pull rate and prefill rate); None: it fetches none."""
-        if cost is not None and not cost >= 0.0:
-            raise ValueError(f"fetch_cost must be >= 0 or None, got {cost}")
-        self._view(worker_id).fetch_cost = cost
-
-    def fetch_cost(self, worker_id: str) -> float | None:
-        view = self._views.get(worker_id)
-        return view.fetch_cost if view is not None else None
 
     def host_hit_cost(self, worker_id: str) -> float:
         """What `set_host_hit_cost` last said for the worker (0.0 when never set or unknown)."""

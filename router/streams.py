@@ -10,12 +10,16 @@ request on its worker), and handles every recovery in place (see `router.orchest
 - migration: when the worker streaming a single-sample request fails mid-stream, the prompt plus
   every token already sent goes to another decode-pool worker (`Rerouter.migrate`), at most
   `migration_retries` times;
+- live migration (`move`): the stream moves to another worker with its KV while it runs (a
+  drain); its source's stream ends with `RequestMoved` after every token it produced, and the
+  target's stream, already opened after exactly those tokens, takes over;
 - closing it early aborts the request wherever it is (the decode worker and, while the KV has
   not landed, the prefill worker's lease).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol
 from router.errors import NoHealthyWorkerError, WorkerUnavailableError
 from router.metrics import NULL_RECORD, NullRecord, error_reason
 from router.worker_client import TokenStream, WorkerClient
+from workers.messages import MigratedKV, RequestMoved
 from workers.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
 from workers.tokenizer.detokenizer import SampleText
 
@@ -89,6 +94,8 @@ class Generation:
         self._moves_left = migration_retries if req.params.n == 1 else 0
         self._streamed_by = [decode_worker_id or worker_id]
         self._closed = False
+        # while a live migration is under way: its (target id, target stream), once paused
+        self._moved: asyncio.Future[tuple[str, TokenStream]] | None = None
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -108,6 +115,9 @@ class Generation:
                     if self._handover is None:
                         raise
                     await self._compute_instead(exc)
+                    continue
+                except RequestMoved:
+                    await self._take_moved()
                     continue
                 except Exception as exc:  # any worker failure: move the stream on, or raise
                     if self._moves_left == 0:
@@ -183,6 +193,52 @@ class Generation:
         self._moves_left -= 1
         worker_id, self._stream = await self._rerouter.migrate(self.req, list(sent),
                                                                list(self._streamed_by), exc)
+        self._streamed_by.append(worker_id)
+
+    @property
+    def worker_now(self) -> str:
+        """The worker streaming it now."""
+        return self._streamed_by[-1]
+
+    @property
+    def movable(self) -> bool:
+        """A running single-sample stream whose KV has landed and that is not moving."""
+        return (not self._closed and self.req.params.n == 1 and self._handover is None
+                and self._moved is None)
+
+    async def move(self, source: WorkerClient, target: WorkerClient) -> bool:
+        """Live migration from `source` (the worker streaming it now) to `target`, its KV
+        pulled twice: what `source` had computed, while it decodes on, then what it wrote
+        until it paused. True once `target` streams it; False, with nothing changed, when it
+        cannot move now (it ended meanwhile, or a worker failed before the pause)."""
+        if not self.movable:
+            return False
+        rid, tp = self.req.request_id, (await target.info()).tp_size
+        try:
+            first = await source.export_running(rid, tp)
+            landed = await target.prepare_migration(rid, first) if first is not None else 0
+        except Exception as exc:  # noqa: BLE001 -- it stays where it is
+            logger.warning("request %s stays on %s: %r", rid, source.worker_id, exc)
+            return False
+        moved = self._moved = asyncio.get_running_loop().create_future()
+        try:
+            paused = await source.pause(rid, tp)
+        except Exception as exc:  # noqa: BLE001 -- it ended, or its source failed: its stream
+            # then ends, or moves by recompute, on its own
+            logger.warning("request %s did not pause on %s: %r", rid, source.worker_id, exc)
+            self._moved = None
+            return False
+        stream = target.resume(self.req, paused.output_token_ids,
+                               MigratedKV(paused.num_kv_tokens, landed, paused.handoff))
+        moved.set_result((target.worker_id, stream))
+        return True
+
+    async def _take_moved(self) -> None:
+        """The source's stream ended (moved): the target's continues it."""
+        if self._moved is None:
+            raise RuntimeError(f"request {self.req.request_id} moved with no move under way")
+        worker_id, self._stream = await self._moved
+        self._moved = None
         self._streamed_by.append(worker_id)
 
     @property

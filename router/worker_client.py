@@ -13,7 +13,14 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
-from workers.messages import Command, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.messages import (
+    Command,
+    MigratedKV,
+    Paused,
+    PrefillResult,
+    PrefixFetch,
+    WorkerOutputs,
+)
 from workers.protocol import (
     EngineStats,
     KVEvent,
@@ -99,11 +106,28 @@ class WorkerClient(abc.ABC):
         the worker computes the prompt's KV itself."""
 
     @abc.abstractmethod
-    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> TokenStream:
+    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
+        """Live migration, source: offer the running request's full computed blocks (it
+        decodes on); None when it has none."""
+
+    @abc.abstractmethod
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
+        """Live migration, target: pull those blocks ahead of the `resume`; how many landed.
+        Raises `KVPullFailed`."""
+
+    @abc.abstractmethod
+    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
+        """Live migration, source: stop the request between two steps; its stream here then
+        ends with `RequestMoved` after every token it produced; the blocks written since
+        `export_running` are offered."""
+
+    @abc.abstractmethod
+    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int],
+               kv: MigratedKV | None = None) -> TokenStream:
         """The events after `sent_token_ids`, the request's first output tokens, which other
         workers sampled and sent (one failed mid-stream); the worker computes the KV of the
-        prompt and those tokens itself. n = 1. Greedy output equals an uninterrupted run;
-        seeded sampling may differ."""
+        prompt and those tokens itself (with `kv`, a live migration's, it pulls it). n = 1.
+        Greedy output equals an uninterrupted run; seeded sampling may differ."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -146,6 +170,15 @@ class WorkerChannel(abc.ABC):
     @abc.abstractmethod
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int) -> KVHandoff | None: ...
+
+    @abc.abstractmethod
+    async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None: ...
+
+    @abc.abstractmethod
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int: ...
+
+    @abc.abstractmethod
+    async def pause(self, request_id: str, reader_tp_size: int) -> Paused: ...
 
     @abc.abstractmethod
     async def stats(self) -> EngineStats: ...

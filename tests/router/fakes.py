@@ -22,7 +22,7 @@ from router.orchestrator import Orchestrator
 from router.policy import get_policy
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
 from router.workers import WorkerSet
-from workers.messages import PrefillResult, PrefixFetch
+from workers.messages import MigratedKV, Paused, PrefillResult, PrefixFetch
 from workers.protocol import (
     EngineStats,
     FinishReason,
@@ -212,10 +212,20 @@ class FakeWorker(WorkerClient):
                                                          "the lease ended"))
         return self._open("decode_from_handoff", req, 1)
 
-    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> TokenStream:
+    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int],
+               kv: MigratedKV | None = None) -> TokenStream:
         assert list(sent_token_ids) == expected_tokens(req)[:len(sent_token_ids)], \
             "resumed with tokens the client was never sent"
         return self._open("resume", req, len(sent_token_ids))
+
+    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
+        raise NotImplementedError("fakes do not move running requests")
+
+    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
+        raise NotImplementedError("fakes do not move running requests")
+
+    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
+        raise NotImplementedError("fakes do not move running requests")
 
     async def abort(self, request_id: str) -> None:
         self.calls.aborts.append(request_id)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
+from tests.router.conftest import API_KEY, NUM_BLOCKS, start_server, wait_until
 from workers.llm import LLM
 from workers.messages import Generate, MigratedKV, RequestMoved, Resume
 from workers.protocol import InvalidRequestError, SamplingParams, WorkerRequest
@@ -144,4 +144,34 @@ def test_only_a_running_single_sample_request_can_move(pair):
 
     with pytest.raises(InvalidRequestError, match="not running here as one sample"):
         pair.call(go())
+    assert wait_until(lambda: _idle(pair))
+
+
+def test_a_drain_moves_a_served_stream_with_its_kv(pair, tiny_model):
+    """Through the router's HTTP port: a stream is running when its worker is drained; it
+    finishes on the other worker with the undisturbed text, nothing recomputed there."""
+    import openai
+
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS)
+    prompt = list(_prompt(11, 37))
+    text = llm.generate([prompt], GREEDY)[0].outputs[0].text
+    router = pair.router
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY)
+    stream = client.completions.create(model=router.model_name, prompt=prompt,
+                                       max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    got = next(chunks).choices[0].text
+    source = next(w for w in ("worker-0", "worker-1") if router.migrations.on(w))
+    target = _worker(pair, 1 if source == "worker-0" else 0)
+    computed_on_target = _count_prompt_tokens(target)
+    moved = router.counters.num_live_migrations
+    try:
+        assert pair.call(router.drain(source)) == 1
+        got += "".join(c.choices[0].text for c in chunks if c.choices)
+    finally:
+        router.workers.draining.discard(source)
+    assert got == text
+    assert router.counters.num_live_migrations == moved + 1
+    assert computed_on_target[0] == 0
     assert wait_until(lambda: _idle(pair))

@@ -148,11 +148,11 @@ class KVCacheManager:
             else:
                 blocks.append(hit)
         if targets:
-            size = self.block_size
             placed: list[KVBlock] = blocks[first:]  # type: ignore[assignment]  # no None here
             self.pool.cache(placed, req.block_hashes[first:len(blocks)],
                             req.block_hashes[first - 1] if first else None,
-                            req.all_token_ids[first * size:len(blocks) * size])
+                            req.all_token_ids[first * self.block_size:
+                                              len(blocks) * self.block_size])
         self._num_cached_blocks[req.request_id] = len(blocks)
 
     def take_copies(self) -> BlockCopies:
@@ -251,9 +251,8 @@ class KVCacheManager:
         self.pool.release(blocks[::-1])
 
     def hold_leading(self, hold_id: str, request_id: str, num_blocks: int) -> list[int]:
-        """Hold one more reference on a running request's first `num_blocks` blocks for another
-        worker to pull while the request runs on here, until `free_held(hold_id)`; their ids.
-        ValueError for a request whose blocks left its sliding window."""
+        """Hold a running request's first `num_blocks` blocks (one more reference) for another
+        worker to pull until `free_held(hold_id)`; their ids. Refused past a sliding window."""
         self._check_new_hold(hold_id)
         blocks = self._blocks.get(request_id, [])[:num_blocks]
         if any(b is None for b in blocks):

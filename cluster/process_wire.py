@@ -1,0 +1,40 @@
+"""The wire between the router's process and a worker process (`cluster.process_worker`):
+each message is a 4-byte little-endian length and a pickle."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import struct
+
+_HEADER = struct.Struct("<I")
+
+
+def frame(msg: object) -> bytes:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
+
+
+def send(sock: socket.socket, msg: object) -> None:
+    sock.sendall(frame(msg))
+
+
+def recv(sock: socket.socket) -> object:
+    (size,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+    return pickle.loads(recv_exact(sock, size))
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+async def read(reader: asyncio.StreamReader) -> object:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    return pickle.loads(await reader.readexactly(size))
