@@ -187,10 +187,10 @@ class Router:
         self.migrations.track(gen)
         return gen
 
-    async def drain(self, worker_id: str) -> int:
+    async def drain(self, worker_id: str, with_kv: bool = True) -> int:
         """Route nothing new to the worker and move its running streams, KV and all, to the
         others (`router.live_migration`); how many moved."""
-        return await self.migrations.drain(worker_id)
+        return await self.migrations.drain(worker_id, with_kv)
 
     # ---- the worker set, for the cluster's membership and status ---------------------------
 

@@ -42,7 +42,7 @@ class LiveMigrations:
         """The movable generations `worker_id` streams now."""
         return [g for g in list(self._running) if g.movable and g.worker_now == worker_id]
 
-    async def move(self, gen: Generation) -> bool:
+    async def move(self, gen: Generation, with_kv: bool = True) -> bool:
         """Move a running stream, KV and all, to the least loaded other decode-pool worker
         that is not draining; False when none can take it or it cannot move now (it goes on
         where it is). Counted either way."""
@@ -55,7 +55,7 @@ class LiveMigrations:
             self.counters.num_live_migrations_failed += 1
             return False
         w.note_routed(target)
-        moved = await gen.move(w.clients[source], w.clients[target])
+        moved = await gen.move(w.clients[source], w.clients[target], with_kv)
         if moved:
             self.counters.num_live_migrations += 1
             self.counters.count_decode(target)
@@ -63,12 +63,13 @@ class LiveMigrations:
             self.counters.num_live_migrations_failed += 1
         return moved
 
-    async def drain(self, worker_id: str) -> int:
+    async def drain(self, worker_id: str, with_kv: bool = True) -> int:
         """Route nothing new to `worker_id` and move its running streams away; how many
-        moved."""
+        moved. `with_kv` False: the targets recompute the streams' KV (a replay: the
+        baseline `benchmarks/drain.py` measures against)."""
         self.workers.draining.add(worker_id)
         moving = self.on(worker_id)
-        results = await asyncio.gather(*(self.move(g) for g in moving))
+        results = await asyncio.gather(*(self.move(g, with_kv) for g in moving))
         if moving:
             logger.info("drain of %s: %d of %d streams moved with their KV", worker_id,
                         sum(results), len(moving))

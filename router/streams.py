@@ -94,8 +94,9 @@ class Generation:
         self._moves_left = migration_retries if req.params.n == 1 else 0
         self._streamed_by = [decode_worker_id or worker_id]
         self._closed = False
-        # while a live migration is under way: its (target id, target stream), once paused
-        self._moved: asyncio.Future[tuple[str, TokenStream]] | None = None
+        # while a live migration is under way: its (target id, target stream, the source to
+        # release after a replay), once paused
+        self._moved: asyncio.Future[tuple[str, TokenStream, WorkerClient | None]] | None = None
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -206,17 +207,21 @@ class Generation:
         return (not self._closed and self.req.params.n == 1 and self._handover is None
                 and self._moved is None)
 
-    async def move(self, source: WorkerClient, target: WorkerClient) -> bool:
+    async def move(self, source: WorkerClient, target: WorkerClient,
+                   with_kv: bool = True) -> bool:
         """Live migration from `source` (the worker streaming it now) to `target`, its KV
         pulled twice: what `source` had computed, while it decodes on, then what it wrote
         until it paused. True once `target` streams it; False, with nothing changed, when it
-        cannot move now (it ended meanwhile, or a worker failed before the pause)."""
+        cannot move now (it ended meanwhile, or a worker failed before the pause).
+        `with_kv` False: the target recomputes the KV instead (a replay, the baseline)."""
         if not self.movable:
             return False
         rid, tp = self.req.request_id, (await target.info()).tp_size
+        first, landed = None, 0
         try:
-            first = await source.export_running(rid, tp)
-            landed = await target.prepare_migration(rid, first) if first is not None else 0
+            if with_kv:
+                first = await source.export_running(rid, tp)
+                landed = await target.prepare_migration(rid, first) if first is not None else 0
         except Exception as exc:  # noqa: BLE001 -- it stays where it is
             logger.warning("request %s stays on %s: %r", rid, source.worker_id, exc)
             return False
@@ -228,18 +233,24 @@ class Generation:
             logger.warning("request %s did not pause on %s: %r", rid, source.worker_id, exc)
             self._moved = None
             return False
-        stream = target.resume(self.req, paused.output_token_ids,
-                               MigratedKV(paused.num_kv_tokens, landed, paused.handoff))
-        moved.set_result((target.worker_id, stream))
+        if with_kv:
+            stream = target.resume(self.req, paused.output_token_ids,
+                                   MigratedKV(paused.num_kv_tokens, landed, paused.handoff))
+        else:
+            stream = target.resume(self.req, paused.output_token_ids)
+        moved.set_result((target.worker_id, stream, None if with_kv else source))
         return True
 
     async def _take_moved(self) -> None:
-        """The source's stream ended (moved): the target's continues it."""
+        """The source's stream ended (moved): the target's continues it. After a replay the
+        source is told to let go of what it paused with (nobody pulls it)."""
         if self._moved is None:
             raise RuntimeError(f"request {self.req.request_id} moved with no move under way")
-        worker_id, self._stream = await self._moved
+        worker_id, self._stream, release = await self._moved
         self._moved = None
         self._streamed_by.append(worker_id)
+        if release is not None:
+            await release.abort(self.req.request_id)
 
     @property
     def streamed_by(self) -> list[str]:
