@@ -9,24 +9,15 @@ import random
 import pytest
 
 from router.policy import Decision, WorkerLoad, get_policy
-from router.prefix_index import PrefixIndex
 from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
+from tests.router.test_policy import PROMPT, index_with
 from workers.llm import LLM
 from workers.messages import Generate, PrefixFetch
 from workers.protocol import BlockStored, SamplingParams, WorkerRequest, hash_prompt_blocks
 
-PROMPT = list(range(1, 11))  # ten block hashes
-
-
-def _index(**device: int) -> PrefixIndex:
-    index = PrefixIndex()
-    for worker, n in device.items():
-        index.apply(worker, [BlockStored("e-" + worker, 0, tuple(PROMPT[:n]), None, (), 16)])
-    return index
-
 
 def test_a_busy_holder_loses_the_request_to_an_idle_worker_that_pulls_its_prefix():
-    index = _index(a=10)
+    index = index_with(a=10)
     policy = get_policy("prefix_aware", queue_scale=1.0)  # a's one request costs it 0.5
     busy_a = [WorkerLoad("a", 0, 1, 0.0), WorkerLoad("b", 0, 0, 0.0, fetch_cost=0.1)]
     assert policy.choose(PROMPT, busy_a, index) == Decision("b", 0, "a", 10)  # 0.9 > 0.5
@@ -36,11 +27,11 @@ def test_a_busy_holder_loses_the_request_to_an_idle_worker_that_pulls_its_prefix
         loads = [WorkerLoad("a", 0, 1, 0.0), WorkerLoad("b", 0, 0, 0.0, fetch_cost=cost)]
         assert policy.choose(PROMPT, loads, index) == Decision("a", 10)
     # a gain under min_fetch_blocks is not worth a pull: b computes its last two blocks
-    assert policy.choose(PROMPT, busy_a, _index(a=10, b=8)) == Decision("b", 8)
+    assert policy.choose(PROMPT, busy_a, index_with(a=10, b=8)) == Decision("b", 8)
 
 
 def test_only_blocks_in_a_device_pool_can_be_fetched():
-    index = _index(a=4)
+    index = index_with(a=4)
     index.apply("a", [BlockStored("e-a", 1, tuple(PROMPT[4:]), None, (), 16, medium="host")])
     assert index.match_device(PROMPT) == {"a": 4} and index.match(PROMPT) == {"a": 10}
     loads = [WorkerLoad("a", 0, 2, 0.0), WorkerLoad("b", 0, 0, 0.0, fetch_cost=0.1)]
@@ -100,12 +91,18 @@ def _idle(server) -> bool:
                for i in range(2))
 
 
-def test_a_pulled_prefix_gives_the_same_tokens_and_both_workers_let_go(pair, expected):
-    a, b = _worker(pair, 0), _worker(pair, 1)
-    prompt = _prompt(1, 10 * BLOCK + 5)
-    _run(pair, a, Generate(WorkerRequest("warm-1", tuple(prompt), GREEDY)))
+def _exported(server, seed: int, length: int, rid: str):
+    """A prompt worker 0 has computed, its block hashes, and worker 0's offer of them."""
+    prompt = _prompt(seed, length)
+    _run(server, _worker(server, 0), Generate(WorkerRequest(f"warm-{rid}", tuple(prompt),
+                                                            GREEDY)))
     hashes = tuple(hash_prompt_blocks(prompt, BLOCK))
-    handoff = pair.call(a.export_prefix("fetch-1", hashes, 1))
+    return prompt, hashes, server.call(_worker(server, 0).export_prefix(rid, hashes, 1))
+
+
+def test_a_pulled_prefix_gives_the_same_tokens_and_both_workers_let_go(pair, expected):
+    b = _worker(pair, 1)
+    prompt, hashes, handoff = _exported(pair, 1, 10 * BLOCK + 5, "fetch-1")
     assert handoff is not None and len(handoff.ranks[0].block_ids) == 10
     req = WorkerRequest("fetch-1", tuple(prompt), GREEDY)
     tokens, cached = _run(pair, b, Generate(req, PrefixFetch(handoff, hashes)))
@@ -116,10 +113,7 @@ def test_a_pulled_prefix_gives_the_same_tokens_and_both_workers_let_go(pair, exp
 
 def test_a_pull_that_fails_computes_the_prompt_and_leaves_nothing_held(pair, expected):
     a, b = _worker(pair, 0), _worker(pair, 1)
-    prompt = _prompt(2, 6 * BLOCK + 3)
-    _run(pair, a, Generate(WorkerRequest("warm-2", tuple(prompt), GREEDY)))
-    hashes = tuple(hash_prompt_blocks(prompt, BLOCK))
-    handoff = pair.call(a.export_prefix("fetch-2", hashes, 1))
+    prompt, hashes, handoff = _exported(pair, 2, 6 * BLOCK + 3, "fetch-2")
     a.transfer.cancel("fetch-2#prefix")  # the holder lets go before the pull
     tokens, cached = _run(pair, b, Generate(WorkerRequest("fetch-2", tuple(prompt), GREEDY),
                                             PrefixFetch(handoff, hashes)))

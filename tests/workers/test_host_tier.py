@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.workers.factories import create_request, create_scheduler, replay_events
-from tests.workers.test_block_accounting import check_pool
+from tests.workers.test_block_accounting import OPS, check_pool
 from workers.llm import LLM
 from workers.protocol import FinishReason, SamplingParams, hash_prompt_blocks
 from workers.step_costs import StepCosts
@@ -58,16 +58,6 @@ def check_host_tier(scheduler) -> None:
     assert len(held) == len(set(held)), "two hashes share a host block"
     assert len(held) + len(host._free) == host.num_blocks
     assert not host._swap_out and not host._swap_in and not host._reading  # taken by the step
-
-
-PROMPTS = st.lists(st.integers(1, 3), min_size=1, max_size=30)  # few ids: prefixes repeat
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("add"), PROMPTS, st.integers(1, 12)),
-    st.tuples(st.just("step")),
-    st.tuples(st.just("abort"), st.integers(0, 20)),
-    st.tuples(st.just("handoff"), PROMPTS, st.integers(2, 12)),  # KV arriving from elsewhere
-    st.tuples(st.just("land"), st.integers(0, 20)),
-), max_size=60)
 
 
 @settings(max_examples=150, deadline=None)
