@@ -218,14 +218,18 @@ class FakeWorker(WorkerClient):
             "resumed with tokens the client was never sent"
         return self._open("resume", req, len(sent_token_ids))
 
+    # a fake's streams hold no KV: it refuses to move them, as a worker refuses a request it
+    # does not run (the router then leaves the stream where it is)
     async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
-        raise NotImplementedError("fakes do not move running requests")
+        raise InvalidRequestError(f"request {request_id!r} is not running here as one sample",
+                                  param="request_id")
 
     async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
-        raise NotImplementedError("fakes do not move running requests")
+        raise KVPullFailed(request_id, "NoKV", "a fake worker holds no KV to pull")
 
     async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
-        raise NotImplementedError("fakes do not move running requests")
+        raise InvalidRequestError(f"request {request_id!r} is not running here as one sample",
+                                  param="request_id")
 
     async def abort(self, request_id: str) -> None:
         self.calls.aborts.append(request_id)
