@@ -41,8 +41,8 @@ from workers.protocol import (
 from workers.request import Request, RequestStatus
 from workers.runner import KVCacheSpec, ModelRunner
 from workers.sampler import sample_seed
-from workers.step_costs import StepCosts
 from workers.scheduler import Scheduler, SchedulerConfig
+from workers.step_costs import StepCosts
 
 if TYPE_CHECKING:
     from kvtransfer import KVLayout
