@@ -36,18 +36,10 @@ import threading
 import time
 
 import httpx
+from kv_fetch import long_context_model
 from loadgen import percentiles_ms
 from results_io import RESULTS, command_line, emit
 from serving_layers import code_state
-
-
-def _model(tmp: str, max_len: int) -> str:
-    from pathlib import Path
-
-    from workers.make_model import make_model
-
-    return str(make_model(Path(tmp) / "small-long", arch="llama", preset="small",
-                          overrides={"max_position_embeddings": max_len}))
 
 
 class _Stream:
@@ -166,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        model = _model(tmp, args.max_context + args.output_len + 256)
+        model = long_context_model(tmp, args.max_context + args.output_len + 256)
         from workers.model_config import ModelConfig
 
         vocab = ModelConfig.from_pretrained(model).vocab_size

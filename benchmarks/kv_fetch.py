@@ -24,7 +24,8 @@ from workers.protocol import SamplingParams, WorkerRequest, hash_prompt_blocks
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def _model(tmp: str, max_len: int) -> str:
+def long_context_model(tmp: str, max_len: int) -> str:
+    """The `small` preset with a context of `max_len` tokens, written under `tmp`."""
     from workers.make_model import make_model
 
     return str(make_model(Path(tmp) / "small-long", arch="llama", preset="small",
@@ -141,7 +142,7 @@ def _crossover(rows: dict) -> dict:
 
 def run(tmp: str, transports: list[str], lengths: list[int], repeats: int, block_size: int,
         torch_threads: int, seed: int) -> dict:
-    model = _model(tmp, max(lengths) + 256)
+    model = long_context_model(tmp, max(lengths) + 256)
     out = {"setup": {"model": "small preset, max_position_embeddings "
                               f"{max(lengths) + 256}", "lengths": lengths,
                      "repeats": repeats, "torch_threads": torch_threads,

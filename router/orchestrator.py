@@ -202,7 +202,8 @@ class Orchestrator:
                     f"no healthy worker can take the request: {exc}") from None
             wid = decision.worker_id
             self.workers.note_routed(wid)
-            prefix = await export_prefix(self.workers, self.counters, req, hashes, decision)
+            prefix = (await export_prefix(self.workers, self.counters, req, hashes, decision)
+                      if decision.fetch_from is not None else None)
             stream = self.workers.clients[wid].generate(req, prefix)
             try:
                 first = await self._first_event(stream, wid)

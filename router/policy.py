@@ -85,7 +85,7 @@ class PrefixAwarePolicy(RoutingPolicy):
     - w_kv * kv_usage; highest wins, ties go to the lighter worker, then the smaller id.
 
     hit_fraction is the share of the prompt's full blocks the worker holds as a leading run,
-    a block in its host tier counting what it saves (1 - its `host_hit_cost`);
+    a block in its host tier counting what it saves (1 - its load's `host_hit_cost`);
     queue is waiting + running requests, normalized by the mean over the healthy workers so the
     penalty grows without bound on an overloaded worker. `queue_scale` keeps small absolute
     differences between nearly idle workers from outweighing a prefix hit. With the defaults a
@@ -119,14 +119,14 @@ class PrefixAwarePolicy(RoutingPolicy):
         hits = index.match_tiers(block_hashes)
         depth = table.depth(rows)
         held = np.zeros(len(rows))  # leading blocks held, either tier
-        hit = np.zeros(len(rows))  # recompute saved, in blocks
-        for wid, (blocks, in_host) in hits.items():
+        in_host = np.zeros(len(rows))  # of them, in the host tier only
+        for wid, (blocks, host_blocks) in hits.items():
             at = table.position(rows, wid)
-            if at is not None:  # a host hit costs its copy
-                held[at] = blocks
-                hit[at] = blocks - in_host * index.host_hit_cost(wid) if in_host else blocks
+            if at is not None:
+                held[at], in_host[at] = blocks, host_blocks
         source, fetch = self._fetchable(block_hashes, index, table, rows, held)
-        hit += fetch
+        # recompute saved, in blocks: a host hit costs its copy
+        hit = held - in_host * table.host_hit_cost[rows] + fetch
         queue_weight = self.w_queue / max(float(depth.sum()) / len(rows), self.queue_scale)
         score = (self.w_hit / max(len(block_hashes), 1) * hit - queue_weight * depth
                  - self.w_kv * table.kv_usage[rows])

@@ -12,7 +12,8 @@ per event loop (or guard it with a lock).
 Tiers: a worker holds a block in its device pool or only in its host-memory tier (the events'
 `medium`). Both hit; a second bitmask marks the host-only holders, and `match_tiers` counts how
 many of a worker's leading hits must be copied back from host memory, which a policy scores at
-the worker's measured cost of a host hit (`host_hit_cost`) rather than as free or as a miss.
+the worker's measured cost of a host hit (`WorkerLoad.host_hit_cost`) rather than as free or as
+a miss.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ class _WorkerView:
     needs_resync: bool = False
     blocks: set[int] = field(default_factory=set)  # in the device pool
     host_blocks: set[int] = field(default_factory=set)  # in the host tier (some also above)
-    host_hit_cost: float = 0.0  # a host hit's time as a fraction of recomputing the block
     retired_epochs: list[str] = field(default_factory=list)  # oldest first
 
 
@@ -214,13 +214,6 @@ class PrefixIndex:
         self._add_host_blocks(view, list(snapshot.host_block_hashes - view.host_blocks))
         view.next_seq, view.needs_resync = snapshot.next_seq, False
 
-    def set_host_hit_cost(self, worker_id: str, cost: float) -> None:
-        """A host-tier hit on `worker_id` takes `cost` (0..1) of the time recomputing the block
-        would: its measured copy time over its measured prefill time per block."""
-        if not 0.0 <= cost <= 1.0:
-            raise ValueError(f"host_hit_cost must be in [0, 1], got {cost}")
-        self._view(worker_id).host_hit_cost = cost
-
     # -- lookup ----------------------------------------------------------------------------------
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
@@ -271,11 +264,6 @@ class PrefixIndex:
             tiers[wid] = (depth, sum(1 for h in block_hashes[:depth]
                                      if host_only.get(h, 0) & bit))
         return tiers
-
-    def host_hit_cost(self, worker_id: str) -> float:
-        """What `set_host_hit_cost` last said for the worker (0.0 when never set or unknown)."""
-        view = self._views.get(worker_id)
-        return view.host_hit_cost if view is not None else 0.0
 
 
 def _clear_bits(masks: dict[int, int], hashes: Sequence[int], keep: int) -> None:

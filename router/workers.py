@@ -234,9 +234,8 @@ class WorkerSet:
         # reports a stalled step or a dead rank takes no new requests
         self._table.report(worker_id, stats.num_waiting + stats.num_waiting_for_kv,
                            stats.num_running, stats.kv_usage, stats.num_pending_prompt_tokens,
-                           stats.healthy, fetch_cost(self._infos.get(worker_id), stats))
-        if stats.host_hit_cost:
-            self.index.set_host_hit_cost(worker_id, stats.host_hit_cost)
+                           stats.healthy, fetch_cost(self._infos.get(worker_id), stats),
+                           stats.host_hit_cost)
         if kv_events:
             self.index.apply(worker_id, kv_events)
             if self.index.needs_resync(worker_id) and worker_id not in self._resyncing:

@@ -44,12 +44,16 @@ def test_a_host_tier_hit_counts_what_it_saves_at_the_workers_measured_cost() -> 
     index = index_with(b=5)  # b: five blocks in its device pool
     index.apply("a", [BlockStored("e-a", 0, tuple(PROMPT[:8]), None, (), 16, medium="host")])
     policy = get_policy("prefix_aware")
-    index.set_host_hit_cost("a", 0.5)  # eight host blocks save four blocks of prefill
-    assert policy.choose(PROMPT, [load("a"), load("b")], index) == Decision("b", 5)
-    index.set_host_hit_cost("a", 0.1)  # cheap copies: 7.2 blocks saved beat b's 5
-    assert policy.choose(PROMPT, [load("a"), load("b")], index) == Decision("a", 8)
+
+    def a_at(cost: float) -> WorkerLoad:  # a's measured cost of a host hit, in its load
+        return WorkerLoad("a", 0, 0, 0.0, host_hit_cost=cost)
+
+    # eight host blocks save four blocks of prefill
+    assert policy.choose(PROMPT, [a_at(0.5), load("b")], index) == Decision("b", 5)
+    # cheap copies: 7.2 blocks saved beat b's 5
+    assert policy.choose(PROMPT, [a_at(0.1), load("b")], index) == Decision("a", 8)
     with pytest.raises(ValueError, match="host_hit_cost must be in"):
-        index.set_host_hit_cost("a", 1.5)
+        a_at(1.5)
 
 
 def test_prefix_aware_keeps_a_busy_holder_but_leaves_an_overloaded_one() -> None:
