@@ -42,15 +42,15 @@ from results_io import RESULTS, command_line, emit
 from serving_layers import code_state
 
 
-class _Stream:
+class Stream:
     def __init__(self) -> None:
         self.text = ""
         self.times: list[float] = []  # when each chunk arrived
         self.error = ""
 
 
-async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                  max_tokens: int, out: _Stream) -> None:
+async def stream_completion(client: httpx.AsyncClient, url: str, model: str,
+                            prompt: list[int], max_tokens: int, out: Stream) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0, "ignore_eos": True}
     try:
@@ -92,13 +92,14 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
 
     target.engine.scheduler.schedule = counting
     server.call(_set_draining(router, "worker-1", True))
-    streams = [_Stream() for _ in prompts]
+    streams = [Stream() for _ in prompts]
     url = f"http://127.0.0.1:{server.http_port}/v1/completions"
 
     async def load() -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
-            await asyncio.gather(*(_stream(client, url, router.model_name, p, args.output_len,
-                                           s) for p, s in zip(prompts, streams)))
+            await asyncio.gather(*(stream_completion(client, url, router.model_name, p,
+                                                     args.output_len, s)
+                                   for p, s in zip(prompts, streams)))
 
     thread = threading.Thread(target=lambda: asyncio.run(load()), daemon=True)
     try:
@@ -114,7 +115,7 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
         time.sleep(args.steady_s)  # every stream decoding: the steady gaps
         computed[0] = 0
         start = time.perf_counter()
-        moved = server.call(router.drain("worker-0", with_kv), 600)
+        moved = server.call(router.drain("worker-0", with_kv, hand_off_prefixes=False), 600)
         source = server.clients[0]
         while server.call(source.stats()).num_running > 0:
             time.sleep(0.005)
@@ -123,7 +124,14 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
         recomputed = computed[0]  # by worker 1, for the streams it took over
     finally:
         server.stop()
-    # the drain is over when every stream it moved streams again: its first chunk from worker 1
+    return {"moved": moved, **summarize(streams, warmed, start, stopped),
+            "recomputed_tokens": recomputed}
+
+
+def summarize(streams: list[Stream], warmed: float, start: float, stopped: float) -> dict:
+    """The drain's figures from the streams' chunk times: decoding steadily from `warmed`,
+    drained at `start`, the source running nothing from `stopped` on."""
+    # the drain is over when every stream it moved streams again: its first chunk after that
     resumed = [next((t for t in s.times if t > stopped), None) for s in streams]
     drain_s = (max(t for t in resumed if t is not None) - start
                if any(t is not None for t in resumed) else None)
@@ -132,8 +140,7 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
     end = start + (drain_s or 0.0)
     during = [b - a for s in streams for a, b in zip(s.times, s.times[1:])
               if b >= start and a <= end]
-    return {"moved": moved, "drain_s": None if drain_s is None else round(drain_s, 4),
-            "recomputed_tokens": recomputed,
+    return {"drain_s": None if drain_s is None else round(drain_s, 4),
             "itl_steady": percentiles_ms(steady), "itl_during_drain": percentiles_ms(during),
             "errors": sorted({s.error for s in streams if s.error})[:5],
             "texts": [s.text for s in streams]}

@@ -116,6 +116,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from cluster.drain import drain_worker
+
+    try:
+        done = drain_worker(args.worker_id, args.pool, args.address, args.timeout,
+                            progress=lambda line: print(line, file=sys.stderr))
+    except TimeoutError as exc:  # still draining: Serve removes it when it replaces it
+        print(f"cleave drain: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(done))
+    return 0
+
+
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from workers.make_model import make_model
 
@@ -153,6 +166,22 @@ def _add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     quantize.add_argument("--block", type=int, default=128,
                           help="fp8: scale block (rows and columns); -1 for one per tensor")
     quantize.set_defaults(func=_cmd_quantize)
+
+
+def _add_drain_parser(sub: argparse._SubParsersAction) -> None:
+    drain = sub.add_parser("drain", help=(
+        "restart one worker of a running deployment without losing its work: its streams move "
+        "to the others with their KV, its hottest prefixes follow, then Serve replaces it"))
+    drain.add_argument("worker_id", nargs="?", default=None,
+                       help="the worker to drain (`cleave status` lists them; default: the "
+                            "coldest of --pool)")
+    drain.add_argument("--pool", default="decode", choices=("prefill", "decode", "aggregated"),
+                       help="without a worker id, drain this pool's coldest worker")
+    drain.add_argument("--timeout", type=float, default=300.0,
+                       help="seconds to wait for its requests and leases to end")
+    drain.add_argument("--address", default=None,
+                       help="the Ray cluster (default: RAY_ADDRESS, else the local one)")
+    drain.set_defaults(func=_cmd_drain)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the Ray cluster (default: RAY_ADDRESS, else the local one)")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=_cmd_status)
+
+    _add_drain_parser(sub)
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint (HF format)")
     make.add_argument("--arch", default="llama",

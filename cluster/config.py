@@ -349,6 +349,10 @@ class RouterSettings(_Strict):
         None, description=(
             "How the model writes tool calls (vLLM's --tool-call-parser names); unset: the "
             "format its chat template's wording shows, and none when it renders no tools."))
+    rebalance_kv_usage: float | None = Field(None, gt=0, le=1, description=(
+        "A decode-pool worker whose KV usage reaches this fraction moves its longest running "
+        "stream, with its KV (nothing recomputed), to the least used worker at least 0.2 "
+        "below it, every kv_poll_interval_s. Unset: running streams stay where they started."))
     migration_wait_s: float | None = Field(None, ge=0, description=(
         f"A stream whose decode worker died waits this long for another one before it fails. "
         f"Unset: {RAY_MIGRATION_WAIT_S:g} s on Ray, where a pool that lost its only replica "

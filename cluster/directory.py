@@ -26,6 +26,9 @@ class WorkerEntry:
     actor: Any  # the engine actor's handle (`cluster.engine_actor.EngineActor`)
     node_id: str
     draining: bool = False
+    # how routers move its running streams: with their KV (live), or by recomputing them on
+    # the other workers (replay: the baseline `benchmarks/drain_ray.py` measures against)
+    drain_with_kv: bool = True
     seen: float = 0.0  # time.monotonic() of the last heartbeat, set by the directory
 
 
@@ -39,14 +42,21 @@ class Directory:
     def register(self, entry: WorkerEntry) -> None:
         """Add or refresh a worker. A draining worker stays draining."""
         old = self._entries.get(entry.worker_id)
-        draining = entry.draining or (old is not None and old.draining)
-        self._entries[entry.worker_id] = replace(entry, draining=draining,
-                                                 seen=time.monotonic())
+        if old is not None and old.draining:
+            entry = replace(entry, draining=True, drain_with_kv=old.drain_with_kv)
+        self._entries[entry.worker_id] = replace(entry, seen=time.monotonic())
 
-    def set_draining(self, worker_id: str) -> None:
+    def set_draining(self, worker_id: str, with_kv: bool = True) -> None:
         entry = self._entries.get(worker_id)
         if entry is not None:
-            self._entries[worker_id] = replace(entry, draining=True)
+            self._entries[worker_id] = replace(entry, draining=True, drain_with_kv=with_kv)
+
+    def undrain(self, worker_id: str) -> None:
+        """Put a drained worker that was not removed (`cleave drain` without the restart)
+        back in rotation: routers send it requests again."""
+        entry = self._entries.get(worker_id)
+        if entry is not None:
+            self._entries[worker_id] = replace(entry, draining=False, drain_with_kv=True)
 
     def deregister(self, worker_id: str) -> None:
         self._entries.pop(worker_id, None)

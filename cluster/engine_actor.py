@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from workers.messages import Command, Paused, PrefillResult, WorkerOutputs
-from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from cluster.rank_actor import RankPlace
@@ -120,6 +120,13 @@ class EngineActor:
                             reader_tp_size: int = 1) -> KVHandoff | None:
         return await self.worker.export_prefix(request_id, block_hashes, reader_tp_size)
 
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        return await self.worker.hot_prefixes(max_blocks)
+
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: tuple[int, ...]) -> int:
+        return await self.worker.land_prefix(request_id, fetch, token_ids)
+
     async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
         return await self.worker.export_running(request_id, reader_tp_size)
 
@@ -166,10 +173,13 @@ class EngineActor:
         return st.num_waiting + st.num_running + st.num_waiting_for_kv
 
     async def wait_idle(self, timeout_s: float) -> int:
-        """Wait until no request is in flight or `timeout_s` passes; returns those left."""
+        """Wait until no request is in flight and no other worker is still to pull KV from
+        here (a handed-off prefix, a moved stream's blocks: each under a lease), or until
+        `timeout_s` passes; returns the requests left."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while await self.num_in_flight() and loop.time() < deadline:
+        while (await self.num_in_flight() or self.worker.resources()["leases"]) \
+                and loop.time() < deadline:
             await asyncio.sleep(0.05)
         return await self.num_in_flight()
 

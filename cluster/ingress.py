@@ -86,6 +86,7 @@ class RouterIngress:
             self.front = FrontEnds(self.router, r.host, r.http_port, r.grpc_port,
                                    reuse_port=True)
             await self.front.start()
+        self._drained: set[str] = set()  # workers whose streams and hot prefixes moved off
         self._sync = asyncio.get_running_loop().create_task(self._sync_forever())
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -140,10 +141,16 @@ class RouterIngress:
                                    wid, exc)
             if entry.draining and wid in r.clients and wid not in r.draining:
                 # its running streams move to the other workers with their KV, so the drain
-                # ends without waiting for them (nor recomputing them)
-                moved = await r.drain(wid)
+                # ends without waiting for them (nor recomputing them); its hottest prefixes
+                # follow, so the pool keeps their hits
+                moved = await r.drain(wid, with_kv=entry.drain_with_kv)
+                self._drained.add(wid)
                 logger.info("router %s: draining %s, %d streams moved", self.subscriber, wid,
                             moved)
+            elif not entry.draining and wid in r.draining:  # back in rotation
+                r.draining.discard(wid)
+                self._drained.discard(wid)
+        self._drained &= set(entries)
 
     # ---- gRPC (`cleave.v1.Generation`, through Serve's gRPC proxy) -------------------------
 
@@ -186,6 +193,11 @@ class RouterIngress:
                 "aggregated": dict(c.aggregated), "num_prompt_tokens": c.num_prompt_tokens,
                 "num_predicted_cached_tokens": c.num_predicted_cached_tokens,
                 "num_cached_tokens": c.num_cached_tokens, "fallbacks": dict(c.fallbacks)}
+
+    async def drained(self, worker_id: str) -> bool:
+        """Whether this replica has moved the draining worker's streams and handed off its
+        hot prefixes (`Router.drain`); True for a worker it does not route to."""
+        return worker_id in self._drained or worker_id not in self.router.clients
 
     async def check_health(self) -> None:
         """Serve restarts a router replica whose directory sync died. No healthy worker is not

@@ -14,8 +14,15 @@ from router.channel import ChannelClient
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, Paused, PrefillResult, WorkerOutputs
-from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.protocol import (
+    EngineShutDown,
+    EngineStats,
+    HotPrefix,
+    KVSnapshot,
+    WorkerInfo,
+    WorkerRequest,
+)
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -63,6 +70,13 @@ class InProcessChannel(WorkerChannel):
             return await self.worker.export_prefix(request_id, block_hashes, reader_tp_size)
         except EngineShutDown as exc:
             raise WorkerUnavailableError(self.worker_id, str(exc)) from None
+
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        return await self._call(self.worker.hot_prefixes(max_blocks))
+
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: tuple[int, ...]) -> int:
+        return await self._call(self.worker.land_prefix(request_id, fetch, token_ids))
 
     async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None:
         return await self._call(self.worker.export_running(request_id, reader_tp_size))

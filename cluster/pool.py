@@ -4,8 +4,10 @@ Serve owns the replica (how many, where, restarts, health checks, scale-down); t
 an `EngineActor` started in its placement group (with several ranks, the engine actor starts
 each rank as a Ray actor in its own bundle), registers it in the `Directory`, reports the
 pool's load signals for autoscaling, and drains before it goes: marked draining, routers send
-it nothing new, its in-flight requests finish (past `drain_timeout_s` they fail over to another
-worker as a failed worker's would), then the engine stops.
+it nothing new, move its running streams to the other workers with their KV and hand its
+hottest prefixes to them (`router.hand_off`; Serve picks which replica goes, so the hand-off is
+what keeps the pool's hits), what cannot move finishes (past `drain_timeout_s` it fails over
+to another worker as a failed worker's would), then the engine stops.
 """
 
 from __future__ import annotations
@@ -123,9 +125,12 @@ class WorkerReplica:
             # bounded: when the whole app goes, the directory may already be gone
             await asyncio.wait_for(self.directory.set_draining.remote(self.worker_id),
                                    DIRECTORY_TIMEOUT_S)
-            # routers read the directory every kv_poll_interval_s: let them all see it (an
-            # idle worker need not wait: a request routed meanwhile starts on another)
-            if await asyncio.wait_for(self.actor.num_in_flight.remote(), HEALTH_TIMEOUT_S):
+            # routers read the directory every kv_poll_interval_s: let them all see it and
+            # start moving its streams and its hot prefixes (an idle worker with a cold cache
+            # need not wait: a request routed meanwhile starts on another)
+            stats = await asyncio.wait_for(self.actor.stats.remote(), HEALTH_TIMEOUT_S)
+            busy = stats.num_running + stats.num_waiting + stats.num_waiting_for_kv
+            if busy or stats.recent_hit_blocks >= 1.0:
                 await asyncio.sleep(2 * self.config.router.kv_poll_interval_s + 0.5)
             left = await self.actor.wait_idle.remote(a.drain_timeout_s)
             if left:

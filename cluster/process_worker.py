@@ -35,8 +35,8 @@ from cluster.process_wire import recv_exact as _recv_exact
 from cluster.process_wire import send as _send
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, Paused, PrefillResult, WorkerOutputs
-from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -243,6 +243,13 @@ class ProcessChannel(WorkerChannel):
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int) -> KVHandoff | None:
         return await self._call("export_prefix", request_id, block_hashes, reader_tp_size)
+
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        return await self._call("hot_prefixes", max_blocks)
+
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: tuple[int, ...]) -> int:
+        return await self._call("land_prefix", request_id, fetch, token_ids)
 
     async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None:
         return await self._call("export_running", request_id, reader_tp_size)

@@ -118,7 +118,8 @@ def router_config(config: CleaveConfig, model_path: str, mode: Mode = "ray") -> 
                         max_pending_tokens_per_worker=r.max_pending_tokens_per_worker,
                         prefill_timeout_s=r.prefill_timeout_s,
                         stall_timeout_s=r.stall_timeout_s, migration_wait_s=wait,
-                        tool_call_parser=r.tool_call_parser)
+                        tool_call_parser=r.tool_call_parser,
+                        rebalance_kv_usage=r.rebalance_kv_usage)
 
 
 def _pool(config: CleaveConfig, pool: str) -> PoolSettings:

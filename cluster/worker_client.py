@@ -19,8 +19,15 @@ from router.channel import ChannelClient
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, Paused, PrefillResult, WorkerOutputs
-from workers.protocol import EngineShutDown, EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.protocol import (
+    EngineShutDown,
+    EngineStats,
+    HotPrefix,
+    KVSnapshot,
+    WorkerInfo,
+    WorkerRequest,
+)
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -66,6 +73,14 @@ class RayChannel(WorkerChannel):
         return await self._wait(self.actor.export_prefix.remote(request_id, block_hashes,
                                                                 reader_tp_size),
                                 "export_prefix", None)
+
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        return await self._wait(self.actor.hot_prefixes.remote(max_blocks), "hot_prefixes")
+
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: tuple[int, ...]) -> int:
+        return await self._wait(self.actor.land_prefix.remote(request_id, fetch, token_ids),
+                                "land_prefix", None)
 
     async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None:
         return await self._wait(self.actor.export_running.remote(request_id, reader_tp_size),

@@ -22,10 +22,12 @@ from router.errors import (
     NotFoundError,
     OverloadedError,
 )
+from router.hand_off import coldest, hand_off
 from router.live_migration import LiveMigrations
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.policy import WorkerLoad, get_policy
+from router.rebalance import rebalance
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
@@ -74,7 +76,8 @@ class Router:
 
     async def start(self) -> None:
         """Read the workers' descriptions, seed the prefix index, listen to their channels,
-        and re-check unreachable workers' health every `kv_poll_interval_s`."""
+        and every `kv_poll_interval_s` re-check unreachable workers' health and rebalance
+        (`router.rebalance`, when configured)."""
         await self.workers.start()
         self._checker = asyncio.get_running_loop().create_task(self._recheck_forever())
 
@@ -86,14 +89,17 @@ class Router:
         await self.workers.stop()
 
     async def _recheck_forever(self) -> None:
+        bound = self.config.rebalance_kv_usage
         while True:
             await asyncio.sleep(self.config.kv_poll_interval_s)
             down = [wid for wid in self.workers.clients if not self.workers.is_healthy(wid)]
-            if down:
-                try:
+            try:
+                if down:
                     await self.workers.check_health()
-                except Exception:  # the next round tries again
-                    logger.exception("checking the workers' health failed")
+                if bound is not None:
+                    await rebalance(self.workers, self.migrations, bound)
+            except Exception:  # the next round tries again
+                logger.exception("checking the workers' health or rebalancing failed")
 
     @property
     def max_model_len(self) -> int:
@@ -187,10 +193,20 @@ class Router:
         self.migrations.track(gen)
         return gen
 
-    async def drain(self, worker_id: str, with_kv: bool = True) -> int:
-        """Route nothing new to the worker and move its running streams, KV and all, to the
-        others (`router.live_migration`); how many moved."""
-        return await self.migrations.drain(worker_id, with_kv)
+    async def drain(self, worker_id: str, with_kv: bool = True,
+                    hand_off_prefixes: bool = True) -> int:
+        """Route nothing new to the worker, move its running streams, KV and all, to the
+        others (`router.live_migration`), then hand its hottest prefixes to them
+        (`router.hand_off`); how many streams moved."""
+        moved = await self.migrations.drain(worker_id, with_kv)
+        if hand_off_prefixes:
+            await hand_off(self.workers, self.counters, worker_id)
+        return moved
+
+    def coldest(self, *roles: WorkerRole) -> str | None:
+        """The worker of `roles` a scale-down should remove: its cache is worth least lately
+        (`router.hand_off.coldest`); None when none is healthy."""
+        return coldest(self.workers, roles or (WorkerRole.DECODE, WorkerRole.BOTH))
 
     # ---- the worker set, for the cluster's membership and status ---------------------------
 

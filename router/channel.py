@@ -34,7 +34,7 @@ from workers.messages import (
     StreamCommand,
     WorkerOutputs,
 )
-from workers.protocol import EngineStats, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -101,6 +101,15 @@ class ChannelClient(WorkerClient):
     def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int],
                kv: MigratedKV | None = None) -> TokenStream:
         return self._open(Resume(req, tuple(sent_token_ids), kv))
+
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        return await self._call(self.channel.hot_prefixes(max_blocks), "hot_prefixes",
+                                f"{max_blocks} blocks")
+
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: Sequence[int]) -> int:
+        return await self._call(self.channel.land_prefix(request_id, fetch, tuple(token_ids)),
+                                "land_prefix", request_id)
 
     async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
         return await self._call(self.channel.export_running(request_id, reader_tp_size),

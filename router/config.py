@@ -55,6 +55,9 @@ class RouterConfig:
     stall_timeout_s: float = 15.0
     # how the model writes tool calls (TOOL_CALL_PARSERS); None: as its chat template says
     tool_call_parser: str | None = None
+    # a decode-pool worker at this KV usage (0..1] moves a running stream, with its KV, to a
+    # worker with room each kv_poll_interval_s (`router.rebalance`); None: streams stay put
+    rebalance_kv_usage: float | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -74,6 +77,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kv_poll_interval_s > 0:
             raise ValueError(f"kv_poll_interval_s must be > 0, got {self.kv_poll_interval_s}")
+        if self.rebalance_kv_usage is not None and not 0 < self.rebalance_kv_usage <= 1:
+            raise ValueError(f"rebalance_kv_usage must be in (0, 1], got "
+                             f"{self.rebalance_kv_usage}")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty strings")
 

@@ -21,7 +21,8 @@ class RouterCounters:
     # failures worked around, by reason: prefill_error (one attempt, retried elsewhere),
     # prefill_failed (every attempt), no_prefill_worker, kv_pull_failed (decode prefilled),
     # decode_worker_failed (a stream moved to another worker mid-way, once per move),
-    # start_failed (an aggregated request's worker failed before its first token: retried)
+    # start_failed (an aggregated request's worker failed before its first token: retried),
+    # hand_off_failed (a leaving worker's prefix did not move: a lost hit only)
     fallbacks: dict[str, int] = field(default_factory=dict)
     num_refused_overloaded: int = 0  # 429s because every worker's queue was full
     first_tokens_by_worker: dict[str, int] = field(default_factory=dict)  # worker id -> requests
@@ -37,6 +38,10 @@ class RouterCounters:
     # stayed on its worker, or had to recompute there)
     num_live_migrations: int = 0
     num_live_migrations_failed: int = 0
+    num_rebalanced: int = 0  # of those, moved off a worker whose KV cache was nearly full
+    # a leaving worker's hot prefixes pulled by the workers that stay (`router.hand_off`)
+    num_hand_off_prefixes: int = 0
+    hand_off_blocks: int = 0
 
     def count_fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1

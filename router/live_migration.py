@@ -42,18 +42,20 @@ class LiveMigrations:
         """The movable generations `worker_id` streams now."""
         return [g for g in list(self._running) if g.movable and g.worker_now == worker_id]
 
-    async def move(self, gen: Generation, with_kv: bool = True) -> bool:
-        """Move a running stream, KV and all, to the least loaded other decode-pool worker
-        that is not draining; False when none can take it or it cannot move now (it goes on
-        where it is). Counted either way."""
+    async def move(self, gen: Generation, with_kv: bool = True,
+                   target: str | None = None) -> bool:
+        """Move a running stream, KV and all, to `target` (default: the least loaded other
+        decode-pool worker that is not draining); False when none can take it or it cannot
+        move now (it goes on where it is). Counted either way."""
         w = self.workers
         source = gen.worker_now
-        loads = w.pool_loads(*DECODE_POOL).without([source])
-        try:
-            target = self.least_loaded.choose((), loads, w.index).worker_id
-        except NoHealthyWorker:
-            self.counters.num_live_migrations_failed += 1
-            return False
+        if target is None:
+            loads = w.pool_loads(*DECODE_POOL).without([source])
+            try:
+                target = self.least_loaded.choose((), loads, w.index).worker_id
+            except NoHealthyWorker:
+                self.counters.num_live_migrations_failed += 1
+                return False
         w.note_routed(target)
         moved = await gen.move(w.clients[source], w.clients[target], with_kv)
         if moved:

@@ -23,6 +23,7 @@ from workers.messages import (
 )
 from workers.protocol import (
     EngineStats,
+    HotPrefix,
     KVEvent,
     KVPullFailed,
     KVSnapshot,
@@ -106,6 +107,18 @@ class WorkerClient(abc.ABC):
         the worker computes the prompt's KV itself."""
 
     @abc.abstractmethod
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        """Hand-off, source: the prefixes requests hit here lately, most worth first, still
+        cached, within `max_blocks` in all."""
+
+    @abc.abstractmethod
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: Sequence[int]) -> int:
+        """Hand-off, target: pull `fetch` (another worker's `export_prefix` of `token_ids`'
+        blocks) into this prefix cache, with no request to run; the blocks landed (0: the pull
+        failed or found no room; nothing is held)."""
+
+    @abc.abstractmethod
     async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
         """Live migration, source: offer the running request's full computed blocks (it
         decodes on); None when it has none."""
@@ -170,6 +183,13 @@ class WorkerChannel(abc.ABC):
     @abc.abstractmethod
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int) -> KVHandoff | None: ...
+
+    @abc.abstractmethod
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]: ...
+
+    @abc.abstractmethod
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: tuple[int, ...]) -> int: ...
 
     @abc.abstractmethod
     async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None: ...

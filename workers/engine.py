@@ -30,6 +30,7 @@ from workers.parallel.validate import check_parallel
 from workers.protocol import (
     EngineStats,
     FinishReason,
+    HotPrefix,
     InvalidRequestError,
     KVCacheFull,
     KVEvent,
@@ -252,7 +253,9 @@ class Engine:
                            pool.num_free_blocks, pool.num_cached_blocks, pool.num_blocks,
                            len(sched.waiting_for_kv), sched.num_pending_prompt_tokens,
                            self.costs.host_hit_cost if self.kv.host is not None else 0.0,
-                           self.costs.prefill_s_per_token or 0.0, self.kv_pull_bytes_per_s)
+                           self.costs.prefill_s_per_token or 0.0, self.kv_pull_bytes_per_s,
+                           self.kv.hot.recent_hit_blocks(),
+                           self.costs.num_prompt_tokens_computed)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()
@@ -323,6 +326,12 @@ class Engine:
         """Hold the device blocks of the leading `block_hashes` this prefix cache has (up to the
         first miss) for another worker to pull, until `free_held(hold_id)`; their ids."""
         return self.kv.hold_prefix(hold_id, block_hashes)
+
+    def hot_prefixes(self, max_blocks: int) -> list[HotPrefix]:
+        """The prefixes requests hit here lately, most worth first, still in the device pool,
+        within `max_blocks` in all (what a worker leaving the pool hands to the others)."""
+        pool = self.kv.pool
+        return self.kv.hot.top(max_blocks, lambda h: pool.lookup(h) is not None)
 
     def reserve_prefix(self, hold_id: str, num_blocks: int) -> list[int]:
         """Fresh blocks for a pulled prefix, held until `land_prefix` or `free_held`. Raises

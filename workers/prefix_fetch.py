@@ -1,5 +1,8 @@
 """A prompt prefix's KV pulled from the worker that has it, instead of recomputed (issue 23).
 
+Also how a worker leaving the pool hands its hottest prefixes (`hot`) to the survivors, which
+`land` them with no request to run (`router.hand_off`).
+
 Source side (`export`): the leading blocks of the prompt found in this worker's device pool are
 held under a lease per TP rank (`WorkerTransfer.offer`), as a prefilled request's are; the
 lease's end frees them. Destination side (`land`): fresh blocks are reserved, the handoff is
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Sequence
 
-from workers.protocol import KVCacheFull, KVPullFailed
+from workers.protocol import HotPrefix, KVCacheFull, KVPullFailed
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -58,6 +61,12 @@ class PrefixFetcher:
         handoff = self.transfer.offer(hid, block_ids, reader_tp_size)
         self.num_exported += 1
         return handoff
+
+    async def hot(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        """The prefixes hit here lately, most worth first (`Engine.hot_prefixes`)."""
+        if max_blocks < 0:
+            raise ValueError(f"max_blocks must be at least 0, got {max_blocks}")
+        return tuple(await self.engine.apply(lambda: self.engine.engine.hot_prefixes(max_blocks)))
 
     async def generate(self, cmd: Generate, sink: Sink) -> None:
         """Land the command's prefix, then run the request (which computes whatever did not

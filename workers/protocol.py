@@ -175,6 +175,12 @@ class EngineStats:
     host_hit_cost: float = 0.0
     prefill_s_per_token: float = 0.0  # measured on prefill steps (0.0: not yet)
     kv_pull_bytes_per_s: float = 0.0  # the worker's KV pulls, measured (0.0: none yet)
+    # prefix-cache hits lately, in blocks, decayed (`workers.kv_cache.hot_prefixes`): what
+    # the cache is worth now; a scale-down removes the worker where it is least
+    recent_hit_blocks: float = 0.0
+    # since start: prompt tokens computed (not served from a cache or pulled; replayed
+    # context included), a counter
+    num_prompt_tokens_computed: int = 0
     # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):
     # the router routes nothing new there and moves the streams on it
     healthy: bool = True
@@ -308,6 +314,16 @@ class BlockRemoved(KVEvent):
 @dataclass(frozen=True)
 class AllBlocksCleared(KVEvent):
     """The prefix cache was emptied (reset)."""
+
+
+@dataclass(frozen=True)
+class HotPrefix:
+    """A cached prefix requests hit lately (`Worker.hot_prefixes`): what a worker leaving the
+    pool hands to the survivors (`Worker.land_prefix` pulls it)."""
+
+    block_hashes: tuple[int, ...]  # its leading blocks' chained hashes, from the first
+    token_ids: tuple[int, ...]  # the tokens of those blocks
+    worth: float  # blocks its hits saved lately, decayed
 
 
 @dataclass(frozen=True)

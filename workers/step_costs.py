@@ -30,12 +30,14 @@ class StepCosts:
         self.block_size = block_size
         self.prefill_s_per_token: float | None = None
         self.copy_s_per_block: float | None = None
+        self.num_prompt_tokens_computed = 0  # since start: prompt (not decode) tokens run
 
     def record_step(self, seconds: float, copy_seconds: float, copies: BlockCopies,
                     num_batched_tokens: int, num_decodes: int) -> None:
         """One step: `seconds` in all, `copy_seconds` of it making `copies`. Steps with fewer
         than `PREFILL_MIN_BLOCKS` blocks' worth of prompt tokens do not count toward the
         prefill rate."""
+        self.num_prompt_tokens_computed += num_batched_tokens - num_decodes
         num_copied = len(copies.swap_out) + len(copies.swap_in)
         if num_copied:
             self.copy_s_per_block = _mix(self.copy_s_per_block, copy_seconds / num_copied)

@@ -32,6 +32,7 @@ from workers.messages import (
     Generate,
     Paused,
     PrefillResult,
+    PrefixFetch,
     Resume,
     WorkerOutputs,
 )
@@ -39,6 +40,7 @@ from workers.protocol import (
     EngineOverloaded,
     EngineStats,
     FinishReason,
+    HotPrefix,
     KVCacheFull,
     KVPullFailed,
     KVSnapshot,
@@ -217,6 +219,17 @@ class Worker:
         """Offer the leading `block_hashes` cached here for a worker of `reader_tp_size` ranks
         to pull before it runs `request_id` (`PrefixFetcher.export`)."""
         return await self.prefixes.export(request_id, block_hashes, reader_tp_size)
+
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        """The prefixes requests hit here lately, most worth first, within `max_blocks`."""
+        return await self.prefixes.hot(max_blocks)
+
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: Sequence[int]) -> int:
+        """Pull another worker's prefix (`fetch`, of `token_ids`) into this prefix cache with
+        no request to run (a leaving worker's hand-off); the blocks landed (0: the pull failed
+        or found no room, and nothing is held)."""
+        return await self.prefixes.land(request_id, fetch, token_ids, self.block_size)
 
     def stream(self, cmd: Generate | DecodeFromHandoff | Resume) -> RequestStream:
         """One command's events as an async iterator (in-process callers, tests); closing it

@@ -77,6 +77,7 @@ VALUES = {
     "pools.*.cpu_affinity": [0],
     "router.cpu_affinity": [0],
     "pools.*.engine.host_kv_cache_memory_bytes": 64 << 20,
+    "router.rebalance_kv_usage": 0.9,
 }
 
 

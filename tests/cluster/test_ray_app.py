@@ -213,6 +213,35 @@ def test_a_replica_killed_during_16_streams_loses_no_stream_and_the_pool_recover
     assert complete(client(app), PROMPTS[3]) == expected[PROMPTS[3]]
 
 
+def test_cleave_drain_restarts_a_decode_worker_under_running_streams_losing_none(
+        app, expected, expected_long, capsys):
+    from cluster.cli import main
+
+    assert main(["drain", "no-such-worker"]) == 2
+    assert "no worker 'no-such-worker'" in capsys.readouterr().err
+    prompts = [PROMPTS[1], PROMPTS[3]] * 2
+    results: dict[int, str] = {}
+    errors: list[str] = []
+    started = threading.Barrier(len(prompts) + 1)
+    threads = _streams(app, prompts, results, errors, started, LONG_MAX_TOKENS)
+    started.wait(120)
+    victim = next(e.worker_id for e in directory_entries()
+                  if e.pool == "decode" and not e.draining)
+    assert main(["drain", victim, "--timeout", "120"]) == 0
+    assert f'"worker_id": "{victim}"' in capsys.readouterr().out
+    for t in threads:
+        t.join(180)
+    assert not errors
+    assert all(results[i] == expected_long[p] for i, p in enumerate(prompts))
+    # Serve replaces the replica it drained (a planned restart); the pool serves on
+    wait_for(lambda: victim not in {e.worker_id for e in directory_entries()}, 120,
+             "the drained worker to be replaced")
+    wait_for(lambda: any(w["role"] == "decode" and w["healthy"] and not w["draining"]
+                         for w in router_status()["workers"]), 120,
+             "the router to route to a new decode worker")
+    assert complete(client(app), PROMPTS[3]) == expected[PROMPTS[3]]
+
+
 def _replica_actor_names() -> list[str]:
     import ray
 

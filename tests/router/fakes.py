@@ -26,6 +26,7 @@ from workers.messages import MigratedKV, Paused, PrefillResult, PrefixFetch
 from workers.protocol import (
     EngineStats,
     FinishReason,
+    HotPrefix,
     InvalidRequestError,
     KVPullFailed,
     KVSnapshot,
@@ -81,6 +82,7 @@ class Calls:
     handoffs: list[object] = field(default_factory=list)  # what decode_from_handoff got
     exports: list[tuple[str, int]] = field(default_factory=list)  # (request id, blocks asked)
     prefixes: list[object] = field(default_factory=list)  # what generate got as `prefix`
+    lands: list[tuple[str, int]] = field(default_factory=list)  # (hold id, blocks landed)
 
 
 class FakeStream:
@@ -140,6 +142,7 @@ class FakeWorker(WorkerClient):
         self.listener: WorkerListener | None = None
         self.closed = False
         self._failures = 0
+        self.hot: tuple[HotPrefix, ...] = ()  # what `hot_prefixes` answers
 
     def take_failure(self) -> bool:
         """Whether this scripted failure still happens (counts it)."""
@@ -223,6 +226,15 @@ class FakeWorker(WorkerClient):
     async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
         raise InvalidRequestError(f"request {request_id!r} is not running here as one sample",
                                   param="request_id")
+
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        return self.hot
+
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: Sequence[int]) -> int:
+        """Lands every block offered (a fake has room for all)."""
+        self.calls.lands.append((request_id, len(fetch.block_hashes)))
+        return len(fetch.block_hashes)
 
     async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
         raise KVPullFailed(request_id, "NoKV", "a fake worker holds no KV to pull")

@@ -175,3 +175,37 @@ def test_a_drain_moves_a_served_stream_with_its_kv(pair, tiny_model):
     assert router.counters.num_live_migrations == moved + 1
     assert computed_on_target[0] == 0
     assert wait_until(lambda: _idle(pair))
+
+
+def test_a_moved_stream_still_stops_at_its_stop_string(pair, tiny_model):
+    """A stop string that the text reaches only after the move: the target's detokenizer picks
+    up where the source's left off, and the stream ends before the string, as undisturbed."""
+    import openai
+
+    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS)
+    prompt = list(_prompt(12, 41))
+    text = llm.generate([prompt], GREEDY)[0].outputs[0].text
+    at = next(i for i in range(2 * len(text) // 3, len(text) - 2)
+              if text.find(text[i:i + 3]) == i)  # its first occurrence, late in the text
+    stop = text[at:at + 3]
+    router = pair.router
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY)
+    stream = client.completions.create(model=router.model_name, prompt=prompt,
+                                       max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+                                       stop=[stop], extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    got = next(chunks).choices[0].text
+    source = next(w for w in ("worker-0", "worker-1") if router.migrations.on(w))
+    moved = router.counters.num_live_migrations
+    finish = None
+    try:
+        assert pair.call(router.drain(source)) == 1
+        for chunk in chunks:
+            if chunk.choices:
+                got += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+    finally:
+        router.workers.draining.discard(source)
+    assert router.counters.num_live_migrations == moved + 1
+    assert got == text[:at] and finish == "stop"
+    assert wait_until(lambda: _idle(pair))

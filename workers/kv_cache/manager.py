@@ -7,6 +7,7 @@ from typing import NamedTuple, Sequence
 from workers.kv_cache.block_pool import BlockPool, KVBlock
 from workers.kv_cache.events import KVEventLog
 from workers.kv_cache.host_tier import NO_COPIES, BlockCopies, HostTier
+from workers.kv_cache.hot_prefixes import HotPrefixes
 from workers.protocol import hash_block
 from workers.request import Request
 
@@ -25,15 +26,13 @@ class KVCacheManager:
     request's newly computed full blocks in the prefix cache.
 
     `window`: set when every layer attends over a sliding window of that many tokens (Mistral).
-    Then `allocate_slots` first returns the blocks no later query can see (every token before
-    the next query's window), except of requests held for a KV handoff, which must send them
-    all. They are cached first, so they stay prefix-cache hits until evicted. Their
-    table entries repeat the first live block's id: attention never reads them (the kernels
-    start at the window; the torch backend masks them).
+    Then `allocate_slots` first returns (cached: they stay hits) the blocks no later query can
+    see, except of requests held for a KV handoff. Their table entries repeat the first live
+    block's id: attention never reads them (the kernels start at the window; torch masks).
 
     `host_blocks`: the size of the host-memory tier (`workers.kv_cache.host_tier`; 0: none).
     Prefix hits there are brought back by copies the runner makes before the step's forward
-    pass (`take_copies`).
+    pass (`take_copies`). `hot`: the prefixes hit lately, and what they saved.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -52,6 +51,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
         self._num_dropped: dict[str, int] = {}  # leading blocks returned, out of the window
         self._held: dict[str, list[KVBlock]] = {}  # finished requests' blocks kept for a handoff
+        self.hot = HotPrefixes()
 
     @property
     def usage(self) -> float:
@@ -153,7 +153,8 @@ class KVCacheManager:
                             req.block_hashes[first - 1] if first else None,
                             req.all_token_ids[first * self.block_size:
                                               len(blocks) * self.block_size])
-        self._num_cached_blocks[req.request_id] = len(blocks)
+        self._num_cached_blocks[req.request_id] = n = len(blocks)
+        self.hot.record(req.block_hashes[:n], req.all_token_ids[:n * self.block_size])
 
     def take_copies(self) -> BlockCopies:
         """The tier copies the next step must make before its forward pass (saves of evicted
@@ -286,11 +287,10 @@ class KVCacheManager:
         self.pool.release(blocks[::-1])
         return True
 
-    @property
-    def num_held_requests(self) -> int:
-        return len(self._held)
+    num_held_requests = property(lambda self: len(self._held))
 
     def reset_prefix_cache(self) -> bool:
+        self.hot.clear()
         return self.pool.reset_prefix_cache()
 
 

@@ -1,0 +1,177 @@
+"""Draining a decode replica of the Ray app that holds running streams: live KV migration
+against replay (issue 23), through the deployment as users run it.
+
+Setup: the Cleave application on a local Ray in this process (`cluster.launch.deploy`: a
+router replica serving HTTP itself, one prefill and two decode replicas), the `small` preset
+with a context of `--max-context` plus the output, KV over TCP. The second decode worker is
+drained first (`Directory.set_draining`) and `--streams` streamed completions (httpx, in this
+process) with prompts of `--min-context` to `--max-context` random tokens, `--output-len`
+tokens each (greedy, ignore_eos), are prefilled on the prefill replica and all decode on the
+first decode worker. Once every stream has sent `--warm-tokens` tokens, the second worker is
+put back in rotation (`Directory.undrain`), and after `--steady-s` seconds of steady decoding
+the first is drained as `cleave drain` drains it (`cluster.drain.drain_worker`, without the
+restart): the routers move its streams to the second with their KV (live), or have it
+recompute each stream's prompt and output so far (replay: what Dynamo's migration does). A
+fresh application per mode, the same requests.
+
+Figures per mode: prompt tokens the second decode worker computes from the drain on (its
+`EngineStats.num_prompt_tokens_computed`; live: 0, replay: the contexts' sum), the drain's time
+(from the drain until every stream it moved has streamed again after the first worker ran
+nothing more), the streams' inter-token gaps during the drain (p99) against before it (p99),
+and whether each stream's text is the same in both modes. Ratios as `drain.py`'s:
+`drain_time_ratio` (live / replay; target < 0.1), `itl_p99_during_ratio` (live, during /
+steady; target <= 2), `recomputed_tokens_ratio` (live / replay; target 0).
+
+Last line: one JSON object; also written to benchmarks/results/drain_ray.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import tempfile
+import threading
+import time
+
+import httpx
+from drain import Stream, stream_completion, summarize
+from kv_fetch import long_context_model
+from results_io import RESULTS, command_line, emit
+from serving_layers import code_state
+from serving_ray import free_ports
+
+MODEL_NAME = "small"
+
+
+def app_config(model: str, args: argparse.Namespace, num_blocks: int) -> dict:
+    http, grpc = free_ports(2)
+    engine = {"num_blocks": num_blocks, "max_num_batched_tokens": 2048}
+    pool = {"cpus_per_rank": 0.5, "engine": engine}
+    return {"model": {"path": model, "served_model_name": MODEL_NAME},
+            "pools": {"prefill": {**pool, "replicas": {"min": 1, "max": 1}},
+                      "decode": {**pool, "replicas": {"min": 2, "max": 2}}},
+            "router": {"http_port": http, "grpc_port": grpc, "disagg_threshold_tokens": 16,
+                       "kv_poll_interval_s": 0.25}}
+
+
+def _directory():  # noqa: ANN202
+    from cluster.launch import APP_NAME
+    from ray import serve
+
+    return serve.get_deployment_handle("directory", app_name=APP_NAME)
+
+
+def _decode_entries() -> list:
+    entries = _directory().entries.remote().result(timeout_s=30)
+    return sorted((e for e in entries if e.pool == "decode"), key=lambda e: e.worker_id)
+
+
+def _stats(entry):  # noqa: ANN001, ANN202
+    import ray
+
+    return ray.get(entry.actor.stats.remote(), timeout=30)
+
+
+def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
+             with_kv: bool) -> dict:
+    from cluster.config import CleaveConfig
+    from cluster.drain import drain_worker
+    from cluster.launch import deploy, shutdown
+
+    longest = max(len(p) for p in prompts) + args.output_len
+    num_blocks = len(prompts) * (-(-longest // 16)) + 64
+    config = CleaveConfig.parse(app_config(model, args, num_blocks))
+    started_ray = deploy(config, num_cpus=8)
+    streams = [Stream() for _ in prompts]
+    url = f"http://127.0.0.1:{config.router.http_port}/v1/completions"
+
+    async def load() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+            await asyncio.gather(*(stream_completion(client, url, MODEL_NAME, p,
+                                                     args.output_len, s)
+                                   for p, s in zip(prompts, streams)))
+
+    thread = threading.Thread(target=lambda: asyncio.run(load()), daemon=True)
+    try:
+        first, second = _decode_entries()
+        _directory().set_draining.remote(second.worker_id).result(timeout_s=30)
+        time.sleep(1.0)  # the router's next directory sync (every 0.25 s) sees it
+        thread.start()
+        deadline = time.monotonic() + 3600
+        while min(len(s.times) for s in streams) < args.warm_tokens:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                errors = sorted({s.error for s in streams if s.error})
+                raise RuntimeError(f"the streams did not all start: {errors[:3]}")
+            time.sleep(0.05)
+        _directory().undrain.remote(second.worker_id).result(timeout_s=30)
+        time.sleep(0.5)  # back in the router's rotation
+        warmed = time.perf_counter()
+        time.sleep(args.steady_s)
+        running = _stats(first).num_running
+        computed_before = _stats(second).num_prompt_tokens_computed
+        start = time.perf_counter()
+        drainer = threading.Thread(target=drain_worker, args=(first.worker_id,), kwargs=dict(
+            timeout_s=3600, with_kv=with_kv, restart=False), daemon=True)
+        drainer.start()
+        while _stats(first).num_running > 0:  # watched meanwhile: the moment it is empty
+            time.sleep(0.005)
+        stopped = time.perf_counter()
+        drainer.join(3600)
+        thread.join(3600)
+        recomputed = _stats(second).num_prompt_tokens_computed - computed_before
+    finally:
+        shutdown(started_ray)
+    return {"moved_from": first.worker_id, "running_on_it": running,
+            **summarize(streams, warmed, start, stopped), "recomputed_tokens": recomputed}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--min-context", type=int, default=1024)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--warm-tokens", type=int, default=16)
+    p.add_argument("--steady-s", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS / "drain_ray.json"))
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    os.environ.pop("RAY_ADDRESS", None)  # a Ray of its own
+    with tempfile.TemporaryDirectory() as tmp:
+        model = long_context_model(tmp, args.max_context + args.output_len + 256)
+        from workers.model_config import ModelConfig
+
+        vocab = ModelConfig.from_pretrained(model).vocab_size
+        prompts = [[rng.randrange(10, vocab) for _ in range(
+            rng.randint(args.min_context, args.max_context))] for _ in range(args.streams)]
+        live = run_mode(model, prompts, args, with_kv=True)
+        replay = run_mode(model, prompts, args, with_kv=False)
+    same = sum(a == b for a, b in zip(live.pop("texts"), replay.pop("texts")))
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 4) if a is not None and b else None
+
+    result = {
+        "benchmark": "drain_ray", "command": command_line(argv), **code_state(),
+        "setup": {"streams": args.streams, "context": [args.min_context, args.max_context],
+                  "sum_of_contexts": sum(len(x) for x in prompts),
+                  "output_len": args.output_len, "warm_tokens": args.warm_tokens,
+                  "server": "the Ray app (1 prefill, 2 decode replicas, 1 router) in this "
+                            "process's local Ray"},
+        "live": live, "replay": replay, "identical_texts": f"{same}/{len(prompts)}",
+        "drain_time_ratio": ratio(live["drain_s"], replay["drain_s"]),
+        "itl_p99_during_ratio": ratio(live["itl_during_drain"]["p99_ms"],
+                                      live["itl_steady"]["p99_ms"]),
+        "recomputed_tokens_ratio": ratio(live["recomputed_tokens"],
+                                         replay["recomputed_tokens"]),
+        "targets": "drain_time_ratio < 0.1, itl_p99_during_ratio <= 2, "
+                   "recomputed_tokens_ratio == 0",
+    }
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
