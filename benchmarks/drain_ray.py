@@ -45,13 +45,19 @@ from serving_ray import free_ports
 MODEL_NAME = "small"
 
 
-def app_config(model: str, args: argparse.Namespace, num_blocks: int) -> dict:
+def app_config(model: str, args: argparse.Namespace, num_blocks: int,
+               prefill_blocks: int) -> dict:
+    """Decode workers with room for every stream; the prefill worker for a few prompts (it
+    holds each only until its decode worker has pulled it)."""
     http, grpc = free_ports(2)
-    engine = {"num_blocks": num_blocks, "max_num_batched_tokens": 2048}
-    pool = {"cpus_per_rank": 0.5, "engine": engine}
+    pool = {"cpus_per_rank": 0.5}
     return {"model": {"path": model, "served_model_name": MODEL_NAME},
-            "pools": {"prefill": {**pool, "replicas": {"min": 1, "max": 1}},
-                      "decode": {**pool, "replicas": {"min": 2, "max": 2}}},
+            "pools": {"prefill": {**pool, "replicas": {"min": 1, "max": 1},
+                                  "engine": {"num_blocks": prefill_blocks,
+                                             "max_num_batched_tokens": 2048}},
+                      "decode": {**pool, "replicas": {"min": 2, "max": 2},
+                                 "engine": {"num_blocks": num_blocks,
+                                            "max_num_batched_tokens": 2048}}},
             "router": {"http_port": http, "grpc_port": grpc, "disagg_threshold_tokens": 16,
                        "kv_poll_interval_s": 0.25}}
 
@@ -80,9 +86,10 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
     from cluster.drain import drain_worker
     from cluster.launch import deploy, shutdown
 
-    longest = max(len(p) for p in prompts) + args.output_len
-    num_blocks = len(prompts) * (-(-longest // 16)) + 64
-    config = CleaveConfig.parse(app_config(model, args, num_blocks))
+    longest = -(-(max(len(p) for p in prompts) + args.output_len) // 16)  # blocks
+    num_blocks = len(prompts) * longest + 64
+    config = CleaveConfig.parse(app_config(model, args, num_blocks,
+                                           min(num_blocks, 8 * longest + 64)))
     started_ray = deploy(config, num_cpus=8)
     streams = [Stream() for _ in prompts]
     url = f"http://127.0.0.1:{config.router.http_port}/v1/completions"
