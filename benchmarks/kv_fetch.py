@@ -7,7 +7,8 @@ just computed, worker A offers its blocks (`export_prefix`) and worker B pulls t
 first token (fetch). Both timed from the request to the first token, the median of
 `--repeats`. Beside them, the router's cost model's prediction for B, from B's own measured
 rates (`router.workers.fetch_cost`): recompute = tokens x prefill seconds per token; fetch =
-blocks x bytes per block / pull rate plus the tokens past the last full block recomputed.
+blocks x bytes per block / pull rate, plus the fixed cost of a fetch it measured
+(`EngineStats.kv_fetch_fixed_s`), plus the tokens past the last full block recomputed.
 """
 
 from __future__ import annotations
@@ -86,11 +87,12 @@ class _Pair:
         cost = fetch_cost(info, stats)
         recompute = length * per_token
         fetch = (None if cost is None else
-                 blocks * self.block_size * per_token * cost
+                 blocks * self.block_size * per_token * cost + stats.kv_fetch_fixed_s
                  + (length - blocks * self.block_size + 1) * per_token)
         return {"recompute_s": round(recompute, 4),
                 "fetch_s": None if fetch is None else round(fetch, 4),
                 "fetch_cost": None if cost is None else round(cost, 5),
+                "fetch_fixed_s": round(stats.kv_fetch_fixed_s, 4),
                 "pull_gb_per_s": round(stats.kv_pull_bytes_per_s / 1e9, 3)}
 
 

@@ -41,6 +41,9 @@ class WorkerLoad:
     fetch_cost: float | None = None
     # a prefix hit in its host tier, as a fraction of recomputing the block (measured)
     host_hit_cost: float = 0.0
+    # what one prefix fetch costs here whatever its size (the export call, reserving, two step
+    # boundaries), in blocks of recompute (measured; 0.0 until then)
+    fetch_fixed_blocks: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_waiting < 0 or self.num_running < 0:
@@ -49,6 +52,9 @@ class WorkerLoad:
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError(f"worker {self.worker_id!r}: kv_usage must be in [0, 1], "
                              f"got {self.kv_usage}")
+        if self.fetch_fixed_blocks < 0:
+            raise ValueError(f"worker {self.worker_id!r}: fetch_fixed_blocks must be >= 0, "
+                             f"got {self.fetch_fixed_blocks}")
         if not 0.0 <= self.host_hit_cost <= 1.0:
             raise ValueError(f"worker {self.worker_id!r}: host_hit_cost must be in [0, 1], "
                              f"got {self.host_hit_cost}")
@@ -67,13 +73,15 @@ class LoadTable(Sequence[WorkerLoad]):
                  kv_usage: np.ndarray, pending: np.ndarray, healthy: np.ndarray,
                  present: np.ndarray, rows: np.ndarray, index: dict[str, int],
                  fetch_cost: np.ndarray | None = None,
-                 host_hit_cost: np.ndarray | None = None) -> None:
+                 host_hit_cost: np.ndarray | None = None,
+                 fetch_fixed: np.ndarray | None = None) -> None:
         self.ids = ids
         # NaN: the row's worker fetches no prefixes
         self.fetch_cost = (np.full(len(waiting), np.nan) if fetch_cost is None
                            else fetch_cost)
         self.host_hit_cost = (np.zeros(len(waiting)) if host_hit_cost is None
                               else host_hit_cost)
+        self.fetch_fixed = np.zeros(len(waiting)) if fetch_fixed is None else fetch_fixed
         self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
         self.pending, self.healthy, self.present = pending, healthy, present
         self.rows = rows
@@ -99,7 +107,8 @@ class LoadTable(Sequence[WorkerLoad]):
                    np.ones(len(ids), dtype=bool), np.arange(len(ids)), index,
                    np.array([np.nan if x.fetch_cost is None else x.fetch_cost for x in loads],
                             dtype=np.float64),
-                   np.array([x.host_hit_cost for x in loads], dtype=np.float64))
+                   np.array([x.host_hit_cost for x in loads], dtype=np.float64),
+                   np.array([x.fetch_fixed_blocks for x in loads], dtype=np.float64))
 
     @classmethod
     def empty(cls) -> LoadTable:
@@ -111,7 +120,7 @@ class LoadTable(Sequence[WorkerLoad]):
     # ---- kept by the router's worker set (one table, rows updated in place) -----------------
 
     _COLUMNS = ("waiting", "running", "kv_usage", "pending", "healthy", "present", "fetch_cost",
-                "host_hit_cost")
+                "host_hit_cost", "fetch_fixed")
 
     def add(self, worker_id: str) -> int:
         """A new row for `worker_id` (idle, healthy, present; the columns grow by doubling).
@@ -126,7 +135,7 @@ class LoadTable(Sequence[WorkerLoad]):
         self.index[worker_id] = row
         self.healthy[row] = self.present[row] = True
         self.fetch_cost[row] = np.nan
-        self.host_hit_cost[row] = 0.0
+        self.host_hit_cost[row] = self.fetch_fixed[row] = 0.0
         return row
 
     def remove(self, worker_id: str) -> None:
@@ -137,7 +146,7 @@ class LoadTable(Sequence[WorkerLoad]):
 
     def report(self, worker_id: str, waiting: int, running: int, kv_usage: float,
                pending: int, healthy: bool, fetch_cost: float | None = None,
-               host_hit_cost: float = 0.0) -> None:
+               host_hit_cost: float = 0.0, fetch_fixed_blocks: float = 0.0) -> None:
         """A worker's reported load replaces its row."""
         row = self.index.get(worker_id)
         if row is not None:
@@ -146,6 +155,7 @@ class LoadTable(Sequence[WorkerLoad]):
             self.pending[row], self.healthy[row] = pending, healthy
             self.fetch_cost[row] = np.nan if fetch_cost is None else fetch_cost
             self.host_hit_cost[row] = min(1.0, max(0.0, host_hit_cost))
+            self.fetch_fixed[row] = max(0.0, fetch_fixed_blocks)
 
     def rows_of(self, worker_ids: Iterable[str]) -> np.ndarray:
         """The rows of those of `worker_ids` that have one, ascending."""
@@ -174,7 +184,7 @@ class LoadTable(Sequence[WorkerLoad]):
         return WorkerLoad(self.ids[row] or "", int(self.waiting[row]), int(self.running[row]),
                           float(self.kv_usage[row]), bool(self.healthy[row]),
                           int(self.pending[row]), None if np.isnan(cost) else cost,
-                          float(self.host_hit_cost[row]))
+                          float(self.host_hit_cost[row]), float(self.fetch_fixed[row]))
 
     @property
     def worker_ids(self) -> list[str]:
@@ -186,13 +196,13 @@ class LoadTable(Sequence[WorkerLoad]):
         """The same columns with other candidate rows (ascending)."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
                          self.healthy, self.present, rows, self.index, self.fetch_cost,
-                         self.host_hit_cost)
+                         self.host_hit_cost, self.fetch_fixed)
 
     def with_healthy(self, healthy: np.ndarray) -> LoadTable:
         """The same candidates read against another healthy column."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
                          healthy, self.present, self.rows, self.index, self.fetch_cost,
-                         self.host_hit_cost)
+                         self.host_hit_cost, self.fetch_fixed)
 
     def without(self, worker_ids: Collection[str]) -> LoadTable:
         """The candidates that are still present (not removed since) and not in

@@ -144,8 +144,9 @@ class PrefixAwarePolicy(RoutingPolicy):
                    ) -> tuple[tuple[str, int] | None, np.ndarray]:
         """The worker whose device pool holds the longest run of the prompt's leading blocks
         (and how many), and per candidate the recompute a pull from it saves, in blocks: the
-        blocks it adds over the candidate's own, at 1 - the candidate's `fetch_cost` (0 where
-        that is unknown, 1 or more, or the gain under `min_fetch_blocks`)."""
+        blocks it adds over the candidate's own, at 1 - the candidate's `fetch_cost`, less its
+        fixed cost per fetch (0 where that is unknown, 1 or more, the gain under
+        `min_fetch_blocks`, or the saving not positive)."""
         none = np.zeros(len(rows))
         costs = table.fetch_cost[rows]
         if np.isnan(costs).all():
@@ -155,8 +156,9 @@ class PrefixAwarePolicy(RoutingPolicy):
             return None, none
         source = min(on_device.items(), key=lambda item: (-item[1], item[0]))
         extra = source[1] - held
-        ok = (extra >= self.min_fetch_blocks) & (costs < 1.0)  # NaN compares False
-        return source, np.where(ok, extra * (1.0 - np.nan_to_num(costs, nan=1.0)), 0.0)
+        saved = extra * (1.0 - np.nan_to_num(costs, nan=1.0)) - table.fetch_fixed[rows]
+        ok = (extra >= self.min_fetch_blocks) & (costs < 1.0) & (saved > 0)  # NaN: False
+        return source, np.where(ok, saved, 0.0)
 
 
 @register_policy("least_loaded")

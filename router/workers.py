@@ -46,6 +46,15 @@ def fetch_cost(info: WorkerInfo | None, stats: EngineStats) -> float | None:
     return info.kv_bytes_per_block / stats.kv_pull_bytes_per_s / recompute_s
 
 
+def fetch_fixed_blocks(info: WorkerInfo | None, stats: EngineStats) -> float:
+    """What one prefix fetch into the worker costs whatever its size (its measured
+    `kv_fetch_fixed_s`), in blocks of prompt recomputed at its measured prefill rate; 0.0 until
+    both are measured."""
+    if info is None or not stats.prefill_s_per_token:
+        return 0.0
+    return stats.kv_fetch_fixed_s / (stats.prefill_s_per_token * info.block_size)
+
+
 class WorkerSet:
     """The workers one router routes to. Event-loop thread only."""
 
@@ -155,7 +164,9 @@ class WorkerSet:
             return 0.0
         cost = fetch_cost(info, stats)
         recompute_s = num_blocks * info.block_size * stats.prefill_s_per_token
-        return recompute_s * (1.0 - cost) if cost is not None else 0.0
+        if cost is None:
+            return 0.0
+        return recompute_s * (1.0 - cost) - stats.kv_fetch_fixed_s
 
     def pool(self, *roles: WorkerRole) -> list[str]:
         """Ids of the workers serving one of `roles` (healthy or not)."""
@@ -235,7 +246,8 @@ class WorkerSet:
         self._table.report(worker_id, stats.num_waiting + stats.num_waiting_for_kv,
                            stats.num_running, stats.kv_usage, stats.num_pending_prompt_tokens,
                            stats.healthy, fetch_cost(self._infos.get(worker_id), stats),
-                           stats.host_hit_cost)
+                           stats.host_hit_cost,
+                           fetch_fixed_blocks(self._infos.get(worker_id), stats))
         if kv_events:
             self.index.apply(worker_id, kv_events)
             if self.index.needs_resync(worker_id) and worker_id not in self._resyncing:

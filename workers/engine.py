@@ -85,6 +85,7 @@ class Engine:
         host_blocks = assembly.num_host_blocks(config, spec)
         self.costs = StepCosts(config.block_size)
         self.kv_pull_bytes_per_s = 0.0  # measured by the worker's transfer layer, reported
+        self.kv_fetch_fixed_s = 0.0  # a prefix fetch's cost beyond its bytes (`PrefixFetcher`)
         self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching,
                                  window=mc.uniform_window, host_blocks=host_blocks)
         self.scheduler = Scheduler(
@@ -254,8 +255,9 @@ class Engine:
                            len(sched.waiting_for_kv), sched.num_pending_prompt_tokens,
                            self.costs.host_hit_cost if self.kv.host is not None else 0.0,
                            self.costs.prefill_s_per_token or 0.0, self.kv_pull_bytes_per_s,
-                           self.kv.hot.recent_hit_blocks(),
-                           self.costs.num_prompt_tokens_computed)
+                           kv_fetch_fixed_s=self.kv_fetch_fixed_s,
+                           recent_hit_blocks=self.kv.hot.recent_hit_blocks(),
+                           num_prompt_tokens_computed=self.costs.num_prompt_tokens_computed)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()

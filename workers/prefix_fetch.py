@@ -14,6 +14,7 @@ it, leaves nothing held: the request computes its prompt as it would have. No to
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Sequence
 
 from workers.protocol import HotPrefix, KVCacheFull, KVPullFailed
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from workers.transfer import WorkerTransfer
 
 logger = logging.getLogger(__name__)
+
+FIXED_COST_WEIGHT = 0.3  # of each new fetch in the moving average of the fixed cost
 
 
 def hold_id(request_id: str) -> str:
@@ -83,6 +86,7 @@ class PrefixFetcher:
         hid = hold_id(request_id)
         num_blocks = len(fetch.block_hashes)
         engine = self.engine.engine
+        start = time.perf_counter()
         try:
             pull = await self.transfer.puller(hid, fetch.handoff)
             block_ids = await self.engine.apply(lambda: engine.reserve_prefix(hid, num_blocks))
@@ -100,7 +104,18 @@ class PrefixFetcher:
         tokens = list(prompt_token_ids[:num_blocks * block_size])
         await self.engine.apply(lambda: engine.land_prefix(hid, fetch.block_hashes, tokens))
         self.num_landed_blocks += num_blocks
+        self._measured(time.perf_counter() - start, fetch.handoff.num_bytes)
         return num_blocks
+
+    def _measured(self, seconds: float, num_bytes: int) -> None:
+        """A landed fetch's time beyond its bytes at the measured pull rate, into the engine's
+        moving average (`EngineStats.kv_fetch_fixed_s`: the router's cost model adds it to
+        every fetch, so a small one that does not pay is not made)."""
+        engine = self.engine.engine
+        rate = engine.kv_pull_bytes_per_s
+        fixed = max(seconds - (num_bytes / rate if rate else 0.0), 0.0)
+        old = engine.kv_fetch_fixed_s
+        engine.kv_fetch_fixed_s = fixed if not old else old + FIXED_COST_WEIGHT * (fixed - old)
 
     def _failed(self, request_id: str, exc: Exception) -> None:
         self.num_failed += 1

@@ -175,6 +175,9 @@ class EngineStats:
     host_hit_cost: float = 0.0
     prefill_s_per_token: float = 0.0  # measured on prefill steps (0.0: not yet)
     kv_pull_bytes_per_s: float = 0.0  # the worker's KV pulls, measured (0.0: none yet)
+    # a prefix fetch's cost beyond its bytes at that rate (reserving, landing, the steps it
+    # waits for), in seconds, measured (0.0: none yet)
+    kv_fetch_fixed_s: float = 0.0
     # prefix-cache hits lately, in blocks, decayed (`workers.kv_cache.hot_prefixes`): what
     # the cache is worth now; a scale-down removes the worker where it is least
     recent_hit_blocks: float = 0.0

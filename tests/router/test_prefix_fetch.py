@@ -30,6 +30,18 @@ def test_a_busy_holder_loses_the_request_to_an_idle_worker_that_pulls_its_prefix
     assert policy.choose(PROMPT, busy_a, index_with(a=10, b=8)) == Decision("b", 8)
 
 
+def test_a_fetch_whose_fixed_cost_eats_the_saving_is_not_made():
+    index = index_with(a=10)
+    policy = get_policy("prefix_aware", queue_scale=1.0)
+    # b's pull costs 0.1 a block, plus 2 blocks' worth per fetch: (10 x 0.9 - 2) / 10 > 0.5
+    loads = [WorkerLoad("a", 0, 1, 0.0), WorkerLoad("b", 0, 0, 0.0, fetch_cost=0.1,
+                                                    fetch_fixed_blocks=2.0)]
+    assert policy.choose(PROMPT, loads, index) == Decision("b", 0, "a", 10)
+    # 9 blocks' worth per fetch leaves nothing to gain: a keeps the request
+    loads[1] = WorkerLoad("b", 0, 0, 0.0, fetch_cost=0.1, fetch_fixed_blocks=9.0)
+    assert policy.choose(PROMPT, loads, index) == Decision("a", 10)
+
+
 def test_only_blocks_in_a_device_pool_can_be_fetched():
     index = index_with(a=4)
     index.apply("a", [BlockStored("e-a", 1, tuple(PROMPT[4:]), None, (), 16, medium="host")])
@@ -109,6 +121,9 @@ def test_a_pulled_prefix_gives_the_same_tokens_and_both_workers_let_go(pair, exp
     assert tokens == expected(prompt)
     assert cached == 10 * BLOCK  # pulled, not computed
     assert wait_until(lambda: _idle(pair))
+    # the fetch measured its cost beyond its bytes; the router prices the next with it
+    stats = pair.call(pair.clients[1].stats())
+    assert 0.0 < stats.kv_fetch_fixed_s < 5.0
 
 
 def test_a_pull_that_fails_computes_the_prompt_and_leaves_nothing_held(pair, expected):
