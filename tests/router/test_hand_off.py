@@ -13,6 +13,7 @@ from router.hand_off import coldest, hand_off
 from router.workers import WorkerSet
 from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
 from tests.router.fakes import FakeWorker, Script
+from tests.router.test_metrics import scrape, total
 from workers.llm import LLM
 from workers.messages import Generate
 from workers.protocol import (
@@ -149,6 +150,9 @@ def test_a_drained_worker_hands_its_hot_prefix_to_the_coldest_survivor(trio, tin
     moved = trio.call(router.drain(ids[0]))  # worker 0 leaves (a planned restart, say)
     assert moved == 0 and router.counters.num_hand_off_prefixes == 1
     assert router.counters.hand_off_blocks == 8
+    m = scrape(trio)  # what an operator sees
+    assert total(m, "cleave_hand_off_prefixes_total") == 1
+    assert total(m, "cleave_hand_off_blocks_total") == 8
     hashes = hash_prompt_blocks(hot_shared, BLOCK)
     assert wait_until(lambda: router.workers.index.match_device(hashes).get(ids[2]) == 8)
 

@@ -14,6 +14,7 @@ from router.loads import LoadTable
 from router.policy import WorkerLoad
 from router.rebalance import REBALANCE_GAP, pairs
 from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
+from tests.router.test_metrics import scrape, total
 from workers.llm import LLM
 from workers.protocol import SamplingParams, WorkerRequest
 
@@ -73,6 +74,7 @@ def test_streams_on_a_full_worker_move_to_the_empty_one_unchanged(tiny_model):
 
         outputs = server.call(all_streams(), 120)
         assert router.counters.num_rebalanced >= 1
+        assert total(scrape(server), "cleave_rebalanced_streams_total") >= 1
         assert router.counters.decodes_by_worker.get("worker-1", 0) >= 1
         llm = LLM(tiny_model, num_blocks=NUM_BLOCKS)
         assert outputs == [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
