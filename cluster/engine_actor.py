@@ -113,8 +113,9 @@ class EngineActor:
         """The router's next message (`Worker.next_outputs`)."""
         return await self.worker.next_outputs(subscriber, timeout_s)
 
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
-        return await self.worker.prefill(req, decode_tp_size)
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
+        return await self.worker.prefill(req, decode_tp_size, prefix)
 
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int = 1) -> KVHandoff | None:

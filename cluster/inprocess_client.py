@@ -56,10 +56,11 @@ class InProcessChannel(WorkerChannel):
         self._check_open()
         return await self.worker.next_outputs(subscriber, timeout_s)
 
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
         self._check_open()
         try:
-            return await self.worker.prefill(req, decode_tp_size)
+            return await self.worker.prefill(req, decode_tp_size, prefix)
         except EngineShutDown as exc:
             raise WorkerUnavailableError(self.worker_id, str(exc)) from None
 

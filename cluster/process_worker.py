@@ -237,8 +237,9 @@ class ProcessChannel(WorkerChannel):
     async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
         return await self._call("next_outputs", subscriber, timeout_s)
 
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
-        return await self._call("prefill", req, decode_tp_size)
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
+        return await self._call("prefill", req, decode_tp_size, prefix)
 
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int) -> KVHandoff | None:

@@ -65,8 +65,10 @@ class RayChannel(WorkerChannel):
         return await self._wait(self.actor.next_outputs.remote(subscriber, timeout_s),
                                 "next_outputs", timeout_s + CALL_TIMEOUT_S)
 
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
-        return await self._wait(self.actor.prefill.remote(req, decode_tp_size), "prefill", None)
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
+        return await self._wait(self.actor.prefill.remote(req, decode_tp_size, prefix),
+                                "prefill", None)
 
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int) -> KVHandoff | None:

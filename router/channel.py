@@ -147,10 +147,11 @@ class ChannelClient(WorkerClient):
         self._send(cmd)
         return stream
 
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
         self._check_open()
         try:
-            return await asyncio.wait_for(self.channel.prefill(req, decode_tp_size),
+            return await asyncio.wait_for(self.channel.prefill(req, decode_tp_size, prefix),
                                           self.deadlines.prefill_s)
         except asyncio.CancelledError:
             self._send(Abort(req.request_id))

@@ -3,13 +3,14 @@ and a decode worker joined by a KV handoff (disaggregated). Torch-free.
 
 The disaggregated path (docs/architecture.md, "One request, step by step"):
 
-1. The routing policy picks a prefill worker from the prefill pool (prefix-aware); the least
-   loaded decode worker is picked from the decode pool ("decode" and "both" workers). Loads are
-   the ones the workers pushed (`router.workers.WorkerSet`), asked of nobody per request.
+1. The routing policy picks a prefill worker from the prefill pool (prefix-aware; it may have
+   the worker pull the prompt's leading blocks from another's cache: `router.prefix_fetch`);
+   the least loaded decode worker is picked from the decode pool ("decode" and "both"
+   workers). Loads are the ones the workers pushed (`router.workers.WorkerSet`).
 2. When the uncached part of the prompt (prompt tokens minus the predicted prefix hit) is
    shorter than `RouterConfig.disagg_threshold_tokens`, or no prefill worker is healthy, the
-   whole request runs on a decode-pool worker instead. So do requests with n > 1 or
-   prompt_logprobs: the handoff carries one sample and no prompt logprobs.
+   whole request runs on a decode-pool worker instead; so do requests with n > 1 or
+   prompt_logprobs (the handoff carries one sample and no prompt logprobs).
 3. The prefill worker returns the first token (streamed to the client at once) and a typed
    `KVHandoff`; a prefill that fails before its first token is retried on another prefill worker
    (`RouterConfig.prefill_retries` times), then the request runs aggregated.
@@ -18,8 +19,7 @@ The disaggregated path (docs/architecture.md, "One request, step by step"):
    another decode-pool worker (`migrate`); closing the generation aborts it everywhere.
 
 Every fallback is counted by reason in `RouterCounters.fallbacks`, every aggregated request of
-a disaggregated deployment by reason in `RouterCounters.aggregated`.
-"""
+a disaggregated deployment by reason in `RouterCounters.aggregated`."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from router.prefix_fetch import export_prefix
 from router.streams import DONE, Generation, Handover
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
-from workers.messages import PrefillResult
+from workers.messages import PrefillResult, PrefixFetch
 from workers.protocol import (
     EngineOverloaded,
     InvalidRequestError,
@@ -110,7 +110,7 @@ class Orchestrator:
             if attempt == 0 and uncached < self.config.disagg_threshold_tokens:
                 return await self._aggregated(req, hashes, decode_loads, "short_prompt")
             decode = self._choose(hashes, decode_loads, self.least_loaded)
-            gen = await self._try_prefill(req, decision, decode.worker_id)
+            gen = await self._try_prefill(req, hashes, decision, decode.worker_id)
             if gen is not None:
                 return gen
             tried.add(decision.worker_id)
@@ -118,8 +118,7 @@ class Orchestrator:
         return await self._aggregated(req, hashes, decode_loads, "prefill_failed")
 
     def _present(self, loads: LoadTable, tried: Collection[str]) -> LoadTable:
-        """The workers still in the set and not tried yet (the set may have lost a worker,
-        removed or drained, since the loads were read: routing awaits)."""
+        """The workers still in the set and not tried yet (routing awaits: one may be gone)."""
         return loads.without(tried)
 
     def _admit(self, loads: LoadTable) -> None:
@@ -147,15 +146,18 @@ class Orchestrator:
         except NoHealthyWorker as exc:
             raise NoHealthyWorkerError(f"no healthy worker can take the request: {exc}") from None
 
-    async def _try_prefill(self, req: WorkerRequest, decision: Decision,
+    async def _try_prefill(self, req: WorkerRequest, hashes: Sequence[int], decision: Decision,
                            decode_id: str) -> Generation | None:
-        """The disaggregated generation, or None when the prefill worker failed (counted)."""
+        """The disaggregated generation, or None when the prefill worker failed (counted); the
+        prefill worker first pulls the prefix the decision names (`router.prefix_fetch`)."""
         w = self.workers
         prefill, decode = w.clients[decision.worker_id], w.clients[decode_id]
         d_tp = w.info(decode_id).tp_size
         w.note_routed(prefill.worker_id)
+        prefix = (await export_prefix(w, self.counters, req, hashes, decision)
+                  if decision.fetch_from is not None else None)
         try:  # each prefill rank's KV is read by as many decode ranks as share its heads
-            result: PrefillResult = await prefill.prefill(req, d_tp)
+            result: PrefillResult = await prefill.prefill(req, d_tp, prefix)
         except InvalidRequestError as exc:
             raise BadRequestError(exc.message, param=exc.param) from None
         except Exception as exc:  # noqa: BLE001 -- any worker failure: try another one
@@ -166,7 +168,7 @@ class Orchestrator:
             self.counters.count_fallback("prefill_error")
             return None
         first = result.first
-        self._count(req, decision, first, decode_id)
+        self._count(req, decision, first, decode_id, prefix)
         self.counters.num_disaggregated += 1
         cached = decision.predicted_hit_blocks * self.block_size
         if result.handoff is None:  # finished at its first token
@@ -214,10 +216,7 @@ class Orchestrator:
                 tried.add(wid)
                 failed.append(exc)
                 continue
-            self._count(req, decision, first, wid)
-            if prefix is not None:  # what the pull brought beyond the worker's own blocks
-                self.counters.prefix_fetch_blocks_hit += max(
-                    0, first.num_cached_tokens // self.block_size - decision.predicted_hit_blocks)
+            self._count(req, decision, first, wid, prefix)
             return Generation(req, first, stream, worker_id=wid,
                               predicted_cached_tokens=decision.predicted_hit_blocks
                               * self.block_size, rerouter=self, decode_worker_id=wid,
@@ -249,8 +248,11 @@ class Orchestrator:
             raise
 
     def _count(self, req: WorkerRequest, decision: Decision, first: TokenEvent,
-               decode_id: str) -> None:
+               decode_id: str, prefix: PrefixFetch | None = None) -> None:
         c = self.counters
+        if prefix is not None:  # what the pull brought beyond the worker's own blocks
+            c.prefix_fetch_blocks_hit += max(
+                0, first.num_cached_tokens // self.block_size - decision.predicted_hit_blocks)
         c.num_requests += 1
         c.num_prompt_tokens += len(req.prompt_token_ids)
         c.num_predicted_cached_tokens += decision.predicted_hit_blocks * self.block_size

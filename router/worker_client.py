@@ -94,10 +94,12 @@ class WorkerClient(abc.ABC):
         `reader_tp_size` ranks) to pull; None when it caches none of them."""
 
     @abc.abstractmethod
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
         """Run the prompt to its first token and offer its KV under a lease per TP rank, each
-        for the decode worker's `decode_tp_size` ranks to pull. Raises
-        `InvalidRequestError` for a bad request; cancelling leaves nothing held."""
+        for the decode worker's `decode_tp_size` ranks to pull; with `prefix` (another
+        worker's `export_prefix`) that part of the prompt is pulled first, not computed.
+        Raises `InvalidRequestError` for a bad request; cancelling leaves nothing held."""
 
     @abc.abstractmethod
     def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
@@ -178,7 +180,8 @@ class WorkerChannel(abc.ABC):
     async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs: ...
 
     @abc.abstractmethod
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult: ...
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int,
+                      prefix: PrefixFetch | None = None) -> PrefillResult: ...
 
     @abc.abstractmethod
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],

@@ -268,13 +268,16 @@ class Worker:
     def _free_held(self, request_id: str) -> None:
         self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
 
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
         """Run the prompt to its first token (sampled with its params) and offer its KV under
         a lease per TP rank, or return no handoff when the request ended at that token.
         `decode_tp_size`: the TP size of the worker that will pull it (each lease waits for
-        the pulls that many ranks make: `WorkerTransfer.offer`). Raises `InvalidRequestError` for a bad request; nothing is held after any
-        error or cancel; an `abort` of its id (the router's caller went away: its cancel
-        cannot cross a process boundary) ends the call with `CancelledError`."""
+        the pulls that many ranks make: `WorkerTransfer.offer`). `prefix`: the prompt's
+        leading blocks another worker offers (`export_prefix`), pulled first, not computed (a
+        failed pull: computed). Raises `InvalidRequestError` for a bad request; nothing is
+        held after any error or cancel; an `abort` of its id (the router's caller went away:
+        its cancel cannot cross a process boundary) ends the call with `CancelledError`."""
         self._check_role(PREFILL_ROLES, "prefill")
         if decode_tp_size < 1:
             raise ValueError(f"decode_tp_size must be at least 1, got {decode_tp_size}")
@@ -286,6 +289,8 @@ class Worker:
             raise ValueError(f"request id {rid!r} is already being prefilled here")
         self._prefills[rid] = task
         try:
+            if prefix is not None:
+                await self.prefixes.land(rid, prefix, req.prompt_token_ids, self.block_size)
             return await self._prefill(req, decode_tp_size)
         finally:
             if self._prefills.get(rid) is task:

@@ -187,8 +187,10 @@ class FakeWorker(WorkerClient):
                                   tuple(range(len(block_hashes))), f"lease-{request_id}",
                                   time.time() + 30.0),))
 
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1) -> PrefillResult:
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
         self.calls.prefills.append(req.request_id)
+        self.calls.prefixes.append(prefix)
         s = self.script
         if s.hang_prefill:
             try:

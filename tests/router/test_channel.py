@@ -42,7 +42,7 @@ class _QuietChannel(WorkerChannel):
     async def next_outputs(self, subscriber, timeout_s):
         await asyncio.Event().wait()
 
-    async def prefill(self, req, decode_tp_size): ...
+    async def prefill(self, req, decode_tp_size, prefix=None): ...
 
     async def export_prefix(self, request_id, block_hashes, reader_tp_size): ...
 
@@ -123,7 +123,7 @@ class _SlowChannel(_QuietChannel):
     async def submit(self, subscriber, commands) -> None:
         self.commands.extend(commands)
 
-    async def prefill(self, req, decode_tp_size):
+    async def prefill(self, req, decode_tp_size, prefix=None):
         await asyncio.Event().wait()
 
 

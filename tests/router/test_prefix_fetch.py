@@ -171,3 +171,18 @@ def test_the_router_sends_a_request_to_the_idle_worker_with_the_busy_ones_prefix
     assert router.counters.prefix_fetch_blocks_hit >= 8
     assert tokens == expected(second)
     assert wait_until(lambda: _idle(pair))
+
+
+def test_a_prefill_worker_pulls_the_prefix_before_its_prefill(pair, expected):
+    """The disaggregated path: the prefill worker lands the prefix another worker offers, then
+    computes only the rest of the prompt to its first token, and offers the whole KV on."""
+    b = _worker(pair, 1)
+    prompt, hashes, handoff = _exported(pair, 7, 9 * BLOCK + 4, "fetch-p")
+    assert handoff is not None
+    req = WorkerRequest("fetch-p", tuple(prompt), GREEDY)
+    result = pair.call(b.prefill(req, 1, PrefixFetch(handoff, hashes)))
+    assert result.first.token_ids == expected(prompt)[:1]
+    assert result.first.num_cached_tokens == 9 * BLOCK  # pulled, not computed
+    assert len(result.handoff.ranks[0].block_ids) == 10  # the whole prompt goes on
+    b.transfer.cancel("fetch-p")  # no decode worker pulls it here
+    assert wait_until(lambda: _idle(pair))
