@@ -2,25 +2,27 @@
 against replay (issue 23), through the deployment as users run it.
 
 Setup: the Cleave application on a local Ray in this process (`cluster.launch.deploy`: a
-router replica serving HTTP itself, one prefill and two decode replicas), the `small` preset
-with a context of `--max-context` plus the output, KV over TCP. The second decode worker is
-drained first (`Directory.set_draining`) and `--streams` streamed completions (httpx, in this
-process) with prompts of `--min-context` to `--max-context` random tokens, `--output-len`
-tokens each (greedy, ignore_eos), are prefilled on the prefill replica and all decode on the
-first decode worker. Once every stream has sent `--warm-tokens` tokens, the second worker is
-put back in rotation (`Directory.undrain`), and after `--steady-s` seconds of steady decoding
-the first is drained as `cleave drain` drains it (`cluster.drain.drain_worker`, without the
-restart): the routers move its streams to the second with their KV (live), or have it
-recompute each stream's prompt and output so far (replay: what Dynamo's migration does). A
+router replica serving HTTP itself, an aggregated pool of two replicas: each decodes, and
+prefills its own prompts), the `small` preset with a context of `--max-context` plus the
+output. The second worker is drained first (`Directory.set_draining`). `--streams` prompts of
+`--min-context` to `--max-context` random tokens are first run to one token each, so the first
+worker caches them all (a long prompt's prefill takes seconds on 2 cores: without this the
+first streams would be over before the last had started). Then the streamed completions
+(httpx, in this process), `--output-len` tokens each (greedy, ignore_eos), all start at once on
+the first worker from its cache. Once every stream has sent `--warm-tokens` tokens, the second
+worker is put back in rotation (`Directory.undrain`), and after `--steady-s` seconds of steady
+decoding the first is drained as `cleave drain` drains it (`cluster.drain.drain_worker`,
+without the restart): the router moves its streams to the second with their KV (live), or has
+it recompute each stream's prompt and output so far (replay: what Dynamo's migration does). A
 fresh application per mode, the same requests.
 
 Figures per mode: prompt tokens the second decode worker computes from the drain on (its
 `EngineStats.num_prompt_tokens_computed`; live: 0, replay: the contexts' sum), the drain's time
-(from the drain until every stream it moved has streamed again after the first worker ran
-nothing more), the streams' inter-token gaps during the drain (p99) against before it (p99),
-and whether each stream's text is the same in both modes. Ratios as `drain.py`'s:
-`drain_time_ratio` (live / replay; target < 0.1), `itl_p99_during_ratio` (live, during /
-steady; target <= 2), `recomputed_tokens_ratio` (live / replay; target 0).
+(from the drain until every stream it moved has streamed again: the end of each stream's longest
+gap between chunks after the drain began), the streams' inter-token gaps during the drain (p99)
+against before it (p99), and whether each stream's text is the same in both modes. Ratios as
+`drain.py`'s: `drain_time_ratio` (live / replay; target < 0.1), `itl_p99_during_ratio` (live,
+during / steady; target <= 2), `recomputed_tokens_ratio` (live / replay; target 0).
 
 Last line: one JSON object; also written to benchmarks/results/drain_ray.json.
 """
@@ -45,33 +47,27 @@ from serving_ray import free_ports
 MODEL_NAME = "small"
 
 
-def app_config(model: str, args: argparse.Namespace, num_blocks: int,
-               prefill_blocks: int) -> dict:
-    """Decode workers with room for every stream; the prefill worker for a few prompts (it
-    holds each only until its decode worker has pulled it)."""
+def app_config(model: str, num_blocks: int) -> dict:
+    """Two aggregated workers, each with room for every stream."""
     http, grpc = free_ports(2)
-    pool = {"cpus_per_rank": 0.5}
     return {"model": {"path": model, "served_model_name": MODEL_NAME},
-            "pools": {"prefill": {**pool, "replicas": {"min": 1, "max": 1},
-                                  "engine": {"num_blocks": prefill_blocks,
-                                             "max_num_batched_tokens": 2048}},
-                      "decode": {**pool, "replicas": {"min": 2, "max": 2},
-                                 "engine": {"num_blocks": num_blocks,
-                                            "max_num_batched_tokens": 2048}}},
-            "router": {"http_port": http, "grpc_port": grpc, "disagg_threshold_tokens": 16,
-                       "kv_poll_interval_s": 0.25}}
+            "pools": {"aggregated": {"cpus_per_rank": 0.5, "replicas": {"min": 2, "max": 2},
+                                     "engine": {"num_blocks": num_blocks,
+                                                "max_num_batched_tokens": 2048}}},
+            "router": {"http_port": http, "grpc_port": grpc, "kv_poll_interval_s": 0.25}}
 
 
 def _directory():  # noqa: ANN202
-    from cluster.launch import APP_NAME
     from ray import serve
+
+    from cluster.launch import APP_NAME
 
     return serve.get_deployment_handle("directory", app_name=APP_NAME)
 
 
-def _decode_entries() -> list:
+def _workers() -> list:
     entries = _directory().entries.remote().result(timeout_s=30)
-    return sorted((e for e in entries if e.pool == "decode"), key=lambda e: e.worker_id)
+    return sorted(entries, key=lambda e: e.worker_id)
 
 
 def _stats(entry):  # noqa: ANN001, ANN202
@@ -87,24 +83,26 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
     from cluster.launch import deploy, shutdown
 
     longest = -(-(max(len(p) for p in prompts) + args.output_len) // 16)  # blocks
-    num_blocks = len(prompts) * longest + 64
-    config = CleaveConfig.parse(app_config(model, args, num_blocks,
-                                           min(num_blocks, 8 * longest + 64)))
+    config = CleaveConfig.parse(app_config(model, len(prompts) * longest + 64))
     started_ray = deploy(config, num_cpus=8)
     streams = [Stream() for _ in prompts]
     url = f"http://127.0.0.1:{config.router.http_port}/v1/completions"
 
-    async def load() -> None:
+    async def load(max_tokens: int, outs: list[Stream]) -> None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
-            await asyncio.gather(*(stream_completion(client, url, MODEL_NAME, p,
-                                                     args.output_len, s)
-                                   for p, s in zip(prompts, streams)))
+            await asyncio.gather(*(stream_completion(client, url, MODEL_NAME, p, max_tokens, s)
+                                   for p, s in zip(prompts, outs)))
 
-    thread = threading.Thread(target=lambda: asyncio.run(load()), daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(load(args.output_len, streams)),
+                              daemon=True)
     try:
-        first, second = _decode_entries()
+        first, second = _workers()
         _directory().set_draining.remote(second.worker_id).result(timeout_s=30)
         time.sleep(1.0)  # the router's next directory sync (every 0.25 s) sees it
+        warm = [Stream() for _ in prompts]
+        asyncio.run(load(1, warm))  # every prompt cached on the first worker
+        if any(w.error for w in warm):
+            raise RuntimeError(f"warming the cache failed: {[w.error for w in warm][:3]}")
         thread.start()
         deadline = time.monotonic() + 3600
         while min(len(s.times) for s in streams) < args.warm_tokens:
@@ -119,19 +117,13 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
         running = _stats(first).num_running
         computed_before = _stats(second).num_prompt_tokens_computed
         start = time.perf_counter()
-        drainer = threading.Thread(target=drain_worker, args=(first.worker_id,), kwargs=dict(
-            timeout_s=3600, with_kv=with_kv, restart=False), daemon=True)
-        drainer.start()
-        while _stats(first).num_running > 0:  # watched meanwhile: the moment it is empty
-            time.sleep(0.005)
-        stopped = time.perf_counter()
-        drainer.join(3600)
+        drain_worker(first.worker_id, timeout_s=3600, with_kv=with_kv, restart=False)
         thread.join(3600)
         recomputed = _stats(second).num_prompt_tokens_computed - computed_before
     finally:
         shutdown(started_ray)
     return {"moved_from": first.worker_id, "running_on_it": running,
-            **summarize(streams, warmed, start, stopped), "recomputed_tokens": recomputed}
+            **summarize(streams, warmed, start), "recomputed_tokens": recomputed}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -166,8 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         "setup": {"streams": args.streams, "context": [args.min_context, args.max_context],
                   "sum_of_contexts": sum(len(x) for x in prompts),
                   "output_len": args.output_len, "warm_tokens": args.warm_tokens,
-                  "server": "the Ray app (1 prefill, 2 decode replicas, 1 router) in this "
-                            "process's local Ray"},
+                  "server": "the Ray app (2 aggregated replicas, 1 router) in this process's "
+                            "local Ray; the prompts cached on the first before the streams"},
         "live": live, "replay": replay, "identical_texts": f"{same}/{len(prompts)}",
         "drain_time_ratio": ratio(live["drain_s"], replay["drain_s"]),
         "itl_p99_during_ratio": ratio(live["itl_during_drain"]["p99_ms"],
