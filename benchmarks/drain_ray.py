@@ -38,7 +38,7 @@ import threading
 import time
 
 import httpx
-from drain import Stream, stream_completion, summarize
+from drain import Stream, compare, stream_completion, summarize
 from kv_fetch import long_context_model
 from results_io import RESULTS, command_line, emit
 from serving_layers import code_state
@@ -148,11 +148,6 @@ def main(argv: list[str] | None = None) -> dict:
             rng.randint(args.min_context, args.max_context))] for _ in range(args.streams)]
         live = run_mode(model, prompts, args, with_kv=True)
         replay = run_mode(model, prompts, args, with_kv=False)
-    same = sum(a == b for a, b in zip(live.pop("texts"), replay.pop("texts")))
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 4) if a is not None and b else None
-
     result = {
         "benchmark": "drain_ray", "command": command_line(argv), **code_state(),
         "setup": {"streams": args.streams, "context": [args.min_context, args.max_context],
@@ -160,15 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "output_len": args.output_len, "warm_tokens": args.warm_tokens,
                   "server": "the Ray app (2 aggregated replicas, 1 router) in this process's "
                             "local Ray; the prompts cached on the first before the streams"},
-        "live": live, "replay": replay, "identical_texts": f"{same}/{len(prompts)}",
-        "drain_time_ratio": ratio(live["drain_s"], replay["drain_s"]),
-        "itl_p99_during_ratio": ratio(live["itl_during_drain"]["p99_ms"],
-                                      live["itl_steady"]["p99_ms"]),
-        "recomputed_tokens_ratio": ratio(live["recomputed_tokens"],
-                                         replay["recomputed_tokens"]),
-        "targets": "drain_time_ratio < 0.1, itl_p99_during_ratio <= 2, "
-                   "recomputed_tokens_ratio == 0",
-    }
+        **compare(live, replay)}
     return emit(result, args.out)
 
 

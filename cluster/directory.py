@@ -26,8 +26,9 @@ class WorkerEntry:
     actor: Any  # the engine actor's handle (`cluster.engine_actor.EngineActor`)
     node_id: str
     draining: bool = False
-    # how routers move its running streams: with their KV (live), or by recomputing them on
-    # the other workers (replay: the baseline `benchmarks/drain_ray.py` measures against)
+    # how routers move its running streams: with their KV (live, then its hot prefixes follow),
+    # or by recomputing them on the other workers with nothing handed off (replay: the
+    # baseline `benchmarks/drain_ray.py` measures against)
     drain_with_kv: bool = True
     seen: float = 0.0  # time.monotonic() of the last heartbeat, set by the directory
 

@@ -143,7 +143,9 @@ class RouterIngress:
                 # its running streams move to the other workers with their KV, so the drain
                 # ends without waiting for them (nor recomputing them); its hottest prefixes
                 # follow, so the pool keeps their hits
-                moved = await r.drain(wid, with_kv=entry.drain_with_kv)
+                # (a drain without KV is the recompute baseline: nothing is handed off either)
+                moved = await r.drain(wid, with_kv=entry.drain_with_kv,
+                                      hand_off_prefixes=entry.drain_with_kv)
                 self._drained.add(wid)
                 logger.info("router %s: draining %s, %d streams moved", self.subscriber, wid,
                             moved)

@@ -46,6 +46,21 @@ def base_url(server) -> str:
     return f"http://127.0.0.1:{server.http_port}"
 
 
+def slow_steps(server: LocalServer, delay_s: float) -> LocalServer:
+    """Slow every engine step of `server`'s workers by `delay_s` (a stream is still running
+    when a test moves it or kills its worker)."""
+    for client in server.clients:
+        engine = client.channel.worker.engine
+        real_step = engine.step
+
+        def slow_step(real_step=real_step):
+            time.sleep(delay_s)
+            return real_step()
+
+        engine.step = slow_step
+    return server
+
+
 def free_blocks(server: LocalServer) -> list[int]:
     return [server.call(c.stats()).num_free_blocks for c in server.clients]
 

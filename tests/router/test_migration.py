@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -15,7 +14,7 @@ import openai
 import pytest
 
 from cluster.local_server import LocalServer
-from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
+from tests.router.conftest import API_KEY, NUM_BLOCKS, slow_steps, start_pools, wait_until
 from tests.schemas import random_schema
 
 STEP_DELAY_S = 0.01  # slows every engine step, so a stream is still running when its worker dies
@@ -29,17 +28,7 @@ def fresh_prompt() -> str:
 
 
 def start(model: str, **serve: object) -> LocalServer:
-    srv = start_pools(model, threshold=24, **serve)
-    for client in srv.clients:  # slow each step down a little
-        engine = client.channel.worker.engine
-        real_step = engine.step
-
-        def slow_step(real_step=real_step):
-            time.sleep(STEP_DELAY_S)
-            return real_step()
-
-        engine.step = slow_step
-    return srv
+    return slow_steps(start_pools(model, threshold=24, **serve), STEP_DELAY_S)
 
 
 @pytest.fixture(params=["aggregated", "disaggregated"])

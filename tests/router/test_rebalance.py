@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -13,7 +12,7 @@ from router.config import RouterConfig
 from router.loads import LoadTable
 from router.policy import WorkerLoad
 from router.rebalance import REBALANCE_GAP, pairs
-from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
+from tests.router.conftest import NUM_BLOCKS, slow_steps, start_server, wait_until
 from tests.router.test_metrics import scrape, total
 from workers.llm import LLM
 from workers.protocol import SamplingParams, WorkerRequest
@@ -43,16 +42,7 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 def test_streams_on_a_full_worker_move_to_the_empty_one_unchanged(tiny_model):
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 500) for _ in range(300)] for _ in range(3)]
-    server = start_server(tiny_model, num_workers=2, rebalance_kv_usage=0.5)
-    for client in server.clients:  # slow each step: the streams still run when they move
-        engine = client.channel.worker.engine
-        real_step = engine.step
-
-        def slow_step(real_step=real_step):
-            time.sleep(0.01)
-            return real_step()
-
-        engine.step = slow_step
+    server = slow_steps(start_server(tiny_model, num_workers=2, rebalance_kv_usage=0.5), 0.01)
     router = server.router
     try:
         router.workers.draining.add("worker-1")  # every stream starts on worker 0

@@ -4,11 +4,10 @@ no token repeated or lost, the target computes no prompt token, and both workers
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
-from tests.router.conftest import API_KEY, NUM_BLOCKS, start_server, wait_until
+from tests.router.conftest import API_KEY, NUM_BLOCKS, slow_steps, start_server, wait_until
 from workers.llm import LLM
 from workers.messages import Generate, MigratedKV, RequestMoved, Resume
 from workers.protocol import InvalidRequestError, SamplingParams, WorkerRequest
@@ -19,16 +18,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def pair(tiny_model):
-    server = start_server(tiny_model, num_workers=2)
-    for client in server.clients:  # slow each step: a stream is still running when it moves
-        engine = client.channel.worker.engine
-        real_step = engine.step
-
-        def slow_step(real_step=real_step):
-            time.sleep(0.005)
-            return real_step()
-
-        engine.step = slow_step
+    server = slow_steps(start_server(tiny_model, num_workers=2), 0.005)
     yield server
     server.stop()
 
