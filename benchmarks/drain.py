@@ -18,9 +18,8 @@ stream's text equals the other mode's (both should equal an undisturbed run, whi
 check). Ratios: `drain_time_ratio` (live / replay; target < 0.1), `itl_p99_during_ratio` (live,
 during / steady; target <= 2), `recomputed_tokens_ratio` (live / replay; target 0).
 
-The issue's shape is 32 streams of 2k-8k tokens on the Ray app; on this 2-core machine the
-default is smaller (`--streams 32 --min-context 2048 --max-context 8192` runs the full shape
-here, in about half an hour). The Ray app is not measured yet.
+The issue's shape (32 streams of 2k-8k tokens on the Ray app) is `drain_ray.py`'s; this one is
+the same drain without Ray, smaller by default.
 
 Last line: one JSON object; also written to benchmarks/results/drain.json with the command.
 """
