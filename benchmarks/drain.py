@@ -33,6 +33,7 @@ import random
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import httpx
 from kv_fetch import long_context_model
@@ -163,16 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "drain.json"))
     args = p.parse_args(argv)
-    rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = long_context_model(tmp, args.max_context + args.output_len + 256)
-        from workers.model_config import ModelConfig
-
-        vocab = ModelConfig.from_pretrained(model).vocab_size
-        prompts = [[rng.randrange(10, vocab) for _ in range(
-            rng.randint(args.min_context, args.max_context))] for _ in range(args.streams)]
-        live = run_mode(model, prompts, args, with_kv=True)
-        replay = run_mode(model, prompts, args, with_kv=False)
+    prompts, live, replay = both_modes(args, run_mode)
     result = {
         "benchmark": "drain", "command": command_line(argv), **code_state(),
         "setup": {"streams": args.streams, "context": [args.min_context, args.max_context],
@@ -182,6 +174,23 @@ def main(argv: list[str] | None = None) -> dict:
                   "server": "LocalServer (router + 2 aggregated workers) in this process"},
         **compare(live, replay)}
     return emit(result, args.out)
+
+
+def both_modes(args: argparse.Namespace,
+               run: Callable[[str, list[list[int]], argparse.Namespace, bool], dict]
+               ) -> tuple[list[list[int]], dict, dict]:
+    """`--streams` random prompts of `--min-context` to `--max-context` tokens on the `small`
+    preset (its context long enough), then `run(model, prompts, args, with_kv)` live and by
+    replay: (prompts, live, replay)."""
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = long_context_model(tmp, args.max_context + args.output_len + 256)
+        from workers.model_config import ModelConfig
+
+        vocab = ModelConfig.from_pretrained(model).vocab_size
+        prompts = [[rng.randrange(10, vocab) for _ in range(
+            rng.randint(args.min_context, args.max_context))] for _ in range(args.streams)]
+        return prompts, run(model, prompts, args, True), run(model, prompts, args, False)
 
 
 def compare(live: dict, replay: dict) -> dict:

@@ -32,14 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
-import tempfile
 import threading
 import time
 
 import httpx
-from drain import Stream, compare, stream_completion, summarize
-from kv_fetch import long_context_model
+from drain import Stream, both_modes, compare, stream_completion, summarize
 from results_io import RESULTS, command_line, emit
 from serving_layers import code_state
 from serving_ray import free_ports
@@ -137,17 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "drain_ray.json"))
     args = p.parse_args(argv)
-    rng = random.Random(args.seed)
     os.environ.pop("RAY_ADDRESS", None)  # a Ray of its own
-    with tempfile.TemporaryDirectory() as tmp:
-        model = long_context_model(tmp, args.max_context + args.output_len + 256)
-        from workers.model_config import ModelConfig
-
-        vocab = ModelConfig.from_pretrained(model).vocab_size
-        prompts = [[rng.randrange(10, vocab) for _ in range(
-            rng.randint(args.min_context, args.max_context))] for _ in range(args.streams)]
-        live = run_mode(model, prompts, args, with_kv=True)
-        replay = run_mode(model, prompts, args, with_kv=False)
+    prompts, live, replay = both_modes(args, run_mode)
     result = {
         "benchmark": "drain_ray", "command": command_line(argv), **code_state(),
         "setup": {"streams": args.streams, "context": [args.min_context, args.max_context],
