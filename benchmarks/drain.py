@@ -104,12 +104,7 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
     thread = threading.Thread(target=lambda: asyncio.run(load()), daemon=True)
     try:
         thread.start()
-        deadline = time.monotonic() + 1800
-        while min(len(s.times) for s in streams) < args.warm_tokens:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                errors = sorted({s.error for s in streams if s.error})
-                raise RuntimeError(f"the streams did not all start: {errors[:3]}")
-            time.sleep(0.01)
+        wait_started(streams, thread, args.warm_tokens, 1800)
         server.call(_set_draining(router, "worker-1", False))
         warmed = time.perf_counter()
         time.sleep(args.steady_s)  # every stream decoding: the steady gaps
@@ -122,6 +117,18 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
         server.stop()
     return {"moved": moved, **summarize(streams, warmed, start),
             "recomputed_tokens": recomputed}
+
+
+def wait_started(streams: list[Stream], thread: threading.Thread, warm_tokens: int,
+                 timeout_s: float) -> None:
+    """Until every stream has sent `warm_tokens` chunks; `RuntimeError` when the streaming
+    `thread` ends first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while min(len(s.times) for s in streams) < warm_tokens:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            errors = sorted({s.error for s in streams if s.error})
+            raise RuntimeError(f"the streams did not all start: {errors[:3]}")
+        time.sleep(0.01)
 
 
 def _resumed(times: list[float], start: float) -> float | None:

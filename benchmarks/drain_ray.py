@@ -36,7 +36,7 @@ import threading
 import time
 
 import httpx
-from drain import Stream, both_modes, compare, stream_completion, summarize
+from drain import Stream, both_modes, compare, stream_completion, summarize, wait_started
 from results_io import RESULTS, command_line, emit
 from serving_layers import code_state
 from serving_ray import free_ports
@@ -101,12 +101,7 @@ def run_mode(model: str, prompts: list[list[int]], args: argparse.Namespace,
         if any(w.error for w in warm):
             raise RuntimeError(f"warming the cache failed: {[w.error for w in warm][:3]}")
         thread.start()
-        deadline = time.monotonic() + 3600
-        while min(len(s.times) for s in streams) < args.warm_tokens:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                errors = sorted({s.error for s in streams if s.error})
-                raise RuntimeError(f"the streams did not all start: {errors[:3]}")
-            time.sleep(0.05)
+        wait_started(streams, thread, args.warm_tokens, 3600)
         _directory().undrain.remote(second.worker_id).result(timeout_s=30)
         time.sleep(0.5)  # back in the router's rotation
         warmed = time.perf_counter()
