@@ -128,11 +128,13 @@ class EngineActor:
                           token_ids: tuple[int, ...]) -> int:
         return await self.worker.land_prefix(request_id, fetch, token_ids)
 
-    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
+    async def export_running(self, request_id: str,
+                             reader_tp_size: int = 1) -> dict[int, KVHandoff]:
         return await self.worker.export_running(request_id, reader_tp_size)
 
-    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
-        return await self.worker.prepare_migration(request_id, handoff)
+    async def prepare_migration(self, request_id: str,
+                                exported: dict[int, KVHandoff]) -> dict[int, int]:
+        return await self.worker.prepare_migration(request_id, exported)
 
     async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
         return await self.worker.pause(request_id, reader_tp_size)

@@ -79,11 +79,13 @@ class InProcessChannel(WorkerChannel):
                           token_ids: tuple[int, ...]) -> int:
         return await self._call(self.worker.land_prefix(request_id, fetch, token_ids))
 
-    async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None:
+    async def export_running(self, request_id: str,
+                             reader_tp_size: int) -> dict[int, KVHandoff]:
         return await self._call(self.worker.export_running(request_id, reader_tp_size))
 
-    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
-        return await self._call(self.worker.prepare_migration(request_id, handoff))
+    async def prepare_migration(self, request_id: str,
+                                exported: dict[int, KVHandoff]) -> dict[int, int]:
+        return await self._call(self.worker.prepare_migration(request_id, exported))
 
     async def pause(self, request_id: str, reader_tp_size: int) -> Paused:
         return await self._call(self.worker.pause(request_id, reader_tp_size))

@@ -84,12 +84,14 @@ class RayChannel(WorkerChannel):
         return await self._wait(self.actor.land_prefix.remote(request_id, fetch, token_ids),
                                 "land_prefix", None)
 
-    async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None:
+    async def export_running(self, request_id: str,
+                             reader_tp_size: int) -> dict[int, KVHandoff]:
         return await self._wait(self.actor.export_running.remote(request_id, reader_tp_size),
                                 "export_running", None)
 
-    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
-        return await self._wait(self.actor.prepare_migration.remote(request_id, handoff),
+    async def prepare_migration(self, request_id: str,
+                                exported: dict[int, KVHandoff]) -> dict[int, int]:
+        return await self._wait(self.actor.prepare_migration.remote(request_id, exported),
                                 "prepare_migration", None)
 
     async def pause(self, request_id: str, reader_tp_size: int) -> Paused:

@@ -26,11 +26,11 @@ from workers.messages import (
     DecodeFromHandoff,
     FailureKind,
     Generate,
-    MigratedKV,
     Paused,
     PrefillResult,
     PrefixFetch,
     Resume,
+    ResumedSample,
     StreamCommand,
     WorkerOutputs,
 )
@@ -98,9 +98,8 @@ class ChannelClient(WorkerClient):
                             handoff: KVHandoff | None) -> TokenStream:
         return self._open(DecodeFromHandoff(req, first_token_id, handoff))
 
-    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int],
-               kv: MigratedKV | None = None) -> TokenStream:
-        return self._open(Resume(req, tuple(sent_token_ids), kv))
+    def resume(self, req: WorkerRequest, samples: Sequence[ResumedSample]) -> TokenStream:
+        return self._open(Resume(req, tuple(samples)))
 
     async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
         return await self._call(self.channel.hot_prefixes(max_blocks), "hot_prefixes",
@@ -111,12 +110,14 @@ class ChannelClient(WorkerClient):
         return await self._call(self.channel.land_prefix(request_id, fetch, tuple(token_ids)),
                                 "land_prefix", request_id)
 
-    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
+    async def export_running(self, request_id: str,
+                             reader_tp_size: int = 1) -> dict[int, KVHandoff]:
         return await self._call(self.channel.export_running(request_id, reader_tp_size),
                                 "export_running", request_id)
 
-    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
-        return await self._call(self.channel.prepare_migration(request_id, handoff),
+    async def prepare_migration(self, request_id: str,
+                                exported: dict[int, KVHandoff]) -> dict[int, int]:
+        return await self._call(self.channel.prepare_migration(request_id, exported),
                                 "prepare_migration", request_id)
 
     async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
@@ -135,13 +136,13 @@ class ChannelClient(WorkerClient):
         """The command's stream; a closed client's fails at its first read."""
         rid = cmd.req.request_id
         if self._closed:
-            stream = RequestStream(rid, cmd.req.params.n, self._stream_finished)
+            stream = RequestStream(rid, cmd.num_samples, self._stream_finished)
             stream.put(WorkerUnavailableError(self.worker_id, "the client is closed"))
             return stream
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already streaming from "
                              f"{self.worker_id!r}")
-        stream = RequestStream(rid, cmd.req.params.n, self._stream_finished)
+        stream = RequestStream(rid, cmd.num_samples, self._stream_finished)
         self._streams[rid] = stream
         self._ensure_reader()
         self._send(cmd)

@@ -3,10 +3,11 @@ drain; `cleave` draining a replica before a planned restart or a scale-down), so
 recomputed and no client sees a gap. Torch-free.
 
 The router keeps every generation it started (weakly: one that ended is gone or closed), and
-`drain(worker_id)` marks the worker draining (no new requests) and moves each single-sample
-stream on it to the least loaded other decode-pool worker (`Generation.move`: the workers'
-two-pull protocol, `workers.migration`). A stream that cannot move (n > 1, still handing over,
-or no worker can take it) finishes where it is, as a drain without migration would.
+`drain(worker_id)` marks the worker draining (no new requests) and moves each stream on it,
+all its samples, to the least loaded other decode-pool worker (`Generation.move`: the workers'
+two-pull protocol, `workers.migration`). A stream that cannot move (still handing over, a sample
+with no token yet, or no worker can take it) finishes where it is, as a drain without migration
+would.
 """
 
 from __future__ import annotations

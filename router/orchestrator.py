@@ -36,14 +36,14 @@ from router.errors import (
     OverloadedError,
     WorkerUnavailableError,
 )
-from router.metrics import RouterMetrics
 from router.loads import LoadTable
+from router.metrics import RouterMetrics
 from router.policy import Decision, NoHealthyWorker, RoutingPolicy, get_policy
 from router.prefix_fetch import export_prefix
 from router.streams import DONE, Generation, Handover
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
-from workers.messages import PrefillResult, PrefixFetch
+from workers.messages import PrefillResult, PrefixFetch, ResumedSample
 from workers.protocol import (
     EngineOverloaded,
     InvalidRequestError,
@@ -263,9 +263,9 @@ class Orchestrator:
 
     # ---- `router.streams.Rerouter` -------------------------------------------------------------
 
-    async def migrate(self, req: WorkerRequest, sent_token_ids: list[int], tried: list[str],
+    async def migrate(self, req: WorkerRequest, samples: list[ResumedSample], tried: list[str],
                       exc: Exception) -> tuple[str, TokenStream]:
-        """Resume the stream on another healthy decode-pool worker, waiting up to
+        """Resume the samples on another healthy decode-pool worker, waiting up to
         `migration_wait_s` for one (a cluster's pool replaces its lost replicas); raise `exc`
         when none comes."""
         w = self.workers
@@ -287,7 +287,7 @@ class Orchestrator:
         self.counters.count_decode(decision.worker_id)
         w.note_routed(decision.worker_id)
         client: WorkerClient = w.clients[decision.worker_id]
-        return decision.worker_id, client.resume(req, sent_token_ids)
+        return decision.worker_id, client.resume(req, samples)
 
     def kv_pulled(self, decode_id: str, handoff: KVHandoff, seconds: float) -> None:
         self.metrics.kv_transferred(decode_id, handoff, seconds)

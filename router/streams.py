@@ -7,9 +7,10 @@ request on its worker), and handles every recovery in place (see `router.orchest
 - the decode half of a disaggregated request: its first event means the KV landed (the handoff
   is timed); a `KVPullFailed` instead makes the same decode worker compute the prompt itself,
   after the prefill worker's lease is ended;
-- migration: when the worker streaming a single-sample request fails mid-stream, the prompt plus
-  every token already sent goes to another decode-pool worker (`Rerouter.migrate`), at most
-  `migration_retries` times;
+- migration: when the worker streaming a request fails mid-stream, the prompt plus every token
+  already sent of each sample still running goes to another decode-pool worker
+  (`Rerouter.migrate`), at most `migration_retries` times (not before every such sample has a
+  token);
 - live migration (`move`): the stream moves to another worker with its KV while it runs (a
   drain); its source's stream ends with `RequestMoved` after every token it produced, and the
   target's stream, already opened after exactly those tokens, takes over;
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol
 from router.errors import NoHealthyWorkerError, WorkerUnavailableError
 from router.metrics import NULL_RECORD, NullRecord, error_reason
 from router.worker_client import TokenStream, WorkerClient
-from workers.messages import MigratedKV, RequestMoved
+from workers.messages import MigratedKV, RequestMoved, ResumedSample
 from workers.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
 from workers.tokenizer.detokenizer import SampleText
 
@@ -42,10 +43,10 @@ logger = logging.getLogger(__name__)
 class Rerouter(Protocol):
     """What a generation asks of the orchestrator when its worker fails."""
 
-    async def migrate(self, req: WorkerRequest, sent_token_ids: list[int],
+    async def migrate(self, req: WorkerRequest, samples: list[ResumedSample],
                       tried: list[str], exc: Exception) -> tuple[str, TokenStream]:
-        """Another healthy decode-pool worker's stream after `sent_token_ids` (counted), or
-        raise `exc` when none is left."""
+        """Another healthy decode-pool worker's stream of `samples` after their sent tokens
+        (counted), or raise `exc` when none is left."""
 
     def kv_pulled(self, decode_id: str, handoff: KVHandoff, seconds: float) -> None:
         """The decode worker's first event after it was given the handoff."""
@@ -90,8 +91,7 @@ class Generation:
         self._stream = stream
         self._rerouter = rerouter
         self._handover = handover
-        # a continuation carries one sample: only single-sample streams migrate
-        self._moves_left = migration_retries if req.params.n == 1 else 0
+        self._moves_left = migration_retries
         self._streamed_by = [decode_worker_id or worker_id]
         self._closed = False
         # while a live migration is under way: its (target id, target stream, the source to
@@ -103,8 +103,9 @@ class Generation:
         return self.req.prompt_token_ids
 
     async def events(self) -> AsyncIterator[TokenEvent]:
-        sent = list(self.first.token_ids)  # every token the client has been sent (sample 0)
         n = self.req.params.n
+        sent: dict[int, list[int]] = {i: [] for i in range(n)}  # what each sample sent
+        sent[self.first.index].extend(self.first.token_ids)
         try:
             yield self.first
             while len(self._ended) < n:
@@ -133,7 +134,7 @@ class Generation:
                 event = self._with_text(event)
                 if event is None:  # a sample that already ended here
                     continue
-                sent.extend(event.token_ids)
+                sent[event.index].extend(event.token_ids)
                 self.record.on_event(event)
                 yield event
             self.record.finish("success")
@@ -186,13 +187,19 @@ class Generation:
         await self._end_handover()
         self._stream = h.decode.decode_from_handoff(self.req, self.first.token_ids[-1], None)
 
-    async def _migrate(self, exc: Exception, sent: list[int]) -> None:
+    async def _migrate(self, exc: Exception, sent: dict[int, list[int]]) -> None:
+        """Continue the samples still running on another worker, from what each sent; raise
+        `exc` when one of them has sent nothing yet (it has nothing to continue from)."""
         failed = self._streamed_by[-1]
+        samples = [ResumedSample(i, tuple(tokens)) for i, tokens in sent.items()
+                   if i not in self._ended]
+        if any(not s.sent_token_ids for s in samples):
+            raise exc
         logger.warning("request %s: worker %s failed after %d tokens (%r); migrating",
-                       self.req.request_id, failed, len(sent), exc)
+                       self.req.request_id, failed, sum(map(len, sent.values())), exc)
         await self._stream.aclose()  # aborts what is left of it there
         self._moves_left -= 1
-        worker_id, self._stream = await self._rerouter.migrate(self.req, list(sent),
+        worker_id, self._stream = await self._rerouter.migrate(self.req, samples,
                                                                list(self._streamed_by), exc)
         self._streamed_by.append(worker_id)
 
@@ -203,9 +210,8 @@ class Generation:
 
     @property
     def movable(self) -> bool:
-        """A running single-sample stream whose KV has landed and that is not moving."""
-        return (not self._closed and self.req.params.n == 1 and self._handover is None
-                and self._moved is None)
+        """A running stream whose KV has landed and that is not moving."""
+        return not self._closed and self._handover is None and self._moved is None
 
     async def move(self, source: WorkerClient, target: WorkerClient,
                    with_kv: bool = True) -> bool:
@@ -217,11 +223,11 @@ class Generation:
         if not self.movable:
             return False
         rid, tp = self.req.request_id, (await target.info()).tp_size
-        first, landed = None, 0
+        landed: dict[int, int] = {}
         try:
             if with_kv:
                 first = await source.export_running(rid, tp)
-                landed = await target.prepare_migration(rid, first) if first is not None else 0
+                landed = await target.prepare_migration(rid, first) if first else {}
         except Exception as exc:  # noqa: BLE001 -- it stays where it is
             logger.warning("request %s stays on %s: %r", rid, source.worker_id, exc)
             return False
@@ -233,11 +239,10 @@ class Generation:
             logger.warning("request %s did not pause on %s: %r", rid, source.worker_id, exc)
             self._moved = None
             return False
-        if with_kv:
-            stream = target.resume(self.req, paused.output_token_ids,
-                                   MigratedKV(paused.num_kv_tokens, landed, paused.handoff))
-        else:
-            stream = target.resume(self.req, paused.output_token_ids)
+        stream = target.resume(self.req, [ResumedSample(
+            p.index, p.output_token_ids,
+            MigratedKV(p.num_kv_tokens, landed.get(p.index, 0), p.handoff) if with_kv else None)
+            for p in paused.samples])
         moved.set_result((target.worker_id, stream, None if with_kv else source))
         return True
 

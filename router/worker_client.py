@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
 from workers.messages import (
     Command,
-    MigratedKV,
     Paused,
     PrefillResult,
     PrefixFetch,
+    ResumedSample,
     WorkerOutputs,
 )
 from workers.protocol import (
@@ -121,14 +121,16 @@ class WorkerClient(abc.ABC):
         failed or found no room; nothing is held)."""
 
     @abc.abstractmethod
-    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
+    async def export_running(self, request_id: str,
+                             reader_tp_size: int = 1) -> dict[int, KVHandoff]:
         """Live migration, source: offer the running request's full computed blocks (it
-        decodes on); None when it has none."""
+        decodes on), by sample index; a sample with none is left out."""
 
     @abc.abstractmethod
-    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
-        """Live migration, target: pull those blocks ahead of the `resume`; how many landed.
-        Raises `KVPullFailed`."""
+    async def prepare_migration(self, request_id: str,
+                                exported: dict[int, KVHandoff]) -> dict[int, int]:
+        """Live migration, target: pull those blocks ahead of the `resume`; how many landed,
+        by sample index. Raises `KVPullFailed`."""
 
     @abc.abstractmethod
     async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
@@ -137,12 +139,11 @@ class WorkerClient(abc.ABC):
         `export_running` are offered."""
 
     @abc.abstractmethod
-    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int],
-               kv: MigratedKV | None = None) -> TokenStream:
-        """The events after `sent_token_ids`, the request's first output tokens, which other
-        workers sampled and sent (one failed mid-stream); the worker computes the KV of the
-        prompt and those tokens itself (with `kv`, a live migration's, it pulls it). n = 1.
-        Greedy output equals an uninterrupted run; seeded sampling may differ."""
+    def resume(self, req: WorkerRequest, samples: Sequence[ResumedSample]) -> TokenStream:
+        """The events of `samples` after each one's sent tokens, its first output tokens,
+        which other workers sampled and sent (one failed mid-stream); the worker computes the
+        KV of the prompt and those tokens itself (with their `kv`, a live migration's, it
+        pulls it). Greedy and seeded output equal an uninterrupted run."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -195,10 +196,12 @@ class WorkerChannel(abc.ABC):
                           token_ids: tuple[int, ...]) -> int: ...
 
     @abc.abstractmethod
-    async def export_running(self, request_id: str, reader_tp_size: int) -> KVHandoff | None: ...
+    async def export_running(self, request_id: str,
+                             reader_tp_size: int) -> dict[int, KVHandoff]: ...
 
     @abc.abstractmethod
-    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int: ...
+    async def prepare_migration(self, request_id: str,
+                                exported: dict[int, KVHandoff]) -> dict[int, int]: ...
 
     @abc.abstractmethod
     async def pause(self, request_id: str, reader_tp_size: int) -> Paused: ...

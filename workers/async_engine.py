@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence, 
 
 from kvtransfer import faults
 from workers.config import EngineConfig
-from workers.engine import Engine
+from workers.engine import Engine, PausedHere
 from workers.grammar import CompileQueue
-from workers.parallel.group import RankGroupError
-from workers.watchdog import StepWatchdog
 from workers.outputs import RequestStream, Sink
+from workers.parallel.group import RankGroupError
 from workers.protocol import (
     EngineShutDown,
     EngineStats,
@@ -41,6 +40,8 @@ from workers.protocol import (
     TokenEvent,
     WorkerRequest,
 )
+from workers.request import Continuation
+from workers.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from workers.parallel.group import RankLauncher
@@ -175,10 +176,10 @@ class AsyncEngine:
         """Run the prompt to its first token and hold its blocks (`Engine.prefill`)."""
         self._start(req.request_id, 1, lambda: self.engine.prefill(req), sink, req.params)
 
-    def resume(self, req: WorkerRequest, sent_token_ids: tuple[int, ...], sink: Sink) -> None:
-        """Continue after tokens other workers sent (`Engine.resume`)."""
-        self._start(req.request_id, 1, lambda: self.engine.resume(req, sent_token_ids), sink,
-                    req.params)
+    def resume(self, req: WorkerRequest, samples: Sequence[Continuation], sink: Sink) -> None:
+        """Continue a request's samples after tokens other workers sent (`Engine.resume`)."""
+        self._start(req.request_id, len(samples), lambda: self.engine.resume(req, samples),
+                    sink, req.params)
 
     async def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
                                   pull: Callable[[list[int]], Awaitable[None]],
@@ -186,34 +187,33 @@ class AsyncEngine:
         """Allocate blocks, await `pull(block_ids)` to land the prompt's KV in them, then decode
         after `first_token_id` with events to `sink`. Raises what the allocation
         (`KVCacheFull`) or `pull` raises, with nothing left behind; cancelled, it aborts."""
-        await self.continue_with_kv(req, [first_token_id], len(req.prompt_token_ids), pull,
-                                    sink)
+        await self.continue_with_kv(
+            req, [Continuation(0, [first_token_id], len(req.prompt_token_ids))],
+            lambda to_fill: pull(to_fill[0]), sink)
 
-    async def continue_with_kv(self, req: WorkerRequest, sent_token_ids: Sequence[int],
-                               num_kv_tokens: int,
-                               pull: Callable[[list[int]], Awaitable[None]], sink: Sink,
-                               hold_id: str | None = None) -> None:
-        """`decode_from_handoff` after several sent tokens, with the KV of the first
-        `num_kv_tokens` tokens pulled (`Engine.continue_with_kv`; `hold_id`: blocks a first
-        pull already filled), then the rest computed and decoded on with events to `sink`."""
+    async def continue_with_kv(self, req: WorkerRequest, samples: Sequence[Continuation],
+                               pull: Callable[[dict[int, list[int]]], Awaitable[None]],
+                               sink: Sink) -> None:
+        """`decode_from_handoff` for several samples after their sent tokens, each with the KV
+        of its first `num_kv_tokens` tokens pulled (`Engine.continue_with_kv`: `pull` gets
+        each sample's blocks to fill, by index), then the rest computed and decoded on with
+        events to `sink`."""
         rid = req.request_id
         await self.compile_queue.compile(req.params)
         try:
-            block_ids = await self.apply(lambda: self.engine.continue_with_kv(
-                req, sent_token_ids, num_kv_tokens, hold_id))
+            to_fill = await self.apply(lambda: self.engine.continue_with_kv(req, samples))
         except asyncio.CancelledError:
             self.abort(rid)
             raise
         try:
-            if block_ids:
-                await pull(block_ids)
+            if any(to_fill.values()):
+                await pull(to_fill)
         except BaseException:
             self.abort(rid)
             raise
-        self._start(rid, 1, lambda: self.engine.kv_landed(rid), sink)
+        self._start(rid, len(samples), lambda: self.engine.kv_landed(rid), sink)
 
-    async def pause(self, request_id: str,
-                    moved: BaseException) -> tuple[list[int], int, list[int]]:
+    async def pause(self, request_id: str, moved: BaseException) -> list[PausedHere]:
         """Stop a running request between steps, its blocks held (`Engine.pause`); its sink
         then gets `moved` as its failure, after every event it produced here."""
         result = await self.apply(lambda: self.engine.pause(request_id))

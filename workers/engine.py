@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +39,7 @@ from workers.protocol import (
     TokenEvent,
     WorkerRequest,
 )
-from workers.request import Request, RequestStatus
+from workers.request import Continuation, Request, RequestStatus
 from workers.runner import KVCacheSpec, ModelRunner
 from workers.sampler import sample_seed
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -162,11 +162,8 @@ class Engine:
         self._validate(ids, params)
         reqs = []
         for i in range(params.n):
-            p = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else sample_seed(params.seed, i),
-                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            rid = request_id if params.n == 1 else f"{request_id}/{i}"
-            sample = Request(rid, ids, p, self.eos_token_ids, cache_salt=cache_salt)
+            sample = Request(_sample_id(request_id, params.n, i), ids, _sample_params(params, i),
+                             self.eos_token_ids, cache_salt=cache_salt)
             self._constrain(sample, ())
             reqs.append(sample)
         for i, sample in enumerate(reqs):
@@ -357,35 +354,51 @@ class Engine:
         """The handoff is over (pulled, cancelled or expired): free the held blocks."""
         return self.kv.free_held(request_id)
 
-    # ---- the KV handoff: decode side -------------------------------------------------------
+    # ---- the KV handoff and continuations: decode side ---------------------------------------
 
-    def _continuation(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> Request:
-        """The validated sample of a request whose first output tokens, `sent_token_ids`, other
-        workers sampled and streamed; it holds the first of them (the rest join in `_replay`).
-        Registered nowhere yet. max_tokens, min_tokens and penalties count them as output."""
+    def _continuations(self, req: WorkerRequest,
+                       samples: Sequence[Continuation]) -> list[Request]:
+        """The validated samples of a request continued here after the output other workers
+        sampled and streamed (each holds the first of its sent tokens; the rest join in
+        `_replay`). Registered nowhere yet. max_tokens, min_tokens and penalties count the
+        sent tokens as output."""
         request_id, params = req.request_id, req.params
-        if params.n != 1:
-            raise InvalidRequestError("n must be 1 for a request handed off between workers",
-                                      param="n")
-        if not 1 <= len(sent_token_ids) < params.max_tokens:
-            raise InvalidRequestError(
-                f"a continued request needs between 1 and max_tokens-1={params.max_tokens - 1} "
-                f"tokens already sent, got {len(sent_token_ids)}", param="max_tokens")
+        indexes = [c.index for c in samples]
+        if not samples or len(set(indexes)) != len(indexes) or not all(
+                0 <= i < params.n for i in indexes):
+            raise InvalidRequestError(f"a continuation of samples {indexes}: expected distinct "
+                                      f"indexes in [0, n={params.n})", param="samples")
         if request_id in self._samples:
             raise InvalidRequestError(f"request id {request_id!r} is already running",
                                       param="request_id")
         ids = list(req.prompt_token_ids)
         self._validate(ids, params)
         vocab = self.model_config.vocab_size
-        bad = [t for t in sent_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"sent token ids outside [0, {vocab}): {bad[:5]}",
-                                      param="sent_token_ids")
-        sample = Request(request_id, ids, params, self.eos_token_ids,
-                         cache_salt=req.cache_salt)
-        self._constrain(sample, sent_token_ids)
-        sample.append_output(sent_token_ids[0])
-        return sample
+        out = []
+        for c in samples:
+            sent = c.sent_token_ids
+            if not 1 <= len(sent) < params.max_tokens:
+                raise InvalidRequestError(
+                    f"a continued request needs between 1 and max_tokens-1="
+                    f"{params.max_tokens - 1} tokens already sent, got {len(sent)}",
+                    param="max_tokens")
+            bad = [t for t in sent if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"sent token ids outside [0, {vocab}): {bad[:5]}",
+                                          param="sent_token_ids")
+            total = len(ids) + len(sent)
+            if c.hold_id is not None and not 0 < c.num_kv_tokens < total:
+                raise InvalidRequestError(
+                    f"the KV of {c.num_kv_tokens} tokens of a {total}-token continuation: "
+                    "expected at least 1 and fewer than all (the last is computed here)",
+                    param="num_kv_tokens")
+            sample = Request(_sample_id(request_id, params.n, c.index), ids,
+                             _sample_params(params, c.index), self.eos_token_ids,
+                             cache_salt=req.cache_salt)
+            self._constrain(sample, sent)
+            sample.append_output(sent[0])
+            out.append(sample)
+        return out
 
     def _constrain(self, sample: Request, sent_token_ids: Sequence[int]) -> None:
         """Give a structured-output sample its grammar matcher, at the state after the tokens
@@ -394,7 +407,8 @@ class Engine:
         if spec is not None:
             sample.grammar = self.grammars.matcher(spec, sent_token_ids)
 
-    def _replay(self, sample: Request, sent_token_ids: Sequence[int]) -> None:
+    def _replay(self, parent_id: str, index: int, sample: Request,
+                sent_token_ids: Sequence[int]) -> None:
         """Track a continued sample, priming its detokenizer and stop-string state with the
         tokens already sent: the first as a prefill worker sends it (whole), the rest as a
         decoding worker streams them, one a step, so the text sent so far matches to the
@@ -402,95 +416,132 @@ class Engine:
 
         NOTE: with stop strings, text a worker held back at the first token (a possible stop
         string's start; an aggregated worker does, a prefill worker does not) is not resent."""
-        self.outputs.add(sample, sample.request_id, 0)
+        self.outputs.add(sample, parent_id, index)
         for token_id in sent_token_ids[1:]:
             sample.append_output(token_id)
             self.outputs.find_stop_string(sample)
             self.outputs.event(sample, None)
-        self._samples[sample.request_id] = [sample.request_id]
+        self._samples.setdefault(parent_id, []).append(sample.request_id)
 
     def decode_from_handoff(self, req: WorkerRequest, first_token_id: int) -> list[int]:
         """Allocate blocks for a prompt whose KV another worker computed; returns the block ids
         to fill. The request waits for its KV (no step schedules it) until `kv_landed`, then
         decodes after `first_token_id` (already sent to the client by that worker). `abort`
         frees it. Raises `KVCacheFull` (nothing allocated) when the blocks are not free."""
-        return self.continue_with_kv(req, [first_token_id], len(req.prompt_token_ids))
+        c = Continuation(0, [first_token_id], len(req.prompt_token_ids))
+        return self.continue_with_kv(req, [c])[0]
 
-    def continue_with_kv(self, req: WorkerRequest, sent_token_ids: Sequence[int],
-                         num_kv_tokens: int, hold_id: str | None = None) -> list[int]:
-        """The continuation of a request after `sent_token_ids` (sampled and sent by another
-        worker), whose first `num_kv_tokens` tokens' KV that worker computed: blocks are
-        allocated for it and their ids returned to fill, but for blocks already filled and held
-        under `hold_id` (a live migration's first pull), which the request takes first. It waits
-        (no step schedules it) until `kv_landed`, then computes the tokens after that KV.
-        `abort` frees it. Raises `KVCacheFull` (nothing kept, the held blocks freed too)."""
+    def continue_with_kv(self, req: WorkerRequest,
+                         samples: Sequence[Continuation]) -> dict[int, list[int]]:
+        """The continuation of a request's `samples`, each after its sent tokens, whose first
+        `num_kv_tokens` tokens' KV another worker computed: blocks are allocated for them, and
+        each sample's block ids to fill returned by index, but for blocks already filled and
+        held under its `hold_id` (a live migration's first pull), which it takes first. They
+        wait (no step schedules them) until `kv_landed`, then compute the tokens after that
+        KV. `abort` frees them. Raises `KVCacheFull` (nothing kept, the held blocks freed)."""
         rid = req.request_id
         try:
-            sample = self._continuation(req, sent_token_ids)
-            total = len(req.prompt_token_ids) + len(sent_token_ids)
-            if not 0 < num_kv_tokens < total:
-                raise InvalidRequestError(
-                    f"the KV of {num_kv_tokens} tokens of a {total}-token continuation: "
-                    "expected at least 1 and fewer than all (the last is computed here)",
-                    param="num_kv_tokens")
+            conts = self._continuations(req, samples)
         except InvalidRequestError:
-            if hold_id is not None:
-                self.kv.free_held(hold_id)
+            for c in samples:
+                if c.hold_id is not None:
+                    self.kv.free_held(c.hold_id)
             raise
-        if hold_id is not None:
-            self.kv.adopt(hold_id, rid)
-        filled = len(self.kv.block_ids(rid))
-        if not self.scheduler.add_waiting_for_kv(sample, num_kv_tokens):
-            self.kv.free(sample)
-            raise KVCacheFull(f"no KV blocks free for the {num_kv_tokens}-token handoff of "
-                              f"{rid!r}")
-        self._replay(sample, sent_token_ids)
-        return self.kv.block_ids(rid)[filled:]
+        to_fill: dict[int, list[int]] = {}
+        for i, (c, sample) in enumerate(zip(samples, conts)):
+            if c.hold_id is not None:
+                self.kv.adopt(c.hold_id, sample.request_id)
+            filled = len(self.kv.block_ids(sample.request_id))
+            if not self.scheduler.add_waiting_for_kv(sample, c.num_kv_tokens):
+                self.kv.free(sample)
+                self.abort(rid)  # the samples added before
+                for later in samples[i + 1:]:
+                    if later.hold_id is not None:
+                        self.kv.free_held(later.hold_id)
+                raise KVCacheFull(f"no KV blocks free for the {c.num_kv_tokens}-token handoff "
+                                  f"of {rid!r}")
+            self._replay(rid, c.index, sample, c.sent_token_ids)
+            to_fill[c.index] = self.kv.block_ids(sample.request_id)[filled:]
+        return to_fill
 
     # ---- a live migration's source side -------------------------------------------------------
 
-    def export_running(self, request_id: str, hold_id: str) -> list[int]:
-        """Hold the full blocks of a running single-sample request's computed tokens (which it
+    def export_running(self, request_id: str,
+                       hold_id: Callable[[int], str]) -> dict[int, list[int]]:
+        """Hold the full blocks of each sample's computed tokens of a running request (which it
         never writes again) for a live migration's target to pull while the request decodes on
-        here, until `free_held(hold_id)`; their ids."""
-        req = self._migratable(request_id)
-        num_full = req.num_computed_tokens // self.config.block_size
-        return self.kv.hold_leading(hold_id, request_id, num_full)
+        here, until `free_held(hold_id(index))`; their ids by sample index."""
+        bs = self.config.block_size
+        return {index: self.kv.hold_leading(hold_id(index), sample.request_id,
+                                            sample.num_computed_tokens // bs)
+                for index, sample in self._running_samples(request_id)}
 
-    def pause(self, request_id: str) -> tuple[list[int], int, list[int]]:
-        """Stop a running single-sample request here, between steps and with no further
-        event, keeping its blocks held until `free_held(request_id)`: its output tokens so
-        far, how many of its tokens' KV its blocks hold, and their ids (a live migration's
-        target pulls what it lacks and continues)."""
-        req = self._migratable(request_id)
-        tokens, num_kv = list(req.output_token_ids), req.num_computed_tokens
-        self.scheduler.finish(request_id, FinishReason.ABORT, hold=True)
-        self.outputs.remove(request_id)
+    def pause(self, request_id: str) -> list[PausedHere]:
+        """Stop a running request here, between steps and with no further event, keeping each
+        sample's blocks held until `free_held(sample_id)`: per sample still running, its
+        output tokens so far, how many of its tokens' KV its blocks hold, and their ids (a live
+        migration's target pulls what it lacks and continues)."""
+        paused = []
+        for index, sample in self._running_samples(request_id):
+            sid = sample.request_id
+            tokens, num_kv = list(sample.output_token_ids), sample.num_computed_tokens
+            self.scheduler.finish(sid, FinishReason.ABORT, hold=True)
+            self.outputs.remove(sid)
+            paused.append(PausedHere(index, sid, tokens, num_kv, self.kv.held_block_ids(sid)))
         self._samples.pop(request_id, None)
-        return tokens, num_kv, self.kv.held_block_ids(request_id)
+        return paused
 
-    def _migratable(self, request_id: str) -> Request:
-        samples = self._samples.get(request_id)
-        req = self.scheduler.requests.get(request_id)
-        if samples != [request_id] or req is None:
-            raise InvalidRequestError(f"request {request_id!r} is not running here as one "
-                                      "sample", param="request_id")
-        if req.status is RequestStatus.WAITING_FOR_REMOTE_KV or not req.output_token_ids:
-            raise InvalidRequestError(f"request {request_id!r} has no output yet",
+    def _running_samples(self, request_id: str) -> list[tuple[int, Request]]:
+        """A running request's unfinished samples, by index; each must have output."""
+        sample_ids = self._samples.get(request_id)
+        if not sample_ids:
+            raise InvalidRequestError(f"request {request_id!r} is not running here",
                                       param="request_id")
-        return req
+        samples = [self.scheduler.requests.get(sid) for sid in sample_ids]
+        if any(s is None or s.status is RequestStatus.WAITING_FOR_REMOTE_KV
+               or not s.output_token_ids for s in samples):
+            raise InvalidRequestError(f"request {request_id!r} has a sample with no output yet",
+                                      param="request_id")
+        return [(self.outputs.index(s.request_id), s) for s in samples]  # type: ignore[union-attr]
 
     def kv_landed(self, request_id: str) -> None:
         """The handed-off KV has landed in the request's blocks: start decoding it. KeyError
         when the request is not waiting for its KV."""
-        self.scheduler.kv_landed(request_id)
+        for sid in self._samples.get(request_id, [request_id]):
+            self.scheduler.kv_landed(sid)
 
-    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int]) -> None:
-        """Queue a request whose first output tokens, `sent_token_ids`, other workers sampled
-        (and sent) but whose KV is not here (a failed KV pull, or a decode worker lost
-        mid-stream): the prompt and those tokens are computed here, then it decodes on from
-        the next token. Greedy and seeded output equal an uninterrupted run (a seeded draw
-        depends only on the seed and the output position)."""
-        sample = self._continuation(req, sent_token_ids)
-        self._replay(sample, sent_token_ids)
-        self.scheduler.add(sample)
+    def resume(self, req: WorkerRequest, samples: Sequence[Continuation]) -> None:
+        """Queue a request's `samples`, whose first output tokens other workers sampled (and
+        sent) but whose KV is not here (a failed KV pull, or a decode worker lost mid-stream):
+        the prompt and those tokens are computed here, then each decodes on from its next
+        token. Greedy and seeded output equal an uninterrupted run (a seeded draw depends only
+        on the seed, the sample's index and the output position)."""
+        conts = self._continuations(req, samples)
+        for c, sample in zip(samples, conts):
+            self._replay(req.request_id, c.index, sample, c.sent_token_ids)
+            self.scheduler.add(sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class PausedHere:
+    """A sample `Engine.pause` stopped: its blocks are held under `sample_id`."""
+
+    index: int
+    sample_id: str
+    output_token_ids: list[int]
+    num_kv_tokens: int
+    block_ids: list[int]
+
+
+def _sample_id(request_id: str, n: int, index: int) -> str:
+    """The engine's id of a request's sample: the request's own when it has one."""
+    return request_id if n == 1 else f"{request_id}/{index}"
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """A sample's own parameters: one sample, its own seed, prompt logprobs with sample 0."""
+    if params.n == 1:
+        return params
+    return dataclasses.replace(
+        params, n=1, seed=None if params.seed is None else sample_seed(params.seed, index),
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None)

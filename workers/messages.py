@@ -9,6 +9,7 @@ subscriber, with typed failures (`RequestFailed`); `prefill` answers with a `Pre
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
@@ -107,6 +108,10 @@ class Generate:
     req: WorkerRequest
     prefix: PrefixFetch | None = None
 
+    @property
+    def num_samples(self) -> int:
+        return self.req.params.n
+
 
 @dataclass(frozen=True)
 class DecodeFromHandoff:
@@ -117,11 +122,14 @@ class DecodeFromHandoff:
     first_token_id: int
     handoff: KVHandoff | None
 
+    num_samples = 1
+
 
 @dataclass(frozen=True)
 class MigratedKV:
-    """A live migration's KV (`Resume.kv`): the blocks a first pull landed here
-    (`prepare_migration`), and the source's handoff of the rest, written since (None: none)."""
+    """A live migration's KV of one sample (`ResumedSample.kv`): the blocks a first pull landed
+    here (`prepare_migration`), and the source's handoff of the rest, written since (None:
+    none)."""
 
     num_kv_tokens: int  # tokens whose KV the source had computed when it paused
     num_landed_blocks: int
@@ -129,12 +137,21 @@ class MigratedKV:
 
 
 @dataclass(frozen=True)
-class Paused:
-    """What a live migration's source answers when it pauses a request (`pause`)."""
+class PausedSample:
+    """One sample of a request a live migration's source paused (`Paused`)."""
 
+    index: int  # the sample's index in the request (0 unless n > 1)
     output_token_ids: tuple[int, ...]  # its output so far: the target continues after them
     num_kv_tokens: int
     handoff: KVHandoff | None  # its blocks past those exported before, under a lease
+
+
+@dataclass(frozen=True)
+class Paused:
+    """What a live migration's source answers when it pauses a request (`pause`): each of its
+    samples still running, by index (those that finished before the pause are not moved)."""
+
+    samples: tuple[PausedSample, ...]
 
 
 class RequestMoved(Exception):
@@ -142,13 +159,37 @@ class RequestMoved(Exception):
 
 
 @dataclass(frozen=True)
-class Resume:
-    """Continue after `sent_token_ids` (sampled and sent by other workers): compute the KV of
-    the prompt and those tokens here, or with `kv` (a live migration) pull it."""
+class ResumedSample:
+    """One sample of a `Resume`: its index in the request, the output tokens other workers
+    sampled and sent, and with `kv` (a live migration) where its KV is pulled from."""
 
-    req: WorkerRequest
+    index: int
     sent_token_ids: tuple[int, ...]
     kv: MigratedKV | None = None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Continue each of `samples` after its sent tokens (sampled and sent by other workers):
+    compute the KV of the prompt and those tokens here, or, with every sample's `kv` (a live
+    migration), pull it. The samples finished before are not among them."""
+
+    req: WorkerRequest
+    samples: tuple[ResumedSample, ...]
+
+    @classmethod
+    def one(cls, req: WorkerRequest, sent_token_ids: Sequence[int],
+            kv: MigratedKV | None = None) -> Resume:
+        """A single-sample request's continuation."""
+        return cls(req, (ResumedSample(0, tuple(sent_token_ids), kv),))
+
+    @property
+    def with_kv(self) -> bool:
+        return self.samples[0].kv is not None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ class OutputProcessor:
                 text.prime(req.output_token_ids)
             sample.num_sent_tokens = req.num_output_tokens
 
+    def index(self, request_id: str) -> int:
+        """A sample's index in its request."""
+        return self._samples[request_id].index
+
     def remove(self, request_id: str) -> None:
         self._samples.pop(request_id, None)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from workers.protocol import FinishReason, SamplingParams, TokenLogprob
 
@@ -75,3 +77,18 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, {self.status.value})")
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One sample of a request continued on this worker after `sent_token_ids`, output other
+    workers sampled and sent (`Engine.resume`, `Engine.continue_with_kv`): with
+    `num_kv_tokens` > 0, that many tokens' KV is pulled from another worker instead of
+    computed, into blocks the request takes first when `hold_id` holds them (a live
+    migration's first pull)."""
+
+    index: int  # the sample's index in the request (0 unless n > 1)
+    sent_token_ids: Sequence[int]
+    num_kv_tokens: int = 0
+    hold_id: str | None = None
+

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Coroutine, Sequence
+from typing import TYPE_CHECKING, Coroutine, Mapping, Sequence
 
 from workers.messages import (
     Abort,
@@ -36,6 +36,9 @@ from workers.messages import (
     Resume,
     WorkerOutputs,
 )
+from workers.migration import Migrations
+from workers.outputs import OUTPUT_INTERVAL_S, OutputHub
+from workers.prefix_fetch import PrefixFetcher
 from workers.protocol import (
     EngineOverloaded,
     EngineStats,
@@ -48,10 +51,7 @@ from workers.protocol import (
     WorkerRequest,
     WorkerRole,
 )
-
-from workers.outputs import OUTPUT_INTERVAL_S, OutputHub
-from workers.migration import Migrations
-from workers.prefix_fetch import PrefixFetcher
+from workers.request import Continuation
 from workers.roles import DECODE_ROLES, PREFILL_ROLES, ROLES, check_role_fits_engine
 from workers.transfer import WorkerTransfer
 
@@ -59,9 +59,8 @@ if TYPE_CHECKING:
     from kvtransfer import TransferAgent
     from kvtransfer.handoff import KVHandoff
     from workers.async_engine import AsyncEngine
-    from workers.outputs import RequestStream, Sink
     from workers.config import EngineConfig
-    from workers.engine import Engine
+    from workers.outputs import RequestStream, Sink
     from workers.parallel.group import RankLauncher
 
 logger = logging.getLogger(__name__)
@@ -156,7 +155,7 @@ class Worker:
                 self.abort(cmd.request_id)
                 continue
             rid = cmd.req.request_id
-            box.samples_left[rid] = cmd.req.params.n
+            box.samples_left[rid] = cmd.num_samples
             try:
                 self._check_room(rid)
                 self.start(cmd, box)
@@ -180,15 +179,16 @@ class Worker:
             self._track_pull(cmd.req.request_id, self.prefixes.generate(cmd, sink))
         elif isinstance(cmd, Generate):
             e.generate(cmd.req, sink)
-        elif isinstance(cmd, Resume) and cmd.kv is not None:
+        elif isinstance(cmd, Resume) and cmd.with_kv:
             self._check_role(DECODE_ROLES, "resume")
             self._track_pull(cmd.req.request_id, self.migrations.continue_(cmd, sink))
         elif isinstance(cmd, Resume):
             self._check_role(DECODE_ROLES, "resume")
-            e.resume(cmd.req, cmd.sent_token_ids, sink)
+            e.resume(cmd.req, [Continuation(s.index, s.sent_token_ids) for s in cmd.samples],
+                     sink)
         elif cmd.handoff is None:  # the prefill's KV is not coming: compute it here
             self._check_role(DECODE_ROLES, "decode_from_handoff")
-            e.resume(cmd.req, (cmd.first_token_id,), sink)
+            e.resume(cmd.req, [Continuation(0, (cmd.first_token_id,))], sink)
         else:
             self._check_role(DECODE_ROLES, "decode_from_handoff")
             self._track_pull(cmd.req.request_id, self._decode_from_handoff(cmd, sink))
@@ -201,14 +201,18 @@ class Worker:
 
     # ---- live migration (`workers.migration`) ------------------------------------------------
 
-    async def export_running(self, request_id: str, reader_tp_size: int = 1) -> KVHandoff | None:
-        """Offer a running request's full computed blocks to the worker it moves to."""
+    async def export_running(self, request_id: str,
+                             reader_tp_size: int = 1) -> dict[int, KVHandoff]:
+        """Offer a running request's full computed blocks to the worker it moves to, by sample
+        index."""
         return await self.migrations.export(request_id, reader_tp_size)
 
-    async def prepare_migration(self, request_id: str, handoff: KVHandoff) -> int:
-        """Pull a moving request's exported blocks ahead of its `Resume`; the blocks landed."""
+    async def prepare_migration(self, request_id: str,
+                                exported: Mapping[int, KVHandoff]) -> dict[int, int]:
+        """Pull a moving request's exported blocks ahead of its `Resume`; the blocks landed, by
+        sample index."""
         self._check_role(DECODE_ROLES, "prepare_migration")
-        return await self.migrations.prepare(request_id, handoff, self.transfer.lease_s)
+        return await self.migrations.prepare(request_id, exported, self.transfer.lease_s)
 
     async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
         """Stop a running request here for the worker it moves to (`Migrations.pause`)."""
@@ -235,7 +239,7 @@ class Worker:
         """One command's events as an async iterator (in-process callers, tests); closing it
         early aborts the request."""
         return self.async_engine.stream(lambda sink: self.start(cmd, sink), cmd.req.request_id,
-                                        cmd.req.params.n)
+                                        cmd.num_samples)
 
     async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
         """`subscriber`'s next message (`workers.outputs.OutputHub.next_outputs`)."""

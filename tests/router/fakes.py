@@ -22,7 +22,7 @@ from router.orchestrator import Orchestrator
 from router.policy import get_policy
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
 from router.workers import WorkerSet
-from workers.messages import MigratedKV, Paused, PrefillResult, PrefixFetch
+from workers.messages import Paused, PrefillResult, PrefixFetch, ResumedSample
 from workers.protocol import (
     EngineStats,
     FinishReason,
@@ -217,11 +217,12 @@ class FakeWorker(WorkerClient):
                                                          "the lease ended"))
         return self._open("decode_from_handoff", req, 1)
 
-    def resume(self, req: WorkerRequest, sent_token_ids: Sequence[int],
-               kv: MigratedKV | None = None) -> TokenStream:
-        assert list(sent_token_ids) == expected_tokens(req)[:len(sent_token_ids)], \
+    def resume(self, req: WorkerRequest, samples: Sequence[ResumedSample]) -> TokenStream:
+        (sample,) = samples  # a fake streams one sample
+        sent = list(sample.sent_token_ids)
+        assert sent == expected_tokens(req)[:len(sent)], \
             "resumed with tokens the client was never sent"
-        return self._open("resume", req, len(sent_token_ids))
+        return self._open("resume", req, len(sent))
 
     # a fake's streams hold no KV: it refuses to move them, as a worker refuses a request it
     # does not run (the router then leaves the stream where it is)

@@ -153,3 +153,41 @@ def test_a_structured_stream_migrates_and_stays_valid(srv):
     assert text == expected
     jsonschema.validate(json.loads(text), schema)
     assert failures(srv) == 1
+
+
+def test_a_stream_of_several_seeded_samples_migrates_with_each_sample_unchanged(tiny_model):
+    """n=3 seeded: the worker dies once every choice has text; each choice goes on from its own
+    sent tokens on the survivor, with the undisturbed run's text (a seeded draw depends only on
+    the seed, the sample and the position)."""
+    server = start(tiny_model, num_workers=2)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                           api_key=API_KEY, timeout=60, max_retries=0)
+    prompt = fresh_prompt()
+
+    def chunks():
+        return client.completions.create(
+            model=server.router.model_name, prompt=prompt, max_tokens=MAX_TOKENS, n=3,
+            temperature=1.0, seed=5, stream=True, extra_body={"ignore_eos": True})
+
+    def add(texts: list[str], chunk) -> None:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+
+    try:
+        expected = [""] * 3
+        for chunk in chunks():
+            add(expected, chunk)
+        assert len(set(expected)) == 3  # sampled: three different choices
+        got = [""] * 3
+        stream = iter(chunks())
+        while not all(got):
+            add(got, next(stream))
+        victim = streaming_worker(server)
+        assert server.call(victim.stats()).num_running == 3
+        server.call(victim.close())
+        for chunk in stream:
+            add(got, chunk)
+        assert got == expected
+        assert failures(server) == 1
+    finally:
+        server.stop()

@@ -7,6 +7,7 @@ import pytest
 from tests.workers.factories import replay_events
 from workers import LLM, FinishReason, InvalidRequestError, SamplingParams
 from workers.protocol import WorkerRequest
+from workers.request import Continuation
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -207,7 +208,7 @@ def test_resumed_request_recomputes_the_sent_tokens_and_continues_identically(ti
     llm = LLM(tiny_model, num_blocks=64)
     want = llm.generate([prompt], params)[0].outputs[0]
     engine = llm.engine
-    engine.resume(WorkerRequest("y", tuple(prompt), params), want.token_ids[:3])
+    engine.resume(WorkerRequest("y", tuple(prompt), params), [Continuation(0, want.token_ids[:3])])
     tokens, text = [], ""
     while engine.has_unfinished():
         for event in engine.step():

@@ -3,13 +3,14 @@ no token repeated or lost, the target computes no prompt token, and both workers
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from tests.router.conftest import API_KEY, NUM_BLOCKS, slow_steps, start_server, wait_until
 from workers.llm import LLM
-from workers.messages import Generate, MigratedKV, RequestMoved, Resume
+from workers.messages import Generate, MigratedKV, RequestMoved, Resume, ResumedSample
 from workers.protocol import InvalidRequestError, SamplingParams, WorkerRequest
 
 MAX_TOKENS = 24
@@ -24,8 +25,12 @@ def pair(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_model):
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS)
+def llm(tiny_model):
+    return LLM(tiny_model, num_blocks=NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
     return lambda prompt: list(llm.generate([prompt], GREEDY)[0].outputs[0].token_ids)
 
 
@@ -75,17 +80,17 @@ def _move(server, rid: str, prompt: tuple[int, ...], after: int, between: int,
         for _ in range(after):
             on_a.extend((await anext(events)).token_ids)
         first = await a.export_running(rid, 1)
-        landed = await b.prepare_migration(rid, first) if first is not None else 0
+        landed = await b.prepare_migration(rid, first)
         for _ in range(between):
             on_a.extend((await anext(events)).token_ids)
-        paused = await a.pause(rid, 1)
+        (paused,) = (await a.pause(rid, 1)).samples
         with pytest.raises(RequestMoved):  # every token produced there comes first
             async for event in events:
                 on_a.extend(event.token_ids)
         if break_second_pull and paused.handoff is not None:
             a.transfer.cancel(rid)  # the source lets go before the target's second pull
-        kv = MigratedKV(paused.num_kv_tokens, landed, paused.handoff)
-        async for event in b.stream(Resume(req, paused.output_token_ids, kv)):
+        kv = MigratedKV(paused.num_kv_tokens, landed.get(0, 0), paused.handoff)
+        async for event in b.stream(Resume.one(req, paused.output_token_ids, kv)):
             on_b.extend(event.token_ids)
         return on_a, on_b, paused
 
@@ -117,62 +122,104 @@ def test_a_failed_second_pull_computes_the_kv_and_the_stream_still_goes_on(pair,
     assert wait_until(lambda: _idle(pair))
 
 
-def test_only_a_running_single_sample_request_can_move(pair):
-    a = _worker(pair, 0)
-    with pytest.raises(InvalidRequestError, match="not running here as one sample"):
-        pair.call(a.pause("nobody", 1))
-    req = WorkerRequest("two", _prompt(9, 20), SamplingParams(n=2, max_tokens=MAX_TOKENS,
-                                                              ignore_eos=True))
+def test_only_a_running_request_whose_samples_all_have_output_can_move(pair, llm):
+    with pytest.raises(InvalidRequestError, match="not running here"):
+        pair.call(_worker(pair, 0).pause("nobody", 1))
+    engine = llm.engine
+    engine.generate(WorkerRequest("early", _prompt(9, 20), SamplingParams(n=2, max_tokens=8)))
+    try:
+        for steps in range(2):  # before its first token; then sample 1 has none yet
+            with pytest.raises(InvalidRequestError, match="a sample with no output yet"):
+                engine.export_running("early", lambda i: f"early-hold/{i}")
+            engine.step()
+    finally:
+        engine.abort("early")
+    assert engine.kv.num_held_requests == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_a_request_with_several_samples_moves_whole(pair, llm, seed):
+    """n=3: every sample moves with its KV, each goes on from its own output with nothing
+    recomputed, and each sample's whole output equals the undisturbed run's."""
+    params = SamplingParams(n=3, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed,
+                            temperature=0.0 if seed is None else 1.0)
+    prompt = _prompt(21, 37)
+    want = sorted(list(o.token_ids) for o in llm.generate([list(prompt)], params)[0].outputs)
+    a, b = _worker(pair, 0), _worker(pair, 1)
+    computed_on_b = _count_prompt_tokens(b)
+    req = WorkerRequest("three", prompt, params)
 
     async def go():
-        stream = aiter(a.stream(Generate(req)))
-        await anext(stream)
-        try:
-            await a.export_running("two", 1)
-        finally:
-            await stream.aclose()
+        got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        events = aiter(a.stream(Generate(req)))
+        while not all(got.values()):  # every sample has output
+            event = await anext(events)
+            got[event.index].extend(event.token_ids)
+        landed = await b.prepare_migration("three", await a.export_running("three", 1))
+        for _ in range(3):
+            event = await anext(events)
+            got[event.index].extend(event.token_ids)
+        paused = await a.pause("three", 1)
+        with pytest.raises(RequestMoved):
+            async for event in events:
+                got[event.index].extend(event.token_ids)
+        assert sorted(p.index for p in paused.samples) == [0, 1, 2]
+        assert all(list(p.output_token_ids) == got[p.index] for p in paused.samples)
+        samples = [ResumedSample(p.index, p.output_token_ids,
+                                 MigratedKV(p.num_kv_tokens, landed.get(p.index, 0), p.handoff))
+                   for p in paused.samples]
+        async for event in b.stream(Resume(req, tuple(samples))):
+            got[event.index].extend(event.token_ids)
+        return got
 
-    with pytest.raises(InvalidRequestError, match="not running here as one sample"):
-        pair.call(go())
+    got = pair.call(go())
+    assert sorted(got.values()) == want
+    assert computed_on_b[0] == 0
     assert wait_until(lambda: _idle(pair))
 
 
-def test_a_drain_moves_a_served_stream_with_its_kv(pair, tiny_model):
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_drain_moves_a_served_stream_with_its_kv(pair, llm, n):
     """Through the router's HTTP port: a stream is running when its worker is drained; it
-    finishes on the other worker with the undisturbed text, nothing recomputed there."""
+    finishes on the other worker with the undisturbed text of every choice, nothing
+    recomputed there."""
     import openai
 
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS)
     prompt = list(_prompt(11, 37))
-    text = llm.generate([prompt], GREEDY)[0].outputs[0].text
+    params = dataclasses.replace(GREEDY, n=n)
+    texts = [o.text for o in llm.generate([prompt], params)[0].outputs]
     router = pair.router
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY)
-    stream = client.completions.create(model=router.model_name, prompt=prompt,
+    stream = client.completions.create(model=router.model_name, prompt=prompt, n=n,
                                        max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
                                        extra_body={"ignore_eos": True})
+    got = [""] * n
     chunks = iter(stream)
-    got = next(chunks).choices[0].text
+    while not all(got):  # every choice has text
+        for c in next(chunks).choices:
+            got[c.index] += c.text
     source = next(w for w in ("worker-0", "worker-1") if router.migrations.on(w))
     target = _worker(pair, 1 if source == "worker-0" else 0)
     computed_on_target = _count_prompt_tokens(target)
     moved = router.counters.num_live_migrations
     try:
         assert pair.call(router.drain(source)) == 1
-        got += "".join(c.choices[0].text for c in chunks if c.choices)
+        for chunk in chunks:
+            for c in chunk.choices:
+                got[c.index] += c.text
     finally:
         router.workers.draining.discard(source)
-    assert got == text
+    assert got == texts
     assert router.counters.num_live_migrations == moved + 1
     assert computed_on_target[0] == 0
     assert wait_until(lambda: _idle(pair))
 
 
-def test_a_moved_stream_still_stops_at_its_stop_string(pair, tiny_model):
+def test_a_moved_stream_still_stops_at_its_stop_string(pair, llm):
     """A stop string that the text reaches only after the move: the target's detokenizer picks
     up where the source's left off, and the stream ends before the string, as undisturbed."""
     import openai
 
-    llm = LLM(tiny_model, num_blocks=NUM_BLOCKS)
     prompt = list(_prompt(12, 41))
     text = llm.generate([prompt], GREEDY)[0].outputs[0].text
     at = next(i for i in range(2 * len(text) // 3, len(text) - 2)

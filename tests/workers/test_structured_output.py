@@ -14,6 +14,7 @@ from tests.schemas import random_schema
 from workers import LLM, AsyncEngine, InvalidRequestError, SamplingParams
 from workers.grammar import Grammars, compilable_schema
 from workers.protocol import WorkerRequest
+from workers.request import Continuation
 from workers.structured_output import StructuredOutput
 
 SCHEMA = random_schema(5)
@@ -36,7 +37,8 @@ def test_a_resumed_request_rebuilds_its_matcher_from_the_tokens_sent(llm):
     engine = llm.engine
     for cut in (1, 5):  # after the first token (a handoff), and mid-way (a migration)
         rid = f"resume-{cut}"
-        engine.resume(WorkerRequest(rid, tuple(prompt), params()), whole.token_ids[:cut])
+        engine.resume(WorkerRequest(rid, tuple(prompt), params()),
+                      [Continuation(0, whole.token_ids[:cut])])
         rest = []
         while engine.has_unfinished():
             for event in engine.step():
@@ -49,7 +51,7 @@ def test_sent_tokens_outside_the_grammar_are_refused_with_nothing_held(llm):
     free = engine.kv.pool.num_free_blocks
     junk = engine.tokenize("not json")  # a JSON object starts with "{"
     with pytest.raises(InvalidRequestError) as err:
-        engine.resume(WorkerRequest("junk", tuple(junk), params()), junk)
+        engine.resume(WorkerRequest("junk", tuple(junk), params()), [Continuation(0, junk)])
     assert err.value.param == "sent_token_ids"
     assert engine.kv.pool.num_free_blocks == free and not engine.has_unfinished()
 

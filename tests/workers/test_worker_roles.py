@@ -118,8 +118,8 @@ def test_a_seeded_request_samples_the_same_tokens_on_every_path(trio, run):
         result = await prefill.prefill(req("s-dis", PROMPT, seeded))
         handed = result.first.token_ids + await collect(decode_stream(
             decode, "s-dis", result.first.token_ids[0], result.handoff, params=seeded))
-        resumed = want[:4] + await collect(decode.stream(Resume(req("s-mig", PROMPT, seeded),
-                                                                tuple(want[:4]))))
+        resumed = want[:4] + await collect(decode.stream(Resume.one(req("s-mig", PROMPT, seeded),
+                                                                    want[:4])))
         assert handed == want and resumed == want
         other = dataclasses.replace(seeded, seed=12345)
         assert await collect(both.stream(Generate(req("s-other", PROMPT, other)))) != want
@@ -142,7 +142,7 @@ def test_a_salted_request_continued_on_a_decode_worker_caches_under_its_salt(tri
 
     async def go() -> None:
         sent = await collect(trio[2].stream(Generate(req("ref", prompt))))
-        await collect(decode.stream(Resume(salted, tuple(sent[:2]))))
+        await collect(decode.stream(Resume.one(salted, sent[:2])))
         assert await first_cached("unsalted", None) == 0
         assert await first_cached("other-salt", "tenant-b") == 0
         assert await first_cached("same-salt", "tenant-a") > 0
