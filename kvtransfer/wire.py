@@ -100,16 +100,25 @@ def decode(kind: int, payload: bytes) -> Message:
 
 # ---- framing on a non-blocking socket driven by an asyncio loop -----------------------------
 
+YIELD_BYTES = 1 << 20  # `recv_exact` lets the event loop run after this many bytes
+
+
 async def recv_exact(sock: socket.socket, buf: memoryview) -> None:
     """Fill `buf` from `sock`; raises `PeerGone` on end of stream or a reset."""
     loop = asyncio.get_running_loop()
-    got, n = 0, len(buf)
+    got, n, since_yield = 0, len(buf), 0
     try:
         while got < n:
             k = await loop.sock_recv_into(sock, buf[got:])
             if k == 0:
                 raise PeerGone(f"peer closed the connection after {got} of {n} bytes")
             got += k
+            since_yield += k
+            if since_yield >= YIELD_BYTES and got < n:
+                # data already waiting is read without a turn of the loop: give the loop one
+                # (the worker's streams, a router in the same process) now and then
+                await asyncio.sleep(0)
+                since_yield = 0
     except (ConnectionError, OSError) as e:
         raise PeerGone(f"connection lost after {got} of {n} bytes: {e}") from None
 

@@ -1,9 +1,9 @@
 """A routed request's token stream, as the front ends read it: `Generation`. Torch-free.
 
 One async generator, `Generation.events()`, reads the worker's `TokenStream`, makes each event's
-text (`workers.tokenizer.detokenizer.SampleText`: incremental detokenization, stop strings and their hold-back,
-here rather than on the engine's step thread; a stop string ends the sample and aborts the
-request on its worker), and handles every recovery in place (see `router.orchestrator`):
+text (`workers.tokenizer.detokenizer.SampleText`: incremental detokenization, stop strings and
+their hold-back, here rather than on the engine's step thread; a stop string ends the sample and
+aborts the request on its worker), and handles every recovery in place (see `router.orchestrator`):
 - the decode half of a disaggregated request: its first event means the KV landed (the handoff
   is timed); a `KVPullFailed` instead makes the same decode worker compute the prompt itself,
   after the prefill worker's lease is ended;
@@ -11,9 +11,10 @@ request on its worker), and handles every recovery in place (see `router.orchest
   already sent of each sample still running goes to another decode-pool worker
   (`Rerouter.migrate`), at most `migration_retries` times (not before every such sample has a
   token);
-- live migration (`move`): the stream moves to another worker with its KV while it runs (a
-  drain); its source's stream ends with `RequestMoved` after every token it produced, and the
-  target's stream, already opened after exactly those tokens, takes over;
+- live migration (`router.live_migration`, which marks it moving): the stream moves to another
+  worker with its KV while it runs (a drain); its source's stream ends with `RequestMoved`
+  after every token it produced, and the target's stream, already opened after exactly those
+  tokens, takes over;
 - closing it early aborts the request wherever it is (the decode worker and, while the KV has
   not landed, the prefill worker's lease).
 """
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol
 from router.errors import NoHealthyWorkerError, WorkerUnavailableError
 from router.metrics import NULL_RECORD, NullRecord, error_reason
 from router.worker_client import TokenStream, WorkerClient
-from workers.messages import MigratedKV, RequestMoved, ResumedSample
+from workers.messages import RequestMoved, ResumedSample
 from workers.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
 from workers.tokenizer.detokenizer import SampleText
 
@@ -213,38 +214,16 @@ class Generation:
         """A running stream whose KV has landed and that is not moving."""
         return not self._closed and self._handover is None and self._moved is None
 
-    async def move(self, source: WorkerClient, target: WorkerClient,
-                   with_kv: bool = True) -> bool:
-        """Live migration from `source` (the worker streaming it now) to `target`, its KV
-        pulled twice: what `source` had computed, while it decodes on, then what it wrote
-        until it paused. True once `target` streams it; False, with nothing changed, when it
-        cannot move now (it ended meanwhile, or a worker failed before the pause).
-        `with_kv` False: the target recomputes the KV instead (a replay, the baseline)."""
-        if not self.movable:
-            return False
-        rid, tp = self.req.request_id, (await target.info()).tp_size
-        landed: dict[int, int] = {}
-        try:
-            if with_kv:
-                first = await source.export_running(rid, tp)
-                landed = await target.prepare_migration(rid, first) if first else {}
-        except Exception as exc:  # noqa: BLE001 -- it stays where it is
-            logger.warning("request %s stays on %s: %r", rid, source.worker_id, exc)
-            return False
-        moved = self._moved = asyncio.get_running_loop().create_future()
-        try:
-            paused = await source.pause(rid, tp)
-        except Exception as exc:  # noqa: BLE001 -- it ended, or its source failed: its stream
-            # then ends, or moves by recompute, on its own
-            logger.warning("request %s did not pause on %s: %r", rid, source.worker_id, exc)
-            self._moved = None
-            return False
-        stream = target.resume(self.req, [ResumedSample(
-            p.index, p.output_token_ids,
-            MigratedKV(p.num_kv_tokens, landed.get(p.index, 0), p.handoff) if with_kv else None)
-            for p in paused.samples])
-        moved.set_result((target.worker_id, stream, None if with_kv else source))
-        return True
+    def begin_move(self) -> asyncio.Future[tuple[str, TokenStream, WorkerClient | None]]:
+        """Mark it moving (`router.live_migration`): when its source's stream ends with
+        `RequestMoved`, the stream goes on from the future's (target id, target stream, the
+        source to release after a replay)."""
+        self._moved = asyncio.get_running_loop().create_future()
+        return self._moved
+
+    def cancel_move(self) -> None:
+        """The move did not happen (the stream did not pause): it goes on where it is."""
+        self._moved = None
 
     async def _take_moved(self) -> None:
         """The source's stream ended (moved): the target's continues it. After a replay the
