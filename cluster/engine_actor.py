@@ -139,6 +139,9 @@ class EngineActor:
     async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
         return await self.worker.pause(request_id, reader_tp_size)
 
+    async def cancel_migration(self, request_id: str) -> None:
+        await self.worker.cancel_migration(request_id)
+
     # ---- load, events, health --------------------------------------------------------------
 
     async def stats(self) -> EngineStats:

@@ -90,6 +90,9 @@ class InProcessChannel(WorkerChannel):
     async def pause(self, request_id: str, reader_tp_size: int) -> Paused:
         return await self._call(self.worker.pause(request_id, reader_tp_size))
 
+    async def cancel_migration(self, request_id: str) -> None:
+        await self._call(self.worker.cancel_migration(request_id))
+
     async def _call(self, call: Awaitable[T]) -> T:
         self._check_open()
         try:

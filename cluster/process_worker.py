@@ -263,6 +263,9 @@ class ProcessChannel(WorkerChannel):
     async def pause(self, request_id: str, reader_tp_size: int) -> Paused:
         return await self._call("pause", request_id, reader_tp_size)
 
+    async def cancel_migration(self, request_id: str) -> None:
+        await self._call("cancel_migration", request_id)
+
     async def stats(self) -> EngineStats:
         return await self._call("stats")
 

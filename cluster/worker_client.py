@@ -98,6 +98,10 @@ class RayChannel(WorkerChannel):
         return await self._wait(self.actor.pause.remote(request_id, reader_tp_size), "pause",
                                 None)
 
+    async def cancel_migration(self, request_id: str) -> None:
+        await self._wait(self.actor.cancel_migration.remote(request_id), "cancel_migration",
+                         None)
+
     async def stats(self) -> EngineStats:
         return await self._wait(self.actor.stats.remote(), "stats")
 

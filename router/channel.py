@@ -124,6 +124,10 @@ class ChannelClient(WorkerClient):
         return await self._call(self.channel.pause(request_id, reader_tp_size), "pause",
                                 request_id)
 
+    async def cancel_migration(self, request_id: str) -> None:
+        await self._call(self.channel.cancel_migration(request_id), "cancel_migration",
+                         request_id)
+
     async def _call(self, call: Awaitable[T], what: str, request_id: str) -> T:
         self._check_open()
         try:

@@ -4,10 +4,12 @@ recomputed and no client sees a gap. Torch-free.
 
 The router keeps every generation it started (weakly: one that ended is gone or closed), and
 `drain(worker_id)` marks the worker draining (no new requests) and moves each stream on it,
-all its samples, to the least loaded other decode-pool worker (`Generation.move`: the workers'
-two-pull protocol, `workers.migration`). A stream that cannot move (still handing over, a sample
-with no token yet, or no worker can take it) finishes where it is, as a drain without migration
-would.
+all its samples, to the least loaded other decode-pool worker (`Move`: the workers' two-pull
+protocol, `workers.migration`), every stream phase by phase (`move_all`); a request that
+starts there after the drain began (it was queued or in its prefill) moves at its first token.
+A stream that cannot move (still handing over, a sample with no token yet, a failed pull, or
+no worker can take it) finishes where it is, as a drain without migration would; both workers
+then let go of what the move held at once (`cancel_migration`).
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.counters import RouterCounters
 from router.policy import NoHealthyWorker, get_policy
 from router.streams import Generation
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
-from workers.messages import MigratedKV, ResumedSample
+from workers.messages import MigratedKV, Paused, ResumedSample
 from workers.protocol import WorkerRole
+
+if TYPE_CHECKING:
+    from kvtransfer.handoff import KVHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +47,19 @@ class LiveMigrations:
         self.counters = counters
         self.least_loaded = get_policy("least_loaded")
         self._running: weakref.WeakSet[Generation] = weakref.WeakSet()
+        self._drain_with_kv: dict[str, bool] = {}  # how each drained worker's streams move
+        self._late_moves: set[asyncio.Task[bool]] = set()
 
     def track(self, gen: Generation) -> None:
+        """A generation started (its first token arrived). One that started on a worker
+        being drained (it was queued or in its prefill when the drain began) moves at once."""
         self._running.add(gen)
+        worker = gen.worker_now
+        if worker in self.workers.draining and worker in self._drain_with_kv:
+            task = asyncio.get_running_loop().create_task(
+                self.move(gen, self._drain_with_kv[worker]))
+            self._late_moves.add(task)
+            task.add_done_callback(self._late_moves.discard)
 
     def on(self, worker_id: str) -> list[Generation]:
         """The movable generations `worker_id` streams now."""
@@ -58,29 +74,34 @@ class LiveMigrations:
 
     async def move_all(self, gens: list[Generation], with_kv: bool = True,
                        target: str | None = None) -> list[bool]:
-        """`move` for several streams in two phases: every first pull (`BULK_PULLS` at a time),
-        then every pause and resume at once, so the streams of one source pause at the same
-        step boundary and start on their targets in one batch (no stream waits for another's
-        pull)."""
+        """`move` for several streams, each phase for all of them before the next:
+        1. every source offers its streams' computed blocks (one step boundary per source);
+        2. the targets pull them, `BULK_PULLS` at a time, while the sources decode on;
+        3. every stream pauses (again one boundary per source);
+        4. every target is handed its streams in one batch of `Resume`s, so they start there
+           together, each with the few blocks its source wrote since (1).
+        No stream waits for another's bulk pull between its pause and its first token."""
+        moves = await asyncio.gather(*(self._start(g, with_kv, target) for g in gens))
         bulk = asyncio.Semaphore(BULK_PULLS)
 
-        async def prepare(gen: Generation) -> PreparedMove | None:
+        async def pull(m: Move) -> bool:
             async with bulk:
-                return await self._prepare(gen, with_kv, target)
+                return await m.pull()
 
-        prepared = await asyncio.gather(*(prepare(g) for g in gens))
-        results = await asyncio.gather(*(
-            finish_move(g, m) if m is not None else _false() for g, m in zip(gens, prepared)))
-        for moved, m in zip(results, prepared):
-            if moved:
+        pulled = await asyncio.gather(*(pull(m) if m else _false() for m in moves))
+        moves = [m if ok else None for m, ok in zip(moves, pulled)]
+        paused = await asyncio.gather(*(m.pause() if m else _false() for m in moves))
+        for m, ok in zip(moves, paused):
+            if m is not None and ok:
+                m.hand_over()
                 self.counters.num_live_migrations += 1
-                self.counters.count_decode(m.target.worker_id)  # type: ignore[union-attr]
+                self.counters.count_decode(m.target.worker_id)
             else:
                 self.counters.num_live_migrations_failed += 1
-        return list(results)
+        return list(paused)
 
-    async def _prepare(self, gen: Generation, with_kv: bool,
-                       target: str | None) -> PreparedMove | None:
+    async def _start(self, gen: Generation, with_kv: bool, target: str | None) -> Move | None:
+        """Phase 1 of a move: its target chosen, and its source's computed blocks offered."""
         w = self.workers
         source = gen.worker_now
         if target is None:
@@ -90,13 +111,16 @@ class LiveMigrations:
             except NoHealthyWorker:
                 return None
         w.note_routed(target)
-        return await prepare_move(gen, w.clients[source], w.clients[target], with_kv)
+        m = Move(gen, w.clients[source], w.clients[target], with_kv)
+        return m if await m.export() else None
 
     async def drain(self, worker_id: str, with_kv: bool = True) -> int:
         """Route nothing new to `worker_id` and move its running streams away; how many
-        moved. `with_kv` False: the targets recompute the streams' KV (a replay: the
-        baseline `benchmarks/drain.py` measures against)."""
+        moved (those still starting there move at their first token, `track`). `with_kv`
+        False: the targets recompute the streams' KV (a replay: the baseline
+        `benchmarks/drain.py` measures against)."""
         self.workers.draining.add(worker_id)
+        self._drain_with_kv[worker_id] = with_kv
         moving = self.on(worker_id)
         results = await self.move_all(moving, with_kv)
         if moving:
@@ -106,57 +130,93 @@ class LiveMigrations:
 
 
 @dataclass
-class PreparedMove:
-    """A live migration between its halves (`prepare_move`, `finish_move`)."""
+class Move:
+    """One stream's live migration from `source` (streaming it now) to `target`, phase by
+    phase (`LiveMigrations.move_all`): `export`, `pull`, `pause`, `hand_over`. A phase that
+    returns False leaves the stream where it is, going on. `with_kv` False: the target
+    recomputes the KV instead (a replay, the baseline)."""
 
+    gen: Generation
     source: WorkerClient
     target: WorkerClient
-    tp: int  # the target's tensor-parallel size
     with_kv: bool
-    landed: dict[int, int]  # blocks the first pull landed on the target, by sample index
-    moved: asyncio.Future[tuple[str, TokenStream, WorkerClient | None]]  # `Generation.begin_move`
+    tp: int = 1  # the target's tensor-parallel size
+    exported: dict[int, KVHandoff] = field(default_factory=dict)  # by sample index
+    landed: dict[int, int] = field(default_factory=dict)  # blocks the first pull landed
+    paused: Paused | None = None
+    moved: asyncio.Future[tuple[str, TokenStream, WorkerClient | None]] | None = None
 
+    @property
+    def request_id(self) -> str:
+        return self.gen.req.request_id
 
-async def prepare_move(gen: Generation, source: WorkerClient, target: WorkerClient,
-                       with_kv: bool = True) -> PreparedMove | None:
-    """A move's first half: `target` pulls the KV `source` (streaming `gen` now) has computed,
-    while it decodes on; None, with nothing changed, when it cannot move now. `with_kv`
-    False: the target will recompute the KV instead (a replay, the baseline)."""
-    if not gen.movable:
-        return None
-    rid, tp = gen.req.request_id, (await target.info()).tp_size
-    landed: dict[int, int] = {}
-    try:
-        if with_kv:
-            first = await source.export_running(rid, tp)
-            landed = await target.prepare_migration(rid, first) if first else {}
-    except Exception as exc:  # noqa: BLE001 -- it stays where it is
-        logger.warning("request %s stays on %s: %r", rid, source.worker_id, exc)
-        return None
-    if not gen.movable:  # closed meanwhile
-        return None
-    return PreparedMove(source, target, tp, with_kv, landed, gen.begin_move())
+    async def export(self) -> bool:
+        """The source offers the stream's computed blocks (it decodes on)."""
+        if not self.gen.movable:
+            return False
+        try:
+            self.tp = (await self.target.info()).tp_size
+            if self.with_kv:
+                self.exported = await self.source.export_running(self.request_id, self.tp)
+        except Exception as exc:  # noqa: BLE001 -- it stays where it is
+            logger.warning("request %s stays on %s: %r", self.request_id,
+                           self.source.worker_id, exc)
+            return False
+        return True
 
+    async def pull(self) -> bool:
+        """The target pulls what was offered; the stream is then marked moving."""
+        try:
+            if self.exported:
+                self.landed = await self.target.prepare_migration(self.request_id,
+                                                                  self.exported)
+        except Exception as exc:  # noqa: BLE001 -- it stays where it is
+            logger.warning("request %s stays on %s: the pull to %s failed: %r",
+                           self.request_id, self.source.worker_id, self.target.worker_id, exc)
+            await self.cancel()
+            return False
+        if not self.gen.movable:  # closed meanwhile
+            await self.cancel()
+            return False
+        self.moved = self.gen.begin_move()
+        return True
 
-async def finish_move(gen: Generation, m: PreparedMove) -> bool:
-    """A prepared move's second half: pause the stream on its source (its stream there ends
-    with `RequestMoved` after every token it produced) and open it on the target after
-    exactly the tokens each sample sent; True once the target streams it. False when it did
-    not pause (it ended, or its source failed: its stream then ends, or moves by recompute,
-    on its own)."""
-    rid = gen.req.request_id
-    try:
-        paused = await m.source.pause(rid, m.tp)
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("request %s did not pause on %s: %r", rid, m.source.worker_id, exc)
-        gen.cancel_move()
-        return False
-    stream = m.target.resume(gen.req, [ResumedSample(
-        p.index, p.output_token_ids,
-        MigratedKV(p.num_kv_tokens, m.landed.get(p.index, 0), p.handoff) if m.with_kv else None)
-        for p in paused.samples])
-    m.moved.set_result((m.target.worker_id, stream, None if m.with_kv else m.source))
-    return True
+    async def pause(self) -> bool:
+        """The source stops the stream between two steps (its stream there ends with
+        `RequestMoved` after every token it produced); False when it did not pause (it
+        ended, or its source failed: its stream then ends, or moves by recompute, on its
+        own)."""
+        try:
+            self.paused = await self.source.pause(self.request_id, self.tp)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("request %s did not pause on %s: %r", self.request_id,
+                           self.source.worker_id, exc)
+            self.gen.cancel_move()
+            await self.cancel()
+            return False
+        return True
+
+    async def cancel(self) -> None:
+        """Both workers let go of what this move holds there now (not when leases end)."""
+        if not self.with_kv:
+            return
+        for client in (self.source, self.target):
+            try:
+                await client.cancel_migration(self.request_id)
+            except Exception as exc:  # noqa: BLE001 -- gone: its leases end with it
+                logger.warning("worker %s did not cancel the move of %s: %r", client.worker_id,
+                               self.request_id, exc)
+
+    def hand_over(self) -> None:
+        """Open the stream on the target after exactly the tokens each sample sent; the
+        generation reads on from it."""
+        assert self.paused is not None and self.moved is not None
+        stream = self.target.resume(self.gen.req, [ResumedSample(
+            p.index, p.output_token_ids,
+            MigratedKV(p.num_kv_tokens, self.landed.get(p.index, 0), p.handoff)
+            if self.with_kv else None) for p in self.paused.samples])
+        self.moved.set_result((self.target.worker_id, stream,
+                               None if self.with_kv else self.source))
 
 
 async def _false() -> bool:

@@ -47,7 +47,8 @@ class Rerouter(Protocol):
     async def migrate(self, req: WorkerRequest, samples: list[ResumedSample],
                       tried: list[str], exc: Exception) -> tuple[str, TokenStream]:
         """Another healthy decode-pool worker's stream of `samples` after their sent tokens
-        (counted), or raise `exc` when none is left."""
+        (counted), not one of `tried` (those that failed streaming it), or raise `exc` when
+        none is left."""
 
     def kv_pulled(self, decode_id: str, handoff: KVHandoff, seconds: float) -> None:
         """The decode worker's first event after it was given the handoff."""
@@ -94,6 +95,7 @@ class Generation:
         self._handover = handover
         self._moves_left = migration_retries
         self._streamed_by = [decode_worker_id or worker_id]
+        self._failed: list[str] = []  # the workers that failed while streaming it
         self._closed = False
         # while a live migration is under way: its (target id, target stream, the source to
         # release after a replay), once paused
@@ -192,6 +194,7 @@ class Generation:
         """Continue the samples still running on another worker, from what each sent; raise
         `exc` when one of them has sent nothing yet (it has nothing to continue from)."""
         failed = self._streamed_by[-1]
+        self._failed.append(failed)
         samples = [ResumedSample(i, tuple(tokens)) for i, tokens in sent.items()
                    if i not in self._ended]
         if any(not s.sent_token_ids for s in samples):
@@ -201,7 +204,7 @@ class Generation:
         await self._stream.aclose()  # aborts what is left of it there
         self._moves_left -= 1
         worker_id, self._stream = await self._rerouter.migrate(self.req, samples,
-                                                               list(self._streamed_by), exc)
+                                                               list(self._failed), exc)
         self._streamed_by.append(worker_id)
 
     @property
@@ -238,7 +241,8 @@ class Generation:
 
     @property
     def streamed_by(self) -> list[str]:
-        """The workers that streamed part of it, in order (all but the last failed)."""
+        """The workers that streamed part of it, in order (each before the last failed, or
+        the stream moved off it live)."""
         return list(self._streamed_by)
 
     async def aclose(self) -> None:

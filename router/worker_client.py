@@ -139,6 +139,12 @@ class WorkerClient(abc.ABC):
         `export_running` are offered."""
 
     @abc.abstractmethod
+    async def cancel_migration(self, request_id: str) -> None:
+        """Live migration that will not happen (a pull failed, the stream ended): the source
+        lets go of what `export_running` offered, the target of what `prepare_migration`
+        landed, now rather than when their leases end. Harmless when nothing is held."""
+
+    @abc.abstractmethod
     def resume(self, req: WorkerRequest, samples: Sequence[ResumedSample]) -> TokenStream:
         """The events of `samples` after each one's sent tokens, its first output tokens,
         which other workers sampled and sent (one failed mid-stream); the worker computes the
@@ -205,6 +211,9 @@ class WorkerChannel(abc.ABC):
 
     @abc.abstractmethod
     async def pause(self, request_id: str, reader_tp_size: int) -> Paused: ...
+
+    @abc.abstractmethod
+    async def cancel_migration(self, request_id: str) -> None: ...
 
     @abc.abstractmethod
     async def stats(self) -> EngineStats: ...

@@ -293,11 +293,7 @@ class AsyncEngine:
             for op in ops:
                 op()
             if not self.engine.has_unfinished():
-                # no step follows to publish what the ops changed (an abort freed blocks);
-                # the engine is at rest, so reading it here races with nothing
-                self._stats = self.engine.stats()
-                if self.on_publish is not None:
-                    self.on_publish(self.engine.drain_kv_events())
+                self._publish_at_rest()
                 continue
             self.watchdog.step_began()
             try:
@@ -307,12 +303,20 @@ class AsyncEngine:
                 if isinstance(exc, RankGroupError):  # a rank is gone: no step will work again
                     self.watchdog.broken(f"a rank of its group failed: {exc}")
                 self._fail_all(exc)
+                self._publish_at_rest()
                 continue
             finally:
                 self.watchdog.step_ended()
             self._dispatch(events)
             if self.on_publish is not None:
                 self.on_publish(kv_events)
+
+    def _publish_at_rest(self) -> None:
+        """No step follows to publish what ops or a failed step's aborts changed (blocks
+        freed): the engine is at rest, so reading it here races with nothing."""
+        self._stats = self.engine.stats()
+        if self.on_publish is not None:
+            self.on_publish(self.engine.drain_kv_events())
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in self._fail_routes(lambda rid: exc):

@@ -52,6 +52,7 @@ class Migrations:
         self.transfer = transfer
         # request id -> blocks offered in step 1, by sample index (source)
         self._exported: dict[str, dict[int, int]] = {}
+        self._prepared: dict[str, list[int]] = {}  # request id -> sample indexes held (target)
         self.num_moved_out = 0
         self.num_moved_in = 0
         self.num_recomputed = 0  # continuations whose second pull failed
@@ -90,6 +91,19 @@ class Migrations:
         self.num_moved_out += 1
         return Paused(tuple(samples))
 
+    async def cancel(self, request_id: str) -> None:
+        """Either side of a migration that will not happen: end the leases of what step 1
+        offered (the source: freed when they end) and free what step 2 landed (the
+        target)."""
+        exported = self._exported.pop(request_id, {})
+        for index in exported:
+            self.transfer.cancel(hold_id(request_id, index))
+        prepared = self._prepared.pop(request_id, [])
+        engine = self.engine.engine
+        if prepared:
+            await self.engine.apply(lambda: [engine.free_held(hold_id(request_id, i))
+                                             for i in prepared])
+
     # ---- the target ----------------------------------------------------------------------------
 
     async def prepare(self, request_id: str, exported: Mapping[int, KVHandoff],
@@ -113,6 +127,7 @@ class Migrations:
         except BaseException:
             self.engine.apply_soon(free_all)
             raise
+        self._prepared[request_id] = list(holds)
         asyncio.get_running_loop().call_later(hold_s, lambda: self.engine.apply_soon(free_all))
         return {i: len(ids) for i, ids in block_ids.items()}
 
@@ -120,6 +135,7 @@ class Migrations:
         """Step 4: take each sample's prepared blocks, pull the rest, decode on after the sent
         tokens; a failed pull (or no room) computes the KV instead."""
         rid = cmd.req.request_id
+        self._prepared.pop(rid, None)  # taken (or freed) by the continuation
         handoffs = {s.index: s.kv.handoff for s in cmd.samples}  # type: ignore[union-attr]
         samples = [Continuation(s.index, s.sent_token_ids, s.kv.num_kv_tokens,  # type: ignore
                                 hold_id(rid, s.index) if s.kv.num_landed_blocks else None)

@@ -218,6 +218,11 @@ class Worker:
         """Stop a running request here for the worker it moves to (`Migrations.pause`)."""
         return await self.migrations.pause(request_id, reader_tp_size)
 
+    async def cancel_migration(self, request_id: str) -> None:
+        """A live migration of the request that will not happen: let go of its blocks offered
+        or landed here (`Migrations.cancel`)."""
+        await self.migrations.cancel(request_id)
+
     async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
                             reader_tp_size: int = 1) -> KVHandoff | None:
         """Offer the leading `block_hashes` cached here for a worker of `reader_tp_size` ranks

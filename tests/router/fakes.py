@@ -246,6 +246,9 @@ class FakeWorker(WorkerClient):
         raise InvalidRequestError(f"request {request_id!r} is not running here as one sample",
                                   param="request_id")
 
+    async def cancel_migration(self, request_id: str) -> None:
+        pass  # a fake never holds a migration's blocks
+
     async def abort(self, request_id: str) -> None:
         self.calls.aborts.append(request_id)
 

@@ -3,8 +3,10 @@ no token repeated or lost, the target computes no prompt token, and both workers
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
+import time
 
 import pytest
 
@@ -245,4 +247,122 @@ def test_a_moved_stream_still_stops_at_its_stop_string(pair, llm):
         router.workers.draining.discard(source)
     assert router.counters.num_live_migrations == moved + 1
     assert got == text[:at] and finish == "stop"
+    assert wait_until(lambda: _idle(pair))
+
+
+def _slower(server, delay_s: float):
+    """Each worker's steps `delay_s` slower until the returned function is called."""
+    saved = []
+    for i in range(2):
+        engine = _worker(server, i).engine
+        real = engine.step
+
+        def step(real=real):
+            time.sleep(delay_s)
+            return real()
+
+        saved.append((engine, real))
+        engine.step = step
+    return lambda: [setattr(engine, "step", real) for engine, real in saved]
+
+
+async def _started(server, router, prompt, params=GREEDY):
+    """`router.generate` under way, and the worker it runs on (polled until it holds it)."""
+    task = asyncio.ensure_future(router.generate(list(prompt), params))
+    for _ in range(500):
+        for i, client in enumerate(server.clients):
+            stats = await client.stats()
+            if stats.num_running + stats.num_waiting:
+                return task, f"worker-{i}"
+        await asyncio.sleep(0.01)
+    raise AssertionError("the request never reached a worker")
+
+
+async def _rest(gen) -> list[int]:
+    return [t async for event in gen.events() for t in event.token_ids]
+
+
+def test_a_request_still_in_its_prefill_when_its_worker_drains_moves_at_its_first_token(
+        pair, llm):
+    """The drain begins while a long prompt is computed in chunks: it is no stream yet, so it
+    moves, KV and all, as soon as its first token arrives, and finishes on the other worker
+    with the undisturbed output."""
+    router = pair.router
+    prompt = _prompt(31, 900)  # two chunks of max_num_batched_tokens=512
+    want = list(llm.generate([list(prompt)], GREEDY)[0].outputs[0].token_ids)
+    moved = router.counters.num_live_migrations
+    restore = _slower(pair, 0.1)
+
+    async def go():
+        task, source = await _started(pair, router, prompt)
+        assert await router.drain(source, hand_off_prefixes=False) == 0  # nothing to move yet
+        gen = await task
+        try:
+            return source, gen, await _rest(gen)
+        finally:
+            router.workers.draining.discard(source)
+
+    try:
+        source, gen, tokens = pair.call(go())
+    finally:
+        restore()
+    target = "worker-1" if source == "worker-0" else "worker-0"
+    assert tokens == want
+    assert gen.streamed_by == [source, target]
+    assert router.counters.num_live_migrations == moved + 1
+    assert wait_until(lambda: _idle(pair))
+
+
+def test_a_move_whose_first_pull_fails_leaves_the_stream_where_it_is(pair, expected,
+                                                                    monkeypatch):
+    from kvtransfer import faults
+
+    monkeypatch.setattr(faults, "ENABLED", True)
+    router = pair.router
+    prompt = _prompt(32, 37)
+    failed = router.counters.num_live_migrations_failed
+
+    async def go():
+        gen = await router.generate(list(prompt), GREEDY)
+        faults.arm("kv.pull", "raise")
+        try:
+            assert not await router.migrations.move(gen)
+        finally:
+            faults.disarm()
+        return gen, await _rest(gen)
+
+    gen, tokens = pair.call(go())
+    assert tokens == expected(list(prompt))
+    assert len(gen.streamed_by) == 1
+    assert router.counters.num_live_migrations_failed == failed + 1
+    assert wait_until(lambda: _idle(pair))
+
+
+def test_a_stream_whose_target_fails_after_the_move_is_recomputed_on_its_source(pair,
+                                                                               expected):
+    """The target's first step after taking the stream fails: the stream goes back to its
+    source (which did not fail) by recompute, with the undisturbed output."""
+    router = pair.router
+    prompt = _prompt(33, 37)
+    lost = router.counters.fallbacks.get("decode_worker_failed", 0)
+
+    async def go():
+        gen = await router.generate(list(prompt), GREEDY)
+        source = gen.worker_now
+        engine = _worker(pair, 1 if source == "worker-0" else 0).engine
+        real = engine.step
+
+        def broken_once():
+            engine.step = real
+            raise RuntimeError("the target's accelerator fell off the bus")
+
+        engine.step = broken_once
+        assert await router.migrations.move(gen)
+        return source, gen, await _rest(gen)
+
+    source, gen, tokens = pair.call(go())
+    target = "worker-1" if source == "worker-0" else "worker-0"
+    assert tokens == expected(list(prompt))
+    assert gen.streamed_by == [source, target, source]
+    assert router.counters.fallbacks.get("decode_worker_failed", 0) == lost + 1
     assert wait_until(lambda: _idle(pair))
