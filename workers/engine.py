@@ -356,12 +356,12 @@ class Engine:
 
     # ---- the KV handoff and continuations: decode side ---------------------------------------
 
-    def _continuations(self, req: WorkerRequest,
-                       samples: Sequence[Continuation]) -> list[Request]:
+    def _continuations(self, req: WorkerRequest, samples: Sequence[Continuation],
+                       with_kv: bool) -> list[Request]:
         """The validated samples of a request continued here after the output other workers
         sampled and streamed (each holds the first of its sent tokens; the rest join in
-        `_replay`). Registered nowhere yet. max_tokens, min_tokens and penalties count the
-        sent tokens as output."""
+        `_replay`); `with_kv`: each brings the KV of some of its tokens. Registered nowhere
+        yet. max_tokens, min_tokens and penalties count the sent tokens as output."""
         request_id, params = req.request_id, req.params
         indexes = [c.index for c in samples]
         if not samples or len(set(indexes)) != len(indexes) or not all(
@@ -387,7 +387,7 @@ class Engine:
                 raise InvalidRequestError(f"sent token ids outside [0, {vocab}): {bad[:5]}",
                                           param="sent_token_ids")
             total = len(ids) + len(sent)
-            if c.hold_id is not None and not 0 < c.num_kv_tokens < total:
+            if with_kv and not 0 < c.num_kv_tokens < total:
                 raise InvalidRequestError(
                     f"the KV of {c.num_kv_tokens} tokens of a {total}-token continuation: "
                     "expected at least 1 and fewer than all (the last is computed here)",
@@ -441,7 +441,7 @@ class Engine:
         KV. `abort` frees them. Raises `KVCacheFull` (nothing kept, the held blocks freed)."""
         rid = req.request_id
         try:
-            conts = self._continuations(req, samples)
+            conts = self._continuations(req, samples, with_kv=True)
         except InvalidRequestError:
             for c in samples:
                 if c.hold_id is not None:
@@ -516,7 +516,7 @@ class Engine:
         the prompt and those tokens are computed here, then each decodes on from its next
         token. Greedy and seeded output equal an uninterrupted run (a seeded draw depends only
         on the seed, the sample's index and the output position)."""
-        conts = self._continuations(req, samples)
+        conts = self._continuations(req, samples, with_kv=False)
         for c, sample in zip(samples, conts):
             self._replay(req.request_id, c.index, sample, c.sent_token_ids)
             self.scheduler.add(sample)

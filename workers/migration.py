@@ -120,9 +120,9 @@ class Migrations:
 
         try:
             pulls = {i: await self.transfer.puller(holds[i], h) for i, h in exported.items()}
-            block_ids = {i: await self.engine.apply(
-                lambda i=i: engine.reserve_prefix(holds[i], len(h.ranks[0].block_ids)))
-                for i, h in exported.items()}
+            block_ids = await self.engine.apply(lambda: {
+                i: engine.reserve_prefix(holds[i], len(h.ranks[0].block_ids))
+                for i, h in exported.items()})
             await _all(pulls[i](block_ids[i]) for i in exported)
         except BaseException:
             self.engine.apply_soon(free_all)

@@ -14,6 +14,7 @@ from tests.router.conftest import API_KEY, NUM_BLOCKS, slow_steps, start_server,
 from workers.llm import LLM
 from workers.messages import Generate, MigratedKV, RequestMoved, Resume, ResumedSample
 from workers.protocol import InvalidRequestError, SamplingParams, WorkerRequest
+from workers.request import Continuation
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -366,3 +367,14 @@ def test_a_stream_whose_target_fails_after_the_move_is_recomputed_on_its_source(
     assert gen.streamed_by == [source, target, source]
     assert router.counters.fallbacks.get("decode_worker_failed", 0) == lost + 1
     assert wait_until(lambda: _idle(pair))
+
+
+def test_a_continuation_must_bring_the_kv_of_some_but_not_all_of_its_tokens(llm):
+    engine = llm.engine
+    free = engine.kv.pool.num_free_blocks
+    req = WorkerRequest("kv-bounds", _prompt(34, 20), GREEDY)
+    for num_kv in (0, 23):  # 20 prompt tokens and 3 sent: 23 is all of them
+        with pytest.raises(InvalidRequestError) as err:
+            engine.continue_with_kv(req, [Continuation(0, [7, 8, 9], num_kv)])
+        assert err.value.param == "num_kv_tokens"
+    assert engine.kv.pool.num_free_blocks == free and not engine.has_unfinished()
