@@ -174,10 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, live, replay = both_modes(args, run_mode)
     result = {
         "benchmark": "drain", "command": command_line(argv), **code_state(),
-        "setup": {"streams": args.streams, "context": [args.min_context, args.max_context],
-                  "sum_of_contexts": sum(len(x) for x in prompts),
-                  "output_len": args.output_len, "warm_tokens": args.warm_tokens,
-                  "torch_threads": args.torch_threads,
+        "setup": {**setup(args, prompts), "torch_threads": args.torch_threads,
                   "server": "LocalServer (router + 2 aggregated workers) in this process"},
         **compare(live, replay)}
     return emit(result, args.out)
@@ -198,6 +195,13 @@ def both_modes(args: argparse.Namespace,
         prompts = [[rng.randrange(10, vocab) for _ in range(
             rng.randint(args.min_context, args.max_context))] for _ in range(args.streams)]
         return prompts, run(model, prompts, args, True), run(model, prompts, args, False)
+
+
+def setup(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """The workload's figures both drain benchmarks report."""
+    return {"streams": args.streams, "context": [args.min_context, args.max_context],
+            "sum_of_contexts": sum(len(x) for x in prompts), "output_len": args.output_len,
+            "warm_tokens": args.warm_tokens}
 
 
 def compare(live: dict, replay: dict) -> dict:

@@ -36,7 +36,7 @@ import threading
 import time
 
 import httpx
-from drain import Stream, both_modes, compare, stream_completion, summarize, wait_started
+from drain import Stream, both_modes, compare, setup, stream_completion, summarize, wait_started
 from results_io import RESULTS, command_line, emit
 from serving_layers import code_state
 from serving_ray import free_ports
@@ -133,9 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, live, replay = both_modes(args, run_mode)
     result = {
         "benchmark": "drain_ray", "command": command_line(argv), **code_state(),
-        "setup": {"streams": args.streams, "context": [args.min_context, args.max_context],
-                  "sum_of_contexts": sum(len(x) for x in prompts),
-                  "output_len": args.output_len, "warm_tokens": args.warm_tokens,
+        "setup": {**setup(args, prompts),
                   "server": "the Ray app (2 aggregated replicas, 1 router) in this process's "
                             "local Ray; the prompts cached on the first before the streams"},
         **compare(live, replay)}
