@@ -7,6 +7,8 @@
     # decode side: land the blocks in freshly allocated local ones, layer by layer
     result = await agent.pull(handoffs, local_block_ids, on_layer=..., timeout=10.0)
 
+Pulls from one source asked for in the same turn of the event loop go as one read (`pulls`).
+
 The source frees a lease's blocks by calling `on_release(block_ids)` exactly once, when all
 its expected pulls end (a pull consumes its reader however it ends), on `release`/`cancel`, or
 at expiry. The puller owns its destination blocks: when `pull` raises, the caller frees them.
@@ -18,27 +20,29 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable, Coroutine, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from kvtransfer import faults
 from kvtransfer.handoff import Handoff, KVLayout, check_transferable
-from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
-                               TransferTimeout)
+from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, LeaseExpired, PeerGone,
+                               TransferError)
 from kvtransfer.leases import LeaseTable, ReleaseCallback
 from kvtransfer.plan import ReadPlan, sources_for
+from kvtransfer.pulls import PartStats, PullBatcher, settled
 from kvtransfer.registry import make_transport
-from kvtransfer.transport import LayerSink, SourceRead, TransferStats, Transport, TransportConfig
+from kvtransfer.transport import SourceRead, Transport, TransportConfig
 from kvtransfer.wire import ReadRequest
 
 
 @dataclass(frozen=True)
 class PullResult:
     num_bytes: int  # bytes landed, all layers and sources
-    num_messages: int  # data messages, all layers and sources
+    num_messages: int  # data messages of its reads, all layers and sources
     num_sources: int  # source ranks pulled from
     seconds: float
+    read_bytes: int  # bytes of the reads it went in (with other pulls from the same sources)
 
 
 class TransferAgent:
@@ -53,6 +57,7 @@ class TransferAgent:
         self._transport = (transport if isinstance(transport, Transport)
                            else make_transport(transport or TransportConfig(), hub=hub))
         self._leases = LeaseTable(on_release or (lambda block_ids: None))
+        self._pulls = PullBatcher(self._transport, layout, self.caches)
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._address: str | None = None
 
@@ -74,6 +79,7 @@ class TransferAgent:
 
     async def close(self) -> None:
         """Stop serving and end every lease (their blocks are released)."""
+        await self._pulls.close()
         await self._transport.close()
         self._leases.release_all()
         for timer in self._timers.values():
@@ -111,24 +117,61 @@ class TransferAgent:
         return self._leases.num_leases
 
     @property
+    def num_reads(self) -> int:
+        """Reads this agent sent as a puller (pulls from one source that start together go as
+        one read)."""
+        return self._pulls.num_reads
+
+    @property
     def num_held_blocks(self) -> int:
         return self._leases.num_held_blocks
 
     def open_read(self, request: ReadRequest) -> SourceRead:
-        """BlockSource: validate a pull (layouts first, then the lease) before any byte moves."""
+        """BlockSource: validate a pull (layouts first, then every part's lease) before any
+        byte moves. A part whose lease is gone or whose block count differs fails the read
+        naming it, and no other part's lease is used."""
         self._check_blocks(request.block_ids, "destination", None)
-        check_transferable(self.layout, request.layout)  # before the lease: a bad pull keeps it
-        lease = self._leases.begin_read(request.lease_id)
-        try:
-            plan = ReadPlan.build(self.layout, request.layout, lease.block_ids, request.block_ids)
-        except TransferError:
-            self._leases.end_read(request.lease_id)  # a bad pull uses its reader up
+        check_transferable(self.layout, request.layout)  # before the leases: a bad pull keeps them
+        lease_ids = [part.lease_id for part in request.parts]
+        if len(set(lease_ids)) != len(lease_ids):
+            raise InvalidDescriptor(f"a read names leases {lease_ids[:8]}... more than once; "
+                                    "expected each lease at most once")
+        leases, gone = [], []
+        for part in request.parts:
+            try:
+                leases.append(self._leases.readable(part.lease_id))
+            except LeaseExpired as exc:
+                gone.append(exc)
+        if gone:
+            raise LeaseExpired("; ".join(map(str, gone[:3])) + (
+                f" (and {len(gone) - 3} more)" if len(gone) > 3 else ""),
+                tuple(i for exc in gone for i in exc.lease_ids))
+        short = [(p.lease_id, len(le.block_ids), len(p.block_ids))
+                 for p, le in zip(request.parts, leases) if len(le.block_ids) != len(p.block_ids)]
+        for lease_id, _, _ in short:  # a bad part uses its reader up
+            self._leases.begin_read(lease_id)
+            self._leases.end_read(lease_id)
+        if short:
             self._forget_timers()
+            raise LayoutMismatch(f"{short[0][2]} destination blocks for lease {short[0][0]!r} of "
+                                 f"{short[0][1]} blocks; expected one per source block",
+                                 tuple(i for i, _, _ in short))
+        for lease_id in lease_ids:
+            self._leases.begin_read(lease_id)
+        try:
+            plan = ReadPlan.build(self.layout, request.layout,
+                                  [b for le in leases for b in le.block_ids], request.block_ids)
+        except TransferError:
+            self._end_reads(lease_ids)  # a bad pull uses its readers up
             raise
-        return SourceRead(lease.lease_id, plan, self.caches, plan.bytes_per_layer(self.layout))
+        return SourceRead(tuple(lease_ids), plan, self.caches, plan.bytes_per_layer(self.layout))
 
     def close_read(self, read: SourceRead) -> None:
-        self._leases.end_read(read.lease_id)
+        self._end_reads(read.lease_ids)
+
+    def _end_reads(self, lease_ids: Sequence[str]) -> None:
+        for lease_id in lease_ids:
+            self._leases.end_read(lease_id)
         self._forget_timers()
 
     def _expire(self, lease_id: str) -> None:
@@ -179,44 +222,18 @@ class TransferAgent:
             if remaining[layer] == 0 and on_layer is not None:
                 on_layer(layer)
 
-        jobs = []
-        for h in needed:
-            plan = ReadPlan.build(h.layout, self.layout, h.block_ids, dst_ids)
-            sink = LayerSink(plan, self.caches, plan.bytes_per_layer(h.layout), landed)
-            jobs.append(self._transport.fetch(h.address, ReadRequest(h.lease_id, self.layout,
-                                                                     dst_ids), sink))
+        for _ in needed:
+            try:
+                await faults.ahit("kv.pull")
+            except faults.InjectedFault as exc:  # an injected failure is a lost peer
+                raise PeerGone(str(exc)) from None
         start = time.perf_counter()
-        stats = await _all_or_nothing([_at_pull_point(job) for job in jobs], timeout)
-        return PullResult(sum(s.num_bytes for s in stats), sum(s.num_messages for s in stats),
-                          len(stats), time.perf_counter() - start)
-
-
-async def _at_pull_point(job: Coroutine[object, object, TransferStats]) -> TransferStats:
-    """`job` after the `kv.pull` fault point (an injected failure is a lost peer)."""
-    try:
-        await faults.ahit("kv.pull")
-    except faults.InjectedFault as exc:
-        job.close()  # the fetch, never started
-        raise PeerGone(str(exc)) from None
-    return await job
-
-
-async def _all_or_nothing(jobs: list, timeout: float) -> list[TransferStats]:
-    """Run the fetches; on the first failure or the timeout cancel the rest, wait for them to
-    stop (nothing writes afterwards) and raise."""
-    tasks = [asyncio.ensure_future(job) for job in jobs]
-    try:
-        done, pending = await asyncio.wait(tasks, timeout=timeout,
-                                           return_when=asyncio.FIRST_EXCEPTION)
-    finally:  # also when the caller cancels the pull
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for task in done:
-        if task.exception() is not None:
-            raise task.exception()
-    if pending:
-        raise TransferTimeout(f"pull did not finish within {timeout} s ({len(pending)} of "
-                              f"{len(tasks)} sources still sending)")
-    return [task.result() for task in tasks]
+        results = await settled([self._pulls.fetch(h, dst_ids, landed, timeout)
+                                 for h in needed])
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        parts: list[PartStats] = results  # type: ignore[assignment]
+        return PullResult(sum(p.num_bytes for p in parts),
+                          sum(p.read.num_messages for p in parts), len(parts),
+                          time.perf_counter() - start, sum(p.read.num_bytes for p in parts))

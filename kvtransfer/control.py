@@ -10,8 +10,7 @@ import logging
 import socket
 from typing import Awaitable, Callable
 
-from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
-                               error_from_kind)
+from kvtransfer.errors import InvalidDescriptor, LayoutMismatch, PeerGone, TransferError
 from kvtransfer.transport import BlockSource, LayerSink, SourceRead
 from kvtransfer.wire import (ReadAccepted, ReadRejected, ReadRequest, recv_message,
                              send_message)
@@ -105,7 +104,7 @@ async def open_read_or_reject(conn: socket.socket, source: BlockSource) -> Sourc
     try:
         read = source.open_read(request)
     except TransferError as e:
-        await send_message(conn, ReadRejected(e.kind, str(e)))
+        await send_message(conn, ReadRejected.of(e))
         return None
     await send_message(conn, ReadAccepted(read.bytes_per_layer))
     return read
@@ -116,7 +115,7 @@ async def request_read(sock: socket.socket, request: ReadRequest, sink: LayerSin
     await send_message(sock, request)
     reply = await recv_message(sock)
     if isinstance(reply, ReadRejected):
-        raise error_from_kind(reply.kind, reply.message)
+        raise reply.error()
     if not isinstance(reply, ReadAccepted):
         raise InvalidDescriptor(f"expected ReadAccepted, got {type(reply).__name__}")
     if reply.bytes_per_layer != sink.bytes_per_layer:

@@ -7,9 +7,14 @@ from enum import Enum
 
 
 class TransferError(Exception):
-    """Base of every error a pull or an offer raises."""
+    """Base of every error a pull or an offer raises. `lease_ids` names the parts of a read
+    at fault when only some are (empty: the whole read)."""
 
     kind: "ErrorKind"
+
+    def __init__(self, message: str = "", lease_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.lease_ids = tuple(lease_ids)
 
 
 class TransferTimeout(TransferError):
@@ -61,5 +66,6 @@ for _kind, _cls in _CLASSES.items():
 TransferError.kind = ErrorKind.PEER_GONE
 
 
-def error_from_kind(kind: ErrorKind, message: str) -> TransferError:
-    return _CLASSES[kind](message)
+def error_from_kind(kind: ErrorKind, message: str,
+                    lease_ids: tuple[str, ...] = ()) -> TransferError:
+    return _CLASSES[kind](message, lease_ids)

@@ -56,15 +56,22 @@ class LeaseTable:
         self._leases[lease.lease_id] = lease
         return lease
 
-    def begin_read(self, lease_id: str) -> Lease:
-        """Pin a lease for one pull; raises `LeaseExpired` if it is gone or past its deadline."""
+    def readable(self, lease_id: str) -> Lease:
+        """The lease, if a pull may begin on it now; raises `LeaseExpired` (naming it) if it is
+        gone or past its deadline (ending it then). Pins nothing."""
         lease = self._leases.get(lease_id)
         if lease is None:
             raise LeaseExpired(f"lease {lease_id!r} is not held: released, cancelled, expired "
-                               "or never granted by this source")
+                               "or never granted by this source", (lease_id,))
         if lease.expired or self._clock() > lease.deadline:
             self._end(lease, "expired")
-            raise LeaseExpired(f"lease {lease_id!r} of request {lease.request_id!r} expired")
+            raise LeaseExpired(f"lease {lease_id!r} of request {lease.request_id!r} expired",
+                               (lease_id,))
+        return lease
+
+    def begin_read(self, lease_id: str) -> Lease:
+        """Pin a lease for one pull; raises `LeaseExpired` if it is gone or past its deadline."""
+        lease = self.readable(lease_id)
         lease.active_reads += 1
         return lease
 

@@ -43,7 +43,7 @@ class TransferStats:
 class SourceRead:
     """One accepted pull on the source: the views to send, layer by layer."""
 
-    lease_id: str
+    lease_ids: tuple[str, ...]  # the leases it reads, in wire order
     plan: ReadPlan
     caches: Sequence[torch.Tensor]
     bytes_per_layer: int

@@ -45,7 +45,7 @@ import torch
 
 from kvtransfer.control import CONNECTION_TIMEOUT_S, parse_address
 from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
-                               TransportUnavailable, error_from_kind)
+                               TransportUnavailable)
 from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport,
                                   TransportConfig)
 from kvtransfer.ucx_endpoint import Endpoint, Pipeline
@@ -118,7 +118,7 @@ class UcxTransport(Transport):
             try:
                 read = self._source.open_read(request)
             except TransferError as e:
-                await ep.send_message(ReadRejected(e.kind, str(e)))
+                await ep.send_message(ReadRejected.of(e))
                 return True
             await ep.send_message(ReadAccepted(read.bytes_per_layer))
             await sends.run(read.num_layers, lambda layer: [
@@ -190,7 +190,7 @@ class UcxTransport(Transport):
         await ep.send_message(request)
         reply = await ep.recv_message()
         if isinstance(reply, ReadRejected):
-            raise error_from_kind(reply.kind, reply.message)
+            raise reply.error()
         if not isinstance(reply, ReadAccepted) or reply.bytes_per_layer != sink.bytes_per_layer:
             raise LayoutMismatch(f"source replied {reply}; expected ReadAccepted of "
                                  f"{sink.bytes_per_layer} bytes per layer")

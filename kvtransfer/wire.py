@@ -3,8 +3,10 @@
 A frame is a 13-byte header `(kind: u8, layer: u32, length: u64)` then `length` bytes: JSON of
 a message for control kinds, raw KV bytes for `MessageKind.LAYER`. One pull on a stream:
 
-    puller -> source   READ_REQUEST (the puller's layout and block ids, the lease id)
-    source -> puller   READ_ACCEPTED | READ_REJECTED (an ErrorKind; nothing was written)
+    puller -> source   READ_REQUEST (the puller's layout; per part a lease id and the puller's
+                       block ids: several leases of one source may go as one read)
+    source -> puller   READ_ACCEPTED | READ_REJECTED (an ErrorKind, and the leases at fault
+                       when only some parts are; nothing was written, no other part used)
     source -> puller   LAYER x num_layers (a layer's views in ReadPlan order, one frame each)
     puller -> source   READ_DONE (every layer landed; the source may end the read)
 """
@@ -20,7 +22,8 @@ from enum import IntEnum
 from typing import Union
 
 from kvtransfer.handoff import KVLayout
-from kvtransfer.errors import ErrorKind, InvalidDescriptor, PeerGone
+from kvtransfer.errors import (ErrorKind, InvalidDescriptor, PeerGone, TransferError,
+                               error_from_kind)
 
 HEADER = struct.Struct("!BIQ")
 # a control message (a ReadRequest names a block id per block: 1 MiB is ~100k blocks) at most;
@@ -38,10 +41,26 @@ class MessageKind(IntEnum):
 
 
 @dataclass(frozen=True)
-class ReadRequest:
+class ReadPart:
     lease_id: str
-    layout: KVLayout  # the puller's layout
     block_ids: tuple[int, ...]  # the puller's destination block ids, in token order
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """One read of one or more leases' blocks, sent in part order."""
+
+    layout: KVLayout  # the puller's layout
+    parts: tuple[ReadPart, ...]
+
+    @classmethod
+    def one(cls, lease_id: str, layout: KVLayout, block_ids: tuple[int, ...]) -> ReadRequest:
+        return cls(layout, (ReadPart(lease_id, tuple(block_ids)),))
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """Every part's destination block ids, in wire order."""
+        return tuple(b for part in self.parts for b in part.block_ids)
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,15 @@ class ReadAccepted:
 class ReadRejected:
     kind: ErrorKind
     message: str
+    lease_ids: tuple[str, ...] = ()  # the parts at fault, when not the whole read
+
+    @classmethod
+    def of(cls, error: TransferError) -> ReadRejected:
+        return cls(error.kind, str(error), error.lease_ids)
+
+    def error(self) -> TransferError:
+        """The rejection as the puller raises it."""
+        return error_from_kind(self.kind, self.message, self.lease_ids)
 
 
 @dataclass(frozen=True)
@@ -75,10 +103,11 @@ _KINDS: dict[type, MessageKind] = {
 
 def encode(msg: Message) -> tuple[MessageKind, bytes]:
     if isinstance(msg, ReadRequest):
-        body = {"lease_id": msg.lease_id, "layout": msg.layout.to_dict(),
-                "block_ids": list(msg.block_ids)}
+        body = {"layout": msg.layout.to_dict(),
+                "parts": [[p.lease_id, list(p.block_ids)] for p in msg.parts]}
     elif isinstance(msg, ReadRejected):
-        body = {"kind": msg.kind.value, "message": msg.message}
+        body = {"kind": msg.kind.value, "message": msg.message,
+                "lease_ids": list(msg.lease_ids)}
     else:
         body = dict(msg.__dict__)
     return _KINDS[type(msg)], json.dumps(body, separators=(",", ":")).encode()
@@ -88,10 +117,14 @@ def decode(kind: int, payload: bytes) -> Message:
     try:
         body = json.loads(payload)
         if kind == MessageKind.READ_REQUEST:
-            return ReadRequest(body["lease_id"], KVLayout.from_dict(body["layout"]),
-                               tuple(int(b) for b in body["block_ids"]))
+            parts = tuple(ReadPart(str(lease_id), tuple(int(b) for b in block_ids))
+                          for lease_id, block_ids in body["parts"])
+            if not parts:
+                raise ValueError("a read of no part")
+            return ReadRequest(KVLayout.from_dict(body["layout"]), parts)
         if kind == MessageKind.READ_REJECTED:
-            return ReadRejected(ErrorKind(body["kind"]), str(body["message"]))
+            return ReadRejected(ErrorKind(body["kind"]), str(body["message"]),
+                                tuple(str(i) for i in body.get("lease_ids", ())))
         cls = {v: k for k, v in _KINDS.items()}[MessageKind(kind)]
         return cls(**body)
     except (KeyError, TypeError, ValueError) as e:

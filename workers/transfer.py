@@ -133,7 +133,8 @@ class WorkerTransfer:
                     raise KVPullFailed(request_id, type(exc).__name__, str(exc)) from None
                 if isinstance(exc, BaseException):
                     raise exc
-            self._measured(handoff.num_bytes, time.perf_counter() - start)
+            # the rate of the reads it went in (merged with other pulls from the same source)
+            self._measured(max(r.read_bytes for r in results), time.perf_counter() - start)
 
         return pull
 

@@ -93,7 +93,7 @@ def test_source_rejects_a_mismatched_layout_before_writing() -> None:
         handoff = src.agent.offer("r", src.pool.allocate(4))
         # skip the puller's own check: ask the source directly with a wrong layout
         wrong = make_layout(head_dim=16)
-        request = ReadRequest(handoff.lease_id, wrong, (0, 1, 2, 3))
+        request = ReadRequest.one(handoff.lease_id, wrong, (0, 1, 2, 3))
         with pytest.raises(LayoutMismatch, match="head_dim 8 vs 16"):
             await dst.agent._transport.fetch(handoff.address, request, sink=None)
         assert all(not c.view(-1).abs().sum() for c in dst.caches)
@@ -158,7 +158,7 @@ def test_a_puller_that_stops_reading_cannot_hold_the_lease() -> None:
         sock = socket.create_connection((host, int(port)))
         sock.setblocking(False)
         try:
-            await send_message(sock, ReadRequest(handoff.lease_id, dst.agent.layout, (0, 1)))
+            await send_message(sock, ReadRequest.one(handoff.lease_id, dst.agent.layout, (0, 1)))
             for _ in range(100):  # the layers arrive; the puller never says ReadDone
                 await asyncio.sleep(0.05)
                 if src.agent.num_leases == 0:
