@@ -36,7 +36,12 @@ logger = logging.getLogger(__name__)
 DECODE_POOL = (WorkerRole.DECODE, WorkerRole.BOTH)
 # first pulls under way at once in a `move_all`: each is a bulk copy, and many at once crowd the
 # event loops that also carry the workers' token streams (measured by `benchmarks/drain.py`)
-BULK_PULLS = 2
+BULK_PULLS = 1
+# after each bulk pull, a rest this many times as long as the pull took: the copies take at most
+# 1 / (1 + BULK_REST) of the time, so the sources (decoding on meanwhile) keep their cores and
+# memory bandwidth (on 2 cores, unpaced bulk pulls slowed the source's steps by 25-75%)
+BULK_REST = 1.0
+RESUME_WAIT_S = 30.0  # a drain waits this long at most for its moved streams to stream again
 
 
 class LiveMigrations:
@@ -76,17 +81,26 @@ class LiveMigrations:
                        target: str | None = None) -> list[bool]:
         """`move` for several streams, each phase for all of them before the next:
         1. every source offers its streams' computed blocks (one step boundary per source);
-        2. the targets pull them, `BULK_PULLS` at a time, while the sources decode on;
+        2. the targets pull them, `BULK_PULLS` at a time, each followed by a rest
+           (`BULK_REST`), while the sources decode on;
         3. every stream pauses (again one boundary per source);
         4. every target is handed its streams in one batch of `Resume`s, so they start there
            together, each with the few blocks its source wrote since (1).
         No stream waits for another's bulk pull between its pause and its first token."""
         moves = await asyncio.gather(*(self._start(g, with_kv, target) for g in gens))
         bulk = asyncio.Semaphore(BULK_PULLS)
+        loop = asyncio.get_running_loop()
+
+        waiting = [sum(1 for m in moves if m)]
 
         async def pull(m: Move) -> bool:
             async with bulk:
-                return await m.pull()
+                waiting[0] -= 1
+                start = loop.time()
+                pulled = await m.pull()
+                if waiting[0]:  # no rest after the last: the pauses wait for it
+                    await asyncio.sleep((loop.time() - start) * BULK_REST)
+                return pulled
 
         pulled = await asyncio.gather(*(pull(m) if m else _false() for m in moves))
         moves = [m if ok else None for m, ok in zip(moves, pulled)]
@@ -116,13 +130,18 @@ class LiveMigrations:
 
     async def drain(self, worker_id: str, with_kv: bool = True) -> int:
         """Route nothing new to `worker_id` and move its running streams away; how many
-        moved (those still starting there move at their first token, `track`). `with_kv`
-        False: the targets recompute the streams' KV (a replay: the baseline
-        `benchmarks/drain.py` measures against)."""
+        moved (those still starting there move at their first token, `track`). Returns once
+        each moved stream has streamed from its target (at most `RESUME_WAIT_S`): the targets
+        have then reported the KV they took, so a hand-off after it does not send it again,
+        nor compete with their first steps. `with_kv` False: the targets recompute the
+        streams' KV (a replay: the baseline `benchmarks/drain.py` measures against)."""
         self.workers.draining.add(worker_id)
         self._drain_with_kv[worker_id] = with_kv
         moving = self.on(worker_id)
         results = await self.move_all(moving, with_kv)
+        resumed = [g.resumed for g, ok in zip(moving, results) if ok and g.resumed]
+        if resumed:
+            await asyncio.wait(resumed, timeout=RESUME_WAIT_S)
         if moving:
             logger.info("drain of %s: %d of %d streams moved with their KV", worker_id,
                         sum(results), len(moving))

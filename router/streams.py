@@ -100,6 +100,9 @@ class Generation:
         # while a live migration is under way: its (target id, target stream, the source to
         # release after a replay), once paused
         self._moved: asyncio.Future[tuple[str, TokenStream, WorkerClient | None]] | None = None
+        # done at its first event from the worker a move took it to (or when it ends): the
+        # worker has reported the KV it brought (`LiveMigrations.drain` waits for it)
+        self.resumed: asyncio.Future[None] | None = None
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -130,6 +133,8 @@ class Generation:
                     await self._end_handover()
                     await self._migrate(exc, sent)
                     continue
+                if self._moved is None:
+                    self._resume_seen()  # an event from the worker it moved to, if it moved
                 if self._handover is not None:
                     h, self._handover = self._handover, None
                     self._rerouter.kv_pulled(h.decode.worker_id, h.handoff,
@@ -221,12 +226,18 @@ class Generation:
         """Mark it moving (`router.live_migration`): when its source's stream ends with
         `RequestMoved`, the stream goes on from the future's (target id, target stream, the
         source to release after a replay)."""
-        self._moved = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._moved, self.resumed = loop.create_future(), loop.create_future()
         return self._moved
 
     def cancel_move(self) -> None:
         """The move did not happen (the stream did not pause): it goes on where it is."""
         self._moved = None
+        self._resume_seen()
+
+    def _resume_seen(self) -> None:
+        if self.resumed is not None and not self.resumed.done():
+            self.resumed.set_result(None)
 
     async def _take_moved(self) -> None:
         """The source's stream ended (moved): the target's continues it. After a replay the
@@ -249,6 +260,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self._resume_seen()
         self.record.finish("cancelled")  # unless it already ended
         try:
             await self._stream.aclose()

@@ -205,8 +205,12 @@ def test_a_drain_moves_a_served_stream_with_its_kv(pair, llm, n):
     target = _worker(pair, 1 if source == "worker-0" else 0)
     computed_on_target = _count_prompt_tokens(target)
     moved = router.counters.num_live_migrations
+    (gen,) = router.migrations.on(source)
     try:
         assert pair.call(router.drain(source)) == 1
+        # the drain returns once the stream has streamed from its target (which has then
+        # reported the KV it took: the hand-off after it does not send it again)
+        assert gen.resumed.done() and gen.streamed_by == [source, target.worker_id]
         for chunk in chunks:
             for c in chunk.choices:
                 got[c.index] += c.text
