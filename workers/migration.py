@@ -127,8 +127,14 @@ class Migrations:
         except BaseException:
             self.engine.apply_soon(free_all)
             raise
-        self._prepared[request_id] = list(holds)
-        asyncio.get_running_loop().call_later(hold_s, lambda: self.engine.apply_soon(free_all))
+        mine = self._prepared[request_id] = list(holds)
+
+        def expire() -> None:  # not when a later prepare of the request holds the same ids
+            if self._prepared.get(request_id, mine) is mine:
+                self._prepared.pop(request_id, None)
+                self.engine.apply_soon(free_all)
+
+        asyncio.get_running_loop().call_later(hold_s, expire)
         return {i: len(ids) for i, ids in block_ids.items()}
 
     async def continue_(self, cmd: Resume, sink: Sink) -> None:

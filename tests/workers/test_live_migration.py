@@ -382,3 +382,30 @@ def test_a_continuation_must_bring_the_kv_of_some_but_not_all_of_its_tokens(llm)
             engine.continue_with_kv(req, [Continuation(0, [7, 8, 9], num_kv)])
         assert err.value.param == "num_kv_tokens"
     assert engine.kv.pool.num_free_blocks == free and not engine.has_unfinished()
+
+
+def test_a_stale_hold_timer_leaves_a_later_move_of_the_same_request_alone(pair):
+    """A move prepared and cancelled, then prepared again: the first one's hold timer, when it
+    fires, does not free the blocks the second landed under the same hold ids."""
+    a, b = _worker(pair, 0), _worker(pair, 1)
+    req = WorkerRequest("again", _prompt(5, 40), GREEDY)
+
+    async def go() -> tuple[int, int]:
+        stream = a.stream(Generate(req))
+        events = aiter(stream)
+        await anext(events)
+        await b.migrations.prepare("again", await a.export_running("again", 1), hold_s=0.2)
+        for w in (a, b):
+            await w.cancel_migration("again")
+        await b.migrations.prepare("again", await a.export_running("again", 1), hold_s=30)
+        await asyncio.sleep(0.5)  # the first prepare's timer has fired
+        await b.async_engine.apply(lambda: None)  # and what it queued has run
+        held = b.resources()["held_requests"]
+        for w in (a, b):
+            await w.cancel_migration("again")
+        after = b.resources()["held_requests"]
+        await stream.aclose()
+        return held, after
+
+    assert pair.call(go()) == (1, 0)
+    assert wait_until(lambda: _idle(pair))
