@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any, Callable
 
+from cluster.directory import TTL_S
 from cluster.launch import APP_NAME
 from router.hand_off import cache_worth
 
@@ -42,22 +43,36 @@ def _handles(address: str | None) -> tuple[Any, Any]:
             serve.get_deployment_handle("router", app_name=APP_NAME))
 
 
-def _choose(entries: list[Any], worker_id: str | None, pool: str) -> Any:
+def _stats(entry: Any) -> Any | None:
+    """The worker's `EngineStats`, or None when its engine actor is gone (its replica died:
+    the directory drops it within `TTL_S` of its last heartbeat)."""
     import ray
 
-    live = [e for e in entries if not e.draining]
+    try:
+        return ray.get(entry.actor.stats.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return None
+
+
+def _choose(entries: list[Any], worker_id: str | None, pool: str) -> tuple[Any, Any]:
+    """The worker to drain and its stats: `worker_id`, or the coldest that answers of
+    `pool`."""
     if worker_id is not None:
         entry = next((e for e in entries if e.worker_id == worker_id), None)
         if entry is None:
             raise ValueError(f"no worker {worker_id!r}; expected one of "
                              f"{[e.worker_id for e in entries]}")
-        return entry
-    candidates = [e for e in live if e.pool == pool]
-    if len(candidates) < 2:
-        raise ValueError(f"pool {pool!r} has {len(candidates)} live workers; a drain needs "
+        stats = _stats(entry)
+        if stats is None:
+            raise ValueError(f"worker {worker_id!r} does not answer: its replica died (the "
+                             f"directory drops it within {TTL_S:.0f} s); nothing to drain")
+        return entry, stats
+    answering = [(e, s) for e in entries if not e.draining and e.pool == pool
+                 for s in [_stats(e)] if s is not None]
+    if len(answering) < 2:
+        raise ValueError(f"pool {pool!r} has {len(answering)} live workers; a drain needs "
                          "another to take its streams (name the worker to drain it anyway)")
-    stats = ray.get([e.actor.stats.remote() for e in candidates], timeout=30)
-    return min(zip(candidates, stats), key=lambda es: cache_worth(es[1]))[0]
+    return min(answering, key=lambda es: cache_worth(es[1]))
 
 
 def drain_worker(worker_id: str | None = None, pool: str = "decode",
@@ -73,9 +88,8 @@ def drain_worker(worker_id: str | None = None, pool: str = "decode",
 
     directory, router = _handles(address)
     entries = directory.entries.remote().result(timeout_s=30)
-    entry = _choose(entries, worker_id, pool)
+    entry, before = _choose(entries, worker_id, pool)
     say = progress or (lambda line: None)
-    before = ray.get(entry.actor.stats.remote(), timeout=30)
     directory.set_draining.remote(entry.worker_id, with_kv).result(timeout_s=30)
     say(f"draining {entry.worker_id} ({entry.pool}): {before.num_running} running, "
         f"{before.num_waiting} waiting")
