@@ -133,8 +133,9 @@ class WorkerTransfer:
                     raise KVPullFailed(request_id, type(exc).__name__, str(exc)) from None
                 if isinstance(exc, BaseException):
                     raise exc
-            # the rate of the reads it went in (merged with other pulls from the same source)
-            self._measured(max(r.read_bytes for r in results), time.perf_counter() - start)
+            # the rate of the reads it went in, every rank's (each merged with other pulls from
+            # the same source rank)
+            self._measured(sum(r.read_bytes for r in results), time.perf_counter() - start)
 
         return pull
 

@@ -257,10 +257,17 @@ class Worker:
         NOTE: a lease cancelled while a decode worker reads it frees the blocks under that read;
         only cancel when the decode side is being aborted too."""
         self.transfer.cancel(request_id)
-        for tasks in (self._pulls, self._prefills):  # a prefill() call ends, raising Cancelled
-            task = tasks.pop(request_id, None)
-            if task is not None:
-                task.cancel()
+        prefill = self._prefills.pop(request_id, None)
+        if prefill is not None:  # the prefill() call ends, raising Cancelled
+            prefill.cancel()
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:
+            # its blocks are freed once its read has ended (by the task, and here after it): a
+            # read it shares with other pulls goes on (`kvtransfer.pulls`), and blocks freed
+            # now could be given to another request and written into
+            pull.cancel()
+            pull.add_done_callback(lambda _: self.async_engine.abort(request_id))
+            return
         self.async_engine.abort(request_id)
 
     # ---- the KV handoff ----------------------------------------------------------------------
