@@ -91,14 +91,15 @@ class LiveMigrations:
         bulk = asyncio.Semaphore(BULK_PULLS)
         loop = asyncio.get_running_loop()
 
-        waiting = [sum(1 for m in moves if m)]
+        waiting = sum(1 for m in moves if m)
 
         async def pull(m: Move) -> bool:
+            nonlocal waiting
             async with bulk:
-                waiting[0] -= 1
+                waiting -= 1
                 start = loop.time()
                 pulled = await m.pull()
-                if waiting[0]:  # no rest after the last: the pauses wait for it
+                if waiting:  # no rest after the last: the pauses wait for it
                     await asyncio.sleep((loop.time() - start) * BULK_REST)
                 return pulled
 

@@ -133,8 +133,8 @@ class Generation:
                     await self._end_handover()
                     await self._migrate(exc, sent)
                     continue
-                if self._moved is None:
-                    self._resume_seen()  # an event from the worker it moved to, if it moved
+                if self.resumed is not None and self._moved is None:
+                    self._resume_seen()  # an event from the worker it moved to
                 if self._handover is not None:
                     h, self._handover = self._handover, None
                     self._rerouter.kv_pulled(h.decode.worker_id, h.handoff,
