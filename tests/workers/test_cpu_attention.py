@@ -72,6 +72,20 @@ def test_decode_scores_far_apart_stay_finite():
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dim", [64, 24])
+def test_a_bf16_cache_is_read_as_fp32(dim):
+    """A bf16 cache decodes in the kernel: the same as the fp32 kernel over the cache's values
+    widened to fp32, and close to naive attention over them."""
+    seq_lens = [1, 16, 40, 300]
+    q, cache, tables, lens = make_case(seq_lens, 8, 2, dim, block_size=16, seed=5)
+    half = cache.bfloat16()
+    got = paged_decode(q, half, tables, lens, 0.125)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, paged_decode(q, half.float(), tables, lens, 0.125))
+    torch.testing.assert_close(got, naive_decode(q, half.float(), tables, lens, 0.125),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_result_does_not_depend_on_the_thread_count():
     rng = random.Random(3)
     seq_lens = [rng.randint(1, 200) for _ in range(37)]
@@ -93,8 +107,10 @@ def test_decode_writes_into_out_and_reads_strided_queries():
 
 def test_bad_inputs_are_refused_with_what_was_expected():
     q, cache, tables, lens = make_case([5], 4, 2, 16, 16)
-    with pytest.raises(TypeError, match="float32.*torch.bfloat16"):
-        paged_decode(q, cache.bfloat16(), tables, lens, 0.25)
+    with pytest.raises(TypeError, match="float32 or bfloat16 cache.*torch.float16"):
+        paged_decode(q, cache.half(), tables, lens, 0.25)
+    with pytest.raises(TypeError, match="float32 q.*torch.bfloat16"):
+        paged_decode(q.bfloat16(), cache, tables, lens, 0.25)
     q12, cache12, tables12, lens12 = make_case([5], 4, 2, 12, 16)
     with pytest.raises(ValueError, match="4 heads of 12.*multiple of 8"):
         paged_decode(q12, cache12, tables12, lens12, 0.25)
@@ -103,7 +119,8 @@ def test_bad_inputs_are_refused_with_what_was_expected():
 
 
 def test_backend_falls_back_to_torch_for_what_the_kernel_does_not_take():
-    """bf16 caches and head sizes that are not multiples of 8 decode through the torch path."""
+    """Head sizes that are not multiples of 8 decode through the torch path; bf16 through the
+    kernel, against the reference."""
     from tests.workers.test_attention import run_mixed_batch
 
     run_mixed_batch("cpu", seed=1, dim=12)

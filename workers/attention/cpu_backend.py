@@ -14,7 +14,8 @@ The kernel is compiled at first use with the system C compiler (`$CC`, default `
 CPU and cached under `$CLEAVE_CACHE_DIR/kernels/` (default `~/.cache/cleave/kernels/`), keyed by
 the source, the flags and the CPU, as Triton and torch's extensions cache theirs. Without a
 compiler, `attention_backend="auto"` falls back to the torch backend with a warning; asking for
-`cpu` by name raises. The kernel takes fp32, head sizes that are multiples of 8 and a contiguous
+`cpu` by name raises. The kernel takes fp32 or bf16 caches (bf16 read as fp32: the scores, softmax
+and sums are fp32, the output rounded once), head sizes that are multiples of 8 and a contiguous
 cache; anything else decodes through the torch backend's path.
 """
 
@@ -36,6 +37,7 @@ __all__ = ["KernelBuildError", "available", "build_kernel", "load_kernel", "page
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads
 
 
 def build_kernel(compiler: str | None = None) -> Path:
@@ -50,7 +52,7 @@ def load_kernel() -> ctypes.CDLL:
     fn = lib.paged_decode_f32
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int64, ptr, ptr,
-                   i32, i32, i32, i32, i32, ctypes.c_float, i32, i32]
+                   i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, i32]
     fn.restype = i32
     return lib
 
@@ -67,15 +69,16 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  num_threads: int | None = None, window: int | None = None,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One new query token per sequence over its paged context. q: [B, Hq, D] fp32 on the CPU;
-    kv_cache: [2, num_blocks, block_size, Hkv, D] fp32; block_tables: [B, >= blocks needed];
-    seq_lens: [B] (context length including the new token); window: attend only the last
-    `window` tokens; sinks: [Hq] fp32 attention-sink logits. Returns [B, Hq, D]. Threads default to torch's; each sequence is computed
+    kv_cache: [2, num_blocks, block_size, Hkv, D] fp32 or bf16 (read as fp32); block_tables:
+    [B, >= blocks needed]; seq_lens: [B] (context length including the new token); window:
+    attend only the last `window` tokens; sinks: [Hq] fp32 attention-sink logits. Returns
+    [B, Hq, D] fp32. Threads default to torch's; each sequence is computed
     by one thread, so the result does not depend on them."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
-    if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-        raise TypeError(f"paged_decode takes float32 q and cache, got {q.dtype} and "
-                        f"{kv_cache.dtype}")
+    if q.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPES:
+        raise TypeError(f"paged_decode takes a float32 q and a float32 or bfloat16 cache, got "
+                        f"{q.dtype} and {kv_cache.dtype}")
     if q.device.type != "cpu" or kv_cache.device.type != "cpu":
         raise ValueError(f"paged_decode runs on the CPU, got q on {q.device} and the cache on "
                          f"{kv_cache.device}")
@@ -99,7 +102,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[-1].data_ptr(),
         None if sinks is None else sinks.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads,
-        head_dim, block_size, scale, window or 0, num_threads or torch.get_num_threads())
+        head_dim, block_size, scale, window or 0, int(kv_cache.dtype == torch.bfloat16),
+        num_threads or torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode could not allocate its per-sequence scratch")
     return out
@@ -114,9 +118,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-        if (q.dtype != torch.float32 or kv_cache.dtype != torch.float32
+        if (q.dtype != kv_cache.dtype or kv_cache.dtype not in KV_DTYPES
                 or q.device.type != "cpu" or q.shape[-1] % 8 or not kv_cache.is_contiguous()):
             return super()._decode(q, kv_cache, meta, scale, window, sinks)
         batch = q.shape[0]
-        return paged_decode(q, kv_cache, meta.block_tables[:batch], meta.seq_lens[:batch], scale,
-                            window=window, sinks=sinks)
+        out = paged_decode(q.float(), kv_cache, meta.block_tables[:batch],
+                           meta.seq_lens[:batch], scale, window=window, sinks=sinks)
+        return out.to(q.dtype)  # bf16: rounded once, at the end

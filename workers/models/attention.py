@@ -78,13 +78,16 @@ class LlamaAttention(nn.Module):
         # x: [T, hidden] -> [T, hidden]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qkv[:, :qk_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
+        else:  # q and k side by side: rotated together
+            qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+            q, k = self.rotary_emb.rotate_qk(positions, qk, self.num_heads)
         out = self.attn_backend.forward(q, k, v, kv_cache, meta, scale=self.scale,
                                         window=self.window, sinks=self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from workers import norm_rope
 from workers.model_config import RopeScaling
 
 
@@ -80,11 +81,26 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> same shapes, rotated
+        q_out = norm_rope.rope(positions, q, self.cos_cache, self.sin_cache)  # C, on the CPU
+        if q_out is not None:
+            k_out = norm_rope.rope(positions, k, self.cos_cache, self.sin_cache)
+            if k_out is not None:
+                return q_out, k_out
         cos = self.cos_cache.index_select(0, positions)
         sin = self.sin_cache.index_select(0, positions)
         cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+    def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor,
+                  num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) rotated, from one [T, Hq + Hkv, D] view of both (adjacent in the fused
+        projection's output): one kernel call on the CPU, where `forward` makes two."""
+        out = norm_rope.rope(positions, qk, self.cos_cache, self.sin_cache)
+        if out is None:
+            return self(positions, qk[:, :num_q_heads], qk[:, num_q_heads:])
+        return out[:, :num_q_heads], out[:, num_q_heads:]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

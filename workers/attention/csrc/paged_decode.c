@@ -1,4 +1,4 @@
-/* Paged decode attention for the CPU, fp32: one new query token per sequence attends over its
+/* Paged decode attention for the CPU, fp32 queries over an fp32 or bf16 cache: one new query token per sequence attends over its
  * context in the paged KV cache, reading each cached K and V row once, straight from its block
  * (no gathered copy), with an online softmax.
  *
@@ -10,7 +10,8 @@
  *   window       the last `window` tokens are attended (a sliding window); 0 for all of them
  *   sinks        [num_heads] attention-sink logits (scaled units) joining each softmax's
  *                denominator, or NULL for none
- * head_dim must be a multiple of 8 (the caller checks).
+ * head_dim must be a multiple of 8 (the caller checks). A bf16 cache's rows are widened to fp32
+ * as they are read (`kv_bf16`); the arithmetic is fp32 either way.
  *
  * A work item is one sequence, all heads. Per block: the K rows token by token (each row covers
  * every KV head contiguously, so reads stream; grouped-query heads share the row they read) give
@@ -35,12 +36,13 @@
 #include <string.h>
 
 typedef struct {
-    const float *q, *k, *v, *sinks;
+    const float *q, *sinks;
+    const void *k, *v; /* fp32, or bf16 when kv_bf16 */
     const int32_t *block_tables;
     const int32_t *seq_lens;
     float *out;
     int64_t table_stride;
-    int num_heads, num_kv_heads, head_dim, block_size, num_items, window;
+    int num_heads, num_kv_heads, head_dim, block_size, num_items, window, kv_bf16;
     float scale;
     atomic_int next;
     int failed;
@@ -58,6 +60,20 @@ static inline vf load_vf(const float *p) {
 
 static inline void store_vf(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+typedef uint16_t vh __attribute__((vector_size(16)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+
+/* Eight cached values from element `i` of `base`, as fp32 (bf16: the high half of each). */
+static inline vf load_kv(const void *base, int64_t i, const int bf16) {
+    if (!bf16) return load_vf((const float *)base + i);
+    vh h;
+    memcpy(&h, (const uint16_t *)base + i, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static inline float sum_vf(vf v) {
     float s = 0.0f;
     for (int i = 0; i < VL; i++) s += v[i];
@@ -66,7 +82,9 @@ static inline float sum_vf(vf v) {
 
 /* One sequence, every head; `dv` = head_dim / 8. Inlined with dv a constant for the usual head
  * sizes, so the row loops are unrolled. */
-static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, const int dv) {
+static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, const int dv,
+                                                           const int bf16) {
+    const int64_t esize = bf16 ? 2 : 4; /* bytes per cached value */
     const int H = j->num_heads, Hkv = j->num_kv_heads, G = H / Hkv, bs = j->block_size;
     const int D = dv * VL, len = j->seq_lens[seq];
     const int64_t row = (int64_t)Hkv * D;  /* floats per token in a block (every KV head) */
@@ -98,23 +116,28 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
     for (int b = b0; b < num_blocks; b++) {
         const int n = b == num_blocks - 1 ? len - b * bs : bs;
         const int t0 = b == b0 ? first - b * bs : 0;  /* tokens [t0, n) of this block */
-        const float *kb = j->k + (int64_t)table[b] * bs * row;
-        const float *vb = j->v + (int64_t)table[b] * bs * row;
-        const float *kn = b + 1 < num_blocks ? j->k + (int64_t)table[b + 1] * bs * row : NULL;
-        const float *vn = b + 1 < num_blocks ? j->v + (int64_t)table[b + 1] * bs * row : NULL;
+        /* element offsets of this block and the next in either half */
+        const int64_t kb = (int64_t)table[b] * bs * row;
+        const int has_next = b + 1 < num_blocks;
+        const char *kn = has_next ? (const char *)j->k + (int64_t)table[b + 1] * bs * row * esize
+                                  : NULL;
+        const char *vn = has_next ? (const char *)j->v + (int64_t)table[b + 1] * bs * row * esize
+                                  : NULL;
         for (int t = t0; t < n; t++) {  /* token-major: K rows read front to back */
-            const float *kt = kb + t * row;
+            const int64_t kt = kb + t * row;
             if (kn != NULL)
-                for (int64_t i = 0; i < row; i += 16) __builtin_prefetch(kn + t * row + i, 0, 0);
+                for (int64_t i = 0; i < row * esize; i += 64)
+                    __builtin_prefetch(kn + t * row * esize + i, 0, 0);
             for (int h = 0; h < H; h++) {
-                const float *kr = kt + (h / G) * D, *qh = qs + h * D;
+                const int64_t kr = kt + (h / G) * D;
+                const float *qh = qs + h * D;
                 vf a0 = {0}, a1 = {0};
                 int i = 0;
                 for (; i + 1 < dv; i += 2) {
-                    a0 += load_vf(qh + i * VL) * load_vf(kr + i * VL);
-                    a1 += load_vf(qh + (i + 1) * VL) * load_vf(kr + (i + 1) * VL);
+                    a0 += load_vf(qh + i * VL) * load_kv(j->k, kr + i * VL, bf16);
+                    a1 += load_vf(qh + (i + 1) * VL) * load_kv(j->k, kr + (i + 1) * VL, bf16);
                 }
-                if (i < dv) a0 += load_vf(qh + i * VL) * load_vf(kr + i * VL);
+                if (i < dv) a0 += load_vf(qh + i * VL) * load_kv(j->k, kr + i * VL, bf16);
                 s[h * bs + t] = sum_vf(a0 + a1);
             }
         }
@@ -141,14 +164,17 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
                 for (int i = 0; i < dv; i++)
                     store_vf(acc + h * D + i * VL, load_vf(acc + h * D + i * VL) * c[h]);
         for (int t = t0; t < n; t++) {  /* V rows front to back */
-            const float *vt = vb + t * row;
+            const int64_t vt = kb + t * row;  /* the V half has the K half's layout */
             if (vn != NULL)
-                for (int64_t i = 0; i < row; i += 16) __builtin_prefetch(vn + t * row + i, 0, 0);
+                for (int64_t i = 0; i < row * esize; i += 64)
+                    __builtin_prefetch(vn + t * row * esize + i, 0, 0);
             for (int h = 0; h < H; h++) {
-                const float p = s[h * bs + t], *vr = vt + (h / G) * D;
+                const float p = s[h * bs + t];
+                const int64_t vr = vt + (h / G) * D;
                 float *ah = acc + h * D;
                 for (int i = 0; i < dv; i++)
-                    store_vf(ah + i * VL, load_vf(ah + i * VL) + p * load_vf(vr + i * VL));
+                    store_vf(ah + i * VL,
+                             load_vf(ah + i * VL) + p * load_kv(j->v, vr + i * VL, bf16));
             }
         }
     }
@@ -160,12 +186,24 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
     return 0;
 }
 
-static int attend(job_t *j, int seq) {
+static int attend_f32(job_t *j, int seq) {
     switch (j->head_dim) {  /* constant trip counts for the usual head sizes */
-        case 64: return attend_dv(j, seq, 8);
-        case 128: return attend_dv(j, seq, 16);
-        default: return attend_dv(j, seq, j->head_dim / VL);
+        case 64: return attend_dv(j, seq, 8, 0);
+        case 128: return attend_dv(j, seq, 16, 0);
+        default: return attend_dv(j, seq, j->head_dim / VL, 0);
     }
+}
+
+static int attend_bf16(job_t *j, int seq) {
+    switch (j->head_dim) {
+        case 64: return attend_dv(j, seq, 8, 1);
+        case 128: return attend_dv(j, seq, 16, 1);
+        default: return attend_dv(j, seq, j->head_dim / VL, 1);
+    }
+}
+
+static int attend(job_t *j, int seq) {
+    return j->kv_bf16 ? attend_bf16(j, seq) : attend_f32(j, seq);
 }
 
 static void *work(void *arg) {
@@ -178,15 +216,17 @@ static void *work(void *arg) {
     return NULL;
 }
 
-/* Returns 0 on success, -1 when memory for a work item's scratch could not be allocated. */
-int paged_decode_f32(const float *q, const float *k, const float *v, const float *sinks,
+/* Returns 0 on success, -1 when memory for a work item's scratch could not be allocated.
+ * k and v: fp32, or bf16 when kv_bf16 is 1. */
+int paged_decode_f32(const float *q, const void *k, const void *v, const float *sinks,
                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                      float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
-                     int block_size, float scale, int window, int num_threads) {
-    job_t j = {.q = q, .k = k, .v = v, .sinks = sinks, .block_tables = block_tables, .seq_lens = seq_lens,
-               .out = out, .table_stride = table_stride, .num_heads = num_heads,
-               .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
-               .num_items = batch, .scale = scale, .window = window, .failed = 0};
+                     int block_size, float scale, int window, int kv_bf16, int num_threads) {
+    job_t j = {.q = q, .k = k, .v = v, .sinks = sinks, .block_tables = block_tables,
+               .seq_lens = seq_lens, .out = out, .table_stride = table_stride,
+               .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+               .block_size = block_size, .num_items = batch, .scale = scale, .window = window,
+               .kv_bf16 = kv_bf16, .failed = 0};
     atomic_init(&j.next, 0);
     if (num_threads > batch) num_threads = batch;
     if (num_threads < 1) num_threads = 1;
