@@ -110,3 +110,38 @@ def test_a_step_past_its_bound_or_a_lost_rank_makes_the_engine_unhealthy(tiny_mo
             await engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_the_engine_is_built_on_the_thread_its_steps_run_on(tiny_model, monkeypatch):
+    """One thread starts every parallel region of the engine (loading, profiling, steps): a
+    second thread with an OpenMP pool makes libgomp park idle workers, and each region of a
+    step then waits for a wake-up (`AsyncEngine.from_config`)."""
+    import threading
+
+    from workers import EngineConfig
+    from workers import async_engine as module
+
+    seen: dict[str, set[int]] = {"init": set(), "step": set()}
+
+    class Recording(module.Engine):
+        def __init__(self, *args, **kwargs):
+            seen["init"].add(threading.get_ident())
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            seen["step"].add(threading.get_ident())
+            return super().step()
+
+    monkeypatch.setattr(module, "Engine", Recording)
+
+    async def run():
+        engine = AsyncEngine.from_config(EngineConfig(model=tiny_model, num_blocks=64))
+        try:
+            async for _ in engine.generate_stream("hello", PARAMS):
+                pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+    assert len(seen["init"]) == 1 and seen["step"] == seen["init"]
+    assert threading.get_ident() not in seen["init"]
