@@ -16,7 +16,10 @@ fixed concurrency (1, 8, 32), the same requests for both servers. Each server ru
 same cores: `llama-server -np 32 -t <threads>` and `cleave serve --in-process` (one aggregated
 worker, `<threads>` torch threads), each in a child process.
 
-Reported per pair and concurrency: output tokens/s, TTFT and ITL p50/p99 of both, and
+Each pair is measured `--rounds` times (default 3), the two servers alternating; runs on this
+shared 2-core machine differ by 15-25%, so each figure is the median of its rounds (the rounds'
+throughputs are kept beside it). Reported per pair and concurrency: output tokens/s, TTFT and
+ITL p50/p99 of both, and
 `cleave_vs_llamacpp_<pair>_c<c>_ratio` (output tokens/s, Cleave over llama.cpp), plus the
 inter-token latency p50 ratio at concurrency 1 (`..._itl_p50_c1_ratio`, Cleave over llama.cpp:
 under 1 is faster).
@@ -30,6 +33,7 @@ import argparse
 import dataclasses
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -150,6 +154,33 @@ def sweep_server(base_url: str, model: str, sweep: Sweep, vocab: int) -> dict[in
     return out
 
 
+def measure_pair(pair: str, tree: Path, ggufs: dict[str, Path], cleave_ckpts: dict[str, Path],
+                 sweep: Sweep, vocab: int, slots: int, args: argparse.Namespace
+                 ) -> tuple[dict[int, dict], dict[int, dict]]:
+    """One round of a pair: llama.cpp's sweep, then Cleave's, each server alone; the figures of
+    each (Cleave's, llama.cpp's) by concurrency."""
+    ckpt, dtype, kind = PAIRS[pair]
+    server = LlamaServer(tree, ggufs[kind], slots, args.threads,
+                         slots * (args.input_len + args.output_len + 16)).start()
+    try:
+        peer = sweep_server(server.base_url, ggufs[kind].name, sweep, vocab)
+    except RuntimeError as e:
+        raise RuntimeError(f"llama-server ({ggufs[kind].name}): {e}; its log ends: "
+                           f"{server.stderr_tail(1500)}") from None
+    finally:
+        server.stop()
+    with inprocess_server(str(cleave_ckpts[ckpt]), {"num_workers": 1}, 64, args.threads,
+                          {"dtype": dtype}) as (base_url, model_name):
+        ours = sweep_server(base_url, model_name, sweep, vocab)
+    return ({c: _figures(v) for c, v in ours.items()}, {c: _figures(v) for c, v in peer.items()})
+
+
+def _median_level(levels: list[dict]) -> dict:
+    """Each figure's median over rounds (this machine's runs differ by 15-25%)."""
+    return {key: round(statistics.median(level[key] for level in levels), 2)
+            for key in levels[0]}
+
+
 def _figures(level: dict) -> dict:
     return {"output_throughput": level["output_throughput"],
             **{f"{k}_{q}_ms": level[k][f"{q}_ms"] for k in ("ttft", "itl") for q in ("p50", "p99")}}
@@ -165,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--rounds", type=int, default=3,
+                   help="sweeps of each server per pair, alternating; medians reported")
     p.add_argument("--out", default=str(RESULTS / "peer_llamacpp.json"))
     args = p.parse_args(argv)
     cache = Path(args.cache)
@@ -181,31 +214,28 @@ def main(argv: list[str] | None = None) -> dict:
                     "threads": args.threads, "sweep": {"input_len": args.input_len,
                                                       "output_len": args.output_len},
                     "llama_cpp": f"llama-cpp-python {VERSION} (vendored llama.cpp)",
+                    "rounds": args.rounds,
                     "pairs": {}}
     for pair in args.pairs.split(","):
-        ckpt, dtype, kind = PAIRS[pair]
-        server = LlamaServer(tree, ggufs[kind], slots, args.threads,
-                             slots * (args.input_len + args.output_len + 16)).start()
-        try:
-            peer = sweep_server(server.base_url, ggufs[kind].name, sweep, vocab)
-        except RuntimeError as e:
-            raise RuntimeError(f"llama-server ({ggufs[kind].name}): {e}; its log ends: "
-                               f"{server.stderr_tail(1500)}") from None
-        finally:
-            server.stop()
-        with inprocess_server(str(cleave_ckpts[ckpt]), {"num_workers": 1}, 64, args.threads,
-                              {"dtype": dtype}) as (base_url, model_name):
-            ours = sweep_server(base_url, model_name, sweep, vocab)
-        result["pairs"][pair] = {c: {"cleave": _figures(ours[c]), "llama_cpp": _figures(peer[c])}
+        rounds = [measure_pair(pair, tree, ggufs, cleave_ckpts, sweep, vocab, slots, args)
+                  for _ in range(args.rounds)]
+        ours = {c: _median_level([r[0][c] for r in rounds]) for c in concurrencies}
+        peer = {c: _median_level([r[1][c] for r in rounds]) for c in concurrencies}
+        result["pairs"][pair] = {c: {"cleave": ours[c], "llama_cpp": peer[c],
+                                     "cleave_rounds": [r[0][c]["output_throughput"]
+                                                       for r in rounds],
+                                     "llama_cpp_rounds": [r[1][c]["output_throughput"]
+                                                          for r in rounds]}
                                  for c in concurrencies}
         for c in concurrencies:
             ratio = ours[c]["output_throughput"] / peer[c]["output_throughput"]
             result[f"cleave_vs_llamacpp_{pair}_c{c}_ratio"] = round(ratio, 3)
             print(f"{pair} c={c}: cleave {ours[c]['output_throughput']:.1f} tok/s, llama.cpp "
-                  f"{peer[c]['output_throughput']:.1f} tok/s ({ratio:.2f}x)", file=sys.stderr)
+                  f"{peer[c]['output_throughput']:.1f} tok/s ({ratio:.2f}x; medians of "
+                  f"{args.rounds})", file=sys.stderr)
         if 1 in concurrencies:
             result[f"cleave_vs_llamacpp_{pair}_itl_p50_c1_ratio"] = round(
-                ours[1]["itl"]["p50_ms"] / peer[1]["itl"]["p50_ms"], 3)
+                ours[1]["itl_p50_ms"] / peer[1]["itl_p50_ms"], 3)
     return emit(result, args.out)
 
 
