@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from workers import LLM
-from workers.small_gemm import SmallBatchMatmul, small_gemm
+from workers import small_gemm as small_gemm_module
+from workers.small_gemm import SmallBatchMatmul, small_gemm, small_gemm_bf16_dot
 
 
 @pytest.mark.parametrize("n, k", [(64, 128), (37, 100), (5, 17), (130, 48)])
@@ -23,9 +24,31 @@ def test_the_kernel_matches_torch_for_every_row_count(n, k, dtype):
             assert torch.equal(small_gemm(x, w, num_threads=threads), one)
 
 
+@pytest.mark.skipif(not small_gemm_module.has_bf16_dot(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("n, k", [(64, 128), (37, 100), (5, 17), (130, 48)])
+def test_bf16_activations_times_bf16_weights_by_dot_products(n, k):
+    """Each product of two bf16 is exact in fp32: the result is the exact dot product up to fp32
+    sums; any thread count gives the same bits; a bf16 layer of a few rows goes this way."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).bfloat16()
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, k).bfloat16()
+        want = (x.double() @ w.double().t()).float()
+        one = small_gemm_bf16_dot(x, w, num_threads=1)
+        torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(small_gemm_bf16_dot(x, w, num_threads=2), one)
+    layer = torch.nn.Linear(k, n, bias=False).bfloat16()
+    layer.weight.data = w
+    x = torch.randn(1, k).bfloat16()
+    assert torch.equal(SmallBatchMatmul(torch.bfloat16)(layer, x),
+                       small_gemm_bf16_dot(x, w).bfloat16())
+
+
 def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="fp32 x \\[M, K\\] and fp32/bf16 w \\[N, K\\]"):
         small_gemm(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="bf16 x \\[M, K\\] and bf16 w \\[N, K\\]"):
+        small_gemm_bf16_dot(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
 
 
 def test_layers_on_the_cpu_carry_it_and_hand_many_rows_to_torch(tiny_model):
