@@ -111,17 +111,6 @@ static inline void rope_row_bf16(const uint16_t *x, uint16_t *out, const float *
     }
 }
 
-/* x [T, H, D] with strides (token, head) in elements and contiguous D; out [T, H, D] contiguous;
- * cos/sin caches [max_position, D / 2] fp32, rows picked by positions [T]. */
-#define ROPE_LOOP(ROW_FN, T_IN, T_OUT)                                                   \
-    _Pragma("omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)")    \
-    for (int64_t t = 0; t < tokens; t++) {                                               \
-        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;      \
-        for (int64_t hd = 0; hd < heads; hd++)                                           \
-            ROW_FN((const T_IN *)x + t * tok_stride + hd * head_stride,                  \
-                   (T_OUT *)out + (t * heads + hd) * 2 * half, c, s, half);              \
-    }
-
 /* Returns 0, or -1 (nothing written) when a position is outside [0, max_position). */
 static int positions_ok(const int64_t *positions, int64_t tokens, int64_t max_position) {
     for (int64_t t = 0; t < tokens; t++)
@@ -129,18 +118,24 @@ static int positions_ok(const int64_t *positions, int64_t tokens, int64_t max_po
     return 1;
 }
 
-int rope_f32(const float *x, int64_t tok_stride, int64_t head_stride, float *out,
-             const int64_t *positions, const float *cos, const float *sin, int64_t max_position,
-             int64_t tokens, int64_t heads, int64_t half, int num_threads) {
-    if (!positions_ok(positions, tokens, max_position)) return -1;
-    ROPE_LOOP(rope_row_f32, float, float)
-    return 0;
-}
+/* NAME(x, ...): x [T, H, D] of type T with strides (token, head) in elements and contiguous D;
+ * out [T, H, D] contiguous; cos/sin caches [max_position, D / 2] fp32, rows picked by
+ * positions [T]. Returns 0, or -1 (nothing written) for a position past the caches. */
+#define DEFINE_ROPE(NAME, T, ROW_FN)                                                           \
+    int NAME(const T *x, int64_t tok_stride, int64_t head_stride, T *out,                      \
+             const int64_t *positions, const float *cos, const float *sin,                     \
+             int64_t max_position, int64_t tokens, int64_t heads, int64_t half,                \
+             int num_threads) {                                                                \
+        if (!positions_ok(positions, tokens, max_position)) return -1;                         \
+        _Pragma("omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)")      \
+        for (int64_t t = 0; t < tokens; t++) {                                                 \
+            const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;        \
+            for (int64_t hd = 0; hd < heads; hd++)                                             \
+                ROW_FN(x + t * tok_stride + hd * head_stride,                                  \
+                       out + (t * heads + hd) * 2 * half, c, s, half);                         \
+        }                                                                                      \
+        return 0;                                                                              \
+    }
 
-int rope_bf16(const uint16_t *x, int64_t tok_stride, int64_t head_stride, uint16_t *out,
-              const int64_t *positions, const float *cos, const float *sin, int64_t max_position,
-              int64_t tokens, int64_t heads, int64_t half, int num_threads) {
-    if (!positions_ok(positions, tokens, max_position)) return -1;
-    ROPE_LOOP(rope_row_bf16, uint16_t, uint16_t)
-    return 0;
-}
+DEFINE_ROPE(rope_f32, float, rope_row_f32)
+DEFINE_ROPE(rope_bf16, uint16_t, rope_row_bf16)
