@@ -92,7 +92,6 @@ class RotaryEmbedding(nn.Module):
         sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-
     def rotate_qk(self, positions: torch.Tensor, qk: torch.Tensor,
                   num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, k) rotated, from one [T, Hq + Hkv, D] view of both (adjacent in the fused
