@@ -28,7 +28,6 @@ from workers.native import build_library, loads
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "norm_rope.c"
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)

@@ -100,16 +100,16 @@ class SmallBatchMatmul:
     kernel = "small_gemm"
 
     def __init__(self, weight_dtype: torch.dtype) -> None:
-        self.max_rows = MAX_ROWS[weight_dtype]
-        if weight_dtype == torch.bfloat16 and has_bf16_dot():
-            self.max_rows = BF16_DOT_MAX_ROWS
+        # bf16 rows against these bf16 weights by dot products (decided once, not per call)
+        self.bf16_dot = weight_dtype == torch.bfloat16 and has_bf16_dot()
+        self.max_rows = BF16_DOT_MAX_ROWS if self.bf16_dot else MAX_ROWS[weight_dtype]
 
     def __call__(self, module: nn.Module, x: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         w = module.weight
         if x.shape[0] > self.max_rows or x.dtype != w.dtype:
             y = torch.nn.functional.linear(x, w)
-        elif x.dtype == torch.bfloat16 and has_bf16_dot():
+        elif self.bf16_dot:  # x is bf16 here: its dtype is the weight's
             y = small_gemm_bf16_dot(x, w)
         else:
             y = small_gemm(x if x.dtype == torch.float32 else x.float(), w)

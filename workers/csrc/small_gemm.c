@@ -95,8 +95,8 @@ DEFINE_TILE(tile_f32, float, load_f32, IDENTITY)
 DEFINE_TILE(tile_bf16, uint16_t, load_bf16, widen)
 
 /* Every tile of output rows [start, end): full tiles with constant counts, the rest generic. */
-#define DEFINE_ROWS(NAME, TILE, WTYPE)                                                        \
-    static void NAME(const float *x, const WTYPE *w, float *y, int64_t M, int64_t N,          \
+#define DEFINE_ROWS(NAME, TILE, XTYPE, WTYPE)                                                 \
+    static void NAME(const XTYPE *x, const WTYPE *w, float *y, int64_t M, int64_t N,          \
                      int64_t K, int64_t start, int64_t end) {                                 \
         for (int64_t m0 = 0; m0 < M; m0 += MB) {                                              \
             int mr = M - m0 < MB ? (int)(M - m0) : MB;                                        \
@@ -115,8 +115,8 @@ DEFINE_TILE(tile_bf16, uint16_t, load_bf16, widen)
         }                                                                                     \
     }
 
-DEFINE_ROWS(rows_f32, tile_f32, float)
-DEFINE_ROWS(rows_bf16, tile_bf16, uint16_t)
+DEFINE_ROWS(rows_f32, tile_f32, float, float)
+DEFINE_ROWS(rows_bf16, tile_bf16, float, uint16_t)
 
 /* Output rows split into `num_threads` contiguous runs of whole tiles. */
 static void split(int64_t N, int thread, int num_threads, int64_t *start, int64_t *end) {
@@ -148,7 +148,6 @@ int small_gemm_bf16(const float *x, const uint16_t *w, float *y, int64_t M, int6
     OVER_THREADS(rows_bf16);
     return 0;
 }
-
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -184,24 +183,7 @@ static inline __attribute__((always_inline)) void tile_dot(
         }
 }
 
-static void rows_dot(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
-                     int64_t K, int64_t start, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        int mr = M - m0 < MB ? (int)(M - m0) : MB;
-        for (int64_t n0 = start; n0 < end;) {
-            int nr = end - n0 < ROWS ? (int)(end - n0) : ROWS;
-            if (mr == 1 && end - n0 >= 2 * ROWS) {
-                tile_dot(x, w, y, N, K, m0, n0, 1, 2 * ROWS);
-                n0 += 2 * ROWS;
-                continue;
-            }
-            if (nr == ROWS && mr == 2) tile_dot(x, w, y, N, K, m0, n0, 2, ROWS);
-            else if (nr == ROWS && mr == 4) tile_dot(x, w, y, N, K, m0, n0, 4, ROWS);
-            else tile_dot(x, w, y, N, K, m0, n0, mr, nr);
-            n0 += nr;
-        }
-    }
-}
+DEFINE_ROWS(rows_dot, tile_dot, uint16_t, uint16_t)
 #else
 #define HAVE_BF16_DOT 0
 #endif
