@@ -38,9 +38,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import httpx
 import kv_fetch
-from loadgen import RequestResult, RequestSpec, percentiles_ms, send, served_model
+from loadgen import RequestResult, RequestSpec, client_session, percentiles_ms, send, served_model
 from results_io import RESULTS, command_line, emit
 from serving_layers import code_state, inprocess_server, resolve_model, vocab_of
 
@@ -90,7 +89,7 @@ async def converse(base_url: str, model: str, turns: list[list[list[int]]], repl
         queue.put_nowait(item)
     results: list[tuple[int, RequestResult]] = []
     url = base_url.rstrip("/") + "/v1/completions"
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as client:
+    async with client_session() as client:
 
         async def client_loop() -> None:
             while not queue.empty():

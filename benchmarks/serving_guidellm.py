@@ -5,13 +5,17 @@ concurrency) against the load generator's on the same server in the same run, as
 
 guidellm (`pip install -e .[bench]`) sends its own synthetic text prompts of `input_len` tokens
 (by the model's tokenizer), `output_len` output tokens with ignore_eos, `/v1/completions`
-streamed, `concurrency` streams, as many requests as the load generator sends.
+streamed, `concurrency` streams, as many requests as the load generator sends. Its streams run
+in one worker process (`GUIDELLM__MAX_WORKER_PROCESSES=1`), as the load generator's run in one
+event loop: by default it starts 10, which on a 2-core machine took about 0.8 of a core from
+the server it measured (the tiny model at 64 streams).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -78,7 +82,8 @@ def compare_guidellm(base_url: str, model_name: str, tokenizer: str, workload: W
                                workload.num_prompts, workload.input_len, workload.output_len,
                                out)
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                              env={**os.environ, "GUIDELLM__MAX_WORKER_PROCESSES": "1"})
         seconds = time.perf_counter() - t0
         if proc.returncode != 0 or not out.is_file():
             raise RuntimeError(f"guidellm failed ({proc.returncode}): "
@@ -91,5 +96,5 @@ def compare_guidellm(base_url: str, model_name: str, tokenizer: str, workload: W
             | {"ttft_p50_ms": loadgen["ttft"]["p50_ms"], "itl_p50_ms": loadgen["itl"]["p50_ms"]},
             "guidellm": guide, "guidellm_seconds": round(seconds, 1),
             "ratio": round(guide["output_throughput"] / rate, 3) if rate else None,
-            "command": " ".join(cmd[1:2] + [repr(x) if x.startswith("{") else x
-                                            for x in cmd[2:]])}
+            "command": " ".join(["GUIDELLM__MAX_WORKER_PROCESSES=1", "guidellm", cmd[1]]
+                                + [repr(x) if x.startswith("{") else x for x in cmd[2:]])}
