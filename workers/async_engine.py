@@ -304,47 +304,52 @@ class AsyncEngine:
             sink.flush()
 
     async def _run(self) -> None:
-        """Steps while there is work. Commands (`apply`, `apply_soon`) run between steps, on
-        the loop. When none waits, the next step starts before this one's events are handed
-        out, so the step thread does not idle while the loop dispatches (at one stream of the
-        embedded model that round trip was a third of each token's time)."""
+        """Steps while there is work. Commands (`apply`, `apply_soon`) run on the loop, only
+        while no step runs: the step thread steps on its own until a command waits or no work
+        is left (`_steps`), handing each step's events to the loop as the step ends. It waits
+        for the loop only when a command does: at one stream of the embedded model, a round
+        trip to the loop between steps cost a third of each token's time."""
         loop = asyncio.get_running_loop()
         assert self._wakeup is not None
-        step: asyncio.Future[tuple[list[TokenEvent], EngineStats, list[KVEvent]]] | None = None
         while True:
-            if step is None:
-                if not self._ops and not self.engine.has_unfinished():
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                ops, self._ops = self._ops, []
-                for op in ops:
-                    op()
-                if not self.engine.has_unfinished():
-                    self._publish_at_rest()
-                    continue
-                step = self._begin_step(loop)
+            if not self._ops and not self.engine.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            ops, self._ops = self._ops, []
+            for op in ops:
+                op()
+            if not self.engine.has_unfinished():
+                self._publish_at_rest()
+                continue
             try:
-                events, self._stats, kv_events = await step
+                await loop.run_in_executor(self._executor, self._steps, loop)
             except Exception as exc:  # a broken step fails every request in flight
                 if isinstance(exc, RankGroupError):  # a rank is gone: no step will work again
                     self.watchdog.broken(f"a rank of its group failed: {exc}")
                 self._fail_all(exc)
                 self._publish_at_rest()
-                continue
             finally:
-                step = None
                 self.watchdog.step_ended()
-            if not self._ops and self.engine.has_unfinished():  # read between steps
-                step = self._begin_step(loop)
-            self._dispatch(events)
-            if self.on_publish is not None:
-                self.on_publish(kv_events)
 
-    def _begin_step(self, loop: asyncio.AbstractEventLoop
-                    ) -> asyncio.Future[tuple[list[TokenEvent], EngineStats, list[KVEvent]]]:
-        self.watchdog.step_began()
-        return loop.run_in_executor(self._executor, self._step)
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the step thread: steps until a command waits or no work is left. Each step's
+        outcome goes to the loop (`_stepped`) before this returns or raises, so the loop sees
+        every event of the steps before the commands that follow them (`pause` relies on it)."""
+        while True:
+            self.watchdog.step_began()
+            outcome = self._step()
+            self.watchdog.step_ended()
+            loop.call_soon_threadsafe(self._stepped, outcome)
+            if self._ops or not self.engine.has_unfinished():
+                return
+
+    def _stepped(self, outcome: tuple[list[TokenEvent], EngineStats, list[KVEvent]]) -> None:
+        """On the loop: a step's events to their sinks, its stats and KV events published."""
+        events, self._stats, kv_events = outcome
+        self._dispatch(events)
+        if self.on_publish is not None:
+            self.on_publish(kv_events)
 
     def _publish_at_rest(self) -> None:
         """No step follows to publish what ops or a failed step's aborts changed (blocks
