@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -171,34 +171,47 @@ class RequestRecord(NullRecord):
         self._last_at: dict[int, float] = {}  # sample index -> its last event
         self._tokens: dict[int, int] = {}  # sample index -> tokens so far
         self._done = False
+        self._children_of: str | None = None  # the worker `_series` are of
+        self._series: tuple[Any, Any] = (None, None)
         m, labels = metrics, metrics.labels(gen.worker_id)
         m.ttft.labels(*labels).observe(now - started)
         m.prompt_tokens.labels(*labels).inc(len(gen.prompt_token_ids))
         m.predicted_cached.labels(*labels).inc(gen.predicted_cached_tokens)
         m.cached.labels(*labels).inc(gen.num_cached_tokens)
-        self._count_tokens(gen.first, now, labels)
+        self._count_tokens(gen.first, now, m.generation_tokens.labels(*labels))
         self._observe_itl(gen.first, None)
 
-    def _count_tokens(self, event: TokenEvent, now: float, labels: tuple[str, str]) -> None:
+    def _count_tokens(self, event: TokenEvent, now: float, counter: Any) -> None:
         self._last_at[event.index] = now
         self._tokens[event.index] = self._tokens.get(event.index, 0) + len(event.token_ids)
         if event.token_ids:
-            self._metrics.generation_tokens.labels(*labels).inc(len(event.token_ids))
+            counter.inc(len(event.token_ids))
 
     def on_event(self, event: TokenEvent) -> None:
         now = time.monotonic()
         self._observe_itl(event, now - self._last_at.get(event.index, self._first_at))
-        self._count_tokens(event, now, self._metrics.labels(self._streamer))
+        self._count_tokens(event, now, self._children()[1])
 
     def _observe_itl(self, event: TokenEvent, gap: float | None) -> None:
         """One inter-token latency per token: `gap` (since the sample's last event) for the
         event's first token (None: the generation's first, which has none), 0 for the tokens
         that arrived with it."""
-        itl = self._metrics.itl.labels(*self._metrics.labels(self._streamer))
+        itl = self._children()[0]
         if gap is not None:
             itl.observe(gap)
         for _ in range(len(event.token_ids) - 1):
             itl.observe(0.0)
+
+    def _children(self) -> tuple[Any, Any]:
+        """The ITL histogram's and the output-token counter's series of the worker streaming
+        now, looked up when that worker changes (a handoff, a migration), not per event."""
+        streamer = self._streamer
+        if self._children_of != streamer:
+            labels = self._metrics.labels(streamer)
+            self._series = (self._metrics.itl.labels(*labels),
+                            self._metrics.generation_tokens.labels(*labels))
+            self._children_of = streamer
+        return self._series
 
     @property
     def _streamer(self) -> str:
