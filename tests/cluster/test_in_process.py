@@ -87,6 +87,11 @@ def test_process_per_worker_pins_each_worker_and_serves_the_same_greedy_text(tin
             "ignore_eos": True}).json()
         assert out["choices"][0]["text"] == expected
         assert server.router.counters.num_disaggregated == 1
+        # Nagle off on the router's end: with it on, a call written while another was
+        # unanswered (a submit behind a long-polling next_outputs) waited ~40 ms for an ACK
+        import socket
+
+        assert all(c._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in channels)
     finally:
         server.stop()
     assert all(not c.process.is_alive() for c in channels)
