@@ -11,7 +11,8 @@ with the load generator of `loadgen.py`. Two modes:
    output tokens/s, and goodput under `--slo-ttft-ms` / `--slo-tpot-ms`; a PNG of the TTFT
    and ITL distributions lands next to the JSON.
 
-2. `--layers offline,inprocess_agg,inprocess,ray,transformers` (or `all`; `serving_layers.py`):
+2. `--layers offline,inprocess_agg,inprocess,inprocess_ppw,ray,transformers` (or `all`;
+   `serving_layers.py`):
    one fixed-concurrency sweep (`--concurrency 1,8,32,64`) through the offline engine, the
    in-process server, the Ray app (`cleave serve`) and a transformers static-batch loop, on the
    same requests, for each of `--models` (tiny: the embedded default; small: the preset; or a

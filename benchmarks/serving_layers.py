@@ -10,6 +10,8 @@ At each concurrency c, the same N requests (random token ids, seeded by c, exact
   engine plus the router and HTTP), driven by the load generator over streamed HTTP; the
   server runs in a child process, so the client shares no GIL with it (as with the Ray app);
 - `inprocess`: the same server with one prefill and one decode worker (KV over TCP);
+- `inprocess_ppw`: the same, each worker in a process of its own (`--process-per-worker`, no
+  Ray): the router's HTTP work and the engines' steps then hold no GIL in common;
 - `ray`: `cleave serve` as a subprocess on its own local Ray, one prefill and one decode replica;
 - `transformers`: `model.generate` on static batches of c of the same prompts (left padded,
   max_new_tokens = min_new_tokens = output_len), at the sweep's largest c only.
@@ -38,13 +40,16 @@ from typing import Iterator
 
 from loadgen import RequestSpec, Workload, measure, percentiles_ms
 
-LAYERS = ("offline", "transformers", "inprocess_agg", "inprocess", "ray", "ray_proxy")
+LAYERS = ("offline", "transformers", "inprocess_agg", "inprocess", "inprocess_ppw", "ray",
+          "ray_proxy")
 NOTE = ("{cores} CPU core(s) shared by every layer's engines, its router and this load generator "
         "(and by other processes on the machine: see load_average_1m); the Ray app's replicas "
         "run one torch thread each, the offline engine and the in-process servers' engines "
         "{threads} (torch_threads)")
 INPROCESS_LAYOUTS = {"inprocess_agg": {"num_workers": 1},
-                     "inprocess": {"num_prefill_workers": 1, "num_decode_workers": 1}}
+                     "inprocess": {"num_prefill_workers": 1, "num_decode_workers": 1},
+                     "inprocess_ppw": {"num_prefill_workers": 1, "num_decode_workers": 1,
+                                       "process_per_worker": True}}
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,10 @@ def inprocess_server(model: str, layout: dict, threshold: int, torch_threads: in
     router and engines, as with the Ray app. Stopped on exit."""
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_serve_in_child, daemon=True, name="cleave-inprocess",
+    # a daemonic process may not start processes of its own (`process_per_worker`); this
+    # one is stopped below either way
+    child = ctx.Process(target=_serve_in_child, name="cleave-inprocess",
+                        daemon=not layout.get("process_per_worker", False),
                         args=(model, layout, threshold, torch_threads, child_conn,
                               engine or {}))
     child.start()
@@ -212,9 +220,11 @@ def _serve_in_child(model: str, layout: dict, threshold: int, torch_threads: int
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
+    layout = dict(layout)
+    per_process = layout.pop("process_per_worker", False)
     server = LocalServer(LocalServeConfig(
         model, http_port=0, grpc_port=0, router={"disagg_threshold_tokens": threshold},
-        engine=engine, **layout)).start(timeout_s=300)
+        engine=engine, **layout), process_per_worker=per_process).start(timeout_s=300)
     try:
         conn.send((server.http_port, server.router.model_name))
         try:
@@ -278,18 +288,18 @@ def ratios(levels: dict[str, dict], concurrencies: tuple[int, ...]) -> dict[str,
     out: dict[str, float | None] = {}
     top = max(concurrencies)
     pairs = [("ray", "inprocess"), ("inprocess", "offline"), ("inprocess_agg", "offline"),
-             ("ray", "ray_proxy")]
+             ("inprocess_ppw", "offline"), ("inprocess_ppw", "inprocess"), ("ray", "ray_proxy")]
     for a, b in pairs:
         if a in levels and b in levels:
             for c in concurrencies:
                 out[f"{a}_vs_{b}_c{c}_ratio"] = _ratio(tput(a, c), tput(b, c))
     if "transformers" in levels:
-        for a in ("ray", "inprocess", "inprocess_agg", "offline"):
+        for a in ("ray", "inprocess", "inprocess_agg", "inprocess_ppw", "offline"):
             if a in levels:
                 out[f"{a}_vs_transformers_ratio"] = _ratio(tput(a, top), tput("transformers", top))
     if "offline" in levels and top in levels["offline"]:
         step = levels["offline"][top]["step"]["p50_ms"]
-        for a in ("ray", "inprocess", "inprocess_agg"):
+        for a in ("ray", "inprocess", "inprocess_agg", "inprocess_ppw"):
             if a in levels and top in levels[a]:
                 # ITL: gaps between streamed chunks (near 0 when a client reads several at
                 # once); TPOT: each request's decode time per token, which bursts do not skew

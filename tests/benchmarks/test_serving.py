@@ -89,7 +89,7 @@ def test_a_request_not_started_within_the_time_limit_is_not_sent(loadgen, server
 
 def test_layers_sweep_compares_every_layer_on_the_same_requests(serving, tiny_model, tmp_path):
     out = tmp_path / "layers.json"
-    result = serving.main(["--layers", "offline,transformers,inprocess_agg,inprocess",
+    result = serving.main(["--layers", "offline,transformers,inprocess_agg,inprocess,inprocess_ppw",
                            "--models", f"tiny={tiny_model}",
                            "--concurrency", "1,2", "--num-prompts", "3", "--input-len", "24",
                            "--output-len", "4", "--disagg-threshold", "16", "--out", str(out)])
@@ -102,12 +102,12 @@ def test_layers_sweep_compares_every_layer_on_the_same_requests(serving, tiny_mo
             assert run["output_throughput"] > 0
     assert set(tiny["levels"]["transformers"]) == {2}  # the largest concurrency only
     assert tiny["levels"]["offline"][2]["output_tokens"] == 3 * 4
-    throughput = {f"tiny_{a}_vs_offline_c{c}_ratio" for a in ("inprocess", "inprocess_agg")
-                  for c in (1, 2)}
-    throughput |= {f"tiny_{a}_vs_transformers_ratio"
-                   for a in ("offline", "inprocess", "inprocess_agg")}
+    servers = ("inprocess", "inprocess_agg", "inprocess_ppw")
+    throughput = {f"tiny_{a}_vs_offline_c{c}_ratio" for a in servers for c in (1, 2)}
+    throughput |= {f"tiny_inprocess_ppw_vs_inprocess_c{c}_ratio" for c in (1, 2)}
+    throughput |= {f"tiny_{a}_vs_transformers_ratio" for a in ("offline", *servers)}
     assert throughput <= set(result) and all(result[k] > 0 for k in throughput)
-    latency = {f"tiny_{a}_{m}_p50_vs_offline_step_ratio" for a in ("inprocess", "inprocess_agg")
+    latency = {f"tiny_{a}_{m}_p50_vs_offline_step_ratio" for a in servers
                for m in ("itl", "tpot")}  # may be None: an ITL p50 that rounds to 0 ms
     assert latency <= set(result)
     assert "tiny_ray_vs_inprocess_c1_ratio" not in result  # ray did not run
