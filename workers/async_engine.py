@@ -79,6 +79,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor = step_thread or _step_thread()
+        self._stopping = False  # set by `shutdown`: the step thread stops after its step
         self.compile_queue = CompileQueue(engine.grammars)
         self._ids = itertools.count()
 
@@ -341,7 +342,7 @@ class AsyncEngine:
             outcome = self._step()
             self.watchdog.step_ended()
             loop.call_soon_threadsafe(self._stepped, outcome)
-            if self._ops or not self.engine.has_unfinished():
+            if self._ops or self._stopping or not self.engine.has_unfinished():
                 return
 
     def _stepped(self, outcome: tuple[list[TokenEvent], EngineStats, list[KVEvent]]) -> None:
@@ -376,6 +377,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         """Stop the step loop; every request still routed fails with `EngineShutDown`."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             try:

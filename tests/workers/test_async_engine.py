@@ -145,3 +145,38 @@ def test_the_engine_is_built_on_the_thread_its_steps_run_on(tiny_model, monkeypa
     asyncio.run(run())
     assert len(seen["init"]) == 1 and seen["step"] == seen["init"]
     assert threading.get_ident() not in seen["init"]
+
+
+def test_shutdown_stops_a_running_request_at_once(tiny_model):
+    """The step thread steps on its own between commands; shutdown stops it after its step, so
+    a long request in flight fails with EngineShutDown instead of running to its end first."""
+    from workers.protocol import EngineShutDown
+
+    llm = LLM(tiny_model, num_blocks=256)
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    steps = 0
+    step = llm.engine.step
+
+    def counted():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    llm.engine.step = counted
+
+    async def run():
+        engine = AsyncEngine(llm.engine)
+        tokens = 0
+        stream = engine.generate_stream("a long one", long)
+        try:
+            async for event in stream:
+                tokens += len(event.token_ids)
+                if tokens >= 5:
+                    await asyncio.wait_for(engine.shutdown(), 30)
+        except EngineShutDown:
+            return tokens
+        return None
+
+    tokens = asyncio.run(run())
+    assert tokens is not None and tokens < 1500
+    assert steps < 100  # not the 1,500 the request had left (a step or two after shutdown)
