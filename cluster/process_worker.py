@@ -28,11 +28,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cluster.process_wire import frame as _frame
-from cluster.process_wire import read as _read
-from cluster.process_wire import recv as _recv
-from cluster.process_wire import recv_exact as _recv_exact
-from cluster.process_wire import send as _send
+from cluster import process_wire as wire
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
 from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
@@ -68,7 +64,7 @@ class ProcessWorkerSpec:
 def child_main(spec: ProcessWorkerSpec, port: int, token: bytes) -> None:
     """The worker process: pin, build the worker, connect, serve until the connection ends."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=START_TIMEOUT_S)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the parent's end
+    wire.no_delay(sock)
     sock.sendall(token)
     try:
         import torch
@@ -81,7 +77,7 @@ def child_main(spec: ProcessWorkerSpec, port: int, token: bytes) -> None:
         asyncio.run(_serve(spec, sock))
     except BaseException:  # noqa: BLE001 - reported to the parent while it can hear
         try:
-            _send(sock, ("failed", traceback.format_exc()))
+            wire.send(sock, ("failed", traceback.format_exc()))
         except OSError:
             pass
         raise SystemExit(1) from None
@@ -97,7 +93,7 @@ async def _serve(spec: ProcessWorkerSpec, sock: socket.socket) -> None:
     if worker.role != "both":
         await worker.agents()  # the transport's self-check, before saying ready
     sock.settimeout(None)
-    _send(sock, ("ready", worker.info))
+    wire.send(sock, ("ready", worker.info))
     reader, writer = await asyncio.open_connection(sock=sock)
     tasks: set[asyncio.Task[None]] = set()
 
@@ -110,14 +106,14 @@ async def _serve(spec: ProcessWorkerSpec, sock: socket.socket) -> None:
             reply = (call_id, True, value)
         except Exception as exc:  # noqa: BLE001 - the caller raises it
             reply = (call_id, False, _transportable(exc))
-        writer.write(_frame(reply))
+        writer.write(wire.frame(reply))
         if method == "shutdown":
             await writer.drain()
             writer.close()
 
     try:
         while True:
-            call_id, method, args = await _read(reader)
+            call_id, method, args = await wire.read(reader)
             task = asyncio.get_running_loop().create_task(answer(call_id, method, args))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -167,15 +163,12 @@ class ProcessChannel(WorkerChannel):
         finally:
             server.close()
         sock.settimeout(timeout_s)
-        # asyncio turns Nagle off only for sockets made with proto IPPROTO_TCP, which an
-        # accepted one is not: with it on, a call written right after another (a submit after
-        # a long-polling next_outputs) waited for the child's delayed ACK, ~40 ms
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if not hmac.compare_digest(_recv_exact(sock, len(token)), token):
+        wire.no_delay(sock)
+        if not hmac.compare_digest(wire.recv_exact(sock, len(token)), token):
             sock.close()
             raise RuntimeError(f"worker {self.worker_id}: a process that is not the child "
                                f"connected")
-        kind, value = _recv(sock)  # type: ignore[misc]
+        kind, value = wire.recv(sock)  # type: ignore[misc]
         if kind != "ready":
             sock.close()
             self.process.join(10)
@@ -199,7 +192,7 @@ class ProcessChannel(WorkerChannel):
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                call_id, ok, value = await _read(reader)  # type: ignore[misc]
+                call_id, ok, value = await wire.read(reader)  # type: ignore[misc]
                 future = self._pending.pop(call_id, None)
                 if future is not None and not future.done():
                     if ok:
@@ -227,7 +220,7 @@ class ProcessChannel(WorkerChannel):
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         try:
-            writer.write(_frame((call_id, method, args)))
+            writer.write(wire.frame((call_id, method, args)))
         except (ConnectionError, OSError) as exc:
             self._pending.pop(call_id, None)
             raise WorkerUnavailableError(self.worker_id, f"cannot reach it: {exc}") from None

@@ -28,6 +28,7 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.policy import WorkerLoad, get_policy
 from router.rebalance import rebalance
+from router.request_record import RequestRecord
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
@@ -189,7 +190,7 @@ class Router:
         req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
                             cache_salt)
         gen = await self.orchestrator.generate(req)
-        gen.record = self.metrics.record(gen, started, frontend)
+        gen.record = RequestRecord(self.metrics, gen, started, frontend)
         self.migrations.track(gen)
         return gen
 

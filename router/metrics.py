@@ -3,12 +3,12 @@
 One `RouterMetrics` per `Router`, on its own `CollectorRegistry` (several routers may share a
 process). Labels: `pool` is the worker's role ("prefill", "decode", "both"), `worker` its id.
 
-- Per request (`RequestRecord`, opened by `Router.generate` once the first token arrived):
-  requests by status (success / error with a reason / cancelled), TTFT (arrival at the router
-  to the first token, by the worker that sampled it), TPOT, inter-token latency and end-to-end
-  latency (by the worker that streamed the rest), prompt, prefix-cached and generated tokens.
-  Errors raised before a request reached a worker are counted by the front ends (`count_error`),
-  with empty `pool` and `worker`.
+- Per request (`router.request_record.RequestRecord`, opened by `Router.generate` once the
+  first token arrived): requests by status (success / error with a reason / cancelled), TTFT
+  (arrival at the router to the first token, by the worker that sampled it), TPOT, inter-token
+  latency and end-to-end latency (by the worker that streamed the rest), prompt, prefix-cached
+  and generated tokens. Errors raised before a request reached a worker are counted by the
+  front ends (`count_error`), with empty `pool` and `worker`.
 - KV handoffs (`kv_transferred`, `kv_transfer_failed`, from `router.orchestrator`): bytes (blocks x
   layers x K and V x block_size x heads x head_dim x dtype size: `KVHandoff.num_bytes`),
   and the handoff latency as the router sees it: from giving the decode worker the handoff to its
@@ -23,9 +23,8 @@ process). Labels: `pool` is the worker's role ("prefill", "decode", "both"), `wo
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,7 +33,6 @@ from prometheus_client.registry import Collector
 from router.counters import RouterCounters
 from router.errors import APIError
 from router.workers import WorkerSet
-from workers.protocol import TokenEvent
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -60,17 +58,6 @@ def error_reason(exc: BaseException) -> str:
     if isinstance(exc, APIError):
         return _ERROR_REASONS.get(exc.status, "internal")
     return "worker_error"
-
-
-class Timed(Protocol):
-    """What a request record reads of a generation (`router.streams.Generation`)."""
-
-    worker_id: str  # sampled the first token
-    decode_worker_id: str | None  # streams the rest, when set
-    prompt_token_ids: tuple[int, ...]
-    predicted_cached_tokens: int
-    num_cached_tokens: int
-    first: TokenEvent
 
 
 class RouterMetrics:
@@ -124,11 +111,6 @@ class RouterMetrics:
     def labels(self, worker_id: str) -> tuple[str, str]:
         return self.pool_of(worker_id), worker_id
 
-    def record(self, gen: Timed, started: float, frontend: str) -> RequestRecord:
-        """Start timing `gen`, whose first token arrived just now; `started` is when the
-        request reached the router (`time.monotonic()`)."""
-        return RequestRecord(self, gen, started, frontend)
-
     def count_error(self, frontend: str, exc: BaseException) -> None:
         """A request that failed before any worker streamed it (refused, rejected, no worker)."""
         self.requests.labels(frontend, NO_WORKER, NO_WORKER, "error", error_reason(exc)).inc()
@@ -144,94 +126,6 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class NullRecord:
-    """A generation nobody times (one not started through `Router.generate`)."""
-
-    def on_event(self, event: TokenEvent) -> None:
-        """Called for each of the generation's events after the first."""
-
-    def finish(self, status: str, reason: str = "") -> None:
-        """Called once it ended. `status`: success, error (with `reason`) or cancelled."""
-
-
-class RequestRecord(NullRecord):
-    """One generation's timings and outcome. `on_event` for each event after the first,
-    `finish` once (later calls are ignored)."""
-
-    def __init__(self, metrics: RouterMetrics, gen: Timed, started: float,
-                 frontend: str) -> None:
-        now = time.monotonic()
-        self._metrics = metrics
-        self._gen = gen
-        self._frontend = frontend
-        self._started = started
-        self._first_at = now
-        self._last_at: dict[int, float] = {}  # sample index -> its last event
-        self._tokens: dict[int, int] = {}  # sample index -> tokens so far
-        self._done = False
-        self._children_of: str | None = None  # the worker `_series` are of
-        self._series: tuple[Any, Any] = (None, None)
-        m, labels = metrics, metrics.labels(gen.worker_id)
-        m.ttft.labels(*labels).observe(now - started)
-        m.prompt_tokens.labels(*labels).inc(len(gen.prompt_token_ids))
-        m.predicted_cached.labels(*labels).inc(gen.predicted_cached_tokens)
-        m.cached.labels(*labels).inc(gen.num_cached_tokens)
-        self._count_tokens(gen.first, now, m.generation_tokens.labels(*labels))
-        self._observe_itl(gen.first, None)
-
-    def _count_tokens(self, event: TokenEvent, now: float, counter: Any) -> None:
-        self._last_at[event.index] = now
-        self._tokens[event.index] = self._tokens.get(event.index, 0) + len(event.token_ids)
-        if event.token_ids:
-            counter.inc(len(event.token_ids))
-
-    def on_event(self, event: TokenEvent) -> None:
-        now = time.monotonic()
-        self._observe_itl(event, now - self._last_at.get(event.index, self._first_at))
-        self._count_tokens(event, now, self._children()[1])
-
-    def _observe_itl(self, event: TokenEvent, gap: float | None) -> None:
-        """One inter-token latency per token: `gap` (since the sample's last event) for the
-        event's first token (None: the generation's first, which has none), 0 for the tokens
-        that arrived with it."""
-        itl = self._children()[0]
-        if gap is not None:
-            itl.observe(gap)
-        for _ in range(len(event.token_ids) - 1):
-            itl.observe(0.0)
-
-    def _children(self) -> tuple[Any, Any]:
-        """The ITL histogram's and the output-token counter's series of the worker streaming
-        now, looked up when that worker changes (a handoff, a migration), not per event."""
-        streamer = self._streamer
-        if self._children_of != streamer:
-            labels = self._metrics.labels(streamer)
-            self._series = (self._metrics.itl.labels(*labels),
-                            self._metrics.generation_tokens.labels(*labels))
-            self._children_of = streamer
-        return self._series
-
-    @property
-    def _streamer(self) -> str:
-        return self._gen.decode_worker_id or self._gen.worker_id
-
-    def finish(self, status: str, reason: str = "") -> None:
-        if self._done:
-            return
-        self._done = True
-        m, labels = self._metrics, self._metrics.labels(self._streamer)
-        now = time.monotonic()
-        m.requests.labels(self._frontend, *labels, status, reason).inc()
-        m.e2e.labels(*labels).observe(now - self._started)
-        num_tokens = max(self._tokens.values(), default=0)
-        if status == "success" and num_tokens > 1:
-            last = max(self._last_at.values())
-            m.tpot.labels(*labels).observe((last - self._first_at) / (num_tokens - 1))
-
-
-NULL_RECORD = NullRecord()
 
 
 class _LoadCollector(Collector):
@@ -305,4 +199,4 @@ def _by_reason(name: str, documentation: str, counts: dict[str, int]) -> Counter
     return family
 
 
-__all__ = ["NULL_RECORD", "NullRecord", "RequestRecord", "RouterMetrics", "error_reason"]
+__all__ = ["RouterMetrics", "error_reason"]

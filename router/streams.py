@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 from router.errors import NoHealthyWorkerError, WorkerUnavailableError
-from router.metrics import NULL_RECORD, NullRecord, error_reason
+from router.metrics import error_reason
+from router.request_record import NULL_RECORD, NullRecord
 from router.worker_client import TokenStream, WorkerClient
 from workers.messages import RequestMoved, ResumedSample
 from workers.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
