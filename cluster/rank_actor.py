@@ -31,6 +31,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.process_wire import no_delay
 from workers.parallel.group import RankHandle, RankLauncher
 
 CONNECT_TIMEOUT_S = 30.0  # an actor that cannot reach its driver this long gives up
@@ -123,6 +124,7 @@ class RankActor:
         """Connect to the driver on 127.0.0.1:`port`, then `target(setup, channel)`; returns
         the rank's exit code (0, or what it raised `SystemExit` with)."""
         sock = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_TIMEOUT_S)
+        no_delay(sock)
         sock.settimeout(None)
         channel = _Channel(Connection(sock.detach()))
         try:
@@ -167,6 +169,7 @@ class ActorRank(RankHandle):
             return
         if hmac.compare_digest(_read_token(sock, len(self.token)), self.token):
             sock.setblocking(True)
+            no_delay(sock)
             self.channel = _Channel(Connection(sock.detach()))
             self.server.close()
             return
