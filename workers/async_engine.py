@@ -334,9 +334,10 @@ class AsyncEngine:
                 self.watchdog.step_ended()
 
     def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the step thread: steps until a command waits or no work is left. Each step's
-        outcome goes to the loop (`_stepped`) before this returns or raises, so the loop sees
-        every event of the steps before the commands that follow them (`pause` relies on it)."""
+        """On the step thread: steps until a command waits, no work is left or `shutdown`
+        began. Each step's outcome goes to the loop (`_stepped`) before this returns or raises,
+        so the loop sees every event of the steps before the commands that follow them
+        (`pause` relies on it)."""
         while True:
             self.watchdog.step_began()
             outcome = self._step()
