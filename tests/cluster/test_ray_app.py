@@ -232,7 +232,9 @@ def test_cleave_drain_restarts_a_decode_worker_under_running_streams_losing_none
     victim = next(e.worker_id for e in decode if _stats(e) is not None)
     for dead in (e.worker_id for e in decode if _stats(e) is None):
         assert main(["drain", dead]) == 2
-        assert "does not answer: its replica died" in capsys.readouterr().err
+        # a clear error either way: its entry may expire between the listing and the drain
+        err = capsys.readouterr().err
+        assert "does not answer: its replica died" in err or f"no worker {dead!r}" in err
     assert main(["drain", victim, "--timeout", "120"]) == 0
     assert f'"worker_id": "{victim}"' in capsys.readouterr().out
     for t in threads:
