@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "PeerGone": "errors", "TransferError": "errors", "TransferTimeout": "errors",
     "TransportUnavailable": "errors",
     "LocalHub": "local",
+    "AgentHost": "agent_host", "RemoteAgent": "remote", "AgentHostAddress": "remote_messages",
     "SelfCheckFailed": "selfcheck", "self_check": "selfcheck",
     "TRANSPORTS": "registry", "make_transport": "registry",
     "Transport": "transport", "TransportConfig": "transport",

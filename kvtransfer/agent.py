@@ -25,9 +25,14 @@ from typing import Callable, Sequence
 import torch
 
 from kvtransfer import faults
+from kvtransfer.errors import (
+    InvalidDescriptor,
+    LayoutMismatch,
+    LeaseExpired,
+    PeerGone,
+    TransferError,
+)
 from kvtransfer.handoff import Handoff, KVLayout, check_transferable
-from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, LeaseExpired, PeerGone,
-                               TransferError)
 from kvtransfer.leases import LeaseTable, ReleaseCallback
 from kvtransfer.plan import ReadPlan, sources_for
 from kvtransfer.pulls import PartStats, PullBatcher, settled
@@ -90,11 +95,12 @@ class TransferAgent:
     # ---- source side ---------------------------------------------------------------------
 
     def offer(self, request_id: str, block_ids: Sequence[int], *, lease_s: float = 30.0,
-              readers: int = 1) -> Handoff:
+              readers: int = 1, lease_id: str | None = None) -> Handoff:
         """Pin `block_ids` (token order) under a lease for `readers` pulls (the number of
-        destination ranks that need this rank's heads: max(1, d // p) from TP=p to TP=d)."""
+        destination ranks that need this rank's heads: max(1, d // p) from TP=p to TP=d).
+        `lease_id`: the lease's id when the caller minted it (`remote.RemoteAgent`)."""
         self._check_blocks(block_ids, "offered", self.num_blocks)
-        lease = self._leases.grant(request_id, block_ids, lease_s, readers)
+        lease = self._leases.grant(request_id, block_ids, lease_s, readers, lease_id)
         loop = asyncio.get_running_loop()
         self._timers[lease.lease_id] = loop.call_later(lease_s, self._expire, lease.lease_id)
         return Handoff(request_id, self.address, self.layout, tuple(block_ids), lease.lease_id,
@@ -115,6 +121,9 @@ class TransferAgent:
     @property
     def num_leases(self) -> int:
         return self._leases.num_leases
+
+    def holds_lease(self, lease_id: str) -> bool:
+        return self._leases.holds(lease_id)
 
     @property
     def num_reads(self) -> int:

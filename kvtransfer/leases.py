@@ -46,13 +46,18 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
 
     def grant(self, request_id: str, block_ids: Sequence[int], lease_s: float,
-              readers: int = 1) -> Lease:
+              readers: int = 1, lease_id: str | None = None) -> Lease:
+        """A new lease; `lease_id` (default: a fresh one) when the caller minted it (a remote
+        driver that returned the handoff before the host granted it)."""
         if not lease_s > 0:
             raise ValueError(f"lease_s = {lease_s!r}; expected seconds > 0")
         if readers < 1:
             raise ValueError(f"readers = {readers!r}; expected at least one puller")
-        lease = Lease(uuid.uuid4().hex, request_id, tuple(block_ids), self._clock() + lease_s,
-                      readers)
+        if lease_id is not None and (not lease_id or lease_id in self._leases):
+            raise ValueError(f"lease id {lease_id!r} is empty or already held; expected a new "
+                             "one")
+        lease = Lease(lease_id or uuid.uuid4().hex, request_id, tuple(block_ids),
+                      self._clock() + lease_s, readers)
         self._leases[lease.lease_id] = lease
         return lease
 
