@@ -266,11 +266,12 @@ class PoolsSettings(_Strict):
             raise ValueError("a deployment needs a decode pool (with or without a prefill "
                              "pool) or an aggregated pool")
         for name, pool in self.items():
-            if name != "aggregated" and pool.ranks > 1 and pool.gpus_per_rank > 0:
+            if name != "aggregated" and pool.pp > 1 and pool.gpus_per_rank > 0:
                 raise ValueError(
-                    f"{name}: a GPU pool of tp × pp = {pool.ranks} ranks keeps its KV cache on "
-                    f"the ranks' GPUs and cannot hand it off yet; use an aggregated pool, or "
-                    f"tp = pp = 1 for prefill/decode pools")
+                    f"{name}: a GPU pool of pp = {pool.pp} pipeline stages keeps each stage's "
+                    f"layers of the KV cache on its ranks' GPUs and cannot hand it off yet; use "
+                    f"an aggregated pool, or pp = 1 for prefill/decode pools (tp > 1 hands off "
+                    f"from every rank)")
         for name, pool in self.items():
             unused = _UNUSED_TARGETS["prefill" if name == "prefill" else "decode"]
             for field in unused:

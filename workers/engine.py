@@ -46,7 +46,7 @@ from workers.scheduler import Scheduler, SchedulerConfig
 from workers.step_costs import StepCosts
 
 if TYPE_CHECKING:
-    from kvtransfer import KVLayout
+    from kvtransfer import AgentHostAddress, KVLayout
     from workers.parallel.group import RankLauncher
 
 logger = logging.getLogger(__name__)
@@ -281,6 +281,11 @@ class Engine:
     def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
         """Per tensor-parallel rank, per layer: that rank's heads of the KV cache."""
         return self.runner.executor.kv_caches_by_rank()
+
+    def kv_agent_hosts(self) -> list[AgentHostAddress] | None:
+        """Per TP rank, where that rank's own transfer agent is hosted (a worker group's
+        ranks serve their shards); None: this process's agents serve `kv_caches_by_rank()`."""
+        return self.runner.executor.agent_hosts()
 
     def kv_layouts(self) -> list[KVLayout]:
         """The transfer layer's view of each TP rank's cache (one agent per rank)."""

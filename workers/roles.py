@@ -15,10 +15,10 @@ DECODE_ROLES = ("both", "decode")
 
 
 def check_role_fits_engine(role: str, engine: Engine) -> None:
-    """Refuses a role that hands KV off ("prefill", "decode") to an engine whose KV cache this
-    process cannot reach (a GPU tensor/pipeline-parallel group keeps it on its ranks); such an
-    engine serves aggregated, as "both"."""
-    if role == "both":
+    """Refuses a role that hands KV off ("prefill", "decode") to an engine whose KV cache
+    neither this process nor its ranks' agents can serve (a GPU pipeline-parallel group keeps
+    each stage's layers on its ranks); such an engine serves aggregated, as "both"."""
+    if role == "both" or engine.kv_agent_hosts() is not None:
         return
     from workers.parallel.executor import KVCacheNotShared
 

@@ -1,6 +1,10 @@
 """A worker's side of the KV handoff: its transfer agents (one per tensor-parallel rank's shard
 of the cache), the leases it offers, and the pulls it makes. No torch at import.
 
+The agents run where the caches are: in this process for a single-rank engine (or a CPU
+pipeline-parallel group, whose caches this process maps), or in each rank of a worker group,
+driven from here through `kvtransfer.remote.RemoteAgent` (same interface).
+
 A prefilled request's blocks are offered under one lease per rank; once every rank's lease has
 ended (pulled, cancelled or expired) `free_held(request_id)` runs, which frees the blocks between
 steps. A pull lands every rank's heads from the handoff records that hold them; any transfer
@@ -17,7 +21,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 from workers.protocol import KVPullFailed
 
 if TYPE_CHECKING:
-    from kvtransfer import TransferAgent
+    from kvtransfer import RemoteAgent, TransferAgent
     from kvtransfer.handoff import KVHandoff
     from workers.engine import Engine
 
@@ -45,30 +49,44 @@ class WorkerTransfer:
         self.host = host
         self.lease_s = lease_s
         self.pull_timeout_s = pull_timeout_s
-        self.started: list[TransferAgent] = []  # empty until `agents()` first ran
+        self.started: list[TransferAgent | RemoteAgent] = []  # empty until `agents()` ran
         self._lock = asyncio.Lock()
         # offered blocks -> [request id, leases not yet ended] of the held requests they belong
         # to (one tuple may be held twice); a request holds one lease per TP rank
         self._leased: dict[tuple[int, ...], list[list]] = {}
 
-    async def agents(self) -> list[TransferAgent]:
+    async def agents(self) -> list[TransferAgent | RemoteAgent]:
         """The agents, one per TP rank (each serves and pulls that rank's heads), listening."""
         async with self._lock:
             if not self.started:
-                from kvtransfer import TransferAgent, TransportConfig, self_check
-
-                # the transport moves a test pattern to itself first: a broken path is an
-                # error here, at start, not a slow or failed first handoff
-                await self_check(TransportConfig(self.transport, self.host))
-                agents = [TransferAgent(layout, caches,
-                                        TransportConfig(self.transport, self.host),
-                                        on_release=self._on_release)
-                          for layout, caches in zip(self.engine.kv_layouts(),
-                                                    self.engine.kv_caches_by_rank())]
-                for agent in agents:
-                    await agent.start()
-                self.started = agents
+                self.started = await self._start_agents()
             return self.started
+
+    async def _start_agents(self) -> list[TransferAgent | RemoteAgent]:
+        from kvtransfer import RemoteAgent, TransferAgent, TransportConfig, self_check
+
+        config = TransportConfig(self.transport, self.host)
+        hosts = self.engine.kv_agent_hosts()
+        if hosts is not None:  # each rank checks its transport as its agent starts
+            agents: list = []
+            try:
+                for host in hosts:
+                    agents.append(await RemoteAgent.connect(host, config,
+                                                            on_release=self._on_release))
+            except BaseException:
+                for agent in agents:
+                    await agent.close()
+                raise
+            return agents
+        # the transport moves a test pattern to itself first: a broken path is an error here,
+        # at start, not a slow or failed first handoff
+        await self_check(config)
+        agents = [TransferAgent(layout, caches, config, on_release=self._on_release)
+                  for layout, caches in zip(self.engine.kv_layouts(),
+                                            self.engine.kv_caches_by_rank())]
+        for agent in agents:
+            await agent.start()
+        return agents
 
     def offer(self, request_id: str, block_ids: list[int], decode_tp_size: int) -> KVHandoff:
         """Lease a held request's blocks for a decode worker of `decode_tp_size` ranks to pull.

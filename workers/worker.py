@@ -56,7 +56,7 @@ from workers.roles import DECODE_ROLES, PREFILL_ROLES, ROLES, check_role_fits_en
 from workers.transfer import WorkerTransfer
 
 if TYPE_CHECKING:
-    from kvtransfer import TransferAgent
+    from kvtransfer import RemoteAgent, TransferAgent
     from kvtransfer.handoff import KVHandoff
     from workers.async_engine import AsyncEngine
     from workers.config import EngineConfig
@@ -277,7 +277,7 @@ class Worker:
             raise ValueError(f"worker {self.worker_id!r} has role {self.role!r}; {what} needs "
                              f"one of {allowed}")
 
-    async def agents(self) -> list[TransferAgent]:
+    async def agents(self) -> list[TransferAgent | RemoteAgent]:
         """This worker's transfer agents, started (`WorkerTransfer.agents`)."""
         return await self.transfer.agents()
 

@@ -42,10 +42,16 @@ def test_sets_nvidia_gpu_to_tp_times_pp_for_the_worker_group():
     assert limits["nvidia.com/gpu"] == "8"
 
 
-def test_refuses_a_gpu_tensor_parallel_pool_that_would_hand_kv_off():
-    with pytest.raises(helm_python.HelmRenderError, match="cleave.pools.decode: a GPU pool of tp × pp = 2 ranks "
-                                        "keeps its KV cache on the ranks' GPUs"):
-        render(_disagg({"tp": 2, "gpus_per_rank": 1}))
+def test_refuses_a_gpu_pipeline_parallel_pool_that_would_hand_kv_off():
+    with pytest.raises(helm_python.HelmRenderError, match="cleave.pools.decode: a GPU pool of pp = 2 "
+                                        "pipeline stages keeps each stage's layers"):
+        render(_disagg({"pp": 2, "gpus_per_rank": 1}))
+
+
+def test_a_gpu_tensor_parallel_pool_hands_kv_off_from_every_rank():
+    objects = render(_disagg({"tp": 4, "gpus_per_rank": 1}))
+    limits = _container(worker_group(objects, "decode"))["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "4"
 
 
 def test_scales_cpu_and_memory_with_the_ranks_of_a_pod():

@@ -11,40 +11,43 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
-def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
-    """A small random model of `arch` saved with `save_pretrained` in fp32; returns it (eval)."""
+def save_hf_model(arch: str, out: Path, seed: int = 0, **overrides: int) -> torch.nn.Module:
+    """A small random model of `arch` saved with `save_pretrained` in fp32; returns it (eval).
+    `overrides`: sizes other than `TINY`'s (e.g. `num_key_value_heads=4`)."""
     import transformers as tf
 
+    tiny = {**TINY, **overrides}
+
     if arch == "llama":  # GQA with llama3 rope scaling, as Llama 3.1 ships
-        config = tf.LlamaConfig(**TINY, rope_scaling={
+        config = tf.LlamaConfig(**tiny, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
         cls = tf.LlamaForCausalLM
     elif arch == "mistral":  # a sliding window shorter than the longer prompts
-        config, cls = tf.MistralConfig(**TINY, sliding_window=12), tf.MistralForCausalLM
+        config, cls = tf.MistralConfig(**tiny, sliding_window=12), tf.MistralForCausalLM
     elif arch == "qwen2":
-        config, cls = tf.Qwen2Config(**TINY, tie_word_embeddings=True), tf.Qwen2ForCausalLM
+        config, cls = tf.Qwen2Config(**tiny, tie_word_embeddings=True), tf.Qwen2ForCausalLM
     elif arch == "mixtral":  # 4 experts, top-2, renormalized
-        config = tf.MixtralConfig(**{**TINY, "intermediate_size": 64}, num_local_experts=4,
+        config = tf.MixtralConfig(**{**tiny, "intermediate_size": 64}, num_local_experts=4,
                                   num_experts_per_tok=2)
         cls = tf.MixtralForCausalLM
     elif arch == "qwen2_moe":  # 4 experts, top-2, not renormalized, a gated shared expert
-        config = tf.Qwen2MoeConfig(**TINY, moe_intermediate_size=32, num_experts=4,
+        config = tf.Qwen2MoeConfig(**tiny, moe_intermediate_size=32, num_experts=4,
                                    num_experts_per_tok=2, shared_expert_intermediate_size=64)
         cls = tf.Qwen2MoeForCausalLM
     elif arch == "qwen3":  # q/k norm; a head_dim other than hidden / heads; o_proj bias
-        config = tf.Qwen3Config(**{**TINY, "head_dim": 24}, attention_bias=True)
+        config = tf.Qwen3Config(**{**tiny, "head_dim": 24}, attention_bias=True)
         cls = tf.Qwen3ForCausalLM
     elif arch == "qwen3_moe":  # q/k norm, 4 experts, top-2 renormalized, no shared expert
-        config = tf.Qwen3MoeConfig(**TINY, moe_intermediate_size=32, num_experts=4,
+        config = tf.Qwen3MoeConfig(**tiny, moe_intermediate_size=32, num_experts=4,
                                    num_experts_per_tok=2, norm_topk_prob=True)
         cls = tf.Qwen3MoeForCausalLM
     elif arch == "phi3":  # fused qkv and gate_up tensors; GQA
-        config = tf.Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        config = tf.Phi3Config(**tiny, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         cls = tf.Phi3ForCausalLM
     elif arch == "gemma3":  # one local layer (window 8, its own RoPE base), one global layer
         config = tf.Gemma3TextConfig(
-            **TINY, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+            **tiny, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
             query_pre_attn_scalar=20, final_logit_softcapping=30.0,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                 "rope_theta": 100000.0},
@@ -52,7 +55,7 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         cls = tf.Gemma3ForCausalLM
     elif arch == "gpt_oss":  # sinks, a window-8 layer then a global one, YaRN, biased experts
         config = tf.GptOssConfig(
-            **{**TINY, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+            **{**tiny, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
             layer_types=["sliding_attention", "full_attention"], sliding_window=8, head_dim=16,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
@@ -60,7 +63,7 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         cls = tf.GptOssForCausalLM
     elif arch == "deepseek_v2":  # V2-Lite's shape: no low-rank query, softmax routing, groups
         config = tf.DeepseekV2Config(
-            **{**TINY, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
+            **{**tiny, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
             n_shared_experts=2, num_experts_per_tok=2, n_group=4, topk_group=2,
             topk_method="group_limited_greedy", routed_scaling_factor=1.5,
             first_k_dense_replace=1, kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
@@ -70,7 +73,7 @@ def save_hf_model(arch: str, out: Path, seed: int = 0) -> torch.nn.Module:
         # MLA (latent 48 + 16), YaRN with DeepSeek's softmax mscale, one dense layer, then 8
         # experts in 2 groups (1 chosen), top-2, a shared expert
         config = tf.DeepseekV3Config(
-            **{**TINY, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
+            **{**tiny, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=8,
             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
             first_k_dense_replace=1, kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
             v_head_dim=24, q_lora_rank=32,

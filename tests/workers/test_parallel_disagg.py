@@ -3,9 +3,9 @@ transfer layer, one agent per TP rank, and the greedy output equals the aggregat
 (Llama; Qwen3-MoE with its experts split over the TP=2 group; DeepSeek-V3, whose latent cache
 every rank holds whole).
 
-The TP=2 engine's cache lives in its rank processes; the driver holds shared-memory views of
-each rank's shard (`Engine.kv_caches_by_rank()`, described by `Engine.kv_layouts()`), so each
-rank gets its own agent, exactly as rank processes on GPUs would.
+The TP=2 engine's cache lives in its rank processes, and each rank's own transfer agent serves
+and pulls its shard (`Engine.kv_agent_hosts()`), driven from the engine's process through
+`WorkerTransfer` exactly as on GPUs: the driver never sees the cache.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import asyncio
 
 import pytest
 
-from kvtransfer import LocalHub, TransferAgent, TransportConfig
 from tests.workers.hf_oracle import save_hf_model
 from workers import LLM, SamplingParams
 from workers.messages import DecodeFromHandoff
 from workers.protocol import WorkerRequest
 from workers.request import Request
+from workers.transfer import WorkerTransfer
 
 PROMPT = list(range(5, 40))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -43,43 +43,42 @@ def engines(tmp_path_factory):
     yield from engines_of(tmp_path_factory, "llama")
 
 
-def agents(engine, hub):
-    return [TransferAgent(layout, caches, TransportConfig("local"), hub=hub)
-            for layout, caches in zip(engine.kv_layouts(), engine.kv_caches_by_rank())]
+def transfer(engine, name: str) -> WorkerTransfer:
+    """The worker's side of the handoff over TCP; a lease's end frees the held request."""
+    return WorkerTransfer(name, engine, engine.free_held, transport="tcp", host="127.0.0.1",
+                          lease_s=30.0, pull_timeout_s=30.0)
 
 
 async def handoff(prefill, decode, request_id: str, moved: list | None = None) -> list[int]:
     """The request prefilled on `prefill`, its KV pulled by `decode`'s ranks, decoded there.
-    `moved` collects the handoffs offered (their bytes)."""
-    hub = LocalHub()
-    sources, sinks = agents(prefill, hub), agents(decode, hub)
-    for agent in sources + sinks:
-        await agent.start()
+    `moved` collects the handoff records offered (their bytes)."""
+    source, sink = transfer(prefill, "p"), transfer(decode, "d")
+    await source.agents()
+    await sink.agents()
     req = WorkerRequest(request_id, tuple(PROMPT), PARAMS)
     prefill.prefill(req)
     events = []
     while prefill.has_unfinished():
         events += prefill.step()
     first = events[-1].token_ids[0]
-    src_blocks = prefill.held_block_ids(request_id)
-    # as WorkerTransfer.offer: heads from every rank; a latent (replicated) from rank 0 alone
-    if sources[0].layout.kind == "latent":
-        offering, readers = sources[:1], len(sinks)
-    else:
-        offering, readers = sources, max(1, len(sinks) // len(sources))
-    handoffs = [a.offer(request_id, src_blocks, readers=readers) for a in offering]
+    decode_tp = len(await sink.agents())
+    offered = source.offer(request_id, prefill.held_block_ids(request_id), decode_tp)
     if moved is not None:
-        moved += handoffs
+        moved += offered.ranks
     dst_blocks = decode.decode_from_handoff(req, first)
-    await asyncio.gather(*(a.pull(handoffs, dst_blocks) for a in sinks))
-    prefill.free_held(request_id)
+    await (await sink.puller(request_id, offered))(dst_blocks)
     decode.kv_landed(request_id)
+    for _ in range(200):  # every rank's lease ended (each pulled by its readers): freed
+        if prefill.kv.num_held_requests == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert prefill.kv.num_held_requests == 0 and source.num_leases == 0
     tokens = [first]
     while decode.has_unfinished():
         for event in decode.step():
             tokens += event.token_ids
-    for agent in sources + sinks:
-        await agent.close()
+    await source.close()
+    await sink.close()
     return tokens
 
 
@@ -132,19 +131,27 @@ def test_latent_attention_hands_off_the_latent_between_tp_sizes(mla_engines, pre
         assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
+def layouts(engine) -> list:
+    async def read():
+        agents = await (wt := transfer(engine, "l")).agents()
+        await wt.close()
+        return [agent.layout for agent in agents]
+
+    return asyncio.run(read())
+
+
 def test_latent_layouts_are_whole_on_every_rank(mla_engines):
     by_tp, _ = mla_engines
-    layouts = by_tp[2].kv_layouts()
-    assert [(lay.kind, lay.head_start, lay.num_kv_heads, lay.total_kv_heads) for lay in layouts
+    layouts_ = layouts(by_tp[2])
+    assert [(lay.kind, lay.head_start, lay.num_kv_heads, lay.total_kv_heads) for lay in layouts_
             ] == [("latent", 0, 1, 1)] * 2
 
 
 def test_layouts_name_each_ranks_heads(engines):
     by_tp, _ = engines
-    layouts = by_tp[2].kv_layouts()
-    assert [(lay.tp_rank, lay.head_start, lay.num_kv_heads) for lay in layouts] == [(0, 0, 1),
-                                                                                   (1, 1, 1)]
-    with pytest.raises(RuntimeError, match="split over 2 tensor-parallel ranks"):
+    assert [(lay.tp_rank, lay.head_start, lay.num_kv_heads) for lay in layouts(by_tp[2])
+            ] == [(0, 0, 1), (1, 1, 1)]
+    with pytest.raises(RuntimeError, match="lives in its ranks"):  # the driver holds none
         _ = by_tp[2].kv_caches
 
 

@@ -2,8 +2,10 @@
 
 The planning runs on the CPU: which GPU a rank takes, the cache spec it gets instead of
 shared-memory descriptors, and the driver around ranks that answer like GPU ranks (a fake
-launcher, no process), which serves aggregated and refuses the KV handoff in the user's terms.
-Real NCCL ranks: tests/gpu/test_parallel_nccl.py (2 CUDA devices).
+launcher, no process): a tensor-parallel group hands its KV off through its ranks' own agents
+(their hosts' addresses come with `Ready`); a pipeline-parallel one serves aggregated and
+refuses the handoff in the user's terms. Real NCCL ranks: tests/gpu/test_parallel_nccl.py (2
+CUDA devices).
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ import pickle
 import pytest
 import torch
 
-from workers.kv_cache.spec import KVCacheSpec
-
+from kvtransfer import AgentHostAddress
 from workers import SamplingParams
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.engine import Engine
-from workers.protocol import WorkerRequest
+from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.executor import (
     GPU_GROUP_KV_ERROR,
+    RANK_AGENTS_KV_ERROR,
     GroupExecutor,
     GroupOptions,
     KVCacheNotShared,
@@ -33,6 +35,7 @@ from workers.parallel.group import RankHandle, RankLauncher
 from workers.parallel.messages import RankTiming, Ready, Shutdown, StepMessage, StepReply
 from workers.parallel.rank import DeviceCacheSpec, RankSetup, rank_device
 from workers.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, SharedTensor
+from workers.protocol import WorkerRequest
 from workers.worker import Worker
 
 FAVOURITE = 7  # the token every fake rank's logits pick
@@ -51,7 +54,9 @@ class FakeRank(RankHandle):
 
     def __init__(self, setup: RankSetup, vocab_size: int) -> None:
         self.setup, self.vocab_size = setup, vocab_size
-        self.inbox: list[object] = [Ready(setup.rank)]
+        agent = (AgentHostAddress("127.0.0.1", 40000 + setup.rank, b"t") if setup.serves_kv
+                 else None)
+        self.inbox: list[object] = [Ready(setup.rank, agent)]
         self.received: list[object] = []
         self.code: int | None = None
 
@@ -135,35 +140,48 @@ def test_gpu_ranks_get_a_cache_spec_for_their_stage_instead_of_shared_memory():
     assert pickle.loads(pickle.dumps(setups)) == setups  # what a spawned rank or actor gets
 
 
-def test_cpu_ranks_still_map_their_heads_of_the_shared_caches():
+def test_pipeline_parallel_cpu_ranks_map_their_heads_of_the_shared_caches():
     shape = (2, 8, 4, 1, 16)
     shared = SharedCaches(2 * 3, shape, torch.float32)  # [tp rank][layer]
     try:
         setups = rank_setups(options("cpu", tp=2, pp=2), 3, shape, torch.float32, shared)
+        with pytest.raises(ValueError, match="only a pipeline-parallel CPU group maps"):
+            rank_setups(options("cpu"), 3, shape, torch.float32, shared)
     finally:
         shared.unlink()
-    assert all(s.device == "cpu" for s in setups)
+    assert all(s.device == "cpu" and not s.serves_kv for s in setups)
     assert all(isinstance(ref, SharedTensor) for s in setups for ref in s.kv_caches)
     # rank 3 = stage 1 (layer 2), TP rank 1: tensor 1 * 3 + 2
     assert setups[3].kv_caches == (shared.refs[5],)
     assert setups[0].kv_caches == (shared.refs[0], shared.refs[1])
-    with pytest.raises(ValueError, match="GPU ranks allocate their own"):
-        rank_setups(options("cpu"), 3, shape, torch.float32, None)
 
 
-def test_a_gpu_group_allocates_no_shared_memory_and_refuses_to_hand_out_its_cache():
+def test_tensor_parallel_ranks_allocate_their_caches_and_host_their_own_agents():
+    shape = (2, 8, 4, 1, 16)
+    for device in ("cpu", "cuda"):
+        setups = rank_setups(options(device), 3, shape, torch.float32, None)
+        assert [(s.kv_caches, s.serves_kv) for s in setups] == [
+            (DeviceCacheSpec(3, shape, "float32"), True)] * 2
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_gpu_group_allocates_no_shared_memory_and_hands_off_only_through_its_ranks(pp):
     launcher = FakeLauncher(vocab_size=32)
     before = cache_files()
-    group = GroupExecutor(options("cuda"), KVCacheSpec(num_layers=2, num_blocks=8, block_size=4,
-                                                       num_kv_heads=2, head_dim=16,
-                                                       dtype=torch.float16), launcher=launcher)
+    group = GroupExecutor(options("cuda", tp=2, pp=pp),
+                          KVCacheSpec(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
+                                      head_dim=16, dtype=torch.float16), launcher=launcher)
     try:
         assert cache_files() == before
         assert [s.kv_caches for s in launcher.setups] == [
-            DeviceCacheSpec(2, (2, 8, 4, 1, 16), "float16")] * 2
+            DeviceCacheSpec(2 // pp, (2, 8, 4, 1, 16), "float16")] * 2 * pp
         with pytest.raises(KVCacheNotShared) as refused:
             group.kv_caches_by_rank()
-        assert str(refused.value) == GPU_GROUP_KV_ERROR
+        if pp == 1:  # each TP rank's agent host, in rank order
+            assert str(refused.value) == RANK_AGENTS_KV_ERROR
+            assert [h.port for h in group.agent_hosts()] == [40000, 40001]
+        else:
+            assert str(refused.value) == GPU_GROUP_KV_ERROR and group.agent_hosts() is None
         msg = StepMessage(1, (1, 2), (0, 1), (0, 1), (0, 2), (2,), ((0,),), 0, (1,))
         logits = group.execute(msg)
         assert logits.device.type == "cpu" and logits.argmax(-1).tolist() == [FAVOURITE]
@@ -189,26 +207,32 @@ def test_a_gpu_engine_driven_from_a_process_without_gpus_serves_aggregated(tiny_
         engine.close()
 
 
-def test_the_kv_cache_of_a_gpu_engine_is_refused_in_plain_words(tiny_model):
-    engine = cuda_engine(tiny_model, FakeLauncher())
+def test_the_kv_cache_of_a_pipeline_parallel_gpu_engine_is_refused_in_plain_words(tiny_model):
+    engine = cuda_engine(tiny_model, FakeLauncher(), pipeline_parallel_size=2)
     try:
         for read in (engine.kv_layouts, engine.kv_caches_by_rank, lambda: engine.kv_caches):
             with pytest.raises(KVCacheNotShared, match="serve it as an aggregated pool"):
                 read()
+        assert engine.kv_agent_hosts() is None
     finally:
         engine.close()
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_gpu_engine_cannot_hand_kv_off_so_handoff_roles_are_refused_at_start(tiny_model,
-                                                                             role):
-    engine = cuda_engine(tiny_model, FakeLauncher())
+def test_only_a_pipeline_parallel_gpu_engine_refuses_the_handoff_roles(tiny_model, role):
+    engine = cuda_engine(tiny_model, FakeLauncher(), pipeline_parallel_size=2)
     try:
         with pytest.raises(ValueError, match=f"a worker of role '{role}' hands KV off, but the "
-                                             f"KV cache of a GPU tensor/pipeline-parallel group"):
+                                             f"KV cache of a GPU pipeline-parallel group"):
             Worker("w", AsyncEngine(engine), role)
         worker = Worker("w", AsyncEngine(engine), "both")
         assert worker.role == "both"
+    finally:
+        engine.close()
+    engine = cuda_engine(tiny_model, FakeLauncher())  # tensor-parallel: its ranks hand off
+    try:
+        assert Worker("w", AsyncEngine(engine), role).role == role
+        assert len(engine.kv_agent_hosts()) == 2
     finally:
         engine.close()
 
@@ -225,8 +249,9 @@ def test_gpu_layouts_the_machine_cannot_hold_are_refused(tiny_model):
 
 def test_a_refused_worker_stops_its_ranks(tiny_model):
     launcher = FakeLauncher()
-    config = EngineConfig(model=tiny_model, device="cuda", tensor_parallel_size=2, num_blocks=16)
+    config = EngineConfig(model=tiny_model, device="cuda", tensor_parallel_size=2,
+                          pipeline_parallel_size=2, num_blocks=16)
     with pytest.raises(ValueError, match="hands KV off"):
         Worker.from_config("w", config, "prefill", rank_launcher=launcher)
-    assert len(launcher.ranks) == 2
+    assert len(launcher.ranks) == 4
     assert all(r.received == [Shutdown()] for r in launcher.ranks)

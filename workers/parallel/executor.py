@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvtransfer.remote_messages import AgentHostAddress
 from workers.kv_cache.host_caches import HostCaches
 from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
@@ -39,6 +40,12 @@ class ModelExecutor(abc.ABC):
 
     def close(self) -> None:
         """Stop whatever runs the model (idempotent)."""
+
+    def agent_hosts(self) -> list[AgentHostAddress] | None:
+        """Per TP rank, where that rank's own KV transfer agent is hosted (it serves and pulls
+        its shard); None where this process's agents serve the caches
+        (`kv_caches_by_rank`)."""
+        return None
 
     @property
     def last_tier_copy_s(self) -> float:
@@ -99,25 +106,30 @@ class GroupOptions:
 
 
 GPU_GROUP_KV_ERROR = (
-    "the KV cache of a GPU tensor/pipeline-parallel group lives on its ranks' devices; KV "
-    "handoff from/to such a worker is not supported yet — serve it as an aggregated pool")
+    "the KV cache of a GPU pipeline-parallel group lives on its ranks' devices, each stage "
+    "holding some layers; KV handoff from/to such a worker is not supported yet — serve it as "
+    "an aggregated pool")
+RANK_AGENTS_KV_ERROR = (
+    "the KV cache of a tensor-parallel group lives in its ranks; each rank's own transfer "
+    "agent serves its shard (`agent_hosts`)")
 
 
 class KVCacheNotShared(RuntimeError):
-    """The executor's KV cache is out of this process's reach: no KV handoff through it."""
+    """The executor's KV cache is out of this process's reach: the ranks' own agents hand it
+    off (`agent_hosts`), or nothing can."""
 
 
 class GroupExecutor(ModelExecutor):
     """tp_size x pp_size ranks, each its own process, started by `launcher` (default: spawned
     processes): on the CPU over gloo, or one GPU each over NCCL (`options.device`).
 
-    On the CPU the KV cache is allocated here in one file of shared memory (`SharedCaches`),
-    one tensor per (TP rank, layer) holding that rank's heads; the ranks of the layer's stage
-    map it, so the driver (and the transfer layer) see exactly what the ranks write. The file is
-    unlinked once every rank is ready, or when the start fails. On GPUs each rank allocates its
-    caches on its own device and this process holds none: `kv_caches_by_rank` raises
-    `KVCacheNotShared` (such a group serves aggregated; per-rank transfer agents would lift it).
-    Logits come back on the CPU.
+    Each rank allocates its caches (one tensor per layer holding its heads) and, with one
+    pipeline stage, serves them through its own transfer agent (`agent_hosts`): the same code
+    on GPUs and on the CPU. A pipeline-parallel group on the CPU is the exception: its caches
+    are allocated here in one file of shared memory (`SharedCaches`) that the ranks of each
+    layer's stage map, so this process's agents serve every layer of a TP rank's heads
+    (`kv_caches_by_rank`); the file is unlinked once every rank is ready, or when the start
+    fails. A pipeline-parallel GPU group serves aggregated only. Logits come back on the CPU.
     """
 
     def __init__(self, options: GroupOptions, spec: KVCacheSpec,
@@ -128,8 +140,9 @@ class GroupExecutor(ModelExecutor):
         # each rank holds its share of the KV heads; a latent is whole on every rank
         heads = spec.num_kv_heads if spec.latent else spec.num_kv_heads // tp
         shape = (spec.planes, spec.num_blocks, spec.block_size, heads, spec.cache_head_dim)
-        shared = SharedCaches(tp * num_layers, shape, kv_dtype) if options.device == "cpu" else None
-        # [tp rank][layer]: `shape`, views of what the CPU ranks write; None: on the GPU ranks
+        shared = (SharedCaches(tp * num_layers, shape, kv_dtype)
+                  if options.device == "cpu" and pp > 1 else None)
+        # [tp rank][layer]: `shape`, views of what the CPU ranks write; None: in the ranks
         self.caches = (None if shared is None else
                        [shared.tensors[t * num_layers:(t + 1) * num_layers] for t in range(tp)])
         try:
@@ -156,8 +169,15 @@ class GroupExecutor(ModelExecutor):
 
     def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
         if self.caches is None:
-            raise KVCacheNotShared(GPU_GROUP_KV_ERROR)
+            raise KVCacheNotShared(RANK_AGENTS_KV_ERROR if self.pp_size == 1
+                                   else GPU_GROUP_KV_ERROR)
         return self.caches
+
+    def agent_hosts(self) -> list[AgentHostAddress] | None:
+        hosts = [ready.agent for ready in self.group.ready[:self.tp_size]]
+        if any(h is None for h in hosts):
+            return None
+        return hosts  # type: ignore[return-value]
 
     def close(self) -> None:
         self._finalizer()
@@ -165,13 +185,14 @@ class GroupExecutor(ModelExecutor):
 
 def rank_setups(options: GroupOptions, num_layers: int, cache_shape: tuple[int, ...],
                 kv_dtype: torch.dtype, shared: SharedCaches | None) -> list[RankSetup]:
-    """Every rank's setup, in global rank order. CPU ranks get descriptors of their caches in
-    `shared` (tensor `t * num_layers + layer` holds TP rank t's heads of `layer`); GPU ranks
-    (`shared` None) a `DeviceCacheSpec` of `cache_shape` per layer of their stage."""
+    """Every rank's setup, in global rank order. With `shared` (a pipeline-parallel CPU group)
+    ranks get descriptors of their caches in it (tensor `t * num_layers + layer` holds TP rank
+    t's heads of `layer`); otherwise a `DeviceCacheSpec` of `cache_shape` per layer of their
+    stage, and with one stage each rank hosts its own transfer agent."""
     tp, pp = options.tp_size, options.pp_size
-    if (shared is None) != (options.device == "cuda"):
-        raise ValueError(f"CPU ranks map the driver's shared caches and GPU ranks allocate "
-                         f"their own; got device={options.device!r} and shared={shared!r}")
+    if shared is not None and (options.device != "cpu" or pp == 1):
+        raise ValueError(f"only a pipeline-parallel CPU group maps the driver's shared "
+                         f"caches; got device={options.device!r}, pp_size={pp}")
     stages = stage_layers(num_layers, pp)
     dtype = str(kv_dtype).removeprefix("torch.")
 
@@ -187,7 +208,8 @@ def rank_setups(options: GroupOptions, num_layers: int, cache_shape: tuple[int, 
                       load_format=options.load_format, seed=options.seed,
                       attention_backend=options.attention_backend,
                       kv_caches=caches(t, stages[stage]), timeout_s=options.timeout_s,
-                      device=options.device, host_blocks=options.host_blocks)
+                      device=options.device, host_blocks=options.host_blocks,
+                      serves_kv=pp == 1)
             for stage in range(pp) for t in range(tp)]
 
 

@@ -122,7 +122,8 @@ class RankGroup:
         try:
             for setup in setups:
                 self.handles.append(launcher.launch(target, setup))
-            self._collect("start-up", Ready, start_timeout_s or timeout_s)
+            self.ready: list[Ready] = self._collect(  # type: ignore[assignment]
+                "start-up", Ready, start_timeout_s or timeout_s)
         except BaseException:
             self.close()
             raise

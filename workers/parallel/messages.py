@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtransfer.remote_messages import AgentHostAddress
 from workers.kv_cache.host_tier import NO_COPIES, BlockCopies
 
 
@@ -72,6 +73,7 @@ class Ready:
     """A rank has joined the process group and loaded its shard."""
 
     rank: int
+    agent: AgentHostAddress | None = None  # where its KV transfer agent's host listens
 
 
 @dataclass(frozen=True)

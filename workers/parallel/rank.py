@@ -1,12 +1,14 @@
 """One rank of a worker group: joins the process group, loads its shard, runs steps.
 
 A rank holds tensor-parallel rank `tp_rank` of pipeline stage `stage` (global rank
-`stage * tp_size + tp_rank`) and the KV cache of that stage's layers for its heads. On the CPU
-(gloo) the driver allocated that cache in shared memory and the rank maps it before it reports
-`Ready`; on a GPU (NCCL) the rank allocates it on its own device from a `DeviceCacheSpec`, and
-the driver never sees it. It serves `StepMessage`s until `Shutdown`, replying to each with a
-`StepReply` (logits on the CPU); any exception is sent back as `RankFailed` and the rank exits
-non-zero.
+`stage * tp_size + tp_rank`) and the KV cache of that stage's layers for its heads. It allocates
+that cache itself on its device from a `DeviceCacheSpec` (a GPU's memory, or the CPU's) and
+serves it to the transfer layer through its own agent (`kvtransfer.remote.AgentHost`, on a
+thread of its own), whose address its `Ready` carries: the driver never sees the cache. Only a
+pipeline-parallel group on the CPU still maps the driver's shared memory instead (the driver's
+agents serve it: a rank's handoff would hold only its stage's layers). It serves `StepMessage`s
+until `Shutdown`, replying to each with a `StepReply` (logits on the CPU); any exception is
+sent back as `RankFailed` and the rank exits non-zero.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvtransfer.agent_host import AgentHost
 from workers.attention import get_backend
 from workers.kv_cache.host_caches import HostCaches
 from workers.parallel.comm import CommStats, Communicator, StageLink
@@ -35,19 +38,21 @@ from workers.parallel.pipeline import microbatch_tensors, split_microbatches, st
 from workers.parallel.shared_cache import SharedTensor, map_tensors
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device kind -> torch.distributed backend
+AGENT_HOST = "127.0.0.1"  # a rank's agent host listens here: its driver is on the same node
 
 
 @dataclass(frozen=True)
 class DeviceCacheSpec:
-    """The KV caches a GPU rank allocates, zeroed, on its own device: one tensor of `shape`
-    per layer of its stage."""
+    """The KV caches a rank allocates, zeroed, on its own device (a GPU, or the CPU): one
+    tensor of `shape` per layer of its stage."""
 
     num_layers: int  # this stage's
     shape: tuple[int, ...]  # [2, num_blocks, block_size, KV heads of this rank, head_dim]
     dtype: str  # a torch dtype name, e.g. "bfloat16"
 
 
-# CPU ranks: descriptors of their caches in the driver's shared memory; GPU ranks: a spec
+# pipeline-parallel CPU ranks: descriptors of their caches in the driver's shared memory;
+# the rest: a spec
 RankCaches = tuple[SharedTensor, ...] | DeviceCacheSpec
 
 
@@ -69,6 +74,7 @@ class RankSetup:
     timeout_s: float  # collectives give up after this long
     device: str  # the kind, "cpu" (gloo) or "cuda" (NCCL); `rank_device` picks which GPU
     host_blocks: int = 0  # blocks of this rank's host tier of its caches (0: none)
+    serves_kv: bool = False  # run a KV transfer agent host over its caches (`Ready.agent`)
 
     @property
     def stage(self) -> int:
@@ -95,8 +101,8 @@ def rank_device(kind: str, rank: int, device_count: int) -> torch.device:
 
 
 def allocate_rank_caches(caches: RankCaches, device: torch.device) -> list[torch.Tensor]:
-    """The rank's caches, per layer of its stage: the driver's shared memory mapped (CPU), or
-    zeroed tensors of its own on `device` (GPU)."""
+    """The rank's caches, per layer of its stage: zeroed tensors of its own on `device`, or
+    the driver's shared memory mapped."""
     if isinstance(caches, DeviceCacheSpec):
         dtype = getattr(torch, caches.dtype)
         return [torch.zeros(caches.shape, dtype=dtype, device=device)
@@ -107,9 +113,14 @@ def allocate_rank_caches(caches: RankCaches, device: torch.device) -> list[torch
 def rank_main(setup: RankSetup, conn: object) -> None:
     """The rank's entry point. `conn`: its end of the channel to the driver (`send`, `recv`)."""
     torch.set_num_threads(1)
+    host = None
     try:
         runner = _StageRunner(setup)
-        conn.send(Ready(setup.rank))  # type: ignore[attr-defined]
+        address = None
+        if setup.serves_kv:
+            host = AgentHost(runner.kv_caches, tp_rank=setup.tp_rank, tp_size=setup.tp_size)
+            address = host.start(AGENT_HOST)
+        conn.send(Ready(setup.rank, address))  # type: ignore[attr-defined]
         while True:
             msg = conn.recv()  # type: ignore[attr-defined]
             if isinstance(msg, Shutdown):
@@ -119,6 +130,8 @@ def rank_main(setup: RankSetup, conn: object) -> None:
         conn.send(RankFailed(setup.rank, traceback.format_exc()))  # type: ignore[attr-defined]
         raise SystemExit(1) from None
     finally:
+        if host is not None:
+            host.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 

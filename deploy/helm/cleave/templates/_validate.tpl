@@ -30,7 +30,8 @@ unknown keys are values.schema.json's job. */}}
 {{- $gpus := mulf $ranks $gpr }}
 {{- if ne (floor $gpus) $gpus }}{{ fail (printf "%s: tp × pp × gpus_per_rank = %d × %v = %v GPUs per pod; it must be a whole number" $where $ranks $gpr $gpus) }}{{ end }}
 {{- if and (gt $ranks 1) (gt (float64 $gpr) 0.0) (ne (floor $gpr) (float64 $gpr)) }}{{ fail (printf "%s: gpus_per_rank=%v with tp × pp = %d ranks: NCCL needs each rank on GPUs of its own; use a whole number" $where $gpr $ranks) }}{{ end }}
-{{- if and (ne $name "aggregated") (gt $ranks 1) (gt (float64 $gpr) 0.0) }}{{ fail (printf "%s: a GPU pool of tp × pp = %d ranks keeps its KV cache on the ranks' GPUs and cannot hand it off yet; use an aggregated pool, or tp = pp = 1 for prefill/decode pools" $where $ranks) }}{{ end }}
+{{- $pp := default $d.pp $pool.pp | int }}
+{{- if and (ne $name "aggregated") (gt $pp 1) (gt (float64 $gpr) 0.0) }}{{ fail (printf "%s: a GPU pool of pp = %d pipeline stages keeps each stage's layers of the KV cache on its ranks' GPUs and cannot hand it off yet; use an aggregated pool, or pp = 1 for prefill/decode pools (tp > 1 hands off from every rank)" $where $pp) }}{{ end }}
 {{- $s := include "cleave.workerSettings" (dict "root" $ "name" $name) | fromJson }}
 {{- $cpr := ternary $d.cpus_per_rank $pool.cpus_per_rank (kindIs "invalid" $pool.cpus_per_rank) }}
 {{- if gt (float64 $cpr) (float64 $s.cpuPerRank) }}{{ fail (printf "%s.cpus_per_rank=%v is more than workers.%s.cpuPerRank=%v, the CPUs its pod has per rank" $where $cpr $name $s.cpuPerRank) }}{{ end }}
