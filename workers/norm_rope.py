@@ -38,7 +38,7 @@ def load_kernel() -> ctypes.CDLL:
         fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i32]
         fn.restype = None
     for fn in (lib.rope_f32, lib.rope_bf16):
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
         fn.restype = i32
     return lib
 
@@ -77,22 +77,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return out
 
 
-def rope(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor,
-         sin_cache: torch.Tensor) -> torch.Tensor | None:
-    """Neox-style RoPE of x [T, H, D] at `positions` [T] (int64), from fp32 caches
-    [max_position, D / 2]: a new contiguous [T, H, D]. None when the kernel does not apply."""
+def rope(positions: torch.Tensor, x: torch.Tensor,
+         cos_sin_cache: torch.Tensor) -> torch.Tensor | None:
+    """Neox-style RoPE of x [T, H, D] at `positions` [T] (int64), from the shared cache
+    [max_position, D] in x's dtype (cos in its first D / 2 columns, sin in the rest): a new
+    contiguous [T, H, D]. None when the kernel does not apply."""
     fns = _functions().get(x.dtype)
     if (fns is None or not x.is_cpu or x.dim() != 3 or x.stride(-1) != 1
             or positions.dtype != torch.int64 or not positions.is_contiguous()
-            or cos_cache.dtype != torch.float32 or cos_cache.shape != sin_cache.shape
-            or 2 * cos_cache.shape[-1] != x.shape[-1]
-            or not (cos_cache.is_contiguous() and sin_cache.is_contiguous())):
+            or cos_sin_cache.dtype != x.dtype or cos_sin_cache.dim() != 2
+            or cos_sin_cache.shape[-1] != x.shape[-1] or cos_sin_cache.stride(-1) != 1):
         return None
     tokens, heads, dim = x.shape
     out = torch.empty(x.shape, dtype=x.dtype)
+    max_position = cos_sin_cache.shape[0]
     rc = fns[1](x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), positions.data_ptr(),
-                cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], tokens, heads,
+                cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), max_position, tokens, heads,
                 dim // 2, torch.get_num_threads())
     if rc != 0:
-        raise IndexError(f"a position is outside the rotary cache's {cos_cache.shape[0]}")
+        raise IndexError(f"a position is outside the rotary cache's {max_position}")
     return out

@@ -218,13 +218,16 @@ def test_dummy_weights_are_reproducible_and_match_the_written_checkpoint(tmp_pat
     assert logits.std() > 1.0 and (top2[:, 0] - top2[:, 1]).mean() > 0.3  # well spread
 
 
-def test_bf16_load_keeps_rope_in_fp32_and_returns_fp32_logits(tmp_path: Path) -> None:
+def test_bf16_load_shares_a_bf16_rope_cache_and_returns_fp32_logits(tmp_path: Path) -> None:
     config = tiny_config(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                          tie_word_embeddings=True)
     model = load(write_checkpoint(tmp_path, config), config, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert model.model.layers[0].self_attn.rotary_emb.cos_cache.dtype == torch.float32
+    # one cos/sin cache in the model's dtype for every layer (transformers rounds it so too)
+    caches = {id(layer.self_attn.rotary_emb.cos_sin_cache) for layer in model.model.layers.values()}
+    assert len(caches) == 1
+    assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.bfloat16
     reference = load(tmp_path, config)
     prompt = [torch.arange(12)]
     logits, expected = run_prompts(model, prompt)[0], run_prompts(reference, prompt)[0]

@@ -93,7 +93,8 @@ def test_yarn_matches_transformers(yarn: dict[str, Any]) -> None:
     assert scaling is not None and scaling.attention_factor == pytest.approx(factor, abs=1e-12)
     torch.testing.assert_close(compute_inv_freq(16, 150000.0, scaling), expected, rtol=0, atol=0)
     rope = RotaryEmbedding(16, 64, 150000.0, scaling)  # cos and sin carry the factor
-    torch.testing.assert_close(rope.cos_cache[3], (3 * expected).cos() * factor)
+    torch.testing.assert_close(rope.cos_sin_cache[3, :8], (3 * expected).cos() * factor)
+    torch.testing.assert_close(rope.cos_sin_cache[3, 8:], (3 * expected).sin() * factor)
 
 
 @pytest.mark.parametrize("scaling", [None, RopeScaling("linear", 4.0),

@@ -23,10 +23,9 @@ def torch_norm(x, w, eps):
 
 
 def torch_rope(rot, positions, x):
-    cos = rot.cos_cache.index_select(0, positions)
-    sin = rot.sin_cache.index_select(0, positions)
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(x.dtype)
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(x.dtype)
+    cos, sin = rot.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -58,7 +57,8 @@ def test_rms_norm_reads_strided_rows_and_heads():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_of_qkv_views_is_torchs(dtype):
-    rot = RotaryEmbedding(64, 2048, 10000.0, None)
+    rot = RotaryEmbedding(64, 2048, 10000.0, None, dtype=dtype)  # the cache in the model's dtype
+    assert rot.cos_sin_cache.dtype == dtype
     tokens = 70  # over the threading threshold
     qkv = torch.randn(tokens, 16 * 64, dtype=dtype)
     q = qkv[:, :8 * 64].reshape(tokens, 8, 64)
@@ -77,7 +77,7 @@ def test_a_position_past_the_cache_is_refused_before_any_write():
     rot = RotaryEmbedding(16, 32, 10000.0, None)
     x = torch.randn(2, 1, 16)
     with pytest.raises(IndexError, match="outside the rotary cache's 32"):
-        norm_rope.rope(torch.tensor([3, 32]), x, rot.cos_cache, rot.sin_cache)
+        norm_rope.rope(torch.tensor([3, 32]), x, rot.cos_sin_cache)
 
 
 def test_what_the_kernel_does_not_take_is_left_to_torch():
@@ -85,10 +85,13 @@ def test_what_the_kernel_does_not_take_is_left_to_torch():
     assert norm_rope.rms_norm(torch.randn(2, 64, dtype=torch.float16), w16, 1e-6) is None
     assert norm_rope.rms_norm(torch.randn(2, 64), w16, 1e-6) is None  # dtypes differ
     rot = RotaryEmbedding(16, 32, 10000.0, None)
-    assert norm_rope.rope(torch.tensor([1]), torch.randn(1, 2, 16).half(), rot.cos_cache,
-                          rot.sin_cache) is None
+    assert norm_rope.rope(torch.tensor([1]), torch.randn(1, 2, 16).half(),
+                          rot.cos_sin_cache) is None
     assert norm_rope.rope(torch.tensor([1], dtype=torch.int32), torch.randn(1, 2, 16),
-                          rot.cos_cache, rot.sin_cache) is None
+                          rot.cos_sin_cache) is None
+    # a cache in another dtype than x's
+    assert norm_rope.rope(torch.tensor([1]), torch.randn(1, 2, 16).bfloat16(),
+                          rot.cos_sin_cache) is None
     # and the modules still compute them, through torch
     norm = RMSNorm(64)
     norm.weight.data = w16

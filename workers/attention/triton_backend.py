@@ -1,8 +1,10 @@
 """The `triton` attention backend: paged decode and prefill kernels in Triton.
 
-A step's K/V are written with `write_kv` (one index_copy per cache half; a Triton kernel would
-save nothing worth its code). The leading `num_decodes` sequences go to the split-K decode kernel
-in one launch (plus a merge); the rest go to the varlen prefill kernel in one launch.
+A step's K/V are written by `forward_rotary` in the same kernel that rotates q and k
+(`workers.kernels.rope_kv`), or by `write_kv` (one index_copy per cache half) when `forward` is
+given rotated ones (a latent cache). The leading `num_decodes` sequences go to the split-K
+decode kernel in one launch (plus a merge); the rest go to the varlen prefill kernel in one
+launch.
 
 On CPU tensors the kernels run in Triton's interpreter, which needs TRITON_INTERPRET=1 set before
 this module is imported; that is how the tests run it.
@@ -22,6 +24,7 @@ from workers.attention.decode_splits import (
 from workers.attention.torch_backend import write_kv
 from workers.attention.triton_decode import paged_decode_attention
 from workers.attention.triton_prefill import paged_prefill_attention
+from workers.kernels.rope_kv import rope_and_store
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -36,6 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     cuda_graph_safe = True  # read by workers.cuda_graphs
+    rotates_qk = True  # has forward_rotary: RoPE and the KV write in one kernel
 
     def __init__(self) -> None:
         self._scratch: DecodeScratch | None = None
@@ -44,6 +48,22 @@ class TritonAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale, window, sinks)
+
+    def forward_rotary(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` of unrotated q and k: one kernel rotates them (in place) at `positions`
+        [T] from `cos_sin_cache` [max_position, D] (cos | sin, q's dtype;
+        `workers.models.rotary.cos_sin_cache`) and stores k and v in the cache, as
+        `RotaryEmbedding` then `write_kv` would. A latent cache takes `forward`."""
+        rope_and_store(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale, window, sinks)
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, whose new K/V are written."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

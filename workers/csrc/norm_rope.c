@@ -10,8 +10,8 @@
  *   rms_norm   n = x * rsqrt(mean(x^2) + eps) in fp32; fp32: out = w * n; bf16: out =
  *              bf16(w * bf16(n)) (the product of two bf16 values is exact in fp32)
  *   rope       neox halves: out[i] = x[i] cos[i] - x[i+h] sin[i], out[i+h] = x[i+h] cos[i] +
- *              x[i] sin[i]; bf16: cos and sin rounded to bf16 first, each product rounded to
- *              bf16, then the sum, as torch's bf16 ops do one by one
+ *              x[i] sin[i], cos and sin from the model's shared cache in x's dtype; bf16:
+ *              each product rounded to bf16, then the sum, as torch's bf16 ops do one by one
  * fp32 results may differ from torch's in the last bit (the order of the squares' sum, fused
  * multiply-adds); bf16 rope results are torch's exactly.
  *
@@ -100,11 +100,11 @@ static inline void rope_row_f32(const float *x, float *out, const float *cos, co
     }
 }
 
-static inline void rope_row_bf16(const uint16_t *x, uint16_t *out, const float *cos,
-                                 const float *sin, int64_t h) {
+static inline void rope_row_bf16(const uint16_t *x, uint16_t *out, const uint16_t *cos,
+                                 const uint16_t *sin, int64_t h) {
     for (int64_t i = 0; i < h; i++) {
         const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + h]);
-        const float c = round_bf16(cos[i]), s = round_bf16(sin[i]);
+        const float c = bf16_to_f32(cos[i]), s = bf16_to_f32(sin[i]);
         /* q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-x2, x1) */
         out[i] = f32_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
         out[i + h] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
@@ -119,17 +119,18 @@ static int positions_ok(const int64_t *positions, int64_t tokens, int64_t max_po
 }
 
 /* NAME(x, ...): x [T, H, D] of type T with strides (token, head) in elements and contiguous D;
- * out [T, H, D] contiguous; cos/sin caches [max_position, D / 2] fp32, rows picked by
- * positions [T]. Returns 0, or -1 (nothing written) for a position past the caches. */
+ * out [T, H, D] contiguous; cos_sin cache [max_position, D] of type T (row stride
+ * cache_stride): cos in its first D / 2 columns, sin in the rest, rows picked by positions [T].
+ * Returns 0, or -1 (nothing written) for a position past the cache. */
 #define DEFINE_ROPE(NAME, T, ROW_FN)                                                           \
     int NAME(const T *x, int64_t tok_stride, int64_t head_stride, T *out,                      \
-             const int64_t *positions, const float *cos, const float *sin,                     \
+             const int64_t *positions, const T *cos_sin, int64_t cache_stride,                 \
              int64_t max_position, int64_t tokens, int64_t heads, int64_t half,                \
              int num_threads) {                                                                \
         if (!positions_ok(positions, tokens, max_position)) return -1;                         \
         _Pragma("omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)")      \
         for (int64_t t = 0; t < tokens; t++) {                                                 \
-            const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;        \
+            const T *c = cos_sin + positions[t] * cache_stride, *s = c + half;                 \
             for (int64_t hd = 0; hd < heads; hd++)                                             \
                 ROW_FN(x + t * tok_stride + hd * head_stride,                                  \
                        out + (t * heads + hd) * 2 * half, c, s, half);                         \

@@ -65,6 +65,9 @@ class LlamaAttention(nn.Module):
         if config.attention_sinks:
             self.sinks = _make_param((self.num_heads,), self._load_sinks)
         self.tp_rank, self.total_heads = tp_rank, config.num_attention_heads
+        # a backend with `forward_rotary` (triton) rotates q and k itself, fused with its KV
+        # write; the others take rotated q and k
+        self.rope_in_backend = getattr(attn_backend, "rotates_qk", False)
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor,
                     shard_id: object = None) -> None:
@@ -76,18 +79,22 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        num_tokens = x.shape[0]
+        num_tokens, q_size, qk_size = x.shape[0], self.q_size, self.q_size + self.kv_size
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        qk_size = self.q_size + self.kv_size
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = qkv[:, :qk_size].split([self.q_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary_emb(positions, q, k)
-        else:  # q and k side by side: rotated together
-            qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
-            q, k = self.rotary_emb.rotate_qk(positions, qk, self.num_heads)
-        out = self.attn_backend.forward(q, k, v, kv_cache, meta, scale=self.scale,
-                                        window=self.window, sinks=self.sinks)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+            q, k = self.q_norm(q), self.k_norm(k)
+        kwargs = {"scale": self.scale, "window": self.window, "sinks": self.sinks}
+        if self.rope_in_backend:  # one kernel rotates q and k and stores k and v
+            out = self.attn_backend.forward_rotary(
+                positions, self.rotary_emb.cos_sin_cache, q, k, v, kv_cache, meta, **kwargs)
+        else:
+            if self.qk_norm:
+                q, k = self.rotary_emb(positions, q, k)
+            else:  # q and k side by side: rotated together
+                qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+                q, k = self.rotary_emb.rotate_qk(positions, qk, self.num_heads)
+            out = self.attn_backend.forward(q, k, v, kv_cache, meta, **kwargs)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, q_size))

@@ -25,7 +25,9 @@ from workers.models.llama import LlamaForCausalLM, LlamaModel
 
 
 class GemmaRMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    gemma = True
+
+    def torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
@@ -49,13 +51,19 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        self, positions: torch.Tensor, hidden: torch.Tensor,
+        residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # as LlamaDecoderLayer: (this layer's output, the residual it is to be added to);
+        # each sublayer's output is normed before its residual add
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        attn = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.pre_feedforward_layernorm(
+            self.post_attention_layernorm(attn), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
+from workers.kernels import use_triton
 from workers.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
 from workers.models.layers import (
@@ -59,7 +60,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate / tp_size]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / tp_size]
+        if use_triton(gate_up):  # one kernel for the activation and the product
+            from workers.kernels.act_mul import act_and_mul
+
+            return self.down_proj(act_and_mul(gate_up, self.gelu))
+        gate, up = gate_up.chunk(2, dim=-1)  # each [T, intermediate / tp_size]
         if self.gelu:
             return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         # in place, in the projection's own output: no fresh [T, intermediate] buffers (their
@@ -85,17 +91,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        # hidden: [T, hidden]; same order of adds as HF's LlamaDecoderLayer
-        # (the adds land in place in the sublayers' fresh outputs; a + b == b + a exactly)
-        residual = hidden
-        hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        hidden = hidden.add_(residual)
-        residual = hidden
-        hidden = getattr(self, self.mlp_name)(self.post_attention_layernorm(hidden))
-        return hidden.add_(residual)
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        kv_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, residual: [T, hidden], the previous layer's MLP output and the residual it
+        is to be added to (None on the first layer: hidden is the input) -> the same of this
+        layer. HF's LlamaDecoderLayer with each residual add fused into the next norm, as
+        vLLM does; the sums land in place in the sublayers' fresh outputs (a + b == b + a)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -137,9 +146,12 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)  # [T, hidden]
             if self.embed_scale is not None:  # rounded to the weights' dtype first, as HF does
                 hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return self.norm(hidden) if self.is_last else hidden
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if self.is_last:
+            return self.norm(hidden, residual)[0]
+        return hidden.add_(residual)  # the next stage's input
 
 
 class LlamaForCausalLM(nn.Module):

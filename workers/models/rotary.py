@@ -4,6 +4,7 @@ default, linear, Llama 3 and YaRN frequency scaling."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -59,35 +60,58 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
     return interpolated * (1 - extrapolation) + inv_freq * extrapolation
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate_half) RoPE with an fp32 cos/sin cache for every position."""
+_SHARED_CACHES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
 
-    def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None
-    ) -> None:
-        super().__init__()
-        self.head_dim, self.max_position = head_dim, max_position
-        # computed on CPU in fp32 like HF, then moved to the device the model is built on
+
+def cos_sin_cache(head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None,
+                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[max_position, head_dim]: cos of each position's angles in the first head_dim / 2
+    columns, sin in the rest, computed in fp32 like transformers (YaRN's attention factor
+    applied), then rounded to `dtype` as transformers rounds them before use. One tensor per
+    distinct (shape, RoPE settings, dtype, device), shared by every layer that asks while any
+    holds it."""
+    key = (head_dim, max_position, theta, scaling, dtype, str(device))
+    cache = _SHARED_CACHES.get(key)
+    if cache is None:
+        # computed on CPU in fp32 like HF, then moved
         inv_freq = compute_inv_freq(head_dim, theta, scaling)  # [head_dim // 2]
         positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
         freqs = positions[:, None] * inv_freq  # [max_position, head_dim // 2]
-        device = torch.get_default_device()
         # YaRN multiplies cos and sin by its attention factor (1 for the other kinds)
         factor = scaling.attention_factor if scaling is not None else 1.0
-        self.register_buffer("cos_cache", (freqs.cos() * factor).to(device), persistent=False)
-        self.register_buffer("sin_cache", (freqs.sin() * factor).to(device), persistent=False)
+        both = torch.cat((freqs.cos() * factor, freqs.sin() * factor), dim=-1)
+        cache = _SHARED_CACHES[key] = both.to(dtype=dtype, device=device)
+    return cache
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate_half) RoPE from a cos/sin cache for every position, in the model's
+    dtype (the default dtype at construction) and shared with the layers of the same settings
+    (`cos_sin_cache`)."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """`dtype`: the cache's (the model's); None: the default dtype, which the loader sets
+        to the model's while building it."""
+        super().__init__()
+        self.head_dim, self.max_position = head_dim, max_position
+        # a plain attribute, not a buffer: one tensor for every layer, never copied per module
+        self.cos_sin_cache = cos_sin_cache(head_dim, max_position, theta, scaling,
+                                           dtype or torch.get_default_dtype(),
+                                           torch.get_default_device())
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D] -> same shapes, rotated
-        q_out = norm_rope.rope(positions, q, self.cos_cache, self.sin_cache)  # C, on the CPU
+        q_out = norm_rope.rope(positions, q, self.cos_sin_cache)  # C, on the CPU
         if q_out is not None:
-            k_out = norm_rope.rope(positions, k, self.cos_cache, self.sin_cache)
+            k_out = norm_rope.rope(positions, k, self.cos_sin_cache)
             if k_out is not None:
                 return q_out, k_out
-        cos = self.cos_cache.index_select(0, positions)
-        sin = self.sin_cache.index_select(0, positions)
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, D / 2]
         cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -96,7 +120,7 @@ class RotaryEmbedding(nn.Module):
                   num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, k) rotated, from one [T, Hq + Hkv, D] view of both (adjacent in the fused
         projection's output): one kernel call on the CPU, where `forward` makes two."""
-        out = norm_rope.rope(positions, qk, self.cos_cache, self.sin_cache)
+        out = norm_rope.rope(positions, qk, self.cos_sin_cache)
         if out is None:
             return self(positions, qk[:, :num_q_heads], qk[:, num_q_heads:])
         return out[:, :num_q_heads], out[:, num_q_heads:]

@@ -1,0 +1,119 @@
+"""RoPE of q and k and the paged KV write in one Triton launch (where torch issues ~16 ops for
+the rotation and two `index_copy_` for the write).
+
+One program per token rotates its query and key heads in place (neox halves: out[i] = x[i] cos
+- x[i + h] sin, out[i + h] = x[i + h] cos + x[i] sin, with cos/sin from the model's shared cache
+in the activations' dtype, `workers.models.rotary.cos_sin_cache`), then stores its key and
+value heads at its slot of the cache. In 16-bit dtypes each product is rounded to the dtype
+before the sum, as torch's ops do one by one, so the result is the torch path's bit for bit.
+
+The torch fallback is the composition this replaces: `RotaryEmbedding.forward` then
+`workers.attention.torch_backend.write_kv`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_head, heads, cos, sin, HALF: tl.constexpr,
+                  HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, ROUND: tl.constexpr):
+    """Rotates `heads` rows of one token in place; returns the rotated halves (fp32)."""
+    h = tl.arange(0, HEADS_BLOCK)[:, None]
+    d = tl.arange(0, HALF_BLOCK)[None, :]
+    ok = (h < heads) & (d < HALF)
+    first = x_ptr + h * stride_head + d
+    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
+    a, b, c, e = x1 * cos, x2 * sin, x2 * cos, x1 * sin
+    if ROUND:  # each product rounded to the dtype, as torch's 16-bit ops are
+        dtype = x_ptr.dtype.element_ty
+        a, b = a.to(dtype).to(tl.float32), b.to(dtype).to(tl.float32)
+        c, e = c.to(dtype).to(tl.float32), e.to(dtype).to(tl.float32)
+    o1, o2 = a - b, c + e
+    tl.store(first, o1.to(x_ptr.dtype.element_ty), mask=ok)
+    tl.store(first + HALF, o2.to(x_ptr.dtype.element_ty), mask=ok)
+    return o1, o2, h, d, ok
+
+
+@triton.jit
+def _rope_store_kernel(
+    positions_ptr, slots_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+    num_heads, num_kv_heads,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token,
+    stride_v_head, stride_cos_sin, stride_cache_block, stride_cache_token, stride_cache_head,
+    BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, DIM: tl.constexpr,
+    Q_HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    DIM_BLOCK: tl.constexpr, ROUND: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    d = tl.arange(0, HALF_BLOCK)[None, :]
+    row = cos_sin_ptr + pos * stride_cos_sin
+    cos = tl.load(row + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(row + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + token * stride_q_token, stride_q_head, num_heads, cos, sin, HALF,
+                  Q_HEADS_BLOCK, HALF_BLOCK, ROUND)
+    k1, k2, h, d, ok = _rotate_heads(k_ptr + token * stride_k_token, stride_k_head,
+                                     num_kv_heads, cos, sin, HALF, KV_HEADS_BLOCK, HALF_BLOCK,
+                                     ROUND)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot >= 0:  # a negative slot stores nothing
+        at = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_token
+              + h * stride_cache_head)
+        k_dst = k_cache_ptr + at + d
+        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        dims = tl.arange(0, DIM_BLOCK)[None, :]
+        v_ok = (h < num_kv_heads) & (dims < DIM)
+        v = tl.load(v_ptr + token * stride_v_token + h * stride_v_head + dims, mask=v_ok,
+                    other=0.0)
+        tl.store(v_cache_ptr + at + dims, v.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
+
+
+def rope_and_store(
+    positions: torch.Tensor,  # [T] int64 (or int32), each < cos_sin_cache.shape[0]
+    q: torch.Tensor,  # [T, Hq, D], contiguous last dim: rotated in place
+    k: torch.Tensor,  # [T, Hkv, D], contiguous last dim: rotated in place
+    v: torch.Tensor,  # [T, Hkv, D], contiguous last dim
+    cos_sin_cache: torch.Tensor,  # [max_position, D] in q's dtype: cos | sin
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]: k and v stored at their slots
+    slot_mapping: torch.Tensor,  # [T] int64 slot of each token (negative: not stored)
+) -> None:
+    """Rotates q and k in place and stores the rotated k and v in the cache, in one launch.
+    Positions are not bounds-checked on the device (the caller keeps them in the cache)."""
+    tokens, num_heads, dim = q.shape
+    planes, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
+    if (k.shape != (tokens, num_kv_heads, dim) or v.shape != k.shape or planes != 2
+            or cache_dim != dim or dim % 2 or cos_sin_cache.shape[-1] != dim):
+        raise ValueError(
+            f"expected q [T, Hq, D], k and v [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, "
+            f"D] and cos_sin_cache [max_position, D] with D even; got q {tuple(q.shape)}, k "
+            f"{tuple(k.shape)}, v {tuple(v.shape)}, kv_cache {tuple(kv_cache.shape)}, "
+            f"cos_sin_cache {tuple(cos_sin_cache.shape)}")
+    if positions.shape != (tokens,) or slot_mapping.shape != (tokens,):
+        raise ValueError(f"expected positions and slot_mapping [{tokens}], got "
+                         f"{tuple(positions.shape)} and {tuple(slot_mapping.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos_sin_cache, kv_cache)):
+        raise ValueError("q, k, v, cos_sin_cache and kv_cache need a contiguous last dim")
+    if cos_sin_cache.dtype != q.dtype or k.dtype != q.dtype:
+        raise ValueError(f"q, k and the cos/sin cache must share a dtype, got {q.dtype}, "
+                         f"{k.dtype} and {cos_sin_cache.dtype}")
+    if tokens == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    half = dim // 2
+    _rope_store_kernel[(tokens,)](
+        positions, slot_mapping, cos_sin_cache, q, k, v, k_cache, v_cache,
+        num_heads, num_kv_heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=block_size, HALF=half, DIM=dim,
+        Q_HEADS_BLOCK=triton.next_power_of_2(num_heads),
+        KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads),
+        HALF_BLOCK=triton.next_power_of_2(half), DIM_BLOCK=triton.next_power_of_2(dim),
+        ROUND=q.dtype != torch.float32, num_warps=4,
+    )
