@@ -35,7 +35,9 @@ BLOCK_M = 64
 BLOCK_N = 64  # >= BLOCK_M: the sliding-window start in _prefill_kernel relies on it
 
 
-@triton.jit
+# the block-table width and the window vary per step and layer: never specialised on (a new
+# value would compile a variant while serving; see triton_decode)
+@triton.jit(do_not_specialize=["window", "stride_table_seq"])
 def _prefill_kernel(  # long: one kernel body; splitting it costs registers and clarity
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr, sinks_ptr,
