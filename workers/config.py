@@ -28,7 +28,10 @@ class EngineConfig:
     max_model_len: int | None = None  # tokens per sequence; default: the model's context
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_bytes: int | None = None  # KV budget; default 512 MiB on CPU
-    gpu_memory_utilization: float = 0.9  # on GPU: fraction of free memory (after loading) for KV
+    # on GPU: the fraction of the device's total memory (not of what is free) that weights,
+    # activations and the KV cache may take together, memory held outside this process's torch
+    # allocator (CUDA context, other processes) counted against it (memory_profile)
+    gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # overrides the budget: exactly this many KV blocks
     # the host-memory tier: evicted prefix-cache blocks kept in this many bytes of host memory
     # and copied back on a hit instead of recomputed (0: off; workers.kv_cache.host_tier)

@@ -7,7 +7,12 @@ the same). A ladder of batch sizes is captured (1, 2, 4, 8, then every 8 up to t
 a step's batch is padded to the next captured size and copied into persistent input buffers
 the graphs read. Padded rows are one-token sequences whose K/V land in a sink block that no
 request owns, so padding never touches a real sequence's cache. Larger batches, prefill and
-mixed steps run eagerly.
+mixed steps run eagerly, with their inputs built by `workers.step_inputs` (one asynchronous
+upload per step, as the static path's `_load`).
+
+A step's block tables are uploaded incrementally: the executor remembers which prefix of each
+buffer row it wrote, and a row whose table only grew (a decode appending a block every
+`block_size` tokens) gets just its new entries.
 
 Only attention backends that read sequence lengths and block tables on the device, without
 host syncs (`AttentionBackend.cuda_graph_safe`), and models without data-dependent host work
@@ -26,8 +31,10 @@ import torch
 from torch import nn
 
 from workers.attention import AttentionMetadata
+from workers.host_transfer import upload
 from workers.parallel.executor import LocalExecutor
 from workers.parallel.messages import StepMessage
+from workers.step_inputs import step_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,8 @@ class CudaGraphExecutor(LocalExecutor):
         self._seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self._tables = torch.full((rows, width), sink_block, dtype=torch.int32, device=device)
         self._query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        # per buffer row: the table prefix it holds (what `_load` wrote; the rest is stale)
+        self._written: list[tuple[int, ...]] = [(sink_block,) * width] * rows
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replayed_steps = 0  # steps served from the static buffers (graphs or, on CPU, eager)
         if capture:
@@ -86,10 +95,12 @@ class CudaGraphExecutor(LocalExecutor):
 
     def execute(self, msg: StepMessage) -> torch.Tensor:
         size = self._graph_size(msg)
-        if size is None:
-            return super().execute(msg)
         self.copy_tiers(msg)
-        self._load(msg, size)
+        if size is None:
+            ids, positions, meta, rows = step_tensors(msg, self.device)
+            hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
+            return self.model.compute_logits(hidden.index_select(0, rows))
+        rows = self._load(msg, size)
         if self._graphs:
             graph, logits = self._graphs[size]
             graph.replay()
@@ -99,7 +110,7 @@ class CudaGraphExecutor(LocalExecutor):
             logits = self._forward(size, self._meta(size, list(msg.seq_lens)))
         self.replayed_steps += 1
         # a copy: the graph's output buffer is overwritten by the next replay
-        return logits[list(msg.logit_rows)]
+        return logits.index_select(0, rows)
 
     # ---- the static path -------------------------------------------------------------------
 
@@ -114,28 +125,47 @@ class CudaGraphExecutor(LocalExecutor):
             return None  # more blocks than the context needs (never expected): stay eager
         return next(s for s in self.sizes if s >= n)
 
-    def _load(self, msg: StepMessage, size: int) -> None:
-        """Copies the step into the persistent buffers with one host->device transfer; rows
-        [n, size) are reset to padding (a previous, larger step may have used them)."""
+    def _load(self, msg: StepMessage, size: int) -> torch.Tensor:
+        """Copies the step into the persistent buffers with one asynchronous host->device
+        transfer; rows [n, size) are reset to padding (a previous, larger step may have used
+        them). Returns the step's logit rows on the device."""
         n = msg.num_seqs
-        width = max(len(t) for t in msg.block_tables)
         sink_slot = self.sink_block * self.block_size
         pad = size - n
-        flat = [*msg.input_ids, *([0] * pad), *msg.positions, *([0] * pad),
-                *msg.slot_mapping, *([sink_slot] * pad), *msg.seq_lens, *([1] * pad)]
-        for table in msg.block_tables:
-            flat.extend(table)
-            flat.extend([self.sink_block] * (width - len(table)))
-        flat.extend([self.sink_block] * (pad * width))
-        staged = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
-        ids, positions, slots, lens, tables = staged.split(
-            [size, size, size, size, size * width])
+        cells, values = self._table_updates(msg.block_tables, size)
+        num_rows, num_cells = len(msg.logit_rows), len(cells)
+        staged = upload([*msg.input_ids, *([0] * pad), *msg.positions, *([0] * pad),
+                         *msg.slot_mapping, *([sink_slot] * pad), *msg.seq_lens, *([1] * pad),
+                         *msg.logit_rows, *cells, *values], self.device)
+        ids, positions, slots, lens, rows, cells_d, values_d = staged.split(
+            [size, size, size, size, num_rows, num_cells, num_cells])
         self._input_ids[:size].copy_(ids)
         self._positions[:size].copy_(positions)
         self._slots[:size].copy_(slots)
         self._seq_lens[:size].copy_(lens)
-        # only the columns this step reads: a row's columns past its length are never read
-        self._tables[:size, :width].copy_(tables.view(size, width))
+        if num_cells:
+            self._tables.view(-1).index_copy_(0, cells_d, values_d.to(torch.int32))
+        return rows
+
+    def _table_updates(self, tables: tuple[tuple[int, ...], ...],
+                       size: int) -> tuple[list[int], list[int]]:
+        """(flat cell indices, block ids) to write so rows [0, size) of the table buffer begin
+        with the step's tables (padding rows with the sink block); updates `_written`. Only
+        the columns a row reads matter: a row's columns past its length are never read."""
+        width = self._tables.shape[1]
+        cells: list[int] = []
+        values: list[int] = []
+        written = self._written
+        for row in range(size):
+            table = tables[row] if row < len(tables) else (self.sink_block,)
+            old = written[row]
+            if table is old or table == old[:len(table)]:
+                continue  # the row already begins with it (a padding row: with the sink)
+            start = len(old) if table[:len(old)] == old else 0
+            cells.extend(range(row * width + start, row * width + len(table)))
+            values.extend(table[start:])
+            written[row] = table
+        return cells, values
 
     def _meta(self, size: int, seq_lens: list[int] | None = None) -> AttentionMetadata:
         """Metadata over the persistent buffers. Captured graphs bake in the host fields, so

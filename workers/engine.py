@@ -61,6 +61,8 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = torch.device(config.resolved_device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.tokenizer = assembly.load_tokenizer(config.model)
         mc = self.model_config

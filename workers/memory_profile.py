@@ -67,6 +67,17 @@ def run_profile_step(model: nn.Module, caches_for: CacheFactory, device: torch.d
         return LocalExecutor(model, caches_for(num_blocks), device).execute(msg)
 
 
+def kv_budget_bytes(total: int, peak: int, outside_torch: int, utilization: float) -> int:
+    """The KV cache's share, in bytes, of `utilization` x `total` device memory: what is left
+    after this process's torch `peak` (weights, the largest step's activations) and the memory
+    held outside torch's allocator (`outside_torch`: the CUDA context, other processes).
+    `utilization` is a fraction of the device's *total* memory, not of what is free (vLLM's
+    `gpu_memory_utilization`). May be <= 0: the caller reports that."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    return int(total * utilization) - peak - outside_torch
+
+
 def gpu_kv_budget(model: nn.Module, caches_for: CacheFactory, device: torch.device, *,
                   utilization: float, num_tokens: int, max_model_len: int, block_size: int,
                   max_num_seqs: int) -> int:
@@ -81,7 +92,7 @@ def gpu_kv_budget(model: nn.Module, caches_for: CacheFactory, device: torch.devi
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
-    budget = int(total * utilization) - peak - outside_torch
+    budget = kv_budget_bytes(total, peak, outside_torch, utilization)
     logger.info("GPU memory: %.2f GiB total, peak of a %d-token step %.2f GiB, outside torch "
                 "%.2f GiB -> KV cache %.2f GiB (utilization %.2f)", total / 2**30, num_tokens,
                 peak / 2**30, outside_torch / 2**30, budget / 2**30, utilization)

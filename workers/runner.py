@@ -7,10 +7,12 @@ ids the KV-cache manager hands out.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
+from workers.host_transfer import upload
 from workers.kv_cache import host_memory
 from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.executor import ModelExecutor
@@ -69,6 +71,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        with device_guard(self.device):  # the step may run on any thread (AsyncEngine's)
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch = self._prepare(out)
         logits = self.executor.execute(batch.msg).to(self.device)  # [len(logit_rows), vocab]
         result = RunnerOutput()
@@ -86,7 +92,7 @@ class ModelRunner:
             logprobs = logits[row:row + count].log_softmax(-1)
             row += count
             result.prompt_logprobs[req.request_id] = (chunk.start + 1, top_logprobs(
-                logprobs, torch.tensor(targets, device=self.device), req.params.prompt_logprobs))
+                logprobs, upload(targets, self.device), req.params.prompt_logprobs))
         return result
 
     def _prepare(self, out: SchedulerOutput) -> _Batch:
@@ -135,6 +141,15 @@ class ModelRunner:
             logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches,
             block_copies=out.block_copies)
         return _Batch(msg, sampling, prompt_rows)
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes `device` the thread's current CUDA device for the block (Triton launches on the
+    current device, whatever its tensors' device is: on cuda:1 it would run on cuda:0); a
+    no-op elsewhere, and for a CUDA device without an index."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _prompt_logprob_rows(req: Request, start: int, num_tokens: int) -> int:

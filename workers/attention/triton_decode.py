@@ -74,7 +74,14 @@ def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visi
     return m_new, l, acc
 
 
-@triton.jit
+# Integer arguments that change from step to step (the split count, the block-table width, the
+# strides of split scratch, a layer's window) are not specialised on: Triton would otherwise
+# compile a variant the first time a value is 1 or not a multiple of 16, a stall of seconds
+# in the middle of serving. What remains per value is constexpr (SPLITS of the merge,
+# WRITE_LSE): a handful of variants, all compiled by a CUDA-graph capture's warm-up.
+@triton.jit(do_not_specialize=["num_splits", "window", "stride_table_seq", "stride_out_seq",
+                               "stride_out_head", "stride_out_split", "stride_lse_seq",
+                               "stride_lse_head"])
 def _decode_split_kernel(  # long: one kernel body; splitting it costs registers and clarity
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr, sinks_ptr,
     scale, num_splits, window,
@@ -141,7 +148,9 @@ def _decode_split_kernel(  # long: one kernel body; splitting it costs registers
                  mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_part_seq", "stride_part_head",
+                               "stride_part_split", "stride_lse_seq", "stride_lse_head",
+                               "stride_out_seq", "stride_out_head"])
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_part_seq, stride_part_head, stride_part_split,
@@ -233,8 +242,8 @@ def check_layout(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
     """Checks shared by the decode and prefill kernels; host metadata only (no device reads, so
     safe during graph capture)."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] not in (1, 2):
-        raise ValueError(f"expected q [tokens, Hq, D] and kv_cache [2, blocks, block_size, Hkv, D], "
-                         f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
+        raise ValueError(f"expected q [tokens, Hq, D] and kv_cache [2, blocks, block_size, Hkv, "
+                         f"D], got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:

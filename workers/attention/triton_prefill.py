@@ -5,11 +5,14 @@ is read the same way, through the block table. A chunk of Lq tokens ending at se
 positions [seq_len - Lq, seq_len) and each of its tokens attends causally up to itself. One
 launch covers every prefill sequence of a step: the grid is (query tiles, query heads), and the
 host lists each tile's sequence and offset (from `query_start_loc_cpu`), so a tile never spans
-two sequences and the kernel needs no search.
+two sequences and the kernel needs no search. The list goes to the device once per step, not
+once per layer: `prefill_tiles` keeps the last step's (keyed by the identity of the host list
+every layer of a step is handed) and uploads without waiting (`host_transfer.upload`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +26,7 @@ from workers.attention.triton_decode import (
     dot_config,
     output_buffer,
 )
+from workers.host_transfer import upload
 
 # Query rows and keys per tile. 64 x 64 with head_dim up to 128 keeps q, one K/V tile and the
 # accumulator in registers/shared memory at 4 warps on current NVIDIA parts; short chunks waste
@@ -31,7 +35,9 @@ BLOCK_M = 64
 BLOCK_N = 64  # >= BLOCK_M: the sliding-window start in _prefill_kernel relies on it
 
 
-@triton.jit
+# the block-table width and the window vary per step and layer: never specialised on (a new
+# value would compile a variant while serving; see triton_decode)
+@triton.jit(do_not_specialize=["window", "stride_table_seq"])
 def _prefill_kernel(  # long: one kernel body; splitting it costs registers and clarity
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr, sinks_ptr,
@@ -96,14 +102,28 @@ def _prefill_kernel(  # long: one kernel body; splitting it costs registers and 
              mask=row_ok[:, None] & dim_ok[None, :])
 
 
+_last_tiles = threading.local()  # per thread: (host list, first_seq, device, tiles)
+
+
 def prefill_tiles(query_start_loc_cpu: Sequence[int], first_seq: int,
                   device: torch.device | str) -> torch.Tensor:
     """[num_tiles, 2] int32: (sequence index, first query row in its chunk) of each BLOCK_M-row
-    query tile of sequences first_seq.. (a host list copied to the device once per step)."""
-    tiles = [(seq, row)
-             for seq in range(first_seq, len(query_start_loc_cpu) - 1)
-             for row in range(0, query_start_loc_cpu[seq + 1] - query_start_loc_cpu[seq], BLOCK_M)]
-    return torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 2)
+    query tile of sequences first_seq.. . Every layer of a step passes the same host list
+    object, so the tiles are built and uploaded once per step: the last call's result is
+    reused while `query_start_loc_cpu` is the very same object (held here, so its id cannot be
+    reused by a later list; a caller must not mutate it in place between layers)."""
+    device = torch.device(device)
+    last = getattr(_last_tiles, "entry", None)
+    if (last is not None and last[0] is query_start_loc_cpu and last[1] == first_seq
+            and last[2] == device):
+        return last[3]
+    flat = [v for seq in range(first_seq, len(query_start_loc_cpu) - 1)
+            for row in range(0, query_start_loc_cpu[seq + 1] - query_start_loc_cpu[seq],
+                             BLOCK_M)
+            for v in (seq, row)]
+    tiles = upload(flat, device, torch.int32).view(-1, 2)
+    _last_tiles.entry = (query_start_loc_cpu, first_seq, device, tiles)
+    return tiles
 
 
 def paged_prefill_attention(

@@ -14,6 +14,15 @@ Two ways to shard over the TP group (`Shard.expert_parallel`):
   (token, expert) row to the expert's owner with an all-to-all, runs its experts on what it
   received, sends the results back with a second all-to-all, combines them with the routing
   weights, and an all-gather restores the replicated output.
+
+Host syncs. On the CPU the experts loop over the experts present (`torch.unique`, then each
+one's rows): reading those on the host costs nothing there. On a GPU each such read waits for
+the device, so a step of up to DENSE_MAX_TOKENS tokens (decodes, small mixed steps) instead
+runs every local expert over every token and weights each output by its routing weight, 0
+where the token did not pick the expert: no host read, at E_local / k times the FLOPs, which
+those steps can afford (they are bound by reading the weights). Larger steps keep the loop: one
+`unique` read per layer plus one per expert present, small beside their compute; a grouped-GEMM
+kernel would remove those too. Expert parallelism exchanges row counts on the host by design.
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.host_transfer import gpu_paths
 from workers.models.layers import ReplicatedLinear, Shard, WeightShapeError, _make_param
 from workers.moe_config import MoEConfig
 from workers.parallel.comm import Communicator
 
 GATE, UP, DOWN = 0, 1, 2  # shard ids of an expert's w1/gate_proj, w3/up_proj, w2/down_proj
+DENSE_MAX_TOKENS = 64  # on a GPU, steps up to this many tokens run every expert (no host read)
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool,
@@ -116,22 +127,41 @@ class FusedExperts(nn.Module):
                   weights: torch.Tensor | None) -> torch.Tensor:
         """x: [N, H]; ids: [N, k] local expert ids; weights [N, k] or None (k == 1, unweighted).
         Returns sum_k weight * expert(x) [N, H], this rank's partial sum under TP."""
+        if gpu_paths(x.device) and x.shape[0] <= DENSE_MAX_TOKENS:
+            return self._run_dense(x, ids, weights)
         out = torch.zeros_like(x)
-        b13 = self.w13_bias
-        b2 = self.w2_bias if self.add_w2_bias else None
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)
-            gate, up = F.linear(x[rows], self.w13_weight[e],
-                                None if b13 is None else b13[e]).chunk(2, dim=-1)
-            if self.clamped_swiglu is not None:
-                hidden = clamped_swiglu(gate, up, *self.clamped_swiglu)
-            else:
-                hidden = F.silu(gate) * up
-            y = F.linear(hidden, self.w2_weight[e], None if b2 is None else b2[e])
+            y = self._expert(x[rows], e)
             if weights is not None:
                 y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
+
+    def _run_dense(self, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor | None) -> torch.Tensor:
+        """`run_local` without reading the routing on the host: every local expert over every
+        row, each output scaled by the row's weight for that expert (0 where not picked) and
+        summed in expert order, as the loop does."""
+        if weights is None:
+            weights = torch.ones(ids.shape, dtype=x.dtype, device=x.device)
+        routing = torch.zeros(x.shape[0], self.num_local, dtype=weights.dtype,
+                              device=x.device).scatter_add_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for e in range(self.num_local):
+            out += (self._expert(x, e) * routing[:, e, None]).to(out.dtype)
+        return out
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Local expert e's output for rows x [N, H] (its bias on w2 only where added here)."""
+        b13 = self.w13_bias
+        b2 = self.w2_bias if self.add_w2_bias else None
+        gate, up = F.linear(x, self.w13_weight[e], None if b13 is None else b13[e]).chunk(2, -1)
+        if self.clamped_swiglu is not None:
+            hidden = clamped_swiglu(gate, up, *self.clamped_swiglu)
+        else:
+            hidden = F.silu(gate) * up
+        return F.linear(hidden, self.w2_weight[e], None if b2 is None else b2[e])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H] (replicated over the group); ids, weights: [T, k] -> [T, H] replicated
