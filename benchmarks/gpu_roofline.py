@@ -16,7 +16,11 @@ the script itself is checked without one. Sections:
 5. transformers: generated tokens/s of the engine and of transformers `generate` on the same
    requests, all submitted at once (`--hf-requests` concurrent), and the ratio;
 6. faithfulness (GPU only): greedy tokens on the GPU path, with and without CUDA graphs, equal
-   the CPU reference path's on the tiny checkpoint in fp32.
+   the CPU reference path's on the tiny checkpoint in fp32;
+7. tensor parallel (`roofline_tp.py`): TP decode step times against one device and the
+   per-rank bound, and disaggregated TP=p -> TP=d handoffs (pull rate against the copy
+   bandwidth, greedy tokens against one aggregated device). A case needing more GPUs than
+   the host has is recorded as skipped.
 
 Last line: one JSON object; also written to benchmarks/results/ with the command.
 """
@@ -32,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import roofline_tp
 import torch
 from results_io import RESULTS, command_line, emit
 
@@ -297,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--out", default=str(RESULTS / "gpu_roofline.json"))
+    roofline_tp.add_arguments(parser, cuda)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -377,6 +383,10 @@ def main(argv: list[str] | None = None) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    # 7. tensor parallel, aggregated and disaggregated (the engine's memory went back first)
+    roofline_tp.run_section(args, result, model, load_format, device, copy_bw, weights,
+                            kv_per_token, mc.vocab_size, decode_step_times, log)
 
     # 3. the attention backend alone
     for batch in ints(args.kernel_batches):

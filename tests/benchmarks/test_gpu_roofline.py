@@ -41,11 +41,17 @@ def test_a_tiny_run_on_cpu_writes_every_figure(roofline, tmp_path, capsys):
                             "--kernel-batches", "2", "--kernel-contexts", "64",
                             "--prefill-tokens", "64", "--hf-requests", "2",
                             "--hf-prompt-len", "8,16", "--hf-output-len", "2,4",
-                            "--out", str(out)])
+                            "--tp-sizes", "2", "--disagg", "2:1", "--disagg-prompt", "24",
+                            "--disagg-tokens", "4", "--disagg-repeats", "1",
+                            "--tp-kv-bytes", str(8 << 20), "--out", str(out)])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert json.loads(out.read_text()) == result
     for key in ("decode_b1_bound_ratio", "decode_b2_bound_ratio", "prefill_matmul_bound_ratio",
-                "throughput_vs_transformers_ratio", "attention_b2_c64_copy_bw_ratio"):
+                "throughput_vs_transformers_ratio", "attention_b2_c64_copy_bw_ratio",
+                "tp2_decode_b2_vs_tp1_ratio", "tp2_decode_b1_bound_ratio",
+                "disagg_tp2_tp1_pull_copy_bw_ratio"):
         assert result[key] > 0, key
+    # a TP=2 prefill group's ranks handed their heads to one decode rank: the same tokens
+    assert result["disagg_tp2_tp1_greedy_equal"] is True
     # on the CPU: the C decode kernel when it builds here, never the GPU paths
     assert result["attention_backend"] in ("cpu", "torch") and result["cuda_graphs"] is False
