@@ -1,8 +1,8 @@
 """Each rank of a tensor-parallel worker group serves and pulls its own shard of the KV cache
 through its own transfer agent (the GPU design, run on CPU ranks over gloo): a TP=2 prefill
 group hands off to a TP=4 decode group (heads resharded, 6 rank processes) with the aggregated
-single-rank output, and a rank killed during a pull fails that pull with a typed error while
-both sides free what they held.
+single-rank output (also with an 8-bit KV cache and with AWQ weights), and a rank killed
+during a pull fails that pull with a typed error while both sides free what they held.
 """
 
 from __future__ import annotations
@@ -109,3 +109,41 @@ def test_a_rank_killed_during_a_pull_fails_it_typed_and_both_sides_free_their_bl
             await decode.shutdown()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("case", ["int8-kv", "awq-weights"])
+def test_a_quantized_tp2_group_hands_off_as_one_rank_serves(case, model, tmp_path):
+    """An 8-bit KV cache (each rank's blocks with its heads' scales) or AWQ weights (each rank
+    its shard of the packed weights and scales): TP=2 prefill ranks hand off to one decode
+    rank, and the tokens are the aggregated single rank's with the same quantization."""
+    path, _ = model
+    options: dict = {"kv_cache_dtype": "int8"}
+    if case == "awq-weights":
+        from workers.quant.writer import quantize_checkpoint
+
+        path = str(quantize_checkpoint(path, tmp_path / "awq", "awq", group_size=32))
+        options = {"dtype": "bfloat16"}
+    want = LLM(path, block_size=4, num_blocks=64, **options).generate([PROMPT], PARAMS)
+    want = list(want[0].outputs[0].token_ids)
+
+    def quantized(name: str, role: str, tp: int) -> Worker:
+        return Worker.from_config(name, EngineConfig(
+            model=path, block_size=4, num_blocks=64, tensor_parallel_size=tp, **options), role)
+
+    async def run() -> list[int]:
+        prefill, decode = quantized("p", "prefill", 2), quantized("d", "decode", 1)
+        try:
+            req = WorkerRequest("q", tuple(PROMPT), PARAMS)
+            result = await prefill.prefill(req, decode_tp_size=1)
+            assert [h.layout.dtype for h in result.handoff.ranks] == (
+                ["int8"] * 2 if case == "int8-kv" else ["bfloat16"] * 2)
+            tokens = list(result.first.token_ids)
+            async for event in decode.stream(DecodeFromHandoff(req, tokens[0], result.handoff)):
+                tokens += event.token_ids
+            assert await until(lambda: all_free(prefill))
+            return tokens
+        finally:
+            await prefill.shutdown()
+            await decode.shutdown()
+
+    assert asyncio.run(run()) == want
