@@ -61,8 +61,6 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = torch.device(config.resolved_device)
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)  # Triton launches on the current device
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         self.tokenizer = assembly.load_tokenizer(config.model)
         mc = self.model_config
@@ -74,6 +72,8 @@ class Engine:
         check_parallel(config, mc, torch.cuda.device_count()
                        if self.device.type == "cuda" and assembly.spawns_ranks(rank_launcher)
                        else None)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
         kv_dtype = (self.dtype if config.kv_cache_dtype == "auto"
                     else KV_QUANT_DTYPES.get(config.kv_cache_dtype)
                     or resolve_dtype(config.kv_cache_dtype, mc))
