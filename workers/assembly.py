@@ -63,7 +63,8 @@ def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, model: torch.nn.Modul
             model, lambda n: allocate_kv_caches(dataclasses.replace(spec, num_blocks=n), device),
             device, utilization=config.gpu_memory_utilization,
             num_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-            block_size=config.block_size, max_num_seqs=config.max_num_seqs)
+            block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            graph_batch_size=graph_batch_size(config, model, device))
     else:
         budget = CPU_KV_CACHE_BYTES
     num_blocks = budget // spec.bytes_per_block
@@ -89,18 +90,26 @@ def num_host_blocks(config: EngineConfig, spec: KVCacheSpec) -> int:
     return num_blocks
 
 
+def graph_batch_size(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> int:
+    """The largest decode batch `local_executor` replays from the static buffers (captured on
+    a GPU); 0 when it takes the plain `LocalExecutor`."""
+    if (config.enforce_eager or config.max_cuda_graph_batch_size == 0
+            or not cuda_graphs.graphs_supported(model, model.attn_backend, device)):
+        return 0
+    return min(config.max_cuda_graph_batch_size, config.max_num_seqs)
+
+
 def local_executor(config: EngineConfig, model: torch.nn.Module, spec: KVCacheSpec,
                    device: torch.device, max_model_len: int,
                    host_blocks: int = 0) -> ModelExecutor:
     """The model in this process; on a GPU its decode steps replay CUDA graphs unless
     `enforce_eager` (the cache then has one extra block for the graphs' padded rows)."""
-    if (config.enforce_eager or config.max_cuda_graph_batch_size == 0
-            or not cuda_graphs.graphs_supported(model, model.attn_backend, device)):
+    max_batch = graph_batch_size(config, model, device)
+    if max_batch == 0:
         return LocalExecutor(model, allocate_kv_caches(spec, device), device, host_blocks)
     caches = allocate_kv_caches(dataclasses.replace(spec, num_blocks=spec.num_blocks + 1), device)
     return cuda_graphs.CudaGraphExecutor(
-        model, caches, device, sink_block=spec.num_blocks,
-        max_batch_size=min(config.max_cuda_graph_batch_size, config.max_num_seqs),
+        model, caches, device, sink_block=spec.num_blocks, max_batch_size=max_batch,
         max_seq_len=max_model_len, capture=device.type == "cuda", host_blocks=host_blocks)
 
 

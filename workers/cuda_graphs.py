@@ -18,6 +18,12 @@ Only attention backends that read sequence lengths and block tables on the devic
 host syncs (`AttentionBackend.cuda_graph_safe`), and models without data-dependent host work
 (not the MoE models, whose expert dispatch reads counts on the host) can be captured.
 
+Every graph writes its logits into one fp32 buffer sized for the largest batch (a graph's
+rows are its leading rows), and all graphs share one memory pool, captured largest first so the
+smaller ones reuse what the largest freed: one logits buffer, not one per size (at a 128k
+vocabulary that is 0.5 GB per 1000 captured rows). `workers.memory_profile` measures what the
+largest graph holds before the KV cache is sized.
+
 Without a GPU (`capture=False`) the same static-buffer path runs the forward eagerly, so the
 padding, the buffers and the sink block are tested on CPU.
 """
@@ -86,10 +92,12 @@ class CudaGraphExecutor(LocalExecutor):
         self._query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
         # per buffer row: the table prefix it holds (what `_load` wrote; the rest is stale)
         self._written: list[tuple[int, ...]] = [(sink_block,) * width] * rows
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: torch.Tensor | None = None  # [rows, vocab] fp32, every graph's output
         self.replayed_steps = 0  # steps served from the static buffers (graphs or, on CPU, eager)
         if capture:
-            self._capture_all()
+            self.warm_up()  # the variants the ladder's capture would not compile
+            self.capture()
 
     # ---- ModelExecutor (kv_caches_by_rank: LocalExecutor's) ---------------------------------
 
@@ -102,8 +110,8 @@ class CudaGraphExecutor(LocalExecutor):
             return self.model.compute_logits(hidden.index_select(0, rows))
         rows = self._load(msg, size)
         if self._graphs:
-            graph, logits = self._graphs[size]
-            graph.replay()
+            self._graphs[size].replay()
+            logits = self._logits[:size]
         elif self._backend_graph_safe:
             logits = self._forward(size, self._meta(size))  # exactly what a capture bakes in
         else:
@@ -185,27 +193,45 @@ class CudaGraphExecutor(LocalExecutor):
         hidden = self.model(self._input_ids[:size], self._positions[:size], self.caches, meta)
         return self.model.compute_logits(hidden)
 
+    def warm_up(self) -> None:
+        """Runs one padded row eagerly twice: with the attention split over the longest context
+        (`max_seq_len`) and unsplit (a one-token context), so that on a GPU every decode kernel
+        variant the engine can launch (split and merge, or direct) is compiled now, not while
+        serving. Writes only the sink block."""
+        with torch.inference_mode():
+            self._forward(1, self._meta(1))
+            self._forward(1, self._meta(1, [1]))
+
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        """Captures every size, largest first so the later, smaller graphs fit in the memory
-        pool the first one reserved. Each size runs twice eagerly before capture (Triton
-        compiles its kernels on first launch; capture must not)."""
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Captures `sizes` (default: every size of the ladder; each must be on it), largest
+        first, into one memory pool, so the later, smaller graphs reuse what the first one
+        freed. Each size runs twice eagerly before capture (Triton compiles its kernels on
+        first launch; capture must not). Every graph writes its logits into `_logits`, one
+        buffer for the largest size, allocated before the first capture outside the pool."""
+        sizes = sorted(self.sizes if sizes is None else sizes, reverse=True)
+        if not set(sizes) <= set(self.sizes):
+            raise ValueError(f"sizes {sizes} are not all on the ladder {self.sizes}")
         started = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         pool = None
-        for size in reversed(self.sizes):
+        for size in sizes:
             meta = self._meta(size)
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(size, meta)
+                    logits = self._forward(size, meta)
             stream.synchronize()
+            if self._logits is None:
+                self._logits = torch.empty(self.sizes[-1], logits.shape[1],
+                                           dtype=logits.dtype, device=self.device)
+            del logits
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = self._forward(size, meta)
+                self._logits[:size].copy_(self._forward(size, meta))
             pool = graph.pool()
-            self._graphs[size] = (graph, logits)
+            self._graphs[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch 1-%d) in %.1f s", len(self.sizes),
-                    self.sizes[-1], time.perf_counter() - started)
+        logger.info("captured %d decode CUDA graphs (batch %d-%d) in %.1f s", len(sizes),
+                    sizes[-1], sizes[0], time.perf_counter() - started)

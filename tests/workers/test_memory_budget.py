@@ -25,6 +25,9 @@ def test_budget_is_a_fraction_of_total_memory_not_of_free(monkeypatch):
     monkeypatch.setattr(cuda, "memory_reserved", lambda *a: readings["reserved"])
     monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (readings["free"], readings["total"]))
     monkeypatch.setattr(memory_profile, "run_profile_step", lambda *a: None)
+    graphs = []  # (graph_batch_size) asked of the graph profile
+    monkeypatch.setattr(memory_profile, "graph_profile",
+                        lambda *a, graph_batch_size, **k: graphs.append(graph_batch_size) or 0)
 
     def budget(utilization):
         return memory_profile.gpu_kv_budget(
@@ -37,6 +40,35 @@ def test_budget_is_a_fraction_of_total_memory_not_of_free(monkeypatch):
     assert budget(0.5) == 40 * GIB - 23 * GIB
     with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
         budget(0.25)  # 20 GiB < 23 GiB already used
+    assert graphs == [0, 0, 0]  # no graphs asked for: none measured
+
+
+def test_budget_takes_off_what_the_largest_graph_holds(monkeypatch):
+    cuda = torch.cuda
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(cuda, name, lambda *a: None)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: 20 * GIB)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda *a: 20 * GIB)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(memory_profile, "run_profile_step", lambda *a: None)
+    asked = []
+
+    def graph_profile(model, caches_for, device, *, max_seq_len, graph_batch_size):
+        asked.append((max_seq_len, graph_batch_size))
+        return 2 * GIB
+
+    monkeypatch.setattr(memory_profile, "graph_profile", graph_profile)
+    got = memory_profile.gpu_kv_budget(
+        None, None, torch.device("cuda"), utilization=0.5, num_tokens=8, max_model_len=64,
+        block_size=4, max_num_seqs=8, graph_batch_size=8)
+    assert asked == [(64, 8)]
+    assert got == 40 * GIB - 20 * GIB - 2 * GIB
+    with pytest.raises(ValueError, match="CUDA graphs \\(2.0 GiB\\)"):
+        memory_profile.gpu_kv_budget(
+            None, None, torch.device("cuda"), utilization=0.26, num_tokens=8,
+            max_model_len=64, block_size=4, max_num_seqs=8, graph_batch_size=8)
+    with pytest.raises(ValueError, match="graph_bytes must be >= 0, got -1"):
+        memory_profile.kv_budget_bytes(80 * GIB, GIB, 0, 0.5, -1)
 
 
 def test_budget_rejects_a_utilization_outside_0_1():

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention.decode_splits import DecodeScratch
+from workers.attention.decode_splits import MAX_SPLITS, DecodeScratch
 
 # Tokens per inner-loop step. 64 keys x 128 dims x 2 bytes is 16 KiB of K (and of V) per step:
 # enough bytes in flight per program to stream the cache, little enough to keep registers and
@@ -77,8 +77,10 @@ def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visi
 # Integer arguments that change from step to step (the split count, the block-table width, the
 # strides of split scratch, a layer's window) are not specialised on: Triton would otherwise
 # compile a variant the first time a value is 1 or not a multiple of 16, a stall of seconds
-# in the middle of serving. What remains per value is constexpr (SPLITS of the merge,
-# WRITE_LSE): a handful of variants, all compiled by a CUDA-graph capture's warm-up.
+# in the middle of serving. The merge's SPLITS is MAX_SPLITS for every split count the planner
+# picks (one variant; a split count of 2 reads 16 masked rows of a few hundred bytes), so what
+# remains is WRITE_LSE, which goes with the output's dtype anyway (fp32 partials or the final
+# output): two variants, compiled at start by `CudaGraphExecutor.warm_up`.
 @triton.jit(do_not_specialize=["num_splits", "window", "stride_table_seq", "stride_out_seq",
                                "stride_out_head", "stride_out_split", "stride_lse_seq",
                                "stride_lse_head"])
@@ -231,11 +233,18 @@ def paged_decode_attention(
             target.stride(0), target.stride(1), target.stride(2),
             lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            SPLITS=triton.next_power_of_2(num_splits), HEAD_DIM=triton.next_power_of_2(head_dim),
+            SPLITS=merge_width(num_splits), HEAD_DIM=triton.next_power_of_2(head_dim),
             DIM=head_dim,
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out
+
+
+def merge_width(num_splits: int) -> int:
+    """The merge kernel's SPLITS (a constexpr: one compiled variant per value): MAX_SPLITS for
+    every count the planner picks, so a new split count never compiles; a larger explicit
+    count, its next power of two."""
+    return max(MAX_SPLITS, triton.next_power_of_2(num_splits))
 
 
 def check_layout(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
