@@ -101,7 +101,8 @@ class Engine:
                                                             self.device, self.dtype, host_blocks)
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
-                                  or config.pipeline_parallel_size)
+                                  or config.pipeline_parallel_size,
+                                  vocab_size=mc.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, detokenize)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())

@@ -32,7 +32,14 @@ from workers.parallel.executor import (
     rank_setups,
 )
 from workers.parallel.group import RankHandle, RankLauncher
-from workers.parallel.messages import RankTiming, Ready, Shutdown, StepMessage, StepReply
+from workers.parallel.messages import (
+    RankTiming,
+    Ready,
+    SampledTokens,
+    Shutdown,
+    StepMessage,
+    StepReply,
+)
 from workers.parallel.rank import DeviceCacheSpec, RankSetup, rank_device
 from workers.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, SharedTensor
 from workers.protocol import WorkerRequest
@@ -49,8 +56,9 @@ def options(device: str, tp: int = 2, pp: int = 1) -> GroupOptions:
 
 
 class FakeRank(RankHandle):
-    """A rank without a process: ready at once, answers each step with logits on the CPU
-    (last stage, first TP rank) that favour `FAVOURITE`."""
+    """A rank without a process: ready at once, answers each step (last stage, first TP rank)
+    with `FAVOURITE` for every sampling row, or, for a step without a sampling record, logits
+    on the CPU that favour it."""
 
     def __init__(self, setup: RankSetup, vocab_size: int) -> None:
         self.setup, self.vocab_size = setup, vocab_size
@@ -66,11 +74,16 @@ class FakeRank(RankHandle):
             self.code = 0
         elif isinstance(msg, StepMessage):
             s = self.setup
-            logits = None
+            logits = sampled = None
             if s.stage == s.pp_size - 1 and s.tp_rank == 0:
-                logits = torch.zeros(len(msg.logit_rows), self.vocab_size)
-                logits[:, FAVOURITE] = 1.0
-            self.inbox.append(StepReply(msg.step_id, RankTiming(s.rank, 0.0, 0.0), logits))
+                if msg.sampling is not None:
+                    rows = msg.sampling.rows
+                    sampled = SampledTokens((FAVOURITE,) * len(rows), (None,) * len(rows))
+                else:
+                    logits = torch.zeros(len(msg.logit_rows), self.vocab_size)
+                    logits[:, FAVOURITE] = 1.0
+            self.inbox.append(StepReply(msg.step_id, RankTiming(s.rank, 0.0, 0.0), logits,
+                                        sampled))
 
     def poll(self, timeout_s: float) -> bool:
         return bool(self.inbox)

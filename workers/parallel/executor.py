@@ -19,7 +19,7 @@ from kvtransfer.remote_messages import AgentHostAddress
 from workers.kv_cache.host_caches import HostCaches
 from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
-from workers.parallel.messages import RankTiming, StepMessage
+from workers.parallel.messages import RankTiming, SampledTokens, StepMessage
 from workers.parallel.pipeline import MicroBatch, microbatch_tensors, stage_layers
 from workers.parallel.rank import DeviceCacheSpec, RankCaches, RankSetup, rank_main
 from workers.parallel.shared_cache import SharedCaches
@@ -37,6 +37,16 @@ class ModelExecutor(abc.ABC):
         """Per TP rank, per layer (all stages): `[2, num_blocks, block_size, heads, head_dim]`
         with `heads` that rank's KV heads. Shared with the ranks: writes land in their cache.
         Raises `KVCacheNotShared` where this process cannot reach the cache (GPU ranks)."""
+
+    @property
+    def samples_on_ranks(self) -> bool:
+        """True when the executor samples itself (`execute_sampled`): a group's last rank."""
+        return False
+
+    def execute_sampled(self, msg: StepMessage) -> SampledTokens:
+        """Runs a step whose `msg.sampling` says what to sample; returns the tokens. Only
+        where `samples_on_ranks`."""
+        raise NotImplementedError(f"{type(self).__name__} returns logits; the runner samples")
 
     def close(self) -> None:
         """Stop whatever runs the model (idempotent)."""
@@ -129,7 +139,9 @@ class GroupExecutor(ModelExecutor):
     are allocated here in one file of shared memory (`SharedCaches`) that the ranks of each
     layer's stage map, so this process's agents serve every layer of a TP rank's heads
     (`kv_caches_by_rank`); the file is unlinked once every rank is ready, or when the start
-    fails. A pipeline-parallel GPU group serves aggregated only. Logits come back on the CPU.
+    fails. A pipeline-parallel GPU group serves aggregated only. The last stage's first TP rank
+    samples (`execute_sampled`: token ids come back); `execute` brings the logits back on the
+    CPU.
     """
 
     def __init__(self, options: GroupOptions, spec: KVCacheSpec,
@@ -162,6 +174,20 @@ class GroupExecutor(ModelExecutor):
         if logits is None:
             return torch.empty(0, 0)
         return logits
+
+    @property
+    def samples_on_ranks(self) -> bool:
+        return True
+
+    def execute_sampled(self, msg: StepMessage) -> SampledTokens:
+        if msg.sampling is None:
+            raise ValueError(f"step {msg.step_id} carries no sampling record")
+        replies = self.group.step(msg)
+        self.last_timings = [r.timing for r in replies]
+        sampled = replies[(self.pp_size - 1) * self.tp_size].sampled
+        if sampled is None:
+            raise RuntimeError(f"the last rank sent no sampled tokens for step {msg.step_id}")
+        return sampled
 
     @property
     def last_tier_copy_s(self) -> float:

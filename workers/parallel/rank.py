@@ -7,8 +7,10 @@ serves it to the transfer layer through its own agent (`kvtransfer.remote.AgentH
 thread of its own), whose address its `Ready` carries: the driver never sees the cache. Only a
 pipeline-parallel group on the CPU still maps the driver's shared memory instead (the driver's
 agents serve it: a rank's handoff would hold only its stage's layers). It serves `StepMessage`s
-until `Shutdown`, replying to each with a `StepReply` (logits on the CPU); any exception is
-sent back as `RankFailed` and the rank exits non-zero.
+until `Shutdown`, replying to each with a `StepReply`: the last stage's first TP rank samples
+a step that carries a `SamplingRecord` (`workers.parallel.sampling`) and sends the token ids,
+else the logits on the CPU; any exception is sent back as `RankFailed` and the rank exits
+non-zero.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from workers.parallel.messages import (
     StepReply,
 )
 from workers.parallel.pipeline import microbatch_tensors, split_microbatches, stage_layers
+from workers.parallel.sampling import RankSampler
 from workers.parallel.shared_cache import SharedTensor, map_tensors
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device kind -> torch.distributed backend
@@ -171,6 +174,8 @@ class _StageRunner:
         self.kv_caches = allocate_rank_caches(setup.kv_caches, self.device)
         self.host = (HostCaches(self.kv_caches, setup.host_blocks) if setup.host_blocks
                      else None)
+        self.sampler = (RankSampler(setup.seed, self.device)
+                        if self.is_last and setup.tp_rank == 0 else None)
 
     @torch.inference_mode()
     def step(self, msg: StepMessage) -> StepReply:
@@ -202,7 +207,10 @@ class _StageRunner:
         if self.is_last and msg.logit_rows:  # every TP rank: the vocab shards are all-gathered
             hidden = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
             logits = self.model.compute_logits(hidden[list(msg.logit_rows)])
-        # the first TP rank's go back on the CPU: a reply is pickled (never a CUDA tensor)
+        sampled = None
+        if self.sampler is not None and msg.sampling is not None:
+            sampled, logits = self.sampler(logits, msg.sampling), None
+        # else the first TP rank's go back on the CPU: a reply is pickled (never a CUDA tensor)
         logits = logits.cpu() if logits is not None and self.setup.tp_rank == 0 else None
         if self.device.type == "cuda":
             # the step ends when its kernels and sends have: honest timings, and a CUDA error
@@ -210,4 +218,4 @@ class _StageRunner:
             torch.cuda.synchronize(self.device)
         timing = RankTiming(rank, time.perf_counter() - start, self.stats.seconds, tuple(busy),
                             dict(self.stats.bytes_by_site), tier_copy_s)
-        return StepReply(msg.step_id, timing, logits)
+        return StepReply(msg.step_id, timing, logits, sampled)
