@@ -33,6 +33,8 @@ from workers.parallel.executor import (
 )
 from workers.parallel.group import RankHandle, RankLauncher
 from workers.parallel.messages import (
+    AllocateCaches,
+    MemoryReport,
     RankTiming,
     Ready,
     SampledTokens,
@@ -60,11 +62,14 @@ class FakeRank(RankHandle):
     with `FAVOURITE` for every sampling row, or, for a step without a sampling record, logits
     on the CPU that favour it."""
 
-    def __init__(self, setup: RankSetup, vocab_size: int) -> None:
+    def __init__(self, setup: RankSetup, vocab_size: int,
+                 reading: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """`reading`: (total, peak, outside torch) bytes it reports when asked to measure."""
         self.setup, self.vocab_size = setup, vocab_size
-        agent = (AgentHostAddress("127.0.0.1", 40000 + setup.rank, b"t") if setup.serves_kv
-                 else None)
-        self.inbox: list[object] = [Ready(setup.rank, agent)]
+        self.agent = (AgentHostAddress("127.0.0.1", 40000 + setup.rank, b"t")
+                      if setup.serves_kv else None)
+        self.inbox: list[object] = [Ready(setup.rank, self.agent) if setup.profile is None
+                                    else MemoryReport(setup.rank, *reading)]
         self.received: list[object] = []
         self.code: int | None = None
 
@@ -72,6 +77,8 @@ class FakeRank(RankHandle):
         self.received.append(msg)
         if isinstance(msg, Shutdown):
             self.code = 0
+        elif isinstance(msg, AllocateCaches):
+            self.inbox.append(Ready(self.setup.rank, self.agent))
         elif isinstance(msg, StepMessage):
             s = self.setup
             logits = sampled = None
@@ -102,14 +109,18 @@ class FakeLauncher(RankLauncher):
     """Launches `FakeRank`s and keeps their setups (a Ray launcher stands in the same place:
     not `SpawnLauncher`, so the engine does not count this process's GPUs)."""
 
-    def __init__(self, vocab_size: int = 512) -> None:
+    def __init__(self, vocab_size: int = 512,
+                 readings: dict[int, tuple[int, int, int]] | None = None) -> None:
+        """`readings`: by rank, the memory it reports when measuring (default all 0)."""
         self.vocab_size = vocab_size
+        self.readings = readings or {}
         self.setups: list[RankSetup] = []
         self.ranks: list[FakeRank] = []
 
     def launch(self, target: object, setup: RankSetup) -> RankHandle:
         self.setups.append(setup)
-        self.ranks.append(FakeRank(setup, self.vocab_size))
+        self.ranks.append(FakeRank(setup, self.vocab_size,
+                                   self.readings.get(setup.rank, (0, 0, 0))))
         return self.ranks[-1]
 
 

@@ -7,6 +7,7 @@ step writes. The runner cannot tell them apart.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import socket
 import time
 import weakref
@@ -19,9 +20,10 @@ from kvtransfer.remote_messages import AgentHostAddress
 from workers.kv_cache.host_caches import HostCaches
 from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
-from workers.parallel.messages import RankTiming, SampledTokens, StepMessage
+from workers.parallel.messages import AllocateCaches, RankTiming, SampledTokens, StepMessage
 from workers.parallel.pipeline import MicroBatch, microbatch_tensors, stage_layers
 from workers.parallel.rank import DeviceCacheSpec, RankCaches, RankSetup, rank_main
+from workers.parallel.rank_memory import KVSizing, group_num_blocks
 from workers.parallel.shared_cache import SharedCaches
 
 
@@ -145,7 +147,13 @@ class GroupExecutor(ModelExecutor):
     """
 
     def __init__(self, options: GroupOptions, spec: KVCacheSpec,
-                 launcher: RankLauncher | None = None) -> None:
+                 launcher: RankLauncher | None = None, sizing: KVSizing | None = None) -> None:
+        """`sizing` (GPU groups only): the ranks measure their memory first and the cache gets
+        the blocks the tightest rank has room for (`num_blocks`; `spec.num_blocks` is ignored);
+        without it the cache has `spec.num_blocks`."""
+        if sizing is not None and options.device != "cuda":
+            raise ValueError(f"only a GPU group sizes its KV cache by profiling its ranks; "
+                             f"device={options.device!r}")
         tp, pp = options.tp_size, options.pp_size
         self.tp_size, self.pp_size = tp, pp
         num_layers, kv_dtype = spec.num_layers, spec.dtype
@@ -159,13 +167,32 @@ class GroupExecutor(ModelExecutor):
                        [shared.tensors[t * num_layers:(t + 1) * num_layers] for t in range(tp)])
         try:
             setups = rank_setups(options, num_layers, shape, kv_dtype, shared)
+            if sizing is not None:
+                setups = [dataclasses.replace(s, profile=sizing.profile) for s in setups]
             self.group = RankGroup(rank_main, setups, launcher or SpawnLauncher(),
-                                   options.timeout_s)
+                                   options.timeout_s, measure_first=sizing is not None)
         finally:
             if shared is not None:
                 shared.unlink()  # every rank has mapped it (or the group failed to start)
         self._finalizer = weakref.finalize(self, self.group.close)
+        self.num_blocks = spec.num_blocks  # of the cache, the same on every rank
+        if sizing is not None:
+            self.num_blocks = self._size_caches(setups, sizing)
         self.last_timings: list[RankTiming] = []  # per rank, of the last step
+
+    def _size_caches(self, setups: list[RankSetup], sizing: KVSizing) -> int:
+        """The second phase of a measured start: the blocks every rank has room for, allocated
+        on each; the group is stopped when that fails."""
+        try:
+            templates = [s.kv_caches for s in setups]
+            num_blocks = group_num_blocks(self.group.reports, sizing.budget,
+                                          [t.bytes_per_block for t in templates])  # type: ignore
+            self.group.allocate([AllocateCaches(t.with_blocks(num_blocks))  # type: ignore
+                                 for t in templates])
+        except BaseException:
+            self.group.close()
+            raise
+        return num_blocks
 
     def execute(self, msg: StepMessage) -> torch.Tensor:
         replies = self.group.step(msg)

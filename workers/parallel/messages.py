@@ -128,8 +128,52 @@ class StepReply:
 
 
 @dataclass(frozen=True)
+class DeviceCacheSpec:
+    """The KV caches a rank allocates, zeroed, on its own device (a GPU, or the CPU): one
+    tensor of `shape` per layer of its stage."""
+
+    num_layers: int  # this stage's
+    shape: tuple[int, ...]  # [2, num_blocks, block_size, KV heads of this rank, head_dim]
+    dtype: str  # a torch dtype name, e.g. "bfloat16"
+
+    def with_blocks(self, num_blocks: int) -> DeviceCacheSpec:
+        """The same caches, `num_blocks` blocks each."""
+        planes, _, *rest = self.shape
+        return DeviceCacheSpec(self.num_layers, (planes, num_blocks, *rest), self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one KV block takes on this rank: its stage's layers, its heads."""
+        planes, _, *rest = self.shape
+        per_layer = planes * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        for dim in rest:
+            per_layer *= dim
+        return per_layer * self.num_layers
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """A rank started with a `KVProfile` has loaded its shard and run the profile step with
+    the group: its device's memory readings (the first phase of a two-phase start; the driver
+    turns them into a KV budget: `workers.parallel.rank_memory`)."""
+
+    rank: int
+    total_bytes: int  # the device's memory
+    peak_bytes: int  # torch's peak: the shard's weights, the profile step and its cache
+    outside_torch_bytes: int  # held outside torch's allocator (the CUDA context, others)
+
+
+@dataclass(frozen=True)
+class AllocateCaches:
+    """The driver's answer to every `MemoryReport`: the caches to allocate (the group's
+    smallest budget sized them); the rank answers `Ready`."""
+
+    kv_caches: DeviceCacheSpec
+
+
+@dataclass(frozen=True)
 class Ready:
-    """A rank has joined the process group and loaded its shard."""
+    """A rank has joined the process group, loaded its shard and allocated its caches."""
 
     rank: int
     agent: AgentHostAddress | None = None  # where its KV transfer agent's host listens
