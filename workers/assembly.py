@@ -18,6 +18,7 @@ from workers.loader import load_model
 from workers.model_config import ModelConfig
 from workers.parallel.executor import GroupExecutor, GroupOptions, LocalExecutor, ModelExecutor
 from workers.parallel.group import SpawnLauncher
+from workers.parallel.rank_memory import KVProfile, KVSizing
 from workers.runner import KVCacheSpec, allocate_kv_caches
 
 if TYPE_CHECKING:
@@ -114,14 +115,15 @@ def local_executor(config: EngineConfig, model: torch.nn.Module, spec: KVCacheSp
 
 
 def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLauncher | None,
-                   device: torch.device, dtype: torch.dtype,
-                   host_blocks: int = 0) -> tuple[ModelExecutor, torch.device]:
+                   device: torch.device, dtype: torch.dtype, host_blocks: int = 0,
+                   max_model_len: int = 0) -> tuple[ModelExecutor, torch.device, KVCacheSpec]:
     """tensor_parallel_size x pipeline_parallel_size ranks, started by `launcher` (None:
-    spawned): processes over gloo on the CPU, or one GPU each over NCCL on cuda; and the device
-    the driver samples on. A GPU group keeps its KV cache on the ranks' devices, so it serves
-    aggregated only (no KV handoff). A driver that holds no GPU of its own (a Ray engine actor
-    driving GPU rank actors, or one that sees none) samples on the CPU, where the logits
-    arrive."""
+    spawned): processes over gloo on the CPU, or one GPU each over NCCL on cuda; the driver's
+    device; and `spec` with the cache's blocks. A GPU group's cache is sized like one GPU's
+    (`num_kv_blocks`) but on every rank, after its shard and a profiled step, the group taking
+    the fewest blocks any rank has room for (`workers.parallel.rank_memory`); a CPU group's
+    (and one given `num_blocks` or `kv_cache_memory_bytes`) as the config says. The last rank
+    samples; the driver's device only matters to a driver-side sampler."""
     kind = device.type
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"tensor/pipeline parallelism runs on 'cpu' or 'cuda'; "
@@ -138,5 +140,16 @@ def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLaunch
         config.expert_parallel_size > 1, config.model, str(dtype).removeprefix("torch."),
         config.load_format, config.seed, config.resolved_attention_backend,
         config.rank_timeout_s, kind, host_blocks)
-    logger.info("worker group: %d ranks on %s, sampling on %s", config.world_size, kind, device)
-    return GroupExecutor(options, spec, launcher), device
+    sizing = None
+    if kind == "cuda" and config.num_blocks is None and config.kv_cache_memory_bytes is None:
+        step, num_blocks = memory_profile.profile_step(
+            config.max_num_batched_tokens, max_model_len, config.block_size, config.max_num_seqs)
+        sizing = KVSizing(KVProfile(step, num_blocks), lambda r: memory_profile.kv_budget_bytes(
+            r.total_bytes, r.peak_bytes, r.outside_torch_bytes, config.gpu_memory_utilization))
+    else:
+        spec = dataclasses.replace(spec, num_blocks=num_kv_blocks(config, spec, None, device,
+                                                                  max_model_len))
+    logger.info("worker group: %d ranks on %s%s", config.world_size, kind,
+                ", KV cache sized by profiling every rank" if sizing else "")
+    executor = GroupExecutor(options, spec, launcher, sizing)
+    return executor, device, dataclasses.replace(spec, num_blocks=executor.num_blocks)

@@ -82,9 +82,16 @@ class Engine:
         # loaded first: on a GPU the KV budget is what the weights and a profiled step leave
         model = (assembly.load_local_model(config, mc, self.dtype, self.device)
                  if config.world_size == 1 else None)
-        spec = dataclasses.replace(spec, num_blocks=assembly.num_kv_blocks(
-            config, spec, model, self.device, self.max_model_len))
         host_blocks = assembly.num_host_blocks(config, spec)
+        if model is not None:
+            spec = dataclasses.replace(spec, num_blocks=assembly.num_kv_blocks(
+                config, spec, model, self.device, self.max_model_len))
+            executor = assembly.local_executor(config, model, spec, self.device,
+                                               self.max_model_len, host_blocks)
+        else:  # a GPU group's ranks measure their memory: the cache's size comes back
+            executor, self.device, spec = assembly.group_executor(
+                config, spec, rank_launcher, self.device, self.dtype, host_blocks,
+                self.max_model_len)
         self.costs = StepCosts(config.block_size)
         self.kv_pull_bytes_per_s = 0.0  # measured by the worker's transfer layer, reported
         self.kv_fetch_fixed_s = 0.0  # a prefix fetch's cost beyond its bytes (`PrefixFetcher`)
@@ -93,15 +100,10 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                             self.max_model_len), self.kv)
-        if model is not None:
-            executor = assembly.local_executor(config, model, spec, self.device,
-                                               self.max_model_len, host_blocks)
-        else:
-            executor, self.device = assembly.group_executor(config, spec, rank_launcher,
-                                                            self.device, self.dtype, host_blocks)
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
-                                  or config.pipeline_parallel_size)
+                                  or config.pipeline_parallel_size,
+                                  vocab_size=mc.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, detokenize)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())

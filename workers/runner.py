@@ -1,5 +1,8 @@
 """Turns a scheduled step into one `StepMessage`, has an executor run the model, and samples.
 
+A worker group samples on its last rank instead (`workers.parallel.sampling`): the message then
+carries a `SamplingRecord` and the tokens come back, not the logits.
+
 The executor (in this process, or a group of tensor/pipeline-parallel ranks) owns the KV-cache
 tensors: per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]`, indexed by the block
 ids the KV-cache manager hands out.
@@ -8,6 +11,7 @@ ids the KV-cache manager hands out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -16,10 +20,11 @@ from workers.host_transfer import upload
 from workers.kv_cache import host_memory
 from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.executor import ModelExecutor
-from workers.parallel.messages import StepMessage
+from workers.parallel.messages import PromptLogprobRows, StepMessage
+from workers.parallel.sampling import SamplingSync
 from workers.protocol import TokenLogprob
 from workers.request import Request
-from workers.sampler import Sampler, top_logprobs
+from workers.sampler import Sampler, SamplerOutput, top_logprobs
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -48,15 +53,19 @@ def allocate_kv_caches(spec: KVCacheSpec, device: torch.device) -> list[torch.Te
 
 
 class ModelRunner:
-    """`num_microbatches`: pipeline micro-batches per step (1 without pipeline parallelism)."""
+    """`num_microbatches`: pipeline micro-batches per step (1 without pipeline parallelism);
+    `vocab_size`: the logits' width (a group's structured-output masks need it)."""
 
     def __init__(self, executor: ModelExecutor, spec: KVCacheSpec, device: torch.device,
-                 seed: int = 0, num_microbatches: int = 1) -> None:
+                 seed: int = 0, num_microbatches: int = 1, vocab_size: int = 0) -> None:
         self.executor = executor
         self.spec = spec
         self.device = device
         self.num_microbatches = num_microbatches
         self.sampler = Sampler(seed, device)
+        # the ranks' mirrors of the requests where the executor samples (a group); None: the
+        # logits come here and `sampler` samples them (a group can do either: tests compare)
+        self.sync = SamplingSync(vocab_size) if executor.samples_on_ranks else None
         self._step_id = 0
 
     @property
@@ -76,15 +85,13 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         batch = self._prepare(out)
+        if self.sync is not None:
+            return self._execute_sampled(batch)
         logits = self.executor.execute(batch.msg).to(self.device)  # [len(logit_rows), vocab]
         result = RunnerOutput()
         sampling = batch.sampling
         if sampling:
-            sampled = self.sampler(logits[:len(sampling)], sampling)
-            for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
-                result.sampled[req.request_id] = token
-                if lp is not None:
-                    result.logprobs[req.request_id] = lp
+            _record_sampled(result, sampling, self.sampler(logits[:len(sampling)], sampling))
         row = len(sampling)
         for chunk, _, count in batch.prompt_rows:
             req = chunk.request
@@ -93,6 +100,20 @@ class ModelRunner:
             row += count
             result.prompt_logprobs[req.request_id] = (chunk.start + 1, top_logprobs(
                 logprobs, upload(targets, self.device), req.params.prompt_logprobs))
+        return result
+
+    def _execute_sampled(self, batch: _Batch) -> RunnerOutput:
+        """The step on an executor that samples (the group's last rank): tokens come back."""
+        prompt = [PromptLogprobRows(
+            tuple(chunk.request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]),
+            chunk.request.params.prompt_logprobs or 0) for chunk, _, count in batch.prompt_rows]
+        record = self.sync.record(batch.sampling, prompt)  # type: ignore[union-attr]
+        sampled = self.executor.execute_sampled(dataclasses.replace(batch.msg, sampling=record))
+        result = RunnerOutput()
+        _record_sampled(result, batch.sampling,
+                        SamplerOutput(list(sampled.token_ids), list(sampled.logprobs)))
+        for (chunk, _, _), logprobs in zip(batch.prompt_rows, sampled.prompt_logprobs):
+            result.prompt_logprobs[chunk.request.request_id] = (chunk.start + 1, list(logprobs))
         return result
 
     def _prepare(self, out: SchedulerOutput) -> _Batch:
@@ -141,6 +162,16 @@ class ModelRunner:
             logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches,
             block_copies=out.block_copies)
         return _Batch(msg, sampling, prompt_rows)
+
+
+def _record_sampled(result: RunnerOutput, sampling: list[Request],
+                    sampled: SamplerOutput) -> None:
+    if len(sampled.token_ids) != len(sampling):
+        raise RuntimeError(f"{len(sampled.token_ids)} tokens sampled for {len(sampling)} rows")
+    for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+        result.sampled[req.request_id] = token
+        if lp is not None:
+            result.logprobs[req.request_id] = lp
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:

@@ -32,7 +32,16 @@ from workers.parallel.executor import (
     rank_setups,
 )
 from workers.parallel.group import RankHandle, RankLauncher
-from workers.parallel.messages import RankTiming, Ready, Shutdown, StepMessage, StepReply
+from workers.parallel.messages import (
+    AllocateCaches,
+    MemoryReport,
+    RankTiming,
+    Ready,
+    SampledTokens,
+    Shutdown,
+    StepMessage,
+    StepReply,
+)
 from workers.parallel.rank import DeviceCacheSpec, RankSetup, rank_device
 from workers.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, SharedTensor
 from workers.protocol import WorkerRequest
@@ -49,14 +58,18 @@ def options(device: str, tp: int = 2, pp: int = 1) -> GroupOptions:
 
 
 class FakeRank(RankHandle):
-    """A rank without a process: ready at once, answers each step with logits on the CPU
-    (last stage, first TP rank) that favour `FAVOURITE`."""
+    """A rank without a process: ready at once, answers each step (last stage, first TP rank)
+    with `FAVOURITE` for every sampling row, or, for a step without a sampling record, logits
+    on the CPU that favour it."""
 
-    def __init__(self, setup: RankSetup, vocab_size: int) -> None:
+    def __init__(self, setup: RankSetup, vocab_size: int,
+                 reading: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """`reading`: (total, peak, outside torch) bytes it reports when asked to measure."""
         self.setup, self.vocab_size = setup, vocab_size
-        agent = (AgentHostAddress("127.0.0.1", 40000 + setup.rank, b"t") if setup.serves_kv
-                 else None)
-        self.inbox: list[object] = [Ready(setup.rank, agent)]
+        self.agent = (AgentHostAddress("127.0.0.1", 40000 + setup.rank, b"t")
+                      if setup.serves_kv else None)
+        self.inbox: list[object] = [Ready(setup.rank, self.agent) if setup.profile is None
+                                    else MemoryReport(setup.rank, *reading)]
         self.received: list[object] = []
         self.code: int | None = None
 
@@ -64,13 +77,20 @@ class FakeRank(RankHandle):
         self.received.append(msg)
         if isinstance(msg, Shutdown):
             self.code = 0
+        elif isinstance(msg, AllocateCaches):
+            self.inbox.append(Ready(self.setup.rank, self.agent))
         elif isinstance(msg, StepMessage):
             s = self.setup
-            logits = None
+            logits = sampled = None
             if s.stage == s.pp_size - 1 and s.tp_rank == 0:
-                logits = torch.zeros(len(msg.logit_rows), self.vocab_size)
-                logits[:, FAVOURITE] = 1.0
-            self.inbox.append(StepReply(msg.step_id, RankTiming(s.rank, 0.0, 0.0), logits))
+                if msg.sampling is not None:
+                    rows = msg.sampling.rows
+                    sampled = SampledTokens((FAVOURITE,) * len(rows), (None,) * len(rows))
+                else:
+                    logits = torch.zeros(len(msg.logit_rows), self.vocab_size)
+                    logits[:, FAVOURITE] = 1.0
+            self.inbox.append(StepReply(msg.step_id, RankTiming(s.rank, 0.0, 0.0), logits,
+                                        sampled))
 
     def poll(self, timeout_s: float) -> bool:
         return bool(self.inbox)
@@ -89,14 +109,18 @@ class FakeLauncher(RankLauncher):
     """Launches `FakeRank`s and keeps their setups (a Ray launcher stands in the same place:
     not `SpawnLauncher`, so the engine does not count this process's GPUs)."""
 
-    def __init__(self, vocab_size: int = 512) -> None:
+    def __init__(self, vocab_size: int = 512,
+                 readings: dict[int, tuple[int, int, int]] | None = None) -> None:
+        """`readings`: by rank, the memory it reports when measuring (default all 0)."""
         self.vocab_size = vocab_size
+        self.readings = readings or {}
         self.setups: list[RankSetup] = []
         self.ranks: list[FakeRank] = []
 
     def launch(self, target: object, setup: RankSetup) -> RankHandle:
         self.setups.append(setup)
-        self.ranks.append(FakeRank(setup, self.vocab_size))
+        self.ranks.append(FakeRank(setup, self.vocab_size,
+                                   self.readings.get(setup.rank, (0, 0, 0))))
         return self.ranks[-1]
 
 

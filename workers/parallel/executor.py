@@ -7,6 +7,7 @@ step writes. The runner cannot tell them apart.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import socket
 import time
 import weakref
@@ -19,9 +20,10 @@ from kvtransfer.remote_messages import AgentHostAddress
 from workers.kv_cache.host_caches import HostCaches
 from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
-from workers.parallel.messages import RankTiming, StepMessage
+from workers.parallel.messages import AllocateCaches, RankTiming, SampledTokens, StepMessage
 from workers.parallel.pipeline import MicroBatch, microbatch_tensors, stage_layers
 from workers.parallel.rank import DeviceCacheSpec, RankCaches, RankSetup, rank_main
+from workers.parallel.rank_memory import KVSizing, group_num_blocks
 from workers.parallel.shared_cache import SharedCaches
 
 
@@ -37,6 +39,16 @@ class ModelExecutor(abc.ABC):
         """Per TP rank, per layer (all stages): `[2, num_blocks, block_size, heads, head_dim]`
         with `heads` that rank's KV heads. Shared with the ranks: writes land in their cache.
         Raises `KVCacheNotShared` where this process cannot reach the cache (GPU ranks)."""
+
+    @property
+    def samples_on_ranks(self) -> bool:
+        """True when the executor samples itself (`execute_sampled`): a group's last rank."""
+        return False
+
+    def execute_sampled(self, msg: StepMessage) -> SampledTokens:
+        """Runs a step whose `msg.sampling` says what to sample; returns the tokens. Only
+        where `samples_on_ranks`."""
+        raise NotImplementedError(f"{type(self).__name__} returns logits; the runner samples")
 
     def close(self) -> None:
         """Stop whatever runs the model (idempotent)."""
@@ -129,11 +141,19 @@ class GroupExecutor(ModelExecutor):
     are allocated here in one file of shared memory (`SharedCaches`) that the ranks of each
     layer's stage map, so this process's agents serve every layer of a TP rank's heads
     (`kv_caches_by_rank`); the file is unlinked once every rank is ready, or when the start
-    fails. A pipeline-parallel GPU group serves aggregated only. Logits come back on the CPU.
+    fails. A pipeline-parallel GPU group serves aggregated only. The last stage's first TP rank
+    samples (`execute_sampled`: token ids come back); `execute` brings the logits back on the
+    CPU.
     """
 
     def __init__(self, options: GroupOptions, spec: KVCacheSpec,
-                 launcher: RankLauncher | None = None) -> None:
+                 launcher: RankLauncher | None = None, sizing: KVSizing | None = None) -> None:
+        """`sizing` (GPU groups only): the ranks measure their memory first and the cache gets
+        the blocks the tightest rank has room for (`num_blocks`; `spec.num_blocks` is ignored);
+        without it the cache has `spec.num_blocks`."""
+        if sizing is not None and options.device != "cuda":
+            raise ValueError(f"only a GPU group sizes its KV cache by profiling its ranks; "
+                             f"device={options.device!r}")
         tp, pp = options.tp_size, options.pp_size
         self.tp_size, self.pp_size = tp, pp
         num_layers, kv_dtype = spec.num_layers, spec.dtype
@@ -147,13 +167,32 @@ class GroupExecutor(ModelExecutor):
                        [shared.tensors[t * num_layers:(t + 1) * num_layers] for t in range(tp)])
         try:
             setups = rank_setups(options, num_layers, shape, kv_dtype, shared)
+            if sizing is not None:
+                setups = [dataclasses.replace(s, profile=sizing.profile) for s in setups]
             self.group = RankGroup(rank_main, setups, launcher or SpawnLauncher(),
-                                   options.timeout_s)
+                                   options.timeout_s, measure_first=sizing is not None)
         finally:
             if shared is not None:
                 shared.unlink()  # every rank has mapped it (or the group failed to start)
         self._finalizer = weakref.finalize(self, self.group.close)
+        self.num_blocks = spec.num_blocks  # of the cache, the same on every rank
+        if sizing is not None:
+            self.num_blocks = self._size_caches(setups, sizing)
         self.last_timings: list[RankTiming] = []  # per rank, of the last step
+
+    def _size_caches(self, setups: list[RankSetup], sizing: KVSizing) -> int:
+        """The second phase of a measured start: the blocks every rank has room for, allocated
+        on each; the group is stopped when that fails."""
+        try:
+            templates = [s.kv_caches for s in setups]
+            num_blocks = group_num_blocks(self.group.reports, sizing.budget,
+                                          [t.bytes_per_block for t in templates])  # type: ignore
+            self.group.allocate([AllocateCaches(t.with_blocks(num_blocks))  # type: ignore
+                                 for t in templates])
+        except BaseException:
+            self.group.close()
+            raise
+        return num_blocks
 
     def execute(self, msg: StepMessage) -> torch.Tensor:
         replies = self.group.step(msg)
@@ -162,6 +201,20 @@ class GroupExecutor(ModelExecutor):
         if logits is None:
             return torch.empty(0, 0)
         return logits
+
+    @property
+    def samples_on_ranks(self) -> bool:
+        return True
+
+    def execute_sampled(self, msg: StepMessage) -> SampledTokens:
+        if msg.sampling is None:
+            raise ValueError(f"step {msg.step_id} carries no sampling record")
+        replies = self.group.step(msg)
+        self.last_timings = [r.timing for r in replies]
+        sampled = replies[(self.pp_size - 1) * self.tp_size].sampled
+        if sampled is None:
+            raise RuntimeError(f"the last rank sent no sampled tokens for step {msg.step_id}")
+        return sampled
 
     @property
     def last_tier_copy_s(self) -> float:

@@ -14,7 +14,14 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from workers.parallel.messages import RankFailed, Ready, Shutdown, StepMessage, StepReply
+from workers.parallel.messages import (
+    MemoryReport,
+    RankFailed,
+    Ready,
+    Shutdown,
+    StepMessage,
+    StepReply,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,20 +120,43 @@ class RankGroup:
 
     def __init__(self, target: Callable[[object, object], None], setups: list[object],
                  launcher: RankLauncher, timeout_s: float,
-                 start_timeout_s: float | None = None) -> None:
+                 start_timeout_s: float | None = None, *, measure_first: bool = False) -> None:
         """`timeout_s`: the longest a step may take; `start_timeout_s` (default the same):
-        the longest the ranks may take to start and load their shards."""
+        the longest the ranks may take to start and load their shards. `measure_first`: the
+        ranks answer with a `MemoryReport` each (`reports`), and are `ready` only after
+        `allocate`."""
         self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s or timeout_s
         self.handles: list[RankHandle] = []
         self.closed = False
+        self.ready: list[Ready] = []
+        self.reports: list[MemoryReport] = []
         try:
             for setup in setups:
                 self.handles.append(launcher.launch(target, setup))
-            self.ready: list[Ready] = self._collect(  # type: ignore[assignment]
-                "start-up", Ready, start_timeout_s or timeout_s)
+            first = self._collect("start-up", MemoryReport if measure_first else Ready,
+                                  self.start_timeout_s)
         except BaseException:
             self.close()
             raise
+        if measure_first:
+            self.reports = first  # type: ignore[assignment]
+        else:
+            self.ready = first  # type: ignore[assignment]
+
+    def allocate(self, messages: list[object]) -> None:
+        """A two-phase start's second phase: rank i gets `messages[i]` (its
+        `AllocateCaches`); returns once every rank is `ready`."""
+        if len(messages) != len(self.handles) or self.ready:
+            raise ValueError(f"{len(messages)} cache messages for {len(self.handles)} ranks "
+                             f"({len(self.ready)} ready already)")
+        for rank, (handle, msg) in enumerate(zip(self.handles, messages)):
+            try:
+                handle.send(msg)
+            except (OSError, EOFError):
+                self._lost(rank, "cache allocation")
+        self.ready = self._collect("cache allocation", Ready,  # type: ignore[assignment]
+                                   self.start_timeout_s)
 
     def step(self, msg: StepMessage) -> list[StepReply]:
         """Send `msg` to every rank; every rank's reply, in rank order."""

@@ -1,4 +1,10 @@
-"""What crosses the driver <-> rank boundary: one typed message each way per step."""
+"""What crosses the driver <-> rank boundary: one typed message each way per step.
+
+A step that samples carries a `SamplingRecord`: the last stage's first TP rank keeps a mirror of
+every request it samples for (parameters sent once, then only the tokens appended since) and
+replies with the sampled token ids (`SampledTokens`), not the logits. These records live only
+between a driver and ranks of the same build (never stored, never across releases): no version.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,46 @@ import torch
 
 from kvtransfer.remote_messages import AgentHostAddress
 from workers.kv_cache.host_tier import NO_COPIES, BlockCopies
+from workers.protocol import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """A request the sampling rank has no mirror of yet (or a new sample under a known id):
+    sent once, at its first sampling step there."""
+
+    request_id: str
+    params: SamplingParams
+    eos_token_ids: frozenset[int]  # masked until min_tokens
+    # the prompt, only with a repetition penalty (it sees the prompt's tokens); else ()
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # its output so far (a continuation's sent tokens)
+    constrained: bool  # structured output: each step's row brings its grammar's mask
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Consecutive logit rows (after the sampling rows) that each predict a prompt token."""
+
+    target_token_ids: tuple[int, ...]  # [num rows]: the prompt token each row predicts
+    num_top: int  # top alternatives per row (the request's prompt_logprobs)
+
+
+@dataclass(frozen=True)
+class SamplingRecord:
+    """What the sampling rank needs for one step beyond the logits: the first `len(rows)`
+    `logit_rows` sample, one row per request id in `rows`; then `prompt_logprobs`' rows."""
+
+    rows: tuple[str, ...]  # [num sampling rows]: request id of each
+    # [num sampling rows]: output tokens the request gained since the rank last saw it
+    appended: tuple[tuple[int, ...], ...]
+    new: tuple[SamplingRequest, ...] = ()  # mirrors to create first
+    finished: tuple[str, ...] = ()  # mirrors to drop first (finished, aborted, replaced)
+    # [num constrained rows, ceil(vocab / 32)] int32: xgrammar token bitmasks (bit set: the
+    # token is allowed) of the constrained rows, in row order; filled by the driver, which
+    # holds the grammar matchers
+    grammar_masks: torch.Tensor | None = None
+    prompt_logprobs: tuple[PromptLogprobRows, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -28,6 +74,8 @@ class StepMessage:
     # KV copies between the cache and its host tier, made by each cache's holder before the
     # forward pass (workers.kv_cache.host_caches)
     block_copies: BlockCopies = NO_COPIES
+    # None: the logits of `logit_rows` come back; else the last rank samples them
+    sampling: SamplingRecord | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,17 +108,72 @@ class RankTiming:
 
 
 @dataclass(frozen=True)
+class SampledTokens:
+    """What the sampling rank picked for a step's `SamplingRecord`."""
+
+    token_ids: tuple[int, ...]  # [len(rows)]
+    logprobs: tuple[TokenLogprob | None, ...]  # [len(rows)]: None where not asked for
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()  # per `PromptLogprobRows`
+
+
+@dataclass(frozen=True)
 class StepReply:
-    """Every rank replies to every step; only the last stage's first TP rank has logits."""
+    """Every rank replies to every step; only the last stage's first TP rank has logits (a
+    step without a `SamplingRecord`) or sampled tokens (one with)."""
 
     step_id: int
     timing: RankTiming
     logits: torch.Tensor | None = None  # [len(logit_rows), vocab_size] float32
+    sampled: SampledTokens | None = None
+
+
+@dataclass(frozen=True)
+class DeviceCacheSpec:
+    """The KV caches a rank allocates, zeroed, on its own device (a GPU, or the CPU): one
+    tensor of `shape` per layer of its stage."""
+
+    num_layers: int  # this stage's
+    shape: tuple[int, ...]  # [2, num_blocks, block_size, KV heads of this rank, head_dim]
+    dtype: str  # a torch dtype name, e.g. "bfloat16"
+
+    def with_blocks(self, num_blocks: int) -> DeviceCacheSpec:
+        """The same caches, `num_blocks` blocks each."""
+        planes, _, *rest = self.shape
+        return DeviceCacheSpec(self.num_layers, (planes, num_blocks, *rest), self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one KV block takes on this rank: its stage's layers, its heads."""
+        planes, _, *rest = self.shape
+        per_layer = planes * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        for dim in rest:
+            per_layer *= dim
+        return per_layer * self.num_layers
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """A rank started with a `KVProfile` has loaded its shard and run the profile step with
+    the group: its device's memory readings (the first phase of a two-phase start; the driver
+    turns them into a KV budget: `workers.parallel.rank_memory`)."""
+
+    rank: int
+    total_bytes: int  # the device's memory
+    peak_bytes: int  # torch's peak: the shard's weights, the profile step and its cache
+    outside_torch_bytes: int  # held outside torch's allocator (the CUDA context, others)
+
+
+@dataclass(frozen=True)
+class AllocateCaches:
+    """The driver's answer to every `MemoryReport`: the caches to allocate (the group's
+    smallest budget sized them); the rank answers `Ready`."""
+
+    kv_caches: DeviceCacheSpec
 
 
 @dataclass(frozen=True)
 class Ready:
-    """A rank has joined the process group and loaded its shard."""
+    """A rank has joined the process group, loaded its shard and allocated its caches."""
 
     rank: int
     agent: AgentHostAddress | None = None  # where its KV transfer agent's host listens

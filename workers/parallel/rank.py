@@ -7,8 +7,10 @@ serves it to the transfer layer through its own agent (`kvtransfer.remote.AgentH
 thread of its own), whose address its `Ready` carries: the driver never sees the cache. Only a
 pipeline-parallel group on the CPU still maps the driver's shared memory instead (the driver's
 agents serve it: a rank's handoff would hold only its stage's layers). It serves `StepMessage`s
-until `Shutdown`, replying to each with a `StepReply` (logits on the CPU); any exception is
-sent back as `RankFailed` and the rank exits non-zero.
+until `Shutdown`, replying to each with a `StepReply`: the last stage's first TP rank samples
+a step that carries a `SamplingRecord` (`workers.parallel.sampling`) and sends the token ids,
+else the logits on the CPU; any exception is sent back as `RankFailed` and the rank exits
+non-zero.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from workers.attention import get_backend
 from workers.kv_cache.host_caches import HostCaches
 from workers.parallel.comm import CommStats, Communicator, StageLink
 from workers.parallel.messages import (
+    AllocateCaches,
+    DeviceCacheSpec,
+    MemoryReport,
     RankFailed,
     RankTiming,
     Ready,
@@ -35,20 +40,12 @@ from workers.parallel.messages import (
     StepReply,
 )
 from workers.parallel.pipeline import microbatch_tensors, split_microbatches, stage_layers
+from workers.parallel.rank_memory import KVProfile, measure_rank_memory
+from workers.parallel.sampling import RankSampler
 from workers.parallel.shared_cache import SharedTensor, map_tensors
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device kind -> torch.distributed backend
 AGENT_HOST = "127.0.0.1"  # a rank's agent host listens here: its driver is on the same node
-
-
-@dataclass(frozen=True)
-class DeviceCacheSpec:
-    """The KV caches a rank allocates, zeroed, on its own device (a GPU, or the CPU): one
-    tensor of `shape` per layer of its stage."""
-
-    num_layers: int  # this stage's
-    shape: tuple[int, ...]  # [2, num_blocks, block_size, KV heads of this rank, head_dim]
-    dtype: str  # a torch dtype name, e.g. "bfloat16"
 
 
 # pipeline-parallel CPU ranks: descriptors of their caches in the driver's shared memory;
@@ -75,6 +72,9 @@ class RankSetup:
     device: str  # the kind, "cpu" (gloo) or "cuda" (NCCL); `rank_device` picks which GPU
     host_blocks: int = 0  # blocks of this rank's host tier of its caches (0: none)
     serves_kv: bool = False  # run a KV transfer agent host over its caches (`Ready.agent`)
+    # measure first (a GPU group sized by profiling): `kv_caches` (a `DeviceCacheSpec`) is
+    # then a template, its number of blocks fixed by the driver's `AllocateCaches`
+    profile: KVProfile | None = None
 
     @property
     def stage(self) -> int:
@@ -116,6 +116,15 @@ def rank_main(setup: RankSetup, conn: object) -> None:
     host = None
     try:
         runner = _StageRunner(setup)
+        if setup.profile is not None:  # a two-phase start: report, then allocate
+            conn.send(runner.measure(setup.profile))  # type: ignore[attr-defined]
+            msg = conn.recv()  # type: ignore[attr-defined]
+            if isinstance(msg, Shutdown):
+                return
+            if not isinstance(msg, AllocateCaches):
+                raise TypeError(f"rank {setup.rank} expected AllocateCaches after its memory "
+                                f"report, got {type(msg).__name__}")
+            runner.allocate(msg.kv_caches)
         address = None
         if setup.serves_kv:
             host = AgentHost(runner.kv_caches, tp_rank=setup.tp_rank, tp_size=setup.tp_size)
@@ -168,9 +177,34 @@ class _StageRunner:
                                 load_format=setup.load_format, seed=setup.seed, shard=shard)
         self.hidden_size = config.hidden_size
         self.is_first, self.is_last = setup.stage == 0, setup.stage == pp - 1
-        self.kv_caches = allocate_rank_caches(setup.kv_caches, self.device)
-        self.host = (HostCaches(self.kv_caches, setup.host_blocks) if setup.host_blocks
-                     else None)
+        self.kv_caches: list[torch.Tensor] = []
+        self.host: HostCaches | None = None
+        if setup.profile is None:
+            self.allocate(setup.kv_caches)
+        self.sampler = (RankSampler(setup.seed, self.device)
+                        if self.is_last and setup.tp_rank == 0 else None)
+
+    def allocate(self, caches: RankCaches) -> None:
+        """This rank's caches (and their host tier), for good."""
+        self.kv_caches = allocate_rank_caches(caches, self.device)
+        self.host = (HostCaches(self.kv_caches, self.setup.host_blocks)
+                     if self.setup.host_blocks else None)
+
+    def measure(self, profile: KVProfile) -> MemoryReport:
+        """Runs the profile step with the group on a throw-away cache; the device's readings."""
+        template = self.setup.kv_caches
+        if not isinstance(template, DeviceCacheSpec) or self.device.type != "cuda":
+            raise ValueError(f"rank {self.setup.rank}: only a GPU rank allocating its own "
+                             f"caches measures its memory (device {self.device})")
+
+        def run(msg: StepMessage, num_blocks: int) -> None:
+            self.kv_caches = allocate_rank_caches(template.with_blocks(num_blocks), self.device)
+            try:
+                self.step(msg)
+            finally:
+                self.kv_caches = []
+
+        return measure_rank_memory(self.setup.rank, run, self.device, profile)
 
     @torch.inference_mode()
     def step(self, msg: StepMessage) -> StepReply:
@@ -202,7 +236,10 @@ class _StageRunner:
         if self.is_last and msg.logit_rows:  # every TP rank: the vocab shards are all-gathered
             hidden = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
             logits = self.model.compute_logits(hidden[list(msg.logit_rows)])
-        # the first TP rank's go back on the CPU: a reply is pickled (never a CUDA tensor)
+        sampled = None
+        if self.sampler is not None and msg.sampling is not None:
+            sampled, logits = self.sampler(logits, msg.sampling), None
+        # else the first TP rank's go back on the CPU: a reply is pickled (never a CUDA tensor)
         logits = logits.cpu() if logits is not None and self.setup.tp_rank == 0 else None
         if self.device.type == "cuda":
             # the step ends when its kernels and sends have: honest timings, and a CUDA error
@@ -210,4 +247,4 @@ class _StageRunner:
             torch.cuda.synchronize(self.device)
         timing = RankTiming(rank, time.perf_counter() - start, self.stats.seconds, tuple(busy),
                             dict(self.stats.bytes_by_site), tier_copy_s)
-        return StepReply(msg.step_id, timing, logits)
+        return StepReply(msg.step_id, timing, logits, sampled)
