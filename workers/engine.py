@@ -72,7 +72,7 @@ class Engine:
         check_parallel(config, mc, torch.cuda.device_count()
                        if self.device.type == "cuda" and assembly.spawns_ranks(rank_launcher)
                        else None)
-        if self.device.type == "cuda" and self.device.index is not None:
+        if self.device.type == "cuda" and self.device.index is not None and config.world_size == 1:
             torch.cuda.set_device(self.device)  # Triton launches on the current device
         kv_dtype = (self.dtype if config.kv_cache_dtype == "auto"
                     else KV_QUANT_DTYPES.get(config.kv_cache_dtype)
