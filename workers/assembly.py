@@ -100,6 +100,18 @@ def graph_batch_size(config: EngineConfig, model: torch.nn.Module, device: torch
     return min(config.max_cuda_graph_batch_size, config.max_num_seqs)
 
 
+def group_graph_batch_size(config: EngineConfig, kind: str) -> int:
+    """The largest decode batch a group's ranks capture as CUDA graphs (0: eager): GPU ranks
+    of one pipeline stage, unless `enforce_eager` or `max_cuda_graph_batch_size=0`. Pipeline
+    stages run eagerly: a captured stage would have to capture its point-to-point transfers
+    paired with its neighbours' and a ladder per micro-batch. Whether the model can be captured
+    at all (not an MoE) the ranks decide: they hold it."""
+    if (kind != "cuda" or config.pipeline_parallel_size > 1 or config.enforce_eager
+            or config.max_cuda_graph_batch_size == 0):
+        return 0
+    return min(config.max_cuda_graph_batch_size, config.max_num_seqs)
+
+
 def local_executor(config: EngineConfig, model: torch.nn.Module, spec: KVCacheSpec,
                    device: torch.device, max_model_len: int,
                    host_blocks: int = 0) -> ModelExecutor:
@@ -122,7 +134,8 @@ def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLaunch
     device; and `spec` with the cache's blocks. A GPU group's cache is sized like one GPU's
     (`num_kv_blocks`) but on every rank, after its shard and a profiled step, the group taking
     the fewest blocks any rank has room for (`workers.parallel.rank_memory`); a CPU group's
-    (and one given `num_blocks` or `kv_cache_memory_bytes`) as the config says. The last rank
+    (and one given `num_blocks` or `kv_cache_memory_bytes`) as the config says. GPU ranks of one
+    stage then capture their decode graphs (`group_graph_batch_size`). The last rank
     samples; the driver's device only matters to a driver-side sampler."""
     kind = device.type
     if kind not in ("cpu", "cuda"):
@@ -139,7 +152,8 @@ def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLaunch
         config.tensor_parallel_size, config.pipeline_parallel_size,
         config.expert_parallel_size > 1, config.model, str(dtype).removeprefix("torch."),
         config.load_format, config.seed, config.resolved_attention_backend,
-        config.rank_timeout_s, kind, host_blocks)
+        config.rank_timeout_s, kind, host_blocks, group_graph_batch_size(config, kind),
+        max_model_len)
     sizing = None
     if kind == "cuda" and config.num_blocks is None and config.kv_cache_memory_bytes is None:
         step, num_blocks = memory_profile.profile_step(

@@ -38,22 +38,14 @@ from torch import nn
 
 from workers.attention import AttentionMetadata
 from workers.host_transfer import upload
-from workers.parallel.executor import LocalExecutor
+from workers.parallel.graph_ladder import capture_sizes, padded_size
+from workers.parallel.local import LocalExecutor
 from workers.parallel.messages import StepMessage
 from workers.step_inputs import step_tensors
 
 logger = logging.getLogger(__name__)
 
-
-def capture_sizes(max_batch_size: int) -> list[int]:
-    """The batch sizes captured: 1, 2, 4, 8, then every multiple of 8 up to the maximum (and
-    the maximum itself). Padding to the next size wastes under 8 rows above 8."""
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-    sizes = {s for s in (1, 2, 4) if s < max_batch_size}
-    sizes.update(range(8, max_batch_size + 1, 8))
-    sizes.add(max_batch_size)
-    return sorted(sizes)
+__all__ = ["CudaGraphExecutor", "capture_sizes", "graphs_supported"]
 
 
 def graphs_supported(model: nn.Module, backend: object, device: torch.device) -> bool:
@@ -108,6 +100,15 @@ class CudaGraphExecutor(LocalExecutor):
             ids, positions, meta, rows = step_tensors(msg, self.device)
             hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
             return self.model.compute_logits(hidden.index_select(0, rows))
+        return self.run_padded(msg, size)
+
+    def run_padded(self, msg: StepMessage, size: int) -> torch.Tensor:
+        """Runs pure-decode step `msg` padded to `size` rows (a size of the ladder, at least
+        `msg.num_seqs`: what `padded_size` chose) from the static buffers (a graph's replay
+        where captured); the logits of `msg.logit_rows`. No tier copies: the caller's."""
+        if size not in self.sizes or size < msg.num_seqs:
+            raise ValueError(f"step {msg.step_id} of {msg.num_seqs} sequences cannot be padded "
+                             f"to {size} rows; the ladder is {self.sizes}")
         rows = self._load(msg, size)
         if self._graphs:
             self._graphs[size].replay()
@@ -124,14 +125,7 @@ class CudaGraphExecutor(LocalExecutor):
 
     def _graph_size(self, msg: StepMessage) -> int | None:
         """The captured size this step pads to, or None when it must run eagerly."""
-        n = msg.num_seqs
-        if not (msg.num_decodes == n == msg.num_tokens) or n > self.sizes[-1]:
-            return None
-        if max(msg.seq_lens) > self.max_seq_len:
-            return None
-        if max(len(t) for t in msg.block_tables) > self._tables.shape[1]:
-            return None  # more blocks than the context needs (never expected): stay eager
-        return next(s for s in self.sizes if s >= n)
+        return padded_size(msg, self.sizes, self.max_seq_len, self._tables.shape[1])
 
     def _load(self, msg: StepMessage, size: int) -> torch.Tensor:
         """Copies the step into the persistent buffers with one asynchronous host->device

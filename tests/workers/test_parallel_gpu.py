@@ -10,6 +10,7 @@ CUDA devices).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import pickle
@@ -34,6 +35,8 @@ from workers.parallel.executor import (
 from workers.parallel.group import RankHandle, RankLauncher
 from workers.parallel.messages import (
     AllocateCaches,
+    CaptureGraphs,
+    GraphsCaptured,
     MemoryReport,
     RankTiming,
     Ready,
@@ -79,6 +82,8 @@ class FakeRank(RankHandle):
             self.code = 0
         elif isinstance(msg, AllocateCaches):
             self.inbox.append(Ready(self.setup.rank, self.agent))
+        elif isinstance(msg, CaptureGraphs):  # as a GPU rank whose model can be captured
+            self.inbox.append(GraphsCaptured(self.setup.rank, msg.sizes, True, 0.0))
         elif isinstance(msg, StepMessage):
             s = self.setup
             logits = sampled = None
@@ -279,3 +284,77 @@ def test_a_refused_worker_stops_its_ranks(tiny_model):
         Worker.from_config("w", config, "prefill", rank_launcher=launcher)
     assert len(launcher.ranks) == 4
     assert all(r.received == [Shutdown()] for r in launcher.ranks)
+
+
+# ---- CUDA graphs on the ranks ------------------------------------------------------------------
+
+
+def messages_of(rank: FakeRank, kind: type) -> list[object]:
+    return [m for m in rank.received if isinstance(m, kind)]
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_gpu_ranks_capture_the_same_ladder_in_lockstep_before_the_first_step(tiny_model,
+                                                                             measured):
+    launcher = FakeLauncher(readings={r: (2**24, 2**20, 0) for r in (0, 1)})  # room: 16 MiB
+    sizing = {} if measured else {"num_blocks": 16}
+    config = EngineConfig(model=tiny_model, device="cuda", tensor_parallel_size=2,
+                          block_size=4, max_num_seqs=12, **sizing)
+    engine = Engine(config, launcher)
+    try:
+        assert [s.graph_batch_size for s in launcher.setups] == [12, 12]
+        ladder = CaptureGraphs((1, 2, 4, 8, 12), engine.max_model_len)
+        for rank in launcher.ranks:
+            # each rank: [AllocateCaches] then the same CaptureGraphs, before any step
+            kinds = [type(m) for m in rank.received]
+            assert kinds == [AllocateCaches, CaptureGraphs] if measured else [CaptureGraphs]
+            assert rank.received[-1] == ladder
+        assert engine.runner.executor.graph_sizes == ladder.sizes
+        for i in range(3):  # 3 sequences decode padded to 4 rows, the same on every rank
+            engine.generate(WorkerRequest(f"r{i}", (1, 2, 3), GREEDY))
+        for _ in range(3):
+            engine.step()
+        steps = [messages_of(r, StepMessage) for r in launcher.ranks]
+        assert steps[0] == steps[1]
+        assert [m.graph_size for m in steps[0]] == [0, 4, 4]  # a prefill runs eagerly
+    finally:
+        engine.close()
+
+
+def test_enforce_eager_and_pipeline_stages_keep_gpu_ranks_eager(tiny_model):
+    for overrides in ({"enforce_eager": True}, {"max_cuda_graph_batch_size": 0},
+                      {"pipeline_parallel_size": 2}):
+        launcher = FakeLauncher()
+        engine = cuda_engine(tiny_model, launcher, **overrides)
+        try:
+            assert all(s.graph_batch_size == 0 for s in launcher.setups), overrides
+            assert not any(messages_of(r, CaptureGraphs) for r in launcher.ranks)
+            engine.generate(WorkerRequest("r", (1, 2, 3), GREEDY))
+            engine.step(), engine.step()
+            assert all(m.graph_size == 0 for r in launcher.ranks
+                       for m in messages_of(r, StepMessage))
+        finally:
+            engine.close()
+
+
+def test_graphs_are_refused_for_pipeline_stages_and_ranks_must_agree():
+    with pytest.raises(ValueError, match="need one pipeline stage and a max_model_len"):
+        rank_setups(dataclasses.replace(options("cuda", pp=2), graph_batch_size=8,
+                                        max_model_len=64), 2, (2, 8, 4, 1, 16), torch.float32,
+                    None)
+
+    class Disagreeing(FakeLauncher):
+        def launch(self, target, setup):
+            rank = super().launch(target, setup)
+            if setup.rank == 1:  # as if its model could not be captured
+                rank.send = lambda msg, send=rank.send: (
+                    rank.inbox.append(GraphsCaptured(1, (), False, 0.0))
+                    if isinstance(msg, CaptureGraphs) else send(msg))
+            return rank
+
+    launcher = Disagreeing(vocab_size=32)
+    with pytest.raises(RuntimeError, match="captured different decode graphs"):
+        GroupExecutor(dataclasses.replace(options("cuda"), graph_batch_size=4, max_model_len=64),
+                      KVCacheSpec(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
+                                  head_dim=16, dtype=torch.float16), launcher=launcher)
+    assert all(isinstance(r.received[-1], Shutdown) for r in launcher.ranks)

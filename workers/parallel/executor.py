@@ -6,98 +6,33 @@ step writes. The runner cannot tell them apart.
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import socket
-import time
 import weakref
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from kvtransfer.remote_messages import AgentHostAddress
-from workers.kv_cache.host_caches import HostCaches
 from workers.kv_cache.spec import KVCacheSpec
+from workers.parallel.graph_ladder import capture_sizes, padded_size
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
-from workers.parallel.messages import AllocateCaches, RankTiming, SampledTokens, StepMessage
-from workers.parallel.pipeline import MicroBatch, microbatch_tensors, stage_layers
+from workers.parallel.local import LocalExecutor, ModelExecutor
+from workers.parallel.messages import (
+    AllocateCaches,
+    CaptureGraphs,
+    GraphsCaptured,
+    RankTiming,
+    SampledTokens,
+    StepMessage,
+)
+from workers.parallel.pipeline import stage_layers
 from workers.parallel.rank import DeviceCacheSpec, RankCaches, RankSetup, rank_main
 from workers.parallel.rank_memory import KVSizing, group_num_blocks
 from workers.parallel.shared_cache import SharedCaches
 
-
-class ModelExecutor(abc.ABC):
-    @abc.abstractmethod
-    def execute(self, msg: StepMessage) -> torch.Tensor:
-        """Runs the step (writing its K/V into the cache); returns the logits of
-        `msg.logit_rows`, [len(logit_rows), vocab_size] float32, on the driver's device or
-        the CPU (a group's; the runner moves them)."""
-
-    @abc.abstractmethod
-    def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
-        """Per TP rank, per layer (all stages): `[2, num_blocks, block_size, heads, head_dim]`
-        with `heads` that rank's KV heads. Shared with the ranks: writes land in their cache.
-        Raises `KVCacheNotShared` where this process cannot reach the cache (GPU ranks)."""
-
-    @property
-    def samples_on_ranks(self) -> bool:
-        """True when the executor samples itself (`execute_sampled`): a group's last rank."""
-        return False
-
-    def execute_sampled(self, msg: StepMessage) -> SampledTokens:
-        """Runs a step whose `msg.sampling` says what to sample; returns the tokens. Only
-        where `samples_on_ranks`."""
-        raise NotImplementedError(f"{type(self).__name__} returns logits; the runner samples")
-
-    def close(self) -> None:
-        """Stop whatever runs the model (idempotent)."""
-
-    def agent_hosts(self) -> list[AgentHostAddress] | None:
-        """Per TP rank, where that rank's own KV transfer agent is hosted (it serves and pulls
-        its shard); None where this process's agents serve the caches
-        (`kv_caches_by_rank`)."""
-        return None
-
-    @property
-    def last_tier_copy_s(self) -> float:
-        """Seconds the last step spent copying KV blocks to and from the host tier."""
-        return 0.0
-
-
-class LocalExecutor(ModelExecutor):
-    """The model in this process. `host_blocks`: the size of the KV cache's host tier."""
-
-    def __init__(self, model: nn.Module, caches: list[torch.Tensor],
-                 device: torch.device, host_blocks: int = 0) -> None:
-        self.model, self.caches, self.device = model, caches, device
-        self.host = HostCaches(caches, host_blocks) if host_blocks else None
-        self._tier_copy_s = 0.0
-
-    @property
-    def last_tier_copy_s(self) -> float:
-        return self._tier_copy_s
-
-    def copy_tiers(self, msg: StepMessage) -> None:
-        """The step's copies between the cache and its host tier, before its forward pass."""
-        self._tier_copy_s = 0.0
-        if msg.block_copies:
-            if self.host is None:
-                raise RuntimeError("a step carries KV tier copies, but this executor has no "
-                                   "host tier")
-            start = time.perf_counter()
-            self.host.apply(msg.block_copies)  # on a GPU: a load's launch, a save's wait
-            self._tier_copy_s = time.perf_counter() - start
-
-    def execute(self, msg: StepMessage) -> torch.Tensor:
-        self.copy_tiers(msg)
-        whole = MicroBatch(0, msg.num_seqs, 0, msg.num_tokens)
-        ids, positions, meta = microbatch_tensors(msg, whole, self.device)
-        hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
-        return self.model.compute_logits(hidden[list(msg.logit_rows)])
-
-    def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
-        return [self.caches]
+__all__ = ["GroupExecutor", "GroupOptions", "KVCacheNotShared", "LocalExecutor",
+           "ModelExecutor", "rank_setups"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +50,10 @@ class GroupOptions:
     timeout_s: float
     device: str  # the ranks' kind: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
     host_blocks: int = 0  # the KV cache's host tier: each rank keeps its own share
+    # > 0 (one pipeline stage only): decode batches up to this many sequences replay CUDA
+    # graphs on the ranks (on the CPU: their static buffers, eagerly); 0: eager
+    graph_batch_size: int = 0
+    max_model_len: int = 0  # tokens: the longest context a graph attends over (with graphs)
 
 
 GPU_GROUP_KV_ERROR = (
@@ -144,6 +83,11 @@ class GroupExecutor(ModelExecutor):
     fails. A pipeline-parallel GPU group serves aggregated only. The last stage's first TP rank
     samples (`execute_sampled`: token ids come back); `execute` brings the logits back on the
     CPU.
+
+    With `options.graph_batch_size` every rank is sent the same `CaptureGraphs` once all are
+    ready (after a measured start's allocation), and captures its ladder in lockstep with the
+    others; afterwards this driver picks each pure decode's padded size (`graph_size`) for
+    every rank (`graph_sizes`: the sizes the ranks serve, () when eager).
     """
 
     def __init__(self, options: GroupOptions, spec: KVCacheSpec,
@@ -179,6 +123,36 @@ class GroupExecutor(ModelExecutor):
         if sizing is not None:
             self.num_blocks = self._size_caches(setups, sizing)
         self.last_timings: list[RankTiming] = []  # per rank, of the last step
+        self.block_size = spec.block_size
+        self.graph_sizes: tuple[int, ...] = ()
+        self.max_model_len = options.max_model_len
+        if options.graph_batch_size:
+            self.graph_sizes = self._capture_graphs(options)
+
+    def _capture_graphs(self, options: GroupOptions) -> tuple[int, ...]:
+        """Every rank captures the same ladder (the group is stopped when one fails); the
+        sizes they serve, the same on every rank."""
+        request = CaptureGraphs(tuple(capture_sizes(options.graph_batch_size)),
+                                options.max_model_len)
+        try:
+            replies: list[GraphsCaptured] = self.group.broadcast(  # type: ignore[assignment]
+                request, GraphsCaptured, "CUDA graph capture", self.group.start_timeout_s)
+            if len({r.sizes for r in replies}) != 1:
+                raise RuntimeError(f"the ranks captured different decode graphs: "
+                                   f"{[r.sizes for r in replies]}")
+        except BaseException:
+            self.group.close()
+            raise
+        return replies[0].sizes
+
+    def padded(self, msg: StepMessage) -> StepMessage:
+        """`msg` with the graph size every rank pads it to (0: eager): the driver's decision,
+        so that all ranks replay the same graph."""
+        if not self.graph_sizes:
+            return msg
+        max_blocks = -(-self.max_model_len // self.block_size)
+        size = padded_size(msg, self.graph_sizes, self.max_model_len, max_blocks)
+        return dataclasses.replace(msg, graph_size=size or 0)
 
     def _size_caches(self, setups: list[RankSetup], sizing: KVSizing) -> int:
         """The second phase of a measured start: the blocks every rank has room for, allocated
@@ -195,7 +169,7 @@ class GroupExecutor(ModelExecutor):
         return num_blocks
 
     def execute(self, msg: StepMessage) -> torch.Tensor:
-        replies = self.group.step(msg)
+        replies = self.group.step(self.padded(msg))
         self.last_timings = [r.timing for r in replies]
         logits = replies[(self.pp_size - 1) * self.tp_size].logits  # on the CPU
         if logits is None:
@@ -209,7 +183,7 @@ class GroupExecutor(ModelExecutor):
     def execute_sampled(self, msg: StepMessage) -> SampledTokens:
         if msg.sampling is None:
             raise ValueError(f"step {msg.step_id} carries no sampling record")
-        replies = self.group.step(msg)
+        replies = self.group.step(self.padded(msg))
         self.last_timings = [r.timing for r in replies]
         sampled = replies[(self.pp_size - 1) * self.tp_size].sampled
         if sampled is None:
@@ -243,6 +217,10 @@ def rank_setups(options: GroupOptions, num_layers: int, cache_shape: tuple[int, 
     t's heads of `layer`); otherwise a `DeviceCacheSpec` of `cache_shape` per layer of their
     stage, and with one stage each rank hosts its own transfer agent."""
     tp, pp = options.tp_size, options.pp_size
+    if options.graph_batch_size and (pp > 1 or options.max_model_len < 1):
+        raise ValueError(f"decode graphs (graph_batch_size={options.graph_batch_size}) need "
+                         f"one pipeline stage and a max_model_len; got pp_size={pp}, "
+                         f"max_model_len={options.max_model_len}")
     if shared is not None and (options.device != "cpu" or pp == 1):
         raise ValueError(f"only a pipeline-parallel CPU group maps the driver's shared "
                          f"caches; got device={options.device!r}, pp_size={pp}")
@@ -262,7 +240,7 @@ def rank_setups(options: GroupOptions, num_layers: int, cache_shape: tuple[int, 
                       attention_backend=options.attention_backend,
                       kv_caches=caches(t, stages[stage]), timeout_s=options.timeout_s,
                       device=options.device, host_blocks=options.host_blocks,
-                      serves_kv=pp == 1)
+                      serves_kv=pp == 1, graph_batch_size=options.graph_batch_size)
             for stage in range(pp) for t in range(tp)]
 
 

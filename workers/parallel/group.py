@@ -160,15 +160,20 @@ class RankGroup:
 
     def step(self, msg: StepMessage) -> list[StepReply]:
         """Send `msg` to every rank; every rank's reply, in rank order."""
+        return self.broadcast(msg, StepReply, f"step {msg.step_id}",  # type: ignore[return-value]
+                              self.timeout_s)
+
+    def broadcast(self, msg: object, kind: type, what: str, timeout_s: float) -> list[object]:
+        """Send `msg` to every rank, in rank order; every rank's reply (a `kind`), in rank
+        order, within `timeout_s`. `what` names the exchange in errors."""
         if self.closed:
             raise RankGroupError("the worker group has been stopped")
         for rank, handle in enumerate(self.handles):
             try:
                 handle.send(msg)
             except (OSError, EOFError):  # the channel is closed: the rank is gone or going
-                self._lost(rank, f"step {msg.step_id}")
-        return self._collect(f"step {msg.step_id}", StepReply,  # type: ignore[return-value]
-                             self.timeout_s)
+                self._lost(rank, what)
+        return self._collect(what, kind, timeout_s)
 
     def _collect(self, what: str, kind: type, timeout_s: float) -> list[object]:
         deadline = time.monotonic() + timeout_s

@@ -76,6 +76,10 @@ class StepMessage:
     block_copies: BlockCopies = NO_COPIES
     # None: the logits of `logit_rows` come back; else the last rank samples them
     sampling: SamplingRecord | None = None
+    # > 0: a pure decode that every rank pads to this many rows and replays from its CUDA
+    # graph of that size (one of `GraphsCaptured.sizes`; the driver chose it, so every rank's
+    # captured collectives pair up); 0: run eagerly
+    graph_size: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +173,30 @@ class AllocateCaches:
     smallest budget sized them); the rank answers `Ready`."""
 
     kv_caches: DeviceCacheSpec
+
+
+@dataclass(frozen=True)
+class CaptureGraphs:
+    """Sent by the driver to every rank, once, after every rank is `Ready` and before the first
+    step (a group of one pipeline stage whose setups asked for graphs): capture the decode
+    graphs of `sizes`, largest first. Every rank gets the same message and captures in the
+    same order, so the all-reduces inside the graphs are captured in lockstep (NCCL requires
+    it). Each rank answers `GraphsCaptured`."""
+
+    sizes: tuple[int, ...]  # batch sizes in rows, ascending: `graph_ladder.capture_sizes`
+    max_seq_len: int  # tokens: the longest context a captured step may attend over
+
+
+@dataclass(frozen=True)
+class GraphsCaptured:
+    """A rank's answer to `CaptureGraphs`."""
+
+    rank: int
+    # the sizes whose decode steps it serves from static buffers: all of `CaptureGraphs.sizes`,
+    # or () where its model or attention backend cannot be captured (the same on every rank)
+    sizes: tuple[int, ...]
+    captured: bool  # True: CUDA graphs; False: the static buffers run eagerly (the CPU)
+    seconds: float  # wall time of the warm-up and capture
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ agents serve it: a rank's handoff would hold only its stage's layers). It serves
 until `Shutdown`, replying to each with a `StepReply`: the last stage's first TP rank samples
 a step that carries a `SamplingRecord` (`workers.parallel.sampling`) and sends the token ids,
 else the logits on the CPU; any exception is sent back as `RankFailed` and the rank exits
-non-zero.
+non-zero. A tensor-parallel group's GPU ranks replay their pure-decode steps from CUDA graphs
+captured at the driver's `CaptureGraphs` (`workers.parallel.rank_graphs`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from workers.kv_cache.host_caches import HostCaches
 from workers.parallel.comm import CommStats, Communicator, StageLink
 from workers.parallel.messages import (
     AllocateCaches,
+    CaptureGraphs,
     DeviceCacheSpec,
+    GraphsCaptured,
     MemoryReport,
     RankFailed,
     RankTiming,
@@ -40,6 +43,7 @@ from workers.parallel.messages import (
     StepReply,
 )
 from workers.parallel.pipeline import microbatch_tensors, split_microbatches, stage_layers
+from workers.parallel.rank_graphs import RankGraphs
 from workers.parallel.rank_memory import KVProfile, measure_rank_memory
 from workers.parallel.sampling import RankSampler
 from workers.parallel.shared_cache import SharedTensor, map_tensors
@@ -75,6 +79,10 @@ class RankSetup:
     # measure first (a GPU group sized by profiling): `kv_caches` (a `DeviceCacheSpec`) is
     # then a template, its number of blocks fixed by the driver's `AllocateCaches`
     profile: KVProfile | None = None
+    # > 0: the largest decode batch the driver may ask it to capture (`CaptureGraphs`; on the
+    # CPU the static buffers run eagerly); its caches get one block more than `kv_caches`
+    # says, the sink of padded rows. 0: every step eager (enforce_eager, pipeline stages)
+    graph_batch_size: int = 0
 
     @property
     def stage(self) -> int:
@@ -134,6 +142,9 @@ def rank_main(setup: RankSetup, conn: object) -> None:
             msg = conn.recv()  # type: ignore[attr-defined]
             if isinstance(msg, Shutdown):
                 break
+            if isinstance(msg, CaptureGraphs):
+                conn.send(runner.capture_graphs(msg))  # type: ignore[attr-defined]
+                continue
             conn.send(runner.step(msg))  # type: ignore[attr-defined]
     except BaseException:  # noqa: BLE001 - reported to the driver, then the process exits
         conn.send(RankFailed(setup.rank, traceback.format_exc()))  # type: ignore[attr-defined]
@@ -179,13 +190,22 @@ class _StageRunner:
         self.is_first, self.is_last = setup.stage == 0, setup.stage == pp - 1
         self.kv_caches: list[torch.Tensor] = []
         self.host: HostCaches | None = None
+        self.graphs: RankGraphs | None = None
         if setup.profile is None:
             self.allocate(setup.kv_caches)
         self.sampler = (RankSampler(setup.seed, self.device)
                         if self.is_last and setup.tp_rank == 0 else None)
 
     def allocate(self, caches: RankCaches) -> None:
-        """This rank's caches (and their host tier), for good."""
+        """This rank's caches (and their host tier), for good; with graphs one block more, the
+        last (`self.sink_block`), for padded rows."""
+        self.sink_block = -1
+        if self.setup.graph_batch_size:
+            if not isinstance(caches, DeviceCacheSpec):
+                raise ValueError(f"rank {self.setup.rank}: only a rank allocating its own caches "
+                                 f"captures CUDA graphs (pipeline stages run eagerly)")
+            self.sink_block = caches.shape[1]
+            caches = caches.with_blocks(self.sink_block + 1)
         self.kv_caches = allocate_rank_caches(caches, self.device)
         self.host = (HostCaches(self.kv_caches, self.setup.host_blocks)
                      if self.setup.host_blocks else None)
@@ -206,17 +226,54 @@ class _StageRunner:
 
         return measure_rank_memory(self.setup.rank, run, self.device, profile)
 
+    def capture_graphs(self, msg: CaptureGraphs) -> GraphsCaptured:
+        """Warms up and captures `msg.sizes` (every rank at once: collectives); the reply."""
+        if not self.setup.graph_batch_size or max(msg.sizes, default=0) > (
+                self.setup.graph_batch_size):
+            raise ValueError(f"rank {self.setup.rank} was set up for decode graphs of up to "
+                             f"{self.setup.graph_batch_size} rows, asked for {msg.sizes}")
+        self.graphs = RankGraphs(self.setup.rank, self.model, self.kv_caches, self.device,
+                                 self.sink_block, msg)
+        return self.graphs.reply
+
     @torch.inference_mode()
     def step(self, msg: StepMessage) -> StepReply:
         start = time.perf_counter()
         self.stats.reset()
-        tp, rank = self.setup.tp_size, self.setup.rank
+        rank = self.setup.rank
         if msg.block_copies:
             if self.host is None:
                 raise RuntimeError(f"rank {rank}: a step carries KV tier copies, but the rank "
                                    "has no host tier")
             self.host.apply(msg.block_copies)  # this rank's layers and heads
         tier_copy_s = time.perf_counter() - start
+        if msg.graph_size:
+            if self.graphs is None:
+                raise RuntimeError(f"rank {rank}: step {msg.step_id} asks for graph size "
+                                   f"{msg.graph_size}, but no graphs were captured")
+            t0 = time.perf_counter()
+            logits = self.graphs.run(msg)  # writes the K/V even when no logits are wanted
+            logits = logits if msg.logit_rows else None
+            busy = [time.perf_counter() - t0]  # replays: no collective is timed on the host
+        else:
+            logits, busy = self._forward(msg)
+        sampled = None
+        if self.sampler is not None and msg.sampling is not None:
+            sampled, logits = self.sampler(logits, msg.sampling), None
+        # else the first TP rank's go back on the CPU: a reply is pickled (never a CUDA tensor)
+        logits = logits.cpu() if logits is not None and self.setup.tp_rank == 0 else None
+        if self.device.type == "cuda":
+            # the step ends when its kernels and sends have: honest timings, and a CUDA error
+            # is raised in the step that caused it
+            torch.cuda.synchronize(self.device)
+        timing = RankTiming(rank, time.perf_counter() - start, self.stats.seconds, tuple(busy),
+                            dict(self.stats.bytes_by_site), tier_copy_s)
+        return StepReply(msg.step_id, timing, logits, sampled)
+
+    def _forward(self, msg: StepMessage) -> tuple[torch.Tensor | None, list[float]]:
+        """The eager forward, micro-batch by micro-batch: the logits of `msg.logit_rows` on
+        the last stage (else None) and each micro-batch's compute seconds."""
+        tp, rank = self.setup.tp_size, self.setup.rank
         outputs, busy, pending = [], [], []
         for mb in split_microbatches(msg):
             hidden = None
@@ -236,15 +293,4 @@ class _StageRunner:
         if self.is_last and msg.logit_rows:  # every TP rank: the vocab shards are all-gathered
             hidden = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
             logits = self.model.compute_logits(hidden[list(msg.logit_rows)])
-        sampled = None
-        if self.sampler is not None and msg.sampling is not None:
-            sampled, logits = self.sampler(logits, msg.sampling), None
-        # else the first TP rank's go back on the CPU: a reply is pickled (never a CUDA tensor)
-        logits = logits.cpu() if logits is not None and self.setup.tp_rank == 0 else None
-        if self.device.type == "cuda":
-            # the step ends when its kernels and sends have: honest timings, and a CUDA error
-            # is raised in the step that caused it
-            torch.cuda.synchronize(self.device)
-        timing = RankTiming(rank, time.perf_counter() - start, self.stats.seconds, tuple(busy),
-                            dict(self.stats.bytes_by_site), tier_copy_s)
-        return StepReply(msg.step_id, timing, logits, sampled)
+        return logits, busy
