@@ -125,6 +125,7 @@ class GroupExecutor(ModelExecutor):
         self.last_timings: list[RankTiming] = []  # per rank, of the last step
         self.block_size = spec.block_size
         self.graph_sizes: tuple[int, ...] = ()
+        self.graphs_captured = False  # True: the ranks replay CUDA graphs (not on the CPU)
         self.max_model_len = options.max_model_len
         if options.graph_batch_size:
             self.graph_sizes = self._capture_graphs(options)
@@ -143,6 +144,7 @@ class GroupExecutor(ModelExecutor):
         except BaseException:
             self.group.close()
             raise
+        self.graphs_captured = all(r.captured for r in replies)
         return replies[0].sizes
 
     def padded(self, msg: StepMessage) -> StepMessage:
