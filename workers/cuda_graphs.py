@@ -40,7 +40,7 @@ from workers.attention import AttentionMetadata
 from workers.host_transfer import upload
 from workers.parallel.executor import LocalExecutor
 from workers.parallel.messages import StepMessage
-from workers.step_inputs import step_tensors
+from workers.step_inputs import fill_input_ids, step_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +106,11 @@ class CudaGraphExecutor(LocalExecutor):
         self.copy_tiers(msg)
         if size is None:
             ids, positions, meta, rows = step_tensors(msg, self.device)
+            fill_input_ids(ids, self.token_fill)
             hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
             return self.model.compute_logits(hidden.index_select(0, rows))
         rows = self._load(msg, size)
+        fill_input_ids(self._input_ids, self.token_fill)
         if self._graphs:
             self._graphs[size].replay()
             logits = self._logits[:size]

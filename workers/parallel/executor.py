@@ -25,6 +25,7 @@ from workers.parallel.pipeline import MicroBatch, microbatch_tensors, stage_laye
 from workers.parallel.rank import DeviceCacheSpec, RankCaches, RankSetup, rank_main
 from workers.parallel.rank_memory import KVSizing, group_num_blocks
 from workers.parallel.shared_cache import SharedCaches
+from workers.step_inputs import TokenFill, fill_input_ids
 
 
 class ModelExecutor(abc.ABC):
@@ -66,7 +67,10 @@ class ModelExecutor(abc.ABC):
 
 
 class LocalExecutor(ModelExecutor):
-    """The model in this process. `host_blocks`: the size of the KV cache's host tier."""
+    """The model in this process. `host_blocks`: the size of the KV cache's host tier.
+    `token_fill`, set by the runner for one `execute`: input ids taken on the device."""
+
+    token_fill: TokenFill | None = None
 
     def __init__(self, model: nn.Module, caches: list[torch.Tensor],
                  device: torch.device, host_blocks: int = 0) -> None:
@@ -93,6 +97,7 @@ class LocalExecutor(ModelExecutor):
         self.copy_tiers(msg)
         whole = MicroBatch(0, msg.num_seqs, 0, msg.num_tokens)
         ids, positions, meta = microbatch_tensors(msg, whole, self.device)
+        fill_input_ids(ids, self.token_fill)
         hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
         return self.model.compute_logits(hidden[list(msg.logit_rows)])
 
