@@ -52,8 +52,10 @@ from workers.runner import Launched, ModelRunner, RunnerOutput
 from workers.scheduler import Scheduler, SchedulerOutput
 from workers.step_costs import StepCosts
 
-# what the engine makes of a step's results: (result, requests that got a token) -> events
-Emit = Callable[[RunnerOutput, list[Request]], list[TokenEvent]]
+# records a step's tokens in the scheduler: `Scheduler.update` or `Scheduler.record`
+Recorder = Callable[[SchedulerOutput, dict[str, int]], list[Request]]
+# the engine's host work on a step's results, recording them with the recorder -> events
+Emit = Callable[[SchedulerOutput, RunnerOutput, Recorder], list[TokenEvent]]
 
 
 def needs_host_tokens(req: Request) -> bool:
@@ -120,4 +122,4 @@ class AsyncStepper:
         self.costs.record_step(time.perf_counter() - launched.started,
                                launched.tier_copy_s, out.block_copies,
                                out.num_batched_tokens, out.num_decodes)
-        return self.emit(result, self.scheduler.record(out, result.sampled))
+        return self.emit(out, result, self.scheduler.record)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers import assembly
-from workers.async_step import AsyncStepper
+from workers.async_step import AsyncStepper, Recorder
 from workers.attention.kv_quant import KV_QUANT_DTYPES
 from workers.config import EngineConfig
 from workers.grammar import Grammars
@@ -43,7 +43,7 @@ from workers.protocol import (
 from workers.request import Continuation, Request, RequestStatus
 from workers.runner import KVCacheSpec, ModelRunner, RunnerOutput
 from workers.sampler import sample_seed
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.step_costs import StepCosts
 
 if TYPE_CHECKING:
@@ -218,17 +218,19 @@ class Engine:
         result = self.runner.execute(out)
         self.costs.record_step(time.perf_counter() - start, self.runner.executor.last_tier_copy_s,
                                out.block_copies, out.num_batched_tokens, out.num_decodes)
-        return self._emit(result, self.scheduler.update(out, result.sampled))
+        return self._emit(out, result, self.scheduler.update)
 
-    def _emit(self, result: RunnerOutput, advanced: list[Request]) -> list[TokenEvent]:
-        """A recorded step's host work: prompt logprobs, grammars, stop strings, events, and
-        the siblings an n > 1 request's first token lets in."""
+    def _emit(self, out: SchedulerOutput, result: RunnerOutput, record: Recorder,
+              ) -> list[TokenEvent]:
+        """A step's host work: prompt logprobs, `record` (the scheduler's `update`, or its
+        `record` under async scheduling), grammars, stop strings, events, and the siblings an
+        n > 1 request's first token lets in."""
         for rid, (first, logprobs) in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
             if req is not None:  # else aborted while its step ran (async scheduling)
                 req.prompt_logprobs[first:first + len(logprobs)] = logprobs
         events: list[TokenEvent] = []
-        for req in advanced:
+        for req in record(out, result.sampled):
             if req.grammar is not None:
                 self._advance_grammar(req)
             stop = self.outputs.find_stop_string(req)

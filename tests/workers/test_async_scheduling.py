@@ -83,6 +83,7 @@ def test_mixed_batch_gives_the_synchronous_events(tiny_model):
         (0, "add", "eos", _prompt(5, 7), _greedy(9)),
         (1, "add", "logprobs", _prompt(6, 20), _greedy(6, ignore_eos=True, logprobs=3,
                                                        prompt_logprobs=2)),
+        (1, "add", "plp_once", _prompt(12, 10), _greedy(1, prompt_logprobs=1)),
         (2, "add", "hit", shared + _prompt(7, 3), _greedy(8, ignore_eos=True)),
         (3, "add", "aborted", _prompt(8, 12), _greedy(20, ignore_eos=True)),
         (3, "abort", "aborted", 3),
@@ -99,6 +100,7 @@ def test_mixed_batch_gives_the_synchronous_events(tiny_model):
     assert 3 <= len(aborted) < 20 and aborted[-1][5] is None
     assert any(e[8] > 0 for e in events["hit", 0])  # the prefix cache served it
     assert ("two", 1) in events
+    assert events["plp_once", 0][0][9][1] is not None  # prompt logprobs of a one-step request
 
 
 def test_chunked_prefill_and_preemption_under_a_small_cache(tiny_model):
