@@ -11,6 +11,7 @@ from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.protocol import SamplingParams, WorkerRequest
 from workers.runner import ModelRunner
+from workers.structured_output import StructuredOutput
 
 BASE = dict(num_blocks=64, block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
 
@@ -119,6 +120,8 @@ def test_requests_that_need_host_tokens_fall_back_to_synchronous_steps(tiny_mode
         (0, "add", "seeded", _prompt(31, 10), SamplingParams(temperature=1.0, seed=5,
                                                             max_tokens=8, ignore_eos=True)),
         (0, "add", "min", _prompt(32, 10), _greedy(8, min_tokens=5)),
+        (0, "add", "regex", _prompt(34, 6), _greedy(10, structured=StructuredOutput(
+            "regex", "[0-9]{4}"))),
     ]
     _, engine = _compare(tiny_model, script)
     assert engine.async_steps.num_overlapped == 0  # every step had such a request in flight
