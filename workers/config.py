@@ -51,6 +51,9 @@ class EngineConfig:
     expert_parallel_size: int = 1  # 1, or tensor_parallel_size: MoE experts split whole
     pipeline_microbatches: int | None = None  # per step; default: pipeline_parallel_size
     rank_timeout_s: float = 120.0  # a rank silent this long (start-up or a step) is failed
+    # schedule and build step N+1 while step N runs, its decode inputs taken from step N's
+    # tokens on the device (`workers.async_step`); one engine process (world_size 1) only
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -89,6 +92,9 @@ class EngineConfig:
         _require(self.max_cuda_graph_batch_size >= 0,
                  f"max_cuda_graph_batch_size must be at least 0 (0: no CUDA graphs), got "
                  f"{self.max_cuda_graph_batch_size}")
+        _require(not self.async_scheduling or self.world_size == 1,
+                 f"async_scheduling needs one rank (the model in the engine's process), got "
+                 f"world_size={self.world_size}")
         _require(self.rank_timeout_s > 0,
                  f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
 

@@ -41,7 +41,7 @@ from workers.host_transfer import upload
 from workers.parallel.graph_ladder import capture_sizes, padded_size
 from workers.parallel.local import LocalExecutor
 from workers.parallel.messages import StepMessage
-from workers.step_inputs import step_tensors
+from workers.step_inputs import fill_input_ids, step_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class CudaGraphExecutor(LocalExecutor):
         self.copy_tiers(msg)
         if size is None:
             ids, positions, meta, rows = step_tensors(msg, self.device)
+            fill_input_ids(ids, self.token_fill)
             hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
             return self.model.compute_logits(hidden.index_select(0, rows))
         return self.run_padded(msg, size)
@@ -110,6 +111,7 @@ class CudaGraphExecutor(LocalExecutor):
             raise ValueError(f"step {msg.step_id} of {msg.num_seqs} sequences cannot be padded "
                              f"to {size} rows; the ladder is {self.sizes}")
         rows = self._load(msg, size)
+        fill_input_ids(self._input_ids, self.token_fill)
         if self._graphs:
             self._graphs[size].replay()
             logits = self._logits[:size]

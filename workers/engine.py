@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers import assembly
+from workers.async_step import AsyncStepper, Recorder
 from workers.attention.kv_quant import KV_QUANT_DTYPES
 from workers.config import EngineConfig
 from workers.grammar import Grammars
@@ -40,9 +41,9 @@ from workers.protocol import (
     WorkerRequest,
 )
 from workers.request import Continuation, Request, RequestStatus
-from workers.runner import KVCacheSpec, ModelRunner
+from workers.runner import KVCacheSpec, ModelRunner, RunnerOutput
 from workers.sampler import sample_seed
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.step_costs import StepCosts
 
 if TYPE_CHECKING:
@@ -97,9 +98,8 @@ class Engine:
         self.kv_fetch_fixed_s = 0.0  # a prefix fetch's cost beyond its bytes (`PrefixFetcher`)
         self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching,
                                  window=mc.uniform_window, host_blocks=host_blocks)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            self.max_model_len), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
                                   or config.pipeline_parallel_size,
@@ -110,6 +110,8 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._samples: dict[str, list[str]] = {}  # request id -> its samples' internal ids
         self._forks: dict[str, list[Request]] = {}  # sample 0's id -> siblings not yet added
+        self.async_steps = (AsyncStepper(self.scheduler, self.runner, self.costs, self._emit)
+                            if config.async_scheduling else None)
         logger.info("engine ready: %s on %s, %d KV blocks of %d tokens", mc.architecture,
                     self.device, spec.num_blocks, config.block_size)
 
@@ -191,24 +193,44 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """True while a request can make progress in `step()` (requests waiting for remote
-        KV cannot, so they leave the step loop idle)."""
-        return self.scheduler.has_unfinished()
+        KV cannot, so they leave the step loop idle), or a step's events are still to come."""
+        return self.scheduler.has_unfinished() or (
+            self.async_steps is not None and self.async_steps.busy)
+
+    def _settle(self) -> None:
+        """Under async scheduling, process the step in flight now (its events come out of the
+        next `step()`): before KV leaves or enters the cache outside the device's step order,
+        or a request's computed state is read."""
+        if self.async_steps is not None:
+            self.async_steps.drain()
 
     # ---- the step --------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
+        """Run one step; the token events it produced. Under async scheduling: launch the next
+        step and return the events of the one before (`workers.async_step`)."""
+        if self.async_steps is not None:
+            return self.async_steps.step()
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if out is None or out.is_empty:
             return []
         start = time.perf_counter()
         result = self.runner.execute(out)
         self.costs.record_step(time.perf_counter() - start, self.runner.executor.last_tier_copy_s,
                                out.block_copies, out.num_batched_tokens, out.num_decodes)
+        return self._emit(out, result, self.scheduler.update)
+
+    def _emit(self, out: SchedulerOutput, result: RunnerOutput, record: Recorder,
+              ) -> list[TokenEvent]:
+        """A step's host work: prompt logprobs, `record` (the scheduler's `update`, or its
+        `record` under async scheduling), grammars, stop strings, events, and the siblings an
+        n > 1 request's first token lets in."""
         for rid, (first, logprobs) in result.prompt_logprobs.items():
-            req = self.scheduler.requests[rid]
-            req.prompt_logprobs[first:first + len(logprobs)] = logprobs
+            req = self.scheduler.requests.get(rid)
+            if req is not None:  # else aborted while its step ran (async scheduling)
+                req.prompt_logprobs[first:first + len(logprobs)] = logprobs
         events: list[TokenEvent] = []
-        for req in self.scheduler.update(out, result.sampled):
+        for req in record(out, result.sampled):
             if req.grammar is not None:
                 self._advance_grammar(req)
             stop = self.outputs.find_stop_string(req)
@@ -333,6 +355,7 @@ class Engine:
     def export_prefix(self, hold_id: str, block_hashes: Sequence[int]) -> list[int]:
         """Hold the device blocks of the leading `block_hashes` this prefix cache has (up to the
         first miss) for another worker to pull, until `free_held(hold_id)`; their ids."""
+        self._settle()
         return self.kv.hold_prefix(hold_id, block_hashes)
 
     def hot_prefixes(self, max_blocks: int) -> list[HotPrefix]:
@@ -344,6 +367,7 @@ class Engine:
     def reserve_prefix(self, hold_id: str, num_blocks: int) -> list[int]:
         """Fresh blocks for a pulled prefix, held until `land_prefix` or `free_held`. Raises
         `KVCacheFull` (nothing held) when they are not free."""
+        self._settle()
         block_ids = self.kv.reserve(hold_id, num_blocks)
         if block_ids is None:
             raise KVCacheFull(f"no {num_blocks} KV blocks free for the prefix of {hold_id!r}")
@@ -448,6 +472,7 @@ class Engine:
         held under its `hold_id` (a live migration's first pull), which it takes first. They
         wait (no step schedules them) until `kv_landed`, then compute the tokens after that
         KV. `abort` frees them. Raises `KVCacheFull` (nothing kept, the held blocks freed)."""
+        self._settle()
         rid = req.request_id
         try:
             conts = self._continuations(req, samples, with_kv=True)
@@ -480,6 +505,7 @@ class Engine:
         """Hold the full blocks of each sample's computed tokens of a running request (which it
         never writes again) for a live migration's target to pull while the request decodes on
         here, until `free_held(hold_id(index))`; their ids by sample index."""
+        self._settle()
         bs = self.config.block_size
         return {index: self.kv.hold_leading(hold_id(index), sample.request_id,
                                             sample.num_computed_tokens // bs)
@@ -490,6 +516,7 @@ class Engine:
         sample's blocks held until `free_held(sample_id)`: per sample still running, its
         output tokens so far, how many of its tokens' KV its blocks hold, and their ids (a live
         migration's target pulls what it lacks and continues)."""
+        self._settle()
         paused = []
         for index, sample in self._running_samples(request_id):
             sid = sample.request_id

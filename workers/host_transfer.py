@@ -63,3 +63,31 @@ def upload(values: Sequence[int] | Sequence[float] | np.ndarray, device: torch.d
 def download(tensor: torch.Tensor) -> list:
     """`tensor.tolist()`: the step's one host synchronisation (it waits for the device)."""
     return tensor.tolist()
+
+
+class PendingDownload:
+    """A copy of a device tensor to the host, started without waiting (`start_download`):
+    `wait()` is the step's one host synchronisation, made when the host needs the values."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tensor = host
+        self._host = tensor
+
+    def wait(self) -> list:
+        """The values as a list, once the copy has landed (waits for it, not for later work
+        queued on the device)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return download(self._host)
+
+
+def start_download(tensor: torch.Tensor) -> PendingDownload:
+    """Start copying `tensor` to the host: on a GPU into pinned memory, non-blocking, with an
+    event to wait on; on the CPU there is nothing to copy."""
+    return PendingDownload(tensor)

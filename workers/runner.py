@@ -6,26 +6,34 @@ carries a `SamplingRecord` and the tokens come back, not the logits.
 The executor (in this process, or a group of tensor/pipeline-parallel ranks) owns the KV-cache
 tensors: per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]`, indexed by the block
 ids the KV-cache manager hands out.
+
+`execute` runs a step start to finish. Async scheduling (`workers.async_step`) splits it:
+`launch` queues the step's device work and starts its tokens' copy to the host without waiting,
+taking the input of each placeholder decode from the previous launched step's tokens on the
+device; `collect` waits for the copy. Only an executor in this process (`LocalExecutor`) takes
+such inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from workers.host_transfer import upload
+from workers.host_transfer import PendingDownload, start_download, upload
 from workers.kv_cache import host_memory
 from workers.kv_cache.spec import KVCacheSpec
-from workers.parallel.executor import ModelExecutor
+from workers.parallel.executor import LocalExecutor, ModelExecutor
 from workers.parallel.messages import PromptLogprobRows, StepMessage
 from workers.parallel.sampling import SamplingSync
 from workers.protocol import TokenLogprob
 from workers.request import Request
-from workers.sampler import Sampler, SamplerOutput, top_logprobs
+from workers.sampler import DeviceSample, Sampler, SamplerOutput, top_logprobs
 from workers.scheduler import ScheduledChunk, SchedulerOutput
+from workers.step_inputs import TokenFill
 
 
 @dataclass
@@ -34,6 +42,21 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # request id -> (index of the first prompt token covered, logprobs of consecutive tokens)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass
+class Launched:
+    """A step whose device work is queued and whose sampled tokens are on their way to the
+    host (`ModelRunner.launch`); `collect` it once."""
+
+    out: SchedulerOutput
+    sampling: list[Request]  # the requests whose chunk samples, in the order of `rows`
+    rows: dict[str, int]  # request id -> its row of `drawn.tokens`
+    drawn: DeviceSample | None  # None: nothing samples
+    pending: PendingDownload | None
+    result: RunnerOutput  # the prompt logprobs (computed at launch), then the tokens
+    started: float  # perf_counter at launch
+    tier_copy_s: float  # of the step's KV copies between the cache's tiers
 
 
 @dataclass(frozen=True)
@@ -92,7 +115,63 @@ class ModelRunner:
         sampling = batch.sampling
         if sampling:
             _record_sampled(result, sampling, self.sampler(logits[:len(sampling)], sampling))
-        row = len(sampling)
+        self._prompt_logprobs(result, batch, logits)
+        return result
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: Launched | None) -> Launched:
+        """Queue the step on the device and start its tokens' copy back; the host does not
+        wait (but for prompt logprobs, read here). Placeholder decodes (input position = the
+        request's token count) take `prev`'s sampled token for their request."""
+        started = time.perf_counter()
+        with device_guard(self.device):
+            batch = self._prepare(out)
+            fill = self._token_fill(out, batch.msg.num_decodes, prev)
+            if not isinstance(self.executor, LocalExecutor):
+                raise RuntimeError(f"{type(self.executor).__name__} cannot launch a step "
+                                   "asynchronously: only a LocalExecutor takes device inputs")
+            self.executor.token_fill = fill
+            try:
+                logits = self.executor.execute(batch.msg)
+            finally:
+                self.executor.token_fill = None
+            sampling = batch.sampling
+            drawn = self.sampler.sample(logits[:len(sampling)], sampling) if sampling else None
+            result = RunnerOutput()
+            self._prompt_logprobs(result, batch, logits)
+            return Launched(out, sampling, {r.request_id: i for i, r in enumerate(sampling)},
+                            drawn, None if drawn is None else start_download(drawn.packed),
+                            result, started, self.executor.last_tier_copy_s)
+
+    @staticmethod
+    def collect(launched: Launched) -> RunnerOutput:
+        """Wait for a launched step's tokens (the step's one host synchronisation)."""
+        result = launched.result
+        if launched.drawn is not None and launched.pending is not None:
+            _record_sampled(result, launched.sampling,
+                            Sampler.read(launched.drawn, launched.pending.wait()))
+        return result
+
+    def _token_fill(self, out: SchedulerOutput, num_decodes: int,
+                    prev: Launched | None) -> TokenFill | None:
+        """Where placeholder decodes' input ids come from on the device: `prev`'s tokens."""
+        holes = [(row, c.request.request_id) for row, c in enumerate(out.chunks[:num_decodes])
+                 if c.start == c.request.num_tokens]
+        if not holes:
+            return None
+        if prev is None or prev.drawn is None or any(r not in prev.rows for _, r in holes):
+            raise RuntimeError(f"placeholder decodes {[r for _, r in holes]} without a launched "
+                               "step that samples their tokens")
+        n = len(holes)
+        staged = upload([*(row for row, _ in holes), *(prev.rows[r] for _, r in holes)],
+                        self.device)
+        return TokenFill(staged[:n], prev.drawn.tokens.index_select(0, staged[n:]))
+
+    def _prompt_logprobs(self, result: RunnerOutput, batch: _Batch,
+                         logits: torch.Tensor) -> None:
+        """The prompt logprobs of the batch's prompt rows (after its sampling rows) into
+        `result`: a host read of their own."""
+        row = len(batch.sampling)
         for chunk, _, count in batch.prompt_rows:
             req = chunk.request
             targets = req.all_token_ids[chunk.start + 1:chunk.start + 1 + count]
@@ -100,7 +179,6 @@ class ModelRunner:
             row += count
             result.prompt_logprobs[req.request_id] = (chunk.start + 1, top_logprobs(
                 logprobs, upload(targets, self.device), req.params.prompt_logprobs))
-        return result
 
     def _execute_sampled(self, batch: _Batch) -> RunnerOutput:
         """The step on an executor that samples (the group's last rank): tokens come back."""
@@ -134,7 +212,8 @@ class ModelRunner:
             end = s + n
             if n == 1:
                 num_decodes += 1
-                input_ids.append(req.all_token_ids[s])
+                ids = req.all_token_ids  # past its end: a placeholder (`launch` fills it)
+                input_ids.append(ids[s] if s < len(ids) else 0)
                 positions.append(s)
                 slots.append(blocks[s // block_size] * block_size + s % block_size)
             else:

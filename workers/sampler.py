@@ -33,6 +33,16 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(frozen=True)
+class DeviceSample:
+    """A step's sampled tokens before they reach the host (`Sampler.sample`)."""
+
+    tokens: torch.Tensor  # [N] int64 on the logits' device: the next input of each row
+    packed: torch.Tensor  # the tokens and logprobs, flat float64: what the host reads
+    k: int | None  # top logprobs packed per row; None: no logprobs
+    params: list[SamplingParams]
+
+
 _U64 = (1 << 64) - 1
 MIN_LOGPROB = -9999.0  # a masked token's logprob as reported
 
@@ -144,6 +154,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: [N, V] float32, one row per request that samples this step (not modified).
         On a GPU one host copy brings the tokens (and logprobs) back; nothing else waits."""
+        drawn = self.sample(logits, reqs)
+        return self.read(drawn, download(drawn.packed))
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> DeviceSample:
+        """`__call__`'s device half: the tokens and what comes back, still on the device (the
+        host does not wait). `read` the copied-back `packed` afterwards."""
         params = [r.params for r in reqs]
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:
@@ -160,12 +176,17 @@ class Sampler:
         if random_rows:
             rows, sampled = self._sample_rows(logits, reqs, random_rows)
             tokens[rows] = sampled
-        flat = download(_packed(tokens, raw_logprobs, k))
-        if raw_logprobs is None or k is None:
-            return SamplerOutput([int(t) for t in flat], [None] * len(reqs))
-        computed = _read_logprobs(flat, len(reqs), k)
+        packed = _packed(tokens, raw_logprobs, k)
+        return DeviceSample(tokens, packed, None if raw_logprobs is None else k, params)
+
+    @staticmethod
+    def read(drawn: DeviceSample, flat: list) -> SamplerOutput:
+        """The `SamplerOutput` of `drawn` from its `packed` tensor copied to the host."""
+        if drawn.k is None:
+            return SamplerOutput([int(t) for t in flat], [None] * len(drawn.params))
+        computed = _read_logprobs(flat, len(drawn.params), drawn.k)
         logprobs = [None if p.logprobs is None else TokenLogprob(lp.token_id, lp.logprob, dict(
-            list(lp.top.items())[:p.logprobs])) for lp, p in zip(computed, params)]
+            list(lp.top.items())[:p.logprobs])) for lp, p in zip(computed, drawn.params)]
         return SamplerOutput([lp.token_id for lp in computed], logprobs)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request],

@@ -7,6 +7,14 @@ long as budget, sequence slots and blocks allow.
 
 The scheduler owns every unfinished request's place: waiting, running, or waiting for its KV to
 arrive from another worker (`add_waiting_for_kv` until `kv_landed`); the engine asks it.
+
+Async scheduling (`workers.async_step`) splits `update` in two: `commit` at a step's launch
+(computed tokens advance, and each request that samples gets a placeholder for its coming token)
+and `record` once its tokens are on the host. `schedule(lookahead=True)` plans the next step in
+between, a placeholder counting as a token whose input the device supplies.
+
+Long because the async split of `update` sits beside it: one file holds every move of a
+request's scheduled and computed tokens.
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ class Scheduler:
         # prompt tokens of waiting and running requests not computed yet; kept as
         # `num_computed_tokens` moves (`_set_computed`), so reading it costs nothing
         self.num_pending_prompt_tokens = 0
+        # request id -> tokens sampled by launched steps but not recorded yet (async scheduling)
+        self.placeholders: dict[str, int] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -137,7 +147,9 @@ class Scheduler:
             self.num_pending_prompt_tokens += (max(0, num_prompt - num_computed)
                                                - max(0, num_prompt - old))
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead: bool = False) -> SchedulerOutput | None:
+        """The next step. `lookahead` (a step in flight): requests their placeholders surely end
+        are left out; None, not a preemption, where room needs one (slots allocated kept)."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -145,7 +157,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            ahead = self.placeholders.get(req.request_id, 0) if self.placeholders else 0
+            if ahead and self._ends_at(req, ahead):
+                i += 1
+                continue
+            num_new = min(req.num_tokens + ahead - req.num_computed_tokens, budget)
             takes_rows = _takes_logprob_rows(req)
             if takes_rows:
                 num_new = min(num_new, rows)
@@ -153,6 +169,8 @@ class Scheduler:
                     i += 1
                     continue
             while not self.kv.allocate_slots(req, num_new):
+                if lookahead:
+                    return None
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -161,7 +179,7 @@ class Scheduler:
             else:
                 if takes_rows:
                     rows -= num_new
-                chunks.append(self._chunk(req, num_new))
+                chunks.append(self._chunk(req, num_new, ahead))
                 budget -= num_new
                 i += 1
 
@@ -190,10 +208,15 @@ class Scheduler:
         return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted,
                                self.kv.take_copies())
 
-    def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, num_new: int, ahead: int = 0) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(req, start, num_new, self.kv.block_table(req.request_id),
-                              start + num_new == len(req.all_token_ids))
+                              start + num_new == len(req.all_token_ids) + ahead)
+
+    def _ends_at(self, req: Request, ahead: int) -> bool:
+        """Whether the `ahead` tokens sampled but not recorded surely end the request."""
+        return (req.num_output_tokens + ahead >= req.params.max_tokens
+                or req.num_tokens + ahead >= self.config.max_model_len)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -222,6 +245,43 @@ class Scheduler:
                 self.finish(req.request_id, reason)
         return advanced
 
+    def commit(self, out: SchedulerOutput) -> None:
+        """A launched step's KV is as good as computed (later steps are ordered after it on
+        the device): advance each request's computed tokens, cache its full blocks of known
+        tokens, and give each request that samples a placeholder until `record`."""
+        for req, _, num_tokens, _, samples in out.chunks:
+            if req.status is RequestStatus.FINISHED:
+                continue
+            self._set_computed(req, req.num_computed_tokens + num_tokens)
+            if req.num_computed_tokens <= req.num_tokens:  # no placeholder among them
+                self.kv.cache_blocks(req)
+            if samples:
+                self.placeholders[req.request_id] = self.placeholders.get(req.request_id, 0) + 1
+
+    def record(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """A committed step's tokens reached the host: each replaces its placeholder, and
+        stop conditions are checked as `update` does. A request finished here (or earlier)
+        that a later step already computed past is rolled back by `finish`. Returns the
+        requests that got a token."""
+        advanced: list[Request] = []
+        for req, _, _, _, samples in out.chunks:
+            if not samples or req.status is RequestStatus.FINISHED:
+                continue
+            rid = req.request_id
+            left = self.placeholders[rid] - 1
+            if left:
+                self.placeholders[rid] = left
+            else:
+                del self.placeholders[rid]
+            req.append_output(sampled[rid])
+            advanced.append(req)
+            reason = self._check_stop(req)
+            if reason is not None:
+                self.finish(rid, reason)
+            elif req.num_computed_tokens == req.num_tokens:  # a launched step computed it
+                self.kv.cache_blocks(req)
+        return advanced
+
     def _check_stop(self, req: Request) -> FinishReason | None:
         params, num_output = req.params, len(req.output_token_ids)
         if num_output > params.min_tokens:
@@ -244,6 +304,10 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if self.placeholders.pop(request_id, None) is not None:
+            # a launched step computed past its last token: that KV is discarded (as a
+            # synchronous step, which never computes the last sampled token, leaves it)
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_kv[request_id]
             del self._kv_tokens[request_id]

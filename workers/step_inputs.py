@@ -19,6 +19,21 @@ from workers.host_transfer import upload
 from workers.parallel.messages import StepMessage
 
 
+class TokenFill(NamedTuple):
+    """Input ids the host does not have yet: rows of a step's input ids to overwrite on the
+    device with the previous step's sampled tokens (async scheduling, `workers.async_step`)."""
+
+    rows: torch.Tensor  # [k] int64, on the step's device
+    tokens: torch.Tensor  # [k] int64, on the step's device
+
+
+def fill_input_ids(ids: torch.Tensor, fill: TokenFill | None) -> None:
+    """Write `fill`'s tokens into the input ids `ids` in place (on the device, no host wait);
+    nothing when `fill` is None."""
+    if fill is not None:
+        ids.index_copy_(0, fill.rows, fill.tokens)
+
+
 class StepTensors(NamedTuple):
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64

@@ -17,6 +17,7 @@ from kvtransfer.remote_messages import AgentHostAddress
 from workers.kv_cache.host_caches import HostCaches
 from workers.parallel.messages import SampledTokens, StepMessage
 from workers.parallel.pipeline import MicroBatch, microbatch_tensors
+from workers.step_inputs import TokenFill, fill_input_ids
 
 
 class ModelExecutor(abc.ABC):
@@ -58,7 +59,10 @@ class ModelExecutor(abc.ABC):
 
 
 class LocalExecutor(ModelExecutor):
-    """The model in this process. `host_blocks`: the size of the KV cache's host tier."""
+    """The model in this process. `host_blocks`: the size of the KV cache's host tier.
+    `token_fill`, set by the runner for one `execute`: input ids taken on the device."""
+
+    token_fill: TokenFill | None = None
 
     def __init__(self, model: nn.Module, caches: list[torch.Tensor],
                  device: torch.device, host_blocks: int = 0) -> None:
@@ -85,6 +89,7 @@ class LocalExecutor(ModelExecutor):
         self.copy_tiers(msg)
         whole = MicroBatch(0, msg.num_seqs, 0, msg.num_tokens)
         ids, positions, meta = microbatch_tensors(msg, whole, self.device)
+        fill_input_ids(ids, self.token_fill)
         hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
         return self.model.compute_logits(hidden[list(msg.logit_rows)])
 
