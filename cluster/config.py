@@ -156,6 +156,10 @@ class EngineSettings(_Strict):
     max_cuda_graph_batch_size: int = Field(
         default_of(EngineConfig, "max_cuda_graph_batch_size"), ge=0, description=(
             "Decode batches up to this size replay CUDA graphs (0: none)."))
+    async_scheduling: bool = Field(default_of(EngineConfig, "async_scheduling"), description=(
+        "Schedule and launch the next step while the current one runs on the device (one "
+        "rank per replica; steps with penalties, grammars, seeds or min_tokens run "
+        "synchronously)."))
 
 
 class AutoscalingSettings(_Strict):

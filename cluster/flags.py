@@ -58,6 +58,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU: no CUDA graphs for decode steps")
     p.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step while the current one runs (one rank)")
     p.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", action="store_true",
                    dest="no_prefix_caching")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -141,6 +143,8 @@ def config_from_args(args: argparse.Namespace) -> CleaveConfig:
                 args.kv_offloading_size * 2**30)
         if args.enforce_eager:
             settings.setdefault("engine", {})["enforce_eager"] = True
+        if args.async_scheduling:
+            settings.setdefault("engine", {})["async_scheduling"] = True
         if gpus is not None:
             settings["gpus_per_rank"] = gpus
     data["pools"] = pools

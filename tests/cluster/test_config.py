@@ -93,6 +93,18 @@ def test_kv_offloading_size_gives_every_pool_a_host_tier_in_gib():
         _flags("--kv-offloading-size", "-1")
 
 
+def test_async_scheduling_reaches_every_pools_engine_and_needs_one_rank(tiny_model):
+    from cluster.settings import engine_config
+
+    c = _flags("--async-scheduling", "--device", "cpu")
+    assert c.pools.prefill.engine.async_scheduling and c.pools.decode.engine.async_scheduling
+    assert engine_config(c, "decode", tiny_model).async_scheduling
+    assert not _flags("--device", "cpu").pools.decode.engine.async_scheduling
+    tp2 = _flags("--async-scheduling", "--device", "cpu", "--tensor-parallel-size", "2")
+    with pytest.raises(ValueError, match="async_scheduling needs one rank"):
+        engine_config(tp2, "decode", tiny_model)
+
+
 def test_vllm_flag_names_override_the_config_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": "/models/a", "dtype": "float16"},
