@@ -4,6 +4,7 @@ bf16, weighted and unweighted, steps of 1, 7 and 100 tokens, an expert that gets
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -52,6 +53,14 @@ def _experts(bias: bool, dtype: torch.dtype, seed: int) -> FusedExperts:
     return experts.to(device=DEVICE, dtype=dtype)
 
 
+def _loop(experts: FusedExperts, x: torch.Tensor, ids: torch.Tensor,
+          weights: torch.Tensor | None) -> torch.Tensor:
+    """The reference: the expert loop, on CPU copies (on a GPU, run_local is the kernel)."""
+    cpu = copy.deepcopy(experts).cpu()
+    return cpu.run_local(x.cpu(), ids.cpu(), None if weights is None else weights.cpu()).to(
+        x.device)
+
+
 def _routing(tokens: int, top_k: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     logits = torch.randn(tokens, 4)
     logits[:, 3] = -1e4  # expert 3 gets no token
@@ -76,7 +85,7 @@ def test_fused_moe_is_the_expert_loop(tokens, bias, dtype):
     experts = _experts(bias, dtype, tokens)
     x = torch.randn(tokens, 64).to(device=DEVICE, dtype=dtype)
     ids, weights = _routing(tokens)
-    want = experts.run_local(x, ids, weights)  # the loop (on CPU)
+    want = _loop(experts, x, ids, weights)
     got = fused_moe(x, experts.w13_weight, experts.w2_weight, ids, weights, experts.w13_bias,
                     experts.w2_bias, experts.clamped_swiglu)
     tol = TOLERANCE[dtype]
@@ -86,7 +95,7 @@ def test_fused_moe_is_the_expert_loop(tokens, bias, dtype):
     torch.testing.assert_close(fused_moe(x, experts.w13_weight, experts.w2_weight, ids[:, :1],
                                          None, experts.w13_bias, experts.w2_bias,
                                          experts.clamped_swiglu),
-                               experts.run_local(x, ids[:, :1], None), atol=tol, rtol=tol)
+                               _loop(experts, x, ids[:, :1], None), atol=tol, rtol=tol)
 
 
 def test_run_local_takes_the_fused_kernel_on_gpu_paths(monkeypatch):
@@ -95,7 +104,7 @@ def test_run_local_takes_the_fused_kernel_on_gpu_paths(monkeypatch):
     experts = _experts(False, torch.float32, 0)
     x = torch.randn(100, 64, device=DEVICE)
     ids, weights = _routing(100)
-    want = experts.run_local(x, ids, weights)
+    want = _loop(experts, x, ids, weights)
     calls = []
     from workers.kernels import fused_moe as module
 
