@@ -250,3 +250,21 @@ def test_moe_dense_gpu_form_matches_the_expert_loop(bias):
     torch.testing.assert_close(unweighted, experts.run_local(x, ids[:, :1], None),
                                rtol=1e-4, atol=1e-4)
     assert x.shape[0] <= DENSE_MAX_TOKENS
+
+
+def test_a_moe_step_of_more_than_64_tokens_syncs_once(tiny_moe, monkeypatch):
+    """A prefill past DENSE_MAX_TOKENS runs the fused MoE kernels (in the interpreter here):
+    the step's one sync is its token copy-back, where the expert loop read the routing on the
+    host once per layer plus once per expert present."""
+    from workers import kernels
+
+    monkeypatch.setattr(cuda_graphs, "graphs_supported", lambda *a: True)
+    monkeypatch.setattr(kernels, "interpret_on_cpu", True)
+    llm = LLM(tiny_moe, num_blocks=64, attention_backend="triton", max_num_batched_tokens=128,
+              max_cuda_graph_batch_size=4, max_model_len=128)
+    steps = count_steps(llm, monkeypatch)
+    prompt = list(range(1, 1 + DENSE_MAX_TOKENS + 36))  # 100 tokens, one prefill step
+    llm.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)])
+    assert steps[0][0] == "prefill"
+    assert [c.syncs for _, c in steps] == [1] * len(steps)
+    assert all(c.downloads == 1 and not c.strays for _, c in steps)

@@ -17,12 +17,14 @@ Two ways to shard over the TP group (`Shard.expert_parallel`):
 
 Host syncs. On the CPU the experts loop over the experts present (`torch.unique`, then each
 one's rows): reading those on the host costs nothing there. On a GPU each such read waits for
-the device, so a step of up to DENSE_MAX_TOKENS tokens (decodes, small mixed steps) instead
-runs every local expert over every token and weights each output by its routing weight, 0
-where the token did not pick the expert: no host read, at E_local / k times the FLOPs, which
-those steps can afford (they are bound by reading the weights). Larger steps keep the loop: one
-`unique` read per layer plus one per expert present, small beside their compute; a grouped-GEMM
-kernel would remove those too. Expert parallelism exchanges row counts on the host by design.
+the device, so steps of every size run the fused kernels (`workers.kernels.fused_moe`): the
+(token, expert) pairs sorted by expert and padded to whole blocks on the device, then grouped
+GEMMs over the blocks, launched on a grid sized by the worst case: no host read. They also
+serve decodes: each block reads only its own expert's weights, where the dense form reads every
+expert's and computes E_local / k times the FLOPs. Without Triton (a GPU without the package),
+steps of up to DENSE_MAX_TOKENS tokens run every local expert over every token, weighted by the
+routing (0 where not picked), and larger ones the loop (one `unique` read per layer plus one per
+expert present). Expert parallelism exchanges row counts on the host by design.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.host_transfer import gpu_paths
+from workers.kernels import use_triton
 from workers.models.layers import ReplicatedLinear, Shard, WeightShapeError, _make_param
 from workers.moe_config import MoEConfig
 from workers.parallel.comm import Communicator
 
 GATE, UP, DOWN = 0, 1, 2  # shard ids of an expert's w1/gate_proj, w3/up_proj, w2/down_proj
-DENSE_MAX_TOKENS = 64  # on a GPU, steps up to this many tokens run every expert (no host read)
+DENSE_MAX_TOKENS = 64  # on a GPU without Triton, steps up to this many tokens run every expert
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool,
@@ -127,6 +130,11 @@ class FusedExperts(nn.Module):
                   weights: torch.Tensor | None) -> torch.Tensor:
         """x: [N, H]; ids: [N, k] local expert ids; weights [N, k] or None (k == 1, unweighted).
         Returns sum_k weight * expert(x) [N, H], this rank's partial sum under TP."""
+        if gpu_paths(x.device) and use_triton(x):
+            from workers.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13_weight, self.w2_weight, ids, weights, self.w13_bias,
+                             self.w2_bias if self.add_w2_bias else None, self.clamped_swiglu)
         if gpu_paths(x.device) and x.shape[0] <= DENSE_MAX_TOKENS:
             return self._run_dense(x, ids, weights)
         out = torch.zeros_like(x)
