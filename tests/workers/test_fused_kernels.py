@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the fused kernels need the triton package")
 
+from tests.workers.interpreter_rounding import rounding_bf16_as_gpus_do  # noqa: E402,F401
 from workers import kernels, norm_rope  # noqa: E402
 from workers.attention.torch_backend import write_kv  # noqa: E402
 from workers.kernels.act_mul import act_and_mul  # noqa: E402
@@ -30,25 +31,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def rounding_bf16_as_gpus_do(monkeypatch):
-    """Triton 3.9's interpreter truncates fp32 -> bf16 casts where GPUs round to nearest even;
-    its casts are made to round (torch's conversion) so bf16 results compare bit for bit."""
-    if DEVICE != "cpu":
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    real = InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return real(self, src, dst_type)
-
-    monkeypatch.setattr(InterpreterBuilder, "cast_impl", cast_impl)
+pytestmark = pytest.mark.usefixtures("rounding_bf16_as_gpus_do")
 
 
 @pytest.fixture
