@@ -26,7 +26,7 @@ import torch
 from workers.host_transfer import PendingDownload, start_download, upload
 from workers.kv_cache import host_memory
 from workers.kv_cache.spec import KVCacheSpec
-from workers.parallel.executor import LocalExecutor, ModelExecutor
+from workers.parallel.executor import LocalExecutor, ModelExecutor, SamplingExecutor
 from workers.parallel.messages import PromptLogprobRows, StepMessage
 from workers.parallel.sampling import SamplingSync
 from workers.protocol import TokenLogprob
@@ -88,7 +88,8 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         # the ranks' mirrors of the requests where the executor samples (a group); None: the
         # logits come here and `sampler` samples them (a group can do either: tests compare)
-        self.sync = SamplingSync(vocab_size) if executor.samples_on_ranks else None
+        self.sync = (SamplingSync(vocab_size) if isinstance(executor, SamplingExecutor)
+                     else None)
         self._step_id = 0
 
     @property
@@ -186,7 +187,8 @@ class ModelRunner:
             tuple(chunk.request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]),
             chunk.request.params.prompt_logprobs or 0) for chunk, _, count in batch.prompt_rows]
         record = self.sync.record(batch.sampling, prompt)  # type: ignore[union-attr]
-        sampled = self.executor.execute_sampled(dataclasses.replace(batch.msg, sampling=record))
+        executor: SamplingExecutor = self.executor  # type: ignore[assignment]  # `sync` says so
+        sampled = executor.execute_sampled(dataclasses.replace(batch.msg, sampling=record))
         result = RunnerOutput()
         _record_sampled(result, batch.sampling,
                         SamplerOutput(list(sampled.token_ids), list(sampled.logprobs)))

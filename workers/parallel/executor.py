@@ -17,7 +17,7 @@ from kvtransfer.remote_messages import AgentHostAddress
 from workers.kv_cache.spec import KVCacheSpec
 from workers.parallel.graph_ladder import capture_sizes, padded_size
 from workers.parallel.group import RankGroup, RankLauncher, SpawnLauncher
-from workers.parallel.local import LocalExecutor, ModelExecutor
+from workers.parallel.local import LocalExecutor, ModelExecutor, SamplingExecutor
 from workers.parallel.messages import (
     AllocateCaches,
     CaptureGraphs,
@@ -32,7 +32,7 @@ from workers.parallel.rank_memory import KVSizing, group_num_blocks
 from workers.parallel.shared_cache import SharedCaches
 
 __all__ = ["GroupExecutor", "GroupOptions", "KVCacheNotShared", "LocalExecutor",
-           "ModelExecutor", "rank_setups"]
+           "ModelExecutor", "SamplingExecutor", "rank_setups"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class KVCacheNotShared(RuntimeError):
     off (`agent_hosts`), or nothing can."""
 
 
-class GroupExecutor(ModelExecutor):
+class GroupExecutor(SamplingExecutor):
     """tp_size x pp_size ranks, each its own process, started by `launcher` (default: spawned
     processes): on the CPU over gloo, or one GPU each over NCCL (`options.device`).
 
@@ -177,10 +177,6 @@ class GroupExecutor(ModelExecutor):
         if logits is None:
             return torch.empty(0, 0)
         return logits
-
-    @property
-    def samples_on_ranks(self) -> bool:
-        return True
 
     def execute_sampled(self, msg: StepMessage) -> SampledTokens:
         if msg.sampling is None:

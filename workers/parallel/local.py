@@ -33,16 +33,6 @@ class ModelExecutor(abc.ABC):
         with `heads` that rank's KV heads. Shared with the ranks: writes land in their cache.
         Raises `KVCacheNotShared` where this process cannot reach the cache (GPU ranks)."""
 
-    @property
-    def samples_on_ranks(self) -> bool:
-        """True when the executor samples itself (`execute_sampled`): a group's last rank."""
-        return False
-
-    def execute_sampled(self, msg: StepMessage) -> SampledTokens:
-        """Runs a step whose `msg.sampling` says what to sample; returns the tokens. Only
-        where `samples_on_ranks`."""
-        raise NotImplementedError(f"{type(self).__name__} returns logits; the runner samples")
-
     def close(self) -> None:
         """Stop whatever runs the model (idempotent)."""
 
@@ -56,6 +46,15 @@ class ModelExecutor(abc.ABC):
     def last_tier_copy_s(self) -> float:
         """Seconds the last step spent copying KV blocks to and from the host tier."""
         return 0.0
+
+
+class SamplingExecutor(ModelExecutor):
+    """An executor that can also sample where the logits are (a group's last rank): the
+    runner then sends what to sample and gets token ids back, not the logits."""
+
+    @abc.abstractmethod
+    def execute_sampled(self, msg: StepMessage) -> SampledTokens:
+        """Runs a step whose `msg.sampling` says what to sample; returns the tokens."""
 
 
 class LocalExecutor(ModelExecutor):
