@@ -93,6 +93,8 @@ class AgentHost:
         self._driver = asyncio.current_task()
         try:
             await _HostSession(self, reader, writer).run()
+        except asyncio.CancelledError:
+            pass  # `stop`: the host is going (asyncio would log a cancelled connection task)
         finally:
             self._driver = None
             writer.close()
