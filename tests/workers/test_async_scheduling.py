@@ -134,9 +134,11 @@ def test_requests_that_need_host_tokens_fall_back_to_synchronous_steps(tiny_mode
 def test_next_step_is_launched_before_the_previous_tokens_are_waited_for(tiny_model,
                                                                           monkeypatch):
     log: list[tuple[str, int]] = []
+    alive: list[object] = []  # every step kept, so no id is reused by a later step
     launch, collect = ModelRunner.launch, ModelRunner.collect
 
     def logged_launch(self, out, prev):
+        alive.append(out)
         log.append(("launch", id(out)))
         return launch(self, out, prev)
 
