@@ -17,6 +17,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cluster import event_loop
 from cluster.config import RouterSettings, default_of
 from cluster.inprocess_client import SUBSCRIBER, in_process_client
 from cluster.settings import InProcessPlan, PoolPlan, WorkerOptions
@@ -156,7 +157,7 @@ def serve_local(plan: InProcessPlan, process_per_worker: bool = False) -> None:
     """Serve `plan` (`cluster.settings.in_process_plan`) until SIGINT or SIGTERM. Must run on
     the main thread (uvicorn takes the signals)."""
     stack = _Stack(plan, build_workers(plan, process_per_worker))
-    asyncio.run(stack.serve())
+    event_loop.run(stack.serve())
 
 
 class LocalServer:
@@ -193,7 +194,7 @@ class LocalServer:
         return self._stack.grpc_port
 
     def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_event_loop()
         try:
             self.loop.run_until_complete(self._stack.serve(self._ready))
         except BaseException as exc:  # surfaced by start()

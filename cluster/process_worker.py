@@ -28,6 +28,7 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cluster import event_loop
 from cluster import process_wire as wire
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
@@ -74,7 +75,7 @@ def child_main(spec: ProcessWorkerSpec, port: int, token: bytes) -> None:
             from cluster.cpu_affinity import claim_and_pin
 
             claim_and_pin(spec.cpu_affinity, spec.cores_per_rank)
-        asyncio.run(_serve(spec, sock))
+        event_loop.run(_serve(spec, sock))
     except BaseException:  # noqa: BLE001 - reported to the parent while it can hear
         try:
             wire.send(sock, ("failed", traceback.format_exc()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,6 @@ class RouterConfig:
         """What each channel client waits on its worker."""
         return Deadlines(self.prefill_timeout_s, self.stall_timeout_s)
 
-    @property
-    def model_name(self) -> str:
+    @functools.cached_property
+    def model_name(self) -> str:  # resolved once: every request reads it
         return self.served_model_name or Path(self.model_path).resolve().name

@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -26,6 +25,7 @@ from router.openai.common import (
     default_max_tokens,
     merge,
     parse_body,
+    released_at_end,
     sse,
     sse_error,
     start_all,
@@ -101,7 +101,7 @@ async def _create(router: Router, tokens: TokenStrings, request: Request,
     gens = await start_all(router, [ids], [params], body.cache_salt)
     return StreamingResponse(_stream(gens[0], body, fmt, meta, slot, tool_format),
                              media_type="text/event-stream",
-                             background=BackgroundTask(slot.release))
+                             background=released_at_end(slot))
 
 
 def _tool_format(router: Router, body: ChatCompletionRequest) -> ToolCallFormat | None:

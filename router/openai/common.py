@@ -9,6 +9,7 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 
 from router.app import Admission, Router
@@ -171,6 +172,14 @@ def usage(gens: Sequence[Generation], num_completion_tokens: int) -> dict[str, A
             "predicted_cached_tokens": sum(g.predicted_cached_tokens for g in gens),
         },
     }
+
+
+def released_at_end(slot: Admission) -> BackgroundTask:
+    """A streamed response's background task releasing its slot (a coroutine, so Starlette
+    runs it on the loop, not on a thread of its pool)."""
+    async def release() -> None:
+        slot.release()
+    return BackgroundTask(release)
 
 
 async def admitted(slot: Admission, work: Callable[[Admission], Awaitable[T]]) -> T:

@@ -10,7 +10,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -24,6 +23,7 @@ from router.openai.common import (
     default_max_tokens,
     merge,
     parse_body,
+    released_at_end,
     sse,
     sse_error,
     start_all,
@@ -83,7 +83,7 @@ async def _create(router: Router, tokens: TokenStrings, request: Request,
     texts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
         isinstance(body.prompt[0], str) else [body.prompt] * len(prompts)
     echo_texts = [t if isinstance(t, str) else router.tokenizer.decode(ids)
-                  for t, ids in zip(texts, prompts)]
+                  for t, ids in zip(texts, prompts)] if body.echo else []
     params = []
     for ids in prompts:
         router.check_prompt(ids)
@@ -102,7 +102,7 @@ async def _create(router: Router, tokens: TokenStrings, request: Request,
             slot.release()
     gens = await start_all(router, prompts, params, body.cache_salt)
     return StreamingResponse(_stream(gens, body, fmt, meta, slot), media_type="text/event-stream",
-                             background=BackgroundTask(slot.release))
+                             background=released_at_end(slot))
 
 
 async def _collect(router: Router, body: CompletionRequest, prompts: list[list[int]],
