@@ -27,6 +27,7 @@ from cluster.serve_config import build_serve_config
 
 APP_NAME = "cleave"
 STATUS_EVERY_S = 5.0  # a serving application's state is re-read this often (said when it changes)
+STATUS_TIMEOUT_S = 10.0  # the longest one reading of that state waits (Serve may be gone)
 
 
 def _connect(num_cpus: float | None) -> bool:
@@ -45,11 +46,30 @@ def _connect(num_cpus: float | None) -> bool:
     return address is None
 
 
-def _app_status() -> Any:
-    """Serve's status of the application, or None before it exists."""
+def _app_status(timeout_s: float = STATUS_TIMEOUT_S) -> Any:
+    """Serve's status of the application, or None before it exists. Raises TimeoutError when
+    Serve does not answer within `timeout_s`: with its controller or Ray's GCS gone,
+    `serve.status` waits forever, and `cleave serve` then hung on a signal, even a second."""
     from ray import serve
 
-    return serve.status().applications.get(APP_NAME)
+    answer: list[tuple[bool, Any]] = []
+
+    def read() -> None:
+        try:
+            answer.append((True, serve.status().applications.get(APP_NAME)))
+        except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread
+            answer.append((False, exc))
+
+    # a daemon thread: one left waiting on a dead cluster must not hold the process's exit
+    reader = threading.Thread(target=read, name="cleave-serve-status", daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not answer:
+        raise TimeoutError(f"Serve did not give the application's state within {timeout_s} s")
+    ok, value = answer[0]
+    if not ok:
+        raise value
+    return value
 
 
 def describe(app: Any) -> str:
@@ -139,7 +159,7 @@ def _in_flight(timeout_s: float = 5.0) -> int:
     from ray import serve
 
     try:
-        if not serving(_app_status()):
+        if not serving(_app_status(timeout_s)):
             return 0
         count = serve.get_deployment_handle("router", app_name=APP_NAME).status.remote().result(
             timeout_s=timeout_s)["num_in_flight"]

@@ -28,3 +28,37 @@ def test_the_job_entry_point_rejects_a_bad_config_naming_the_field(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "pools.decode.tp" in out.stderr and "(got 0)" in out.stderr
+
+
+def test_a_serve_that_never_answers_bounds_each_status_read(monkeypatch):
+    """With Serve's controller or Ray's GCS gone, `serve.status` waits forever: `cleave serve`
+    then hung on SIGTERM, and on the second signal too. Each read now gives up, and the
+    shutdown's in-flight count reads nothing (0) instead of waiting."""
+    import threading
+    import time
+
+    from ray import serve
+
+    from cluster import launch
+
+    never = threading.Event()
+    monkeypatch.setattr(serve, "status", lambda: never.wait())
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="within 0.2 s"):
+        launch._app_status(timeout_s=0.2)
+    assert launch._in_flight(timeout_s=0.2) == 0
+    assert time.monotonic() - start < 5
+    never.set()
+
+
+def test_a_status_read_raises_what_serve_raised(monkeypatch):
+    from ray import serve
+
+    from cluster import launch
+
+    def broken():
+        raise ConnectionError("the controller is gone")
+
+    monkeypatch.setattr(serve, "status", broken)
+    with pytest.raises(ConnectionError, match="controller is gone"):
+        launch._app_status(timeout_s=5)
