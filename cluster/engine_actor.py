@@ -8,8 +8,11 @@ event loop, where the engine's `AsyncEngine` also steps.
 Every router replica is a subscriber: it submits commands in batches (`submit`) and long-polls
 its output channel (`next_outputs`), one `WorkerOutputs` message per engine step with every new
 token of its requests, their failures, the KV events it has not seen and the engine's load
-(`workers.outputs`). No per-token Ray call, no stream per request. Only `prefill` is a call per
-request (it returns the first token and the KV handoff).
+(`workers.outputs`). Those two go on a socket the actor serves (`channel_address`,
+`cluster.socket_calls`): a message per step is then a framed pickle on one long-lived
+connection, not a Ray call (whose submission and reply cost the router and the actor each more
+than the message itself on a small model). No per-token call, no stream per request. Only
+`prefill` is a Ray call per request (it returns the first token and the KV handoff).
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ from workers.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, Wor
 if TYPE_CHECKING:
     from cluster.rank_actor import RankPlace
     from cluster.settings import WorkerOptions
+    from cluster.socket_calls import CallServer
     from kvtransfer.handoff import KVHandoff
     from workers.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+# what routers call on the actor's own socket (`channel_address`), not as Ray calls
+CHANNEL_METHODS = frozenset({"submit", "next_outputs"})
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
@@ -86,11 +93,12 @@ class EngineActor:
 
             self._cores = claim_and_pin(spec.cpu_affinity, spec.cores_per_rank)
             logger.info("worker %s pinned to cores %s", spec.worker_id, self._cores.cores)
-        host = ray.util.get_node_ip_address()
+        self._host = ray.util.get_node_ip_address()
         self.worker = Worker.from_config(spec.worker_id, config, spec.role,
-                                         rank_launcher=self.rank_launcher, host=host,
+                                         rank_launcher=self.rank_launcher, host=self._host,
                                          **dataclasses.asdict(spec.worker))
         self._broken: str | None = None
+        self._channel: CallServer | None = None  # started at the first `channel_address`
 
     async def ready(self) -> ActorInfo:
         """Once the model is loaded and the transfer agents passed the transport's self-check
@@ -112,6 +120,21 @@ class EngineActor:
     async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
         """The router's next message (`Worker.next_outputs`)."""
         return await self.worker.next_outputs(subscriber, timeout_s)
+
+    async def channel_address(self) -> tuple[str, int, bytes]:
+        """Where a router calls `submit` and `next_outputs` without a Ray call each
+        (`cluster.socket_calls`): the host, port and token of a socket this actor serves on its
+        node's address (where its KV transfer listens too), started at the first ask. Ray
+        hands the token only to holders of this actor's handle."""
+        if self._channel is None:
+            from cluster.socket_calls import CallServer
+
+            self._channel = await CallServer(self._channel_call, CHANNEL_METHODS).start(
+                self._host)
+        return self._host, self._channel.port, self._channel.token
+
+    async def _channel_call(self, method: str, args: tuple) -> object:
+        return await getattr(self, method)(*args)
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
                       prefix: PrefixFetch | None = None) -> PrefillResult:
@@ -190,4 +213,6 @@ class EngineActor:
         return await self.num_in_flight()
 
     async def shutdown(self) -> None:
+        if self._channel is not None:
+            await self._channel.stop()
         await self.worker.shutdown()

@@ -20,14 +20,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
+from cluster.app_state import APP_NAME, app_status, describe, gone_or_unknown, in_flight, serving
 from cluster.config import CleaveConfig, ConfigError
 from cluster.serve_config import build_serve_config
 
-APP_NAME = "cleave"
 STATUS_EVERY_S = 5.0  # a serving application's state is re-read this often (said when it changes)
-STATUS_TIMEOUT_S = 10.0  # the longest one reading of that state waits (Serve may be gone)
 
 
 def _connect(num_cpus: float | None) -> bool:
@@ -44,59 +43,6 @@ def _connect(num_cpus: float | None) -> bool:
         kwargs["num_cpus"] = num_cpus
     ray.init(**kwargs)
     return address is None
-
-
-def _app_status(timeout_s: float = STATUS_TIMEOUT_S) -> Any:
-    """Serve's status of the application, or None before it exists. Raises TimeoutError when
-    Serve does not answer within `timeout_s`: with its controller or Ray's GCS gone,
-    `serve.status` waits forever, and `cleave serve` then hung on a signal, even a second."""
-    from ray import serve
-
-    answer: list[tuple[bool, Any]] = []
-
-    def read() -> None:
-        try:
-            answer.append((True, serve.status().applications.get(APP_NAME)))
-        except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread
-            answer.append((False, exc))
-
-    # a daemon thread: one left waiting on a dead cluster must not hold the process's exit
-    reader = threading.Thread(target=read, name="cleave-serve-status", daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not answer:
-        raise TimeoutError(f"Serve did not give the application's state within {timeout_s} s")
-    ok, value = answer[0]
-    if not ok:
-        raise value
-    return value
-
-
-def describe(app: Any) -> str:
-    """One line: the application's state, each deployment's running replicas, and what the
-    ones short of their target are waiting for (Serve's message)."""
-    if app is None:
-        return "waiting for the application"
-    parts, waiting = [], []
-    for name, d in sorted(app.deployments.items()):
-        running = sum(n for state, n in d.replica_states.items() if str(state).endswith("RUNNING"))
-        total = sum(d.replica_states.values())
-        parts.append(f"{name} {running}/{total}")
-        if (running < total or d.status.value != "HEALTHY") and d.message.strip():
-            # a failed constructor's message is a traceback: its last line says what went wrong
-            waiting.append(f"{name}: {d.message.strip().splitlines()[-1].strip()[:300]}")
-    line = f"{app.status.value.lower()}: " + ", ".join(parts)
-    return line + (" (waiting: " + "; ".join(waiting) + ")" if waiting else "")
-
-
-def serving(app: Any) -> bool:
-    """A router replica runs: it serves (it started only once a decode-capable worker had
-    registered), whatever else is still pending or failed."""
-    if app is None:
-        return False
-    router = app.deployments.get("router")
-    return router is not None and any(
-        str(state).endswith("RUNNING") and n for state, n in router.replica_states.items())
 
 
 def deploy(config: CleaveConfig, *, num_cpus: float | None = None,
@@ -135,7 +81,7 @@ def _wait(until: str, progress: Callable[[str], None] | None,
     last = ""
     while not (stop is not None and stop.is_set()):
         try:
-            app = _app_status()
+            app = app_status()
         except Exception:  # the controller is still starting
             app, line = None, "starting Serve"
         else:
@@ -150,29 +96,6 @@ def _wait(until: str, progress: Callable[[str], None] | None,
             why = "; ".join(part for part in (app.message, line) if part)
             raise RuntimeError(f"the application failed to deploy: {why}")
         time.sleep(1.0)
-
-
-def _in_flight(timeout_s: float = 5.0) -> int:
-    """Requests in flight: at one router replica and on every worker's engine (0 for what
-    cannot be reached: an application not serving, or no longer)."""
-    import ray
-    from ray import serve
-
-    try:
-        if not serving(_app_status(timeout_s)):
-            return 0
-        count = serve.get_deployment_handle("router", app_name=APP_NAME).status.remote().result(
-            timeout_s=timeout_s)["num_in_flight"]
-        entries = serve.get_deployment_handle("directory", app_name=APP_NAME).entries.remote(
-            ).result(timeout_s=timeout_s)
-    except Exception:  # no router or directory answers: nothing reaches the workers
-        return 0
-    for ref in [e.actor.num_in_flight.remote() for e in entries]:
-        try:
-            count += ray.get(ref, timeout=timeout_s)
-        except Exception:  # a dead engine has nothing left to finish
-            pass
-    return count
 
 
 def drain_timeout_s(config: CleaveConfig) -> float:
@@ -194,12 +117,12 @@ def shutdown(started_ray: bool, drain_s: float = 0.0,
 
     hurry = hurry or threading.Event()
     try:
-        if drain_s > 0 and ray.is_initialized() and _in_flight():
+        if drain_s > 0 and ray.is_initialized() and in_flight():
             # not blocking: a blocking delete left in a thread past `ray.shutdown` would
             # start a new local Ray (Ray's auto-init) when it next polled
             serve.delete(APP_NAME, _blocking=False)
             deadline = time.monotonic() + drain_s
-            while (not _gone_or_unknown() and time.monotonic() < deadline
+            while (not gone_or_unknown() and time.monotonic() < deadline
                    and not hurry.wait(0.2)):
                 pass
         if not started_ray:
@@ -207,14 +130,6 @@ def shutdown(started_ray: bool, drain_s: float = 0.0,
     finally:
         if started_ray:
             ray.shutdown()
-
-
-def _gone_or_unknown() -> bool:
-    """The application is deleted, or Serve can no longer say."""
-    try:
-        return _app_status() is None
-    except Exception:  # the controller is gone too
-        return True
 
 
 def ready_message(config: CleaveConfig, model_name: str) -> str:
@@ -271,7 +186,7 @@ def watch(say: Callable[[str], None], stop: threading.Event) -> None:
     last = ""
     while not stop.wait(STATUS_EVERY_S):
         try:
-            line = describe(_app_status())
+            line = describe(app_status())
         except Exception as exc:  # noqa: BLE001 -- the controller restarting: say so
             line = f"cannot read the application's state: {exc!r}"
         if line != last:

@@ -9,19 +9,17 @@ has each worker on its own cores, as on separate GPUs, with no Ray in between.
 
 The wire: each message is a 4-byte length and a pickle. The child connects to the parent's
 listening socket and proves itself with a random token, then reports ("ready", info) or
-("failed", traceback). A call is (call id, method, args); its answer (call id, ok, value or
-exception). The child ends when its connection closes (the parent died or closed it) or after a
-"shutdown" call has stopped the worker.
+("failed", traceback). Then the calls go as `cluster.socket_calls` frames them (the Ray path's
+data channel speaks the same). The child ends when its connection closes (the parent died or
+closed it) or after a "shutdown" call has stopped the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import multiprocessing as mp
-import pickle
 import secrets
 import socket
 import traceback
@@ -30,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster import event_loop
 from cluster import process_wire as wire
+from cluster.socket_calls import SocketCalls, serve_calls
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
 from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
@@ -96,41 +95,16 @@ async def _serve(spec: ProcessWorkerSpec, sock: socket.socket) -> None:
     sock.settimeout(None)
     wire.send(sock, ("ready", worker.info))
     reader, writer = await asyncio.open_connection(sock=sock)
-    tasks: set[asyncio.Task[None]] = set()
 
-    async def answer(call_id: int, method: str, args: tuple) -> None:
-        try:
-            if method == "shutdown":
-                value: object = await channel.close()
-            else:
-                value = await getattr(channel, method)(*args)
-            reply = (call_id, True, value)
-        except Exception as exc:  # noqa: BLE001 - the caller raises it
-            reply = (call_id, False, _transportable(exc))
-        writer.write(wire.frame(reply))
+    async def handle(method: str, args: tuple) -> object:
         if method == "shutdown":
-            await writer.drain()
-            writer.close()
+            return await channel.close()
+        return await getattr(channel, method)(*args)
 
     try:
-        while True:
-            call_id, method, args = await wire.read(reader)
-            task = asyncio.get_running_loop().create_task(answer(call_id, method, args))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass  # the parent closed the connection (or went away)
+        await serve_calls(reader, writer, handle, last=frozenset({"shutdown"}))
     finally:
         await channel.close()
-
-
-def _transportable(exc: Exception) -> Exception:
-    """`exc`, or a RuntimeError saying it where it would not survive pickling both ways."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - any failure to travel
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 # ---- the parent --------------------------------------------------------------------------------
@@ -145,11 +119,8 @@ class ProcessChannel(WorkerChannel):
         self.worker_id = spec.worker_id
         self.process: mp.process.BaseProcess | None = None
         self._sock: socket.socket | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[object]] = {}
-        self._ids = itertools.count()
-        self._lost: str | None = None  # why the connection is gone
+        self._calls: SocketCalls | None = None  # once the first call connected
+        self._lost: str | None = None  # why the worker can no longer be called
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> ProcessChannel:
         server = socket.create_server(("127.0.0.1", 0))
@@ -181,51 +152,15 @@ class ProcessChannel(WorkerChannel):
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
-    async def _connect(self) -> asyncio.StreamWriter:
-        if self._writer is None:
-            if self._sock is None:
-                raise WorkerUnavailableError(self.worker_id, "the worker process is not running")
-            self._sock.settimeout(None)
-            reader, self._writer = await asyncio.open_connection(sock=self._sock)
-            self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
-        return self._writer
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                call_id, ok, value = await wire.read(reader)  # type: ignore[misc]
-                future = self._pending.pop(call_id, None)
-                if future is not None and not future.done():
-                    if ok:
-                        future.set_result(value)
-                    else:
-                        future.set_exception(value)  # type: ignore[arg-type]
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            self._fail_all(f"its process's connection closed ({type(exc).__name__})")
-        except Exception as exc:  # noqa: BLE001 - a message that does not decode
-            logger.exception("worker %s sent a message that does not decode", self.worker_id)
-            self._fail_all(f"it sent a message that does not decode: {exc!r}")
-
-    def _fail_all(self, why: str) -> None:
-        self._lost = why
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(WorkerUnavailableError(self.worker_id, why))
-        self._pending.clear()
-
     async def _call(self, method: str, *args: object) -> Any:
-        if self._lost is not None:
-            raise WorkerUnavailableError(self.worker_id, self._lost)
-        writer = await self._connect()
-        call_id = next(self._ids)
-        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = future
-        try:
-            writer.write(wire.frame((call_id, method, args)))
-        except (ConnectionError, OSError) as exc:
-            self._pending.pop(call_id, None)
-            raise WorkerUnavailableError(self.worker_id, f"cannot reach it: {exc}") from None
-        return await future
+        if self._calls is None:
+            if self._lost is not None or self._sock is None:
+                raise WorkerUnavailableError(self.worker_id,
+                                             self._lost or "the worker process is not running")
+            self._sock.settimeout(None)
+            reader, writer = await asyncio.open_connection(sock=self._sock)
+            self._calls = SocketCalls(self.worker_id, reader, writer)
+        return await self._calls.call(method, *args)
 
     async def info(self) -> WorkerInfo:
         return await self._call("info")
@@ -285,12 +220,10 @@ class ProcessChannel(WorkerChannel):
             except (WorkerUnavailableError, asyncio.TimeoutError):
                 pass
         self._lost = self._lost or "the worker was shut down"
-        if self._writer is not None:
-            self._writer.close()
+        if self._calls is not None:
+            self._calls.close(self._lost)
         elif self._sock is not None:
             self._sock.close()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
         if self.process is not None:
             await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
             if self.process.is_alive():

@@ -1,11 +1,13 @@
 """The router's channel to an engine actor over Ray (`router.channel.WorkerChannel`).
 
 The router calls the engine actor directly (no Serve hop), through the actor's named methods:
-`submit` (batched commands), `next_outputs` (the long-poll that returns one message per engine
-step), `prefill`, `stats`, `kv_snapshot`, `health`, `ready`. Errors come back as the router
-expects them: the worker's own exceptions (`InvalidRequestError`, `ValueError`, ...) are
-re-raised as they were raised on the worker; a dead or unreachable actor becomes
-`WorkerUnavailableError`, which makes the router retry, fall back or migrate.
+`submit` (batched commands) and `next_outputs` (the long-poll that returns one message per
+engine step) on the socket the actor serves for them (`EngineActor.channel_address`,
+`cluster.socket_calls`), the rest (`prefill`, `stats`, `kv_snapshot`, `health`, `ready`, ...) as
+Ray calls. Errors come back as the router expects them: the worker's own exceptions
+(`InvalidRequestError`, `ValueError`, ...) are re-raised as they were raised on the worker; a
+dead or unreachable actor becomes `WorkerUnavailableError`, which makes the router retry, fall
+back or migrate.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from cluster.socket_calls import SocketCalls
 from router.channel import ChannelClient
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
@@ -42,6 +45,35 @@ class RayChannel(WorkerChannel):
     def __init__(self, worker_id: str, actor: Any) -> None:
         self.worker_id = worker_id
         self.actor = actor
+        self._calls: SocketCalls | None = None  # the data channel, once connected
+        self._connecting: asyncio.Lock | None = None
+
+    async def _data_channel(self) -> SocketCalls:
+        """The connection to the actor's socket; a new one when there is none or it was lost
+        (the actor restarted, or its process went away: then the Ray call asking for the
+        address fails, as any call to a dead actor)."""
+        calls = self._calls
+        if calls is not None and calls.lost is None:
+            return calls
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._calls is None or self._calls.lost is not None:
+                host, port, token = await self._wait(self.actor.channel_address.remote(),
+                                                     "channel_address")
+                self._calls = await SocketCalls.connect(self.worker_id, host, port, token,
+                                                        CALL_TIMEOUT_S)
+            return self._calls
+
+    async def _over_socket(self, method: str, timeout_s: float, *args: object) -> Any:
+        calls = await self._data_channel()
+        try:
+            return await asyncio.wait_for(calls.call(method, *args), timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailableError(self.worker_id,
+                                         f"{method} gave no answer in {timeout_s}s") from None
+        except EngineShutDown as exc:  # the worker is going away
+            raise WorkerUnavailableError(self.worker_id, str(exc)) from None
 
     async def _wait(self, ref: Awaitable[T], what: str,
                     timeout_s: float | None = CALL_TIMEOUT_S) -> T:
@@ -59,11 +91,11 @@ class RayChannel(WorkerChannel):
         return (await self._wait(self.actor.ready.remote(), "ready")).worker
 
     async def submit(self, subscriber: str, commands: list[Command]) -> None:
-        await self._wait(self.actor.submit.remote(subscriber, commands), "submit")
+        await self._over_socket("submit", CALL_TIMEOUT_S, subscriber, commands)
 
     async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
-        return await self._wait(self.actor.next_outputs.remote(subscriber, timeout_s),
-                                "next_outputs", timeout_s + CALL_TIMEOUT_S)
+        return await self._over_socket("next_outputs", timeout_s + CALL_TIMEOUT_S, subscriber,
+                                       timeout_s)
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int,
                       prefix: PrefixFetch | None = None) -> PrefillResult:
@@ -112,7 +144,9 @@ class RayChannel(WorkerChannel):
         return bool(await self._wait(self.actor.health.remote(), "health"))
 
     async def close(self) -> None:
-        pass  # the actor belongs to its pool replica, not to this channel
+        """Only the connection: the actor belongs to its pool replica, not to this channel."""
+        if self._calls is not None:
+            self._calls.close()
 
 
 def ray_worker_client(worker_id: str, actor: Any, subscriber: str,

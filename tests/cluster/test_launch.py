@@ -39,14 +39,14 @@ def test_a_serve_that_never_answers_bounds_each_status_read(monkeypatch):
 
     from ray import serve
 
-    from cluster import launch
+    from cluster import app_state
 
     never = threading.Event()
     monkeypatch.setattr(serve, "status", lambda: never.wait())
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="within 0.2 s"):
-        launch._app_status(timeout_s=0.2)
-    assert launch._in_flight(timeout_s=0.2) == 0
+        app_state.app_status(timeout_s=0.2)
+    assert app_state.in_flight(timeout_s=0.2) == 0
     assert time.monotonic() - start < 5
     never.set()
 
@@ -54,11 +54,11 @@ def test_a_serve_that_never_answers_bounds_each_status_read(monkeypatch):
 def test_a_status_read_raises_what_serve_raised(monkeypatch):
     from ray import serve
 
-    from cluster import launch
+    from cluster import app_state
 
     def broken():
         raise ConnectionError("the controller is gone")
 
     monkeypatch.setattr(serve, "status", broken)
     with pytest.raises(ConnectionError, match="controller is gone"):
-        launch._app_status(timeout_s=5)
+        app_state.app_status(timeout_s=5)

@@ -20,8 +20,9 @@ def test_a_replica_lost_while_another_is_pending_leaves_the_cluster_serving(loca
                                                                             tiny_model):
     from ray import serve
 
+    from cluster.app_state import app_status, describe
     from cluster.config import CleaveConfig
-    from cluster.launch import _app_status, deploy, describe
+    from cluster.launch import deploy
 
     wide = RAY_CPUS * 0.6  # one decode replica fits, a second waits for CPUs
     config = CleaveConfig.parse(app_config(tiny_model, pools={
@@ -32,7 +33,7 @@ def test_a_replica_lost_while_another_is_pending_leaves_the_cluster_serving(loca
     started = time.monotonic()
     deploy(config, progress=said.append, until="serving")
     assert time.monotonic() - started < 240
-    line = describe(_app_status())
+    line = describe(app_status())
     assert "pool-decode 1/2" in line, line
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.router.http_port}/v1",
                            api_key="unused", max_retries=0, timeout=60)
