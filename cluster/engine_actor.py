@@ -8,11 +8,11 @@ event loop, where the engine's `AsyncEngine` also steps.
 Every router replica is a subscriber: it submits commands in batches (`submit`) and long-polls
 its output channel (`next_outputs`), one `WorkerOutputs` message per engine step with every new
 token of its requests, their failures, the KV events it has not seen and the engine's load
-(`workers.outputs`). Those two go on a socket the actor serves (`channel_address`,
+(`workers.outputs`). Those two, and `prefill` (the one call per request: it returns the first
+token and the KV handoff), go on a socket the actor serves (`channel_address`,
 `cluster.socket_calls`): a message per step is then a framed pickle on one long-lived
 connection, not a Ray call (whose submission and reply cost the router and the actor each more
-than the message itself on a small model). No per-token call, no stream per request. Only
-`prefill` is a Ray call per request (it returns the first token and the KV handoff).
+than the message itself on a small model). No per-token call, no stream per request.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # what routers call on the actor's own socket (`channel_address`), not as Ray calls
-CHANNEL_METHODS = frozenset({"submit", "next_outputs"})
+CHANNEL_METHODS = frozenset({"submit", "next_outputs", "prefill"})
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:

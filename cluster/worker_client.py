@@ -1,13 +1,12 @@
 """The router's channel to an engine actor over Ray (`router.channel.WorkerChannel`).
 
 The router calls the engine actor directly (no Serve hop), through the actor's named methods:
-`submit` (batched commands) and `next_outputs` (the long-poll that returns one message per
-engine step) on the socket the actor serves for them (`EngineActor.channel_address`,
-`cluster.socket_calls`), the rest (`prefill`, `stats`, `kv_snapshot`, `health`, `ready`, ...) as
-Ray calls. Errors come back as the router expects them: the worker's own exceptions
-(`InvalidRequestError`, `ValueError`, ...) are re-raised as they were raised on the worker; a
-dead or unreachable actor becomes `WorkerUnavailableError`, which makes the router retry, fall
-back or migrate.
+`submit` (batched commands), `next_outputs` (the long-poll that returns one message per engine
+step) and `prefill` on the socket the actor serves for them (`EngineActor.channel_address`,
+`cluster.socket_calls`), the rest (`stats`, `kv_snapshot`, `health`, `ready`, ...) as Ray calls.
+Errors come back as the router expects them: the worker's own exceptions (`InvalidRequestError`,
+`ValueError`, ...) are re-raised as they were raised on the worker; a dead or unreachable actor
+becomes `WorkerUnavailableError`, which makes the router retry, fall back or migrate.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ class RayChannel(WorkerChannel):
                                                         CALL_TIMEOUT_S)
             return self._calls
 
-    async def _over_socket(self, method: str, timeout_s: float, *args: object) -> Any:
+    async def _over_socket(self, method: str, timeout_s: float | None, *args: object) -> Any:
         calls = await self._data_channel()
         try:
             return await asyncio.wait_for(calls.call(method, *args), timeout_s)
@@ -99,8 +98,7 @@ class RayChannel(WorkerChannel):
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int,
                       prefix: PrefixFetch | None = None) -> PrefillResult:
-        return await self._wait(self.actor.prefill.remote(req, decode_tp_size, prefix),
-                                "prefill", None)
+        return await self._over_socket("prefill", None, req, decode_tp_size, prefix)
 
     async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
                             reader_tp_size: int) -> KVHandoff | None:
