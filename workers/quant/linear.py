@@ -1,9 +1,10 @@
 """Linear layers that keep their weights quantized, and the kernels that multiply by them.
 
 `quantize_layers` runs on a freshly built model before its checkpoint is read: every linear
-layer whose weight this device and dtype can multiply in quantized form trades its `weight`
-parameter for `qweight` (int8 [N, K]), `scales` and `zeros` ([N, K / group]) of this rank's
-shard, loaded by the layer's own (sharding) weight loader. Every other quantized tensor is
+layer (and the output projection, when the checkpoint quantizes it) whose weight this device
+and dtype can multiply in quantized form trades its `weight` parameter for `qweight` (int8
+[N, K]), `scales` and `zeros` ([N, K / group]) of this rank's shard, loaded by the layer's own
+(sharding) weight loader. Every other quantized tensor is
 dequantized while it is read (`workers.quant.decode`), so the layer stays a plain one.
 After loading, `prepare_layers` packs each kept weight for its kernel.
 
@@ -67,14 +68,20 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, dtype: torch.dtype,
             continue
         names = checkpoint_names(model, name)
         quantized = [scheme.quantizes(n) for n in names]
+        if all(quantized) and getattr(module, "tied", False):
+            raise ValueError(f"{name!r} is tied to the input embedding (tie_word_embeddings) "
+                             "but the quantization config quantizes it; expected an untied "
+                             "model or a full-precision lm_head")
         if any(quantized) and not all(quantized):
             raise ValueError(f"{names} are fused into one layer but the quantization config "
                              "skips only some of them; expected all or none")
         in_features = module.weight.shape[1]
-        kernel = kernel_for(scheme, dtype, device, in_features) if all(quantized) else None
+        module_scheme = scheme.for_module(names[0])
+        kernel = kernel_for(module_scheme, dtype, device, in_features) if all(quantized) \
+            else None
         if kernel is None:
             continue
-        _swap(module, scheme, kernel)
+        _swap(module, module_scheme, kernel)
         kept.update(names)
     return kept
 
