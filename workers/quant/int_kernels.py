@@ -23,8 +23,8 @@ SOURCE = Path(__file__).parents[1] / "csrc" / "int_gemm.c"
 def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE)))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.int8_gemm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32]
-    lib.int4_gemm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.int8_gemm.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i64, i64, i64, i32]
+    lib.int4_gemm.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]
     lib.int8_gemm.restype = lib.int4_gemm.restype = lib.int_gemm_available.restype = i32
     return lib
 
@@ -54,17 +54,27 @@ def block_int8(q: torch.Tensor) -> torch.Tensor:
     return u.view(-1, 4, k // 64, 64).transpose(1, 2).contiguous().view(-1)
 
 
+_DTYPES = (torch.float32, torch.bfloat16)  # of x and of the output: fp32, or bf16 (flag 1)
+
+
+def _activations(x: torch.Tensor) -> torch.Tensor:
+    return (x if x.dtype in _DTYPES else x.float()).contiguous()
+
+
 def int8_gemm(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor,
-              num_threads: int | None = None) -> torch.Tensor:
-    """x [M, K] fp32 times the int8 weight [N, K] given `block_int8`-blocked, with fp32
-    `scales` [N] -> [M, N] fp32."""
+              num_threads: int | None = None, out_dtype: torch.dtype = torch.float32
+              ) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16; others are cast to fp32) times the int8 weight [N, K] given
+    `block_int8`-blocked, with fp32 `scales` [N] -> [M, N] in `out_dtype` (fp32 or bf16, the
+    fp32 result rounded to nearest even as torch rounds)."""
     m, k = x.shape
     n = scales.shape[0]
-    x = x.contiguous()
-    out = torch.empty(m, n, dtype=torch.float32)
-    _check(load_kernel().int8_gemm(x.data_ptr(), blocked.data_ptr(), scales.data_ptr(),
-                                   out.data_ptr(), m, n, k,
-                                   num_threads or torch.get_num_threads()), "int8_gemm")
+    x = _activations(x)
+    out = torch.empty(m, n, dtype=out_dtype)
+    _check(load_kernel().int8_gemm(x.data_ptr(), _DTYPES.index(x.dtype), blocked.data_ptr(),
+                                   scales.data_ptr(), out.data_ptr(), _DTYPES.index(out_dtype),
+                                   m, n, k, num_threads or torch.get_num_threads()),
+           "int8_gemm")
     return out
 
 
@@ -89,14 +99,16 @@ def block_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 
 
 def int4_gemm(x: torch.Tensor, blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-              n: int, group: int, num_threads: int | None = None) -> torch.Tensor:
-    """x [M, K] fp32 times the [n, K] int4 weight `block_int4` made, in groups of `group`
-    columns -> [M, n] fp32."""
+              n: int, group: int, num_threads: int | None = None,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] (as `int8_gemm`'s) times the [n, K] int4 weight `block_int4` made, in groups of
+    `group` columns -> [M, n] in `out_dtype` (fp32 or bf16)."""
     m, k = x.shape
-    x = x.contiguous()
+    x = _activations(x)
     packed, scales, offsets = blocked
-    out = torch.empty(m, n, dtype=torch.float32)
-    _check(load_kernel().int4_gemm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
-                                   offsets.data_ptr(), out.data_ptr(), m, n, k, group,
+    out = torch.empty(m, n, dtype=out_dtype)
+    _check(load_kernel().int4_gemm(x.data_ptr(), _DTYPES.index(x.dtype), packed.data_ptr(),
+                                   scales.data_ptr(), offsets.data_ptr(), out.data_ptr(),
+                                   _DTYPES.index(out_dtype), m, n, k, group,
                                    num_threads or torch.get_num_threads()), "int4_gemm")
     return out

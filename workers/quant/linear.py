@@ -148,17 +148,20 @@ class QuantizedMatmul:
     def __call__(self, module: nn.Module, x: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # x: [T, K] -> [T, N] in out_dtype (default x's)
-        if self.vnni:
-            y = (int_kernels.int8_gemm(x.float(), module.qweight, module.scales_f32)
+        out_dtype = out_dtype or x.dtype
+        zero_terms = self.has_zeros and self.kernel == "int8"
+        if self.vnni:  # bf16 in and out without a cast (the kernels read and round bf16)
+            y_dtype = out_dtype if out_dtype == torch.bfloat16 and not zero_terms \
+                else torch.float32
+            y = (int_kernels.int8_gemm(x, module.qweight, module.scales_f32, out_dtype=y_dtype)
                  if self.kernel == "int8"
-                 else int_kernels.int4_gemm(x.float(), (module.qweight, module.scales,
-                                                        module.offsets),
-                                            self.out_features, self.group_size))
+                 else int_kernels.int4_gemm(x, (module.qweight, module.scales, module.offsets),
+                                            self.out_features, self.group_size,
+                                            out_dtype=y_dtype))
         else:
             y = self._torch_kernels(module, x)
-        if self.has_zeros and self.kernel == "int8":
+        if zero_terms:
             y = y - x.float().sum(-1, keepdim=True) * module.zero_terms
-        out_dtype = out_dtype or x.dtype
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
     def _torch_kernels(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:

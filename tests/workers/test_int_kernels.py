@@ -1,0 +1,64 @@
+"""The CPU int8/int4 kernels (`workers/csrc/int_gemm.c`) called directly: they equal a
+dequantize-then-matmul reference, read bf16 rows and write bf16 results with the same bits as
+the fp32 path followed by torch's cast, and give the same bits on one thread as on two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.quant import int_kernels
+
+pytestmark = pytest.mark.skipif(not int_kernels.available(),
+                                reason="the int8/int4 kernels need AVX-512 VNNI")
+N, K, GROUP = 202, 256, 64  # N not a multiple of the 4-row tiles: a padded last tile
+
+
+def int4_weight(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g)
+    scales = torch.rand(N, K // GROUP, generator=g) * 0.01 + 1e-3
+    zeros = torch.randint(-2, 3, (N, K // GROUP), generator=g).float()
+    w = (q.float() - zeros.repeat_interleave(GROUP, 1)) * scales.repeat_interleave(GROUP, 1)
+    return int_kernels.block_int4(q, scales, zeros), w
+
+
+def int8_weight(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    scales = torch.rand(N, generator=g) * 0.01 + 1e-3
+    return int_kernels.block_int8(q), scales, q.float() * scales[:, None]
+
+
+def int4(x, out_dtype=torch.float32, num_threads=None):
+    blocked, _ = int4_weight()
+    return int_kernels.int4_gemm(x, blocked, N, GROUP, num_threads, out_dtype=out_dtype)
+
+
+def int8(x, out_dtype=torch.float32, num_threads=None):
+    blocked, scales, _ = int8_weight()
+    return int_kernels.int8_gemm(x, blocked, scales, num_threads, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_both_kernels_match_the_dequantized_matmul(rows):
+    x = torch.randn(rows, K)
+    for got, w in ((int4(x), int4_weight()[1]), (int8(x), int8_weight()[2])):
+        want = x @ w.t()
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("kernel", [int4, int8])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_rows_in_and_out_have_the_bits_of_the_fp32_path_and_a_cast(kernel, rows):
+    x = torch.randn(rows, K, dtype=torch.bfloat16)
+    fp32 = kernel(x.float())
+    assert torch.equal(kernel(x), fp32)
+    assert torch.equal(kernel(x, torch.bfloat16), fp32.to(torch.bfloat16))
+    assert torch.equal(kernel(x.float(), torch.bfloat16), fp32.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel", [int4, int8])
+def test_one_thread_and_two_give_the_same_bits(kernel):
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    assert torch.equal(kernel(x, torch.bfloat16, 1), kernel(x, torch.bfloat16, 2))
