@@ -62,3 +62,15 @@ def test_bf16_rows_in_and_out_have_the_bits_of_the_fp32_path_and_a_cast(kernel, 
 def test_one_thread_and_two_give_the_same_bits(kernel):
     x = torch.randn(3, K, dtype=torch.bfloat16)
     assert torch.equal(kernel(x, torch.bfloat16, 1), kernel(x, torch.bfloat16, 2))
+
+
+def test_symmetric_int4_weights_carry_no_offsets_and_give_the_same_bits():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g)
+    scales = torch.rand(N, K // GROUP, generator=g) * 0.01 + 1e-3
+    packed, block_scales, offsets = int_kernels.block_int4(q, scales, torch.zeros_like(scales))
+    assert offsets is None  # the kernel takes 8 * scale itself
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    explicit = (packed, block_scales, 8 * block_scales)  # (8 + 0) * scale, as block_int4 made
+    assert torch.equal(int_kernels.int4_gemm(x, (packed, block_scales, None), N, GROUP),
+                       int_kernels.int4_gemm(x, explicit, N, GROUP))

@@ -10,7 +10,9 @@
  *   sum (q + 128) xq = sum q xq + 128 sum xq, and the last term is the row of x's alone;
  * - int4 stored as u = q + 8 (one scale and zero per group of columns g):
  *   w = (u - 8 - z_g) s_g, so y = sum_g s_g sum_b xs_b sum u xq - sum_g (8 + z_g) s_g X_g with
- *   X_g = sum_{b in g} xs_b sum xq, the offsets (8 + z_g) s_g given per group.
+ *   X_g = sum_{b in g} xs_b sum xq, the offsets (8 + z_g) s_g given per group, or NULL
+ *   for symmetric weights (z_g = 0: the kernel takes 8 s_g, the same bits, and a step reads
+ *   4 bytes per row and group fewer, 6% of a group of 128's bytes).
  * Both come blocked by workers/quant/int_kernels.py (`block_int8`, `block_int4`): a thread reads
  * each tile of 4 output rows as one sequential stream (rows of a few KB read side by side left
  * the prefetcher restarting: 20 GB/s, where a stream reaches 30+), and a tile read once serves
@@ -178,6 +180,9 @@ static inline __attribute__((always_inline)) void tile_i4(
         float xg[MB];
         for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps(), xg[i] = 0.0f;
         for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
+            /* a kilobyte ahead: the next tile's lines when this one ends (measured: 3% at one
+             * row of a 0.6B model's projections; 4 KB ahead was slower) */
+            _mm_prefetch((const char *)(tile + (c + 16) * 64), _MM_HINT_T0);
             __m512i b = _mm512_loadu_si512((const void *)(tile + c * 64));
             __m512i lo = _mm512_and_si512(b, low);
             __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
@@ -197,7 +202,8 @@ static inline __attribute__((always_inline)) void tile_i4(
         const int64_t at = (t * groups + g) * ROWS;
         __m512 s = _mm512_permutexvar_ps(spread,
                                          _mm512_castps128_ps512(_mm_loadu_ps(scales + at)));
-        __m128 o = _mm_loadu_ps(offsets + at);
+        __m128 o = offsets ? _mm_loadu_ps(offsets + at)
+                           : _mm_mul_ps(_mm_loadu_ps(scales + at), _mm_set1_ps(8.0f));
         for (int i = 0; i < mr; i++) {
             total[i] = _mm512_fmadd_ps(acc[i], s, total[i]);
             corr[i] = _mm_fmadd_ps(o, _mm_set1_ps(xg[i]), corr[i]);

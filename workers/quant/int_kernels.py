@@ -79,11 +79,12 @@ def int8_gemm(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor,
 
 
 def block_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Signed int4 q [N, K] (K a multiple of 32) with per-group fp32 scales and zeros [N, G]
     -> the kernel's (weights, scales, offsets): tiles of 4 rows (the last padded with zero
     rows), each 32 columns as 4 runs of 16 bytes (byte i: column i + 8 in the low nibble,
-    column i + 16 + 8 in the high one), scales and offsets (8 + zero) * scale as [tiles, G, 4].
+    column i + 16 + 8 in the high one), scales and offsets (8 + zero) * scale as [tiles, G, 4]
+    (offsets None when every zero is 0: the kernel then takes 8 * scale itself).
     """
     n, k = q.shape
     pad = -n % 4
@@ -95,10 +96,12 @@ def block_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
         t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
         return t.view(-1, 4, t.shape[1]).transpose(1, 2).contiguous().view(-1)
 
-    return packed, per_tile(scales), per_tile((8 + zeros) * scales)
+    offsets = per_tile((8 + zeros) * scales) if bool(zeros.any()) else None
+    return packed, per_tile(scales), offsets
 
 
-def int4_gemm(x: torch.Tensor, blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+def int4_gemm(x: torch.Tensor,
+              blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
               n: int, group: int, num_threads: int | None = None,
               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] (as `int8_gemm`'s) times the [n, K] int4 weight `block_int4` made, in groups of
@@ -108,7 +111,9 @@ def int4_gemm(x: torch.Tensor, blocked: tuple[torch.Tensor, torch.Tensor, torch.
     packed, scales, offsets = blocked
     out = torch.empty(m, n, dtype=out_dtype)
     _check(load_kernel().int4_gemm(x.data_ptr(), _DTYPES.index(x.dtype), packed.data_ptr(),
-                                   scales.data_ptr(), offsets.data_ptr(), out.data_ptr(),
+                                   scales.data_ptr(),
+                                   None if offsets is None else offsets.data_ptr(),
+                                   out.data_ptr(),
                                    _DTYPES.index(out_dtype), m, n, k, group,
                                    num_threads or torch.get_num_threads()), "int4_gemm")
     return out
