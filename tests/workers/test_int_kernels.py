@@ -74,3 +74,16 @@ def test_symmetric_int4_weights_carry_no_offsets_and_give_the_same_bits():
     explicit = (packed, block_scales, 8 * block_scales)  # (8 + 0) * scale, as block_int4 made
     assert torch.equal(int_kernels.int4_gemm(x, (packed, block_scales, None), N, GROUP),
                        int_kernels.int4_gemm(x, explicit, N, GROUP))
+
+
+def test_bf16_scales_are_kept_in_bf16_and_give_the_bits_of_fp32_ones():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g)
+    scales = (torch.rand(N, K // GROUP, generator=g) * 0.01 + 1e-3).to(torch.bfloat16).float()
+    zeros = torch.randint(-2, 3, (N, K // GROUP), generator=g).float()
+    packed, block_scales, offsets = int_kernels.block_int4(q, scales, zeros)
+    assert block_scales.dtype == torch.bfloat16  # as compressed-tensors stores them
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    assert torch.equal(
+        int_kernels.int4_gemm(x, (packed, block_scales, offsets), N, GROUP),
+        int_kernels.int4_gemm(x, (packed, block_scales.float(), offsets), N, GROUP))

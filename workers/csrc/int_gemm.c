@@ -161,13 +161,22 @@ static void rows_i8(const int8_t *xq, const float *xs, const float *xw, const ui
     }
 }
 
+/* 4 scales from `at`: fp32, or bf16 (`bf16`: a checkpoint's bf16 scales, exact, in half the
+ * bytes). */
+static inline __m128 load4(const void *scales, int bf16, int64_t at) {
+    if (!bf16) return _mm_loadu_ps((const float *)scales + at);
+    __m128i h = _mm_loadl_epi64((const __m128i *)((const uint16_t *)scales + at));
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+}
+
 /* int4, tile layout: per 32 columns, 64 bytes, 16 per row, byte i of row j holding column i
  * (low nibble) and i + 16 (high). One 64-byte load gives all 4 rows: the low nibbles against
  * x's 16 columns broadcast to each 128-bit lane, the high ones against the next 16, so lane j
  * of the accumulator sums row j. Scales and offsets are [tiles, groups, 4]. */
 static inline __attribute__((always_inline)) void tile_i4(
     const int8_t *xq, const float *xs, const float *xw, const uint8_t *tile,
-    const float *scales, const float *offsets, void *y, int y_bf16, int64_t N, int64_t K,
+    const void *scales, int s_bf16, const float *offsets, void *y, int y_bf16, int64_t N,
+    int64_t K,
     int64_t group, int64_t t, int64_t n0, int nr, int64_t m0, const int mr) {
     const int64_t groups = K / group, per_group = group / BLOCK, blocks = K / BLOCK;
     const __m512i low = _mm512_set1_epi8(15);
@@ -201,9 +210,9 @@ static inline __attribute__((always_inline)) void tile_i4(
         }
         const int64_t at = (t * groups + g) * ROWS;
         __m512 s = _mm512_permutexvar_ps(spread,
-                                         _mm512_castps128_ps512(_mm_loadu_ps(scales + at)));
+                                         _mm512_castps128_ps512(load4(scales, s_bf16, at)));
         __m128 o = offsets ? _mm_loadu_ps(offsets + at)
-                           : _mm_mul_ps(_mm_loadu_ps(scales + at), _mm_set1_ps(8.0f));
+                           : _mm_mul_ps(load4(scales, s_bf16, at), _mm_set1_ps(8.0f));
         for (int i = 0; i < mr; i++) {
             total[i] = _mm512_fmadd_ps(acc[i], s, total[i]);
             corr[i] = _mm_fmadd_ps(o, _mm_set1_ps(xg[i]), corr[i]);
@@ -217,7 +226,8 @@ static inline __attribute__((always_inline)) void tile_i4(
 }
 
 static void rows_i4(const int8_t *xq, const float *xs, const float *xw, const uint8_t *w,
-                    const float *scales, const float *offsets, void *y, int y_bf16, int64_t M,
+                    const void *scales, int s_bf16, const float *offsets, void *y, int y_bf16,
+                    int64_t M,
                     int64_t N, int64_t K, int64_t group, int64_t start, int64_t end) {
     for (int64_t n0 = start; n0 < end; n0 += ROWS) {
         const int nr = end - n0 < ROWS ? (int)(end - n0) : ROWS;
@@ -225,7 +235,8 @@ static void rows_i4(const int8_t *xq, const float *xs, const float *xw, const ui
         const uint8_t *tile = w + t * ROWS * (K / 2);
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
 #define I4(MR) \
-    tile_i4(xq, xs, xw, tile, scales, offsets, y, y_bf16, N, K, group, t, n0, nr, m0, MR)
+    tile_i4(xq, xs, xw, tile, scales, s_bf16, offsets, y, y_bf16, N, K, group, t, n0, nr, m0, \
+            MR)
             switch (M - m0 < MB ? (int)(M - m0) : MB) {
                 case 1: I4(1); break;
                 case 2: I4(2); break;
@@ -285,13 +296,13 @@ int int8_gemm(const void *x, int x_bf16, const uint8_t *w, const float *scales, 
 #endif
 }
 
-int int4_gemm(const void *x, int x_bf16, const uint8_t *w, const float *scales,
+int int4_gemm(const void *x, int x_bf16, const uint8_t *w, const void *scales, int s_bf16,
               const float *offsets, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
               int64_t group, int num_threads) {
 #if HAVE_VNNI
     if (K % BLOCK || group % BLOCK || K % group) return -2;
-    QUANTIZE_THEN_OVER_THREADS(rows_i4(a.xq, a.xs, a.xw, w, scales, offsets, y, y_bf16, M, N, K,
-                                       group, start, end));
+    QUANTIZE_THEN_OVER_THREADS(rows_i4(a.xq, a.xs, a.xw, w, scales, s_bf16, offsets, y, y_bf16,
+                                       M, N, K, group, start, end));
 #else
     return -1;
 #endif

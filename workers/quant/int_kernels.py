@@ -24,7 +24,7 @@ def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE)))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.int8_gemm.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i64, i64, i64, i32]
-    lib.int4_gemm.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, i32, i64, i64, i64, i64, i32]
+    lib.int4_gemm.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, i32, i64, i64, i64, i64, i32]
     lib.int8_gemm.restype = lib.int4_gemm.restype = lib.int_gemm_available.restype = i32
     return lib
 
@@ -84,7 +84,9 @@ def block_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     -> the kernel's (weights, scales, offsets): tiles of 4 rows (the last padded with zero
     rows), each 32 columns as 4 runs of 16 bytes (byte i: column i + 8 in the low nibble,
     column i + 16 + 8 in the high one), scales and offsets (8 + zero) * scale as [tiles, G, 4]
-    (offsets None when every zero is 0: the kernel then takes 8 * scale itself).
+    (offsets None when every zero is 0: the kernel then takes 8 * scale itself). The scales are
+    bf16 when every one is a bf16 value (as compressed-tensors stores them): the same numbers in
+    half the bytes; else fp32.
     """
     n, k = q.shape
     pad = -n % 4
@@ -97,7 +99,9 @@ def block_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
         return t.view(-1, 4, t.shape[1]).transpose(1, 2).contiguous().view(-1)
 
     offsets = per_tile((8 + zeros) * scales) if bool(zeros.any()) else None
-    return packed, per_tile(scales), offsets
+    scales = per_tile(scales)
+    as_bf16 = scales.to(torch.bfloat16)
+    return packed, as_bf16 if torch.equal(as_bf16.float(), scales) else scales, offsets
 
 
 def int4_gemm(x: torch.Tensor,
@@ -111,7 +115,7 @@ def int4_gemm(x: torch.Tensor,
     packed, scales, offsets = blocked
     out = torch.empty(m, n, dtype=out_dtype)
     _check(load_kernel().int4_gemm(x.data_ptr(), _DTYPES.index(x.dtype), packed.data_ptr(),
-                                   scales.data_ptr(),
+                                   scales.data_ptr(), int(scales.dtype == torch.bfloat16),
                                    None if offsets is None else offsets.data_ptr(),
                                    out.data_ptr(),
                                    _DTYPES.index(out_dtype), m, n, k, group,
