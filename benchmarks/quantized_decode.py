@@ -6,16 +6,18 @@ scale per output channel, compressed-tensors) and int4 (groups of 128, compresse
 variant is loaded by the engine and decodes at batch 1 and batch 16:
 
 - fp32: fp32 weights and activations; bf16: the same weights cast to bf16;
-- int8, int4: weight-only, the weights packed for torch's CPU int8/int4 kernels, bf16
-  activations.
+- int8, int4: the decoder's weights packed for Cleave's CPU int8/int4 kernels (or torch's),
+  bf16 activations; the output projection int8 with one scale per output channel
+  (`cleave quantize --quantize-lm-head`, as llama.cpp's Q4_0 files keep `output.weight` at
+  higher precision), or in bf16 with `--lm-head full`.
 
 Decode tokens/s = batch x new tokens / (time of the whole generation - time of the prefill
 alone, measured by a 1-token generation of the same prompts); every variant is loaded at once
-and measured `--rounds` times in turn, the best kept (this machine's runs vary by up to 25%). The bound is what the memory
-system allows: per step the weights read (every parameter and packed buffer but the input
-embedding) plus each sequence's KV, divided by the read bandwidth measured in the same run (a
-sum over a 1 GiB tensor with the same threads). Ratios: each variant's tokens/s over fp32's at
-the same batch.
+and measured `--rounds` times in turn, the best kept (this machine's runs vary by up to 25%).
+The bound is what the memory system allows: per step the weights read (every parameter and
+packed buffer but the input embedding) plus each sequence's KV, divided by the read bandwidth
+measured in the same run (a sum over a 1 GiB tensor with the same threads). Ratios: each
+variant's tokens/s over fp32's at the same batch.
 
 Last line: one JSON object; also written to benchmarks/results/quantized_decode.json.
 """
@@ -40,8 +42,9 @@ VARIANTS = {  # name: (checkpoint, dtype)
 }
 
 
-def checkpoints(cache: Path, shape: dict, group_size: int) -> dict[str, Path]:
-    """The fp32 checkpoint and its int8/int4 copies under `cache` (written once)."""
+def checkpoints(cache: Path, shape: dict, group_size: int, lm_head: bool) -> dict[str, Path]:
+    """The fp32 checkpoint and its int8/int4 copies under `cache` (written once); `lm_head`:
+    whether the copies quantize the output projection (int8 per channel)."""
     from workers.make_model import make_model
     from workers.quant.writer import quantize_checkpoint
 
@@ -51,9 +54,10 @@ def checkpoints(cache: Path, shape: dict, group_size: int) -> dict[str, Path]:
         make_model(fp32, arch="llama", preset="small", overrides=dict(shape))
     out = {"fp32": fp32}
     for name, bits, group in (("int8", 8, None), ("int4", 4, group_size)):
-        path = cache / f"llama-{tag}-{name}"
+        path = cache / (f"llama-{tag}-{name}" + ("-lm-head-int8" if lm_head else ""))
         if not (path / "config.json").exists():
-            quantize_checkpoint(fp32, path, "compressed-tensors", bits=bits, group_size=group)
+            quantize_checkpoint(fp32, path, "compressed-tensors", bits=bits, group_size=group,
+                                lm_head=lm_head)
         out[name] = path
     return out
 
@@ -81,7 +85,7 @@ def bytes_per_step(model: torch.nn.Module) -> int:
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *packed]}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     embed = model.model.embed_tokens.weight
-    if model.lm_head.weight.data_ptr() != embed.data_ptr():
+    if not model.lm_head.tied:
         total -= embed.numel() * embed.element_size()
     return total
 
@@ -133,13 +137,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shape", default=None,
                         help="override the shape: key=value,... (hidden_size=..., ...)")
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--lm-head", choices=("int8", "full"), default="int8",
+                        help="the int8/int4 variants' output projection: int8 per output "
+                             "channel, or full precision (bf16 when loaded)")
     parser.add_argument("--out", default=str(RESULTS / "quantized_decode.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = dict(SHAPE)
     if args.shape:
         shape.update({k: int(v) for k, v in (kv.split("=") for kv in args.shape.split(","))})
-    paths = checkpoints(Path(args.cache), shape, args.group_size)
+    paths = checkpoints(Path(args.cache), shape, args.group_size, args.lm_head == "int8")
     bandwidth = read_bandwidth()
     batches = [int(b) for b in args.batches.split(",")]
     runs: dict[str, dict] = {}
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "command": command_line(argv), "threads": args.threads, "shape": shape,
         "read_bandwidth_gb_s": bandwidth / 1e9, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "rounds": args.rounds, "runs": runs,
+        "new_tokens": args.new_tokens, "rounds": args.rounds,
+        "int_variants_lm_head": args.lm_head, "runs": runs,
     }
     for name in ("bf16", "int8", "int4"):
         for batch in batches:

@@ -145,7 +145,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         args.model, args.out, args.format, bits=args.bits,
         group_size=None if args.group_size <= 0 else args.group_size,
         symmetric=not args.asymmetric, act_order=args.act_order,
-        block=None if args.block <= 0 else args.block)
+        block=None if args.block <= 0 else args.block, lm_head=args.quantize_lm_head)
     print(out)
     return 0
 
@@ -165,6 +165,9 @@ def _add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     quantize.add_argument("--act-order", action="store_true", help="gptq: act-order groups")
     quantize.add_argument("--block", type=int, default=128,
                           help="fp8: scale block (rows and columns); -1 for one per tensor")
+    quantize.add_argument("--quantize-lm-head", action="store_true", help=(
+        "quantize the output projection too (gptq: as the layers, lm_head=true; "
+        "compressed-tensors: int8 per output channel); refused for tied embeddings"))
     quantize.set_defaults(func=_cmd_quantize)
 
 

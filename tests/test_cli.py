@@ -47,6 +47,21 @@ def test_quantize_then_generate_from_it(tmp_path, tiny_model):
     assert bad.returncode == 2 and "not a multiple of group_size 100" in bad.stderr
 
 
+def test_quantize_lm_head_writes_it_and_generate_reads_it(tmp_path, tiny_model):
+    out = tmp_path / "ct"
+    made = run("quantize", "--model", tiny_model, "--out", str(out), "--format",
+               "compressed-tensors", "--group-size", "32", "--quantize-lm-head", env_dir=tmp_path)
+    assert made.returncode == 0, made.stderr
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_1"]["targets"] == ["lm_head"]
+    gen = run("generate", "--model", str(out), "--dtype", "bfloat16", "--prompt", "hi",
+              "--max-tokens", "5", "--ignore-eos", env_dir=tmp_path)
+    assert gen.returncode == 0, gen.stderr
+    bad = run("quantize", "--model", tiny_model, "--out", str(tmp_path / "x"), "--format",
+              "awq", "--quantize-lm-head", env_dir=tmp_path)
+    assert bad.returncode == 2 and "got format 'awq'" in bad.stderr
+
+
 def test_generate_defaults_to_the_embedded_model(tmp_path):
     gen = run("generate", "--max-tokens", "3", env_dir=tmp_path)
     assert gen.returncode == 0, gen.stderr

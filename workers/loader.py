@@ -69,8 +69,8 @@ def load_model(
         model = model_class(config, attn_backend, shard=shard or Shard(tp_rank, tp_size))
     # "dummy" draws full-precision weights whatever the checkpoint's quantization
     scheme = config.quantization if load_format != "dummy" else None
-    kept = quantize_layers(model, scheme, dtype, torch.device(device), LINEAR_LAYERS) \
-        if scheme is not None else set()
+    kept = quantize_layers(model, scheme, dtype, torch.device(device),
+                           (*LINEAR_LAYERS, ParallelLMHead)) if scheme is not None else set()
     error: str | None = None
     try:
         with torch.no_grad():

@@ -29,9 +29,10 @@ def test_a_tiny_run_reports_every_variant_against_fp32(bench, tmp_path, capsys):
                          for b in (1, 2)}
     assert all(r["tokens_per_s"] > 0 and 0 < r["fraction_of_bound"] for r in runs.values())
     # the decoder's projections: int8 reads about a quarter of fp32's bytes, int4 an eighth
-    # (plus the bf16 output projection and norms all variants but fp32 share)
+    # (plus the int8 output projection and the norms)
     fp32, bf16 = runs["fp32_batch1"]["weight_bytes"], runs["bf16_batch1"]["weight_bytes"]
     assert bf16 == fp32 // 2
     assert runs["int4_batch1"]["weight_bytes"] < runs["int8_batch1"]["weight_bytes"] < bf16
     ratios = [k for k in result if k.endswith("_ratio")]
     assert len(ratios) == 6 and all(result[k] > 0 for k in ratios)
+    assert result["int_variants_lm_head"] == "int8"

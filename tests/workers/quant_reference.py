@@ -72,6 +72,13 @@ def _fp8(t: dict[str, torch.Tensor], scale_name: str) -> torch.Tensor:
     return (w * full).float()
 
 
+def _ct_group_of(config: dict, prefix: str) -> dict:
+    """The compressed-tensors config group of module `prefix`: one naming it, else the first."""
+    groups = list(config["config_groups"].values())
+    named = [g for g in groups if prefix in g["targets"]]
+    return named[0] if named else groups[0]
+
+
 def dequantized_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint in `folder`, its quantized weights dequantized to fp32."""
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
@@ -97,7 +104,7 @@ def dequantized_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         elif method == "fp8":
             w = _fp8(t, "weight_scale_inv" if "weight_scale_inv" in t else "weight_scale")
         elif "weight_packed" in t:
-            w = _ct_packed(t, config["config_groups"]["group_0"]["weights"]["num_bits"])
+            w = _ct_packed(t, _ct_group_of(config, prefix)["weights"]["num_bits"])
         else:
             w = _fp8(t, "weight_scale")
         plain[f"{prefix}.weight"] = w

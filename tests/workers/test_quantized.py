@@ -37,6 +37,10 @@ FORMATS = {  # name: (format, options)
     "ct-fp8-channel": ("compressed-tensors-fp8", {}),
     "fp8-block32": ("fp8", dict(block=32)),
     "fp8-tensor": ("fp8", dict(block=None)),
+    # the output projection quantized too: as the layers (gptq), int8 per channel (ct)
+    "gptq-int4-g32-lm-head": ("gptq", dict(bits=4, group_size=32, lm_head=True)),
+    "ct-int4-g32-lm-head-int8": ("compressed-tensors", dict(bits=4, group_size=32,
+                                                            lm_head=True)),
 }
 # transformers reads these itself on the CPU (compressed-tensors' asymmetric packed zero points it
 # re-initializes with the wrong shape: transformers 5.24, compressed-tensors 0.20)
@@ -147,7 +151,10 @@ def test_tensor_parallel_shards_packed_weights_and_scales(full_precision, tmp_pa
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3-bit weights"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq version 'gemv'"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 fmt 'e5m2'"),
-    ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "lm_head=true"),
+    ({"quant_method": "gptq", "bits": 4, "lm_head": "yes"}, "gptq lm_head 'yes'"),
+    ({"quant_method": "compressed-tensors", "config_groups": {
+        "a": {"targets": ["Linear"]}, "b": {"targets": ["re:.*mlp.*"]}}},
+     r"targeting \[\['Linear'\], \['re:.\*mlp.\*'\]\]"),
     ({"quant_method": "mxfp4"}, "'mxfp4' is not supported"),
 ])
 def test_unsupported_variants_are_refused_by_name(config, message):
@@ -175,3 +182,51 @@ def test_quantize_refuses_a_group_size_that_does_not_divide(full_precision, tmp_
         quantize_checkpoint(src, tmp_path / "bad", "gptq", bits=4, group_size=128)
     config = json.loads((src / "config.json").read_text())
     assert "quantization_config" not in config
+
+
+def test_bf16_keeps_a_quantized_lm_head_packed_and_its_logits_match_the_reference(
+        full_precision, tmp_path):
+    src, _ = full_precision
+    path = quantize_checkpoint(src, tmp_path / "ct", "compressed-tensors", bits=4,
+                               group_size=32, lm_head=True)
+    scheme = parse_quantization(json.loads((path / "config.json").read_text()))
+    assert (scheme.bits, scheme.lm_head.bits, scheme.lm_head.group_size) == (4, 8, None)
+    llm = LLM(str(path), dtype="bfloat16", block_size=4, num_blocks=64)
+    assert modules_with_kernels(llm)["lm_head"] == "int8"
+    lm_head = llm.engine.runner.executor.model.lm_head
+    w = dequantized_state_dict(path)["lm_head.weight"]
+    x = torch.randn(3, w.shape[1], dtype=torch.bfloat16)
+    got, want = lm_head.compute_logits(x).float(), x.float() @ w.t()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    packed_bytes = sum(b.numel() * b.element_size() for b in lm_head.buffers())
+    assert packed_bytes < w.numel() * 2 * 0.6  # a byte and a scale per row, against bf16
+
+
+def test_tensor_parallel_splits_a_quantized_lm_head_by_vocabulary(full_precision, tmp_path):
+    src, _ = full_precision
+    path = quantize_checkpoint(src, tmp_path / "ct", "compressed-tensors", bits=4,
+                               group_size=32, lm_head=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    single = LLM(str(path), dtype="bfloat16", block_size=4, num_blocks=64)
+    want = [o.outputs[0] for o in single.generate(PROMPTS, params)]
+    llm = LLM(str(path), dtype="bfloat16", block_size=4, num_blocks=64, tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.engine.close()
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want):  # each rank's rows are the same rows, scaled the same
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(g.logprobs, w.logprobs)) <= 0.05
+
+
+def test_a_tied_lm_head_is_not_quantized(tmp_path):
+    src = tmp_path / "qwen2"
+    save_hf_model("qwen2", src)  # tie_word_embeddings
+    with pytest.raises(ValueError, match="ties lm_head to its input embedding"):
+        quantize_checkpoint(src, tmp_path / "q", "gptq", bits=4, group_size=32, lm_head=True)
+    path = quantize_checkpoint(src, tmp_path / "q2", "gptq", bits=4, group_size=32)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["lm_head"] = True  # a config that says otherwise
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'lm_head' is tied to the input embedding"):
+        LLM(str(path), dtype="bfloat16", block_size=4, num_blocks=64)

@@ -32,7 +32,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
-        _check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim), "vocab tensor")
+        # the table, or a quantized output projection's int8 rows and per-row scales [vocab, G]
+        _check_shape(loaded_weight, (self.num_embeddings, *param.shape[1:]), "vocab tensor")
         size = self.vocab_end - self.vocab_start
         if size < param.shape[0]:
             param.data[size:].zero_()
@@ -49,12 +50,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary; may share its weight with the input embedding."""
+    """Output projection to the vocabulary; may share its weight with the input embedding.
+
+    Untied, it may be held quantized (`workers.quant.linear.quantize_layers`: `qweight`,
+    `scales`, `zeros` split by vocabulary rows as the weight is, and `matmul` their kernel).
+    """
 
     matmul = None  # as a linear layer's (workers.models.layers): a kernel of its own, or None
+    tied = False  # whether `weight` is the input embedding's
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, num_embeddings]

@@ -28,13 +28,14 @@ def decode_checkpoint(
     tensors: Iterable[tuple[str, torch.Tensor]], scheme: QuantScheme, kept: set[str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) pairs -> the pairs the model loads (see the module doc)."""
-    required = required_parts(scheme)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         prefix, _, suffix = name.rpartition(".")
         if suffix == "weight" and tensor.dtype not in _QUANTIZED_DTYPES:
             yield name, tensor  # a full-precision tensor (norms, embeddings, skipped modules)
             continue
+        module_scheme = scheme.for_module(prefix)  # the output projection's may differ
+        required = required_parts(module_scheme)
         if suffix not in required:
             if suffix in IGNORED_PARTS:
                 continue
@@ -44,13 +45,16 @@ def decode_checkpoint(
         parts[suffix] = tensor
         if all(part in parts for part in required):
             del pending[prefix]
-            yield from _emit(scheme, prefix, parts, prefix in kept)
+            yield from _emit(module_scheme, prefix, parts, prefix in kept)
     if pending:
         prefix, parts = next(iter(pending.items()))
+        module_scheme = scheme.for_module(prefix)
+        required = required_parts(module_scheme)
         missing = [p for p in required if p not in parts]
         raise QuantizedTensorError(
-            f"quantized module {prefix!r} lacks tensors {missing} ({scheme.describe()} needs "
-            f"{list(required)}); {len(pending)} module(s) incomplete")
+            f"quantized module {prefix!r} lacks tensors {missing} "
+            f"({module_scheme.describe()} needs {list(required)}); {len(pending)} module(s) "
+            "incomplete")
 
 
 def _emit(scheme: QuantScheme, prefix: str, parts: dict[str, torch.Tensor], kept: bool

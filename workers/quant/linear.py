@@ -1,9 +1,10 @@
 """Linear layers that keep their weights quantized, and the kernels that multiply by them.
 
 `quantize_layers` runs on a freshly built model before its checkpoint is read: every linear
-layer whose weight this device and dtype can multiply in quantized form trades its `weight`
-parameter for `qweight` (int8 [N, K]), `scales` and `zeros` ([N, K / group]) of this rank's
-shard, loaded by the layer's own (sharding) weight loader. Every other quantized tensor is
+layer (and the output projection, when the checkpoint quantizes it) whose weight this device
+and dtype can multiply in quantized form trades its `weight` parameter for `qweight` (int8
+[N, K]), `scales` and `zeros` ([N, K / group]) of this rank's shard, loaded by the layer's own
+(sharding) weight loader. Every other quantized tensor is
 dequantized while it is read (`workers.quant.decode`), so the layer stays a plain one.
 After loading, `prepare_layers` packs each kept weight for its kernel.
 
@@ -67,14 +68,20 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, dtype: torch.dtype,
             continue
         names = checkpoint_names(model, name)
         quantized = [scheme.quantizes(n) for n in names]
+        if all(quantized) and getattr(module, "tied", False):
+            raise ValueError(f"{name!r} is tied to the input embedding (tie_word_embeddings) "
+                             "but the quantization config quantizes it; expected an untied "
+                             "model or a full-precision lm_head")
         if any(quantized) and not all(quantized):
             raise ValueError(f"{names} are fused into one layer but the quantization config "
                              "skips only some of them; expected all or none")
         in_features = module.weight.shape[1]
-        kernel = kernel_for(scheme, dtype, device, in_features) if all(quantized) else None
+        module_scheme = scheme.for_module(names[0])
+        kernel = kernel_for(module_scheme, dtype, device, in_features) if all(quantized) \
+            else None
         if kernel is None:
             continue
-        _swap(module, scheme, kernel)
+        _swap(module, module_scheme, kernel)
         kept.update(names)
     return kept
 
@@ -141,17 +148,20 @@ class QuantizedMatmul:
     def __call__(self, module: nn.Module, x: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # x: [T, K] -> [T, N] in out_dtype (default x's)
-        if self.vnni:
-            y = (int_kernels.int8_gemm(x.float(), module.qweight, module.scales_f32)
+        out_dtype = out_dtype or x.dtype
+        zero_terms = self.has_zeros and self.kernel == "int8"
+        if self.vnni:  # bf16 in and out without a cast (the kernels read and round bf16)
+            y_dtype = out_dtype if out_dtype == torch.bfloat16 and not zero_terms \
+                else torch.float32
+            y = (int_kernels.int8_gemm(x, module.qweight, module.scales_f32, out_dtype=y_dtype)
                  if self.kernel == "int8"
-                 else int_kernels.int4_gemm(x.float(), (module.qweight, module.scales,
-                                                        module.offsets),
-                                            self.out_features, self.group_size))
+                 else int_kernels.int4_gemm(x, (module.qweight, module.scales, module.offsets),
+                                            self.out_features, self.group_size,
+                                            out_dtype=y_dtype))
         else:
             y = self._torch_kernels(module, x)
-        if self.has_zeros and self.kernel == "int8":
+        if zero_terms:
             y = y - x.float().sum(-1, keepdim=True) * module.zero_terms
-        out_dtype = out_dtype or x.dtype
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
     def _torch_kernels(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,15 @@
 The formats users download from the hub, by `quant_method`:
 - `gptq`: int4/int8 weights packed into int32 along the input dimension, per-group scales and
   packed zero points (`checkpoint_format` "gptq" stores zero - 1, "gptq_v2" the zero itself),
-  optional act-order (`desc_act`, with a `g_idx` per input column).
+  optional act-order (`desc_act`, with a `g_idx` per input column); `lm_head: true` stores the
+  output projection the same way.
 - `awq`: int4 GEMM packing along the output dimension in AWQ's interleaved order, zero points.
 - `compressed-tensors`: `pack-quantized` (int4/int8 packed into int32, per-group or per-channel
   scales, optional zero points), `int-quantized` (int8 tensors, per-channel scales) and
-  `float-quantized` (FP8 e4m3 weights, per-tensor, per-channel or 128x128 block scales).
+  `float-quantized` (FP8 e4m3 weights, per-tensor, per-channel or 128x128 block scales); one
+  config group for the linear layers and optionally a second whose targets name `lm_head` (as
+  llm-compressor writes a different scheme for the output projection, e.g. int8 per channel
+  beside int4 groups, as llama.cpp keeps `output.weight` at higher precision).
 - `fp8`: FP8 e4m3 weights with `weight_scale_inv` per 128x128 block (DeepSeek-V3,
   transformers' FineGrainedFP8) or a per-tensor `weight_scale` (no `weight_block_size`).
 
@@ -18,7 +22,7 @@ read and ignored. Anything else is refused with the variant named.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
@@ -33,6 +37,9 @@ class QuantScheme:
     `group_size`: input columns per scale (int formats); None: one scale per output channel.
     `block`: FP8 scale blocks (output rows, input columns); None for per-tensor/per-channel.
     `skip`: module-name patterns left in full precision (the config's ignore list).
+    `lm_head`: how the output projection is stored when the checkpoint quantizes it (GPTQ's
+    `lm_head: true`: this same scheme; compressed-tensors: the group that names it); None: in
+    full precision. Input embeddings are never quantized.
     """
 
     method: str
@@ -46,18 +53,23 @@ class QuantScheme:
     block: tuple[int, int] | None = None
     fp8_scale_name: str = "weight_scale"
     skip: tuple[str, ...] = field(default_factory=tuple)
+    lm_head: QuantScheme | None = None
+
+    def for_module(self, module: str) -> QuantScheme:
+        """The scheme the module `module` (a checkpoint prefix) is stored in, if quantized."""
+        return self.lm_head if module.endswith("lm_head") and self.lm_head else self
 
     def quantizes(self, module: str) -> bool:
         """Whether the linear module `module` (a checkpoint prefix) is stored quantized."""
-        if module.endswith("lm_head") or "embed_tokens" in module:
-            return False  # never quantized here (a checkpoint that does is refused on load)
+        if "embed_tokens" in module:
+            return False
         for pattern in self.skip:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module):
                     return False
             elif module == pattern or module.endswith("." + pattern):
                 return False
-        return True
+        return self.lm_head is not None if module.endswith("lm_head") else True
 
     def describe(self) -> str:
         if self.kind == "fp8":
@@ -66,7 +78,9 @@ class QuantScheme:
         group = f"group {self.group_size}" if self.group_size else "per-channel"
         zero = "symmetric" if self.symmetric else "zero points"
         order = ", act-order" if self.act_order else ""
-        return f"{self.method} int{self.bits} ({group}, {zero}{order})"
+        head = "" if self.lm_head is None else ", lm_head too" if self.lm_head == replace(
+            self, lm_head=None) else f"; lm_head {self.lm_head.describe().partition(' ')[2]}"
+        return f"{self.method} int{self.bits} ({group}, {zero}{order}{head})"
 
 
 def parse_quantization(raw: Mapping[str, Any]) -> QuantScheme | None:
@@ -115,15 +129,16 @@ def _gptq(config: Mapping[str, Any]) -> QuantScheme:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"gptq checkpoint_format {fmt!r} is not supported; expected 'gptq' or "
                          "'gptq_v2'")
-    if config.get("lm_head", False):
-        raise ValueError("gptq with lm_head=true (a quantized output projection) is not "
-                         "supported; expected lm_head=false")
+    lm_head = config.get("lm_head", False)
+    if not isinstance(lm_head, bool):
+        raise ValueError(f"gptq lm_head {lm_head!r} is not supported; expected true or false")
     skip = tuple(config.get("modules_to_not_convert") or ())
-    return QuantScheme(
+    scheme = QuantScheme(
         "gptq", "int", "gptq", bits=bits, group_size=_group(config.get("group_size"), "gptq"),
         symmetric=bool(config.get("sym", True)), act_order=bool(config.get("desc_act", False)),
         zero_offset=1 if fmt == "gptq" else 0, skip=skip,
     )
+    return replace(scheme, lm_head=scheme) if lm_head else scheme
 
 
 def _awq(config: Mapping[str, Any]) -> QuantScheme:
@@ -158,14 +173,32 @@ def _fp8(config: Mapping[str, Any]) -> QuantScheme:
 
 
 def _compressed_tensors(config: Mapping[str, Any]) -> QuantScheme:
-    groups = config.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ValueError(f"compressed-tensors with {len(groups)} config_groups is not "
-                         "supported; expected exactly one")
-    group = next(iter(groups.values()))
-    weights = group.get("weights") or {}
-    fmt = group.get("format") or config.get("format")
+    groups = list((config.get("config_groups") or {}).values())
     skip = tuple(config.get("ignore") or ())
+    heads = [g for g in groups if _targets_lm_head(g)]
+    bodies = [g for g in groups if not _targets_lm_head(g)]
+    if len(bodies) != 1 or len(heads) > 1:
+        raise ValueError(f"compressed-tensors with config_groups targeting "
+                         f"{[g.get('targets') for g in groups]} is not supported; expected one "
+                         "group for the linear layers and at most one more naming lm_head")
+    scheme = _ct_group(bodies[0], config.get("format"), skip)
+    if heads:  # (unless `ignore` lists lm_head too: `quantizes` reads the ignore list first)
+        scheme = replace(scheme, lm_head=_ct_group(heads[0], config.get("format"), ()))
+    return scheme
+
+
+def _targets_lm_head(group: Mapping[str, Any]) -> bool:
+    """Whether a compressed-tensors config group is for the output projection alone."""
+    targets = group.get("targets") or []
+    return bool(targets) and all(
+        t == "lm_head" or (t.startswith("re:") and re.fullmatch(t[3:], "lm_head"))
+        for t in targets)
+
+
+def _ct_group(group: Mapping[str, Any], default_format: Any, skip: tuple[str, ...]
+              ) -> QuantScheme:
+    weights = group.get("weights") or {}
+    fmt = group.get("format") or default_format
     strategy = weights.get("strategy")
     kind = weights.get("type", "int")
     bits = weights.get("num_bits")

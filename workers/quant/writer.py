@@ -2,9 +2,13 @@
 
 Round-to-nearest (no calibration data): what matters here is the format, which GPTQ, AWQ,
 llm-compressor and DeepSeek's FP8 tools all write the same way. Every 2-D `weight` of a decoder
-layer is quantized except mixture-of-experts routers; embeddings, norms and `lm_head` stay in
-full precision. Other files (tokenizer, generation config) are copied; the output keeps the
-input's file layout.
+layer is quantized except mixture-of-experts routers; embeddings and norms stay in full
+precision, and so does `lm_head` unless `lm_head=True` (`cleave quantize --quantize-lm-head`):
+GPTQ then stores it as it stores the layers (its config's `lm_head: true`), compressed-tensors
+as int8 with one scale per output channel (a second config group naming `lm_head`: at about a
+tenth of the weights, llama.cpp's Q4_0 files likewise keep `output.weight` at 6-8 bits). A model
+whose output projection is its input embedding (`tie_word_embeddings`) is refused. Other files
+(tokenizer, generation config) are copied; the output keeps the input's file layout.
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ _INDEX = "model.safetensors.index.json"
 
 def quantization_config(fmt: str, bits: int = 4, group_size: int | None = 128,
                         symmetric: bool = True, act_order: bool = False,
-                        block: int | None = 128) -> dict[str, Any]:
+                        block: int | None = 128, lm_head: bool = False) -> dict[str, Any]:
     """The `quantization_config` a checkpoint in `fmt` carries (as the format's tools write)."""
     group = group_size or -1
+    if lm_head and fmt not in ("gptq", "compressed-tensors"):
+        raise ValueError(f"a quantized lm_head is written in 'gptq' or 'compressed-tensors'; "
+                         f"got format {fmt!r}")
     if fmt == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
-                "sym": symmetric, "checkpoint_format": "gptq", "lm_head": False,
+                "sym": symmetric, "checkpoint_format": "gptq", "lm_head": lm_head,
                 "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
     if fmt == "awq":
         if bits != 4:
@@ -60,12 +67,22 @@ def quantization_config(fmt: str, bits: int = 4, group_size: int | None = 128,
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
                    "group_size": None, "dynamic": False, "observer": "minmax"}
         layout = "float-quantized"
+    groups = {"group_0": _ct_group(["Linear"], weights, layout)}
+    if lm_head:
+        groups["group_1"] = _ct_group(["lm_head"], {**weights, **_INT8_CHANNEL}, layout)
+    ignore = [] if lm_head else ["lm_head"]
     return {"quant_method": "compressed-tensors", "format": layout,
-            "quantization_status": "compressed", "ignore": ["lm_head", "re:.*\\.(gate|shared_expert_gate)$"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None,
-                                          "output_activations": None, "format": layout}},
-            "kv_cache_scheme": None, "sparsity_config": {}}
+            "quantization_status": "compressed",
+            "ignore": [*ignore, "re:.*\\.(gate|shared_expert_gate)$"],
+            "config_groups": groups, "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+_INT8_CHANNEL = {"num_bits": 8, "symmetric": True, "strategy": "channel", "group_size": None}
+
+
+def _ct_group(targets: list[str], weights: dict[str, Any], layout: str) -> dict[str, Any]:
+    return {"targets": targets, "weights": weights, "input_activations": None,
+            "output_activations": None, "format": layout}
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, **options: Any) -> Path:
@@ -75,6 +92,10 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, **options: A
     if raw.get("quantization_config"):
         raise ValueError(f"{str(src)!r} is already quantized "
                          f"({raw['quantization_config'].get('quant_method')!r})")
+    if options.get("lm_head") and raw.get("tie_word_embeddings"):
+        raise ValueError(f"{str(src)!r} ties lm_head to its input embedding "
+                         "(tie_word_embeddings=true): its lm_head stays in full precision; "
+                         "expected an untied model to quantize lm_head")
     raw["quantization_config"] = quantization_config(fmt, **options)
     scheme = parse_quantization(raw)
     assert scheme is not None
@@ -91,6 +112,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, **options: A
                     tensors[out_name] = tensor.contiguous()
                     weight_map[out_name] = file.name
         save_file(tensors, str(out / file.name), metadata={"format": "pt"})
+    if scheme.lm_head and not any(name.startswith("lm_head.") for name in weight_map):
+        raise ValueError(f"{str(src)!r} has no lm_head.weight to quantize; expected an untied "
+                         "output projection")
     if (src / _INDEX).is_file():
         (out / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                              indent=2))
@@ -104,8 +128,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, **options: A
 
 def _convert(scheme: QuantScheme, name: str, tensor: torch.Tensor, options: dict[str, Any]):
     prefix, _, suffix = name.rpartition(".")
-    quantize = (suffix == "weight" and tensor.dim() == 2 and ".layers." in name
-                and not _ROUTER.search(name) and scheme.quantizes(prefix))
+    quantize = (suffix == "weight" and tensor.dim() == 2 and scheme.quantizes(prefix)
+                and (".layers." in name or prefix == "lm_head") and not _ROUTER.search(name))
+    scheme = scheme.for_module(prefix)
     if not quantize:
         yield name, tensor
         return
