@@ -7,7 +7,8 @@ llama.cpp (downloaded from the package registry, built with cmake for this CPU, 
 F32 GGUF (its tokenizer check is bypassed: the prompts are token ids, so the tokenizer never
 runs) and quantized by `llama-quantize` to Q8_0 and Q4_0; for Cleave, the same checkpoint and
 `cleave quantize` copies in compressed-tensors int8 (one scale per output channel) and int4
-(groups of 32, as Q4_0's blocks). Pairs: fp32 against F32, int8 against Q8_0, int4 against
+(groups of 32, as Q4_0's blocks), each with its output projection in int8
+(`--quantize-lm-head`: llama-quantize stores `output.weight` in Q8_0 and Q6_K in its files). Pairs: fp32 against F32, int8 against Q8_0, int4 against
 Q4_0 (Cleave's quantized pairs run in bf16, where its packed kernels run).
 
 The workload (`benchmarks/serving.py`'s load generator, `loadgen.py`): random token-id prompts
@@ -94,9 +95,12 @@ def checkpoints(cache: Path, preset: str, tree: Path) -> tuple[dict[str, Path], 
         make_model(fp32, arch="llama", preset=preset)
     cleave = {"fp32": fp32}
     for name, bits, group in (("int8", 8, None), ("int4", 4, 32)):
-        path = cache / f"llama-{preset}-{name}"
+        # the output projection in int8 too, as llama-quantize stores output.weight in Q8_0 and
+        # Q6_K in these files (`cleave quantize --quantize-lm-head`)
+        path = cache / f"llama-{preset}-{name}-qhead"
         if not (path / "config.json").exists():
-            quantize_checkpoint(fp32, path, "compressed-tensors", bits=bits, group_size=group)
+            quantize_checkpoint(fp32, path, "compressed-tensors", bits=bits, group_size=group,
+                                lm_head=True)
         cleave[name] = path
     gguf = {"f32": cache / f"llama-{preset}-f32.gguf"}
     if not gguf["f32"].exists():
