@@ -7,9 +7,10 @@ llama.cpp (downloaded from the package registry, built with cmake for this CPU, 
 F32 GGUF (its tokenizer check is bypassed: the prompts are token ids, so the tokenizer never
 runs) and quantized by `llama-quantize` to Q8_0 and Q4_0; for Cleave, the same checkpoint and
 `cleave quantize` copies in compressed-tensors int8 (one scale per output channel) and int4
-(groups of 32, as Q4_0's blocks), each with its output projection in int8
-(`--quantize-lm-head`: llama-quantize stores `output.weight` in Q8_0 and Q6_K in its files). Pairs: fp32 against F32, int8 against Q8_0, int4 against
-Q4_0 (Cleave's quantized pairs run in bf16, where its packed kernels run).
+(groups of 32, as Q4_0's blocks), each with its output projection in int8 (`--quantize-lm-head`:
+llama-quantize stores `output.weight` in Q8_0 and Q6_K in its files). Pairs: fp32 against F32,
+int8 against Q8_0, int4 against Q4_0 (Cleave's quantized pairs run in bf16, where its packed
+kernels run).
 
 The workload (`benchmarks/serving.py`'s load generator, `loadgen.py`): random token-id prompts
 of `--input-len` tokens, `--output-len` tokens out (ignore_eos), streamed `/v1/completions` at a
