@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 # what routers call on the actor's own socket (`channel_address`), not as Ray calls
 CHANNEL_METHODS = frozenset({"submit", "next_outputs", "prefill"})
 
+
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """What the actor builds: one `workers.worker.Worker` (settings from `cluster.settings`)."""
@@ -122,7 +123,7 @@ class EngineActor:
         return await self.worker.next_outputs(subscriber, timeout_s)
 
     async def channel_address(self) -> tuple[str, int, bytes]:
-        """Where a router calls `submit` and `next_outputs` without a Ray call each
+        """Where a router calls `CHANNEL_METHODS` without a Ray call each
         (`cluster.socket_calls`): the host, port and token of a socket this actor serves on its
         node's address (where its KV transfer listens too), started at the first ask. Ray
         hands the token only to holders of this actor's handle."""

@@ -3,10 +3,11 @@ method, args), its answer (call id, ok, value or exception), each framed by
 `cluster.process_wire`; many calls run at once and are answered in any order.
 
 Two channels use it: `cluster.process_worker` (a worker in a process of its own, every call),
-and the Ray path's data channel (`cluster.worker_client`): the engine actor serves `submit` and
-`next_outputs` on a socket of its own, so the router's message per engine step is one framed
-pickle on a long-lived connection, not a Ray actor call. The caller proves itself first with a
-random token it got by a trusted way (the spawning parent, or a Ray call to the actor).
+and the Ray path's data channel (`cluster.worker_client`): the engine actor serves `submit`,
+`next_outputs` and `prefill` on a socket of its own, so the router's message per engine step is
+one framed pickle on a long-lived connection, not a Ray actor call. The caller proves itself
+first with a random token it got by a trusted way (the spawning parent, or a Ray call to the
+actor).
 """
 
 from __future__ import annotations
