@@ -41,7 +41,7 @@ def naive_decode(q, cache, tables, seq_lens, scale):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 2), (4, 1)])
-@pytest.mark.parametrize("dim", [8, 24, 64, 128])
+@pytest.mark.parametrize("dim", [8, 16, 24, 32, 64, 128])
 def test_decode_matches_naive_attention(heads, kv_heads, dim):
     # lengths: one token, exactly one and several full blocks, partial last blocks, long
     seq_lens = [1, 16, 17, 48, 5, 300, 33, 2]
@@ -72,7 +72,7 @@ def test_decode_scores_far_apart_stay_finite():
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("dim", [64, 24, 16])
 def test_a_bf16_cache_is_read_as_fp32(dim):
     """A bf16 cache decodes in the kernel: the same as the fp32 kernel over the cache's values
     widened to fp32, and close to naive attention over them."""

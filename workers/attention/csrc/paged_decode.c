@@ -82,7 +82,8 @@ static inline float sum_vf(vf v) {
 }
 
 /* One sequence, every head; `dv` = head_dim / 8. Inlined with dv a constant for the usual head
- * sizes, so the row loops are unrolled. */
+ * sizes, so the row loops are unrolled (head_dim 16, the embedded tiny model's: 64 sequences of
+ * 170 tokens in 0.28 ms against 0.57 ms with dv a variable, on this project's 2-core machine). */
 static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, const int dv,
                                                            const int bf16) {
     const int64_t esize = bf16 ? 2 : 4; /* bytes per cached value */
@@ -189,6 +190,8 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
 
 static int attend_f32(job_t *j, int seq) {
     switch (j->head_dim) {  /* constant trip counts for the usual head sizes */
+        case 16: return attend_dv(j, seq, 2, 0);
+        case 32: return attend_dv(j, seq, 4, 0);
         case 64: return attend_dv(j, seq, 8, 0);
         case 128: return attend_dv(j, seq, 16, 0);
         default: return attend_dv(j, seq, j->head_dim / VL, 0);
@@ -197,6 +200,8 @@ static int attend_f32(job_t *j, int seq) {
 
 static int attend_bf16(job_t *j, int seq) {
     switch (j->head_dim) {
+        case 16: return attend_dv(j, seq, 2, 1);
+        case 32: return attend_dv(j, seq, 4, 1);
         case 64: return attend_dv(j, seq, 8, 1);
         case 128: return attend_dv(j, seq, 16, 1);
         default: return attend_dv(j, seq, j->head_dim / VL, 1);
