@@ -95,6 +95,20 @@ def test_result_does_not_depend_on_the_thread_count():
         assert torch.equal(paged_decode(q, cache, tables, lens, 0.125, num_threads=threads), one)
 
 
+@pytest.mark.parametrize("num_seqs,threads", [(1, 2), (1, 3), (2, 7), (3, 4)])
+def test_fewer_sequences_than_threads_split_heads_with_the_same_result(num_seqs, threads):
+    # below one sequence per thread, a sequence's KV-head groups are split over the threads
+    q, cache, tables, lens = make_case([150, 17, 64][:num_seqs], 8, 4, 64, 16, seed=5)
+    one = paged_decode(q, cache, tables, lens, 0.125, num_threads=1)
+    assert torch.equal(paged_decode(q, cache, tables, lens, 0.125, num_threads=threads), one)
+    torch.testing.assert_close(one, naive_decode(q, cache, tables, lens, 0.125),
+                               rtol=1e-5, atol=1e-5)
+    sinks = torch.linspace(-1.0, 1.0, 8)  # with a sliding window and attention sinks too
+    one = paged_decode(q, cache, tables, lens, 0.125, num_threads=1, window=40, sinks=sinks)
+    assert torch.equal(paged_decode(q, cache, tables, lens, 0.125, num_threads=threads,
+                                    window=40, sinks=sinks), one)
+
+
 def test_decode_writes_into_out_and_reads_strided_queries():
     q, cache, tables, lens = make_case([20, 9], 4, 2, 16, 16)
     wide = torch.randn(2, 4, 32)

@@ -13,7 +13,7 @@
  * head_dim must be a multiple of 8 (the caller checks). A bf16 cache's rows are widened to fp32
  * as they are read (`kv_bf16`); the arithmetic is fp32 either way.
  *
- * A work item is one sequence, all heads. Per block: the next block's rows are prefetched, then
+ * A work item is one sequence, all heads (or, below one sequence per thread, a range of them). Per block: the next block's rows are prefetched, then
  * head by head (the query, then the accumulator, held in registers over the block's tokens; the
  * block's K or V rows stay in L1 for the heads of a group) the scores, an online-softmax update,
  * and the V rows weighted into the accumulator. Measured on 2 cores: 128 sequences of 250-500
@@ -23,7 +23,8 @@
  * over whole sequences 10-12 ms on the cold case, ~20 ms for the torch backend's gather + SDPA.)
  *
  * `num_threads` OpenMP threads take items longest-first (the runner sorts decodes shortest-first)
- * from an atomic counter. The library links libgomp.so.1, the soname of the OpenMP runtime torch
+ * from an atomic counter; with fewer sequences than threads, an item is a sequence's share of
+ * its KV-head groups (one stream of the `small` preset on 2 threads: 35 us a layer against 50). The library links libgomp.so.1, the soname of the OpenMP runtime torch
  * ships, so once torch is loaded the kernel runs on torch's own thread pool: threads of a second
  * pool (pthreads, as first written) competed with torch's, which spin for a while after each op,
  * and the kernel took 1.7x as long inside the engine as alone.
@@ -44,6 +45,7 @@ typedef struct {
     float *out;
     int64_t table_stride;
     int num_heads, num_kv_heads, head_dim, block_size, num_items, window, kv_bf16;
+    int splits; /* work items per sequence, each a range of KV-head groups */
     float scale;
     atomic_int next;
     int failed;
@@ -84,17 +86,20 @@ static inline float sum_vf(vf v) {
 /* One sequence, every head; `dv` = head_dim / 8. Inlined with dv a constant for the usual head
  * sizes, so the row loops are unrolled (head_dim 16, the embedded tiny model's: 64 sequences of
  * 170 tokens in 0.28 ms against 0.57 ms with dv a variable, on this project's 2-core machine). */
-static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, const int dv,
+static inline __attribute__((always_inline)) int attend_dv(job_t *j, int item, const int dv,
                                                            const int bf16) {
     const int64_t esize = bf16 ? 2 : 4; /* bytes per cached value */
     const int H = j->num_heads, Hkv = j->num_kv_heads, G = H / Hkv, bs = j->block_size;
+    /* this item's sequence and query heads [h0, h1): whole KV-head groups */
+    const int seq = item / j->splits, part = item % j->splits;
+    const int h0 = part * Hkv / j->splits * G, h1 = (part + 1) * Hkv / j->splits * G;
     const int D = dv * VL, len = j->seq_lens[seq];
     const int64_t row = (int64_t)Hkv * D;  /* floats per token in a block (every KV head) */
     const int32_t *table = j->block_tables + (int64_t)seq * j->table_stride;
     const float *q = j->q + (int64_t)seq * H * D;
     float *out = j->out + (int64_t)seq * H * D;
     if (len <= 0) {  /* nothing to attend to (callers never ask): zeros, not NaN */
-        memset(out, 0, sizeof(float) * (size_t)H * D);
+        memset(out + (size_t)h0 * D, 0, sizeof(float) * (size_t)(h1 - h0) * D);
         return 0;
     }
     /* per query head: scaled query, accumulator, running max, sum and rescale; block scores */
@@ -102,13 +107,13 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
     if (mem == NULL) return -1;
     float *qs = mem, *acc = qs + (size_t)H * D, *m = acc + (size_t)H * D, *l = m + H;
     float *c = l + H, *s = c + H;  /* s: [H][bs] scores of a block */
-    for (int i = 0; i < H * D; i++) {
+    for (int i = h0 * D; i < h1 * D; i++) {
         qs[i] = q[i] * j->scale;
         acc[i] = 0.0f;
     }
     /* a sink starts each head's softmax: running max = its logit, sum = exp(0) = 1 */
     const float *sinks = j->sinks;
-    for (int h = 0; h < H; h++) {
+    for (int h = h0; h < h1; h++) {
         l[h] = sinks != NULL ? 1.0f : 0.0f;
         m[h] = sinks != NULL ? sinks[h] : 0.0f;
     }
@@ -132,7 +137,7 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
             }
         /* head-major within the block: a head's query stays in registers over the block's
          * tokens (the block's K rows, 16 x 1 KiB here, stay in L1 for the group's heads) */
-        for (int h = 0; h < H; h++) {
+        for (int h = h0; h < h1; h++) {
             vf qv[dv];
             for (int i = 0; i < dv; i++) qv[i] = load_vf(qs + h * D + i * VL);
             const int64_t kh = kb + (h / G) * D;
@@ -148,7 +153,7 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
                 s[h * bs + t] = sum_vf(a0 + a1);
             }
         }
-        for (int h = 0; h < H; h++) {
+        for (int h = h0; h < h1; h++) {
             float *sh = s + h * bs;
             float block_max = sh[t0];
             for (int t = t0 + 1; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
@@ -166,7 +171,7 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
             }
             l[h] = l[h] * c[h] + sum;
         }
-        for (int h = 0; h < H; h++) {  /* a head's accumulator in registers over the block */
+        for (int h = h0; h < h1; h++) {  /* a head's accumulator in registers over the block */
             vf av[dv];
             float *ah = acc + h * D;
             for (int i = 0; i < dv; i++) av[i] = load_vf(ah + i * VL) * c[h];
@@ -180,7 +185,7 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
             for (int i = 0; i < dv; i++) store_vf(ah + i * VL, av[i]);
         }
     }
-    for (int h = 0; h < H; h++) {
+    for (int h = h0; h < h1; h++) {
         const float inv = 1.0f / l[h];
         for (int d = 0; d < D; d++) out[h * D + d] = acc[h * D + d] * inv;
     }
@@ -188,28 +193,28 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int seq, co
     return 0;
 }
 
-static int attend_f32(job_t *j, int seq) {
+static int attend_f32(job_t *j, int item) {
     switch (j->head_dim) {  /* constant trip counts for the usual head sizes */
-        case 16: return attend_dv(j, seq, 2, 0);
-        case 32: return attend_dv(j, seq, 4, 0);
-        case 64: return attend_dv(j, seq, 8, 0);
-        case 128: return attend_dv(j, seq, 16, 0);
-        default: return attend_dv(j, seq, j->head_dim / VL, 0);
+        case 16: return attend_dv(j, item, 2, 0);
+        case 32: return attend_dv(j, item, 4, 0);
+        case 64: return attend_dv(j, item, 8, 0);
+        case 128: return attend_dv(j, item, 16, 0);
+        default: return attend_dv(j, item, j->head_dim / VL, 0);
     }
 }
 
-static int attend_bf16(job_t *j, int seq) {
+static int attend_bf16(job_t *j, int item) {
     switch (j->head_dim) {
-        case 16: return attend_dv(j, seq, 2, 1);
-        case 32: return attend_dv(j, seq, 4, 1);
-        case 64: return attend_dv(j, seq, 8, 1);
-        case 128: return attend_dv(j, seq, 16, 1);
-        default: return attend_dv(j, seq, j->head_dim / VL, 1);
+        case 16: return attend_dv(j, item, 2, 1);
+        case 32: return attend_dv(j, item, 4, 1);
+        case 64: return attend_dv(j, item, 8, 1);
+        case 128: return attend_dv(j, item, 16, 1);
+        default: return attend_dv(j, item, j->head_dim / VL, 1);
     }
 }
 
-static int attend(job_t *j, int seq) {
-    return j->kv_bf16 ? attend_bf16(j, seq) : attend_f32(j, seq);
+static int attend(job_t *j, int item) {
+    return j->kv_bf16 ? attend_bf16(j, item) : attend_f32(j, item);
 }
 
 static void *work(void *arg) {
@@ -231,10 +236,19 @@ int paged_decode_f32(const float *q, const void *k, const void *v, const float *
     job_t j = {.q = q, .k = k, .v = v, .sinks = sinks, .block_tables = block_tables,
                .seq_lens = seq_lens, .out = out, .table_stride = table_stride,
                .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
-               .block_size = block_size, .num_items = batch, .scale = scale, .window = window,
+               .block_size = block_size, .scale = scale, .window = window,
                .kv_bf16 = kv_bf16, .failed = 0};
+    /* fewer sequences than threads (one stream decoding): each sequence's KV-head groups are
+     * split over the threads, so none sits idle; a head's result is the same either way */
+    int splits = 1;
+    if (batch > 0 && batch < num_threads) {
+        splits = (num_threads + batch - 1) / batch;
+        if (splits > num_kv_heads) splits = num_kv_heads;
+    }
+    j.splits = splits;
+    j.num_items = batch * splits;
     atomic_init(&j.next, 0);
-    if (num_threads > batch) num_threads = batch;
+    if (num_threads > j.num_items) num_threads = j.num_items;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     work(&j);
