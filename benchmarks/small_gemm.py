@@ -5,6 +5,11 @@ is the best of 5 means of 20 calls, on torch's threads; the ratio is torch's tim
 kernel's (above 1: the kernel is faster). `workers/small_gemm.py` routes each dtype's rows by
 these figures.
 
+Then the fused gated MLP (`small_mlp`: both projections and the SiLU product in one call) against
+the same MLP as a layer runs it without the fusion (the kernel's gate/up matmul, SiLU and product
+in torch, the kernel's down matmul), fp32, 1-8 rows, on 8 layers' weights in turn so they come
+from memory as in a decode step; the ratio is the unfused time over the fused.
+
 Last line: one JSON object; also written to benchmarks/results/small_gemm.json.
 """
 
@@ -53,7 +58,33 @@ def main(argv: list[str] | None = None) -> dict:
                 result["ms"][key] = {"kernel": round(ours * 1e3, 4),
                                      "torch": round(theirs * 1e3, 4)}
                 result[f"{key}_torch_vs_kernel_ratio"] = round(theirs / ours, 3)
+    fused_mlp(result, [m for m in rows if m <= 8])
     return emit(result, args.out)
+
+
+def fused_mlp(result: dict, rows: list[int], layers: int = 8) -> None:
+    from workers.small_gemm import small_gemm, small_mlp
+
+    for name, (hidden, inter) in (("small", (512, 1408)), ("0.6b", (2048, 5632))):
+        weights = [(torch.randn(2 * inter, hidden) / 8, torch.randn(hidden, inter) / 8)
+                   for _ in range(layers)]
+
+        def unfused(x: torch.Tensor) -> None:
+            for gate_up, down in weights:
+                gate, up = small_gemm(x, gate_up).chunk(2, dim=-1)
+                small_gemm(torch.nn.functional.silu(gate, inplace=True).mul_(up), down)
+
+        def fused(x: torch.Tensor) -> None:
+            for gate_up, down in weights:
+                small_mlp(x, gate_up, down, False)
+
+        for m in rows:
+            x = torch.randn(m, hidden)
+            ours, theirs = timed(lambda: fused(x)), timed(lambda: unfused(x))
+            key = f"fp32_{name}_mlp_rows{m}"
+            result["ms"][key] = {"fused": round(ours * 1e3 / layers, 4),
+                                 "unfused": round(theirs * 1e3 / layers, 4)}
+            result[f"{key}_unfused_vs_fused_ratio"] = round(theirs / ours, 3)
 
 
 if __name__ == "__main__":

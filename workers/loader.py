@@ -20,11 +20,12 @@ from workers.checkpoint_shapes import random_weights
 from workers.model_config import ModelConfig
 from workers.models import get_model_class
 from workers.models.layers import LINEAR_LAYERS, Shard, WeightShapeError
+from workers.models.llama import LlamaMLP
 from workers.models.vocab import ParallelLMHead
 from workers.quant.decode import QuantizedTensorError, decode_checkpoint
 from workers.quant.linear import prepare_layers, quantize_layers
 from workers.quant.scheme import QuantScheme
-from workers.small_gemm import use_small_batch_kernel
+from workers.small_gemm import use_small_batch_kernel, use_small_batch_mlp
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -87,6 +88,7 @@ def load_model(
     if kept:
         prepare_layers(model)
     use_small_batch_kernel(model, (*LINEAR_LAYERS, ParallelLMHead))
+    use_small_batch_mlp(model, (LlamaMLP,))
     return model.eval()
 
 

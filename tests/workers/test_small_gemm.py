@@ -62,3 +62,41 @@ def test_layers_on_the_cpu_carry_it_and_hand_many_rows_to_torch(tiny_model):
     bf16 = LLM(tiny_model, dtype="bfloat16", num_blocks=16).engine.runner.executor.model
     bf16_rows = 8 if small_gemm_module.has_bf16_dot() else 2  # dot products, or widening
     assert bf16.model.layers[0].mlp.down_proj.matmul.max_rows == bf16_rows
+
+
+def _reference_mlp(x, w_gate_up, w_down, gelu):
+    gate, up = (x.double() @ w_gate_up.double().t()).chunk(2, dim=-1)
+    act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(
+        gate)
+    return ((act * up) @ w_down.double().t()).float()
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("hidden, inter", [(64, 128), (48, 37), (130, 260)])
+def test_the_fused_mlp_matches_its_two_matmuls_and_any_thread_count(hidden, inter, gelu):
+    torch.manual_seed(hidden + inter)
+    w_gate_up, w_down = torch.randn(2 * inter, hidden) / 8, torch.randn(hidden, inter) / 8
+    for m in (1, 2, 3, 5, 8):
+        x = torch.randn(m, hidden)
+        one = small_gemm_module.small_mlp(x, w_gate_up, w_down, gelu, num_threads=1)
+        torch.testing.assert_close(one, _reference_mlp(x, w_gate_up, w_down, gelu),
+                                   rtol=1e-4, atol=1e-4)
+        for threads in (2, 3):
+            assert torch.equal(
+                small_gemm_module.small_mlp(x, w_gate_up, w_down, gelu, num_threads=threads),
+                one)
+    with pytest.raises(ValueError, match="w_gate_up \\[2I, H\\] and w_down \\[H, I\\]"):
+        small_gemm_module.small_mlp(x, w_down, w_down, gelu)
+
+
+def test_fp32_mlps_on_the_cpu_take_the_fused_kernel_for_a_few_rows(tiny_model):
+    model = LLM(tiny_model, num_blocks=16).engine.runner.executor.model
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.small_batch, small_gemm_module.SmallBatchMLP)
+    for rows in (1, 8, 9, 40):  # fused up to 8 rows, the two projections one by one beyond
+        x = torch.randn(rows, mlp.down_proj.weight.shape[0])
+        torch.testing.assert_close(
+            mlp(x), _reference_mlp(x, mlp.gate_up_proj.weight, mlp.down_proj.weight, mlp.gelu),
+            rtol=1e-4, atol=1e-4)
+    bf16 = LLM(tiny_model, dtype="bfloat16", num_blocks=16).engine.runner.executor.model
+    assert bf16.model.layers[0].mlp.small_batch is None  # bf16: the projections' own kernels

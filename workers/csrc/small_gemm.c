@@ -23,8 +23,10 @@
  *
  * Built at first use by workers/native.py: cc -O3 -march=native -ffast-math -fopenmp.
  */
-#include <stdint.h>
+#include <math.h>
 #include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float vf __attribute__((vector_size(64)));
@@ -200,4 +202,44 @@ int small_gemm_bf16_dot(const uint16_t *x, const uint16_t *w, float *y, int64_t 
     (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
     return -1;
 #endif
+}
+
+/* A gated MLP's few rows in one parallel region (`small_mlp_f32`): y = down(act(x gate^T) *
+ * (x up^T)), w_gate_up [2I, H] (the gate's I rows, then the up's), w_down [H, I], all fp32;
+ * act: SiLU, or GELU's tanh form (`gelu`). Each thread computes its run of gate/up rows, then
+ * (after a barrier) its share of the activation, then (after another) its run of output rows:
+ * no return to Python between the two matmuls. Returns -1 when scratch could not be allocated. */
+static inline float act_f32(float g, int gelu) {
+    if (gelu) return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
+int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
+                  int64_t M, int64_t H, int64_t I, int gelu, int num_threads) {
+    float *gu = malloc(sizeof(float) * (size_t)(M * 3 * I)); /* [M, 2I] then act [M, I] */
+    if (gu == NULL) return -1;
+    float *a = gu + M * 2 * I;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t start, end;
+        split(2 * I, t, nt, &start, &end);
+        rows_f32(x, w_gate_up, gu, M, 2 * I, H, start, end);
+#pragma omp barrier
+        /* runs of 64 elements: where the vectorised loop and its scalar tail fall (they round
+         * the exponential differently) then does not depend on the thread count */
+        const int64_t runs = (I + 63) / 64;
+        int64_t i0 = runs * t / nt * 64, i1 = runs * (t + 1) / nt * 64;
+        if (i0 > I) i0 = I;
+        if (i1 > I) i1 = I;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = i0; i < i1; i++)
+                a[m * I + i] = act_f32(gu[m * 2 * I + i], gelu) * gu[m * 2 * I + I + i];
+#pragma omp barrier
+        split(H, t, nt, &start, &end);
+        rows_f32(a, w_down, y, M, H, I, start, end);
+    }
+    free(gu);
+    return 0;
 }

@@ -8,7 +8,7 @@ RMSNorm, follows transformers' `modeling_llama` so fp32 logits match it to ~1e-5
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from workers.models.layers import (
     kv_heads_per_rank,
 )
 from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from workers.small_gemm import SmallBatchMLP
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 MlpFactory = Callable[[int], tuple[str, nn.Module]]  # layer index -> (name, MLP module)
@@ -58,8 +61,15 @@ class LlamaMLP(nn.Module):
         )
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
+    # a few fp32 rows on the CPU through one fused kernel (workers.small_gemm.SmallBatchMLP),
+    # set at load where both projections take it; None: the two projections one by one
+    small_batch: SmallBatchMLP | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
+        fused = self.small_batch
+        if fused is not None and x.shape[0] <= fused.max_rows and x.dtype == torch.float32:
+            return fused(x)
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / tp_size]
         if use_triton(gate_up):  # one kernel for the activation and the product
             from workers.kernels.act_mul import act_and_mul
