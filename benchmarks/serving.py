@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", default=None,
                    help=f"comma-separated, of {', '.join(LAYERS)}; or all")
     p.add_argument("--concurrency", default="1,8,32,64", help="--layers: streams per level")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--layers: passes over the layers in turn; each figure is the round "
+                        "of median throughput")
     p.add_argument("--models", default="tiny",
                    help="--layers: comma-separated tiny (the embedded default), small (the "
                         "preset, made for this run) or model folders, each optionally "
@@ -108,6 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         unknown = [x for x in args.layer_list if x not in LAYERS]
         if unknown:
             p.error(f"--layers: unknown {unknown}; choose from {', '.join(LAYERS)} or all")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.guidellm and args.layers is None:
         p.error("--guidellm runs with --layers (it measures the in-process server)")
     return args

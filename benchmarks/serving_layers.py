@@ -19,7 +19,8 @@ At each concurrency c, the same N requests (random token ids, seeded by c, exact
 The ratios compare neighbouring layers on the same requests (`ray_vs_inprocess`: the Ray app
 against the in-process server of the same layout; `inprocess*_vs_offline`: a server against the
 bare engine), Cleave against transformers at the largest c, and the streamed inter-token latency
-p50 at the largest c against the offline engine's step time (p50) there.
+p50 at the largest c against the offline engine's step time (p50) there. `--rounds N` runs the
+layers N times in turn and reports each figure from its round of median throughput.
 """
 
 from __future__ import annotations
@@ -317,31 +318,53 @@ def vocab_of(model: str) -> int:
 
 
 def sweep_model(model: str, layers: list[str], sweep: Sweep, ray_num_cpus: float,
-                torch_threads: int) -> dict:
-    """Every layer in `layers` on `model`: {"levels": {layer: {c: figures}}, "ratios": ...}."""
+                torch_threads: int, rounds: int = 1) -> dict:
+    """Every layer in `layers` on `model`, `rounds` times in turn (layer after layer, then
+    again), each (layer, c) reported by its round of median throughput, the rounds' figures
+    beside it: {"levels": {layer: {c: figures}}, "ratios": ...}. On a shared 2-core machine one
+    pass swings by a third; interleaved rounds spread the swings over every layer alike."""
     vocab_size = vocab_of(model)
-    levels, seconds, errors = {}, {}, {}
-    for layer in layers:
-        t0 = time.perf_counter()
-        try:
-            levels[layer] = run_layer(layer, model, sweep, vocab_size, ray_num_cpus,
-                                      torch_threads)
-        except Exception as exc:  # one failing layer (say, Ray) still reports the others
-            errors[layer] = f"{type(exc).__name__}: {exc}"[-2000:]
-            print(f"  {layer}: FAILED {errors[layer]}")
-            continue
-        finally:
-            seconds[layer] = round(time.perf_counter() - t0, 1)
-            gc.collect()  # the layer's engines and KV caches, before the next layer's
-        for c, run in levels[layer].items():
-            if isinstance(c, int):
-                print(f"  {layer} c={c}: {run['output_throughput']} tok/s, "
-                      f"{run['completed']}/{run['requests']} ok, ITL p50 "
-                      f"{run.get('itl', {}).get('p50_ms')} ms, TTFT p50 "
-                      f"{run.get('ttft', {}).get('p50_ms')} ms")
-    return {"levels": levels, "layer_seconds": seconds, "errors": errors,
+    runs: dict[str, list[dict]] = {}
+    seconds: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    for _ in range(rounds):
+        for layer in layers:
+            if layer in errors:
+                continue
+            t0 = time.perf_counter()
+            try:
+                got = run_layer(layer, model, sweep, vocab_size, ray_num_cpus, torch_threads)
+            except Exception as exc:  # one failing layer (say, Ray) still reports the others
+                errors[layer] = f"{type(exc).__name__}: {exc}"[-2000:]
+                print(f"  {layer}: FAILED {errors[layer]}")
+                continue
+            finally:
+                seconds[layer] = round(seconds.get(layer, 0) + time.perf_counter() - t0, 1)
+                gc.collect()  # the layer's engines and KV caches, before the next layer's
+            runs.setdefault(layer, []).append(got)
+            for c, run in got.items():
+                if isinstance(c, int):
+                    print(f"  {layer} c={c}: {run['output_throughput']} tok/s, "
+                          f"{run['completed']}/{run['requests']} ok, ITL p50 "
+                          f"{run.get('itl', {}).get('p50_ms')} ms, TTFT p50 "
+                          f"{run.get('ttft', {}).get('p50_ms')} ms")
+    levels = {layer: _median_rounds(got) for layer, got in runs.items() if layer not in errors}
+    return {"levels": levels, "rounds": rounds, "layer_seconds": seconds, "errors": errors,
             "ratios": ratios(levels, sweep.concurrencies),
             "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def _median_rounds(rounds: list[dict]) -> dict:
+    """One layer's rounds as one: per concurrency, the round of median throughput, with every
+    round's throughput under "rounds_output_throughput" (of an even count, the lower middle
+    one); other keys from the last round."""
+    merged = dict(rounds[-1])
+    for c in [k for k in merged if isinstance(k, int)]:
+        ordered = sorted((r[c] for r in rounds if c in r), key=lambda f: f["output_throughput"])
+        merged[c] = dict(ordered[(len(ordered) - 1) // 2],
+                         rounds_output_throughput=[r[c]["output_throughput"] for r in rounds
+                                                   if c in r])
+    return merged
 
 
 def resolve_model(name: str, tmp: str) -> str:
@@ -395,7 +418,7 @@ def layers_main(args: argparse.Namespace, command: str) -> dict:
             model = resolve_model(path, tmp)
             print(f"{name} ({model}):")
             report = sweep_model(model, args.layer_list, sweep, args.ray_num_cpus,
-                                 args.torch_threads)
+                                 args.torch_threads, args.rounds)
             if args.guidellm:
                 from serving_guidellm import compare_guidellm
 
