@@ -193,28 +193,20 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int item, c
     return 0;
 }
 
-static int attend_f32(job_t *j, int item) {
+/* `bf16` a constant at both call sites below, so each cache dtype gets its own copies */
+static inline __attribute__((always_inline)) int attend_cache(job_t *j, int item,
+                                                              const int bf16) {
     switch (j->head_dim) {  /* constant trip counts for the usual head sizes */
-        case 16: return attend_dv(j, item, 2, 0);
-        case 32: return attend_dv(j, item, 4, 0);
-        case 64: return attend_dv(j, item, 8, 0);
-        case 128: return attend_dv(j, item, 16, 0);
-        default: return attend_dv(j, item, j->head_dim / VL, 0);
-    }
-}
-
-static int attend_bf16(job_t *j, int item) {
-    switch (j->head_dim) {
-        case 16: return attend_dv(j, item, 2, 1);
-        case 32: return attend_dv(j, item, 4, 1);
-        case 64: return attend_dv(j, item, 8, 1);
-        case 128: return attend_dv(j, item, 16, 1);
-        default: return attend_dv(j, item, j->head_dim / VL, 1);
+        case 16: return attend_dv(j, item, 2, bf16);
+        case 32: return attend_dv(j, item, 4, bf16);
+        case 64: return attend_dv(j, item, 8, bf16);
+        case 128: return attend_dv(j, item, 16, bf16);
+        default: return attend_dv(j, item, j->head_dim / VL, bf16);
     }
 }
 
 static int attend(job_t *j, int item) {
-    return j->kv_bf16 ? attend_bf16(j, item) : attend_f32(j, item);
+    return j->kv_bf16 ? attend_cache(j, item, 1) : attend_cache(j, item, 0);
 }
 
 static void *work(void *arg) {
