@@ -67,22 +67,50 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
+# /proc/cpuinfo flag -> the ggml option building for it, for a build without AMX
+GGML_ISA = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+            "bmi2": "GGML_BMI2", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+            "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+            "avx_vnni": "GGML_AVX_VNNI"}
+
+
+def isa_options() -> list[str]:
+    """cmake options for this CPU: native, except where it lists AMX tiles. There (a VM of this
+    project's) llama.cpp's q8_0 AMX kernel stopped llama-server on an invalid opcode
+    (`tilezero` before any tile configuration), so the build takes every other extension the CPU
+    lists, one by one."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if "amx_tile" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF", *(f"-D{opt}={'ON' if flag in flags else 'OFF'}"
+                                   for flag, opt in GGML_ISA.items())]
+
+
 def llama_cpp(cache: Path) -> Path:
     """The vendored llama.cpp source tree with `build/bin/llama-server` built (cached)."""
     tree = cache / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
-    if (tree / "build" / "bin" / "llama-server").exists():
+    options = isa_options()
+    stamp = tree / "build" / "cleave-options"  # what the cached build was configured with
+    if ((tree / "build" / "bin" / "llama-server").exists() and stamp.exists()
+            and stamp.read_text() == " ".join(options)):
         return tree
     sdist = cache / f"llama_cpp_python-{VERSION}.tar.gz"
     if not sdist.exists():
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
                         ":all:", f"llama-cpp-python=={VERSION}", "-d", str(cache)], check=True)
-    with tarfile.open(sdist) as tar:
-        tar.extractall(cache, filter="data")
-    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    if not tree.exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(cache, filter="data")
+    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", *options,
                     "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_OPENSSL=OFF"], cwd=tree, check=True)
     subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "llama-quantize",
                     f"-j{os.cpu_count()}"], cwd=tree, check=True)
+    stamp.write_text(" ".join(options))
     return tree
 
 
