@@ -1,6 +1,6 @@
-/* Paged decode attention for the CPU, fp32 queries over an fp32 or bf16 cache: one new query token per sequence attends over its
- * context in the paged KV cache, reading each cached K and V row once, straight from its block
- * (no gathered copy), with an online softmax.
+/* Paged decode attention for the CPU, fp32 queries over an fp32 or bf16 cache: one new query token
+ * per sequence attends over its context in the paged KV cache, reading each cached K and V row
+ * once, straight from its block (no gathered copy), with an online softmax.
  *
  * Layouts (row-major, contiguous unless a stride is given):
  *   q, out       [batch, num_heads, head_dim]
@@ -13,21 +13,23 @@
  * head_dim must be a multiple of 8 (the caller checks). A bf16 cache's rows are widened to fp32
  * as they are read (`kv_bf16`); the arithmetic is fp32 either way.
  *
- * A work item is one sequence, all heads (or, below one sequence per thread, a range of them). Per block: the next block's rows are prefetched, then
- * head by head (the query, then the accumulator, held in registers over the block's tokens; the
- * block's K or V rows stay in L1 for the heads of a group) the scores, an online-softmax update,
- * and the V rows weighted into the accumulator. Measured on 2 cores: 128 sequences of 250-500
- * tokens, 8 layers of 256 MiB, cold caches: 6.3-6.4 ms a layer, as for the token-major order
- * this replaced (the bytes bound it); 32 sequences of 190 tokens, warm: 0.24 ms against 0.36,
- * and one sequence 13.6 us against 15.6. (Earlier: plain C loops 8-9 ms and a head-major order
- * over whole sequences 10-12 ms on the cold case, ~20 ms for the torch backend's gather + SDPA.)
+ * A work item is one sequence, all heads (or, below one sequence per thread, a range of them). Per
+ * block: the next block's rows are prefetched, then head by head (the query, then the accumulator,
+ * held in registers over the block's tokens; the block's K or V rows stay in L1 for the heads of a
+ * group) the scores, an online-softmax update, and the V rows weighted into the accumulator.
+ * Measured on 2 cores: 128 sequences of 250-500 tokens, 8 layers of 256 MiB, cold caches: 6.3-6.4
+ * ms a layer, as for the token-major order this replaced (the bytes bound it); 32 sequences of 190
+ * tokens, warm: 0.24 ms against 0.36, and one sequence 13.6 us against 15.6. (Earlier: plain C
+ * loops 8-9 ms and a head-major order over whole sequences 10-12 ms on the cold case, ~20 ms for
+ * the torch backend's gather + SDPA.)
  *
  * `num_threads` OpenMP threads take items longest-first (the runner sorts decodes shortest-first)
- * from an atomic counter; with fewer sequences than threads, an item is a sequence's share of
- * its KV-head groups (one stream of the `small` preset on 2 threads: 35 us a layer against 50). The library links libgomp.so.1, the soname of the OpenMP runtime torch
- * ships, so once torch is loaded the kernel runs on torch's own thread pool: threads of a second
- * pool (pthreads, as first written) competed with torch's, which spin for a while after each op,
- * and the kernel took 1.7x as long inside the engine as alone.
+ * from an atomic counter; with fewer sequences than threads, an item is a sequence's share of its
+ * KV-head groups (one sequence of the `small` preset's shape, 170 tokens, 2 threads: 26-27 us
+ * against 33 alone; its decode step about 10% shorter). The library links libgomp.so.1, the soname
+ * of the OpenMP runtime torch ships, so once torch is loaded the kernel runs on torch's own thread
+ * pool: threads of a second pool (pthreads, as first written) competed with torch's, which spin
+ * for a while after each op, and the kernel took 1.7x as long inside the engine as alone.
  *
  * Built at first use by workers/attention/cpu_backend.py: cc -O3 -march=native -ffast-math.
  */
