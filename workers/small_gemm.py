@@ -134,6 +134,9 @@ def small_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ge
         raise ValueError(f"small_mlp takes fp32 x [M, H], w_gate_up [2I, H] and w_down [H, I], "
                          f"got {x.dtype} {list(x.shape)}, {w_gate_up.dtype} "
                          f"{list(w_gate_up.shape)} and {w_down.dtype} {list(w_down.shape)}")
+    if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
+        raise ValueError("small_mlp reads its weights row by row: pass contiguous w_gate_up and "
+                         "w_down")
     x = x.contiguous()
     out = torch.empty(m, h, dtype=torch.float32)
     rc = load_kernel().small_mlp_f32(x.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(),

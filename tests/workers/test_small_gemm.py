@@ -87,6 +87,8 @@ def test_the_fused_mlp_matches_its_two_matmuls_and_any_thread_count(hidden, inte
                 one)
     with pytest.raises(ValueError, match="w_gate_up \\[2I, H\\] and w_down \\[H, I\\]"):
         small_gemm_module.small_mlp(x, w_down, w_down, gelu)
+    with pytest.raises(ValueError, match="contiguous w_gate_up and w_down"):
+        small_gemm_module.small_mlp(x, w_gate_up, w_down.t().contiguous().t(), gelu)
 
 
 def test_fp32_mlps_on_the_cpu_take_the_fused_kernel_for_a_few_rows(tiny_model):
