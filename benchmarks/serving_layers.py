@@ -355,9 +355,9 @@ def sweep_model(model: str, layers: list[str], sweep: Sweep, ray_num_cpus: float
 
 
 def _median_rounds(rounds: list[dict]) -> dict:
-    """One layer's rounds as one: per concurrency, the round of median throughput, with every
-    round's throughput under "rounds_output_throughput" (of an even count, the lower middle
-    one); other keys from the last round."""
+    """One layer's rounds as one: per concurrency, the round of median throughput (of an even
+    count, the lower middle one), with every round's throughput under
+    "rounds_output_throughput"; other keys from the last round."""
     merged = dict(rounds[-1])
     for c in [k for k in merged if isinstance(k, int)]:
         ordered = sorted((r[c] for r in rounds if c in r), key=lambda f: f["output_throughput"])

@@ -126,21 +126,32 @@ def small_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ge
     """A gated MLP in one kernel call: x [M, H] fp32, w_gate_up [2I, H] (gate rows, then up),
     w_down [H, I], both fp32 and contiguous -> down(act(gate) * up) [M, H] fp32; act: SiLU, or
     GELU's tanh form (`gelu`)."""
-    m, h = x.shape
+    _check_mlp(x.dtype, x.shape[-1], w_gate_up, w_down, f"x {list(x.shape)}")
+    return _mlp(x, w_gate_up, w_down, gelu, num_threads)
+
+
+def _check_mlp(x_dtype: torch.dtype, hidden: int, w_gate_up: torch.Tensor,
+               w_down: torch.Tensor, x_desc: str) -> None:
     inter = w_down.shape[1]
-    if (x.dtype != torch.float32 or w_gate_up.dtype != torch.float32
-            or w_down.dtype != torch.float32 or tuple(w_gate_up.shape) != (2 * inter, h)
-            or tuple(w_down.shape) != (h, inter)):
+    if (x_dtype != torch.float32 or w_gate_up.dtype != torch.float32
+            or w_down.dtype != torch.float32 or tuple(w_gate_up.shape) != (2 * inter, hidden)
+            or tuple(w_down.shape) != (hidden, inter)):
         raise ValueError(f"small_mlp takes fp32 x [M, H], w_gate_up [2I, H] and w_down [H, I], "
-                         f"got {x.dtype} {list(x.shape)}, {w_gate_up.dtype} "
+                         f"got {x_dtype} {x_desc}, {w_gate_up.dtype} "
                          f"{list(w_gate_up.shape)} and {w_down.dtype} {list(w_down.shape)}")
     if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):
         raise ValueError("small_mlp reads its weights row by row: pass contiguous w_gate_up and "
                          "w_down")
+
+
+def _mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, gelu: bool,
+         num_threads: int | None = None) -> torch.Tensor:
+    """`small_mlp` without its checks (operands already checked)."""
     x = x.contiguous()
-    out = torch.empty(m, h, dtype=torch.float32)
+    out = torch.empty(x.shape[0], w_down.shape[0], dtype=torch.float32)
     rc = load_kernel().small_mlp_f32(x.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(),
-                                     out.data_ptr(), m, h, inter, int(gelu),
+                                     out.data_ptr(), x.shape[0], w_down.shape[0],
+                                     w_down.shape[1], int(gelu),
                                      num_threads or torch.get_num_threads())
     if rc != 0:
         raise MemoryError("small_mlp could not allocate its scratch")
@@ -153,15 +164,18 @@ class SmallBatchMLP:
     8 layers' weights in turn; four runs, which swing by a third here): the `small` preset's MLP
     1.03-2.0x as fast as unfused at 1-8 rows (one run of four: 0.79x at 4 rows), a 0.6B
     model's even, 0.88-1.1x (its matmuls dwarf the gap); a `small` decode step 4-8% shorter at
-    1, 4 and 8 streams (paired runs of the engine)."""
+    1, 4 and 8 streams (paired runs of the engine). The weights are checked once, here: the call
+    is on every decode step's path, and the caller (`LlamaMLP`) passes fp32 rows of its width."""
 
     max_rows = MAX_ROWS[torch.float32]
 
     def __init__(self, gate_up: nn.Module, down: nn.Module, gelu: bool) -> None:
+        _check_mlp(torch.float32, gate_up.weight.shape[1], gate_up.weight, down.weight,
+                   "rows of the layer's width")
         self.gate_up, self.down, self.gelu = gate_up, down, gelu
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return small_mlp(x, self.gate_up.weight, self.down.weight, self.gelu)
+        return _mlp(x, self.gate_up.weight, self.down.weight, self.gelu)
 
 
 def use_small_batch_mlp(model: nn.Module, mlp_types: tuple[type, ...]) -> int:
