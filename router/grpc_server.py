@@ -8,6 +8,7 @@ or a passed deadline cancels the handler, which aborts the request on its worker
 from __future__ import annotations
 
 import logging
+import socket
 from typing import AsyncIterator
 
 import grpc
@@ -149,7 +150,20 @@ def create_grpc_server(router: Router, host: str, port: int, *,
     stops it."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
     pb_grpc.add_GenerationServicer_to_server(GenerationService(router), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:  # grpc says only that it failed: 0 from older versions, RuntimeError from newer
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind the gRPC server to {host}:{port}")
+        raise OSError(f"could not bind the gRPC server to {host}:{port}: {_bind_error(host, port)}")
     return server, bound
+
+
+def _bind_error(host: str, port: int) -> str:
+    """Why grpc could not bind (it reports only failure): the reason a plain socket gets."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "the port was taken and then freed again"

@@ -132,3 +132,17 @@ def test_client_request_ids_are_labels_not_keys(stub, server):
         for i in (0, 1):
             assert [t for e in events if e.index == i for t in e.token_ids] == want
     assert wait_until(lambda: all_blocks_free(server))
+
+
+def test_a_taken_port_is_named_with_the_reason(server):
+    """grpc itself only says it could not bind; the error says why, as HTTP's bind does."""
+    import socket
+
+    from router.grpc_server import create_grpc_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}: Address already in use"):
+            create_grpc_server(server.router, "127.0.0.1", port)
