@@ -136,13 +136,17 @@ def test_client_request_ids_are_labels_not_keys(stub, server):
 
 def test_a_taken_port_is_named_with_the_reason(server):
     """grpc itself only says it could not bind; the error says why, as HTTP's bind does."""
+    import asyncio
     import socket
 
     from router.grpc_server import create_grpc_server
+
+    async def bind(port: int) -> None:  # grpc.aio servers are made inside a running loop
+        create_grpc_server(server.router, "127.0.0.1", port)
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=f"127.0.0.1:{port}: Address already in use"):
-            create_grpc_server(server.router, "127.0.0.1", port)
+            asyncio.run(bind(port))
