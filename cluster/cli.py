@@ -28,9 +28,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from workers import LLM, SamplingParams
 
-    llm = LLM(args.model, **_engine_options(args))
+    # checked before the model loads (or is made): a bad flag fails at once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, **_engine_options(args))
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)

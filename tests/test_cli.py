@@ -13,8 +13,21 @@ CLEAVE = str(Path(sys.executable).with_name("cleave"))
 def run(*args: str, env_dir: Path) -> subprocess.CompletedProcess:
     import os
 
-    env = dict(os.environ, CLEAVE_CACHE_DIR=str(env_dir))
-    return subprocess.run([CLEAVE, *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([CLEAVE, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CLEAVE_CACHE_DIR=str(cache_dir(env_dir))))
+
+
+def cache_dir(root: Path) -> Path:
+    """A fresh cache folder for the command's models, sharing this test run's compiled kernels
+    (each command would otherwise compile every C kernel again, ~8 s, as a first run does)."""
+    from workers.native import kernel_dir
+
+    cache = root / "cache"
+    if not cache.exists():
+        cache.mkdir()
+        kernel_dir().mkdir(parents=True, exist_ok=True)
+        (cache / "kernels").symlink_to(kernel_dir(), target_is_directory=True)
+    return cache
 
 
 def test_make_model_then_generate_from_it(tmp_path):
@@ -66,7 +79,7 @@ def test_generate_defaults_to_the_embedded_model(tmp_path):
     gen = run("generate", "--max-tokens", "3", env_dir=tmp_path)
     assert gen.returncode == 0, gen.stderr
     assert len(gen.stdout.splitlines()) == 2
-    assert any(tmp_path.iterdir())  # the default was created in the cache folder
+    assert any((tmp_path / "cache" / "models").iterdir())  # made in the cache folder
 
 
 def test_bad_input_is_one_clear_line(tmp_path):
@@ -75,6 +88,7 @@ def test_bad_input_is_one_clear_line(tmp_path):
     assert "gpt9" in bad.stderr and "llama" in bad.stderr
     bad = run("generate", "--max-tokens", "0", env_dir=tmp_path)
     assert bad.returncode == 2 and "max_tokens" in bad.stderr
+    assert not (tmp_path / "cache" / "models").exists()  # refused before a model was made
 
 
 def test_serve_in_process_answers_the_openai_client_then_stops(tmp_path, tiny_model):
@@ -90,7 +104,7 @@ def test_serve_in_process_answers_the_openai_client_then_stops(tmp_path, tiny_mo
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    env = dict(os.environ, CLEAVE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, CLEAVE_CACHE_DIR=str(cache_dir(tmp_path)))
     proc = subprocess.Popen([CLEAVE, "serve", "--in-process", "--model", tiny_model,
                              "--port", str(ports[0]),
                              "--grpc-port", str(ports[1]), "--api-key", "k1",
