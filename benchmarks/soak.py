@@ -4,6 +4,7 @@ schedule injects faults. Bounded in time and in count.
 
     python benchmarks/soak.py                      # 10 minutes, >= 2,000 requests, >= 100 faults
     python benchmarks/soak.py --duration-s 60 --quick   # the deterministic subset `make test` runs
+                                                        # (ends once its faults are done)
 
 Before any fault, every distinct request is sent once to take its reference output. During the
 run each request ends as: `ok` (its output equals the reference: greedy and seeded outputs are
@@ -132,10 +133,10 @@ async def soak(clients: Clients, cluster: Cluster, refs: dict[str, list[str]], s
     results: list[tuple[str, Outcome]] = []
     injected: list[Injected] = []
     start = time.monotonic()
-    end = start + args.duration_s
+    end = [start + args.duration_s]  # --quick moves it up once its schedule is done
 
     def more() -> bool:
-        return time.monotonic() < end and len(results) < args.max_requests
+        return time.monotonic() < end[0] and len(results) < args.max_requests
 
     async def client_loop(k: int) -> None:
         crng = random.Random(args.seed * 1000 + k)
@@ -159,28 +160,40 @@ async def soak(clients: Clients, cluster: Cluster, refs: dict[str, list[str]], s
             if variant.on_purpose:
                 injected.append(Injected(f"client_{variant.disconnect or ('grpc_cancel' if variant.grpc_cancel else 'grpc_deadline')}", spec.api))
 
+    async def inject(fault: str) -> None:
+        try:
+            if fault in INPUT_FAULTS:
+                inj = await send_bad_input(clients.http, fault, MODEL, MAX_BODY_BYTES)
+            else:
+                inj = await asyncio.to_thread(cluster.inject, fault, rng)
+        except Exception as exc:  # noqa: BLE001 -- reported
+            # a server fault whose target died while it was being armed was not injected;
+            # a front door that stayed shut past the retries is a fault not handled
+            inj = Injected(fault, "-", False, repr(exc)[:200],
+                           skipped=fault not in INPUT_FAULTS)
+        injected.append(inj)
+        print(f"soak: {time.monotonic() - start:6.1f}s {inj.fault} on {inj.target}"
+              f"{'' if inj.ok else ' FAILED: ' + inj.detail}", flush=True)
+
+    async def pause() -> bool:
+        await asyncio.sleep(min(args.fault_interval_s, max(0.0, end[0] - time.monotonic())))
+        return more()
+
     async def fault_loop() -> None:
-        schedule = list(SERVER_FAULTS + INPUT_FAULTS) if args.quick else []
-        while more():
-            await asyncio.sleep(min(args.fault_interval_s, max(0.0, end - time.monotonic())))
-            if not more():
-                break
-            fault = schedule.pop(0) if schedule else rng.choice(SERVER_FAULTS + INPUT_FAULTS)
-            if args.quick and not schedule and fault in SERVER_FAULTS:
-                fault = rng.choice(INPUT_FAULTS)  # the subset injects each server fault once
-            try:
-                if fault in INPUT_FAULTS:
-                    inj = await send_bad_input(clients.http, fault, MODEL, MAX_BODY_BYTES)
-                else:
-                    inj = await asyncio.to_thread(cluster.inject, fault, rng)
-            except Exception as exc:  # noqa: BLE001 -- reported
-                # a server fault whose target died while it was being armed was not injected;
-                # a front door that stayed shut past the retries is a fault not handled
-                inj = Injected(fault, "-", False, repr(exc)[:200],
-                               skipped=fault not in INPUT_FAULTS)
-            injected.append(inj)
-            print(f"soak: {time.monotonic() - start:6.1f}s {inj.fault} on {inj.target}"
-                  f"{'' if inj.ok else ' FAILED: ' + inj.detail}", flush=True)
+        if args.quick:  # each server fault once, in order, every input fault, one more interval
+            for fault in SERVER_FAULTS:
+                if not await pause():
+                    return
+                await inject(fault)
+            if not await pause():
+                return
+            for fault in INPUT_FAULTS:  # requests, not restarts: nothing to wait between them
+                await inject(fault)
+            await pause()  # traffic goes on after the last fault, then the run ends
+            end[0] = min(end[0], time.monotonic())
+            return
+        while await pause():
+            await inject(rng.choice(SERVER_FAULTS + INPUT_FAULTS))
 
     await asyncio.gather(fault_loop(), *(client_loop(k) for k in range(args.concurrency)))
     return results, injected
@@ -197,7 +210,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
-                   help="each server fault once, in a fixed order, then input faults only")
+                   help="each server fault once, in a fixed order, then every input fault; "
+                        "ends one fault interval after the last (or at --duration-s)")
     p.add_argument("--model", default=None, help="default: the embedded tiny model")
     p.add_argument("--out", default=str(RESULTS / "soak.json"))
     return p.parse_args(argv)

@@ -14,10 +14,10 @@ from typing import AsyncIterator
 import grpc
 
 from router.app import Router
-from router.streams import Generation
 from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
+from router.streams import Generation
 from workers.protocol import InvalidRequestError, SamplingParams, TokenEvent
 from workers.structured_output import StructuredOutput
 
