@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import cache_dir
+
 CLEAVE = str(Path(sys.executable).with_name("cleave"))
 
 
@@ -15,19 +17,6 @@ def run(*args: str, env_dir: Path) -> subprocess.CompletedProcess:
 
     return subprocess.run([CLEAVE, *args], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, CLEAVE_CACHE_DIR=str(cache_dir(env_dir))))
-
-
-def cache_dir(root: Path) -> Path:
-    """A fresh cache folder for the command's models, sharing this test run's compiled kernels
-    (each command would otherwise compile every C kernel again, ~8 s, as a first run does)."""
-    from workers.native import kernel_dir
-
-    cache = root / "cache"
-    if not cache.exists():
-        cache.mkdir()
-        kernel_dir().mkdir(parents=True, exist_ok=True)
-        (cache / "kernels").symlink_to(kernel_dir(), target_is_directory=True)
-    return cache
 
 
 def test_make_model_then_generate_from_it(tmp_path):

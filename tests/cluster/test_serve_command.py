@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import free_ports
+from tests.conftest import cache_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,7 +55,7 @@ def alive(pids: set[int]) -> set[int]:
 def test_cleave_serve_starts_answers_and_stops_on_sigterm(tmp_path, tiny_model):
     http, grpc_port = free_ports(2)
     # PYTHONPATH: this checkout's code, wherever the `cleave` script was installed from
-    env = dict(os.environ, CLEAVE_CACHE_DIR=str(tmp_path), RAY_AUTH_MODE="disabled",
+    env = dict(os.environ, CLEAVE_CACHE_DIR=str(cache_dir(tmp_path)), RAY_AUTH_MODE="disabled",
                RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([CLEAVE, "serve", "--model", tiny_model, "--served-model-name",
                              "tiny", "--port", str(http), "--grpc-port", str(grpc_port),
