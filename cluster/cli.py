@@ -63,7 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cluster.flags import config_from_args
 
     config = config_from_args(args)
-    _check_model(config)
+    _check_model(config, args.in_process)
     if args.process_per_worker and not args.in_process:
         raise SystemExit("cleave serve: --process-per-worker is a mode of --in-process (on Ray "
                          "every worker has a process of its own already)")
@@ -74,15 +74,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(config, num_cpus=args.num_cpus)
 
 
-def _check_model(config) -> None:  # noqa: ANN001 - a CleaveConfig
-    """Fail before starting anything when the pools' shapes do not fit the model."""
+def _check_model(config, in_process: bool) -> None:  # noqa: ANN001 - a CleaveConfig
+    """Fail before starting anything when the model folder is missing where the workers will
+    run (this machine: in process or on a Ray started here; on a Ray cluster joined through
+    RAY_ADDRESS the folder may live on its nodes only), or the pools' shapes do not fit it."""
+    import os
     from pathlib import Path
 
     from workers.model_config import ModelConfig
 
     path = config.model.path
-    if path is not None and Path(path, "config.json").is_file():
+    if path is None:
+        return
+    if Path(path, "config.json").is_file():
         config.check_against_model(ModelConfig.from_pretrained(path))
+    elif in_process or not os.environ.get("RAY_ADDRESS"):
+        raise ValueError(f"model.path {path!r}: no config.json there; expected a Hugging Face "
+                         "model folder")
 
 
 def _serve_in_process(config, process_per_worker: bool) -> int:  # noqa: ANN001 - CleaveConfig
@@ -251,6 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:  # bad input: one line naming what was wrong, exit 2
+    except (ValueError, FileNotFoundError) as exc:  # bad input: one line naming it, exit 2
         print(f"cleave {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -78,6 +78,11 @@ def test_bad_input_is_one_clear_line(tmp_path):
     bad = run("generate", "--max-tokens", "0", env_dir=tmp_path)
     assert bad.returncode == 2 and "max_tokens" in bad.stderr
     assert not (tmp_path / "cache" / "models").exists()  # refused before a model was made
+    missing = str(tmp_path / "no-such-model")
+    for command in ("generate", "serve"):  # serve: before it starts a Ray (it took 30 s)
+        bad = run(command, "--model", missing, env_dir=tmp_path)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+        assert missing in bad.stderr and "config.json" in bad.stderr
 
 
 def test_serve_in_process_answers_the_openai_client_then_stops(tmp_path, tiny_model):
