@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Iterator
 
+from cpu_budget import CpuBudget, roles_below
 from loadgen import RequestSpec, Workload, measure, percentiles_ms
 
 LAYERS = ("offline", "transformers", "inprocess_agg", "inprocess", "inprocess_ppw", "ray",
@@ -167,12 +168,18 @@ def run_transformers(model: str, sweep: Sweep, vocab_size: int) -> dict[int, dic
                 "output_throughput": round(tokens / duration, 1)}}
 
 
-def run_server(base_url: str, model_name: str, sweep: Sweep, vocab_size: int) -> dict[int, dict]:
-    """The load generator against a running server at each concurrency (warm-up first)."""
+def run_server(base_url: str, model_name: str, sweep: Sweep, vocab_size: int,
+               roles: dict[str, str]) -> dict[int, dict]:
+    """The load generator against a running server at each concurrency (warm-up first), with
+    the CPU each role's processes spent per output token (`cpu_budget`; `roles`: role ->
+    a marker of its processes' command lines)."""
     out = {}
+    budget = CpuBudget(roles_below(roles))
     for i, c in enumerate(sweep.concurrencies):
+        budget.start()
         summary, _ = measure(base_url, model_name, sweep.workload(c, warmup=2 if i == 0 else 0),
                              math.inf, vocab_size, sweep.time_limit_s)
+        summary |= budget.stop(summary["output_throughput"] * summary["duration_s"])
         out[c] = summary
     return out
 
@@ -181,7 +188,7 @@ def run_inprocess(model: str, sweep: Sweep, vocab_size: int, layer: str,
                   torch_threads: int) -> dict[int, dict]:
     with inprocess_server(model, INPROCESS_LAYOUTS[layer], sweep.disagg_threshold,
                           torch_threads) as (base_url, model_name):
-        return run_server(base_url, model_name, sweep, vocab_size)
+        return run_server(base_url, model_name, sweep, vocab_size, {"server": ""})
 
 
 @contextlib.contextmanager
@@ -255,7 +262,8 @@ def run_ray(model: str, sweep: Sweep, vocab_size: int, num_cpus: float,
             print(f"  ray: cleave serve did not start ({str(exc)[:200]}); trying once more")
     started_s = time.perf_counter() - t0
     try:
-        out: dict = run_server(app.base_url, "bench", sweep, vocab_size)
+        out: dict = run_server(app.base_url, "bench", sweep, vocab_size,
+                               {"router": "cleave:router", "engines": "EngineActor"})
     finally:
         stop = app.stop()
     return out | {"_stop": stop | {"start_s": round(started_s, 1), "start_attempts": attempt}}
@@ -307,6 +315,11 @@ def ratios(levels: dict[str, dict], concurrencies: tuple[int, ...]) -> dict[str,
                 for metric in ("itl", "tpot"):
                     out[f"{a}_{metric}_p50_vs_offline_step_ratio"] = _ratio(
                         levels[a][top][metric]["p50_ms"], step)
+    for a in ("ray", "inprocess", "inprocess_agg", "inprocess_ppw"):
+        for c in concurrencies if a in levels else ():
+            # near 1: every core was busy, so only fewer microseconds per token can help
+            out[f"{a}_c{c}_tokens_vs_cpu_bound_ratio"] = _ratio(
+                tput(a, c), levels[a].get(c, {}).get("cpu_bound_tokens_per_s"))
     return out
 
 
