@@ -74,10 +74,11 @@ def available() -> bool:
 
 def _plain_fp32(layer: nn.Module) -> bool:
     """A dense fp32 CPU weight through the small-batch kernel, unbiased, on one rank."""
+    if not isinstance(layer.matmul, small_gemm.SmallBatchMatmul):
+        return False  # torch's linear, or a quantized weight's kernel (no `weight` then)
     w = layer.weight
-    return (isinstance(layer.matmul, small_gemm.SmallBatchMatmul) and w.dtype == torch.float32
-            and w.device.type == "cpu" and w.is_contiguous() and layer.bias is None
-            and layer.tp_size == 1)
+    return (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+            and layer.bias is None and layer.tp_size == 1)
 
 
 def refusal(layer: nn.Module, layer_type: type[nn.Module], mlp_type: type[nn.Module]

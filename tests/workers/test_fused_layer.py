@@ -163,6 +163,12 @@ def test_what_does_not_take_it(tiny_model, tmp_path):
         model = _model(path)
         assert model.model.fused_stack is None
         assert why in fused_module.refusal(model.model.layers[0], *PLAIN[1:])
+    from workers.quant.writer import quantize_checkpoint
+
+    awq = str(quantize_checkpoint(tiny_model, tmp_path / "awq", "awq", group_size=32))
+    packed = _model(awq, dtype="bfloat16")  # kept packed, for its kernels: no dense weight
+    assert packed.model.fused_stack is None
+    assert "dense fp32" in fused_module.refusal(packed.model.layers[0], *PLAIN[1:])
     config = ModelConfig.from_pretrained(tiny_model)
     sharded = load_model(None, config, dtype=torch.float32, device="cpu",
                          attn_backend=get_backend("cpu"), load_format="dummy",
