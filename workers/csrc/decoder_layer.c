@@ -9,7 +9,7 @@
  * one sequence at ~7 ms a token against llama.cpp's 3.5 ms.
  *
  * The arithmetic is the unfused path's, by the same routines: this file calls the kernels'
- * exported functions, linked in from their own files (workers/fused_layer.py builds this one
+ * exported functions (declared in kernels.h), linked in from their own files (workers/fused_layer.py builds this one
  * with norm_rope.c, small_gemm.c and attention/csrc/paged_decode.c), so each routine has one
  * definition, and the results are the unfused path's bit for bit (the residual adds are the
  * same single fp32 adds; the K/V write the same copy, or bf16 rounding to nearest even as
@@ -25,23 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
-
-/* norm_rope.c */
-void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows,
-                  int64_t n, float eps, int num_threads);
-int rope_f32(const float *x, int64_t tok_stride, int64_t head_stride, float *out,
-             const int64_t *positions, const float *cos_sin, int64_t cache_stride,
-             int64_t max_position, int64_t tokens, int64_t heads, int64_t half, int num_threads);
-/* small_gemm.c */
-int small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
-                   int num_threads);
-int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
-                  int64_t M, int64_t H, int64_t I, int gelu, int num_threads);
-/* attention/csrc/paged_decode.c */
-int paged_decode_f32(const float *q, const void *k, const void *v, const float *sinks,
-                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                     float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
-                     int block_size, float scale, int window, int kv_bf16, int num_threads);
+#include "kernels.h"
 
 /* One layer's weights and settings, fixed at load (workers/fused_layer.py `Layer` mirrors it). */
 typedef struct {

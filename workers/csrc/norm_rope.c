@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define PARALLEL_ROWS 64 /* rows below this run on the calling thread */
 
