@@ -11,9 +11,9 @@ batch's rows decodes, at most `MAX_ROWS` of them, over fp32 or bf16 caches; else
 one by one, unchanged.
 
 Measured on this 2-core machine (`benchmarks/small_gemm.py`, the engine on the `small` preset,
-2 threads, fused and unfused steps alternating in the same engine, four runs while other tests
-ran beside them): decode steps 1.37-1.57x as fast at 1 stream (3.2-7.7 ms a step fused against
-5.1-10.4), 1.23-1.34x at 4, 1.19-1.25x at 8.
+2 threads, fused and unfused steps alternating in the same engine, five runs while other tests
+ran beside them): decode steps 1.37-1.57x as fast at 1 stream (3.2-8.7 ms a step fused against
+5.1-12.5), 1.23-1.35x at 4, 1.19-1.25x at 8.
 """
 
 from __future__ import annotations
