@@ -16,7 +16,10 @@ Last line: one JSON object; also written to benchmarks/results/small_gemm.json.
 from __future__ import annotations
 
 import argparse
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from results_io import RESULTS, command_line, emit
@@ -38,15 +41,29 @@ def timed(fn, calls: int = 20, repeats: int = 5) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from workers.small_gemm import small_gemm
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--streams", default="1,4,8", help="decoding sequences, engine section")
+    p.add_argument("--rounds", type=int, default=8, help="paired rounds, engine section")
+    p.add_argument("--sections", default="gemm,mlp,engine", help="which of them to run")
     p.add_argument("--out", default=str(RESULTS / "small_gemm.json"))
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
+    sections = args.sections.split(",")
     result: dict = {"command": command_line(argv), "threads": torch.get_num_threads(),
                     "ms": {}}
+    if "gemm" in sections:
+        gemm(result, rows)
+    if "mlp" in sections:
+        fused_mlp(result, [m for m in rows if m <= 8])
+    if "engine" in sections:
+        fused_layers(result, [int(n) for n in args.streams.split(",")], args.rounds)
+    return emit(result, args.out)
+
+
+def gemm(result: dict, rows: list[int]) -> None:
+    from workers.small_gemm import small_gemm
+
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for shape, (n, k) in SHAPES.items():
             w = torch.randn(n, k).to(dtype)
@@ -58,8 +75,6 @@ def main(argv: list[str] | None = None) -> dict:
                 result["ms"][key] = {"kernel": round(ours * 1e3, 4),
                                      "torch": round(theirs * 1e3, 4)}
                 result[f"{key}_torch_vs_kernel_ratio"] = round(theirs / ours, 3)
-    fused_mlp(result, [m for m in rows if m <= 8])
-    return emit(result, args.out)
 
 
 def fused_mlp(result: dict, rows: list[int], layers: int = 8) -> None:
@@ -85,6 +100,55 @@ def fused_mlp(result: dict, rows: list[int], layers: int = 8) -> None:
             result["ms"][key] = {"fused": round(ours * 1e3 / layers, 4),
                                  "unfused": round(theirs * 1e3 / layers, 4)}
             result[f"{key}_unfused_vs_fused_ratio"] = round(theirs / ours, 3)
+
+
+def decode_steps(engine, streams: int, tag: str, first_fused: bool, prompt_len: int = 128,
+                 output_len: int = 64) -> dict[bool, float]:
+    """Median decode step (ms), fused and not, of `streams` greedy sequences run to the end
+    together, the two alternating step by step (`first_fused`: which one the first step takes),
+    so both see the same minute of this shared machine and the same context lengths."""
+    from workers import SamplingParams
+    from workers.protocol import WorkerRequest
+
+    model = engine.runner.executor.model.model
+    stack = model.fused_stack
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i in range(streams):
+        prompt = tuple((7 * i + 13 * t) % 4000 + 3 for t in range(prompt_len))
+        engine.generate(WorkerRequest(f"{tag}-{i}", prompt, params))
+    engine.step()  # the prompts
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    fused = first_fused
+    while engine.has_unfinished():
+        model.fused_stack = stack if fused else None
+        start = time.perf_counter()
+        engine.step()
+        steps[fused].append(time.perf_counter() - start)
+        fused = not fused
+    model.fused_stack = stack
+    return {k: statistics.median(v) * 1e3 for k, v in steps.items()}
+
+
+def fused_layers(result: dict, streams: list[int], rounds: int) -> None:
+    from workers import Engine, EngineConfig
+    from workers.make_model import make_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_model(Path(tmp) / "small", arch="llama", preset="small"))
+        engine = Engine(EngineConfig(model=path, device="cpu", block_size=16, num_blocks=128,
+                                     max_num_seqs=max(streams)))
+        assert engine.runner.executor.model.model.fused_stack is not None, (
+            "the small preset should take the fused decoder stack")
+        decode_steps(engine, 1, "warm", True)
+        for n in streams:
+            rounds_ms = [decode_steps(engine, n, f"{n}-{r}", r % 2 == 0) for r in range(rounds)]
+            key = f"fp32_small_engine_streams{n}"
+            result["ms"][key] = {
+                name: round(statistics.median(ms[fused] for ms in rounds_ms), 3)
+                for name, fused in (("fused", True), ("unfused", False))}
+            result[f"{key}_unfused_vs_fused_ratio"] = round(statistics.median(
+                ms[False] / ms[True] for ms in rounds_ms), 3)
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -17,10 +17,11 @@ from torch import nn
 
 from workers.attention.backend import AttentionBackend
 from workers.checkpoint_shapes import random_weights
+from workers.fused_layer import use_fused_decoder_stack
 from workers.model_config import ModelConfig
 from workers.models import get_model_class
 from workers.models.layers import LINEAR_LAYERS, Shard, WeightShapeError
-from workers.models.llama import LlamaMLP
+from workers.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from workers.models.vocab import ParallelLMHead
 from workers.quant.decode import QuantizedTensorError, decode_checkpoint
 from workers.quant.linear import prepare_layers, quantize_layers
@@ -89,6 +90,8 @@ def load_model(
         prepare_layers(model)
     use_small_batch_kernel(model, (*LINEAR_LAYERS, ParallelLMHead))
     use_small_batch_mlp(model, (LlamaMLP,))
+    # after the two above: it takes the layers whose matmuls and MLP carry their kernels
+    use_fused_decoder_stack(model, LlamaModel, LlamaDecoderLayer, LlamaMLP)
     return model.eval()
 
 

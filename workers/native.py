@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -47,15 +48,38 @@ def kernel_dir() -> Path:
     return root / "kernels"
 
 
-def build_library(path: Path, compiler: str | None = None) -> Path:
-    """The compiled library of the C file `path`, compiling it unless this source, compiler,
-    flags and CPU were compiled before. Concurrent builds (several engine processes starting)
-    each build in a private folder and rename the library into place, so a reader never sees a
-    partial one."""
-    compiler = compiler or os.environ.get("CC") or "cc"
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _source_bytes(path: Path, seen: set[Path] | None = None) -> list[bytes]:
+    """The file's bytes and those of every `#include "..."` it reaches, so an edit to a shared
+    header changes the cache key of every kernel built from it."""
+    seen = set() if seen is None else seen
+    path = path.resolve()
+    if path in seen:
+        return []
+    seen.add(path)
     source = path.read_bytes()
+    parts = [source]
+    for name in _LOCAL_INCLUDE.findall(source):
+        included = path.parent / name.decode()
+        if included.is_file():
+            parts += _source_bytes(included, seen)
+    return parts
+
+
+def build_library(path: Path, compiler: str | None = None,
+                  sources: tuple[Path, ...] = ()) -> Path:
+    """The compiled library of the C file `path` (linked with the C files `sources`, compiled
+    each on its own), compiling it unless these sources (and the headers they include),
+    compiler, flags and CPU were compiled before. Concurrent builds (several engine processes
+    starting) each build in a private folder and rename the library into place, so a reader
+    never sees a partial one."""
+    compiler = compiler or os.environ.get("CC") or "cc"
+    files = (path, *sources)
+    parts = [b for f in files for b in _source_bytes(f)]
     flags = " ".join(CFLAGS + LDFLAGS)
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), flags.encode(),
+    key = hashlib.sha256(b"\0".join([*parts, compiler.encode(), flags.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
     target = kernel_dir() / f"{path.stem}-{key}.so"
     if target.exists():
@@ -64,9 +88,10 @@ def build_library(path: Path, compiler: str | None = None) -> Path:
         raise KernelBuildError(f"C compiler {compiler!r} not found (set $CC to one)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = os.path.join(tmp, f"{path.stem}.o"), os.path.join(tmp, f"{path.stem}.so")
-        for step in ([compiler, *CFLAGS, "-c", "-o", obj, str(path)],
-                     [compiler, *LDFLAGS, "-o", lib, obj, "-lm"]):
+        objs = [os.path.join(tmp, f"{i}-{f.stem}.o") for i, f in enumerate(files)]
+        lib = os.path.join(tmp, f"{path.stem}.so")
+        steps = [[compiler, *CFLAGS, "-c", "-o", obj, str(f)] for obj, f in zip(objs, files)]
+        for step in [*steps, [compiler, *LDFLAGS, "-o", lib, *objs, "-lm"]]:
             proc = subprocess.run(step, capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 raise KernelBuildError(f"{' '.join(step)} failed (exit {proc.returncode}):\n"

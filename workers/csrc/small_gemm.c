@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 typedef float vf __attribute__((vector_size(64)));
 typedef uint32_t vu __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));

@@ -30,6 +30,7 @@ from workers.models.layers import (
 from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:
+    from workers.fused_layer import FusedDecoderStack
     from workers.small_gemm import SmallBatchMLP
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -147,6 +148,9 @@ class LlamaModel(nn.Module):
         self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
         self.embed_scale = embed_scale
 
+    # set at load where every layer takes it: a few CPU decode rows in one C call (fused_layer)
+    fused_stack: FusedDecoderStack | None = None
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
         meta: AttentionMetadata, hidden: torch.Tensor | None = None,
@@ -156,9 +160,12 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)  # [T, hidden]
             if self.embed_scale is not None:  # rounded to the weights' dtype first, as HF does
                 hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if self.fused_stack is not None and self.fused_stack.takes(hidden, meta, kv_caches):
+            hidden, residual = self.fused_stack(positions, hidden, kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
+                hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if self.is_last:
             return self.norm(hidden, residual)[0]
         return hidden.add_(residual)  # the next stage's input
@@ -216,9 +223,8 @@ class LlamaForCausalLM(nn.Module):
         middle pipeline stage: the un-normed hidden states for the next stage). `hidden`: the
         previous stage's output, on every stage but the first."""
         if len(kv_caches) != self.num_layers:
-            raise ValueError(
-                f"got {len(kv_caches)} kv caches, expected one per layer ({self.num_layers})"
-            )
+            raise ValueError(f"got {len(kv_caches)} kv caches, expected one per layer "
+                             f"({self.num_layers})")
         return self.model(input_ids, positions, kv_caches, meta, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../csrc/kernels.h"
+
 typedef struct {
     const float *q, *sinks;
     const void *k, *v; /* fp32, or bf16 when kv_bf16 */

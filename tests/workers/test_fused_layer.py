@@ -1,0 +1,190 @@
+"""The fused decoder stack (`workers/fused_layer.py`, `csrc/decoder_layer.c`: a decode step's
+layers in one C call) against the same layers run one by one: the same hidden states and the
+same K/V written, bit for bit, at 1-8 rows, on any thread count; which models and batches take
+it; greedy tokens against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.factories import noise_paged_cache
+from workers import LLM, SamplingParams
+from workers import fused_layer as fused_module
+from workers.attention.backend import AttentionMetadata
+from workers.attention.registry import get_backend
+from workers.loader import load_model
+from workers.make_model import make_model
+from workers.model_config import ModelConfig
+from workers.models.layers import Shard
+from workers.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from workers.parallel.comm import Communicator
+
+pytestmark = pytest.mark.skipif(not fused_module.available(),
+                                reason="no C compiler here to build the fused layer kernel")
+PLAIN = (LlamaModel, LlamaDecoderLayer, LlamaMLP)  # what the loader hands use_fused_decoder_stack
+
+
+def _model(path: str, **options: object) -> torch.nn.Module:
+    return LLM(path, num_blocks=16, **options).engine.runner.executor.model
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return _model(tiny_model)
+
+
+def decode_batch(model, rows: int, kv_dtype: torch.dtype, seed: int = 0, block_size: int = 4,
+                 num_decodes: int | None = None):
+    """A decode step of `rows` sequences of 1-40 tokens (the new one included) over caches of
+    noise (the new tokens' slots too): (ids, positions, caches, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [1 + (13 * i + 7 * seed) % 40 for i in range(rows)]
+    heads, dim = model.num_kv_heads, model.head_dim
+    first, tables = noise_paged_cache(seq_lens, block_size, heads, dim, gen)
+    caches = [first] + [torch.randn(first.shape, generator=gen)
+                        for _ in range(model.num_layers - 1)]
+    positions = [length - 1 for length in seq_lens]
+    slots = [int(tables[i, p // block_size]) * block_size + p % block_size
+             for i, p in enumerate(positions)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(rows + 1).int(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        num_decodes=rows if num_decodes is None else num_decodes, max_query_len=1,
+        max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(rows + 1)),
+        seq_lens_cpu=seq_lens)
+    ids = torch.randint(model.config.vocab_size, (rows,), generator=gen)
+    return ids, torch.tensor(positions), [c.to(kv_dtype) for c in caches], meta
+
+
+def forward(model, batch, fused: bool, threads: int | None = None):
+    """The final hidden states and the caches after one forward, fused or layer by layer."""
+    ids, positions, caches, meta = batch
+    caches = [c.clone() for c in caches]
+    stack, before = model.model.fused_stack, torch.get_num_threads()
+    assert stack is not None and stack.takes(torch.empty(len(ids), 1), meta, caches)
+    model.model.fused_stack = stack if fused else None
+    torch.set_num_threads(threads or before)
+    try:
+        with torch.no_grad():
+            return model(ids, positions, caches, meta), caches
+    finally:
+        model.model.fused_stack = stack
+        torch.set_num_threads(before)
+
+
+def count_calls(monkeypatch, stack) -> list[int]:
+    """The row count of every fused call from now on."""
+    rows: list[int] = []
+    fn = stack.fn
+
+    def counted(*args):
+        rows.append(args[10])
+        return fn(*args)
+
+    monkeypatch.setattr(stack, "fn", counted)
+    return rows
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_the_fused_stack_equals_the_layers_one_by_one(model, rows):
+    batch = decode_batch(model, rows, torch.float32, seed=rows)
+    want, want_caches = forward(model, batch, fused=False)
+    for threads in (1, 2, 3):  # each kernel's result is the same on any thread count
+        got, got_caches = forward(model, batch, fused=True, threads=threads)
+        assert torch.equal(got, want)
+        for g, w in zip(got_caches, want_caches, strict=True):
+            assert torch.equal(g, w)  # the new K/V at their slots, nothing else touched
+    assert not torch.equal(want_caches[0], batch[2][0])  # the step did write K/V
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_a_bf16_cache_is_read_by_the_c_kernel_where_the_layers_use_sdpa(model, rows):
+    """An fp32 model over a bf16 cache: layer by layer, the cpu backend hands the mixed dtypes
+    to the torch backend's SDPA; fused, the C kernel widens the cached values as it reads them.
+    The same attention up to fp32 rounding; the K/V rounded to bf16 as torch's `to` does."""
+    batch = decode_batch(model, rows, torch.bfloat16, seed=rows)
+    want, want_caches = forward(model, batch, fused=False)
+    got, got_caches = forward(model, batch, fused=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_caches[0], want_caches[0])  # the first layer's K/V: same inputs
+    for g, w in zip(got_caches[1:], want_caches[1:], strict=True):  # within a bf16 rounding
+        torch.testing.assert_close(g, w, rtol=8e-3, atol=1e-5)
+    assert torch.equal(forward(model, batch, fused=True, threads=1)[0], got)
+
+
+def test_a_sliding_window_is_attended_as_the_layers_do(tiny_model):
+    model = _model(tiny_model)
+    for layer in model.model.layers.values():
+        layer.self_attn.window = 5
+    # rebuilt: the structs take the window at load
+    assert fused_module.use_fused_decoder_stack(model, *PLAIN) == model.num_layers
+    batch = decode_batch(model, 6, torch.float32, seed=3)
+    assert max(batch[3].seq_lens_cpu) > 5
+    want, want_caches = forward(model, batch, fused=False)
+    got, got_caches = forward(model, batch, fused=True)
+    assert torch.equal(got, want) and all(map(torch.equal, got_caches, want_caches))
+
+
+def test_prefill_mixed_batches_and_more_than_8_rows_run_layer_by_layer(model):
+    stack = model.model.fused_stack
+    _, _, caches, meta = decode_batch(model, 4, torch.float32, num_decodes=3)  # one prefill
+    assert not stack.takes(torch.empty(4, 1), meta, caches)
+    _, _, caches, meta = decode_batch(model, 9, torch.float32)
+    assert not stack.takes(torch.empty(9, 1), meta, caches)
+    _, _, caches, meta = decode_batch(model, 8, torch.float32)
+    assert stack.takes(torch.empty(8, 1), meta, caches)
+    assert not stack.takes(torch.empty(8, 1, dtype=torch.bfloat16), meta, caches)
+    assert not stack.takes(torch.empty(8, 1), meta, [c.to(torch.int8) for c in caches])
+
+
+def test_engine_tokens_are_the_unfused_ones_and_only_decodes_of_up_to_8_rows_fuse(
+        tiny_model, monkeypatch):
+    prompts = [[3 + i, 5, 7 + 2 * i] * (1 + i % 3) for i in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True)
+              for i in range(10)]
+    fused = LLM(tiny_model, num_blocks=64, block_size=4)
+    model = fused.engine.runner.executor.model
+    rows = count_calls(monkeypatch, model.model.fused_stack)
+    got = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
+    plain = LLM(tiny_model, num_blocks=64, block_size=4)
+    plain.engine.runner.executor.model.model.fused_stack = None
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    # 10 prefills, then decodes of 10 rows (layer by layer) shrinking to 8 and below (fused)
+    assert rows and max(rows) == 8 and min(rows) == 1
+
+
+def test_what_does_not_take_it(tiny_model, tmp_path):
+    assert _model(tiny_model, dtype="bfloat16").model.fused_stack is None
+    assert _model(tiny_model, attention_backend="torch").model.fused_stack is None
+    for arch, why in (("qwen2", "without bias"), ("qwen3", "q/k norm"),
+                      ("gemma3", "not a plain Llama")):
+        path = str(make_model(tmp_path / arch, arch=arch, preset="tiny"))
+        model = _model(path)
+        assert model.model.fused_stack is None
+        assert why in fused_module.refusal(model.model.layers[0], *PLAIN[1:])
+    from workers.quant.writer import quantize_checkpoint
+
+    awq = str(quantize_checkpoint(tiny_model, tmp_path / "awq", "awq", group_size=32))
+    packed = _model(awq, dtype="bfloat16")  # kept packed, for its kernels: no dense weight
+    assert packed.model.fused_stack is None
+    assert "dense fp32" in fused_module.refusal(packed.model.layers[0], *PLAIN[1:])
+    config = ModelConfig.from_pretrained(tiny_model)
+    sharded = load_model(None, config, dtype=torch.float32, device="cpu",
+                         attn_backend=get_backend("cpu"), load_format="dummy",
+                         shard=Shard(0, 2, Communicator(None, [0, 1], 0)))
+    assert sharded.model.fused_stack is None
+    assert "on one rank" in fused_module.refusal(sharded.model.layers[0], *PLAIN[1:])
+
+
+def test_greedy_tokens_match_transformers(tmp_path, monkeypatch):
+    from tests.workers.hf_oracle import greedy_reference, save_hf_model
+
+    hf = save_hf_model("llama", tmp_path)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 40))]
+    llm = LLM(str(tmp_path), block_size=4, num_blocks=64)
+    rows = count_calls(monkeypatch, llm.engine.runner.executor.model.model.fused_stack)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == greedy_reference(hf, prompt, 6).tokens
+    assert rows  # the decode steps ran fused

@@ -1,0 +1,26 @@
+/* The CPU kernels' functions that another kernel calls (decoder_layer.c calls them in turn),
+ * declared once: each defining file includes this too, so a signature that drifts from its
+ * declaration fails to compile instead of being called wrongly. */
+#ifndef CLEAVE_KERNELS_H
+#define CLEAVE_KERNELS_H
+#include <stdint.h>
+
+/* norm_rope.c */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows,
+                  int64_t n, float eps, int num_threads);
+int rope_f32(const float *x, int64_t tok_stride, int64_t head_stride, float *out,
+             const int64_t *positions, const float *cos_sin, int64_t cache_stride,
+             int64_t max_position, int64_t tokens, int64_t heads, int64_t half, int num_threads);
+
+/* small_gemm.c */
+int small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                   int num_threads);
+int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
+                  int64_t M, int64_t H, int64_t I, int gelu, int num_threads);
+
+/* attention/csrc/paged_decode.c */
+int paged_decode_f32(const float *q, const void *k, const void *v, const float *sinks,
+                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                     float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
+                     int block_size, float scale, int window, int kv_bf16, int num_threads);
+#endif
