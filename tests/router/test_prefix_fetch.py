@@ -162,6 +162,10 @@ def test_the_router_sends_a_request_to_the_idle_worker_with_the_busy_ones_prefix
     # prefill is slow enough for the pull to pay, it has none here (the fixed cost's effect
     # on the decision has its own test above)
     _worker(pair, 1).engine.kv_fetch_fixed_s = 0.0
+    # and its pull rate, measured in the tests before, forgotten: the prior cost then stands
+    # (a rate measured while other processes held the cores made the pull look dearer than
+    # recomputing, and the router rightly fetched nothing)
+    _worker(pair, 1).engine.kv_pull_bytes_per_s = 0.0
     # worker 1 measures its prefill on an unrelated prompt while worker 0 is busy
     long_run = asyncio.run_coroutine_threadsafe(generate("busy", first + [7], 200), pair.loop)
     assert wait_until(lambda: router.workers.stats("worker-0").num_running >= 1, 10)
