@@ -9,12 +9,12 @@
  * one sequence at ~7 ms a token against llama.cpp's 3.5 ms.
  *
  * The arithmetic is the unfused path's, by the same routines: this file calls the kernels'
- * exported functions (declared in kernels.h), linked in from their own files (workers/fused_layer.py builds this one
- * with norm_rope.c, small_gemm.c and attention/csrc/paged_decode.c), so each routine has one
- * definition, and the results are the unfused path's bit for bit (the residual adds are the
- * same single fp32 adds; the K/V write the same copy, or bf16 rounding to nearest even as
- * torch's `to`). Each kernel opens its own OpenMP region on torch's threads; nothing returns to
- * Python between them.
+ * exported functions (declared in kernels.h), linked in from their own files
+ * (workers/fused_layer.py builds this one with norm_rope.c, small_gemm.c and
+ * attention/csrc/paged_decode.c), so each routine has one definition, and the results are the
+ * unfused path's bit for bit (the residual adds are the same single fp32 adds; the K/V write
+ * the same copy, or bf16 rounding to nearest even as torch's `to`). Each kernel opens its own
+ * OpenMP region on torch's threads; nothing returns to Python between them.
  *
  * Layouts: hidden and residual [rows, H] contiguous fp32; a layer's cache [2, num_slots, Hkv, D]
  * (num_slots = num_blocks * block_size, K then V) contiguous; positions and slots [rows] int64;
