@@ -49,10 +49,16 @@ from serving_layers import Sweep, inprocess_server
 from serving_ray import ServerProcess, free_ports
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist (its vendored llama.cpp)
-PAIRS = {  # name: (cleave checkpoint, cleave dtype, llama.cpp GGUF type)
-    "fp32": ("fp32", "float32", "f32"),
-    "int8": ("int8", "bfloat16", "q8_0"),
-    "int4": ("int4", "bfloat16", "q4_0"),
+# int8 / int4 in float32 with the weights kept packed (`fp32_int_kernels`): a decode step then
+# runs every layer in one C call (workers/fused_layer.py), where bf16 activations run them one
+# kernel at a time; measured (benchmarks/small_gemm.py, engine section, paired in the same
+# minutes on this 2-core machine, one run, quiet): int8 1.67 / 4.23 / 6.98 ms a decode step at
+# 1 / 4 / 8 streams against bf16's 3.60 / 6.82 / 9.07, int4 1.40 / 4.75 / 8.71 against 3.18 /
+# 6.59 / 10.94 (2.1x / 1.5x / 1.3x)
+PAIRS = {  # name: (cleave checkpoint, cleave engine options, llama.cpp GGUF type)
+    "fp32": ("fp32", {"dtype": "float32"}, "f32"),
+    "int8": ("int8", {"dtype": "float32", "fp32_int_kernels": True}, "q8_0"),
+    "int4": ("int4", {"dtype": "float32", "fp32_int_kernels": True}, "q4_0"),
 }
 _CONVERT = '''import runpy, sys
 from pathlib import Path
@@ -192,7 +198,7 @@ def measure_pair(pair: str, tree: Path, ggufs: dict[str, Path], cleave_ckpts: di
                  ) -> tuple[dict[int, dict], dict[int, dict]]:
     """One round of a pair: llama.cpp's sweep, then Cleave's, each server alone; the figures of
     each (Cleave's, llama.cpp's) by concurrency."""
-    ckpt, dtype, kind = PAIRS[pair]
+    ckpt, engine, kind = PAIRS[pair]
     server = LlamaServer(tree, ggufs[kind], slots, args.threads,
                          slots * (args.input_len + args.output_len + 16)).start()
     try:
@@ -203,7 +209,7 @@ def measure_pair(pair: str, tree: Path, ggufs: dict[str, Path], cleave_ckpts: di
     finally:
         server.stop()
     with inprocess_server(str(cleave_ckpts[ckpt]), {"num_workers": 1}, 64, args.threads,
-                          {"dtype": dtype}) as (base_url, model_name):
+                          engine) as (base_url, model_name):
         ours = sweep_server(base_url, model_name, sweep, vocab)
     return ({c: _figures(v) for c, v in ours.items()}, {c: _figures(v) for c, v in peer.items()})
 

@@ -103,10 +103,11 @@ def fused_mlp(result: dict, rows: list[int], layers: int = 8) -> None:
 
 
 def decode_steps(engine, streams: int, tag: str, first_fused: bool, prompt_len: int = 128,
-                 output_len: int = 64) -> dict[bool, float]:
+                 output_len: int = 64) -> dict:
     """Median decode step (ms), fused and not, of `streams` greedy sequences run to the end
     together, the two alternating step by step (`first_fused`: which one the first step takes),
-    so both see the same minute of this shared machine and the same context lengths."""
+    so both see the same minute of this shared machine and the same context lengths; "all":
+    every step's median (an engine without the fused stack runs every step unfused)."""
     from workers import SamplingParams
     from workers.protocol import WorkerRequest
 
@@ -126,29 +127,72 @@ def decode_steps(engine, streams: int, tag: str, first_fused: bool, prompt_len: 
         steps[fused].append(time.perf_counter() - start)
         fused = not fused
     model.fused_stack = stack
-    return {k: statistics.median(v) * 1e3 for k, v in steps.items()}
+    medians: dict = {k: statistics.median(v) * 1e3 for k, v in steps.items()}
+    return {**medians, "all": statistics.median(steps[True] + steps[False]) * 1e3}
+
+
+def _engines(tmp: str, streams: list[int]) -> dict[str, tuple]:
+    """The `small` preset's engines by checkpoint: fp32 (fused, no partner), int8 and int4 (group
+    32; compressed-tensors, lm_head too, as peer_llamacpp.py serves them) kept packed in fp32
+    (`fp32_int_kernels`), each with a bf16 engine of the same checkpoint as its partner."""
+    from workers import Engine, EngineConfig
+    from workers.make_model import make_model
+    from workers.quant.writer import quantize_checkpoint
+
+    def engine(path: Path, **options) -> Engine:
+        return Engine(EngineConfig(model=str(path), device="cpu", block_size=16, num_blocks=128,
+                                   max_num_seqs=max(streams), **options))
+
+    fp32 = make_model(Path(tmp) / "small", arch="llama", preset="small")
+    engines = {"fp32": (engine(fp32), None)}
+    for name, bits, group in (("int8", 8, None), ("int4", 4, 32)):
+        path = quantize_checkpoint(fp32, Path(tmp) / name, "compressed-tensors", bits=bits,
+                                   group_size=group, lm_head=True)
+        engines[name] = (engine(path, dtype="float32", fp32_int_kernels=True),
+                         engine(path, dtype="bfloat16"))
+    for name, (fused, _) in engines.items():
+        assert fused.runner.executor.model.model.fused_stack is not None, (
+            f"the small preset ({name}) should take the fused decoder stack")
+    return engines
 
 
 def fused_layers(result: dict, streams: list[int], rounds: int) -> None:
-    from workers import Engine, EngineConfig
-    from workers.make_model import make_model
-
+    """Per checkpoint and stream count: fused and unfused steps alternating in one engine
+    (`decode_steps`), and for int8/int4 the bf16 engine's steps in the same round (before or
+    after, alternately): `*_unfused_vs_fused_ratio` and `*_bf16_vs_fused_ratio`, each the median
+    over rounds of the round's ratio."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(make_model(Path(tmp) / "small", arch="llama", preset="small"))
-        engine = Engine(EngineConfig(model=path, device="cpu", block_size=16, num_blocks=128,
-                                     max_num_seqs=max(streams)))
-        assert engine.runner.executor.model.model.fused_stack is not None, (
-            "the small preset should take the fused decoder stack")
-        decode_steps(engine, 1, "warm", True)
-        for n in streams:
-            rounds_ms = [decode_steps(engine, n, f"{n}-{r}", r % 2 == 0) for r in range(rounds)]
-            key = f"fp32_small_engine_streams{n}"
-            result["ms"][key] = {
-                name: round(statistics.median(ms[fused] for ms in rounds_ms), 3)
-                for name, fused in (("fused", True), ("unfused", False))}
-            result[f"{key}_unfused_vs_fused_ratio"] = round(statistics.median(
-                ms[False] / ms[True] for ms in rounds_ms), 3)
-        engine.close()
+        engines = _engines(tmp, streams)
+        for fused, partner in engines.values():
+            decode_steps(fused, 1, "warm", True)
+            if partner is not None:
+                decode_steps(partner, 1, "warm", True)
+        for name, (engine, partner) in engines.items():
+            for n in streams:
+                rounds_ms = []
+                for r in range(rounds):
+                    pair = [engine] + ([partner] if partner is not None else [])
+                    got = {id(e): decode_steps(e, n, f"{n}-{r}-{i}", r % 2 == 0)
+                           for i, e in enumerate(pair if r % 2 == 0 else pair[::-1])}
+                    rounds_ms.append({**got[id(engine)], "bf16": got[id(partner)]["all"]
+                                      if partner is not None else None})
+                _record(result, f"{name}_small_engine_streams{n}", rounds_ms)
+        for fused, partner in engines.values():
+            fused.close()
+            if partner is not None:
+                partner.close()
+
+
+def _record(result: dict, key: str, rounds_ms: list[dict]) -> None:
+    have_bf16 = rounds_ms[0]["bf16"] is not None
+    names = (("fused", True), ("unfused", False)) + ((("bf16", "bf16"),) if have_bf16 else ())
+    result["ms"][key] = {name: round(statistics.median(ms[k] for ms in rounds_ms), 3)
+                         for name, k in names}
+    result[f"{key}_unfused_vs_fused_ratio"] = round(statistics.median(
+        ms[False] / ms[True] for ms in rounds_ms), 3)
+    if have_bf16:
+        result[f"{key}_bf16_vs_fused_ratio"] = round(statistics.median(
+            ms["bf16"] / ms[True] for ms in rounds_ms), 3)
 
 
 if __name__ == "__main__":

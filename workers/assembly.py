@@ -48,7 +48,8 @@ def load_local_model(config: EngineConfig, model_config: ModelConfig, dtype: tor
                      device: torch.device) -> torch.nn.Module:
     return load_model(config.model, model_config, dtype=dtype, device=device,
                       attn_backend=get_backend(config.resolved_attention_backend),
-                      load_format=config.load_format, seed=config.seed)
+                      load_format=config.load_format, seed=config.seed,
+                      fp32_int_kernels=config.fp32_int_kernels)
 
 
 def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, model: torch.nn.Module | None,

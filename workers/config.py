@@ -54,6 +54,12 @@ class EngineConfig:
     # schedule and build step N+1 while step N runs, its decode inputs taken from step N's
     # tokens on the device (`workers.async_step`); one engine process (world_size 1) only
     async_scheduling: bool = False
+    # dtype float32 with an int8 (per channel) or int4 (groups of 32-256) checkpoint on a CPU
+    # with AVX-512 VNNI: keep the weights packed for Cleave's int kernels (fp32 activations,
+    # quantized to int8 per 32 columns in the kernel) instead of dequantizing them to fp32,
+    # which stays the default as the faithful reference (its logits equal transformers' on the
+    # dequantized weights; the int kernels' do not, to 1e-4)
+    fp32_int_kernels: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),

@@ -1,19 +1,24 @@
 """A decode step's Llama decoder layers in one C call on the CPU (`csrc/decoder_layer.c`): for a
 few fp32 rows, every layer's norms, projections, RoPE, K/V write, paged attention and MLP, by
-the kernels the unfused path calls one by one from Python (norm_rope, small_gemm, paged_decode),
-linked into one library, so the results are that path's bit for bit.
+the kernels the unfused path calls one by one from Python (norm_rope, small_gemm, int_gemm,
+paged_decode), linked into one library, so the results are that path's bit for bit.
 
 Decided once, at load (`use_fused_decoder_stack`): a stack takes it when every layer is a plain
-Llama layer on the CPU with fp32 weights carrying the small-batch kernels, no biases, no q/k
-norm, no attention sinks, one tensor-parallel rank and the `cpu` attention backend (a sliding
-window is fine: the attention kernel takes one). Per step (`FusedDecoderStack.takes`): all the
-batch's rows decodes, at most `MAX_ROWS` of them, over fp32 or bf16 caches; else the layers run
-one by one, unchanged.
+Llama layer on the CPU in fp32 whose projections are fp32 weights carrying the small-batch
+kernels or int8/int4 ones packed for the VNNI kernels (`EngineConfig.fp32_int_kernels`; int8
+without zero points: the unfused layer subtracts those in torch; the MLP's activation product
+then by `small_gemm.act_and_mul`'s C code, fused or not), no biases, no q/k norm, no attention
+sinks, one tensor-parallel rank and the `cpu` attention backend (a sliding window is fine: the
+attention kernel takes one). bf16 activations are refused: the stack's arithmetic is fp32.
+Per step (`FusedDecoderStack.takes`): all the batch's rows decodes, at most `MAX_ROWS` of them,
+over fp32 or bf16 caches; else the layers run one by one, unchanged.
 
 Measured on this 2-core machine (`benchmarks/small_gemm.py`, the engine on the `small` preset,
 2 threads, fused and unfused steps alternating in the same engine, five runs while other tests
 ran beside them): decode steps 1.37-1.57x as fast at 1 stream (3.2-8.7 ms a step fused against
-5.1-12.5), 1.23-1.35x at 4, 1.19-1.25x at 8.
+5.1-12.5), 1.23-1.35x at 4, 1.19-1.25x at 8. Its int8 / int4 (group 32) copies packed in fp32
+(one quiet run): 2.09 / 1.49 / 1.34x and 2.11 / 1.55 / 1.30x at 1 / 4 / 8 streams (int8 1.67 ms
+a step at 1 stream), 1.3-2.2x the same checkpoints in a bf16 engine.
 """
 
 from __future__ import annotations
@@ -32,22 +37,35 @@ from workers.attention.backend import AttentionMetadata
 from workers.models.attention import LlamaAttention
 from workers.models.layers import RMSNorm
 from workers.native import build_library, loads
+from workers.quant import int_kernels
+from workers.quant.linear import QuantizedMatmul
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.c"
-LINKED = (norm_rope.SOURCE, small_gemm.SOURCE, cpu_backend.SOURCE)  # the routines it calls
+LINKED = (norm_rope.SOURCE, small_gemm.SOURCE, int_kernels.SOURCE, cpu_backend.SOURCE)
 MAX_ROWS = small_gemm.MAX_ROWS[torch.float32]  # the fused MLP's and the fp32 matmul's limit
 _ERRORS = {-1: (IndexError, "a position is outside a layer's rotary cache"),
            -2: (IndexError, "a slot is outside the KV cache"),
-           -3: (MemoryError, "the fused decoder layers could not allocate their scratch")}
+           -3: (MemoryError, "the fused decoder layers could not allocate their scratch"),
+           -4: (RuntimeError, "an int8/int4 kernel of the fused decoder layers failed")}
+DENSE, INT8, INT4 = 0, 1, 2  # a projection's kind
+
+
+class Proj(ctypes.Structure):
+    """`proj_t` of decoder_layer.c: one projection's weight, dense fp32 or packed int8/int4."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("group", ctypes.c_int64),
+                ("kind", ctypes.c_int32), ("scales_bf16", ctypes.c_int32)]
 
 
 class Layer(ctypes.Structure):
     """`layer_t` of decoder_layer.c: one layer's weights and settings."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "post_norm", "w_qkv", "w_o", "w_gate_up", "w_down", "cos_sin")] + [
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
+        (name, Proj) for name in ("qkv", "o", "gate_up", "down")] + [
+        ("cos_sin", ctypes.c_void_p)] + [
         (name, ctypes.c_int64) for name in (
             "cos_sin_stride", "max_position", "hidden", "heads", "kv_heads", "head_dim",
             "inter")] + [
@@ -73,12 +91,30 @@ def available() -> bool:
 
 
 def _plain_fp32(layer: nn.Module) -> bool:
-    """A dense fp32 CPU weight through the small-batch kernel, unbiased, on one rank."""
+    """A dense fp32 CPU weight through the small-batch kernel, or an int8/int4 one packed for
+    the VNNI kernels (without int8 zero points: the unfused layer subtracts those in torch),
+    unbiased, on one rank."""
+    if layer.bias is not None or layer.tp_size != 1:
+        return False
+    if isinstance(layer.matmul, QuantizedMatmul):
+        return small_gemm.packed_for_vnni(layer)
     if not isinstance(layer.matmul, small_gemm.SmallBatchMatmul):
-        return False  # torch's linear, or a quantized weight's kernel (no `weight` then)
+        return False  # torch's linear
     w = layer.weight
-    return (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-            and layer.bias is None and layer.tp_size == 1)
+    return w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+
+
+def _proj(layer: nn.Module) -> Proj:
+    """The C struct of a projection `_plain_fp32` takes."""
+    matmul = layer.matmul
+    if not isinstance(matmul, QuantizedMatmul):
+        return Proj(layer.weight.data_ptr(), None, None, 0, DENSE, 0)
+    if matmul.kernel == "int8":
+        return Proj(layer.qweight.data_ptr(), layer.scales_f32.data_ptr(), None, 0, INT8, 0)
+    offsets = layer.offsets
+    return Proj(layer.qweight.data_ptr(), layer.scales.data_ptr(),
+                None if offsets is None else offsets.data_ptr(), matmul.group_size, INT4,
+                int(layer.scales.dtype == torch.bfloat16))
 
 
 def refusal(layer: nn.Module, layer_type: type[nn.Module], mlp_type: type[nn.Module]
@@ -90,10 +126,14 @@ def refusal(layer: nn.Module, layer_type: type[nn.Module], mlp_type: type[nn.Mod
     attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
     if not isinstance(attn.attn_backend, cpu_backend.CpuAttentionBackend):
         return f"the {attn.attn_backend.name} attention backend, not cpu"
+    dtype = layer.input_layernorm.weight.dtype
+    if dtype != torch.float32:  # packed int8/int4 weights in a bf16 model are not fp32 rows
+        return f"{dtype} activations, not fp32"
     if not (_plain_fp32(attn.qkv_proj) and _plain_fp32(attn.o_proj)):
-        return "q/k/v or o_proj is not a dense fp32 CPU weight without bias on one rank"
+        return ("q/k/v or o_proj is not a dense fp32 CPU weight or a VNNI-packed int8/int4 one "
+                "without zero points (int8), without bias on one rank")
     if type(mlp) is not mlp_type or mlp.small_batch is None:
-        return "the MLP does not take the fused small-batch MLP kernel"
+        return "the MLP does not take the fused small-batch MLP kernel (dense or packed)"
     if attn.qk_norm or attn.sinks is not None or attn.rope_in_backend:
         return "q/k norm, attention sinks or RoPE in the backend"
     cache = attn.rotary_emb.cos_sin_cache
@@ -111,10 +151,10 @@ def _layer_struct(layer: nn.Module) -> Layer:
     cache = attn.rotary_emb.cos_sin_cache
     return Layer(
         layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-        attn.qkv_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(),
-        mlp.gate_up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(), cache.data_ptr(),
-        cache.stride(0), cache.shape[0], layer.input_layernorm.weight.shape[0], attn.num_heads,
-        attn.num_kv_heads, attn.head_dim, mlp.down_proj.weight.shape[1],
+        _proj(attn.qkv_proj), _proj(attn.o_proj), _proj(mlp.gate_up_proj),
+        _proj(mlp.down_proj), cache.data_ptr(), cache.stride(0), cache.shape[0],
+        layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        mlp.down_proj.input_size // mlp.down_proj.tp_size,
         layer.input_layernorm.eps, layer.post_attention_layernorm.eps, attn.scale,
         attn.window or 0, int(mlp.gelu))
 

@@ -50,12 +50,15 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     shard: Shard | None = None,
+    fp32_int_kernels: bool = False,
 ) -> nn.Module:
     """Returns the model for `config` on `device` in `dtype`, in eval mode, weights loaded.
 
     `load_format`: "auto"/"safetensors" read `path`; "dummy" ignores `path` and draws the weights
     `random_weights(config, seed)` would give (the ones `make_model` writes for that seed).
     `shard` (overrides tp_rank/tp_size): the TP group, pipeline stage and expert split.
+    `fp32_int_kernels`: in fp32, int8/int4 weights stay packed for the VNNI kernels
+    (`EngineConfig.fp32_int_kernels`).
     Raises WeightLoadError when the checkpoint does not fit; no half-loaded model escapes.
     """
     if load_format not in LOAD_FORMATS:
@@ -72,7 +75,8 @@ def load_model(
     # "dummy" draws full-precision weights whatever the checkpoint's quantization
     scheme = config.quantization if load_format != "dummy" else None
     kept = quantize_layers(model, scheme, dtype, torch.device(device),
-                           (*LINEAR_LAYERS, ParallelLMHead)) if scheme is not None else set()
+                           (*LINEAR_LAYERS, ParallelLMHead), fp32_int_kernels
+                           ) if scheme is not None else set()
     error: str | None = None
     try:
         with torch.no_grad():

@@ -46,6 +46,8 @@ def load_kernel() -> ctypes.CDLL:
     lib.small_gemm_has_bf16_dot.restype = ctypes.c_int
     lib.small_mlp_f32.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.small_mlp_f32.restype = ctypes.c_int
+    lib.act_mul_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.act_mul_f32.restype = ctypes.c_int
     return lib
 
 
@@ -178,18 +180,57 @@ class SmallBatchMLP:
         return _mlp(x, self.gate_up.weight, self.down.weight, self.gelu)
 
 
+def act_and_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up of fp32 gate_up [M, 2I] (gate columns, then up) -> [M, I], by the C code
+    `small_mlp` runs between its matmuls (so the fused decoder layers round it alike)."""
+    gate_up = gate_up.contiguous()
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, inter, dtype=torch.float32)
+    load_kernel().act_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, inter, int(gelu),
+                              torch.get_num_threads())
+    return out
+
+
+class PackedMLP:
+    """A gated MLP's few fp32 rows over int8/int4 weights packed for the VNNI kernels: gate/up,
+    the activation product by `act_and_mul`, down, as the fused decoder layers
+    (`workers.fused_layer`) run them in C, so both give the same bits."""
+
+    max_rows = MAX_ROWS[torch.float32]
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module, gelu: bool) -> None:
+        self.gate_up, self.down, self.gelu = gate_up, down, gelu
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(act_and_mul(self.gate_up(x), self.gelu))
+
+
+def packed_for_vnni(layer: nn.Module) -> bool:
+    """An int8/int4 weight the VNNI kernels multiply (int8 without zero points)."""
+    from workers.quant.linear import QuantizedMatmul
+
+    m = layer.matmul
+    return isinstance(m, QuantizedMatmul) and m.vnni and not (m.kernel == "int8" and m.has_zeros)
+
+
 def use_small_batch_mlp(model: nn.Module, mlp_types: tuple[type, ...]) -> int:
     """Gives every MLP of `mlp_types` whose two projections both carry `SmallBatchMatmul` over
     fp32 weights, without biases or a tensor-parallel split, the fused kernel (`SmallBatchMLP`,
-    its `small_batch`). Returns how many took it."""
+    its `small_batch`); one whose projections are both VNNI-packed int8/int4, `PackedMLP`.
+    Returns how many took either."""
     count = 0
     for module in model.modules():
         if not isinstance(module, mlp_types):
             continue
         gate_up, down = module.gate_up_proj, module.down_proj
-        if (all(isinstance(p.matmul, SmallBatchMatmul) and p.weight.dtype == torch.float32
-                and p.bias is None and p.tp_size == 1 for p in (gate_up, down))):
+        if any(p.bias is not None or p.tp_size != 1 for p in (gate_up, down)):
+            continue
+        if all(isinstance(p.matmul, SmallBatchMatmul) and p.weight.dtype == torch.float32
+               for p in (gate_up, down)):
             module.small_batch = SmallBatchMLP(gate_up, down, module.gelu)
+            count += 1
+        elif packed_for_vnni(gate_up) and packed_for_vnni(down):
+            module.small_batch = PackedMLP(gate_up, down, module.gelu)
             count += 1
     return count
 

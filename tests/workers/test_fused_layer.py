@@ -19,6 +19,7 @@ from workers.model_config import ModelConfig
 from workers.models.layers import Shard
 from workers.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from workers.parallel.comm import Communicator
+from workers.quant import int_kernels
 
 pytestmark = pytest.mark.skipif(not fused_module.available(),
                                 reason="no C compiler here to build the fused layer kernel")
@@ -166,9 +167,9 @@ def test_what_does_not_take_it(tiny_model, tmp_path):
     from workers.quant.writer import quantize_checkpoint
 
     awq = str(quantize_checkpoint(tiny_model, tmp_path / "awq", "awq", group_size=32))
-    packed = _model(awq, dtype="bfloat16")  # kept packed, for its kernels: no dense weight
+    packed = _model(awq, dtype="bfloat16")  # kept packed, for its kernels, over bf16 rows
     assert packed.model.fused_stack is None
-    assert "dense fp32" in fused_module.refusal(packed.model.layers[0], *PLAIN[1:])
+    assert "bfloat16 activations" in fused_module.refusal(packed.model.layers[0], *PLAIN[1:])
     config = ModelConfig.from_pretrained(tiny_model)
     sharded = load_model(None, config, dtype=torch.float32, device="cpu",
                          attn_backend=get_backend("cpu"), load_format="dummy",
@@ -188,3 +189,75 @@ def test_greedy_tokens_match_transformers(tmp_path, monkeypatch):
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == greedy_reference(hf, prompt, 6).tokens
     assert rows  # the decode steps ran fused
+
+
+# int8 and int4 weights kept packed for the VNNI kernels in an fp32 model: the projections and
+# the MLP's int8/int4 matmuls run inside the fused call too
+PACKED = {"int8": dict(bits=8, group_size=None), "int4": dict(bits=4, group_size=32),
+          "int4-asym": dict(bits=4, group_size=32, symmetric=False)}
+vnni = pytest.mark.skipif(not int_kernels.available(), reason="no AVX-512 VNNI here")
+
+
+def _quantized(tiny_model: str, root, name: str) -> str:
+    from workers.quant.writer import quantize_checkpoint
+
+    return str(quantize_checkpoint(tiny_model, root / name, "compressed-tensors", **PACKED[name]))
+
+
+@pytest.fixture(scope="module", params=list(PACKED))
+def packed(request, tiny_model, tmp_path_factory):
+    path = _quantized(tiny_model, tmp_path_factory.mktemp("packed"), request.param)
+    return request.param, path, _model(path, dtype="float32", fp32_int_kernels=True)
+
+
+@vnni
+def test_packed_int8_int4_layers_fuse_and_equal_the_layers_one_by_one(packed):
+    name, _, model = packed
+    kinds = {fused_module.INT8 if name == "int8" else fused_module.INT4}
+    structs = model.model.fused_stack.structs
+    assert {getattr(s, p).kind for s in structs for p in ("qkv", "o", "gate_up", "down")} == kinds
+    assert all(bool(s.qkv.offsets) == (name == "int4-asym") for s in structs)
+    for rows in range(1, 9):
+        batch = decode_batch(model, rows, torch.float32, seed=rows)
+        want, want_caches = forward(model, batch, fused=False)
+        for threads in (1, 2, 3):
+            got, got_caches = forward(model, batch, fused=True, threads=threads)
+            assert torch.equal(got, want), (name, rows, threads)
+            assert all(map(torch.equal, got_caches, want_caches)), (name, rows, threads)
+
+
+@vnni
+def test_packed_engine_tokens_are_the_unfused_ones(packed, monkeypatch):
+    _, path, _ = packed
+    prompts = [[3 + i, 5, 7 + 2 * i] * (1 + i % 3) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    fused = LLM(path, num_blocks=64, block_size=4, dtype="float32", fp32_int_kernels=True)
+    rows = count_calls(monkeypatch, fused.engine.runner.executor.model.model.fused_stack)
+    got = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
+    plain = LLM(path, num_blocks=64, block_size=4, dtype="float32", fp32_int_kernels=True)
+    plain.engine.runner.executor.model.model.fused_stack = None
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert rows
+
+
+def test_what_quantized_takes_without_the_packed_fused_path(tiny_model, tmp_path, monkeypatch):
+    """fp32 without `fp32_int_kernels` (or without VNNI): dequantized, the dense fused stack.
+    int8 with zero points: packed, but its zero terms are torch's, so the stack refuses it.
+    bf16: packed, over bf16 activations the stack does not take."""
+    path = _quantized(tiny_model, tmp_path, "int4")
+    kinds = {s.qkv.kind for s in _model(path).model.fused_stack.structs}
+    assert kinds == {fused_module.DENSE}
+    bf16 = _model(path, dtype="bfloat16")
+    assert bf16.model.fused_stack is None
+    assert "bfloat16 activations" in fused_module.refusal(bf16.model.layers[0], *PLAIN[1:])
+    if int_kernels.available():
+        from workers.quant.writer import quantize_checkpoint
+
+        asym8 = str(quantize_checkpoint(tiny_model, tmp_path / "i8a", "compressed-tensors",
+                                        bits=8, group_size=None, symmetric=False))
+        model = _model(asym8, dtype="float32", fp32_int_kernels=True)
+        assert model.model.fused_stack is None
+        assert "zero points" in fused_module.refusal(model.model.layers[0], *PLAIN[1:])
+    monkeypatch.setattr(int_kernels, "available", lambda: False)
+    model = _model(path, dtype="float32", fp32_int_kernels=True)
+    assert {s.qkv.kind for s in model.model.fused_stack.structs} == {fused_module.DENSE}

@@ -91,6 +91,28 @@ def test_the_fused_mlp_matches_its_two_matmuls_and_any_thread_count(hidden, inte
         small_gemm_module.small_mlp(x, w_gate_up, w_down.t().contiguous().t(), gelu)
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+def test_act_and_mul_is_the_fused_mlps_middle_on_any_thread_count(gelu):
+    """The packed MLP's activation product (`act_and_mul`): the fused MLP's own arithmetic."""
+    torch.manual_seed(7)
+    hidden, inter = 64, 200
+    w_gate_up, w_down = torch.randn(2 * inter, hidden) / 8, torch.randn(hidden, inter) / 8
+    for m in (1, 3, 8):
+        x = torch.randn(m, hidden)
+        gate_up = small_gemm(x, w_gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch_act = (torch.nn.functional.gelu(gate, approximate="tanh") if gelu
+                     else torch.nn.functional.silu(gate)) * up
+        before = torch.get_num_threads()
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got = small_gemm_module.act_and_mul(gate_up, gelu)
+            torch.set_num_threads(before)
+            torch.testing.assert_close(got, torch_act, rtol=1e-5, atol=1e-6)
+            assert torch.equal(small_gemm(got, w_down),
+                               small_gemm_module.small_mlp(x, w_gate_up, w_down, gelu))
+
+
 def test_fp32_mlps_on_the_cpu_take_the_fused_kernel_for_a_few_rows(tiny_model):
     model = LLM(tiny_model, num_blocks=16).engine.runner.executor.model
     mlp = model.model.layers[0].mlp

@@ -1,7 +1,8 @@
 /* A decode step's stack of Llama decoder layers for a few fp32 rows on the CPU, in one call from
  * Python: per layer, residual add + RMSNorm, the fused q/k/v projection, neox RoPE of q and k,
  * the new K/V written at each row's slot in the layer's paged cache (fp32 or bf16), paged decode
- * attention, o_proj, residual add + RMSNorm, and the gated MLP.
+ * attention, o_proj, residual add + RMSNorm, and the gated MLP. Each projection is a dense fp32
+ * weight or an int8 / int4 one packed for the VNNI kernels (int_gemm.c, fp32 activations).
  *
  * Why: each of these was already one C kernel, but called one by one from Python through
  * ctypes; inside the engine step the gaps between them (50-200 us each, measured) left the
@@ -10,7 +11,7 @@
  *
  * The arithmetic is the unfused path's, by the same routines: this file calls the kernels'
  * exported functions (declared in kernels.h), linked in from their own files
- * (workers/fused_layer.py builds this one with norm_rope.c, small_gemm.c and
+ * (workers/fused_layer.py builds this one with norm_rope.c, small_gemm.c, int_gemm.c and
  * attention/csrc/paged_decode.c), so each routine has one definition, and the results are the
  * unfused path's bit for bit (the residual adds are the same single fp32 adds; the K/V write
  * the same copy, or bf16 rounding to nearest even as torch's `to`). Each kernel opens its own
@@ -27,12 +28,25 @@
 #include "bf16.h"
 #include "kernels.h"
 
+/* One projection's weight [N, K]: dense fp32 rows (small_gemm_f32), or int8 / int4 blocked by
+ * workers/quant/int_kernels.py for int_gemm.c (fp32 activations in and out: the unfused
+ * layer's `QuantizedMatmul` with fp32 rows makes the same call). */
+typedef struct {
+    const void *w;
+    const void *scales;    /* int8: fp32 [N]; int4: [tiles, groups, 4], bf16 when scales_bf16 */
+    const float *offsets;  /* int4: per group, or NULL (symmetric) */
+    int64_t group;         /* int4: columns per scale */
+    int32_t kind, scales_bf16;
+} proj_t;
+
+enum { DENSE = 0, INT8 = 1, INT4 = 2 };
+
 /* One layer's weights and settings, fixed at load (workers/fused_layer.py `Layer` mirrors it). */
 typedef struct {
     const float *input_norm, *post_norm; /* [H] each */
-    const float *w_qkv;                  /* [(Hq + 2 Hkv) D, H]: q rows, then k, then v */
-    const float *w_o;                    /* [H, Hq D] */
-    const float *w_gate_up, *w_down;     /* [2I, H] (gate rows, then up), [H, I] */
+    proj_t qkv;                          /* [(Hq + 2 Hkv) D, H]: q rows, then k, then v */
+    proj_t o;                            /* [H, Hq D] */
+    proj_t gate_up, down;                /* [2I, H] (gate rows, then up), [H, I] */
     const float *cos_sin;                /* [max_position, D]: cos, then sin, per row */
     int64_t cos_sin_stride, max_position;
     int64_t hidden, heads, kv_heads, head_dim, inter;
@@ -40,13 +54,48 @@ typedef struct {
     int32_t window, gelu; /* window 0: the whole context */
 } layer_t;
 
-enum { OK = 0, BAD_POSITION = -1, BAD_SLOT = -2, NO_MEMORY = -3 };
+enum { OK = 0, BAD_POSITION = -1, BAD_SLOT = -2, NO_MEMORY = -3, INT_KERNEL = -4 };
+
+static int dense_mlp(const layer_t *L) { return L->gate_up.kind == DENSE && L->down.kind == DENSE; }
 
 /* floats of scratch one layer needs for `rows` rows */
 static int64_t scratch_floats(const layer_t *L, int64_t rows) {
     const int64_t q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
-    /* normed, qkv, rotated q and k, attention output, o_proj output */
-    return rows * (L->hidden + (q + 2 * kv) + q + kv + q + L->hidden);
+    /* normed, qkv, rotated q and k, attention output, o_proj output; a quantized MLP's gate/up
+     * and activation rows (the dense one keeps them in small_mlp_f32) */
+    return rows * (L->hidden + (q + 2 * kv) + q + kv + q + L->hidden
+                   + (dense_mlp(L) ? 0 : 3 * L->inter));
+}
+
+/* y [M, N] = x [M, K] times p's weight; int_gemm.c's errors (no VNNI, shape, memory) as
+ * INT_KERNEL. */
+static int matmul(const proj_t *p, const float *x, float *y, int64_t M, int64_t N, int64_t K,
+                  int nt) {
+    int rc = 0;
+    if (p->kind == DENSE)
+        small_gemm_f32(x, p->w, y, M, N, K, nt);
+    else if (p->kind == INT8)
+        rc = int8_gemm(x, 0, p->w, p->scales, y, 0, M, N, K, nt);
+    else
+        rc = int4_gemm(x, 0, p->w, p->scales, p->scales_bf16, p->offsets, y, 0, M, N, K,
+                       p->group, nt);
+    return rc == 0 ? OK : INT_KERNEL;
+}
+
+/* The gated MLP: fp32 weights in one small_mlp_f32 call, as before; else gate/up, the
+ * activation product (act_mul_f32) and down one after another, as the unfused layer's
+ * `PackedMLP` calls them. */
+static int mlp(const layer_t *L, const float *x, float *y, float *scratch, int64_t rows,
+               int nt) {
+    const int64_t H = L->hidden, I = L->inter;
+    if (dense_mlp(L))
+        return small_mlp_f32(x, L->gate_up.w, L->down.w, y, rows, H, I, L->gelu, nt) != 0
+                   ? NO_MEMORY : OK;
+    float *gu = scratch, *a = gu + rows * 2 * I;
+    int rc = matmul(&L->gate_up, x, gu, rows, 2 * I, H, nt);
+    if (rc != OK) return rc;
+    act_mul_f32(gu, a, rows, I, L->gelu, nt);
+    return matmul(&L->down, a, y, rows, H, I, nt);
 }
 
 /* New K/V rows into the cache at their slots: k rotated [rows, Hkv D], v strided in qkv. */
@@ -82,9 +131,11 @@ static int layer_f32(const layer_t *L, void *cache, int kv_bf16, int64_t num_slo
     const int64_t kv = L->kv_heads * D, n_qkv = q_size + 2 * kv;
     float *normed = scratch, *qkv = normed + rows * H, *q = qkv + rows * n_qkv;
     float *k = q + rows * q_size, *attn = k + rows * kv, *o = attn + rows * q_size;
+    float *mlp_scratch = o + rows * H;
+    int rc;
     for (int64_t i = 0; i < rows * H; i++) r_out[i] = r_in != NULL ? h_in[i] + r_in[i] : h_in[i];
     rms_norm_f32(r_out, H, L->input_norm, normed, rows, H, L->input_eps, nt);
-    small_gemm_f32(normed, L->w_qkv, qkv, rows, n_qkv, H, nt);
+    if ((rc = matmul(&L->qkv, normed, qkv, rows, n_qkv, H, nt)) != OK) return rc;
     if (rope_f32(qkv, n_qkv, D, q, positions, L->cos_sin, L->cos_sin_stride, L->max_position,
                  rows, L->heads, D / 2, nt) != 0
         || rope_f32(qkv + q_size, n_qkv, D, k, positions, L->cos_sin, L->cos_sin_stride,
@@ -97,13 +148,10 @@ static int layer_f32(const layer_t *L, void *cache, int kv_bf16, int64_t num_slo
                          (int)L->kv_heads, (int)D, (int)block_size, L->scale, L->window,
                          kv_bf16, nt) != 0)
         return NO_MEMORY;
-    small_gemm_f32(attn, L->w_o, o, rows, H, q_size, nt);
+    if ((rc = matmul(&L->o, attn, o, rows, H, q_size, nt)) != OK) return rc;
     for (int64_t i = 0; i < rows * H; i++) r_out[i] = o[i] + r_out[i];
     rms_norm_f32(r_out, H, L->post_norm, normed, rows, H, L->post_eps, nt);
-    if (small_mlp_f32(normed, L->w_gate_up, L->w_down, h_out, rows, H, L->inter, L->gelu, nt)
-        != 0)
-        return NO_MEMORY;
-    return OK;
+    return mlp(L, normed, h_out, mlp_scratch, rows, nt);
 }
 
 /* `num_layers` layers in turn; kv_caches[i] is layer i's cache. residual_in NULL: the stack's

@@ -17,6 +17,15 @@ int small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t 
                    int num_threads);
 int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
                   int64_t M, int64_t H, int64_t I, int gelu, int num_threads);
+int act_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int gelu,
+                int num_threads);
+
+/* int_gemm.c */
+int int8_gemm(const void *x, int x_bf16, const uint8_t *w, const float *scales, void *y,
+              int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads);
+int int4_gemm(const void *x, int x_bf16, const uint8_t *w, const void *scales, int s_bf16,
+              const float *offsets, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+              int64_t group, int num_threads);
 
 /* attention/csrc/paged_decode.c */
 int paged_decode_f32(const float *q, const void *k, const void *v, const float *sinks,

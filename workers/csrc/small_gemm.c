@@ -216,6 +216,20 @@ static inline float act_f32(float g, int gelu) {
     return g / (1.0f + expf(-g));
 }
 
+/* Thread t of nt's share of a = act(gate) * up over gu [M, 2I] (gate, then up, per row). */
+static inline void act_run(const float *gu, float *a, int64_t M, int64_t I, int gelu, int t,
+                           int nt) {
+    /* runs of 64 elements: where the vectorised loop and its scalar tail fall (they round
+     * the exponential differently) then does not depend on the thread count */
+    const int64_t runs = (I + 63) / 64;
+    int64_t i0 = runs * t / nt * 64, i1 = runs * (t + 1) / nt * 64;
+    if (i0 > I) i0 = I;
+    if (i1 > I) i1 = I;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = i0; i < i1; i++)
+            a[m * I + i] = act_f32(gu[m * 2 * I + i], gelu) * gu[m * 2 * I + I + i];
+}
+
 int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
                   int64_t M, int64_t H, int64_t I, int gelu, int num_threads) {
     float *gu = malloc(sizeof(float) * (size_t)(M * 3 * I)); /* [M, 2I] then act [M, I] */
@@ -229,19 +243,22 @@ int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, f
         split(2 * I, t, nt, &start, &end);
         rows_f32(x, w_gate_up, gu, M, 2 * I, H, start, end);
 #pragma omp barrier
-        /* runs of 64 elements: where the vectorised loop and its scalar tail fall (they round
-         * the exponential differently) then does not depend on the thread count */
-        const int64_t runs = (I + 63) / 64;
-        int64_t i0 = runs * t / nt * 64, i1 = runs * (t + 1) / nt * 64;
-        if (i0 > I) i0 = I;
-        if (i1 > I) i1 = I;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t i = i0; i < i1; i++)
-                a[m * I + i] = act_f32(gu[m * 2 * I + i], gelu) * gu[m * 2 * I + I + i];
+        act_run(gu, a, M, I, gelu, t, nt);
 #pragma omp barrier
         split(H, t, nt, &start, &end);
         rows_f32(a, w_down, y, M, H, I, start, end);
     }
     free(gu);
+    return 0;
+}
+
+/* out [M, I] = act(gate) * up of gate_up [M, 2I] (each row: the gate's I values, then the
+ * up's), as `small_mlp_f32` computes it: the quantized MLP's middle, fused or not
+ * (workers/small_gemm.py `act_and_mul`, csrc/decoder_layer.c), so both round alike. */
+int act_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int gelu,
+                int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    act_run(gate_up, out, M, I, gelu, omp_get_thread_num(), omp_get_num_threads());
     return 0;
 }

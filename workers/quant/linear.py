@@ -8,7 +8,8 @@ and dtype can multiply in quantized form trades its `weight` parameter for `qwei
 dequantized while it is read (`workers.quant.decode`), so the layer stays a plain one.
 After loading, `prepare_layers` packs each kept weight for its kernel.
 
-Kernels (CPU, bf16 or fp16 activations): int8 with one scale per output channel and int4 in
+Kernels (CPU, bf16 or fp16 activations; fp32 too by the VNNI kernels when the engine asks,
+`EngineConfig.fp32_int_kernels`): int8 with one scale per output channel and int4 in
 groups of 32-256 input columns, by Cleave's VNNI kernels or torch's (`QuantizedMatmul`). fp32
 activations, GPUs and other layouts get the dequantized weight (measured in
 `benchmarks/quantized_decode.py`; GPU kernels are not built yet).
@@ -33,12 +34,16 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def kernel_for(scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
-               in_features: int) -> str | None:
-    """The kernel that multiplies by `scheme`'s weights here, None when none does."""
+               in_features: int, fp32: bool = False) -> str | None:
+    """The kernel that multiplies by `scheme`'s weights here, None when none does. `fp32`:
+    fp32 activations too, where Cleave's VNNI kernels run (torch's take bf16 only)."""
     if scheme.kind != "int" or scheme.act_order or device.type != "cpu":
         return None
-    if dtype not in (torch.bfloat16, torch.float16):
+    fp32 = fp32 and dtype == torch.float32 and int_kernels.available()
+    if dtype not in (torch.bfloat16, torch.float16) and not fp32:
         return None
+    if fp32 and in_features % (64 if scheme.bits == 8 else 32):
+        return None  # torch's kernels would run it, in bf16
     if scheme.bits == 8 and scheme.group_size is None:
         return "int8"
     if scheme.bits == 4 and scheme.group_size in INT4_GROUPS \
@@ -56,8 +61,10 @@ def checkpoint_names(model: nn.Module, name: str) -> list[str]:
 
 
 def quantize_layers(model: nn.Module, scheme: QuantScheme, dtype: torch.dtype,
-                    device: torch.device, linear_types: tuple[type, ...]) -> set[str]:
-    """Gives each linear layer a kernel can serve quantized params in place of its weight.
+                    device: torch.device, linear_types: tuple[type, ...],
+                    fp32: bool = False) -> set[str]:
+    """Gives each linear layer a kernel can serve quantized params in place of its weight
+    (`fp32`: in fp32 too, by the VNNI kernels; `kernel_for`).
 
     Returns the checkpoint module names kept quantized; the loader dequantizes the rest.
     """
@@ -77,8 +84,8 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, dtype: torch.dtype,
                              "skips only some of them; expected all or none")
         in_features = module.weight.shape[1]
         module_scheme = scheme.for_module(names[0])
-        kernel = kernel_for(module_scheme, dtype, device, in_features) if all(quantized) \
-            else None
+        kernel = kernel_for(module_scheme, dtype, device, in_features, fp32) \
+            if all(quantized) else None
         if kernel is None:
             continue
         _swap(module, module_scheme, kernel)
