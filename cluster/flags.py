@@ -60,6 +60,9 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule the next step while the current one runs (one rank)")
+    p.add_argument("--fp32-int-kernels", action="store_true",
+                   help="--dtype float32 with an int8/int4 checkpoint: keep the weights packed "
+                        "for the CPU int kernels instead of dequantizing them")
     p.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", action="store_true",
                    dest="no_prefix_caching")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -145,6 +148,8 @@ def config_from_args(args: argparse.Namespace) -> CleaveConfig:
             settings.setdefault("engine", {})["enforce_eager"] = True
         if args.async_scheduling:
             settings.setdefault("engine", {})["async_scheduling"] = True
+        if args.fp32_int_kernels:
+            settings.setdefault("engine", {})["fp32_int_kernels"] = True
         if gpus is not None:
             settings["gpus_per_rank"] = gpus
     data["pools"] = pools

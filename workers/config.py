@@ -101,6 +101,9 @@ class EngineConfig:
         _require(not self.async_scheduling or self.world_size == 1,
                  f"async_scheduling needs one rank (the model in the engine's process), got "
                  f"world_size={self.world_size}")
+        _require(not self.fp32_int_kernels or self.world_size == 1,
+                 f"fp32_int_kernels needs one rank (parallel ranks dequantize their shards), "
+                 f"got world_size={self.world_size}")
         _require(self.rank_timeout_s > 0,
                  f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
 

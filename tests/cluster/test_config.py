@@ -105,6 +105,18 @@ def test_async_scheduling_reaches_every_pools_engine_and_needs_one_rank(tiny_mod
         engine_config(tp2, "decode", tiny_model)
 
 
+def test_fp32_int_kernels_reaches_every_pools_engine_and_needs_one_rank(tiny_model):
+    from cluster.settings import engine_config
+
+    c = _flags("--fp32-int-kernels", "--device", "cpu")
+    assert engine_config(c, "prefill", tiny_model).fp32_int_kernels
+    assert engine_config(c, "decode", tiny_model).fp32_int_kernels
+    assert not engine_config(_flags("--device", "cpu"), "decode", tiny_model).fp32_int_kernels
+    tp2 = _flags("--fp32-int-kernels", "--device", "cpu", "--tensor-parallel-size", "2")
+    with pytest.raises(ValueError, match="fp32_int_kernels needs one rank"):
+        engine_config(tp2, "decode", tiny_model)
+
+
 def test_vllm_flag_names_override_the_config_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": "/models/a", "dtype": "float16"},
