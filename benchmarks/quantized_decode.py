@@ -34,11 +34,14 @@ from results_io import RESULTS, command_line, emit
 
 SHAPE = dict(hidden_size=1536, num_hidden_layers=24, num_attention_heads=12,
              num_key_value_heads=4, intermediate_size=4096, vocab_size=32000)
-VARIANTS = {  # name: (checkpoint, dtype)
-    "fp32": ("fp32", "float32"),
-    "bf16": ("fp32", "bfloat16"),
-    "int8": ("int8", "bfloat16"),
-    "int4": ("int4", "bfloat16"),
+VARIANTS = {  # name: (checkpoint, dtype, fp32_int_kernels)
+    "fp32": ("fp32", "float32", False),
+    "bf16": ("fp32", "bfloat16", False),
+    "int8": ("int8", "bfloat16", False),
+    "int4": ("int4", "bfloat16", False),
+    # the int weights packed in an fp32 model: up to 8 rows, every layer in one C call
+    "int8_f32": ("int8", "float32", True),
+    "int4_f32": ("int4", "float32", True),
 }
 
 
@@ -90,11 +93,12 @@ def bytes_per_step(model: torch.nn.Module) -> int:
     return total
 
 
-def load(path: Path, dtype: str, max_batch: int, prompt_len: int):  # -> LLM
+def load(path: Path, dtype: str, packed: bool, max_batch: int, prompt_len: int):  # -> LLM
     from workers import LLM
 
     return LLM(str(path), dtype=dtype, max_num_seqs=max_batch, num_blocks=max_batch * 8 + 8,
-               block_size=16, max_num_batched_tokens=max(256, max_batch * prompt_len))
+               block_size=16, max_num_batched_tokens=max(256, max_batch * prompt_len),
+               fp32_int_kernels=packed)
 
 
 def decode_seconds(llm, batch: int, prompt_len: int, new_tokens: int) -> float:  # noqa: ANN001
@@ -150,8 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = read_bandwidth()
     batches = [int(b) for b in args.batches.split(",")]
     runs: dict[str, dict] = {}
-    llms = {name: load(paths[ckpt], dtype, max(batches), args.prompt_len)
-            for name, (ckpt, dtype) in VARIANTS.items()}
+    llms = {name: load(paths[ckpt], dtype, packed, max(batches), args.prompt_len)
+            for name, (ckpt, dtype, packed) in VARIANTS.items()}
     best: dict[tuple[str, int], float] = {}
     for _ in range(args.rounds):  # the variants in turn, each round: the best of the rounds
         for name, llm in llms.items():
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         run["bound_tokens_per_s"] = batch / step_bound_s
         run["fraction_of_bound"] = run["tokens_per_s"] / run["bound_tokens_per_s"]
         runs[f"{name}_batch{batch}"] = run
-        print(f"{name:5s} batch {batch:3d}: {run['tokens_per_s']:8.1f} tok/s, step "
+        print(f"{name:8s} batch {batch:3d}: {run['tokens_per_s']:8.1f} tok/s, step "
               f"{run['step_ms']:7.1f} ms, {run['fraction_of_bound']:.2f} of the bytes bound "
               f"({run['weight_bytes'] / 1e6:.0f} MB weights)", file=sys.stderr)
     for llm in llms.values():
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens, "rounds": args.rounds,
         "int_variants_lm_head": args.lm_head, "runs": runs,
     }
-    for name in ("bf16", "int8", "int4"):
+    for name in [v for v in VARIANTS if v != "fp32"]:
         for batch in batches:
             result[f"{name}_vs_fp32_batch{batch}_ratio"] = (
                 runs[f"{name}_batch{batch}"]["tokens_per_s"]
