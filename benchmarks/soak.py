@@ -158,7 +158,9 @@ async def soak(clients: Clients, cluster: Cluster, refs: dict[str, list[str]], s
             if verdict in REFUSED:
                 await asyncio.sleep(BACKOFF_S)
             if variant.on_purpose:
-                injected.append(Injected(f"client_{variant.disconnect or ('grpc_cancel' if variant.grpc_cancel else 'grpc_deadline')}", spec.api))
+                kind = variant.disconnect or ("grpc_cancel" if variant.grpc_cancel
+                                              else "grpc_deadline")
+                injected.append(Injected(f"client_{kind}", spec.api))
 
     async def inject(fault: str) -> None:
         try:
@@ -258,9 +260,10 @@ async def drive(args: argparse.Namespace, cluster: Cluster, http_port: int,
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    from serving_ray import ray_processes
+
     from cluster.config import CleaveConfig
     from cluster.launch import deploy, shutdown
-    from serving_ray import ray_processes
     from workers.make_model import default_model_path
 
     model = args.model or str(default_model_path())

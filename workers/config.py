@@ -64,7 +64,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
-        _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        _require(self.max_num_seqs >= 1,
+                 f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         _require(self.max_model_len is None or self.max_model_len >= 2,

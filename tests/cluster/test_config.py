@@ -27,7 +27,8 @@ def test_the_default_is_one_prefill_and_one_decode_replica_of_the_embedded_model
 
 
 @pytest.mark.parametrize("sections, message", [
-    ({"pools": {"decode": {"tp": 0}}}, "pools.decode.tp: Input should be greater than or equal to 1 (got 0)"),
+    ({"pools": {"decode": {"tp": 0}}},
+     "pools.decode.tp: Input should be greater than or equal to 1 (got 0)"),
     ({"pools": {"decode": {}, "decoder": {}}}, "pools.decoder: unknown field"),
     ({"pools": {"prefill": {}}}, "needs a decode pool"),
     ({"pools": {"aggregated": {}, "decode": {}}}, "either an aggregated pool or prefill/decode"),
@@ -38,7 +39,8 @@ def test_the_default_is_one_prefill_and_one_decode_replica_of_the_embedded_model
      "gpus_per_rank=0.5 with tp × pp = 2 ranks: NCCL needs each rank on GPUs of its own"),
     ({"pools": {"prefill": {"pp": 2, "gpus_per_rank": 1}, "decode": {"gpus_per_rank": 1}}},
      "prefill: a GPU pool of pp = 2 pipeline stages keeps each stage's layers"),
-    ({"pools": {"prefill": {"engine": {"block_size": 32}}, "decode": {}}}, "same engine.block_size"),
+    ({"pools": {"prefill": {"engine": {"block_size": 32}}, "decode": {}}},
+     "same engine.block_size"),
     ({"pools": {"decode": {"engine": {"block_size": 24}}}}, "pools.decode.engine.block_size"),
     ({"router": {"http_port": 9000, "grpc_port": 9000}}, "http_port and grpc_port are both 9000"),
     ({"router": {"policy": "random"}}, "router.policy"),
@@ -63,7 +65,8 @@ def test_pool_shapes_are_checked_against_the_model(tiny_model):
     with pytest.raises(ConfigError) as err:
         bad.check_against_model(model)
     text = str(err.value)
-    assert f"pools.decode.tp=3 does not divide the model's {model.num_key_value_heads} KV heads" in text
+    heads = model.num_key_value_heads
+    assert f"pools.decode.tp=3 does not divide the model's {heads} KV heads" in text
     assert f"pools.decode.pp={model.num_hidden_layers + 1} is more than the model's" in text
     assert "model.max_model_len" in text
 
