@@ -90,14 +90,14 @@ def available() -> bool:
                               "layers one kernel at a time", logger)
 
 
-def _plain_fp32(layer: nn.Module) -> bool:
+def _fusable(layer: nn.Module) -> bool:
     """A dense fp32 CPU weight through the small-batch kernel, or an int8/int4 one packed for
     the VNNI kernels (without int8 zero points: the unfused layer subtracts those in torch),
     unbiased, on one rank."""
     if layer.bias is not None or layer.tp_size != 1:
         return False
     if isinstance(layer.matmul, QuantizedMatmul):
-        return small_gemm.packed_for_vnni(layer)
+        return layer.matmul.c_callable
     if not isinstance(layer.matmul, small_gemm.SmallBatchMatmul):
         return False  # torch's linear
     w = layer.weight
@@ -105,7 +105,7 @@ def _plain_fp32(layer: nn.Module) -> bool:
 
 
 def _proj(layer: nn.Module) -> Proj:
-    """The C struct of a projection `_plain_fp32` takes."""
+    """The C struct of a projection `_fusable` takes."""
     matmul = layer.matmul
     if not isinstance(matmul, QuantizedMatmul):
         return Proj(layer.weight.data_ptr(), None, None, 0, DENSE, 0)
@@ -129,7 +129,7 @@ def refusal(layer: nn.Module, layer_type: type[nn.Module], mlp_type: type[nn.Mod
     dtype = layer.input_layernorm.weight.dtype
     if dtype != torch.float32:  # packed int8/int4 weights in a bf16 model are not fp32 rows
         return f"{dtype} activations, not fp32"
-    if not (_plain_fp32(attn.qkv_proj) and _plain_fp32(attn.o_proj)):
+    if not (_fusable(attn.qkv_proj) and _fusable(attn.o_proj)):
         return ("q/k/v or o_proj is not a dense fp32 CPU weight or a VNNI-packed int8/int4 one "
                 "without zero points (int8), without bias on one rank")
     if type(mlp) is not mlp_type or mlp.small_batch is None:

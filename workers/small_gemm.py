@@ -205,14 +205,6 @@ class PackedMLP:
         return self.down(act_and_mul(self.gate_up(x), self.gelu))
 
 
-def packed_for_vnni(layer: nn.Module) -> bool:
-    """An int8/int4 weight the VNNI kernels multiply (int8 without zero points)."""
-    from workers.quant.linear import QuantizedMatmul
-
-    m = layer.matmul
-    return isinstance(m, QuantizedMatmul) and m.vnni and not (m.kernel == "int8" and m.has_zeros)
-
-
 def use_small_batch_mlp(model: nn.Module, mlp_types: tuple[type, ...]) -> int:
     """Gives every MLP of `mlp_types` whose two projections both carry `SmallBatchMatmul` over
     fp32 weights, without biases or a tensor-parallel split, the fused kernel (`SmallBatchMLP`,
@@ -229,7 +221,7 @@ def use_small_batch_mlp(model: nn.Module, mlp_types: tuple[type, ...]) -> int:
                for p in (gate_up, down)):
             module.small_batch = SmallBatchMLP(gate_up, down, module.gelu)
             count += 1
-        elif packed_for_vnni(gate_up) and packed_for_vnni(down):
+        elif all(getattr(p.matmul, "c_callable", False) for p in (gate_up, down)):
             module.small_batch = PackedMLP(gate_up, down, module.gelu)
             count += 1
     return count

@@ -152,6 +152,13 @@ class QuantizedMatmul:
             scale_zero = torch.stack([scales.t(), (-zeros * scales).t()], dim=-1)
             module.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
 
+    @property
+    def c_callable(self) -> bool:
+        """Packed for the VNNI kernels with nothing left to torch (int8 zero points are
+        subtracted in torch), so the fused decoder layers and `small_gemm.PackedMLP` may take
+        it."""
+        return self.vnni and not (self.kernel == "int8" and self.has_zeros)
+
     def __call__(self, module: nn.Module, x: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # x: [T, K] -> [T, N] in out_dtype (default x's)
