@@ -10,8 +10,9 @@ without zero points: the unfused layer subtracts those in torch; the MLP's activ
 then by `small_gemm.act_and_mul`'s C code, fused or not), no biases, no q/k norm, no attention
 sinks, one tensor-parallel rank and the `cpu` attention backend (a sliding window is fine: the
 attention kernel takes one). bf16 activations are refused: the stack's arithmetic is fp32.
-Per step (`FusedDecoderStack.takes`): all the batch's rows decodes, at most `MAX_ROWS` of them,
-over fp32 or bf16 caches; else the layers run one by one, unchanged.
+Per step (`FusedDecoderStack.takes`): all the batch's rows decodes, at most `MAX_ROWS` of them
+(`MAX_PACKED_ROWS` with int8/int4 projections), over fp32 or bf16 caches; else the layers run one
+by one, unchanged.
 
 Measured on this 2-core machine (`benchmarks/small_gemm.py`, the engine on the `small` preset,
 2 threads, fused and unfused steps alternating in the same engine, five runs while other tests
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_layer.c"
 LINKED = (norm_rope.SOURCE, small_gemm.SOURCE, int_kernels.SOURCE, cpu_backend.SOURCE)
 MAX_ROWS = small_gemm.MAX_ROWS[torch.float32]  # the fused MLP's and the fp32 matmul's limit
+# a stack with int8/int4 projections: the rows the VNNI kernels are built for (more are
+# compute-bound there; the layers one by one give them to `QuantizedMatmul`'s choice)
+MAX_PACKED_ROWS = 8
 _ERRORS = {-1: (IndexError, "a position is outside a layer's rotary cache"),
            -2: (IndexError, "a slot is outside the KV cache"),
            -3: (MemoryError, "the fused decoder layers could not allocate their scratch"),
@@ -171,13 +175,16 @@ class FusedDecoderStack:
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.kv_pointers = ctypes.c_void_p * len(layers)
         self.fn = load_kernel().decoder_stack_f32
+        packed = any(isinstance(getattr(m, "matmul", None), QuantizedMatmul)
+                     for layer in layers for m in layer.modules())
+        self.max_rows = MAX_PACKED_ROWS if packed else MAX_ROWS
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata,
               kv_caches: list[torch.Tensor]) -> bool:
-        """Whether this step runs fused: every row a decode, 1..MAX_ROWS of them, fp32, over
+        """Whether this step runs fused: every row a decode, 1..`max_rows` of them, fp32, over
         contiguous fp32 or bf16 caches of the layers' shape."""
         rows = hidden.shape[0]
-        if (not 0 < rows <= MAX_ROWS or meta.num_decodes != rows
+        if (not 0 < rows <= self.max_rows or meta.num_decodes != rows
                 or hidden.dtype != torch.float32):
             return False
         first = kv_caches[0]

@@ -5,7 +5,9 @@ projection) on the CPU carries (`use_small_batch_kernel`): a few rows go through
 more through `linear`.
 
 When, measured on this 2-core machine (`benchmarks/small_gemm.py`): fp32 weights of 0.7-46 MB,
-1.7-3.7x torch's `linear` at 1 row, 2-6x at 2-8 rows, even at 16; bf16 weights (bf16
+1.7-3.7x torch's `linear` at 1 row, 2-6x at 2-8 rows; with each tile of weights read once for
+all rows (the kernel's loop order since), 1.2-2.1x at 8-16 rows, 1.1-1.4x at 32, even at 48,
+slower at 64 (MKL's sgemm then reaches its speed); bf16 weights (bf16
 activations widened to fp32 first), 1.8-2.6x at 1 row, 1.3-1.8x at 2, even at 4, slower
 beyond (oneDNN's bf16 matmul uses both cores). bf16 activations against bf16 weights use
 AVX512-BF16 dot products where the CPU has them (`small_gemm_bf16_dot`): the `small` preset in
@@ -30,7 +32,7 @@ from workers.native import build_library, loads
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
-MAX_ROWS = {torch.float32: 8, torch.bfloat16: 2}  # rows through the kernel, by weight dtype
+MAX_ROWS = {torch.float32: 32, torch.bfloat16: 2}  # rows through the kernel, by weight dtype
 # bf16 rows through the dot-product kernel: measured against torch's bf16 `linear` (oneDNN) on
 # weights of 1-8 MB out of cache, it is 1.1-2x as fast up to 8 rows, even at 16
 BF16_DOT_MAX_ROWS = 8

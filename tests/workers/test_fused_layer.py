@@ -87,7 +87,7 @@ def count_calls(monkeypatch, stack) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", [*range(1, 9), 17, fused_module.MAX_ROWS])
 def test_the_fused_stack_equals_the_layers_one_by_one(model, rows):
     batch = decode_batch(model, rows, torch.float32, seed=rows)
     want, want_caches = forward(model, batch, fused=False)
@@ -127,25 +127,29 @@ def test_a_sliding_window_is_attended_as_the_layers_do(tiny_model):
     assert torch.equal(got, want) and all(map(torch.equal, got_caches, want_caches))
 
 
-def test_prefill_mixed_batches_and_more_than_8_rows_run_layer_by_layer(model):
+def test_prefill_mixed_batches_and_more_than_max_rows_run_layer_by_layer(model):
     stack = model.model.fused_stack
+    assert stack.max_rows == fused_module.MAX_ROWS  # dense fp32 projections
     _, _, caches, meta = decode_batch(model, 4, torch.float32, num_decodes=3)  # one prefill
     assert not stack.takes(torch.empty(4, 1), meta, caches)
-    _, _, caches, meta = decode_batch(model, 9, torch.float32)
-    assert not stack.takes(torch.empty(9, 1), meta, caches)
-    _, _, caches, meta = decode_batch(model, 8, torch.float32)
-    assert stack.takes(torch.empty(8, 1), meta, caches)
-    assert not stack.takes(torch.empty(8, 1, dtype=torch.bfloat16), meta, caches)
-    assert not stack.takes(torch.empty(8, 1), meta, [c.to(torch.int8) for c in caches])
+    rows = stack.max_rows
+    _, _, caches, meta = decode_batch(model, rows + 1, torch.float32)
+    assert not stack.takes(torch.empty(rows + 1, 1), meta, caches)
+    _, _, caches, meta = decode_batch(model, rows, torch.float32)
+    assert stack.takes(torch.empty(rows, 1), meta, caches)
+    assert not stack.takes(torch.empty(rows, 1, dtype=torch.bfloat16), meta, caches)
+    assert not stack.takes(torch.empty(rows, 1), meta, [c.to(torch.int8) for c in caches])
 
 
-def test_engine_tokens_are_the_unfused_ones_and_only_decodes_of_up_to_8_rows_fuse(
+def test_engine_tokens_are_the_unfused_ones_and_only_decodes_of_up_to_max_rows_fuse(
         tiny_model, monkeypatch):
     prompts = [[3 + i, 5, 7 + 2 * i] * (1 + i % 3) for i in range(10)]
     params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True)
               for i in range(10)]
     fused = LLM(tiny_model, num_blocks=64, block_size=4)
     model = fused.engine.runner.executor.model
+    # a limit under the batch (the dense limit is 32 rows), so both paths run in one engine
+    monkeypatch.setattr(model.model.fused_stack, "max_rows", 8)
     rows = count_calls(monkeypatch, model.model.fused_stack)
     got = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
     plain = LLM(tiny_model, num_blocks=64, block_size=4)
@@ -217,6 +221,7 @@ def test_packed_int8_int4_layers_fuse_and_equal_the_layers_one_by_one(packed):
     structs = model.model.fused_stack.structs
     assert {getattr(s, p).kind for s in structs for p in ("qkv", "o", "gate_up", "down")} == kinds
     assert all(bool(s.qkv.offsets) == (name == "int4-asym") for s in structs)
+    assert model.model.fused_stack.max_rows == fused_module.MAX_PACKED_ROWS
     for rows in range(1, 9):
         batch = decode_batch(model, rows, torch.float32, seed=rows)
         want, want_caches = forward(model, batch, fused=False)

@@ -117,7 +117,8 @@ def test_fp32_mlps_on_the_cpu_take_the_fused_kernel_for_a_few_rows(tiny_model):
     model = LLM(tiny_model, num_blocks=16).engine.runner.executor.model
     mlp = model.model.layers[0].mlp
     assert isinstance(mlp.small_batch, small_gemm_module.SmallBatchMLP)
-    for rows in (1, 8, 9, 40):  # fused up to 8 rows, the two projections one by one beyond
+    limit = small_gemm_module.MAX_ROWS[torch.float32]
+    for rows in (1, 8, limit, limit + 1, 40):  # fused up to the limit, one by one beyond
         x = torch.randn(rows, mlp.down_proj.weight.shape[0])
         torch.testing.assert_close(
             mlp(x), _reference_mlp(x, mlp.gate_up_proj.weight, mlp.down_proj.weight, mlp.gelu),
