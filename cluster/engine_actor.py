@@ -118,9 +118,10 @@ class EngineActor:
         """Start or abort requests for a router (`Worker.submit`)."""
         self.worker.submit(subscriber, commands)
 
-    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+    async def next_outputs(self, subscriber: str, timeout_s: float,
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
         """The router's next message (`Worker.next_outputs`)."""
-        return await self.worker.next_outputs(subscriber, timeout_s)
+        return await self.worker.next_outputs(subscriber, timeout_s, min_interval_s)
 
     async def channel_address(self) -> tuple[str, int, bytes]:
         """Where a router calls `CHANNEL_METHODS` without a Ray call each

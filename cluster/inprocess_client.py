@@ -33,7 +33,10 @@ T = TypeVar("T")
 
 
 class InProcessChannel(WorkerChannel):
-    """Owns its worker: `close()` shuts it down."""
+    """Owns its worker: `close()` shuts it down. A message is a return value here: one per
+    step (`output_interval_s` 0)."""
+
+    output_interval_s = 0.0
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -52,9 +55,10 @@ class InProcessChannel(WorkerChannel):
         self._check_open()
         self.worker.submit(subscriber, commands)
 
-    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+    async def next_outputs(self, subscriber: str, timeout_s: float,
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
         self._check_open()
-        return await self.worker.next_outputs(subscriber, timeout_s)
+        return await self.worker.next_outputs(subscriber, timeout_s, min_interval_s)
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int,
                       prefix: PrefixFetch | None = None) -> PrefillResult:

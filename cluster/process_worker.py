@@ -168,8 +168,9 @@ class ProcessChannel(WorkerChannel):
     async def submit(self, subscriber: str, commands: list[Command]) -> None:
         await self._call("submit", subscriber, commands)
 
-    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
-        return await self._call("next_outputs", subscriber, timeout_s)
+    async def next_outputs(self, subscriber: str, timeout_s: float,
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
+        return await self._call("next_outputs", subscriber, timeout_s, min_interval_s)
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int,
                       prefix: PrefixFetch | None = None) -> PrefillResult:

@@ -92,9 +92,10 @@ class RayChannel(WorkerChannel):
     async def submit(self, subscriber: str, commands: list[Command]) -> None:
         await self._over_socket("submit", CALL_TIMEOUT_S, subscriber, commands)
 
-    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+    async def next_outputs(self, subscriber: str, timeout_s: float,
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
         return await self._over_socket("next_outputs", timeout_s + CALL_TIMEOUT_S, subscriber,
-                                       timeout_s)
+                                       timeout_s, min_interval_s)
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int,
                       prefix: PrefixFetch | None = None) -> PrefillResult:

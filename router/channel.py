@@ -218,7 +218,8 @@ class ChannelClient(WorkerClient):
         while not self._closed:
             try:
                 out = await asyncio.wait_for(
-                    self.channel.next_outputs(self.subscriber, POLL_TIMEOUT_S),
+                    self.channel.next_outputs(self.subscriber, POLL_TIMEOUT_S,
+                                             self.channel.output_interval_s),
                     POLL_TIMEOUT_S + self.deadlines.stall_s)
             except asyncio.CancelledError:
                 raise

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 # what a client is told of an unexpected error (the details go to the server log only)
 INTERNAL_ERROR = "internal error; the server log has the details"
 

@@ -8,7 +8,8 @@ Each router (a subscriber) long-polls `OutputHub.next_outputs(subscriber)`: it r
 as a step produced something for that router's requests (all of them in one message: new tokens,
 failures), with the KV events it has not seen and the engine's stats, or after `timeout_s` with
 no events (a heartbeat that keeps the router's view of the load fresh). A router that reads
-slower than the engine steps gets several steps merged into one message.
+slower than the engine steps gets several steps merged into one message, and so does one that
+asks for at most one message per `min_interval_s` (its channel's `output_interval_s`).
 
 KV events are kept in a bounded log that every subscriber reads with its own cursor, so each
 router sees every event once; one that falls further behind than the log sees a sequence gap
@@ -25,6 +26,7 @@ from typing import Callable, Protocol
 
 from workers.messages import RequestFailed, WorkerOutputs
 from workers.protocol import EngineStats, KVEvent, TokenEvent
+
 
 class Sink(Protocol):
     """Where one or more requests' events go. Called on the event loop's thread."""
@@ -87,10 +89,6 @@ class RequestStream:
 
 
 KV_EVENT_LOG_SIZE = 65536  # events kept for routers that have not read them yet
-# A subscriber gets at most one message per this interval: a tiny model on a CPU steps in about
-# a millisecond, and a Ray reply per step then costs the engine half its steps (measured on the
-# embedded model at one stream: 440 tokens/s with a message per step, 780-1,070 with 4 ms).
-OUTPUT_INTERVAL_S = 0.004
 SUBSCRIBER_IDLE_S = 30.0  # a subscriber silent this long is gone (it polls every second)
 
 
@@ -121,7 +119,8 @@ class KVEventLog:
 
 
 class Outbox:
-    """One subscriber's outputs not yet read: the `Sink` its requests' events go to. `samples_left`: its requests the engine still runs (the worker adds them)."""
+    """One subscriber's outputs not yet read: the `Sink` its requests' events go to.
+    `samples_left`: its requests the engine still runs (the worker adds them)."""
 
     def __init__(self) -> None:
         self.events: list[TokenEvent] = []
@@ -159,12 +158,9 @@ class Outbox:
 class OutputHub:
     """Every subscriber's outbox and the KV event log of one worker. Event-loop thread only."""
 
-    def __init__(self, stats: Callable[[], EngineStats], abort: Callable[[str], None],
-                 min_interval_s: float = 0.0) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], abort: Callable[[str], None]) -> None:
         """`stats`: the engine's published stats; `abort`: cancels a request on the worker
-        (for the requests of a subscriber that went away); `min_interval_s`: the least time
-        between two messages to one subscriber."""
-        self.min_interval_s = min_interval_s
+        (for the requests of a subscriber that went away)."""
         self._stats = stats
         self._abort = abort
         self._outboxes: dict[str, Outbox] = {}
@@ -183,9 +179,11 @@ class OutputHub:
         for box in self._outboxes.values():
             box.ready.set()
 
-    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+    async def next_outputs(self, subscriber: str, timeout_s: float,
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
         """The subscriber's next message: at once when something is waiting, else when a step
-        produces something or after `timeout_s` (then with no events)."""
+        produces something or after `timeout_s` (then with no events); no sooner than
+        `min_interval_s` after its last one (steps in between are merged)."""
         box = self.outbox(subscriber)
         box.last_read = time.monotonic()
         if not box.ready.is_set():
@@ -193,9 +191,9 @@ class OutputHub:
                 await asyncio.wait_for(box.ready.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        # at most one message per `min_interval_s`: steps faster than that (a small model)
-        # are merged, so the channel's per-message cost does not eat the step loop's time
-        wait = self.min_interval_s - (time.monotonic() - box.last_sent)
+        # steps faster than `min_interval_s` (a small model) are merged, so a channel's
+        # per-message cost does not eat the step loop's time
+        wait = min_interval_s - (time.monotonic() - box.last_sent)
         if wait > 0:
             await asyncio.sleep(wait)
         self.reap_idle()

@@ -37,7 +37,7 @@ from workers.messages import (
     WorkerOutputs,
 )
 from workers.migration import Migrations
-from workers.outputs import OUTPUT_INTERVAL_S, OutputHub
+from workers.outputs import OutputHub
 from workers.prefix_fetch import PrefixFetcher
 from workers.protocol import (
     EngineOverloaded,
@@ -97,7 +97,7 @@ class Worker:
         self.migrations = Migrations(engine, self.transfer)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled
         self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way
-        self.outputs = OutputHub(lambda: engine.stats, self.abort, OUTPUT_INTERVAL_S)
+        self.outputs = OutputHub(lambda: engine.stats, self.abort)
         engine.on_publish = self.outputs.publish
 
     @classmethod
@@ -246,9 +246,10 @@ class Worker:
         return self.async_engine.stream(lambda sink: self.start(cmd, sink), cmd.req.request_id,
                                         cmd.num_samples)
 
-    async def next_outputs(self, subscriber: str, timeout_s: float) -> WorkerOutputs:
+    async def next_outputs(self, subscriber: str, timeout_s: float,
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
         """`subscriber`'s next message (`workers.outputs.OutputHub.next_outputs`)."""
-        return await self.outputs.next_outputs(subscriber, timeout_s)
+        return await self.outputs.next_outputs(subscriber, timeout_s, min_interval_s)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is here: running, pulling its KV, or prefilled and

@@ -16,7 +16,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from router.app import TOKENIZE_INLINE_CHARS, Admission, Router
-from router.streams import Generation
 from router.errors import BadRequestError
 from router.openai.common import (
     SSE_DONE,
@@ -35,6 +34,7 @@ from router.openai.common import (
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.tool_calls import ToolCallStream, message_with_calls, tool_call_format
 from router.openai.tool_parsers import ToolCallFormat
+from router.streams import Generation
 from workers.protocol import InvalidRequestError, SamplingParams, TokenEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 
 from router.app import Admission, Router
-from router.streams import Generation
 from router.errors import INTERNAL_ERROR, APIError, BadRequestError
+from router.streams import Generation
 from workers.protocol import SamplingParams, TokenEvent
 
 logger = logging.getLogger(__name__)

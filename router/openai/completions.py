@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from router.app import Admission, Router
-from router.streams import Generation
 from router.errors import BadRequestError
 from router.openai.common import (
     SSE_DONE,
@@ -31,6 +30,7 @@ from router.openai.common import (
     usage,
 )
 from router.openai.protocol import CompletionRequest
+from router.streams import Generation
 from workers.protocol import TokenLogprob
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ class _QuietChannel(WorkerChannel):
     async def submit(self, subscriber, commands) -> None:
         pass
 
-    async def next_outputs(self, subscriber, timeout_s):
+    async def next_outputs(self, subscriber, timeout_s, min_interval_s=0.0):
         await asyncio.Event().wait()
 
     async def prefill(self, req, decode_tp_size, prefix=None): ...
@@ -157,7 +157,7 @@ def test_a_prefill_past_its_deadline_is_aborted_on_the_worker():
 class _UnhealthyChannel(_QuietChannel):
     """A worker whose output channel says its engine is unhealthy (a stalled step)."""
 
-    async def next_outputs(self, subscriber, timeout_s):
+    async def next_outputs(self, subscriber, timeout_s, min_interval_s=0.0):
         await asyncio.sleep(0.01)
         return WorkerOutputs((), (), (), EngineStats(0, 1, 0.0, 8, 0, 8, healthy=False))
 
@@ -169,5 +169,40 @@ def test_a_worker_reporting_itself_unhealthy_fails_its_streams_so_they_move():
         with pytest.raises(WorkerUnavailableError, match="unhealthy"):
             await asyncio.wait_for(s.__anext__(), 5)
         await client.close()
+
+    asyncio.run(go())
+
+
+class _RecordingChannel(_QuietChannel):
+    """Answers each poll at once with nothing, noting the interval it was asked for."""
+
+    def __init__(self, interval: float) -> None:
+        self.output_interval_s = interval
+        self.asked: list[float] = []
+
+    async def next_outputs(self, subscriber, timeout_s, min_interval_s=0.0):
+        self.asked.append(min_interval_s)
+        await asyncio.sleep(0.005)
+        return WorkerOutputs((), (), (), EngineStats(0, 0, 0.0, 8, 0, 8))
+
+
+def test_the_reader_asks_for_its_channels_interval_between_messages():
+    """Between processes a message per step costs the engine's loop (merged to one per 4 ms);
+    in one process a message is a return value, and merging would only delay tokens."""
+    from cluster.inprocess_client import InProcessChannel
+    from cluster.process_worker import ProcessChannel
+    from cluster.worker_client import RayChannel
+
+    assert InProcessChannel.output_interval_s == 0.0
+    assert ProcessChannel.output_interval_s == RayChannel.output_interval_s == 0.004
+
+    async def go():
+        for interval in (0.0, 0.004):
+            channel = _RecordingChannel(interval)
+            client = ChannelClient(channel, "router")
+            client.generate(WorkerRequest("r", (1, 2), SamplingParams(max_tokens=2)))
+            await asyncio.sleep(0.05)
+            await client.close()
+            assert channel.asked and set(channel.asked) == {interval}
 
     asyncio.run(go())

@@ -76,11 +76,11 @@ def test_one_message_carries_a_step_for_all_of_a_routers_requests():
 
 def test_steps_faster_than_the_interval_are_merged_into_one_message():
     async def go():
-        hub = OutputHub(lambda: STATS, lambda rid: None, min_interval_s=0.05)
+        hub = OutputHub(lambda: STATS, lambda rid: None)
         box = hub.outbox("r")
         box.put(_event("x", 1))
         box.flush()
-        await hub.next_outputs("r", 1.0)
+        await hub.next_outputs("r", 1.0, min_interval_s=0.05)
 
         async def steps() -> None:
             for token in range(2, 6):
@@ -89,7 +89,7 @@ def test_steps_faster_than_the_interval_are_merged_into_one_message():
                 await asyncio.sleep(0.005)
 
         stepping = asyncio.ensure_future(steps())
-        out = await hub.next_outputs("r", 1.0)
+        out = await hub.next_outputs("r", 1.0, min_interval_s=0.05)
         await stepping
         rest = await hub.next_outputs("r", 0.01)
         tokens = [t for e in out.events + rest.events for t in e.token_ids]
