@@ -32,8 +32,11 @@ INT4_GROUPS = (32, 64, 128, 256)
 # 1.2 vs 2.3 ms at 16 rows of a 2048 x 5632 weight, bf16 1.4 ms)
 INT8_ACTIVATION_ROWS = 8
 # from this many rows on, a layer packed for the VNNI kernels unpacks its weight to bf16 and runs
-# oneDNN's bf16 matmul (AMX) instead (`int_kernels.unpacked_mm`): see `QuantizedMatmul`
-UNPACK_ROWS = 32
+# oneDNN's bf16 matmul (AMX) instead (`int_kernels.unpacked_mm`), by kernel: measured on one
+# thread (`benchmarks/int_many_rows.py`), int4 is even at 16-24 rows and ahead by 1.0-1.7x at
+# 32 on the `small` preset's and a 0.6B model's shapes; int8 (the faster VNNI kernel) is
+# 0.8-1.2x at 32 rows, 1.0-1.9x at 64
+UNPACK_ROWS = {"int8": 64, "int4": 32}
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -118,7 +121,7 @@ class QuantizedMatmul:
     kernels, activations quantized to int8 in blocks of 32 columns (one row, a 0.6B model's
     weights out of cache: int8 2.7x torch's weight-only kernel, int4 1.4x; in cache 2.0x and
     1.7x). Those take 4 rows of x per pass and are compute-bound past a few rows (50-90 GMAC/s
-    on 2 cores), so from `UNPACK_ROWS` rows (a prefill's, or 32 decode streams') the weight is
+    on 2 cores), so from `UNPACK_ROWS` rows (a prefill's; int4: 32 decode streams') the weight is
     unpacked to bf16 (in chunks) and oneDNN's bf16 matmul runs it on AMX tiles
     (`int_kernels.unpacked_mm`; where the CPU lacks AMX or AVX-512 BF16 the VNNI kernels keep
     every row). bf16 activations rather than `torch._int_mm`'s per-row int8 ones, for int8
@@ -147,8 +150,8 @@ class QuantizedMatmul:
                                    if self.has_zeros else None)
         self.vnni = int_kernels.available() and (
             k % 64 == 0 if self.kernel == "int8" else k % 32 == 0 and self.group_size % 32 == 0)
-        self.unpack_rows = UNPACK_ROWS if self.vnni and int_kernels.dequant_available() \
-            else None
+        self.unpack_rows = UNPACK_ROWS[self.kernel] \
+            if self.vnni and int_kernels.dequant_available() else None
         if self.vnni and self.kernel == "int8":
             module.register_buffer("qweight", int_kernels.block_int8(q))
         elif self.vnni:
