@@ -125,9 +125,11 @@ class QuantizedMatmul:
     unpacked to bf16 (in chunks) and oneDNN's bf16 matmul runs it on AMX tiles
     (`int_kernels.unpacked_mm`; where the CPU lacks AMX or AVX-512 BF16 the VNNI kernels keep
     every row). bf16 activations rather than `torch._int_mm`'s per-row int8 ones, for int8
-    too: about as fast, and the most accurate of the three (an int8 1024 x 1408 layer, 128 rows
-    with 8 outlier columns x20: relative error 2.4e-3, the 32-column blocks 7.3e-3, per-row
-    int8 4.6e-2), and no second, unblocked copy of the weight. The decode step's few rows stay
+    too: `_int_mm` alone is 1.1-1.5x the bf16 matmul at 128 rows (one thread, measured here),
+    but it needs x quantized and the weight unblocked to int8 all the same, and per-row int8 is
+    the least accurate of the three (an int8 1024 x 1408 layer, 128 rows with 8 outlier
+    columns x20: relative error bf16 2.4e-3, the VNNI kernels' 32-column blocks 7.3e-3, per-row
+    int8 4.6e-2). The decode step's few rows stay
     on the VNNI kernels (and the fused decoder stack's C, `workers.fused_layer`).
     Otherwise torch's: int8 weight-only below `INT8_ACTIVATION_ROWS` rows and `torch._int_mm`
     from there, int4 weight-only (tinygemm).
