@@ -9,6 +9,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,6 +18,7 @@ from workers.native import build_library, loads
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parents[1] / "csrc" / "int_gemm.c"
+DEQUANT_SOURCE = Path(__file__).parents[1] / "csrc" / "int_dequant.c"
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +36,35 @@ def available() -> bool:
     """Whether the kernels build here and the CPU has AVX-512 VNNI."""
     return (loads(load_kernel, "the int8/int4 CPU kernels are unavailable, using torch's", logger)
             and bool(load_kernel().int_gemm_available()))
+
+
+@functools.lru_cache(maxsize=None)
+def load_dequant() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(DEQUANT_SOURCE)))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.int8_to_bf16.argtypes = [ptr, i64, i64, i64, i64, ptr, i32]
+    lib.int4_to_bf16.argtypes = [ptr, ptr, i32, ptr, i64, i64, i64, i64, i64, ptr, i32]
+    lib.int8_to_bf16.restype = lib.int4_to_bf16.restype = i32
+    lib.int_dequant_available.restype = i32
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def dequant_available() -> bool:
+    """Whether the weights can be unpacked to bf16 here (AVX-512 BF16) and torch's bf16 matmul
+    has AMX tiles to run on: without them oneDNN's bf16 matmul is no faster than the VNNI
+    kernels (`dequant_mm`)."""
+    return (available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and _cpu_has("amx_bf16")
+            and loads(load_dequant, "bf16 unpacking of int8/int4 weights is unavailable", logger)
+            and bool(load_dequant().int_dequant_available()))
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
 
 
 def _check(rc: int, what: str) -> None:
@@ -121,3 +152,60 @@ def int4_gemm(x: torch.Tensor,
                                    _DTYPES.index(out_dtype), m, n, k, group,
                                    num_threads or torch.get_num_threads()), "int4_gemm")
     return out
+
+
+def unpack_int8(blocked: torch.Tensor, n: int, k: int, start: int = 0, end: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [start, end) (start a multiple of 4) of the [n, k] int8 weight `block_int8` made
+    -> their values q as bf16 [end - start, k] (exact), into `out` when given."""
+    end = n if end is None else end
+    out = torch.empty(end - start, k, dtype=torch.bfloat16) if out is None else out
+    _check(load_dequant().int8_to_bf16(blocked.data_ptr(), n, k, start, end, out.data_ptr(),
+                                       torch.get_num_threads()), "unpack_int8")
+    return out
+
+
+def unpack_int4(blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], n: int,
+                k: int, group: int, start: int = 0, end: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [start, end) (start a multiple of 4) of the [n, k] int4 weight `block_int4` made
+    -> (q - z) s per group, rounded to bf16 [end - start, k], into `out` when given."""
+    end = n if end is None else end
+    packed, scales, offsets = blocked
+    out = torch.empty(end - start, k, dtype=torch.bfloat16) if out is None else out
+    _check(load_dequant().int4_to_bf16(packed.data_ptr(), scales.data_ptr(),
+                                       int(scales.dtype == torch.bfloat16),
+                                       None if offsets is None else offsets.data_ptr(),
+                                       n, k, group, start, end, out.data_ptr(),
+                                       torch.get_num_threads()), "unpack_int4")
+    return out
+
+
+# the unpacked bf16 weight rows one bf16 matmul takes: up to this, a layer's whole weight (the
+# `small` preset's largest, its 8192 x 512 lm_head, is 8 MB); past it, chunks of rows, so a 0.6B
+# model's 11264 x 2048 gate/up (46 MB) does not map fresh pages from the OS every call
+# (glibc's malloc returns buffers over 32 MB to it: 23 ms, twice the matmul, measured here)
+UNPACK_CHUNK_BYTES = 8 << 20
+
+
+def unpacked_mm(x: torch.Tensor, unpack: Callable[..., torch.Tensor], n: int, k: int,
+                scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, k] times the [n, k] weight `unpack(start, end, out=)` gives as bf16 rows (a
+    `functools.partial` of `unpack_int8` / `unpack_int4`), by oneDNN's bf16 matmul (AMX
+    tiles) -> fp32 [M, n], times the per-row `scales` [n] when given. x is rounded to bf16,
+    and so is each output (torch's CPU matmul gives bf16 x bf16 in bf16 only), then widened."""
+    xb = x.to(torch.bfloat16).contiguous()
+    rows = max(64, UNPACK_CHUNK_BYTES // (2 * k) // 64 * 64)
+    if rows >= n:
+        y = torch.nn.functional.linear(xb, unpack(0, n)).float()
+        return y if scales is None else y.mul_(scales)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    buf = torch.empty(rows, k, dtype=torch.bfloat16)
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        part = torch.nn.functional.linear(xb, unpack(start, end, out=buf[:end - start]))
+        if scales is None:
+            y[:, start:end].copy_(part)
+        else:
+            torch.mul(part, scales[start:end], out=y[:, start:end])
+    return y

@@ -17,6 +17,7 @@ activations, GPUs and other layouts get the dequantized weight (measured in
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -30,6 +31,12 @@ INT4_GROUPS = (32, 64, 128, 256)
 # weight-only kernel's time grows with each row, the int8 matmul's barely (measured here:
 # 1.2 vs 2.3 ms at 16 rows of a 2048 x 5632 weight, bf16 1.4 ms)
 INT8_ACTIVATION_ROWS = 8
+# from this many rows on, a layer packed for the VNNI kernels unpacks its weight to bf16 and runs
+# oneDNN's bf16 matmul (AMX) instead (`int_kernels.unpacked_mm`), by kernel: measured on one
+# thread (`benchmarks/int_many_rows.py`), int4 is even at 16-24 rows and ahead by 1.0-1.7x at
+# 32 on the `small` preset's and a 0.6B model's shapes; int8 (the faster VNNI kernel) is
+# 0.8-1.2x at 32 rows, 1.0-1.9x at 64
+UNPACK_ROWS = {"int8": 64, "int4": 32}
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -113,14 +120,25 @@ class QuantizedMatmul:
     With AVX-512 VNNI (`workers.quant.int_kernels`) the weights are blocked for Cleave's own
     kernels, activations quantized to int8 in blocks of 32 columns (one row, a 0.6B model's
     weights out of cache: int8 2.7x torch's weight-only kernel, int4 1.4x; in cache 2.0x and
-    1.7x). Otherwise torch's: int8
-    weight-only below `INT8_ACTIVATION_ROWS` rows and `torch._int_mm` from there, int4
-    weight-only (tinygemm).
+    1.7x). Those take 4 rows of x per pass and are compute-bound past a few rows (50-90 GMAC/s
+    on 2 cores), so from `UNPACK_ROWS` rows (a prefill's; int4: 32 decode streams') the weight is
+    unpacked to bf16 (in chunks) and oneDNN's bf16 matmul runs it on AMX tiles
+    (`int_kernels.unpacked_mm`; where the CPU lacks AMX or AVX-512 BF16 the VNNI kernels keep
+    every row). bf16 activations rather than `torch._int_mm`'s per-row int8 ones, for int8
+    too: `_int_mm` alone is 1.1-1.5x the bf16 matmul at 128 rows (one thread, measured here),
+    but it needs x quantized and the weight unblocked to int8 all the same, and per-row int8 is
+    the least accurate of the three (an int8 1024 x 1408 layer, 128 rows with 8 outlier
+    columns x20: relative error bf16 2.4e-3, the VNNI kernels' 32-column blocks 7.3e-3, per-row
+    int8 4.6e-2). The decode step's few rows stay
+    on the VNNI kernels (and the fused decoder stack's C, `workers.fused_layer`).
+    Otherwise torch's: int8 weight-only below `INT8_ACTIVATION_ROWS` rows and `torch._int_mm`
+    from there, int4 weight-only (tinygemm).
     """
 
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel
         self.vnni = False
+        self.unpack_rows: int | None = None  # rows from which `_unpacked` runs; None: never
 
     def pack(self, module: nn.Module) -> None:
         q, scales, zeros = module.qweight.data, module.scales.data, module.zeros.data
@@ -134,6 +152,8 @@ class QuantizedMatmul:
                                    if self.has_zeros else None)
         self.vnni = int_kernels.available() and (
             k % 64 == 0 if self.kernel == "int8" else k % 32 == 0 and self.group_size % 32 == 0)
+        self.unpack_rows = UNPACK_ROWS[self.kernel] \
+            if self.vnni and int_kernels.dequant_available() else None
         if self.vnni and self.kernel == "int8":
             module.register_buffer("qweight", int_kernels.block_int8(q))
         elif self.vnni:
@@ -164,7 +184,9 @@ class QuantizedMatmul:
         # x: [T, K] -> [T, N] in out_dtype (default x's)
         out_dtype = out_dtype or x.dtype
         zero_terms = self.has_zeros and self.kernel == "int8"
-        if self.vnni:  # bf16 in and out without a cast (the kernels read and round bf16)
+        if self.unpack_rows is not None and x.shape[0] >= self.unpack_rows:
+            y = self._unpacked(module, x)
+        elif self.vnni:  # bf16 in and out without a cast (the kernels read and round bf16)
             y_dtype = out_dtype if out_dtype == torch.bfloat16 and not zero_terms \
                 else torch.float32
             y = (int_kernels.int8_gemm(x, module.qweight, module.scales_f32, out_dtype=y_dtype)
@@ -177,6 +199,15 @@ class QuantizedMatmul:
         if zero_terms:
             y = y - x.float().sum(-1, keepdim=True) * module.zero_terms
         return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    def _unpacked(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.out_features, x.shape[1]
+        if self.kernel == "int8":
+            unpack = functools.partial(int_kernels.unpack_int8, module.qweight, n, k)
+            return int_kernels.unpacked_mm(x, unpack, n, k, module.scales_f32)
+        blocked = (module.qweight, module.scales, module.offsets)
+        unpack = functools.partial(int_kernels.unpack_int4, blocked, n, k, self.group_size)
+        return int_kernels.unpacked_mm(x, unpack, n, k)
 
     def _torch_kernels(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         xb = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
