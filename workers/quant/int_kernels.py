@@ -52,8 +52,8 @@ def load_dequant() -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def dequant_available() -> bool:
     """Whether the weights can be unpacked to bf16 here (AVX-512 BF16) and torch's bf16 matmul
-    has AMX tiles to run on: without them oneDNN's bf16 matmul is no faster than the VNNI
-    kernels (`dequant_mm`)."""
+    has AMX tiles to run on. Without AMX, oneDNN's bf16 matmul was not measured against the
+    VNNI kernels, so those keep every row there."""
     return (available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
             and _cpu_has("amx_bf16")
             and loads(load_dequant, "bf16 unpacking of int8/int4 weights is unavailable", logger)
