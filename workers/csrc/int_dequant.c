@@ -1,7 +1,7 @@
 /* The packed int8/int4 weights of int_gemm.c, unpacked to bf16 rows for a bf16 matmul (oneDNN,
  * AMX where the CPU has it) when x has many rows: there the VNNI kernels, which quantize x and
  * take each tile's dot products 4 rows of x at a time, are compute-bound at a fifth of what a
- * bf16 matmul does (workers/quant/int_kernels.py `dequant_mm`).
+ * bf16 matmul does (workers/quant/int_kernels.py `unpacked_mm`).
  *
  * Both read the layouts workers/quant/int_kernels.py's `block_int8` / `block_int4` make (tiles
  * of 4 output rows, the last padded) and write rows [n0, n1) of the [N, K] weight, row-major, to
