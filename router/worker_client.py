@@ -41,7 +41,7 @@ __all__ = ["EngineStats", "KVPullFailed", "PrefillResult", "TokenStream", "Worke
            "WorkerClient", "WorkerInfo", "WorkerListener", "WorkerRequest", "WorkerRole"]
 
 # between two output messages over a wire between processes (`WorkerChannel.output_interval_s`)
-OUTPUT_INTERVAL_S = 0.004
+OUTPUT_INTERVAL_S = 0.001
 
 
 class TokenStream(Protocol):
@@ -179,12 +179,16 @@ class WorkerChannel(abc.ABC):
     (`InvalidRequestError`, `ValueError` for a role) are raised as the worker raised them.
 
     `output_interval_s`: the least time between two output messages the client asks of the
-    worker (`next_outputs`); steps faster than it are merged into one message. What a message
-    costs is the wire's: a framed pickle between processes, where a tiny model on a CPU steps
-    in about a millisecond and a message per step cost the engine's loop half its steps
-    (embedded model at one stream over Ray calls: 440 tokens/s with a message per step, 780-1,070
-    with 4 ms); a return value in one process, where merging only delays the tokens (a stream
-    then shows one chunk per interval: a 1.5 ms step streamed every 4 ms)."""
+    worker (`next_outputs`); steps faster than it are merged into one message, and a stream
+    then shows one chunk per interval (a 1.5 ms step streamed every 4 ms read as a 4 ms
+    inter-token latency). Between processes a message is a framed pickle on a socket: 1 ms
+    bounds a tiny model's message rate (its steps take under a millisecond on a CPU). It was
+    4 ms when each message was a Ray call (embedded model at one stream: 440 tokens/s with a
+    message per step, 780-1,070 with 4 ms); on the socket, the embedded model on the Ray app
+    (`benchmarks/serving.py --layers ray --models tiny`, two alternating rounds) streamed as
+    much or more at 1 ms and with none as at 4 ms (8 streams 4.3-4.7k tokens/s against
+    3.2-3.5k, 64 streams 7.3-8.8k against 5.0-7.0k) with an ITL p50 of 1 ms, not 4. In one
+    process a message is a return value: none (`cluster.inprocess_client`)."""
 
     worker_id: str
     output_interval_s: float = OUTPUT_INTERVAL_S

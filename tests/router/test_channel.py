@@ -187,17 +187,17 @@ class _RecordingChannel(_QuietChannel):
 
 
 def test_the_reader_asks_for_its_channels_interval_between_messages():
-    """Between processes a message per step costs the engine's loop (merged to one per 4 ms);
+    """Between processes a message per step costs a framed pickle (merged to one per ms);
     in one process a message is a return value, and merging would only delay tokens."""
     from cluster.inprocess_client import InProcessChannel
     from cluster.process_worker import ProcessChannel
     from cluster.worker_client import RayChannel
 
     assert InProcessChannel.output_interval_s == 0.0
-    assert ProcessChannel.output_interval_s == RayChannel.output_interval_s == 0.004
+    assert ProcessChannel.output_interval_s == RayChannel.output_interval_s == 0.001
 
     async def go():
-        for interval in (0.0, 0.004):
+        for interval in (0.0, 0.001):
             channel = _RecordingChannel(interval)
             client = ChannelClient(channel, "router")
             client.generate(WorkerRequest("r", (1, 2), SamplingParams(max_tokens=2)))
