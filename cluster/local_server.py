@@ -92,18 +92,20 @@ class LocalServeConfig:
 def build_workers(plan: InProcessPlan, process_per_worker: bool = False) -> list[ChannelClient]:
     """Each pool's workers, one engine each with its own KV cache (blocking: loads the model).
     Ids: `worker-i` (aggregated), `prefill-i`, `decode-i`. `process_per_worker`: each in a
-    process of its own (`cluster.process_worker`), pinned to its pool's `cpu_affinity`."""
+    process of its own (`cluster.process_worker`), pinned to its pool's `cpu_affinity`, or
+    unpinned with an equal share of this machine's cores as torch threads."""
     specs = [(f"{_ID_PREFIX.get(pool.name, pool.name)}-{i}", pool)
              for pool in plan.pools for i in range(pool.replicas)]
     if process_per_worker:
-        from cluster.process_worker import ProcessChannel, ProcessWorkerSpec
+        from cluster.process_worker import ProcessChannel, ProcessWorkerSpec, share_of_cores
 
+        threads = share_of_cores(sum(pool.cpu_affinity is None for _, pool in specs))
         channels: list[ProcessChannel] = []
         try:
             for wid, pool in specs:
                 channels.append(ProcessChannel(ProcessWorkerSpec(
                     wid, pool.engine, pool.role, plan.host, asdict(pool.worker),
-                    pool.cpu_affinity, pool.cores_per_rank)).start())
+                    pool.cpu_affinity, pool.cores_per_rank, threads)).start())
         except BaseException:
             for channel in channels:  # nothing started is left running
                 if channel.process is not None:

@@ -137,3 +137,15 @@ def test_a_killed_worker_process_loses_no_stream(tiny_model):
         assert server.router.counters.fallbacks.get("decode_worker_failed") == 1
     finally:
         server.stop()
+
+
+def test_unpinned_worker_processes_share_the_cores_as_torch_threads():
+    """One unpinned worker process gets every core (it had one thread: half a 2-core machine);
+    several split them, at least one thread each."""
+    from cluster.process_worker import share_of_cores
+
+    assert share_of_cores(1, cores=2) == 2
+    assert share_of_cores(2, cores=2) == 1
+    assert share_of_cores(3, cores=8) == 2
+    assert share_of_cores(4, cores=2) == 1
+    assert share_of_cores(0, cores=4) == 4  # every worker pinned: unused
