@@ -69,8 +69,9 @@ class Proj(ctypes.Structure):
 class Layer(ctypes.Structure):
     """`layer_t` of decoder_layer.c: one layer's weights and settings."""
 
+    PROJECTIONS = ("qkv", "o", "gate_up", "down")
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
-        (name, Proj) for name in ("qkv", "o", "gate_up", "down")] + [
+        (name, Proj) for name in PROJECTIONS] + [
         ("cos_sin", ctypes.c_void_p)] + [
         (name, ctypes.c_int64) for name in (
             "cos_sin_stride", "max_position", "hidden", "heads", "kv_heads", "head_dim",
@@ -177,8 +178,8 @@ class FusedDecoderStack:
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.kv_pointers = ctypes.c_void_p * len(layers)
         self.fn = load_kernel().decoder_stack_f32
-        packed = any(isinstance(getattr(m, "matmul", None), QuantizedMatmul)
-                     for layer in layers for m in layer.modules())
+        packed = any(getattr(s, p).kind != DENSE for s in self.structs
+                     for p in Layer.PROJECTIONS)
         self.max_rows = MAX_PACKED_ROWS if packed else MAX_ROWS
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata,
