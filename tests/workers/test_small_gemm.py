@@ -10,9 +10,11 @@ from workers import small_gemm as small_gemm_module
 from workers.small_gemm import SmallBatchMatmul, small_gemm, small_gemm_bf16_dot
 
 
-@pytest.mark.parametrize("n, k", [(64, 128), (37, 100), (5, 17), (130, 48)])
+@pytest.mark.parametrize("n, k", [(64, 128), (37, 100), (5, 17), (130, 48), (1001, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_matches_torch_for_every_row_count(n, k, dtype):
+    """(1001 rows: threads take chunks of rows as they ask, chunks of shrinking size and a
+    short last one.)"""
     torch.manual_seed(n * k)
     w = torch.randn(n, k).to(dtype)
     for m in (1, 2, 3, 4, 5, 8, 9, 17):

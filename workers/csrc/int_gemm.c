@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunks.h"
 #include "kernels.h"
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -92,13 +93,6 @@ static void quantize_blocks(const void *x, int x_bf16, int64_t M, int64_t K, int
             xw[m * (K / BLOCK) + b] = scale * (float)sum;
             xsum[m * (K / BLOCK) + b] = sum;
         }
-}
-
-static void split(int64_t N, int thread, int num_threads, int64_t *start, int64_t *end) {
-    int64_t tiles = (N + ROWS - 1) / ROWS;
-    *start = tiles * thread / num_threads * ROWS;
-    *end = tiles * (thread + 1) / num_threads * ROWS;
-    if (*end > N) *end = N;
 }
 
 #if HAVE_VNNI
@@ -282,18 +276,16 @@ static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, acts_t *a) 
 
 static void release(acts_t *a) { free(a->xq), free(a->xs), free(a->xw), free(a->xsum); }
 
-/* Quantizes x, then runs `CALL` (a rows_* call over [start, end)) on `num_threads` threads. */
+/* Quantizes x, then runs `CALL` (a rows_* call over [start, end)) on `num_threads` threads,
+ * over chunks of rows (chunks.h). */
 #define QUANTIZE_THEN_OVER_THREADS(CALL)                                                      \
     do {                                                                                      \
         acts_t a;                                                                             \
         int rc = quantize(x, x_bf16, M, K, &a);                                               \
         if (rc == 0) {                                                                        \
             if (num_threads < 1) num_threads = 1;                                             \
-            _Pragma("omp parallel num_threads(num_threads)") {                                \
-                int64_t start, end;                                                           \
-                split(N, omp_get_thread_num(), num_threads, &start, &end);                    \
-                CALL;                                                                         \
-            }                                                                                 \
+            _Pragma("omp parallel num_threads(num_threads)")                                  \
+            FOR_EACH_CHUNK(N, ROWS, num_threads, CALL);                                       \
         }                                                                                     \
         release(&a);                                                                          \
         return rc;                                                                            \

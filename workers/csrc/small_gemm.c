@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunks.h"
 #include "kernels.h"
 
 typedef float vf __attribute__((vector_size(64)));
@@ -129,23 +130,13 @@ DEFINE_TILE(tile_bf16, uint16_t, load_bf16, widen)
 DEFINE_ROWS(rows_f32, tile_f32, float, float)
 DEFINE_ROWS(rows_bf16, tile_bf16, float, uint16_t)
 
-/* Output rows split into `num_threads` contiguous runs of whole tiles. */
-static void split(int64_t N, int thread, int num_threads, int64_t *start, int64_t *end) {
-    int64_t tiles = (N + ROWS - 1) / ROWS;
-    *start = tiles * thread / num_threads * ROWS;
-    *end = tiles * (thread + 1) / num_threads * ROWS;
-    if (*end > N) *end = N;
-}
-
-/* `ROWS_FN(x, w, y, M, N, K, start, end)` on `num_threads` threads, each its run of rows. */
+/* `ROWS_FN(x, w, y, M, N, K, start, end)` on `num_threads` threads, over chunks of rows
+ * (chunks.h). */
 #define OVER_THREADS(ROWS_FN)                                                                 \
     do {                                                                                      \
         if (num_threads < 1) num_threads = 1;                                                 \
-        _Pragma("omp parallel num_threads(num_threads)") {                                    \
-            int64_t start, end;                                                               \
-            split(N, omp_get_thread_num(), num_threads, &start, &end);                        \
-            ROWS_FN(x, w, y, M, N, K, start, end);                                            \
-        }                                                                                     \
+        _Pragma("omp parallel num_threads(num_threads)")                                      \
+        FOR_EACH_CHUNK(N, ROWS, num_threads, ROWS_FN(x, w, y, M, N, K, start, end));          \
     } while (0)
 
 int small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
@@ -246,14 +237,11 @@ int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, f
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t start, end;
-        split(2 * I, t, nt, &start, &end);
-        rows_f32(x, w_gate_up, gu, M, 2 * I, H, start, end);
+        FOR_EACH_CHUNK(2 * I, ROWS, nt, rows_f32(x, w_gate_up, gu, M, 2 * I, H, start, end));
 #pragma omp barrier
         act_run(gu, a, M, I, gelu, t, nt);
 #pragma omp barrier
-        split(H, t, nt, &start, &end);
-        rows_f32(a, w_down, y, M, H, I, start, end);
+        FOR_EACH_CHUNK(H, ROWS, nt, rows_f32(a, w_down, y, M, H, I, start, end));
     }
     free(gu);
     return 0;
