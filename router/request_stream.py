@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 from typing import Callable
 
 from workers.protocol import TokenEvent
@@ -70,6 +69,5 @@ def _merged(a: TokenEvent, b: TokenEvent) -> TokenEvent:
     """`b` appended to `a` (consecutive events of one sample)."""
     logprobs = None if a.logprobs is None and b.logprobs is None else [
         *(a.logprobs or ()), *(b.logprobs or ())]
-    return dataclasses.replace(a, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text,
-                               logprobs=logprobs, finish_reason=b.finish_reason,
-                               stop_reason=b.stop_reason)
+    return a.replaced(token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text,
+                      logprobs=logprobs, finish_reason=b.finish_reason, stop_reason=b.stop_reason)

@@ -22,7 +22,6 @@ aborts the request on its worker), and handles every recovery in place (see `rou
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -175,14 +174,14 @@ class Generation:
             if stop is not None:
                 self._ended.add(event.index)
                 kept = event.token_ids[:i + 1]
-                return dataclasses.replace(
-                    event, token_ids=kept, text=text.take(True, flush=False),
+                return event.replaced(
+                    token_ids=kept, text=text.take(True, flush=False),
                     logprobs=event.logprobs[:len(kept)] if event.logprobs else event.logprobs,
                     finish_reason=FinishReason.STOP, stop_reason=stop)
         finished = event.finish_reason is not None
         if finished:
             self._ended.add(event.index)
-        return dataclasses.replace(event, text=text.take(
+        return event.replaced(text=text.take(
             finished, flush=finished and event.stop_reason is None))
 
     async def _compute_instead(self, exc: KVPullFailed) -> None:

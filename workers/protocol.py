@@ -12,8 +12,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Sequence
 
 from workers.errors import InvalidRequestError  # noqa: F401 -- re-exported: every layer's refusal
 
@@ -213,6 +213,20 @@ class TokenEvent:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # on a request's first event, when prompt logprobs were asked for (None for the first token)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def replaced(self, **changes: Any) -> TokenEvent:
+        """This event with `changes`, as `dataclasses.replace` makes it but without running
+        `__init__` (the router copies an event or two per streamed token: 0.75 us against
+        3)."""
+        if not changes.keys() <= _TOKEN_EVENT_FIELDS:
+            unknown = sorted(changes.keys() - _TOKEN_EVENT_FIELDS)
+            raise TypeError(f"TokenEvent has no field {unknown}")
+        event = object.__new__(TokenEvent)
+        event.__dict__.update(self.__dict__, **changes)
+        return event
+
+
+_TOKEN_EVENT_FIELDS = frozenset(f.name for f in fields(TokenEvent))
 
 
 @dataclass

@@ -18,20 +18,18 @@ from starlette.responses import JSONResponse, StreamingResponse
 from router.app import TOKENIZE_INLINE_CHARS, Admission, Router
 from router.errors import BadRequestError
 from router.openai.common import (
-    SSE_DONE,
     TokenStrings,
     admitted,
     default_max_tokens,
     merge,
     parse_body,
     released_at_end,
-    sse,
-    sse_error,
     start_all,
     until_disconnected,
     usage,
 )
 from router.openai.protocol import ChatCompletionRequest
+from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.openai.tool_calls import ToolCallStream, message_with_calls, tool_call_format
 from router.openai.tool_parsers import ToolCallFormat
 from router.streams import Generation
@@ -170,9 +168,17 @@ async def _stream(gen: Generation, body: ChatCompletionRequest, fmt: _Logprobs,
         yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
                       "logprobs": None, "finish_reason": None} for k in range(body.n)])
         calls = [ToolCallStream(tool_format) for _ in range(body.n)] if tool_format else None
+        # a chunk of new content only (most of them) from a template
+        plain = calls is None and not (fmt.wanted or body.continuous_usage)
+        text_chunk = TextChunks(lambda k, text: {**head, "choices": [{
+            "index": k, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
+            "stop_reason": None}]})
         async for _, event in merge([gen]):
             num_tokens += len(event.token_ids)
             finish = None if event.finish_reason is None else event.finish_reason.value
+            if plain and finish is None:
+                yield text_chunk(event.index, event.text)
+                continue
             if calls is None:
                 delta = {"content": event.text} if event.text or finish is None else {}
                 yield chunk([{"index": event.index, "delta": delta,

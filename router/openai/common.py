@@ -1,11 +1,11 @@
 """What the completions and chat endpoints share: body parsing, starting and merging
-generations, server-sent events, usage, and watching for a client that went away."""
+generations, usage, and watching for a client that went away (the events they stream:
+`router.openai.sse`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -13,11 +13,9 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 
 from router.app import Admission, Router
-from router.errors import INTERNAL_ERROR, APIError, BadRequestError
+from router.errors import BadRequestError
 from router.streams import Generation
 from workers.protocol import SamplingParams, TokenEvent
-
-logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -134,30 +132,6 @@ async def merge(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, TokenEve
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
-
-
-# Unicode line breaks JSON leaves raw but `str.splitlines` splits on (httpx's `iter_lines`
-# does): escaped, so every event stays on its one line for such clients too
-_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
-
-
-def sse(payload: dict[str, Any]) -> str:
-    text = json.dumps(payload, ensure_ascii=False)
-    if not text.isascii():
-        text = text.translate(_LINE_BREAKS)
-    return f"data: {text}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_error(exc: Exception) -> str:
-    """An error after the stream began (the status is already 200): one error event, as vLLM
-    sends it, before `[DONE]`."""
-    if not isinstance(exc, APIError):
-        logger.error("a stream failed after it began", exc_info=exc)
-        exc = APIError(INTERNAL_ERROR)
-    return sse(exc.body())
 
 
 def usage(gens: Sequence[Generation], num_completion_tokens: int) -> dict[str, Any]:

@@ -16,20 +16,18 @@ from starlette.responses import JSONResponse, StreamingResponse
 from router.app import Admission, Router
 from router.errors import BadRequestError
 from router.openai.common import (
-    SSE_DONE,
     TokenStrings,
     admitted,
     default_max_tokens,
     merge,
     parse_body,
     released_at_end,
-    sse,
-    sse_error,
     start_all,
     until_disconnected,
     usage,
 )
 from router.openai.protocol import CompletionRequest
+from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.streams import Generation
 from workers.protocol import TokenLogprob
 
@@ -145,15 +143,23 @@ async def _stream(gens: list[Generation], body: CompletionRequest, fmt: _Formatt
     num_tokens = 0
     echoed: set[int] = set()
     begun: set[int] = set()  # choices that have sent a chunk (their prompt ids went with it)
+    # a chunk of new text only (most of them) from a template
+    plain = not (body.echo or fmt.wanted or body.return_token_ids or body.continuous_usage)
+    text_chunk = TextChunks(lambda k, text: {**head, "choices": [{
+        "index": k, "text": text, "logprobs": None, "finish_reason": None,
+        "stop_reason": None}]})
     try:
         async for i, event in merge(gens):
             k = i * body.n + event.index
+            num_tokens += len(event.token_ids)
+            if plain and event.finish_reason is None:
+                yield text_chunk(k, event.text)
+                continue
             text, prompt_ids, prompt_lps = event.text, [], None
             if body.echo and k not in echoed:
                 echoed.add(k)
                 text = fmt.echo_texts[i] + text
                 prompt_ids, prompt_lps = gens[i].prompt_token_ids, gens[i].first.prompt_logprobs
-            num_tokens += len(event.token_ids)
             choice = {
                 "index": k, "text": text,
                 "logprobs": fmt.logprobs(prompt_ids, prompt_lps, event.logprobs or []),
