@@ -14,9 +14,10 @@
  * as they are read (`kv_bf16`); the arithmetic is fp32 either way.
  *
  * A work item is one sequence, all heads (or, below one sequence per thread, a range of them). Per
- * block: the next block's rows are prefetched, then head by head (the query, then the accumulator,
- * held in registers over the block's tokens; the block's K or V rows stay in L1 for the heads of a
- * group) the scores, an online-softmax update, and the V rows weighted into the accumulator.
+ * block, head by head (the query, then the accumulator, held in registers over the block's tokens;
+ * the block's K or V rows stay in L1 for the heads of a group): the scores (the next block's rows
+ * of the head prefetched a token at a time between them), an online-softmax update, and the V
+ * rows weighted into the accumulator.
  * Measured on 2 cores: 128 sequences of 250-500 tokens, 8 layers of 256 MiB, cold caches: 6.3-6.4
  * ms a layer, as for the token-major order this replaced (the bytes bound it); 32 sequences of 190
  * tokens, warm: 0.24 ms against 0.36, and one sequence 13.6 us against 15.6. (Earlier: plain C
@@ -25,9 +26,12 @@
  * than non-temporally (`small` preset's heads, fp32 cache of 1,024-16,384 blocks, sequences on
  * random blocks, both builds alternating in one process): 32-64 sequences of 192-256 tokens
  * 3.0-3.4x faster (~28 GB/s: the bytes bound it again), 8 sequences 1.2-1.6x, 4 of 1,024
- * tokens 3.8x, one sequence even; bf16 cache 1.1-2.1x. (No prefetch at all: 5-20% faster than
- * this at 1-8 sequences, up to 16% slower at 32-64.) One sequence split over threads prefetches
- * only its own heads' part of each row: 1.07-1.25x at 128-1,024 tokens, as fast as none.
+ * tokens 3.8x; bf16 cache 1.1-2.1x. Spread over the dot products rather than issued all at once
+ * before the block (whose loop took half the kernel's time at one sequence, stalled on the
+ * prefetches): 1.03-1.1x more at 8-64 sequences, 1.6-2x at one of 1,024 tokens (split over
+ * the threads; a burst of only its heads' part was 1.25x of the whole block's). No prefetch at all
+ * was 5-10% faster with an fp32 cache in one run, 16% slower at 64 sequences in another, and 14%
+ * slower on a bf16 cache at 32 sequences.
  *
  * `num_threads` OpenMP threads take items longest-first (the runner sorts decodes shortest-first)
  * from an atomic counter; with fewer sequences than threads, an item is a sequence's share of its
@@ -140,25 +144,24 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int item, c
                                   : NULL;
         const char *vn = has_next ? (const char *)j->v + (int64_t)table[b + 1] * bs * row * esize
                                   : NULL;
-        /* the next block's rows of this item's KV heads, while this one is computed, into
-         * every cache level: as non-temporal prefetches (which skip L2) the next block's
-         * 2 x 16 KiB were often evicted from L1 before their turn, and read again from memory;
-         * an item of some heads (one sequence split over threads) fetches only its part */
-        if (kn != NULL)
-            for (int t = 0; t < bs; t++) {
-                const int64_t at = (t * row + (int64_t)(h0 / G) * D) * esize;
-                for (int64_t i = 0; i < (int64_t)(h1 - h0) / G * D * esize; i += 64) {
-                    __builtin_prefetch(kn + at + i, 0, 3);
-                    __builtin_prefetch(vn + at + i, 0, 3);
-                }
-            }
         /* head-major within the block: a head's query stays in registers over the block's
          * tokens (the block's K rows, 16 x 1 KiB here, stay in L1 for the group's heads) */
         for (int h = h0; h < h1; h++) {
             vf qv[dv];
             for (int i = 0; i < dv; i++) qv[i] = load_vf(qs + h * D + i * VL);
             const int64_t kh = kb + (h / G) * D;
+            /* the next block's rows of this KV head, a token's at a time between the dot
+             * products, into every cache level. (As non-temporal prefetches, which skip L2, the
+             * next block's 2 x 16 KiB were often evicted from L1 before their turn and read from
+             * memory again; issued all at once before the block, the prefetches stalled the
+             * core, their loop half of the kernel's time at one sequence.) */
+            const int64_t ahead = h % G == 0 && kn != NULL ? (int64_t)(h / G) * D * esize : -1;
             for (int t = t0; t < n; t++) {
+                if (ahead >= 0)
+                    for (int64_t i = 0; i < D * esize; i += 64) {
+                        __builtin_prefetch(kn + ahead + t * row * esize + i, 0, 3);
+                        __builtin_prefetch(vn + ahead + t * row * esize + i, 0, 3);
+                    }
                 const int64_t kr = kh + t * row;
                 vf a0 = {0}, a1 = {0};
                 int i = 0;
