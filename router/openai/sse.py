@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from router.errors import INTERNAL_ERROR, APIError
 
@@ -51,7 +51,7 @@ class TextChunks:
 
     _MARK = "\x00cleave-text\x00"  # a string no JSON encoder writes by itself
 
-    def __init__(self, payload: Any) -> None:
+    def __init__(self, payload: Callable[[int, str], dict[str, Any]]) -> None:
         self._payload = payload
         self._templates: dict[int, tuple[str, str]] = {}
 
