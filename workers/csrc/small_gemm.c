@@ -5,10 +5,10 @@
  * bandwidth. torch's fp32 `linear` with one row goes to MKL's sgemv, which runs on one thread
  * (2.4 ms for a 5632 x 2048 weight on this 2-core machine with 1 or 2 threads: 19 GB/s, where
  * a streaming read reaches 35). Here `num_threads` OpenMP threads (torch's own pool: the library
- * links the same libgomp) each take a contiguous run of output rows; a tile of 4 weight rows is
- * read once and multiplied by up to 4 input rows held in 16 accumulators of 16 floats (AVX-512
- * through GCC's vector extensions; pairs of AVX registers elsewhere), so each weight byte crosses
- * the memory bus once per 4 tokens. More than 4 input rows run in blocks of 4.
+ * links the same libgomp) take chunks of output rows as they ask (chunks.h); a tile of 4 weight
+ * rows is read once and multiplied by up to 4 input rows held in 16 accumulators of 16 floats
+ * (AVX-512 through GCC's vector extensions; pairs of AVX registers elsewhere), so each weight
+ * byte crosses the memory bus once per 4 tokens. More than 4 input rows run in blocks of 4.
  *
  * bf16 weights are widened to fp32 in registers (a bf16 is the top half of an fp32). With one row
  * of x, 8 weight rows go at a time (more reads in flight). int8 and int4 weights go through
@@ -206,9 +206,10 @@ int small_gemm_bf16_dot(const uint16_t *x, const uint16_t *w, float *y, int64_t 
 
 /* A gated MLP's few rows in one parallel region (`small_mlp_f32`): y = down(act(x gate^T) *
  * (x up^T)), w_gate_up [2I, H] (the gate's I rows, then the up's), w_down [H, I], all fp32;
- * act: SiLU, or GELU's tanh form (`gelu`). Each thread computes its run of gate/up rows, then
- * (after a barrier) its share of the activation, then (after another) its run of output rows:
- * no return to Python between the two matmuls. Returns -1 when scratch could not be allocated. */
+ * act: SiLU, or GELU's tanh form (`gelu`). The threads take chunks of gate/up rows, then
+ * (after a barrier) each its share of the activation, then (after another) chunks of output
+ * rows: no return to Python between the two matmuls. Returns -1 when scratch could not be
+ * allocated. */
 static inline float act_f32(float g, int gelu) {
     if (gelu) return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
     return g / (1.0f + expf(-g));
