@@ -217,13 +217,13 @@ class ChannelClient(WorkerClient):
     async def _read_forever(self) -> None:
         while not self._closed:
             try:
-                out = await asyncio.wait_for(
-                    self.channel.next_outputs(self.subscriber, POLL_TIMEOUT_S,
-                                             self.channel.output_interval_s),
-                    POLL_TIMEOUT_S + self.deadlines.stall_s)
+                # a deadline on this task, not `wait_for`'s task per message
+                async with asyncio.timeout(POLL_TIMEOUT_S + self.deadlines.stall_s):
+                    out = await self.channel.next_outputs(self.subscriber, POLL_TIMEOUT_S,
+                                                          self.channel.output_interval_s)
             except asyncio.CancelledError:
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._fail_streams(WorkerUnavailableError(
                     self.worker_id, f"its output channel was silent for "
                     f"{POLL_TIMEOUT_S + self.deadlines.stall_s} s"))

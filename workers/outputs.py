@@ -188,8 +188,9 @@ class OutputHub:
         box.last_read = time.monotonic()
         if not box.ready.is_set():
             try:
-                await asyncio.wait_for(box.ready.wait(), timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout_s):  # no task per wait, as `wait_for` makes
+                    await box.ready.wait()
+            except TimeoutError:
                 pass
         # steps faster than `min_interval_s` (a small model) are merged, so a channel's
         # per-message cost does not eat the step loop's time
