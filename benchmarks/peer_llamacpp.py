@@ -14,17 +14,20 @@ kernels run).
 
 The workload (`benchmarks/serving.py`'s load generator, `loadgen.py`): random token-id prompts
 of `--input-len` tokens, `--output-len` tokens out (ignore_eos), streamed `/v1/completions` at a
-fixed concurrency (1, 8, 32), the same requests for both servers. Each server runs alone on the
-same cores: `llama-server -np 32 -t <threads>` and `cleave serve --in-process` (one aggregated
-worker, `<threads>` torch threads), each in a child process.
+fixed concurrency (1, 8, 32), the same requests for both servers, on the same cores:
+`llama-server -np 32 -t <threads>` and `cleave serve --in-process` (one aggregated worker,
+`<threads>` torch threads), each in a child process.
 
-Each pair is measured `--rounds` times (default 3), the two servers alternating; runs on this
-shared 2-core machine differ by 15-25%, so each figure is the median of its rounds (the rounds'
-throughputs are kept beside it). Reported per pair and concurrency: output tokens/s, TTFT and
-ITL p50/p99 of both, and
-`cleave_vs_llamacpp_<pair>_c<c>_ratio` (output tokens/s, Cleave over llama.cpp), plus the
-inter-token latency p50 ratio at concurrency 1 (`..._itl_p50_c1_ratio`, Cleave over llama.cpp:
-under 1 is faster).
+This shared 2-core machine's speed changes within minutes (15-25% between runs, and a run of
+either server alone moves its ratio at one stream by +-0.2), so both servers of a pair are up at
+once and measured in turn at each concurrency, who goes first alternating by round: each
+round's ratio pairs two runs seconds apart. An idle server's CPU while the other is measured is
+reported (`idle_cpu_s`: both servers' threads sleep when idle). Each pair runs `--rounds` rounds
+(default 5). Reported per pair and concurrency: output tokens/s, TTFT and ITL p50/p99 of both
+(medians over rounds), each round's throughput ratio, and
+`cleave_vs_llamacpp_<pair>_c<c>_ratio` (output tokens/s, Cleave over llama.cpp: the median of the
+rounds' paired ratios), plus the inter-token latency p50 ratio at concurrency 1
+(`..._itl_p50_c1_ratio`, Cleave over llama.cpp, median of the paired rounds: under 1 is faster).
 
 Last line: one JSON object; also written to benchmarks/results/peer_llamacpp.json.
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -179,39 +183,62 @@ class LlamaServer(ServerProcess):
         self._terminate(30)
 
 
-def sweep_server(base_url: str, model: str, sweep: Sweep, vocab: int) -> dict[int, dict]:
-    out = {}
-    for i, c in enumerate(sweep.concurrencies):
-        # a connection per request for both servers: llama-server closes kept-alive ones
-        workload = dataclasses.replace(sweep.workload(c, warmup=2 if i == 0 else 0),
-                                       keep_alive=False)
-        summary, _ = measure(base_url, model, workload, math.inf, vocab, sweep.time_limit_s)
-        if summary.get("failed"):
-            raise RuntimeError(f"{summary['failed']} requests failed at concurrency {c}: "
-                               f"{summary.get('errors')}")
-        out[c] = summary
-    return out
+def level(base_url: str, model: str, sweep: Sweep, c: int, vocab: int, warmup: int,
+          round_: int) -> dict:
+    """One server's figures at concurrency `c` (`warmup` requests first, not counted), with
+    prompts of round `round_`'s own (a server's prefix cache keeps earlier rounds' prompts)."""
+    # a connection per request for both servers: llama-server closes kept-alive ones
+    workload = sweep.workload(c, warmup=warmup)
+    workload = dataclasses.replace(workload, keep_alive=False,
+                                   seed=workload.seed + 1000 * round_)
+    summary, _ = measure(base_url, model, workload, math.inf, vocab, sweep.time_limit_s)
+    if summary.get("failed"):
+        raise RuntimeError(f"{summary['failed']} requests failed at concurrency {c}: "
+                           f"{summary.get('errors')}")
+    return _figures(summary)
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far, all its threads (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure_pair(pair: str, tree: Path, ggufs: dict[str, Path], cleave_ckpts: dict[str, Path],
-                 sweep: Sweep, vocab: int, slots: int, args: argparse.Namespace
-                 ) -> tuple[dict[int, dict], dict[int, dict]]:
-    """One round of a pair: llama.cpp's sweep, then Cleave's, each server alone; the figures of
-    each (Cleave's, llama.cpp's) by concurrency."""
+                 sweep: Sweep, vocab: int, slots: int, args: argparse.Namespace) -> dict:
+    """Every round of a pair, both servers up at once and measured in turn at each concurrency
+    (who goes first alternating by round), so that each ratio pairs two runs seconds apart on
+    this machine, whose speed changes within minutes. Returns per round and concurrency each
+    side's figures, and the CPU seconds each server used while the other was measured."""
     ckpt, engine, kind = PAIRS[pair]
     server = LlamaServer(tree, ggufs[kind], slots, args.threads,
                          slots * (args.input_len + args.output_len + 16)).start()
     try:
-        peer = sweep_server(server.base_url, ggufs[kind].name, sweep, vocab)
+        with inprocess_server(str(cleave_ckpts[ckpt]), {"num_workers": 1}, 64, args.threads,
+                              engine) as (base_url, model_name):
+            (child,) = [p for p in multiprocessing.active_children()
+                        if p.name == "cleave-inprocess"]
+            sides = {"llama_cpp": (server.base_url, ggufs[kind].name, server._proc.pid),
+                     "cleave": (base_url, model_name, child.pid)}
+            rounds: list[dict] = []
+            idle_cpu = {side: 0.0 for side in sides}
+            for r in range(args.rounds):
+                figures: dict = {side: {} for side in sides}
+                for c in sweep.concurrencies:
+                    for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                        url, model, _ = sides[side]
+                        (other,) = (s for s in sides if s != side)
+                        before = cpu_seconds(sides[other][2])
+                        figures[side][c] = level(url, model, sweep, c, vocab,
+                                                 warmup=2 if r == 0 else 0, round_=r)
+                        idle_cpu[other] += cpu_seconds(sides[other][2]) - before
+                rounds.append(figures)
     except RuntimeError as e:
-        raise RuntimeError(f"llama-server ({ggufs[kind].name}): {e}; its log ends: "
+        raise RuntimeError(f"{pair}: {e}; llama-server's log ends: "
                            f"{server.stderr_tail(1500)}") from None
     finally:
         server.stop()
-    with inprocess_server(str(cleave_ckpts[ckpt]), {"num_workers": 1}, 64, args.threads,
-                          engine) as (base_url, model_name):
-        ours = sweep_server(base_url, model_name, sweep, vocab)
-    return ({c: _figures(v) for c, v in ours.items()}, {c: _figures(v) for c, v in peer.items()})
+    return {"rounds": rounds, "idle_cpu_s": {k: round(v, 2) for k, v in idle_cpu.items()}}
 
 
 def _median_level(levels: list[dict]) -> dict:
@@ -235,8 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--rounds", type=int, default=3,
-                   help="sweeps of each server per pair, alternating; medians reported")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="paired rounds per pair (both servers at each concurrency, in turn)")
     p.add_argument("--out", default=str(RESULTS / "peer_llamacpp.json"))
     args = p.parse_args(argv)
     cache = Path(args.cache)
@@ -256,25 +283,30 @@ def main(argv: list[str] | None = None) -> dict:
                     "rounds": args.rounds,
                     "pairs": {}}
     for pair in args.pairs.split(","):
-        rounds = [measure_pair(pair, tree, ggufs, cleave_ckpts, sweep, vocab, slots, args)
-                  for _ in range(args.rounds)]
-        ours = {c: _median_level([r[0][c] for r in rounds]) for c in concurrencies}
-        peer = {c: _median_level([r[1][c] for r in rounds]) for c in concurrencies}
-        result["pairs"][pair] = {c: {"cleave": ours[c], "llama_cpp": peer[c],
-                                     "cleave_rounds": [r[0][c]["output_throughput"]
-                                                       for r in rounds],
-                                     "llama_cpp_rounds": [r[1][c]["output_throughput"]
-                                                          for r in rounds]}
-                                 for c in concurrencies}
+        measured = measure_pair(pair, tree, ggufs, cleave_ckpts, sweep, vocab, slots, args)
+        rounds = measured["rounds"]
+        levels = {}
         for c in concurrencies:
-            ratio = ours[c]["output_throughput"] / peer[c]["output_throughput"]
+            ours = _median_level([r["cleave"][c] for r in rounds])
+            peer = _median_level([r["llama_cpp"][c] for r in rounds])
+            # each round's ratio pairs two runs seconds apart; their median is the figure
+            paired = [r["cleave"][c]["output_throughput"] / r["llama_cpp"][c]["output_throughput"]
+                      for r in rounds]
+            ratio = statistics.median(paired)
+            levels[c] = {"cleave": ours, "llama_cpp": peer,
+                         "cleave_rounds": [r["cleave"][c]["output_throughput"] for r in rounds],
+                         "llama_cpp_rounds": [r["llama_cpp"][c]["output_throughput"]
+                                              for r in rounds],
+                         "paired_ratios": [round(x, 3) for x in paired]}
             result[f"cleave_vs_llamacpp_{pair}_c{c}_ratio"] = round(ratio, 3)
-            print(f"{pair} c={c}: cleave {ours[c]['output_throughput']:.1f} tok/s, llama.cpp "
-                  f"{peer[c]['output_throughput']:.1f} tok/s ({ratio:.2f}x; medians of "
-                  f"{args.rounds})", file=sys.stderr)
+            print(f"{pair} c={c}: cleave {ours['output_throughput']:.1f} tok/s, llama.cpp "
+                  f"{peer['output_throughput']:.1f} tok/s ({ratio:.2f}x: median of "
+                  f"{args.rounds} paired rounds)", file=sys.stderr)
+        result["pairs"][pair] = {**levels, "idle_cpu_s": measured["idle_cpu_s"]}
         if 1 in concurrencies:
-            result[f"cleave_vs_llamacpp_{pair}_itl_p50_c1_ratio"] = round(
-                ours[1]["itl_p50_ms"] / peer[1]["itl_p50_ms"], 3)
+            result[f"cleave_vs_llamacpp_{pair}_itl_p50_c1_ratio"] = round(statistics.median(
+                r["cleave"][1]["itl_p50_ms"] / r["llama_cpp"][1]["itl_p50_ms"] for r in rounds),
+                3)
     return emit(result, args.out)
 
 
