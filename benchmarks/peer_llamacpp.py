@@ -218,7 +218,7 @@ def measure_pair(pair: str, tree: Path, ggufs: dict[str, Path], cleave_ckpts: di
                               engine) as (base_url, model_name):
             (child,) = [p for p in multiprocessing.active_children()
                         if p.name == "cleave-inprocess"]
-            sides = {"llama_cpp": (server.base_url, ggufs[kind].name, server._proc.pid),
+            sides = {"llama_cpp": (server.base_url, ggufs[kind].name, server.pid),
                      "cleave": (base_url, model_name, child.pid)}
             rounds: list[dict] = []
             idle_cpu = {side: 0.0 for side in sides}
@@ -250,6 +250,33 @@ def _median_level(levels: list[dict]) -> dict:
 def _figures(level: dict) -> dict:
     return {"output_throughput": level["output_throughput"],
             **{f"{k}_{q}_ms": level[k][f"{q}_ms"] for k in ("ttft", "itl") for q in ("p50", "p99")}}
+
+
+def summarize_pair(pair: str, measured: dict, result: dict) -> dict:
+    """A pair's figures by concurrency (medians over rounds, each round's throughput ratio);
+    its `_ratio` keys (medians of the rounds' paired ratios) go into `result`."""
+    rounds = measured["rounds"]
+    levels: dict = {}
+    for c in rounds[0]["cleave"]:
+        ours = _median_level([r["cleave"][c] for r in rounds])
+        peer = _median_level([r["llama_cpp"][c] for r in rounds])
+        # each round's ratio pairs two runs seconds apart; their median is the figure
+        paired = [r["cleave"][c]["output_throughput"] / r["llama_cpp"][c]["output_throughput"]
+                  for r in rounds]
+        ratio = statistics.median(paired)
+        levels[c] = {"cleave": ours, "llama_cpp": peer,
+                     "cleave_rounds": [r["cleave"][c]["output_throughput"] for r in rounds],
+                     "llama_cpp_rounds": [r["llama_cpp"][c]["output_throughput"]
+                                          for r in rounds],
+                     "paired_ratios": [round(x, 3) for x in paired]}
+        result[f"cleave_vs_llamacpp_{pair}_c{c}_ratio"] = round(ratio, 3)
+        print(f"{pair} c={c}: cleave {ours['output_throughput']:.1f} tok/s, llama.cpp "
+              f"{peer['output_throughput']:.1f} tok/s ({ratio:.2f}x: median of {len(rounds)} "
+              f"paired rounds)", file=sys.stderr)
+    if 1 in levels:
+        result[f"cleave_vs_llamacpp_{pair}_itl_p50_c1_ratio"] = round(statistics.median(
+            r["cleave"][1]["itl_p50_ms"] / r["llama_cpp"][1]["itl_p50_ms"] for r in rounds), 3)
+    return {**levels, "idle_cpu_s": measured["idle_cpu_s"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -284,29 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "pairs": {}}
     for pair in args.pairs.split(","):
         measured = measure_pair(pair, tree, ggufs, cleave_ckpts, sweep, vocab, slots, args)
-        rounds = measured["rounds"]
-        levels = {}
-        for c in concurrencies:
-            ours = _median_level([r["cleave"][c] for r in rounds])
-            peer = _median_level([r["llama_cpp"][c] for r in rounds])
-            # each round's ratio pairs two runs seconds apart; their median is the figure
-            paired = [r["cleave"][c]["output_throughput"] / r["llama_cpp"][c]["output_throughput"]
-                      for r in rounds]
-            ratio = statistics.median(paired)
-            levels[c] = {"cleave": ours, "llama_cpp": peer,
-                         "cleave_rounds": [r["cleave"][c]["output_throughput"] for r in rounds],
-                         "llama_cpp_rounds": [r["llama_cpp"][c]["output_throughput"]
-                                              for r in rounds],
-                         "paired_ratios": [round(x, 3) for x in paired]}
-            result[f"cleave_vs_llamacpp_{pair}_c{c}_ratio"] = round(ratio, 3)
-            print(f"{pair} c={c}: cleave {ours['output_throughput']:.1f} tok/s, llama.cpp "
-                  f"{peer['output_throughput']:.1f} tok/s ({ratio:.2f}x: median of "
-                  f"{args.rounds} paired rounds)", file=sys.stderr)
-        result["pairs"][pair] = {**levels, "idle_cpu_s": measured["idle_cpu_s"]}
-        if 1 in concurrencies:
-            result[f"cleave_vs_llamacpp_{pair}_itl_p50_c1_ratio"] = round(statistics.median(
-                r["cleave"][1]["itl_p50_ms"] / r["llama_cpp"][1]["itl_p50_ms"] for r in rounds),
-                3)
+        result["pairs"][pair] = summarize_pair(pair, measured, result)
     return emit(result, args.out)
 
 

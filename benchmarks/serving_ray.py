@@ -70,6 +70,11 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "not started"
+        return self._proc.pid
+
     def _spawn(self, env: dict[str, str] | None = None, stdout: int = subprocess.DEVNULL) -> None:
         self._stderr: list[str] = []
         self._proc = subprocess.Popen(self.command, env=env, stdout=stdout,
