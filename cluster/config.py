@@ -122,7 +122,7 @@ class EngineSettings(_Strict):
         default_of(EngineConfig, "kv_cache_dtype"), description=(
             "KV-cache element type; the same in every pool. auto: the model's dtype. int8 / "
             "fp8 (e4m3): 8 bits with a scale per token and head, about twice the blocks in "
-            "the same bytes; read by the torch and cpu attention backends."))
+            "the same bytes; every attention backend reads it."))
     kv_cache_memory_bytes: int | None = Field(
         default_of(EngineConfig, "kv_cache_memory_bytes"), gt=0, description=(
             "KV-cache budget per rank; default 512 MiB on CPU, from gpu_memory_utilization on "

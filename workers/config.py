@@ -93,9 +93,6 @@ class EngineConfig:
                  f"{self.attention_backend!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
                  f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _require(not (self.quantized_kv_cache and self.attention_backend == "triton"),
-                 f"kv_cache_dtype {self.kv_cache_dtype!r} is read by the torch and cpu attention "
-                 "backends; the triton backend does not read 8-bit caches yet")
         _require(self.max_cuda_graph_batch_size >= 0,
                  f"max_cuda_graph_batch_size must be at least 0 (0: no CUDA graphs), got "
                  f"{self.max_cuda_graph_batch_size}")
@@ -137,6 +134,4 @@ class EngineConfig:
             return "cpu" if cpu_backend.available() else "torch"
         import importlib.util
 
-        if self.quantized_kv_cache:  # the Triton kernels read full-precision caches only
-            return "torch"
         return "triton" if importlib.util.find_spec("triton") is not None else "torch"

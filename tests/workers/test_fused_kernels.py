@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the fused kernels need the triton package"
 
 from tests.workers.interpreter_rounding import rounding_bf16_as_gpus_do  # noqa: E402,F401
 from workers import kernels, norm_rope  # noqa: E402
+from workers.attention.kv_quant import dequantize_kv, qmax  # noqa: E402
 from workers.attention.torch_backend import write_kv  # noqa: E402
 from workers.kernels.act_mul import act_and_mul  # noqa: E402
 from workers.kernels.fused_norm import rms_norm  # noqa: E402
@@ -130,6 +131,40 @@ def test_rope_and_store_is_rotary_then_write_kv(torch_only, dtype, head_dim, sca
     torch.testing.assert_close(cache, want_cache, atol=tol, rtol=tol)
     if dtype == torch.bfloat16:  # products rounded as torch rounds them: bit for bit
         assert torch.equal(q, want_q) and torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_rope_and_store_quantizes_into_an_8_bit_cache_as_write_kv_does(torch_only, dtype,
+                                                                        cache_dtype):
+    """Each head's values by its absolute maximum and the fp32 scale after them
+    (`workers.attention.kv_quant`), byte for byte what the torch path stores."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, hq, hkv, head_dim, block_size = 5, 4, 2, 32, 4
+    rot = RotaryEmbedding(head_dim, 64, 10000.0, None, dtype=dtype)
+    q = torch.randn(tokens, hq, head_dim, generator=gen).to(dtype)
+    k = (torch.randn(tokens, hkv, head_dim, generator=gen) * 3).to(dtype)
+    v = torch.randn(tokens, hkv, head_dim, generator=gen).to(dtype)
+    v[1, 0] = 0.0  # an all-zero head: the smallest scale, zeros stored
+    v[2, 1, :4] = torch.tensor([2.5, -2.5, 0.5, 127.0]) / 127.0 * 2.0  # values on a .5 tie
+    positions, slots = torch.tensor([0, 5, 9, 33, 60]), torch.tensor([2, 7, -1, 0, 13])
+    cache = torch.zeros(2, 4, block_size, hkv, head_dim + 4, dtype=cache_dtype)
+    want_cache = cache.clone()
+    want_q, want_k = rot(positions, q.clone(), k.clone())
+    keep = slots >= 0
+    write_kv(want_cache, want_k[keep], v[keep], slots[keep])
+    rope_and_store(positions, q, k, v, rot.cos_sin_cache, cache, slots)
+    if dtype == torch.bfloat16:  # the rotation rounds as torch's ops do: bit for bit
+        assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    else:  # fp32 rotations differ in a last bit, and so may a scale: at most a rounding apart
+        got, want = (dequantize_kv(c, torch.float32) for c in (cache, want_cache))
+        scale = want.abs().amax(-1, keepdim=True) / qmax(cache_dtype)
+        # one step of the format: int8's is the scale; e4m3's an eighth of the value (2^-9
+        # scales below 2^-6)
+        step = scale if cache_dtype == torch.int8 else want.abs() / 8 + scale * 2 ** -9
+        assert ((got - want).abs() <= step * 1.01).all()
+    with pytest.raises(ValueError, match=r"D \+ 4 when 8-bit"):  # the scale's room is missing
+        rope_and_store(positions, q, k, v, rot.cos_sin_cache, cache[..., :head_dim], slots)
 
 
 def test_rope_and_store_refuses_a_cache_of_another_dtype():

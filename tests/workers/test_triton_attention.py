@@ -17,8 +17,9 @@ pytest.importorskip("triton", reason="the Triton attention kernels need the trit
 
 from tests.workers.factories import noise_paged_cache
 from workers.attention import AttentionMetadata, get_backend
-from workers.attention.triton_backend import TritonAttentionBackend
 from workers.attention.decode_splits import DecodeScratch
+from workers.attention.kv_quant import dequantize_kv, quantize_kv
+from workers.attention.triton_backend import TritonAttentionBackend
 from workers.attention.triton_decode import paged_decode_attention
 from workers.attention.triton_prefill import paged_prefill_attention
 
@@ -152,6 +153,44 @@ def test_decode_reads_a_cache_stored_in_another_dtype():
                      torch.float32)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_an_8_bit_cache_dequantized(cache_dtype, dtype):
+    """Each token's values times the scale stored after them (`workers.attention.kv_quant`),
+    over every split count: softmax attention over the dequantized cache."""
+    seq_lens = [1, 17, 70, 200]
+    paged = make_paged(seq_lens, 16, torch.float32)
+    stored = Paged(quantize_kv(paged.cache, cache_dtype), paged.tables)
+    values = Paged(dequantize_kv(stored.cache, torch.float32), paged.tables)
+    q = random_queries(len(seq_lens), KV_HEADS * 2, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = torch.cat([reference(q[i:i + 1], *values.context(i, n), n - 1)
+                      for i, n in enumerate(seq_lens)])
+    for num_splits in (1, 3):
+        got = paged_decode_attention(q, stored.cache, stored.tables, lens, SCALE, num_splits)
+        assert_close(got, want, dtype)
+    with pytest.raises(ValueError, match="expected 20"):  # no room for the scales
+        paged_decode_attention(q, stored.cache[..., :DIM].contiguous(), stored.tables, lens,
+                               SCALE)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window", [None, 7])
+def test_backend_forward_over_an_8_bit_cache_matches_the_torch_backend(cache_dtype, window):
+    """Decodes and prefill chunks (cached and new keys all read through the block tables) over
+    an int8 or fp8 cache: what the torch backend computes from the same bytes."""
+    q, k, v, cache, meta = mixed_batch([(30, 1), (4, 1), (0, 12), (21, 9)], 16, num_heads=4)
+    cache = quantize_kv(cache, cache_dtype)
+    torch_cache = cache.clone()
+    got = get_backend("triton").forward(q, k, v, cache, meta, SCALE, window=window)
+    want = get_backend("torch").forward(q, k, v, torch_cache, meta, SCALE, window=window)
+    assert torch.equal(cache.view(torch.uint8), torch_cache.view(torch.uint8))
+    assert_close(got, want, torch.float32)
+    with pytest.raises(ValueError, match="needs the step's k and v"):  # fresh prompts read them
+        paged_prefill_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                SCALE, meta.query_start_loc_cpu, first_seq=meta.num_decodes)
+
+
 def test_decode_into_preallocated_buffers_as_a_graph_replay_would():
     seq_lens = [90, 7, 150]
     paged = make_paged(seq_lens + [0], 16, torch.float32)
@@ -279,7 +318,10 @@ def test_get_backend_says_triton_is_missing(monkeypatch):
         get_backend("triton")
 
 
-def test_llm_greedy_tokens_match_the_torch_backend(tiny_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_llm_greedy_tokens_match_the_torch_backend(tiny_model, kv_cache_dtype):
+    """Chunked prefill beside decodes and a prefix hit, over a full-precision cache and an int8
+    one (the Triton path quantizes in its RoPE-and-store kernel, the torch path in torch)."""
     from workers.llm import LLM
     from workers.protocol import SamplingParams
 
@@ -288,7 +330,8 @@ def test_llm_greedy_tokens_match_the_torch_backend(tiny_model):
 
     def generate(backend: str):
         # a small token budget splits the long prompts into chunks beside running decodes
-        llm = LLM(tiny_model, attention_backend=backend, num_blocks=64, max_num_batched_tokens=24)
+        llm = LLM(tiny_model, attention_backend=backend, num_blocks=64, max_num_batched_tokens=24,
+                  kv_cache_dtype=kv_cache_dtype)
         first = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
         # the first prompt's blocks are cached now: this prefill starts after them
         again = llm.generate([prompts[0] + [200, 201]], params)[0]

@@ -57,8 +57,6 @@ class AttentionBackend(abc.ABC):
     # whether a pure-decode forward reads lengths and block tables only on the device, with no
     # host sync or allocation that varies per step, so workers.cuda_graphs may capture it
     cuda_graph_safe: bool = False
-    # whether it reads and writes 8-bit caches (workers.attention.kv_quant)
-    quantized_kv: bool = False
 
     @abc.abstractmethod
     def forward(

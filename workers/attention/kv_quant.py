@@ -23,6 +23,11 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in _QMAX
 
 
+def qmax(dtype: torch.dtype) -> float:
+    """The largest value an 8-bit cache dtype stores: a head's absolute maximum maps to it."""
+    return _QMAX[dtype]
+
+
 def storage_head_dim(head_dim: int, dtype: torch.dtype) -> int:
     """The cache's last dimension for `head_dim` values in `dtype`."""
     return head_dim + SCALE_ELEMS if is_quantized(dtype) else head_dim

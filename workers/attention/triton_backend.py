@@ -48,7 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        return self._attend(q, kv_cache, meta, scale, window, sinks)
+        return self._attend(q, k, v, kv_cache, meta, scale, window, sinks)
 
     def forward_rotary(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -59,11 +59,13 @@ class TritonAttentionBackend(AttentionBackend):
         `workers.models.rotary.cos_sin_cache`) and stores k and v in the cache, as
         `RotaryEmbedding` then `write_kv` would. A latent cache takes `forward`."""
         rope_and_store(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
-        return self._attend(q, kv_cache, meta, scale, window, sinks)
+        return self._attend(q, k, v, kv_cache, meta, scale, window, sinks)
 
-    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-        """Attention of q [T, Hq, D] over the cache, whose new K/V are written."""
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: int | None,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the cache, whose new K/V (`k`, `v`, rotated) are
+        written."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -74,7 +76,8 @@ class TritonAttentionBackend(AttentionBackend):
         if nd < meta.num_seqs:
             paged_prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, scale, meta.query_start_loc_cpu,
-                                    first_seq=nd, out=out, window=window, sinks=sinks)
+                                    first_seq=nd, out=out, window=window, sinks=sinks, k=k,
+                                    v=v)
         return out
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

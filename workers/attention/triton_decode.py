@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from workers.attention.decode_splits import MAX_SPLITS, DecodeScratch
+from workers.attention.kv_quant import is_quantized, storage_head_dim
 
 # Tokens per inner-loop step. 64 keys x 128 dims x 2 bytes is 16 KiB of K (and of V) per step:
 # enough bytes in flight per program to stream the cache, little enough to keep registers and
@@ -47,19 +48,39 @@ def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
 
 
 @triton.jit
-def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visible, kv_head,
-                dims, dim_ok, qk_scale, stride_cache_block, stride_cache_token, stride_cache_head,
-                BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One step of the online softmax over the keys at positions `pos` (of one sequence, found
-    through its block `table`) for the query rows `q`: returns the new running max `m` (base-2
-    logits), sum `l` and output accumulator `acc`. `visible`: which (row, key) pairs count,
-    broadcastable to [rows, keys]; `pos_ok`: which keys exist. Shared by the decode and
-    prefill kernels."""
+def cached_rows(table, pos, pos_ok, kv_head, stride_cache_block, stride_cache_token,
+                stride_cache_head, BLOCK_SIZE: tl.constexpr):
+    """Offsets in a cache plane of the KV head's row at each position `pos` of one sequence
+    (found through its block `table`)."""
     block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    slot = (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
+    return (block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_token
             + kv_head * stride_cache_head)
+
+
+@triton.jit
+def load_kv(rows_ptr, dims, kv_ok, pos_ok, DIM: tl.constexpr, SCALED: tl.constexpr):
+    """Keys (or values) [keys, dims] from `rows_ptr` (a pointer per key to its row); of an 8-bit
+    cache (`SCALED`): each row's values times the fp32 scale stored after its DIM values
+    (`workers.attention.kv_quant`), in fp32."""
+    x = tl.load(rows_ptr[:, None] + dims[None, :], mask=kv_ok, other=0.0)
+    if SCALED:
+        scale = tl.load((rows_ptr + DIM).to(tl.pointer_type(tl.float32)), mask=pos_ok,
+                        other=0.0)
+        x = x.to(tl.float32) * scale[:, None]
+    return x
+
+
+@triton.jit
+def attend_tile(q, m, l, acc, k_rows, v_rows, pos_ok, visible, dims, dim_ok, qk_scale,
+                DOT_PRECISION: tl.constexpr, DIM: tl.constexpr, SCALED: tl.constexpr):
+    """One step of the online softmax over a tile of keys for the query rows `q`: returns the
+    new running max `m` (base-2 logits), sum `l` and output accumulator `acc`. `k_rows`,
+    `v_rows`: a pointer per key to its key and value row (in the cache, `cached_rows`, or in
+    a fresh chunk's k/v); `visible`: which (row, key) pairs count, broadcastable to [rows,
+    keys]; `pos_ok`: which keys exist; `SCALED`: rows of an 8-bit cache, dequantized as they
+    are read. Shared by the decode and prefill kernels."""
     kv_ok = pos_ok[:, None] & dim_ok[None, :]  # dims past a head size that is no power of 2
-    k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_ok, other=0.0)
+    k = load_kv(k_rows, dims, kv_ok, pos_ok, DIM, SCALED)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))  # [rows, keys]
     # a row with no visible key yet keeps m = -inf only until its first one; rows that have
@@ -68,7 +89,7 @@ def attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok, visi
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_ok, other=0.0)
+    v = load_kv(v_rows, dims, kv_ok, pos_ok, DIM, SCALED)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                         input_precision=DOT_PRECISION)
     return m_new, l, acc
@@ -95,7 +116,7 @@ def _decode_split_kernel(  # long: one kernel body; splitting it costs registers
     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SCALED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -132,10 +153,11 @@ def _decode_split_kernel(  # long: one kernel body; splitting it costs registers
         pos = start + tl.arange(0, TILE)
         pos_ok = pos < hi
         # every tile holds at least one valid key, so m stays finite after the first
-        m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok,
-                                pos_ok[None, :], kv_head, dims, dim_ok, qk_scale,
-                                stride_cache_block,
-                                stride_cache_token, stride_cache_head, BLOCK_SIZE, DOT_PRECISION)
+        at = cached_rows(table, pos, pos_ok, kv_head, stride_cache_block, stride_cache_token,
+                         stride_cache_head, BLOCK_SIZE)
+        m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr + at, v_cache_ptr + at, pos_ok,
+                                pos_ok[None, :], dims, dim_ok, qk_scale, DOT_PRECISION, DIM,
+                                SCALED)
 
     # an empty split (or a zero-length padding sequence) has l == 0: write zeros and lse = -inf,
     # which the merge weighs as nothing
@@ -225,7 +247,7 @@ def paged_decode_attention(
         HEAD_DIM=triton.next_power_of_2(head_dim), DIM=head_dim, BLOCK_SIZE=block_size,
         TILE=TILE_N,
         UPCAST_DOT=upcast, DOT_PRECISION=precision, WRITE_LSE=num_splits > 1,
-        HAS_SINKS=sinks is not None, num_warps=4,
+        HAS_SINKS=sinks is not None, SCALED=is_quantized(kv_cache.dtype), num_warps=4,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
@@ -255,9 +277,11 @@ def check_layout(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
                          f"D], got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
-    if cache_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q has {num_heads} heads of {head_dim}; the cache has {num_kv_heads} "
-                         f"KV heads of {cache_dim}; expected equal dims and Hq divisible by Hkv")
+    if cache_dim != storage_head_dim(head_dim, kv_cache.dtype) or num_heads % num_kv_heads:
+        raise ValueError(f"q has {num_heads} heads of {head_dim}; the {kv_cache.dtype} cache "
+                         f"has {num_kv_heads} KV heads of {cache_dim}; expected "
+                         f"{storage_head_dim(head_dim, kv_cache.dtype)} (the head's values, "
+                         f"and an 8-bit cache's scale) and Hq divisible by Hkv")
     if head_dim < 16 or block_size & (block_size - 1):
         raise ValueError(f"head_dim must be at least 16 (any size: tiles round it up to a power "
                          f"of two) and block_size a power of two, got head_dim {head_dim}, "

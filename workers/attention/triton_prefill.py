@@ -19,9 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.attention.kv_quant import is_quantized
 from workers.attention.triton_decode import (
     LOG2E,
     attend_tile,
+    cached_rows,
     check_layout,
     dot_config,
     output_buffer,
@@ -40,15 +42,16 @@ BLOCK_N = 64  # >= BLOCK_M: the sliding-window start in _prefill_kernel relies o
 @triton.jit(do_not_specialize=["window", "stride_table_seq"])
 def _prefill_kernel(  # long: one kernel body; splitting it costs registers and clarity
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr, sinks_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tiles_ptr, sinks_ptr, k_ptr, v_ptr,
     scale, window,
-    stride_q_token, stride_q_head,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
     stride_cache_block, stride_cache_token, stride_cache_head,
     stride_table_seq,
     stride_out_token, stride_out_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_M: tl.constexpr, TILE_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -92,9 +95,23 @@ def _prefill_kernel(  # long: one kernel body; splitting it costs registers and 
         # later fully masked row keeps m and adds exp2(-inf) = 0.
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         visible &= (window == 0) | (pos[None, :] > q_pos[:, None] - window)
-        m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, pos, pos_ok,
-                                visible, kv_head, dims, dim_ok, qk_scale, stride_cache_block,
-                                stride_cache_token, stride_cache_head, BLOCK_SIZE, DOT_PRECISION)
+        at = cached_rows(table, pos, pos_ok, kv_head, stride_cache_block, stride_cache_token,
+                         stride_cache_head, BLOCK_SIZE)
+        if SCALED:
+            if num_cached == 0:  # a fresh prompt attends its own full-precision k/v (as torch)
+                fresh = (q_start + pos).to(tl.int64)
+                m, l, acc = attend_tile(q, m, l, acc,
+                                        k_ptr + fresh * stride_k_token + kv_head * stride_k_head,
+                                        v_ptr + fresh * stride_v_token + kv_head * stride_v_head,
+                                        pos_ok, visible, dims, dim_ok, qk_scale, DOT_PRECISION,
+                                        DIM, False)
+            else:
+                m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr + at, v_cache_ptr + at, pos_ok,
+                                        visible, dims, dim_ok, qk_scale, DOT_PRECISION, DIM,
+                                        True)
+        else:
+            m, l, acc = attend_tile(q, m, l, acc, k_cache_ptr + at, v_cache_ptr + at, pos_ok,
+                                    visible, dims, dim_ok, qk_scale, DOT_PRECISION, DIM, False)
 
     out = acc / l[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_out_token + head * stride_out_head
@@ -138,9 +155,18 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [num_tokens, Hq, D]; only prefill rows are written
     window: int | None = None,  # each query sees only the last `window` positions up to itself
     sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits
+    k: torch.Tensor | None = None,  # [num_tokens, Hkv, D]: the step's new keys and values, as
+    v: torch.Tensor | None = None,  # written (needed with an 8-bit cache)
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
-    """Causal attention of each chunk (sequences first_seq..) over its sequence's context."""
+    """Causal attention of each chunk (sequences first_seq..) over its sequence's context. Over
+    an 8-bit cache a fresh prompt (nothing cached before it) attends its own full-precision
+    `k`/`v`, as the torch backend does; later chunks read the cache."""
     check_layout(q, kv_cache)
+    scaled = is_quantized(kv_cache.dtype)
+    if scaled and (k is None or v is None):
+        raise ValueError("an 8-bit cache needs the step's k and v: a fresh prompt attends them")
+    k = q if k is None else k  # unread without an 8-bit cache
+    v = q if v is None else v
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
     out = output_buffer(q, out)
@@ -151,15 +177,15 @@ def paged_prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[-1]  # a latent cache: both
     _prefill_kernel[(tiles.shape[0], num_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
-        q if sinks is None else sinks,
+        q if sinks is None else sinks, k, v,
         scale, window or 0,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=triton.next_power_of_2(head_dim),
         DIM=head_dim, BLOCK_SIZE=block_size,
         TILE_M=BLOCK_M, TILE_N=BLOCK_N, UPCAST_DOT=upcast, DOT_PRECISION=precision,
-        HAS_SINKS=sinks is not None, num_warps=4,
+        HAS_SINKS=sinks is not None, SCALED=scaled, num_warps=4,
     )
     return out

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.attention.kv_quant import is_quantized, qmax, storage_head_dim
+
 
 @triton.jit
 def _rotate_heads(x_ptr, stride_head, heads, cos, sin, HALF: tl.constexpr,
@@ -40,6 +42,39 @@ def _rotate_heads(x_ptr, stride_head, heads, cos, sin, HALF: tl.constexpr,
 
 
 @triton.jit
+def _round_half_even(x):
+    """x rounded to the nearest integer, ties to even, as torch.round."""
+    r = tl.floor(x + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _e4m3_rounded(x):
+    """fp32 x rounded to e4m3's precision, ties to even (3 mantissa bits; steps of 2^-9 below
+    2^-6), still fp32: its conversion to fp8 is then exact. The conversion would round the same
+    way on a GPU, but Triton 3.9's interpreter loses the carry into the exponent for some
+    values (124.0 became 64.0, 1.95 became 1.0), and the tests run there."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    small = _round_half_even(x * 512.0) / 512.0
+    small = tl.where(small == 0.0, x * 0.0, small)  # -0.0 for a negative x, as torch rounds
+    return tl.where(tl.abs(x) < 0.015625, small, normal)
+
+
+@triton.jit
+def _quantized(x, scale, cache_ptr, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """x [heads, n] (fp32) divided by each head's `scale` [heads] into the 8-bit cache's dtype,
+    as `workers.attention.kv_quant.quantize_kv` does (int8 rounded half to even)."""
+    scaled = x / scale[:, None]
+    if INT8:
+        scaled = tl.minimum(tl.maximum(_round_half_even(scaled), -QMAX), QMAX)
+    else:
+        scaled = _e4m3_rounded(scaled)
+    return scaled.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rope_store_kernel(
     positions_ptr, slots_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
     num_heads, num_kv_heads,
@@ -47,7 +82,7 @@ def _rope_store_kernel(
     stride_v_head, stride_cos_sin, stride_cache_block, stride_cache_token, stride_cache_head,
     BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, DIM: tl.constexpr,
     Q_HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    DIM_BLOCK: tl.constexpr, ROUND: tl.constexpr,
+    DIM_BLOCK: tl.constexpr, ROUND: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -65,13 +100,31 @@ def _rope_store_kernel(
         at = ((slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_token
               + h * stride_cache_head)
         k_dst = k_cache_ptr + at + d
-        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=ok)
-        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=ok)
         dims = tl.arange(0, DIM_BLOCK)[None, :]
         v_ok = (h < num_kv_heads) & (dims < DIM)
         v = tl.load(v_ptr + token * stride_v_token + h * stride_v_head + dims, mask=v_ok,
                     other=0.0)
-        tl.store(v_cache_ptr + at + dims, v.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
+        if QMAX > 0:  # an 8-bit cache: each head's values by its absolute maximum, then the scale
+            # the rotated k as stored in k (the activations' dtype), as the torch path reads it
+            k1 = k1.to(k_ptr.dtype.element_ty).to(tl.float32)
+            k2 = k2.to(k_ptr.dtype.element_ty).to(tl.float32)
+            v = v.to(tl.float32)
+            k_scale = tl.maximum(tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)),
+                                 1e-12) / QMAX
+            v_scale = tl.maximum(tl.max(tl.abs(v), 1), 1e-12) / QMAX
+            heads_ok = h < num_kv_heads
+            tl.store(k_dst, _quantized(k1, k_scale, k_cache_ptr, QMAX, INT8), mask=ok)
+            tl.store(k_dst + HALF, _quantized(k2, k_scale, k_cache_ptr, QMAX, INT8), mask=ok)
+            v_q = _quantized(v, v_scale, v_cache_ptr, QMAX, INT8)
+            tl.store(v_cache_ptr + at + dims, v_q, mask=v_ok)
+            tl.store((k_cache_ptr + at + DIM).to(tl.pointer_type(tl.float32)),
+                     k_scale[:, None], mask=heads_ok)
+            tl.store((v_cache_ptr + at + DIM).to(tl.pointer_type(tl.float32)),
+                     v_scale[:, None], mask=heads_ok)
+        else:
+            tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(v_cache_ptr + at + dims, v.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
 
 
 def rope_and_store(
@@ -88,10 +141,12 @@ def rope_and_store(
     tokens, num_heads, dim = q.shape
     planes, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
     if (k.shape != (tokens, num_kv_heads, dim) or v.shape != k.shape or planes != 2
-            or cache_dim != dim or dim % 2 or cos_sin_cache.shape[-1] != dim):
+            or cache_dim != storage_head_dim(dim, kv_cache.dtype) or dim % 2
+            or cos_sin_cache.shape[-1] != dim):
         raise ValueError(
             f"expected q [T, Hq, D], k and v [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, "
-            f"D] and cos_sin_cache [max_position, D] with D even; got q {tuple(q.shape)}, k "
+            f"D] (D + 4 when 8-bit: `workers.attention.kv_quant`) and cos_sin_cache "
+            f"[max_position, D] with D even; got q {tuple(q.shape)}, k "
             f"{tuple(k.shape)}, v {tuple(v.shape)}, kv_cache {tuple(kv_cache.shape)}, "
             f"cos_sin_cache {tuple(cos_sin_cache.shape)}")
     if positions.shape != (tokens,) or slot_mapping.shape != (tokens,):
@@ -115,5 +170,7 @@ def rope_and_store(
         Q_HEADS_BLOCK=triton.next_power_of_2(num_heads),
         KV_HEADS_BLOCK=triton.next_power_of_2(num_kv_heads),
         HALF_BLOCK=triton.next_power_of_2(half), DIM_BLOCK=triton.next_power_of_2(dim),
-        ROUND=q.dtype != torch.float32, num_warps=4,
+        ROUND=q.dtype != torch.float32,
+        QMAX=qmax(kv_cache.dtype) if is_quantized(kv_cache.dtype) else 0.0,
+        INT8=kv_cache.dtype == torch.int8, num_warps=4,
     )
