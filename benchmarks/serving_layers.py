@@ -20,7 +20,9 @@ The ratios compare neighbouring layers on the same requests (`ray_vs_inprocess`:
 against the in-process server of the same layout; `inprocess*_vs_offline`: a server against the
 bare engine), Cleave against transformers at the largest c, and the streamed inter-token latency
 p50 at the largest c against the offline engine's step time (p50) there. `--rounds N` runs the
-layers N times in turn and reports each figure from its round of median throughput.
+layers N times in turn and reports each figure from its round of median throughput, and each
+comparison of two layers as the median of its rounds' ratios (each round's two runs minutes
+apart at most, where one layer's runs in different rounds swing by a third here).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import gc
 import math
 import multiprocessing
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from cpu_budget import CpuBudget, roles_below
 from loadgen import RequestSpec, Workload, measure, percentiles_ms
@@ -288,11 +291,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def ratios(levels: dict[str, dict], concurrencies: tuple[int, ...]) -> dict[str, float | None]:
-    """The comparisons between the layers that ran (keys end in `_ratio`)."""
-    def tput(layer: str, c: int) -> float | None:
-        run = levels.get(layer, {}).get(c)
-        return run["output_throughput"] if run and not run["failed"] else None
+def ratios(runs: dict[str, list[dict]], levels: dict[str, dict],
+           concurrencies: tuple[int, ...]) -> dict[str, float | None]:
+    """The comparisons between the layers that ran (keys end in `_ratio`). A comparison of two
+    layers is the median over rounds of the ratio within each round (`runs`: each layer's
+    rounds, in the order they ran): the two ran minutes apart at most, where runs of one layer
+    in different rounds swing by a third on this machine. `levels` (each layer's round of
+    median throughput) gives the bounds a layer is compared with alone."""
+    def tput(c: int) -> Callable[[dict], float | None]:
+        def read(round_: dict) -> float | None:
+            run = round_.get(c)
+            return run["output_throughput"] if run and not run["failed"] else None
+        return read
+
+    def paired(a: str, b: str, of_a: Callable[[dict], float | None],
+               of_b: Callable[[dict], float | None]) -> float | None:
+        values = [x / y for ra, rb in zip(runs[a], runs[b]) if (x := of_a(ra)) and (y := of_b(rb))]
+        return round(statistics.median(values), 3) if values else None
 
     out: dict[str, float | None] = {}
     top = max(concurrencies)
@@ -301,25 +316,29 @@ def ratios(levels: dict[str, dict], concurrencies: tuple[int, ...]) -> dict[str,
     for a, b in pairs:
         if a in levels and b in levels:
             for c in concurrencies:
-                out[f"{a}_vs_{b}_c{c}_ratio"] = _ratio(tput(a, c), tput(b, c))
+                out[f"{a}_vs_{b}_c{c}_ratio"] = paired(a, b, tput(c), tput(c))
     if "transformers" in levels:
         for a in ("ray", "inprocess", "inprocess_agg", "inprocess_ppw", "offline"):
             if a in levels:
-                out[f"{a}_vs_transformers_ratio"] = _ratio(tput(a, top), tput("transformers", top))
+                out[f"{a}_vs_transformers_ratio"] = paired(a, "transformers", tput(top),
+                                                           tput(top))
     if "offline" in levels and top in levels["offline"]:
-        step = levels["offline"][top]["step"]["p50_ms"]
+        def step(round_: dict) -> float | None:
+            return round_[top]["step"]["p50_ms"] if top in round_ else None
+
         for a in ("ray", "inprocess", "inprocess_agg", "inprocess_ppw"):
             if a in levels and top in levels[a]:
                 # ITL: gaps between streamed chunks (near 0 when a client reads several at
                 # once); TPOT: each request's decode time per token, which bursts do not skew
                 for metric in ("itl", "tpot"):
-                    out[f"{a}_{metric}_p50_vs_offline_step_ratio"] = _ratio(
-                        levels[a][top][metric]["p50_ms"], step)
+                    out[f"{a}_{metric}_p50_vs_offline_step_ratio"] = paired(
+                        a, "offline", lambda r, m=metric: r[top][m]["p50_ms"] if top in r else None,
+                        step)
     for a in ("ray", "inprocess", "inprocess_agg", "inprocess_ppw"):
         for c in concurrencies if a in levels else ():
             # near 1: every core was busy, so only fewer microseconds per token can help
             out[f"{a}_c{c}_tokens_vs_cpu_bound_ratio"] = _ratio(
-                tput(a, c), levels[a].get(c, {}).get("cpu_bound_tokens_per_s"))
+                tput(c)(levels[a]), levels[a].get(c, {}).get("cpu_bound_tokens_per_s"))
     return out
 
 
@@ -363,7 +382,8 @@ def sweep_model(model: str, layers: list[str], sweep: Sweep, ray_num_cpus: float
                           f"{run.get('ttft', {}).get('p50_ms')} ms")
     levels = {layer: _median_rounds(got) for layer, got in runs.items() if layer not in errors}
     return {"levels": levels, "rounds": rounds, "layer_seconds": seconds, "errors": errors,
-            "ratios": ratios(levels, sweep.concurrencies),
+            "ratios": ratios({layer: got for layer, got in runs.items() if layer not in errors},
+                             levels, sweep.concurrencies),
             "load_average_1m": round(os.getloadavg()[0], 2)}
 
 

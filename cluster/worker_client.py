@@ -67,8 +67,9 @@ class RayChannel(WorkerChannel):
     async def _over_socket(self, method: str, timeout_s: float | None, *args: object) -> Any:
         calls = await self._data_channel()
         try:
-            return await asyncio.wait_for(calls.call(method, *args), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):  # a deadline, not a task per call (wait_for)
+                return await calls.call(method, *args)
+        except TimeoutError:
             raise WorkerUnavailableError(self.worker_id,
                                          f"{method} gave no answer in {timeout_s}s") from None
         except EngineShutDown as exc:  # the worker is going away
