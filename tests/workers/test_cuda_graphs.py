@@ -148,9 +148,9 @@ def test_static_path_with_the_triton_kernels(tiny_model, forced_static_path):
 def _interpreted_triton():
     """Skips unless the Triton kernels run in the interpreter (as they do on CPU tensors)."""
     pytest.importorskip("triton", reason="the Triton kernels need the triton package")
-    from workers.attention import triton_decode
+    from workers.attention import triton_tiles
 
-    if not triton_decode.interpreted():
+    if not triton_tiles.interpreted():
         pytest.skip("the kernels were compiled for the GPU (TRITON_INTERPRET unset): CPU "
                     "tensors cannot run them; tests/gpu/test_gpu_path.py covers the GPU")
 

@@ -27,7 +27,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence. cache: [num_blocks, bs, Hkv, D] -> [length, Hkv, D]."""
+    """The first `length` tokens of one sequence. cache: [num_blocks, bs, Hkv, D] -> [length,
+    Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from workers.attention.kv_quant import is_quantized
-from workers.attention.triton_decode import (
+from workers.attention.triton_tiles import (
     LOG2E,
     attend_tile,
     cached_rows,
