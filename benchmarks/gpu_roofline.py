@@ -134,10 +134,13 @@ def decode_step_times(engine, batches: list[int], context: int, steps: int,
     from workers import SamplingParams
 
     vocab = min(engine.model_config.vocab_size, 32000)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     rng = random.Random(0)
     out = {}
     for batch in batches:
+        # the first prompts decode while the last are still prefilling: none may finish first
+        fill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=steps + fill_steps + 8,
+                                ignore_eos=True)
         ids = _fill(engine, batch, context, vocab, rng, params)
         times = []
         for _ in range(steps):
@@ -301,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-output-len", default="64,256" if cuda else "8,32")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, int8 or fp8, ...")
     parser.add_argument("--out", default=str(RESULTS / "gpu_roofline.json"))
     roofline_tp.add_arguments(parser, cuda)
     args = parser.parse_args(argv)
@@ -330,18 +334,19 @@ def main(argv: list[str] | None = None) -> dict:
     batches = ints(args.batches)
     engine = Engine(EngineConfig(
         model=model, dtype=args.dtype, device=args.device, load_format=load_format,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=max(max(batches), args.hf_requests),
         max_num_batched_tokens=max(args.prefill_tokens, 2048),
         max_model_len=max(args.context, args.prefill_tokens, 1024) + 512,
         kv_cache_memory_bytes=None if device.type == "cuda" else 2 << 30))
     mc = engine.model_config
     backend = engine.config.resolved_attention_backend
-    result.update(attention_backend=backend,
+    result.update(attention_backend=backend, kv_cache_dtype=args.kv_cache_dtype,
                   cuda_graphs=type(engine.runner.executor).__name__ == "CudaGraphExecutor")
     weights = weight_bytes_read(engine.runner.executor.model)
-    kv_per_token = (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
-                    * engine.runner.spec.dtype.itemsize)
+    spec = engine.runner.spec  # an 8-bit cache's rows carry their scale slot too
+    kv_per_token = (2 * mc.num_hidden_layers * mc.num_key_value_heads * spec.cache_head_dim
+                    * spec.dtype.itemsize)
 
     # 2. decode
     for batch, seconds in decode_step_times(engine, batches, args.context, args.steps,

@@ -169,7 +169,7 @@ def test_decode_reads_an_8_bit_cache_dequantized(cache_dtype, dtype):
     for num_splits in (1, 3):
         got = paged_decode_attention(q, stored.cache, stored.tables, lens, SCALE, num_splits)
         assert_close(got, want, dtype)
-    with pytest.raises(ValueError, match="expected 20"):  # no room for the scales
+    with pytest.raises(ValueError, match="expected 32"):  # no room for the scales
         paged_decode_attention(q, stored.cache[..., :DIM].contiguous(), stored.tables, lens,
                                SCALE)
 

@@ -145,7 +145,7 @@ def rope_and_store(
             or cos_sin_cache.shape[-1] != dim):
         raise ValueError(
             f"expected q [T, Hq, D], k and v [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, "
-            f"D] (D + 4 when 8-bit: `workers.attention.kv_quant`) and cos_sin_cache "
+            f"D] (D + 16 when 8-bit: `workers.attention.kv_quant`) and cos_sin_cache "
             f"[max_position, D] with D even; got q {tuple(q.shape)}, k "
             f"{tuple(k.shape)}, v {tuple(v.shape)}, kv_cache {tuple(kv_cache.shape)}, "
             f"cos_sin_cache {tuple(cos_sin_cache.shape)}")

@@ -4,10 +4,13 @@ scales as one block), and int4 weight-only in groups with zero points.
 
 Each kernel computes one [BLOCK_M, BLOCK_N] tile of y = x W^T in fp32: the weight tile is
 loaded in its stored form (one byte, or half a byte, per value: what decode reads from memory),
-widened and scaled in registers, and multiplied with `tl.dot`. Tested against a
-dequantize-then-matmul reference in Triton's CPU interpreter (`TRITON_INTERPRET=1`); not yet
-run on a GPU (no GPU has been lent to this project): unmeasured, and not yet chosen by the
-loader, which dequantizes quantized weights at load on a GPU.
+widened and scaled in registers, and multiplied with `tl.dot` in fp32 ("ieee": the default tf32
+keeps 10 mantissa bits, errors of 1e-3 where the tests ask 1e-4). Tested against a
+dequantize-then-matmul reference in Triton's CPU interpreter (`TRITON_INTERPRET=1`) and, where
+there is a GPU, compiled. Not chosen by the loader, which dequantizes quantized weights at load
+on a GPU: on an H200 (Llama-3-8B's projections, 1 to 128 rows) they take 8x to 100x the time
+of torch's bf16 matmul (`benchmarks/results/gpu_quant_gemm.json`; 1.7x to 14x with tf32 dots):
+16 x 32 tiles with K steps of 32 and fp32 dots are far from the memory bound.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, num_scale_cols, block_
                     mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0).to(tl.float32)
         # BLOCK_K divides the scale blocks: one scale per output row in this K tile
         s = tl.load(s_ptr + cols * num_scale_cols + k0 // block_cols, mask=cols < N, other=0.0)
-        acc += tl.dot(x, tl.trans(w * s[:, None]))
+        acc += tl.dot(x, tl.trans(w * s[:, None]), input_precision="ieee")
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -78,7 +81,7 @@ def _int4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, group,
         ks = 2 * b0 + tl.arange(0, 2 * HALF_K)
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rows[:, None] < M,
                     other=0.0).to(tl.float32)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
