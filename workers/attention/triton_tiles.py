@@ -1,8 +1,7 @@
 """What the Triton decode and prefill attention kernels share: the online-softmax step over a
-tile of keys (`attend_tile`), where its key and value rows are (`cached_rows`: through a
-sequence's block table; or a fresh chunk's own k/v) and how they are read (`load_kv`: an 8-bit
-cache's rows times their scales, `workers.attention.kv_quant`), and the host-side checks of the
-inputs both take."""
+tile of keys (`attend_tile`; an 8-bit cache's scales, `row_scales`, applied per key), where its
+key and value rows are (`cached_rows`: through a sequence's block table; or a fresh chunk's own
+k/v), and the host-side checks of the inputs both take."""
 
 from __future__ import annotations
 
@@ -27,16 +26,10 @@ def cached_rows(table, pos, pos_ok, kv_head, stride_cache_block, stride_cache_to
 
 
 @triton.jit
-def load_kv(rows_ptr, dims, kv_ok, pos_ok, DIM: tl.constexpr, SCALED: tl.constexpr):
-    """Keys (or values) [keys, dims] from `rows_ptr` (a pointer per key to its row); of an 8-bit
-    cache (`SCALED`): each row's values times the fp32 scale stored after its DIM values
-    (`workers.attention.kv_quant`), in fp32."""
-    x = tl.load(rows_ptr[:, None] + dims[None, :], mask=kv_ok, other=0.0)
-    if SCALED:
-        scale = tl.load((rows_ptr + DIM).to(tl.pointer_type(tl.float32)), mask=pos_ok,
-                        other=0.0)
-        x = x.to(tl.float32) * scale[:, None]
-    return x
+def row_scales(rows_ptr, pos_ok, DIM: tl.constexpr):
+    """The fp32 scale stored after each row's DIM values in an 8-bit cache
+    (`workers.attention.kv_quant`), one per key; 0 for keys that do not exist."""
+    return tl.load((rows_ptr + DIM).to(tl.pointer_type(tl.float32)), mask=pos_ok, other=0.0)
 
 
 @triton.jit
@@ -46,11 +39,16 @@ def attend_tile(q, m, l, acc, k_rows, v_rows, pos_ok, visible, dims, dim_ok, qk_
     new running max `m` (base-2 logits), sum `l` and output accumulator `acc`. `k_rows`,
     `v_rows`: a pointer per key to its key and value row (in the cache, `cached_rows`, or in
     a fresh chunk's k/v); `visible`: which (row, key) pairs count, broadcastable to [rows,
-    keys]; `pos_ok`: which keys exist; `SCALED`: rows of an 8-bit cache, dequantized as they
-    are read. Shared by the decode and prefill kernels."""
+    keys]; `pos_ok`: which keys exist; `SCALED`: rows of an 8-bit cache. Their values enter the
+    dots as they are stored (int8 and e4m3 convert exactly to bf16 and fp32) and each key's
+    scale multiplies its column of the logits, and of the probabilities before they weigh the
+    values: one scale per key and tile instead of one multiply per value. Shared by the decode
+    and prefill kernels."""
     kv_ok = pos_ok[:, None] & dim_ok[None, :]  # dims past a head size that is no power of 2
-    k = load_kv(k_rows, dims, kv_ok, pos_ok, DIM, SCALED)
+    k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if SCALED:
+        s = s * row_scales(k_rows, pos_ok, DIM)[None, :]
     s = tl.where(visible, s, float("-inf"))  # [rows, keys]
     # a row with no visible key yet keeps m = -inf only until its first one; rows that have
     # one get exp2(-inf - m) = 0 for the masked keys
@@ -58,8 +56,11 @@ def attend_tile(q, m, l, acc, k_rows, v_rows, pos_ok, visible, dims, dim_ok, qk_
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    v = load_kv(v_rows, dims, kv_ok, pos_ok, DIM, SCALED)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+    v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
+    weights = p
+    if SCALED:
+        weights = p * row_scales(v_rows, pos_ok, DIM)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(weights.to(q.dtype), v.to(q.dtype),
                                         input_precision=DOT_PRECISION)
     return m_new, l, acc
 
