@@ -59,7 +59,6 @@ class TorchAttentionBackend(AttentionBackend):
     instance must not run two forwards at once (each model builds its own)."""
 
     name = "torch"
-    quantized_kv = True
 
     def __init__(self) -> None:
         self._gather_buf = torch.empty(0)
