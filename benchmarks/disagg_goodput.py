@@ -49,7 +49,7 @@ from local_app import LocalApp
 from serving_ray import RayApp
 
 from cluster.cpu_affinity import affinity_of
-from workers.make_model import make_model
+from workers.models.make_model import make_model
 
 LAYOUTS = ("aggregated", "disaggregated", "conditional")
 

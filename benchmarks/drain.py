@@ -189,7 +189,7 @@ def both_modes(args: argparse.Namespace,
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model = long_context_model(tmp, args.max_context + args.output_len + 256)
-        from workers.model_config import ModelConfig
+        from workers.models.model_config import ModelConfig
 
         vocab = ModelConfig.from_pretrained(model).vocab_size
         prompts = [[rng.randrange(10, vocab) for _ in range(

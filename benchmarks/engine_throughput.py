@@ -35,10 +35,10 @@ def model_and_requests(model: str | None, num_requests: int, tmp: Path,
     """The checkpoint (the `small` preset of `arch` made under `tmp` when None) and the
     workload."""
     if model is None:
-        from workers.make_model import make_model
+        from workers.models.make_model import make_model
 
         model = str(make_model(tmp / "small", arch=arch, preset="small"))
-    from workers.model_config import ModelConfig
+    from workers.models.model_config import ModelConfig
 
     vocab = min(ModelConfig.from_pretrained(model).vocab_size, 4096)
     return model, make_requests(num_requests, vocab, seed=0)

@@ -1,4 +1,4 @@
-"""The Triton matmuls for quantized weights (`workers.quant.triton_kernels`: FP8 e4m3 with
+"""The Triton matmuls for quantized weights (`workers.kernels.quant_triton`: FP8 e4m3 with
 128 x 128 block scales, int4 weight-only in groups of 128) against torch's bf16 matmul on the same
 (dequantized) weights, at decode and small-prefill row counts, on Llama-3-8B's projection shapes.
 
@@ -54,7 +54,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def one_shape(n: int, k: int, rows: list[int], device: str) -> dict:
-    from workers.quant.triton_kernels import fp8_gemm, int4_gemm, pack_int4_pairs
+    from workers.kernels.quant_triton import fp8_gemm, int4_gemm, pack_int4_pairs
     from workers.quant.weights import Fp8Weight, expand_fp8_scales, quantize_fp8, quantize_int
 
     torch.manual_seed(0)

@@ -118,7 +118,7 @@ def prefill_flops(mc, num_tokens: int) -> float:
 def _fill(engine, batch: int, context: int, vocab: int, rng: random.Random, params) -> list[str]:
     """Adds `batch` distinct prompts of `context` tokens and steps until every one has its
     first token (so the next steps are pure decode)."""
-    from workers.protocol import WorkerRequest
+    from workers.contract.protocol import WorkerRequest
 
     ids = [f"r{rng.random()}" for _ in range(batch)]
     for rid in ids:
@@ -156,7 +156,7 @@ def decode_step_times(engine, batches: list[int], context: int, steps: int,
 
 def prefill_time(engine, num_tokens: int, repeats: int) -> float:
     from workers import SamplingParams
-    from workers.protocol import WorkerRequest
+    from workers.contract.protocol import WorkerRequest
 
     vocab = min(engine.model_config.vocab_size, 32000)
     rng = random.Random(1)
@@ -215,7 +215,7 @@ def make_requests(n: int, vocab: int, prompt_len: tuple[int, int], output_len: t
 
 def engine_generate(engine, requests) -> tuple[float, int]:
     from workers import SamplingParams
-    from workers.protocol import WorkerRequest
+    from workers.contract.protocol import WorkerRequest
 
     sync(engine.device)
     start = time.perf_counter()
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
 
     from workers import Engine, EngineConfig
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
 
     tmp = tempfile.TemporaryDirectory()
     # without --model: config and tokenizer only, weights drawn at load time (`dummy`): the

@@ -47,7 +47,7 @@ def best_of(fns: dict, repeats: int) -> dict[str, float]:
 
 
 def kernels(rows: list[int], repeats: int) -> dict:
-    from workers.quant import int_kernels as ik
+    from workers.kernels import int_gemm as ik
 
     g = torch.Generator().manual_seed(0)
     out = {}
@@ -77,7 +77,7 @@ def kernels(rows: list[int], repeats: int) -> dict:
 
 
 def checkpoint(cache: Path, bits: int) -> Path:
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
     from workers.quant.writer import quantize_checkpoint
 
     fp32 = cache / "llama-small"
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(RESULTS / "int_many_rows.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from workers.quant import int_kernels
+    from workers.kernels import int_gemm as int_kernels
 
     if not int_kernels.dequant_available():
         raise SystemExit("this CPU lacks AVX-512 VNNI, AVX-512 BF16 or AMX: no unpacked path")

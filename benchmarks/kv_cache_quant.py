@@ -72,7 +72,7 @@ def near_tie_fraction(baseline: list, below: float = 0.1) -> float:
 
 
 def capacity(budget: int = 2**30) -> dict:
-    from workers.kv_cache.spec import KVCacheSpec
+    from workers.engine.kv_cache.spec import KVCacheSpec
 
     blocks = {}
     for name, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8),
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--out", default=str(RESULTS / "kv_cache_quant.json"))
     args = parser.parse_args(argv)
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 60))]

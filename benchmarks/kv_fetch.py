@@ -19,15 +19,15 @@ import time
 from pathlib import Path
 
 from router.workers import fetch_cost
-from workers.messages import Generate, PrefixFetch
-from workers.protocol import SamplingParams, WorkerRequest, hash_prompt_blocks
+from workers.contract.messages import Generate, PrefixFetch
+from workers.contract.protocol import SamplingParams, WorkerRequest, hash_prompt_blocks
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 def long_context_model(tmp: str, max_len: int) -> str:
     """The `small` preset with a context of `max_len` tokens, written under `tmp`."""
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
 
     return str(make_model(Path(tmp) / "small-long", arch="llama", preset="small",
                           overrides={"max_position_embeddings": max_len}))

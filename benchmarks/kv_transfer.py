@@ -11,7 +11,7 @@ Bounds, measured in this run on the same bytes:
 Each transport reports GB/s, its ratio to each bound (`*_ratio`) and its messages per transfer.
 Every KV cache, the memcpy bound's included, is backed by transparent huge pages
 (`madvise(MADV_HUGEPAGE)` before first touch) as the engine allocates its own
-(`workers.kv_cache.host_memory`); `--no-huge-pages` uses ordinary 4 KiB pages. CMA's
+(`workers.engine.kv_cache.host_memory`); `--no-huge-pages` uses ordinary 4 KiB pages. CMA's
 `process_vm_readv` pins the source's pages one by one, and moves about 1.3x the bytes per second
 from huge pages on a 2-core host (memcpy about the same).
 Targets at 8,192 tokens: ucx >= 0.5 of memcpy, tcp >= 0.8 of the raw socket.
@@ -31,7 +31,7 @@ import torch
 from results_io import RESULTS, command_line, emit
 
 from kvtransfer import Handoff, KVLayout, TransferAgent, TransportConfig
-from workers.kv_cache.host_memory import advise_huge_pages
+from workers.engine.kv_cache.host_memory import advise_huge_pages
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 

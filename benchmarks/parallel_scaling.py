@@ -55,7 +55,7 @@ def decode_steps(path: str, batch: int, steps: int, **sizes: int) -> tuple[list,
     import time
 
     from workers import LLM, SamplingParams
-    from workers.protocol import WorkerRequest
+    from workers.contract.protocol import WorkerRequest
 
     llm = LLM(path, block_size=16, num_blocks=256, max_num_seqs=batch, **sizes)
     engine = llm.engine

@@ -54,7 +54,7 @@ from serving_ray import ServerProcess, free_ports
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist (its vendored llama.cpp)
 # int8 / int4 in float32 with the weights kept packed (`fp32_int_kernels`): a decode step then
-# runs every layer in one C call (workers/fused_layer.py), where bf16 activations run them one
+# runs every layer in one C call (workers/models/fused_layer.py), where bf16 activations run them one
 # kernel at a time; measured (benchmarks/small_gemm.py, engine section, paired in the same
 # minutes on this 2-core machine, one run, quiet): int8 1.67 / 4.23 / 6.98 ms a decode step at
 # 1 / 4 / 8 streams against bf16's 3.60 / 6.82 / 9.07, int4 1.40 / 4.75 / 8.71 against 3.18 /
@@ -126,7 +126,7 @@ def llama_cpp(cache: Path) -> Path:
 
 def checkpoints(cache: Path, preset: str, tree: Path) -> tuple[dict[str, Path], dict[str, Path]]:
     """(Cleave's checkpoints by name, llama.cpp's GGUF files by type), written once."""
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
     from workers.quant.writer import quantize_checkpoint
 
     fp32 = cache / f"llama-{preset}"
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     cleave_ckpts, ggufs = checkpoints(cache, args.preset, tree)
     concurrencies = tuple(int(c) for c in args.concurrency.split(","))
     sweep = Sweep(concurrencies, args.input_len, args.output_len, args.num_prompts)
-    from workers.model_config import ModelConfig
+    from workers.models.model_config import ModelConfig
 
     vocab = min(ModelConfig.from_pretrained(str(cleave_ckpts["fp32"])).vocab_size, 4096)
     slots = max(concurrencies)

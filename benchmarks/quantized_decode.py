@@ -48,7 +48,7 @@ VARIANTS = {  # name: (checkpoint, dtype, fp32_int_kernels)
 def checkpoints(cache: Path, shape: dict, group_size: int, lm_head: bool) -> dict[str, Path]:
     """The fp32 checkpoint and its int8/int4 copies under `cache` (written once); `lm_head`:
     whether the copies quantize the output projection (int8 per channel)."""
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
     from workers.quant.writer import quantize_checkpoint
 
     tag = "-".join(str(v) for v in shape.values())
@@ -122,7 +122,7 @@ def decode_seconds(llm, batch: int, prompt_len: int, new_tokens: int) -> float: 
 
 def kv_bytes_per_step(path: Path, dtype_size: int, batch: int, prompt_len: int,
                       new_tokens: int) -> int:
-    from workers.model_config import ModelConfig
+    from workers.models.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(str(path))
     per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype_size

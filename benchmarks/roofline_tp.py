@@ -59,10 +59,10 @@ def disagg_case(config_kwargs: dict, p: int, d: int, prompt: list[int], max_toke
     """(greedy tokens, pull bytes per second, bytes offered) of one request prefilled at
     TP=`p` and decoded at TP=`d`."""
     from workers import SamplingParams
-    from workers.config import EngineConfig
-    from workers.messages import DecodeFromHandoff
-    from workers.protocol import WorkerRequest
-    from workers.worker import Worker
+    from workers.engine.config import EngineConfig
+    from workers.contract.messages import DecodeFromHandoff
+    from workers.contract.protocol import WorkerRequest
+    from workers.serving.worker import Worker
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

@@ -13,7 +13,7 @@ the reports delivered between decisions; decisions/s counts the reports' cost to
 call the router makes to a worker during the decisions is counted (target: none).
 
 Compared against the targets (5,000 decisions/s, p99 <= 1 ms) and, for hashing, against
-`workers.protocol.hash_prompt_blocks` (the reference the router's faster equivalent must equal).
+`workers.contract.protocol.hash_prompt_blocks` (the reference the router's faster equivalent must equal).
 
 Last line: one JSON object; also written to benchmarks/results/ with the command.
 """
@@ -30,7 +30,7 @@ from results_io import RESULTS, command_line, emit
 
 from router.policy import WorkerLoad, get_policy
 from router.prefix_index import PrefixIndex
-from workers.protocol import BlockStored, hash_prompt_blocks
+from workers.contract.protocol import BlockStored, hash_prompt_blocks
 
 BLOCK_SIZE = 16
 TARGET_DECISIONS_PER_S = 5000.0

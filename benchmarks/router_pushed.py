@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from router.orchestrator import DECODE_POOL
 from router.policy import get_policy
 from router.workers import WorkerSet
-from workers.protocol import (
+from workers.contract.protocol import (
     BlockStored,
     EngineStats,
     KVSnapshot,

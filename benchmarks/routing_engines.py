@@ -2,7 +2,7 @@
 in-process workers that run the model's forward passes. TTFT and throughput are MEASURED by
 wall clock (`routing.py` is the cost-model simulation of the same question at larger scale).
 
-Setup: four `workers.worker.Worker`s (one `Engine` each: its own scheduler, paged KV cache and
+Setup: four `workers.serving.worker.Worker`s (one `Engine` each: its own scheduler, paged KV cache and
 prefix cache) behind one `router.app.Router` over in-process worker clients, in one process and
 one event loop, the router's prefix index fed by the workers' KV events as in serving. Each
 policy gets FRESH workers (cold caches) and the same workload (same seed, same arrival times),
@@ -55,10 +55,10 @@ from cluster.inprocess_client import in_process_client
 from router.channel import ChannelClient
 from router.policy import Decision, RoutingPolicy, WorkerLoad, get_policy, healthy_loads
 from router.prefix_index import PrefixIndex
-from workers.protocol import SamplingParams, hash_prompt_blocks
+from workers.contract.protocol import SamplingParams, hash_prompt_blocks
 
 if TYPE_CHECKING:
-    from workers.engine import Engine
+    from workers.engine.core import Engine
 
 POLICIES = ("prefix_aware", "least_loaded", "round_robin", "oracle")
 NUM_WORKERS = 4
@@ -195,8 +195,8 @@ async def converse(router: Router, observed: ObservedPolicy, workload: Workload,
 
 def build_clients(model_path: str, engine_options: dict) -> list[ChannelClient]:
     """Fresh workers (cold caches); blocking: builds the engines."""
-    from workers.config import EngineConfig
-    from workers.worker import Worker
+    from workers.engine.config import EngineConfig
+    from workers.serving.worker import Worker
 
     config = EngineConfig(model=model_path, **engine_options)
     return [in_process_client(Worker.from_config(f"worker-{i}", config))
@@ -300,7 +300,7 @@ async def run_level(workload: Workload, model_path: str, engine_options: dict,
 
 def bench_model(out_dir: str) -> str:
     """Config and tokenizer of the benchmark's shape; the engines load dummy weights."""
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
 
     return str(make_model(out_dir, preset="small", overrides=SHAPE, weights=False))
 
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine_options = {"num_blocks": args.num_blocks, "seed": args.seed}
         if args.model is None:
             engine_options["load_format"] = "dummy"
-        from workers.model_config import ModelConfig
+        from workers.models.model_config import ModelConfig
 
         vocab_size = ModelConfig.from_pretrained(model_path).vocab_size
         loads = {}

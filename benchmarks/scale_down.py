@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(policies) - set(POLICIES)
     if unknown:
         p.error(f"unknown policies {sorted(unknown)}; expected some of {list(POLICIES)}")
-    from workers.make_model import make_model
-    from workers.model_config import ModelConfig
+    from workers.models.make_model import make_model
+    from workers.models.model_config import ModelConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_model(Path(tmp) / "tiny", arch="llama", preset="tiny"))

@@ -29,7 +29,7 @@ from serving_ray import RayApp
 
 def kv_blocks(model: str, kv_bytes: int, block_size: int = 16) -> int:
     """Blocks of `block_size` tokens an fp32 cache of `kv_bytes` holds for `model`."""
-    from workers.model_config import ModelConfig
+    from workers.models.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(model)
     per_block = 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * 4

@@ -4,7 +4,7 @@ requests, with transformers as the peer.
 At each concurrency c, the same N requests (random token ids, seeded by c, exactly
 `input_len` tokens, `output_len` output tokens with ignore_eos) go through:
 
-- `offline`: one `workers.engine.Engine` in this process, stepped with c requests in it at once
+- `offline`: one `workers.engine.core.Engine` in this process, stepped with c requests in it at once
   (the next added as one finishes); output tokens/s, and each step's wall time;
 - `inprocess_agg`: `cluster.local_server.LocalServer` with one aggregated worker (the offline
   engine plus the router and HTTP), driven by the load generator over streamed HTTP; the
@@ -81,8 +81,8 @@ class Sweep:
 
 def run_offline(model: str, sweep: Sweep, vocab_size: int) -> dict[int, dict]:
     """The bare engine at each concurrency: {c: figures}."""
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from workers.engine.config import EngineConfig
+    from workers.engine.core import Engine
 
     engine = Engine(EngineConfig(model=model))
     try:
@@ -97,7 +97,7 @@ def run_offline(model: str, sweep: Sweep, vocab_size: int) -> dict[int, dict]:
 def _step_engine(engine, specs: list[RequestSpec], concurrency: int,  # noqa: ANN001 - Engine
                  prefix: str) -> dict:
     """Step `engine` over `specs`, keeping `concurrency` of them in it; figures of the run."""
-    from workers.protocol import SamplingParams, WorkerRequest
+    from workers.contract.protocol import SamplingParams, WorkerRequest
 
     pending = list(reversed(specs))
     added: dict[str, float] = {}  # request id -> when it was added
@@ -344,7 +344,7 @@ def ratios(runs: dict[str, list[dict]], levels: dict[str, dict],
 
 def vocab_of(model: str) -> int:
     """Prompt ids are drawn below this: the model's vocabulary (at most 32,000)."""
-    from workers.model_config import ModelConfig
+    from workers.models.model_config import ModelConfig
 
     return min(ModelConfig.from_pretrained(model).vocab_size, 32000)
 
@@ -404,11 +404,11 @@ def resolve_model(name: str, tmp: str) -> str:
     """tiny: the embedded default `cleave serve` uses; small: the preset, written under `tmp`;
     anything else: a model folder."""
     if name == "tiny":
-        from workers.make_model import default_model_path
+        from workers.models.make_model import default_model_path
 
         return str(default_model_path())
     if name == "small":
-        from workers.make_model import make_model
+        from workers.models.make_model import make_model
 
         return str(make_model(Path(tmp) / "small", arch="llama", preset="small"))
     if not Path(name, "config.json").is_file():

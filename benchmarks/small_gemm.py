@@ -1,8 +1,8 @@
-"""The CPU small-batch matmul kernel (`workers/csrc/small_gemm.c`) against torch's `linear`, in
+"""The CPU small-batch matmul kernel (`workers/kernels/csrc/small_gemm.c`) against torch's `linear`, in
 the same run: the projection shapes of the `small` preset (hidden 512, MLP 1408, vocabulary
 8192) and of a 0.6B Llama (hidden 2048, MLP 5632), fp32 and bf16 weights, 1-16 rows. Each figure
 is the best of 5 means of 20 calls, on torch's threads; the ratio is torch's time over the
-kernel's (above 1: the kernel is faster). `workers/small_gemm.py` routes each dtype's rows by
+kernel's (above 1: the kernel is faster). `workers/kernels/small_gemm.py` routes each dtype's rows by
 these figures.
 
 Then the fused gated MLP (`small_mlp`: both projections and the SiLU product in one call) against
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def gemm(result: dict, rows: list[int]) -> None:
-    from workers.small_gemm import small_gemm
+    from workers.kernels.small_gemm import small_gemm
 
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for shape, (n, k) in SHAPES.items():
@@ -78,7 +78,7 @@ def gemm(result: dict, rows: list[int]) -> None:
 
 
 def fused_mlp(result: dict, rows: list[int], layers: int = 8) -> None:
-    from workers.small_gemm import small_gemm, small_mlp
+    from workers.kernels.small_gemm import small_gemm, small_mlp
 
     for name, (hidden, inter) in (("small", (512, 1408)), ("0.6b", (2048, 5632))):
         weights = [(torch.randn(2 * inter, hidden) / 8, torch.randn(hidden, inter) / 8)
@@ -109,7 +109,7 @@ def decode_steps(engine, streams: int, tag: str, first_fused: bool, prompt_len: 
     so both see the same minute of this shared machine and the same context lengths; "all":
     every step's median (an engine without the fused stack runs every step unfused)."""
     from workers import SamplingParams
-    from workers.protocol import WorkerRequest
+    from workers.contract.protocol import WorkerRequest
 
     model = engine.runner.executor.model.model
     stack = model.fused_stack
@@ -136,7 +136,7 @@ def _engines(tmp: str, streams: list[int]) -> dict[str, tuple]:
     32; compressed-tensors, lm_head too, as peer_llamacpp.py serves them) kept packed in fp32
     (`fp32_int_kernels`), each with a bf16 engine of the same checkpoint as its partner."""
     from workers import Engine, EngineConfig
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
     from workers.quant.writer import quantize_checkpoint
 
     def engine(path: Path, **options) -> Engine:

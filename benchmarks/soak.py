@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from cluster.config import CleaveConfig
     from cluster.launch import deploy, shutdown
-    from workers.make_model import default_model_path
+    from workers.models.make_model import default_model_path
 
     model = args.model or str(default_model_path())
     http_port, grpc_port = free_ports(2)

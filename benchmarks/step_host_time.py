@@ -44,7 +44,7 @@ def measure(model: str, batch: int, prompt_len: int, output_len: int,
             repeats: int) -> dict[str, float]:
     """Medians over the decode steps of `repeats` runs: wall, model and host milliseconds."""
     from workers import Engine, EngineConfig, SamplingParams
-    from workers.protocol import WorkerRequest
+    from workers.contract.protocol import WorkerRequest
 
     blocks_per_seq = -(-(prompt_len + output_len) // 16)
     engine = Engine(EngineConfig(model=model, device="cpu", block_size=16,
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
 
     result: dict[str, object] = {
         "benchmark": "step_host_time", "command": command_line(argv), "device": "cpu",

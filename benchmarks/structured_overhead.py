@@ -73,9 +73,9 @@ def offline(model: str, concurrencies: list[int]) -> dict:
 
     import torch
 
-    from workers.llm import LLM
-    from workers.protocol import SamplingParams
-    from workers.structured_output import StructuredOutput
+    from workers.engine.llm import LLM
+    from workers.contract.protocol import SamplingParams
+    from workers.contract.structured_output import StructuredOutput
 
     torch.set_num_threads(1)
     llm = LLM(model=model, num_blocks=4096)

@@ -12,7 +12,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model folder (config.json, safetensors, tokenizer); default: the "
                         "embedded tiny model, created on first use")
-    # unset: `workers.config.EngineConfig`'s defaults
+    # unset: `workers.engine.config.EngineConfig`'s defaults
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
     p.add_argument("--load-format", default=None, help="auto, safetensors or dummy")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
@@ -81,7 +81,7 @@ def _check_model(config, in_process: bool) -> None:  # noqa: ANN001 - a CleaveCo
     import os
     from pathlib import Path
 
-    from workers.model_config import ModelConfig
+    from workers.models.model_config import ModelConfig
 
     path = config.model.path
     if path is None:
@@ -139,7 +139,7 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
 
     out = make_model(args.out, arch=args.arch, preset=args.preset, seed=args.seed,
                      dtype=args.dtype, weights=not args.no_weights)

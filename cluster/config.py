@@ -7,7 +7,7 @@ Errors are raised as `ConfigError`, one line per problem, naming the field by it
 ("pools.decode.tp=3 does not divide the model's 8 KV heads").
 
 Defaults are written once (the rule is `cluster.settings`'s): a setting an inner record has
-(`router.config.RouterConfig`, `workers.config.EngineConfig`, `workers.worker.Worker`'s keywords)
+(`router.config.RouterConfig`, `workers.engine.config.EngineConfig`, `workers.serving.worker.Worker`'s keywords)
 takes its default from that record (`default_of`); a setting only the cluster has (replicas,
 placement, autoscaling, ports) has its default here.
 
@@ -37,11 +37,11 @@ from pydantic import (
 )
 
 from router.config import RouterConfig
-from workers.config import EngineConfig
-from workers.worker import Worker
+from workers.engine.config import EngineConfig
+from workers.serving.worker import Worker
 
 POOL_NAMES = ("prefill", "decode", "aggregated")
-# the worker role each pool's replicas serve (`workers.worker.ROLES`)
+# the worker role each pool's replicas serve (`workers.serving.worker.ROLES`)
 POOL_ROLES = {"prefill": "prefill", "decode": "decode", "aggregated": "both"}
 # on Ray, how long a stream whose decode worker died waits for another by default: Serve
 # replaces a pool's lost replica, and a replica loads its model within this
@@ -112,7 +112,7 @@ class ReplicaSettings(_Strict):
 
 
 class EngineSettings(_Strict):
-    """Per-replica engine options: `workers.config.EngineConfig`'s fields, with its defaults."""
+    """Per-replica engine options: `workers.engine.config.EngineConfig`'s fields, with its defaults."""
 
     block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(
         default_of(EngineConfig, "block_size"), description=(
@@ -392,7 +392,7 @@ class RouterSettings(_Strict):
 
 
 class KVTransferSettings(_Strict):
-    """Every worker's transfer options: `workers.worker.Worker`'s keywords, with its defaults."""
+    """Every worker's transfer options: `workers.serving.worker.Worker`'s keywords, with its defaults."""
 
     transport: Literal["tcp", "ucx", "nccl"] = Field(default_of(Worker, "transport"), description=(
         "How KV blocks move from prefill to decode workers (nccl runs on gloo with CPU "
@@ -440,7 +440,7 @@ class CleaveConfig(_Strict):
 
     def check_against_model(self, model_config: Any) -> None:
         """Raise `ConfigError` for pool shapes the model cannot take. `model_config`:
-        `workers.model_config.ModelConfig` (num_heads, num_kv_heads, num_layers, ...)."""
+        `workers.models.model_config.ModelConfig` (num_heads, num_kv_heads, num_layers, ...)."""
         problems = []
         heads = model_config.num_attention_heads
         kv_heads = model_config.num_key_value_heads

@@ -8,7 +8,7 @@ event loop, where the engine's `AsyncEngine` also steps.
 Every router replica is a subscriber: it submits commands in batches (`submit`) and long-polls
 its output channel (`next_outputs`), one `WorkerOutputs` message per engine step with every new
 token of its requests, their failures, the KV events it has not seen and the engine's load
-(`workers.outputs`). Those two, and `prefill` (the one call per request: it returns the first
+(`workers.engine.outputs`). Those two, and `prefill` (the one call per request: it returns the first
 token and the KV handoff), go on a socket the actor serves (`channel_address`,
 `cluster.socket_calls`): a message per step is then a framed pickle on one long-lived
 connection, not a Ray call (whose submission and reply cost the router and the actor each more
@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from cluster.rank_actor import RankPlace
     from cluster.settings import WorkerOptions
     from cluster.socket_calls import CallServer
     from kvtransfer.handoff import KVHandoff
-    from workers.config import EngineConfig
+    from workers.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ CHANNEL_METHODS = frozenset({"submit", "next_outputs", "prefill"})
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
-    """What the actor builds: one `workers.worker.Worker` (settings from `cluster.settings`)."""
+    """What the actor builds: one `workers.serving.worker.Worker` (settings from `cluster.settings`)."""
 
     worker_id: str
     role: str  # "prefill", "decode" or "both"
@@ -80,7 +80,7 @@ class EngineActor:
 
             torch.set_num_threads(spec.torch_threads)
         from cluster.rank_actor import RayActorLauncher
-        from workers.worker import Worker
+        from workers.serving.worker import Worker
 
         self.spec = spec
         config = spec.engine

@@ -1,4 +1,4 @@
-"""The router's channel to a `workers.worker.Worker` in its own process and event loop.
+"""The router's channel to a `workers.serving.worker.Worker` in its own process and event loop.
 
 The same `router.channel.ChannelClient` as over Ray, with the calls made directly: the worker's
 output channel and batched commands are used as they are across processes, so the in-process
@@ -14,8 +14,8 @@ from router.channel import ChannelClient
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.protocol import (
+from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.contract.protocol import (
     EngineShutDown,
     EngineStats,
     HotPrefix,
@@ -26,7 +26,7 @@ from workers.protocol import (
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
-    from workers.worker import Worker
+    from workers.serving.worker import Worker
 
 SUBSCRIBER = "in-process"
 T = TypeVar("T")

@@ -26,7 +26,7 @@ from router.channel import ChannelClient
 from router.server import FrontEnds
 
 if TYPE_CHECKING:
-    from workers.worker import Worker
+    from workers.serving.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class LocalServeConfig:
         return 0 if self.num_prefill_workers or self.num_decode_workers else 1
 
     def plan(self) -> InProcessPlan:
-        from workers.config import EngineConfig
+        from workers.engine.config import EngineConfig
 
         engine = EngineConfig(model=self.model_path, **self.engine)
         worker = WorkerOptions(**{"transport": self.transport, **self.worker})
@@ -112,7 +112,7 @@ def build_workers(plan: InProcessPlan, process_per_worker: bool = False) -> list
                     channel.process.kill()
             raise
         return [ChannelClient(c, SUBSCRIBER, plan.router.deadlines) for c in channels]
-    from workers.worker import Worker
+    from workers.serving.worker import Worker
 
     return [in_process_client(Worker.from_config(wid, pool.engine, pool.role, host=plan.host,
                                                  **asdict(pool.worker)), plan.router.deadlines)

@@ -32,8 +32,8 @@ from cluster.settings import (
     torch_threads,
     worker_options,
 )
-from workers.model_config import ModelConfig
-from workers.protocol import EngineStats
+from workers.models.model_config import ModelConfig
+from workers.contract.protocol import EngineStats
 
 logger = logging.getLogger(__name__)
 

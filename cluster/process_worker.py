@@ -32,8 +32,8 @@ from cluster import process_wire as wire
 from cluster.socket_calls import SocketCalls, serve_calls
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -51,7 +51,7 @@ class ProcessWorkerSpec:
     `torch_threads` torch threads: `share_of_cores`)."""
 
     worker_id: str
-    engine: Any  # workers.config.EngineConfig
+    engine: Any  # workers.engine.config.EngineConfig
     role: str
     host: str
     options: dict[str, Any]
@@ -96,7 +96,7 @@ def child_main(spec: ProcessWorkerSpec, port: int, token: bytes) -> None:
 
 async def _serve(spec: ProcessWorkerSpec, sock: socket.socket) -> None:
     from cluster.inprocess_client import InProcessChannel
-    from workers.worker import Worker
+    from workers.serving.worker import Worker
 
     worker = Worker.from_config(spec.worker_id, spec.engine, spec.role, host=spec.host,
                                 **spec.options)

@@ -1,6 +1,6 @@
 """A worker group's ranks as Ray actors: each in its own bundle of the replica's placement group.
 
-`RayActorLauncher` is the cluster's `workers.parallel.group.RankLauncher`. Rank i runs in a
+`RayActorLauncher` is the cluster's `workers.engine.parallel.group.RankLauncher`. Rank i runs in a
 `RankActor` scheduled into bundle i, holding that bundle's resources (so Ray accounts for every
 rank, and the engine actor that drives them holds none). Ray owns the actors' lives: they die
 with the engine actor that started them.
@@ -32,7 +32,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.process_wire import no_delay
-from workers.parallel.group import RankHandle, RankLauncher
+from workers.engine.parallel.group import RankHandle, RankLauncher
 
 CONNECT_TIMEOUT_S = 30.0  # an actor that cannot reach its driver this long gives up
 TOKEN_TIMEOUT_S = 5.0  # a connection that does not send its token this long is dropped

@@ -13,7 +13,7 @@ actors, `cluster.ingress` for the router), `cleave serve --in-process` (`in_proc
 setting, the same one in both modes.
 
 Defaults are written once, by one rule: a setting an inner record has (`RouterConfig`,
-`EngineConfig`, `workers.worker.Worker`'s keywords) keeps its default in that record, the config
+`EngineConfig`, `workers.serving.worker.Worker`'s keywords) keeps its default in that record, the config
 model reads it from there (`cluster.config.default_of`), and this module passes every value the
 config holds explicitly. A setting only the cluster has (replicas, placement, autoscaling, ports)
 has its default in the config model. One default depends on the mode: `router.migration_wait_s`
@@ -36,8 +36,8 @@ from cluster.config import (
     default_of,
 )
 from router.config import RouterConfig
-from workers.config import EngineConfig
-from workers.worker import Worker
+from workers.engine.config import EngineConfig
+from workers.serving.worker import Worker
 
 Mode = Literal["ray", "in_process"]
 
@@ -58,7 +58,7 @@ class PoolPlan:
     """One pool's workers: how many at start, in which role, running which engine."""
 
     name: str  # prefill, decode or aggregated
-    role: str  # the workers' role (`workers.worker.ROLES`)
+    role: str  # the workers' role (`workers.serving.worker.ROLES`)
     replicas: int  # at start; in process for good (nothing autoscales there)
     engine: EngineConfig
     worker: WorkerOptions
@@ -88,7 +88,7 @@ def model_path(config: CleaveConfig) -> str:
     """The model folder; unset in the config: the embedded tiny model (created on first use)."""
     if config.model.path is not None:
         return config.model.path
-    from workers.make_model import default_model_path
+    from workers.models.make_model import default_model_path
 
     return str(default_model_path())
 

@@ -21,8 +21,8 @@ from router.channel import ChannelClient
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.protocol import (
+from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
+from workers.contract.protocol import (
     EngineShutDown,
     EngineStats,
     HotPrefix,

@@ -32,7 +32,7 @@ from router.request_record import RequestRecord
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
-from workers.protocol import SamplingParams
+from workers.contract.protocol import SamplingParams
 from workers.tokenizer import Tokenizer
 
 __all__ = ["Admission", "Generation", "Router", "RouterConfig", "RouterCounters"]

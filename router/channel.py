@@ -20,7 +20,7 @@ from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.request_stream import RequestStream
 from router.worker_client import TokenStream, WorkerChannel, WorkerClient, WorkerListener
-from workers.messages import (
+from workers.contract.messages import (
     Abort,
     Command,
     DecodeFromHandoff,
@@ -34,7 +34,7 @@ from workers.messages import (
     StreamCommand,
     WorkerOutputs,
 )
-from workers.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

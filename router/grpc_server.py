@@ -18,8 +18,8 @@ from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
 from router.streams import Generation
-from workers.protocol import InvalidRequestError, SamplingParams, TokenEvent
-from workers.structured_output import StructuredOutput
+from workers.contract.protocol import InvalidRequestError, SamplingParams, TokenEvent
+from workers.contract.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from router.counters import RouterCounters
 from router.workers import WorkerSet
-from workers.messages import PrefixFetch
-from workers.protocol import EngineStats, HotPrefix, WorkerRole
+from workers.contract.messages import PrefixFetch
+from workers.contract.protocol import EngineStats, HotPrefix, WorkerRole
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ recomputed and no client sees a gap. Torch-free.
 The router keeps every generation it started (weakly: one that ended is gone or closed), and
 `drain(worker_id)` marks the worker draining (no new requests) and moves each stream on it,
 all its samples, to the least loaded other decode-pool worker (`Move`: the workers' two-pull
-protocol, `workers.migration`), every stream phase by phase (`move_all`); a request that
+protocol, `workers.serving.migration`), every stream phase by phase (`move_all`); a request that
 starts there after the drain began (it was queued or in its prefill) moves at its first token.
 A stream that cannot move (still handing over, a sample with no token yet, a failed pull, or
 no worker can take it) finishes where it is, as a drain without migration would; both workers
@@ -25,8 +25,8 @@ from router.policy import NoHealthyWorker, get_policy
 from router.streams import Generation
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
-from workers.messages import MigratedKV, Paused, ResumedSample
-from workers.protocol import WorkerRole
+from workers.contract.messages import MigratedKV, Paused, ResumedSample
+from workers.contract.protocol import WorkerRole
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

@@ -43,8 +43,8 @@ from router.prefix_fetch import export_prefix
 from router.streams import DONE, Generation, Handover
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
-from workers.messages import PrefillResult, PrefixFetch, ResumedSample
-from workers.protocol import (
+from workers.contract.messages import PrefillResult, PrefixFetch, ResumedSample
+from workers.contract.protocol import (
     EngineOverloaded,
     InvalidRequestError,
     KVPullFailed,

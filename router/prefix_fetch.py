@@ -1,7 +1,7 @@
 """Prefix fetch, the router's half: when the routing decision names another worker whose
 device pool holds more of the prompt's leading blocks (`router.policy.Decision.fetch_from`),
 that worker offers them under a lease (`WorkerClient.export_prefix`) and the chosen worker pulls
-them before computing the rest (`workers.prefix_fetch`). Torch-free.
+them before computing the rest (`workers.serving.prefix_fetch`). Torch-free.
 
 Whether a pull pays is the policy's call, from each worker's measured costs
 (`router.workers.fetch_cost`); here it is carried out and counted (`RouterCounters`): the
@@ -17,8 +17,8 @@ from typing import Sequence
 from router.counters import RouterCounters
 from router.policy import Decision
 from router.workers import WorkerSet
-from workers.messages import PrefixFetch
-from workers.protocol import WorkerRequest
+from workers.contract.messages import PrefixFetch
+from workers.contract.protocol import WorkerRequest
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from workers.protocol import (
+from workers.contract.protocol import (
     HOST,
     AllBlocksCleared,
     BlockRemoved,

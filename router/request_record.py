@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from workers.protocol import TokenEvent
+from workers.contract.protocol import TokenEvent
 
 if TYPE_CHECKING:
     from router.metrics import RouterMetrics

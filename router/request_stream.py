@@ -7,7 +7,7 @@ import asyncio
 import collections
 from typing import Callable
 
-from workers.protocol import TokenEvent
+from workers.contract.protocol import TokenEvent
 
 
 class RequestStream:

@@ -31,8 +31,8 @@ from router.errors import NoHealthyWorkerError, WorkerUnavailableError
 from router.metrics import error_reason
 from router.request_record import NULL_RECORD, NullRecord
 from router.worker_client import TokenStream, WorkerClient
-from workers.messages import RequestMoved, ResumedSample
-from workers.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
+from workers.contract.messages import RequestMoved, ResumedSample
+from workers.contract.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
 from workers.tokenizer.detokenizer import SampleText
 
 if TYPE_CHECKING:

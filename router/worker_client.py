@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
-from workers.messages import (
+from workers.contract.messages import (
     Command,
     Paused,
     PrefillResult,
@@ -21,7 +21,7 @@ from workers.messages import (
     ResumedSample,
     WorkerOutputs,
 )
-from workers.protocol import (
+from workers.contract.protocol import (
     EngineStats,
     HotPrefix,
     KVEvent,
@@ -69,7 +69,7 @@ class WorkerListener(Protocol):
 class WorkerClient(abc.ABC):
     """How the router talks to one worker. Methods may raise `router.errors.
     WorkerUnavailableError` when the worker cannot be reached. A stream raises
-    `workers.protocol.InvalidRequestError` for a request the worker refuses, before the first
+    `workers.contract.protocol.InvalidRequestError` for a request the worker refuses, before the first
     event; a worker refuses an operation its role does not do with `ValueError`."""
 
     @property

@@ -24,7 +24,7 @@ from router.errors import WorkerUnavailableError
 from router.loads import LoadTable
 from router.prefix_index import PrefixIndex
 from router.worker_client import WorkerClient
-from workers.protocol import EngineStats, KVEvent, WorkerInfo, WorkerRole
+from workers.contract.protocol import EngineStats, KVEvent, WorkerInfo, WorkerRole
 
 logger = logging.getLogger(__name__)
 

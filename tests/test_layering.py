@@ -8,7 +8,7 @@ Every `import` statement anywhere in a file counts: at module level, inside func
 (PEP 562): its imports run only when someone asks for the name, so they are lazy re-exports, not
 imports of the package. Third-party modules are leaves (whatever torch imports is torch's
 business). Whether a module loads torch or ray also follows the packages Python loads first:
-importing `workers.protocol` runs `workers/__init__.py`.
+importing `workers.contract.protocol` runs `workers/__init__.py`.
 
 Files under `benchmarks/` are scripts: they import their siblings by bare name
 (`from loadgen import ...`), read here as `benchmarks.loadgen`.
@@ -298,3 +298,46 @@ def test_lazy_reexports_are_not_imports_but_packages_run_first(sample: ImportGra
     assert loads_through(sample, "app.a", "ray") == ["app.a", "app.sub.c", "(package) app.sub",
                                                      "ray"]
     assert loads_through(sample, "lib.x", "torch") == ["lib.x", "app.heavy", "torch"]
+
+
+# ---- inside workers/: sub-packages by concern, each importing only those below it ---------------
+
+# Bottom first. `contract` is what the router and the workers share (no torch); `tokenizer` is
+# torch-free too; `kernels` holds the CPU (C) and Triton kernels; `attention` and `quant` build on
+# them; `models` holds the families' modules and checkpoint reading; `engine` is the core
+# (scheduler, KV cache, runner, parallel ranks, the async engine); `serving` is the worker's shell
+# around one engine (role, handoff and migration verbs, the router's calls).
+WORKERS_LAYERS = ("contract", "tokenizer", "kernels", "attention", "quant", "models", "engine",
+                  "serving")
+
+
+def workers_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "workers" or len(parts) < 2:
+        return None
+    return WORKERS_LAYERS.index(parts[1]) if parts[1] in WORKERS_LAYERS else None
+
+
+def test_workers_top_level_holds_only_its_layers() -> None:
+    top = sorted(p.stem if p.suffix == ".py" else p.name for p in (ROOT / "workers").iterdir()
+                 if p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir()))
+    assert top == sorted(("__init__", *WORKERS_LAYERS)), top
+
+
+def test_workers_layers_import_downward() -> None:
+    graph = cleave_graph()
+    offenders = [f"{m} -> {t}" for m in in_package(graph, "workers")
+                 if (low := workers_layer(m)) is not None
+                 for t in sorted(graph.project[m])
+                 if (high := workers_layer(t)) is not None and high > low]
+    assert not offenders, ("workers/ sub-packages import upward (order, bottom first: "
+                           f"{', '.join(WORKERS_LAYERS)}):\n  " + "\n  ".join(offenders))
+
+
+@pytest.mark.parametrize("package", ["workers.contract", "workers.tokenizer"])
+def test_the_contract_and_tokenizer_never_import_torch(package: str) -> None:
+    graph = cleave_graph()
+    offenders = [chain(p) for m in sorted(graph.project)
+                 if (m == package or m.startswith(package + "."))
+                 and (p := loads_through(graph, m, "torch")) is not None]
+    assert not offenders, f"{package} modules that load torch:\n  " + "\n  ".join(offenders)

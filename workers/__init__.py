@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.protocol import (
+from workers.contract.protocol import (
     CompletionOutput,
     FinishReason,
     InvalidRequestError,
@@ -19,10 +19,10 @@ from workers.protocol import (
 )
 
 _LAZY = {
-    "LLM": "workers.llm",
-    "Engine": "workers.engine",
-    "EngineConfig": "workers.config",
-    "AsyncEngine": "workers.async_engine",
+    "LLM": "workers.engine.llm",
+    "Engine": "workers.engine.core",
+    "EngineConfig": "workers.engine.config",
+    "AsyncEngine": "workers.engine.async_engine",
 }
 
 __all__ = ["CompletionOutput", "FinishReason", "InvalidRequestError", "RequestOutput",

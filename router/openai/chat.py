@@ -33,7 +33,7 @@ from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.openai.tool_calls import ToolCallStream, message_with_calls, tool_call_format
 from router.openai.tool_parsers import ToolCallFormat
 from router.streams import Generation
-from workers.protocol import InvalidRequestError, SamplingParams, TokenEvent, TokenLogprob
+from workers.contract.protocol import InvalidRequestError, SamplingParams, TokenEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from router.app import Admission, Router
 from router.errors import BadRequestError
 from router.streams import Generation
-from workers.protocol import SamplingParams, TokenEvent
+from workers.contract.protocol import SamplingParams, TokenEvent
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")

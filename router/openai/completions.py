@@ -29,7 +29,7 @@ from router.openai.common import (
 from router.openai.protocol import CompletionRequest
 from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.streams import Generation
-from workers.protocol import TokenLogprob
+from workers.contract.protocol import TokenLogprob
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from router.errors import BadRequestError
 from router.openai.structured_output import StructuredFields
 from router.openai.tool_calls import ToolCallIn, ToolFields
-from workers.protocol import InvalidRequestError, SamplingParams
+from workers.contract.protocol import InvalidRequestError, SamplingParams
 
 
 class StreamOptions(BaseModel):

@@ -14,8 +14,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import BadRequestError
-from workers.protocol import InvalidRequestError
-from workers.structured_output import StructuredOutput
+from workers.contract.protocol import InvalidRequestError
+from workers.contract.structured_output import StructuredOutput
 
 
 class JSONSchemaFormat(BaseModel):

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import BadRequestError
 from router.openai.tool_parsers import PARSERS, ToolCallFormat, parser_for_template
-from workers.structured_output import StructuredOutput
+from workers.contract.structured_output import StructuredOutput
 
 
 class FunctionSpec(BaseModel):

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from workers.structured_output import StructuredOutput
+from workers.contract.structured_output import StructuredOutput
 
 _DECODER = json.JSONDecoder()
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.benchmarks.conftest import import_benchmark
 from workers import LLM
-from workers.model_config import ModelConfig
+from workers.models.model_config import ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def test_a_tiny_run_reports_every_variant_against_fp32(bench, tmp_path, capsys):
     fp32, bf16 = runs["fp32_batch1"]["weight_bytes"], runs["bf16_batch1"]["weight_bytes"]
     assert bf16 == fp32 // 2
     assert runs["int4_batch1"]["weight_bytes"] < runs["int8_batch1"]["weight_bytes"] < bf16
-    from workers.quant import int_kernels
+    from workers.kernels import int_gemm as int_kernels
 
     if int_kernels.available():  # fp32_int_kernels keeps them packed (else: dequantized)
         assert runs["int8_f32_batch1"]["weight_bytes"] < bf16

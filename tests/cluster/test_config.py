@@ -55,7 +55,7 @@ def test_bad_configs_name_the_field_and_the_reason(sections, message):
 
 
 def test_pool_shapes_are_checked_against_the_model(tiny_model):
-    from workers.model_config import ModelConfig
+    from workers.models.model_config import ModelConfig
 
     model = ModelConfig.from_pretrained(tiny_model)
     ok = parse(pools={"decode": {"tp": model.num_key_value_heads}})
@@ -203,7 +203,7 @@ def test_a_pool_refuses_an_autoscaling_target_it_does_not_scale_on():
 
 def test_defaults_are_the_inner_records_own():
     from router.config import RouterConfig
-    from workers.config import EngineConfig
+    from workers.engine.config import EngineConfig
 
     c, engine, router = CleaveConfig(), EngineConfig(model="m"), RouterConfig("m")
     assert c.pools.decode.engine.max_num_seqs == engine.max_num_seqs

@@ -9,7 +9,7 @@ from router.config import Deadlines
 
 
 def test_each_pool_runs_its_own_engine_and_transfer_settings(tiny_model, monkeypatch):
-    from workers.worker import Worker
+    from workers.serving.worker import Worker
 
     built = {}
     from_config = Worker.from_config

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.cluster.conftest import free_ports, wait_for
-from workers.parallel.shared_cache import FILE_PREFIX, SHM_DIR
+from workers.engine.parallel.shared_cache import FILE_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,8 +48,8 @@ def tp2_engine(model: str, pg: object, cpu_affinity: tuple[int, ...] | None = No
                **options: object) -> tuple[object, object]:
     """A TP=2 engine whose ranks are actors in `pg`, and its launcher."""
     from cluster.rank_actor import RayActorLauncher
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from workers.engine.config import EngineConfig
+    from workers.engine.core import Engine
 
     launcher = RayActorLauncher(pg, cpu_affinity)
     config = EngineConfig(model=model, device="cpu", tensor_parallel_size=2, num_blocks=64,
@@ -58,7 +58,7 @@ def tp2_engine(model: str, pg: object, cpu_affinity: tuple[int, ...] | None = No
 
 
 def greedy(engine: object, prompt: list[int], max_tokens: int) -> list[int]:
-    from workers.protocol import SamplingParams, WorkerRequest
+    from workers.contract.protocol import SamplingParams, WorkerRequest
 
     engine.generate(WorkerRequest("r", tuple(prompt), SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
@@ -96,8 +96,8 @@ def test_a_tp2_engine_of_rank_actors_matches_one_process_and_leaves_nothing_behi
         tiny_model, two_bundles):
     import ray
 
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from workers.engine.config import EngineConfig
+    from workers.engine.core import Engine
 
     expected = greedy(Engine(EngineConfig(model=tiny_model, device="cpu", num_blocks=64)),
                       PROMPT, MAX_TOKENS)
@@ -125,8 +125,8 @@ def test_a_killed_rank_actor_fails_the_next_step_by_name_and_stops_the_other(
         tiny_model, two_bundles):
     import ray
 
-    from workers.parallel.group import RankGroupError
-    from workers.protocol import SamplingParams, WorkerRequest
+    from workers.engine.parallel.group import RankGroupError
+    from workers.contract.protocol import SamplingParams, WorkerRequest
 
     engine, launcher = tp2_engine(tiny_model, two_bundles, rank_timeout_s=20)
     try:
@@ -202,7 +202,7 @@ def test_a_pinned_engine_actor_holds_its_core_and_a_second_one_is_refused_by_nam
     from cluster.cpu_affinity import affinity_of
     from cluster.engine_actor import EngineActor, EngineSpec
     from cluster.settings import WorkerOptions
-    from workers.config import EngineConfig
+    from workers.engine.config import EngineConfig
 
     def start(name: str) -> object:
         spec = EngineSpec(name, "both", EngineConfig(model=tiny_model, device="cpu",

@@ -14,8 +14,9 @@ import dataclasses
 import pytest
 import torch
 
-from workers import LLM, SamplingParams, assembly, cuda_graphs, memory_profile
-from workers.runner import allocate_kv_caches
+from workers import LLM, SamplingParams
+from workers.engine import assembly, cuda_graphs, memory_profile
+from workers.engine.runner import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (CUDA graphs, compiled Triton)")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers import LLM, SamplingParams
-from workers.parallel.executor import KVCacheNotShared
+from workers.engine.parallel.executor import KVCacheNotShared
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from workers import LLM, SamplingParams
-from workers.config import EngineConfig
-from workers.messages import DecodeFromHandoff
-from workers.protocol import WorkerRequest
-from workers.worker import Worker
+from workers.engine.config import EngineConfig
+from workers.contract.messages import DecodeFromHandoff
+from workers.contract.protocol import WorkerRequest
+from workers.serving.worker import Worker
 
 PROMPT = list(range(5, 60))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -22,8 +22,8 @@ from router.orchestrator import Orchestrator
 from router.policy import get_policy
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
 from router.workers import WorkerSet
-from workers.messages import Paused, PrefillResult, PrefixFetch, ResumedSample
-from workers.protocol import (
+from workers.contract.messages import Paused, PrefillResult, PrefixFetch, ResumedSample
+from workers.contract.protocol import (
     EngineStats,
     FinishReason,
     HotPrefix,

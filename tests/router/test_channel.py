@@ -12,8 +12,8 @@ from router.channel import ChannelClient, Deadlines
 from router.errors import WorkerUnavailableError
 from router.request_stream import RequestStream
 from router.worker_client import WorkerChannel
-from workers.messages import WorkerOutputs
-from workers.protocol import (
+from workers.contract.messages import WorkerOutputs
+from workers.contract.protocol import (
     EngineStats,
     FinishReason,
     SamplingParams,

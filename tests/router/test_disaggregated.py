@@ -10,7 +10,7 @@ import pytest
 
 from cluster.local_server import LocalServer
 from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
-from workers.messages import PrefillResult
+from workers.contract.messages import PrefillResult
 
 THRESHOLD = 24  # tokens; the prompts below are longer, unless meant to be short
 _words = itertools.count()

@@ -14,9 +14,9 @@ from router.workers import WorkerSet
 from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
 from tests.router.fakes import FakeWorker, Script
 from tests.router.test_metrics import scrape, total
-from workers.llm import LLM
-from workers.messages import Generate
-from workers.protocol import (
+from workers.engine.llm import LLM
+from workers.contract.messages import Generate
+from workers.contract.protocol import (
     BlockStored,
     EngineStats,
     HotPrefix,

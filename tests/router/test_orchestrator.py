@@ -11,7 +11,7 @@ import pytest
 
 from router.errors import BadRequestError, NoHealthyWorkerError, WorkerUnavailableError
 from tests.router.fakes import FakeWorker, Script, expected_tokens, orchestrator
-from workers.protocol import SamplingParams, WorkerRequest, WorkerRole
+from workers.contract.protocol import SamplingParams, WorkerRequest, WorkerRole
 
 PREFILL, DECODE, BOTH = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.BOTH
 GONE = WorkerUnavailableError("x", "the process died")
@@ -273,7 +273,7 @@ def test_cancelling_before_the_first_aggregated_token_aborts_the_stream():
 
 
 def test_the_worker_sets_loads_follow_reports_routing_draining_and_removal():
-    from workers.protocol import EngineStats
+    from workers.contract.protocol import EngineStats
 
     async def go():
         workers = [FakeWorker(f"w{i}") for i in range(3)]

@@ -12,7 +12,7 @@ import pytest
 from router.errors import NoHealthyWorkerError, OverloadedError, WorkerUnavailableError
 from tests.router.fakes import FakeWorker, Script, expected_tokens, orchestrator
 from tests.router.test_orchestrator import collect, request, run
-from workers.protocol import EngineOverloaded, EngineStats, KVSnapshot, WorkerRole
+from workers.contract.protocol import EngineOverloaded, EngineStats, KVSnapshot, WorkerRole
 
 BOTH, PREFILL, DECODE = WorkerRole.BOTH, WorkerRole.PREFILL, WorkerRole.DECODE
 GONE = WorkerUnavailableError("w0", "the process died")

@@ -14,7 +14,7 @@ from router.policy import (
     registered_policies,
 )
 from router.prefix_index import PrefixIndex
-from workers.protocol import BlockStored
+from workers.contract.protocol import BlockStored
 
 PROMPT = list(range(1, 11))  # ten block hashes
 

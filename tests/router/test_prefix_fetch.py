@@ -11,9 +11,9 @@ import pytest
 from router.policy import Decision, WorkerLoad, get_policy
 from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
 from tests.router.test_policy import PROMPT, index_with
-from workers.llm import LLM
-from workers.messages import Generate, PrefixFetch
-from workers.protocol import BlockStored, SamplingParams, WorkerRequest, hash_prompt_blocks
+from workers.engine.llm import LLM
+from workers.contract.messages import Generate, PrefixFetch
+from workers.contract.protocol import BlockStored, SamplingParams, WorkerRequest, hash_prompt_blocks
 
 
 def test_a_busy_holder_loses_the_request_to_an_idle_worker_that_pulls_its_prefix():

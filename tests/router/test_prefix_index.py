@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.prefix_index import PrefixIndex
 from tests.workers.factories import create_request, create_scheduler, fake_step
-from workers.protocol import (
+from workers.contract.protocol import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -20,7 +20,7 @@ from workers.protocol import (
     KVSnapshot,
     hash_prompt_blocks,
 )
-from workers.scheduler import Scheduler
+from workers.engine.scheduler import Scheduler
 
 
 def stored(epoch: str, seq: int, *hashes: int) -> BlockStored:

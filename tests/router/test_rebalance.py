@@ -14,8 +14,8 @@ from router.policy import WorkerLoad
 from router.rebalance import REBALANCE_GAP, pairs
 from tests.router.conftest import NUM_BLOCKS, slow_steps, start_server, wait_until
 from tests.router.test_metrics import scrape, total
-from workers.llm import LLM
-from workers.protocol import SamplingParams, WorkerRequest
+from workers.engine.llm import LLM
+from workers.contract.protocol import SamplingParams, WorkerRequest
 
 
 def _loads(**usage: float) -> LoadTable:

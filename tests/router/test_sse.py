@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.openai.sse import TextChunks, sse
-from workers.protocol import FinishReason, TokenEvent, TokenLogprob
+from workers.contract.protocol import FinishReason, TokenEvent, TokenLogprob
 
 HEAD = {"id": "cmpl-0f", "created": 1700000000, "model": "m\u00e9", "object": "text_completion"}
 

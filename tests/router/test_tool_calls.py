@@ -31,7 +31,7 @@ FAMILIES = {"llama": "llama3_json", "qwen2": "hermes", "mistral": "mistral"}
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def srv(request, tmp_path_factory):
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
 
     model = make_model(tmp_path_factory.mktemp(f"tools-{request.param}"), arch=request.param,
                        preset="tiny")

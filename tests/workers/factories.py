@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from workers.kv_cache import KVCacheManager
-from workers.protocol import SamplingParams
-from workers.request import Request
-from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.kv_cache import KVCacheManager
+from workers.contract.protocol import SamplingParams
+from workers.engine.request import Request
+from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 0
 
@@ -37,7 +37,7 @@ def fake_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
 def replay_events(events: list, medium: str = "device") -> set[int]:
     """The set of block hashes cached in tier `medium` that a consumer of the KV events would
     believe in."""
-    from workers.protocol import AllBlocksCleared, BlockRemoved, BlockStored
+    from workers.contract.protocol import AllBlocksCleared, BlockRemoved, BlockStored
 
     cached: set[int] = set()
     for event in events:

@@ -81,7 +81,7 @@ def test_a_step_past_its_bound_or_a_lost_rank_makes_the_engine_unhealthy(tiny_mo
     """The watchdog: a hung step shows in the published stats (read on a timer by the output
     channel's heartbeat) while it lasts; a step that lost a rank makes it unhealthy for good."""
     from kvtransfer import faults
-    from workers.parallel.group import RankGroupError
+    from workers.engine.parallel.group import RankGroupError
 
     llm = LLM(tiny_model, num_blocks=128)
     monkeypatch.setattr(faults, "ENABLED", True)
@@ -119,7 +119,7 @@ def test_the_engine_is_built_on_the_thread_its_steps_run_on(tiny_model, monkeypa
     import threading
 
     from workers import EngineConfig
-    from workers import async_engine as module
+    from workers.engine import async_engine as module
 
     seen: dict[str, set[int]] = {"init": set(), "step": set()}
 
@@ -150,7 +150,7 @@ def test_the_engine_is_built_on_the_thread_its_steps_run_on(tiny_model, monkeypa
 def test_shutdown_stops_a_running_request_at_once(tiny_model):
     """The step thread steps on its own between commands; shutdown stops it after its step, so
     a long request in flight fails with EngineShutDown instead of running to its end first."""
-    from workers.protocol import EngineShutDown
+    from workers.contract.protocol import EngineShutDown
 
     llm = LLM(tiny_model, num_blocks=256)
     long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)

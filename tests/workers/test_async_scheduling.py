@@ -1,4 +1,4 @@
-"""Async scheduling (`workers.async_step`): the same tokens and events as the synchronous engine,
+"""Async scheduling (`workers.engine.async_step`): the same tokens and events as the synchronous engine,
 no block leaked, and step N+1 planned and launched before step N's tokens are waited for."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.protocol import SamplingParams, WorkerRequest
-from workers.runner import ModelRunner
-from workers.structured_output import StructuredOutput
+from workers.engine.config import EngineConfig
+from workers.engine.core import Engine
+from workers.contract.protocol import SamplingParams, WorkerRequest
+from workers.engine.runner import ModelRunner
+from workers.contract.structured_output import StructuredOutput
 
 BASE = dict(num_blocks=64, block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
 

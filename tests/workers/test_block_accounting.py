@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from tests.workers.factories import (create_request, create_scheduler, fake_step,
                                      replay_events)
-from workers.protocol import FinishReason, hash_prompt_blocks
+from workers.contract.protocol import FinishReason, hash_prompt_blocks
 
 
 def check_pool(scheduler) -> None:
@@ -161,7 +161,7 @@ def test_prompt_logprob_rows_per_step_stay_within_the_profiled_bound():
     """Every prefill token of a prompt-logprobs request costs a row of vocabulary-sized logits:
     a step holds at most PROMPT_LOGPROB_TOKENS_PER_STEP of them, over every such request, while
     other requests still fill the token budget."""
-    from workers.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP as ROWS
+    from workers.engine.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP as ROWS
 
     sched = create_scheduler(num_blocks=2048, block_size=16, max_num_seqs=8,
                              max_num_batched_tokens=4096, max_model_len=4096)

@@ -13,7 +13,7 @@ import torch
 from tests.workers.factories import noise_paged_cache
 from workers.attention import cpu_backend
 from workers.attention.cpu_backend import KernelBuildError, build_kernel, paged_decode
-from workers.config import EngineConfig
+from workers.engine.config import EngineConfig
 
 pytestmark = pytest.mark.skipif(not cpu_backend.available(),
                                 reason="no C compiler here to build the cpu attention kernel")

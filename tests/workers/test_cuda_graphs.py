@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 
 from workers import LLM as _LLM
 from workers import SamplingParams, cuda_graphs, memory_profile
-from workers.memory_profile import profile_step, run_profile_step
-from workers.runner import KVCacheSpec, allocate_kv_caches
-from workers.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP
+from workers.engine.memory_profile import profile_step, run_profile_step
+from workers.engine.runner import KVCacheSpec, allocate_kv_caches
+from workers.engine.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP
 
 
 def LLM(model, **kwargs):  # noqa: N802 - the engine as these tests use it: on the CPU

@@ -13,7 +13,7 @@ What counts as a kernel:
 The count covers the model's forward and its logits (`compute_logits`) for a batch of two
 decoding sequences, divided by the number of decoder layers; the embedding, the final norm and
 the LM head are shared out over the layers. The C kernels that serve the CPU path
-(`workers.norm_rope`, `workers.small_gemm`) are switched off and the CUDA path's Triton kernels
+(`workers.kernels.norm_rope`, `workers.kernels.small_gemm`) are switched off and the CUDA path's Triton kernels
 (`workers.kernels`) switched on, so the ops are those a GPU runs.
 """
 
@@ -37,10 +37,11 @@ triton = pytest.importorskip("triton", reason="the GPU code path's kernels need 
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from workers import kernels, norm_rope  # noqa: E402
+from workers import kernels
+from workers.kernels import norm_rope  # noqa: E402
 from workers.attention import AttentionMetadata, get_backend  # noqa: E402
-from workers.loader import load_model  # noqa: E402
-from workers.model_config import ModelConfig  # noqa: E402
+from workers.models.loader import load_model  # noqa: E402
+from workers.models.model_config import ModelConfig  # noqa: E402
 
 MAX_KERNELS_PER_LAYER = 12
 BLOCK_SIZE = 16

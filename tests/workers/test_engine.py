@@ -6,8 +6,8 @@ import pytest
 
 from tests.workers.factories import replay_events
 from workers import LLM, FinishReason, InvalidRequestError, SamplingParams
-from workers.protocol import WorkerRequest
-from workers.request import Continuation
+from workers.contract.protocol import WorkerRequest
+from workers.engine.request import Continuation
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workers import LLM, SamplingParams
-from workers.protocol import KVCacheFull, WorkerRequest
+from workers.contract.protocol import KVCacheFull, WorkerRequest
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 16

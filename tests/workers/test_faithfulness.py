@@ -11,7 +11,7 @@ import pytest
 
 from tests.workers.hf_oracle import greedy_reference, save_hf_model
 from workers import LLM, SamplingParams
-from workers.protocol import WorkerRequest
+from workers.contract.protocol import WorkerRequest
 
 STEPS = 32
 PROMPTS = [

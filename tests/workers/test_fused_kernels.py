@@ -17,13 +17,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the fused kernels need the triton package")
 
 from tests.workers.interpreter_rounding import rounding_bf16_as_gpus_do  # noqa: E402,F401
-from workers import kernels, norm_rope  # noqa: E402
-from workers.attention.kv_quant import dequantize_kv, qmax  # noqa: E402
+from workers import kernels
+from workers.kernels import norm_rope  # noqa: E402
+from workers.kernels.kv_quant import dequantize_kv, qmax  # noqa: E402
 from workers.attention.torch_backend import write_kv  # noqa: E402
 from workers.kernels.act_mul import act_and_mul  # noqa: E402
 from workers.kernels.fused_norm import rms_norm  # noqa: E402
 from workers.kernels.rope_kv import rope_and_store  # noqa: E402
-from workers.model_config import RopeScaling  # noqa: E402
+from workers.models.model_config import RopeScaling  # noqa: E402
 from workers.models.gemma3 import GemmaRMSNorm  # noqa: E402
 from workers.models.layers import RMSNorm  # noqa: E402
 from workers.models.rotary import RotaryEmbedding  # noqa: E402
@@ -145,7 +146,7 @@ def test_rope_and_store_is_rotary_then_write_kv(torch_only, dtype, head_dim, sca
 def test_rope_and_store_quantizes_into_an_8_bit_cache_as_write_kv_does(torch_only, dtype,
                                                                         cache_dtype):
     """Each head's values by its absolute maximum and the fp32 scale after them
-    (`workers.attention.kv_quant`), byte for byte what the torch path stores."""
+    (`workers.kernels.kv_quant`), byte for byte what the torch path stores."""
     gen = torch.Generator().manual_seed(3)
     tokens, hq, hkv, head_dim, block_size = 5, 4, 2, 32, 4
     rot = _on_device(RotaryEmbedding(head_dim, 64, 10000.0, None, dtype=dtype))
@@ -198,9 +199,9 @@ def test_the_layers_share_one_rope_cache():
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])  # qwen3, gemma3: q/k norms
 def test_greedy_tokens_through_the_fused_kernels_are_the_torch_backends(
         tmp_path, monkeypatch, arch):
-    from workers.llm import LLM
-    from workers.make_model import make_model
-    from workers.protocol import SamplingParams
+    from workers.engine.llm import LLM
+    from workers.models.make_model import make_model
+    from workers.contract.protocol import SamplingParams
 
     path = str(make_model(tmp_path, arch=arch, preset="tiny"))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The fused decoder stack (`workers/fused_layer.py`, `csrc/decoder_layer.c`: a decode step's
+"""The fused decoder stack (`workers/models/fused_layer.py`, `csrc/decoder_layer.c`: a decode step's
 layers in one C call) against the same layers run one by one: the same hidden states and the
 same K/V written, bit for bit, at 1-8 rows, on any thread count; which models and batches take
 it; greedy tokens against transformers."""
@@ -10,16 +10,16 @@ import torch
 
 from tests.workers.factories import noise_paged_cache
 from workers import LLM, SamplingParams
-from workers import fused_layer as fused_module
+from workers.models import fused_layer as fused_module
 from workers.attention.backend import AttentionMetadata
 from workers.attention.registry import get_backend
-from workers.loader import load_model
-from workers.make_model import make_model
-from workers.model_config import ModelConfig
+from workers.models.loader import load_model
+from workers.models.make_model import make_model
+from workers.models.model_config import ModelConfig
 from workers.models.layers import Shard
 from workers.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
-from workers.parallel.comm import Communicator
-from workers.quant import int_kernels
+from workers.models.comm import Communicator
+from workers.kernels import int_gemm as int_kernels
 
 pytestmark = pytest.mark.skipif(not fused_module.available(),
                                 reason="no C compiler here to build the fused layer kernel")

@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the fused MoE kernels need the triton package")
 
 from tests.workers.interpreter_rounding import rounding_bf16_as_gpus_do  # noqa: E402,F401
-from workers import host_transfer, kernels  # noqa: E402
+from workers import kernels
+from workers.kernels import host_transfer  # noqa: E402
 from workers.kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
 from workers.models.layers import Shard  # noqa: E402
 from workers.models.moe import FusedExperts, route  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from workers.kv_cache.host_memory import advise_huge_pages, zeros
+from workers.engine.kv_cache.host_memory import advise_huge_pages, zeros
 
 
 def test_zeros_are_zero_with_the_asked_shape_and_dtype():

@@ -14,9 +14,9 @@ that *would* make the host wait for a GPU is caught where it is issued, and attr
 - `Tensor.tolist`, `.cpu`, `.item` and the `bool`/`int`/`float`/`__index__` conversions are
   wrapped: on CPU tensors (`.item()` under inference mode) they do not reach the dispatch mode.
 
-Each event is attributed by the Python stack: inside `workers.host_transfer.upload` it is the
+Each event is attributed by the Python stack: inside `workers.kernels.host_transfer.upload` it is the
 step's sanctioned asynchronous upload (pinned, non-blocking on a GPU: not a sync); inside
-`workers.host_transfer.download` it is the sanctioned token copy-back (one sync); inside
+`workers.kernels.host_transfer.download` it is the sanctioned token copy-back (one sync); inside
 Triton's interpreter it is the interpreter's own emulation (ignored); anywhere else it is a
 stray sync, reported with its file and line. The step runs its GPU forms
 (`host_transfer.simulate_gpu_paths`) with the Triton backend (in the interpreter) and the
@@ -47,11 +47,13 @@ pytestmark = pytest.mark.skipif(
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are first imported
 
-from workers import LLM, SamplingParams, cuda_graphs, host_transfer
-from workers.make_model import make_model
+from workers import LLM, SamplingParams
+from workers.engine import cuda_graphs
+from workers.kernels import host_transfer
+from workers.models.make_model import make_model
 from workers.models.layers import Shard
 from workers.models.moe import DENSE_MAX_TOKENS, FusedExperts, route
-from workers.runner import ModelRunner
+from workers.engine.runner import ModelRunner
 
 triton = pytest.importorskip("triton", reason="the GPU step path runs the Triton kernels")
 aten = torch.ops.aten

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.workers.factories import create_request, create_scheduler, fake_step
-from workers.kv_cache.hot_prefixes import HotPrefixes
-from workers.llm import LLM
-from workers.protocol import SamplingParams, hash_prompt_blocks
+from workers.engine.kv_cache.hot_prefixes import HotPrefixes
+from workers.engine.llm import LLM
+from workers.contract.protocol import SamplingParams, hash_prompt_blocks
 
 
 class Clock:

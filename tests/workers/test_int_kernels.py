@@ -1,4 +1,4 @@
-"""The CPU int8/int4 kernels (`workers/csrc/int_gemm.c`) called directly: they equal a
+"""The CPU int8/int4 kernels (`workers/kernels/csrc/int_gemm.c`) called directly: they equal a
 dequantize-then-matmul reference, read bf16 rows and write bf16 results with the same bits as
 the fp32 path followed by torch's cast, and give the same bits on one thread as on two."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.quant import int_kernels
+from workers.kernels import int_gemm as int_kernels
 
 pytestmark = pytest.mark.skipif(not int_kernels.available(),
                                 reason="the int8/int4 kernels need AVX-512 VNNI")

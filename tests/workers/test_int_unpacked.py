@@ -1,5 +1,5 @@
 """Many rows over int8/int4 weights packed for the VNNI kernels: `QuantizedMatmul` unpacks the
-weight to bf16 (`workers/csrc/int_dequant.c`) and runs a bf16 matmul from `UNPACK_ROWS` rows on.
+weight to bf16 (`workers/kernels/csrc/int_dequant.c`) and runs a bf16 matmul from `UNPACK_ROWS` rows on.
 The unpacked rows are the weight's values (int8 exactly, int4 rounded once to bf16), the matmul
 equals a dequantize-then-fp32 reference within what bf16 rounding allows, and an engine's greedy
 tokens are those of the VNNI kernels alone."""
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from workers import LLM, SamplingParams
-from workers.quant import int_kernels
+from workers.kernels import int_gemm as int_kernels
 from workers.quant.linear import UNPACK_ROWS, QuantizedMatmul
 
 pytestmark = pytest.mark.skipif(not int_kernels.dequant_available(),

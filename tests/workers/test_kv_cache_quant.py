@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from workers import LLM, SamplingParams
-from workers.attention.kv_quant import dequantize_kv, quantize_kv
-from workers.config import EngineConfig
-from workers.kv_cache.spec import KVCacheSpec
-from workers.messages import DecodeFromHandoff, Generate
-from workers.protocol import KVPullFailed, WorkerRequest
-from workers.worker import Worker
+from workers.kernels.kv_quant import dequantize_kv, quantize_kv
+from workers.engine.config import EngineConfig
+from workers.engine.kv_cache.spec import KVCacheSpec
+from workers.contract.messages import DecodeFromHandoff, Generate
+from workers.contract.protocol import KVPullFailed, WorkerRequest
+from workers.serving.worker import Worker
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
 

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from tests.router.conftest import API_KEY, NUM_BLOCKS, slow_steps, start_server, wait_until
-from workers.llm import LLM
-from workers.messages import Generate, MigratedKV, RequestMoved, Resume, ResumedSample
-from workers.protocol import InvalidRequestError, SamplingParams, WorkerRequest
-from workers.request import Continuation
+from workers.engine.llm import LLM
+from workers.contract.messages import Generate, MigratedKV, RequestMoved, Resume, ResumedSample
+from workers.contract.protocol import InvalidRequestError, SamplingParams, WorkerRequest
+from workers.engine.request import Continuation
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
-from workers.loader import WeightLoadError, load_model, random_weights
-from workers.model_config import ModelConfig
-from workers.models import LlamaForCausalLM, get_model_class
+from workers.models.loader import WeightLoadError, load_model, random_weights
+from workers.models.model_config import ModelConfig
+from workers.models.llama import LlamaForCausalLM
+from workers.models.registry import get_model_class
 
 transformers = pytest.importorskip("transformers")
 
@@ -247,8 +248,8 @@ import json, sys
 import torch
 import torch.distributed as dist
 from workers.attention import AttentionMetadata, get_backend
-from workers.loader import load_model
-from workers.model_config import ModelConfig
+from workers.models.loader import load_model
+from workers.models.model_config import ModelConfig
 
 rank, world, port, out, raw = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.checkpoint_shapes import hf_weight_shapes
-from workers.loader import load_model
-from workers.make_model import PRESETS, default_model_path, make_model
-from workers.model_config import ModelConfig
-from workers.models import LlamaForCausalLM
+from workers.models.checkpoint_shapes import hf_weight_shapes
+from workers.models.loader import load_model
+from workers.models.make_model import PRESETS, default_model_path, make_model
+from workers.models.model_config import ModelConfig
+from workers.models.llama import LlamaForCausalLM
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("workers.tokenizer.build", reason="tokenizer builder not written yet")
@@ -162,7 +162,7 @@ def test_default_model_is_built_once_even_when_processes_race(
 def test_config_only_checkpoint_with_dummy_weights_generates_like_the_written_one(
         tmp_path, tiny_model):
     from workers import LLM, SamplingParams
-    from workers.make_model import make_model
+    from workers.models.make_model import make_model
 
     bare = make_model(tmp_path / "bare", arch="llama", preset="tiny", weights=False)
     assert not list(bare.glob("*.safetensors"))

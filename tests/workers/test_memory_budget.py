@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from workers import memory_profile, runner
+from workers.engine import memory_profile, runner
 
 GIB = 1 << 30
 

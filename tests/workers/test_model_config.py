@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.model_config import ModelConfig, RopeScaling, resolve_dtype
+from workers.models.model_config import ModelConfig, RopeScaling, resolve_dtype
 from workers.models.rotary import compute_inv_freq
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""The CPU norm/rope kernel (`workers/norm_rope.py`): torch's results (bf16 bit for bit, fp32 to
+"""The CPU norm/rope kernel (`workers/kernels/norm_rope.py`): torch's results (bf16 bit for bit, fp32 to
 rounding), from views into the fused qkv output, refusing what it does not take (the model then
 uses torch), and out-of-range positions refused before anything is written."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import norm_rope
+from workers.kernels import norm_rope
 from workers.models.layers import RMSNorm
 from workers.models.rotary import RotaryEmbedding, _rotate_half
 

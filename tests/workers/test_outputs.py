@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from workers.outputs import KVEventLog, OutputHub
-from workers.protocol import (
+from workers.engine.outputs import KVEventLog, OutputHub
+from workers.contract.protocol import (
     BlockRemoved,
     BlockStored,
     EngineStats,

@@ -6,16 +6,16 @@ import dataclasses
 
 import pytest
 
-from workers.config import EngineConfig
-from workers.model_config import ModelConfig, MoEConfig
-from workers.parallel.messages import StepMessage
-from workers.parallel.pipeline import (
+from workers.engine.config import EngineConfig
+from workers.models.model_config import ModelConfig, MoEConfig
+from workers.engine.parallel.messages import StepMessage
+from workers.engine.parallel.pipeline import (
     MicroBatch,
     ideal_bubble_fraction,
     split_microbatches,
     stage_layers,
 )
-from workers.parallel.validate import check_parallel
+from workers.engine.parallel.validate import check_parallel
 
 RAW = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

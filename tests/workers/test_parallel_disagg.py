@@ -16,10 +16,10 @@ import pytest
 
 from tests.workers.hf_oracle import save_hf_model
 from workers import LLM, SamplingParams
-from workers.messages import DecodeFromHandoff
-from workers.protocol import WorkerRequest
-from workers.request import Request
-from workers.transfer import WorkerTransfer
+from workers.contract.messages import DecodeFromHandoff
+from workers.contract.protocol import WorkerRequest
+from workers.engine.request import Request
+from workers.serving.transfer import WorkerTransfer
 
 PROMPT = list(range(5, 40))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -163,8 +163,8 @@ def test_workers_of_different_tp_sizes_hand_off_over_tcp(request, tmp_path, pref
     """The same through `Worker` (what the router calls): one agent and lease per prefill
     rank (a latent: one lease, on rank 0), the decode ranks pulling their heads over real
     sockets, leases all released."""
-    from workers.config import EngineConfig
-    from workers.worker import Worker
+    from workers.engine.config import EngineConfig
+    from workers.serving.worker import Worker
 
     _, want = request.getfixturevalue(reference)
     path = str(tmp_path)

@@ -12,7 +12,7 @@ import torch
 
 from tests.workers.hf_oracle import greedy_reference, save_hf_model
 from workers import LLM, SamplingParams
-from workers.parallel.messages import StepMessage
+from workers.engine.parallel.messages import StepMessage
 
 STEPS = 32
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(20, 45))]

@@ -20,11 +20,11 @@ import torch
 
 from kvtransfer import AgentHostAddress
 from workers import SamplingParams
-from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.kv_cache.spec import KVCacheSpec
-from workers.parallel.executor import (
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig
+from workers.engine.core import Engine
+from workers.engine.kv_cache.spec import KVCacheSpec
+from workers.engine.parallel.executor import (
     GPU_GROUP_KV_ERROR,
     RANK_AGENTS_KV_ERROR,
     GroupExecutor,
@@ -32,8 +32,8 @@ from workers.parallel.executor import (
     KVCacheNotShared,
     rank_setups,
 )
-from workers.parallel.group import RankHandle, RankLauncher
-from workers.parallel.messages import (
+from workers.engine.parallel.group import RankHandle, RankLauncher
+from workers.engine.parallel.messages import (
     AllocateCaches,
     CaptureGraphs,
     GraphsCaptured,
@@ -45,10 +45,10 @@ from workers.parallel.messages import (
     StepMessage,
     StepReply,
 )
-from workers.parallel.rank import DeviceCacheSpec, RankSetup, rank_device
-from workers.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, SharedTensor
-from workers.protocol import WorkerRequest
-from workers.worker import Worker
+from workers.engine.parallel.rank import DeviceCacheSpec, RankSetup, rank_device
+from workers.engine.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, SharedTensor
+from workers.contract.protocol import WorkerRequest
+from workers.serving.worker import Worker
 
 FAVOURITE = 7  # the token every fake rank's logits pick
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from workers import LLM, SamplingParams, assembly
-from workers.parallel.graph_ladder import capture_sizes, padded_size
-from workers.parallel.messages import StepMessage
+from workers.engine.parallel.graph_ladder import capture_sizes, padded_size
+from workers.engine.parallel.messages import StepMessage
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(20, 45))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from workers.parallel.group import RankGroup, RankGroupError, SpawnLauncher
-from workers.parallel.messages import Ready, StepMessage
-from workers.parallel.rank import RankSetup, rank_main
+from workers.engine.parallel.group import RankGroup, RankGroupError, SpawnLauncher
+from workers.engine.parallel.messages import Ready, StepMessage
+from workers.engine.parallel.rank import RankSetup, rank_main
 
 STEP = StepMessage(1, (1,), (0,), (0,), (0, 1), (1,), ((0,),), 1, (0,))
 

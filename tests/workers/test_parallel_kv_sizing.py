@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tests.workers.test_parallel_gpu import FAVOURITE, GREEDY, FakeLauncher, options
-from workers.assembly import CPU_KV_CACHE_BYTES
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.kv_cache.spec import KVCacheSpec
-from workers.parallel.executor import GroupExecutor
-from workers.parallel.messages import AllocateCaches, MemoryReport, Shutdown, StepMessage
-from workers.parallel.rank_memory import KVProfile, KVSizing, group_num_blocks
-from workers.protocol import WorkerRequest
+from workers.engine.assembly import CPU_KV_CACHE_BYTES
+from workers.engine.config import EngineConfig
+from workers.engine.core import Engine
+from workers.engine.kv_cache.spec import KVCacheSpec
+from workers.engine.parallel.executor import GroupExecutor
+from workers.engine.parallel.messages import AllocateCaches, MemoryReport, Shutdown, StepMessage
+from workers.engine.parallel.rank_memory import KVProfile, KVSizing, group_num_blocks
+from workers.contract.protocol import WorkerRequest
 
 GIB = 2**30
 

@@ -17,12 +17,12 @@ import torch
 
 from tests.schemas import random_schema
 from workers import LLM, SamplingParams
-from workers.grammar import Grammars
-from workers.parallel.messages import SamplingRecord, SamplingRequest, StepMessage
-from workers.parallel.sampling import RankSampler, SamplingSync
-from workers.request import Request
-from workers.sampler import Sampler
-from workers.structured_output import StructuredOutput
+from workers.engine.grammar import Grammars
+from workers.engine.parallel.messages import SamplingRecord, SamplingRequest, StepMessage
+from workers.engine.parallel.sampling import RankSampler, SamplingSync
+from workers.engine.request import Request
+from workers.engine.sampler import Sampler
+from workers.contract.structured_output import StructuredOutput
 from workers.tokenizer import Tokenizer
 
 EOS = frozenset({2})

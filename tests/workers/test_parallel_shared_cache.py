@@ -11,9 +11,9 @@ import pickle
 import pytest
 import torch
 
-from workers.kv_cache.spec import KVCacheSpec
+from workers.engine.kv_cache.spec import KVCacheSpec
 
-from workers.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, map_tensors
+from workers.engine.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, map_tensors
 
 SHAPE = (2, 8, 4, 2, 8)  # [2, num_blocks, block_size, heads, head_dim]
 
@@ -43,8 +43,8 @@ def test_caches_are_zeroed_page_aligned_and_shared_through_their_descriptors():
 
 
 def test_a_group_that_fails_to_start_leaves_no_cache_file(tmp_path):
-    from workers.parallel.executor import GroupExecutor, GroupOptions
-    from workers.parallel.group import RankGroupError
+    from workers.engine.parallel.executor import GroupExecutor, GroupOptions
+    from workers.engine.parallel.group import RankGroupError
 
     options = GroupOptions(tp_size=1, pp_size=1, expert_parallel=False, model=str(tmp_path),
                            dtype="float32", load_format="auto", seed=0,

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it at @jit
 pytest.importorskip("triton", reason="the Triton quantized kernels need the triton package")
 
-from workers.quant.triton_kernels import fp8_gemm, int4_gemm, pack_int4_pairs  # noqa: E402
+from workers.kernels.quant_triton import fp8_gemm, int4_gemm, pack_int4_pairs  # noqa: E402
 from workers.quant.weights import Fp8Weight, IntWeight, expand_fp8_scales, quantize_fp8  # noqa: E402
 from workers.quant.weights import quantize_int  # noqa: E402
 

@@ -17,7 +17,7 @@ import torch
 from tests.workers.hf_oracle import greedy_reference, save_hf_model
 from tests.workers.quant_reference import dequantized_model, dequantized_state_dict
 from workers import LLM, SamplingParams
-from workers.loader import WeightLoadError
+from workers.models.loader import WeightLoadError
 from workers.quant.linear import QuantizedMatmul
 from workers.quant.scheme import parse_quantization
 from workers.quant.writer import quantize_checkpoint

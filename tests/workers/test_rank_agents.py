@@ -14,10 +14,10 @@ import pytest
 from kvtransfer import faults
 from tests.workers.hf_oracle import save_hf_model
 from workers import LLM, SamplingParams
-from workers.config import EngineConfig
-from workers.messages import DecodeFromHandoff
-from workers.protocol import KVPullFailed, WorkerRequest
-from workers.worker import Worker
+from workers.engine.config import EngineConfig
+from workers.contract.messages import DecodeFromHandoff
+from workers.contract.protocol import KVPullFailed, WorkerRequest
+from workers.serving.worker import Worker
 
 PROMPT = list(range(5, 40))
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

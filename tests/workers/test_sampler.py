@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.workers.factories import EOS, create_request
-from workers.sampler import Sampler
+from workers.engine.sampler import Sampler
 
 PROBS = [0.5, 0.3, 0.2, 0.0]  # token 3 impossible
 
@@ -75,8 +75,8 @@ def test_logprobs_are_of_the_raw_distribution():
 
 
 def test_seeds_are_64_bit_and_samples_of_n_derive_their_own():
-    from workers.protocol import InvalidRequestError, SamplingParams
-    from workers.sampler import position_seed, sample_seed
+    from workers.contract.protocol import InvalidRequestError, SamplingParams
+    from workers.engine.sampler import position_seed, sample_seed
 
     for bad in (2**63, -2**63 - 1, 2**70):
         with pytest.raises(InvalidRequestError, match="seed"):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from workers import LLM
-from workers import small_gemm as small_gemm_module
-from workers.small_gemm import SmallBatchMatmul, small_gemm, small_gemm_bf16_dot
+from workers.kernels import small_gemm as small_gemm_module
+from workers.kernels.small_gemm import SmallBatchMatmul, small_gemm, small_gemm_bf16_dot
 
 
 @pytest.mark.parametrize("n, k", [(64, 128), (37, 100), (5, 17), (130, 48), (1001, 64)])

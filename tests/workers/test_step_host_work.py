@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.workers.factories import create_request, create_scheduler, fake_step
-from workers.sampler import Sampler
+from workers.engine.sampler import Sampler
 
 
 def test_greedy_picks_the_first_of_tied_maxima_as_torch_argmax_does():

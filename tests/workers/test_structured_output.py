@@ -12,10 +12,10 @@ import pytest
 
 from tests.schemas import random_schema
 from workers import LLM, AsyncEngine, InvalidRequestError, SamplingParams
-from workers.grammar import Grammars, compilable_schema
-from workers.protocol import WorkerRequest
-from workers.request import Continuation
-from workers.structured_output import StructuredOutput
+from workers.engine.grammar import Grammars, compilable_schema
+from workers.contract.protocol import WorkerRequest
+from workers.engine.request import Continuation
+from workers.contract.structured_output import StructuredOutput
 
 SCHEMA = random_schema(5)
 

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the Triton attention kernels need the trit
 from tests.workers.factories import noise_paged_cache
 from workers.attention import AttentionMetadata, get_backend
 from workers.attention.decode_splits import DecodeScratch
-from workers.attention.kv_quant import dequantize_kv, quantize_kv
+from workers.kernels.kv_quant import dequantize_kv, quantize_kv
 from workers.attention.triton_backend import TritonAttentionBackend
 from workers.attention.triton_decode import paged_decode_attention
 from workers.attention.triton_prefill import paged_prefill_attention
@@ -156,7 +156,7 @@ def test_decode_reads_a_cache_stored_in_another_dtype():
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_reads_an_8_bit_cache_dequantized(cache_dtype, dtype):
-    """Each token's values times the scale stored after them (`workers.attention.kv_quant`),
+    """Each token's values times the scale stored after them (`workers.kernels.kv_quant`),
     over every split count: softmax attention over the dequantized cache."""
     seq_lens = [1, 17, 70, 200]
     paged = make_paged(seq_lens, 16, torch.float32)
@@ -322,8 +322,8 @@ def test_get_backend_says_triton_is_missing(monkeypatch):
 def test_llm_greedy_tokens_match_the_torch_backend(tiny_model, kv_cache_dtype):
     """Chunked prefill beside decodes and a prefix hit, over a full-precision cache and an int8
     one (the Triton path quantizes in its RoPE-and-store kernel, the torch path in torch)."""
-    from workers.llm import LLM
-    from workers.protocol import SamplingParams
+    from workers.engine.llm import LLM
+    from workers.contract.protocol import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [list(range(1, 41)), [7, 3, 9], list(range(1, 33)) + [100, 101]]

@@ -9,17 +9,17 @@ import dataclasses
 import pytest
 
 from tests.workers.factories import create_request, create_scheduler, fake_step
-from workers.config import EngineConfig
-from workers.kv_cache import KVCacheManager
-from workers.messages import Abort, DecodeFromHandoff, FailureKind, Generate, Resume
-from workers.protocol import (
+from workers.engine.config import EngineConfig
+from workers.engine.kv_cache import KVCacheManager
+from workers.contract.messages import Abort, DecodeFromHandoff, FailureKind, Generate, Resume
+from workers.contract.protocol import (
     EngineOverloaded,
     FinishReason,
     KVPullFailed,
     SamplingParams,
     WorkerRequest,
 )
-from workers.worker import Worker
+from workers.serving.worker import Worker
 
 NUM_BLOCKS = 48
 PROMPT = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 and a partial one

@@ -55,7 +55,7 @@ class AttentionBackend(abc.ABC):
 
     name: str
     # whether a pure-decode forward reads lengths and block tables only on the device, with no
-    # host sync or allocation that varies per step, so workers.cuda_graphs may capture it
+    # host sync or allocation that varies per step, so workers.engine.cuda_graphs may capture it
     cuda_graph_safe: bool = False
 
     @abc.abstractmethod

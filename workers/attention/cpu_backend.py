@@ -30,18 +30,18 @@ import torch
 
 from workers.attention.backend import AttentionMetadata
 from workers.attention.torch_backend import TorchAttentionBackend
-from workers.native import KernelBuildError, build_library, loads
+from workers.kernels.native import KernelBuildError, build_library, loads
 
 __all__ = ["KernelBuildError", "available", "build_kernel", "load_kernel", "paged_decode"]
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+SOURCE = Path(__file__).parents[1] / "kernels" / "csrc" / "paged_decode.c"
 KV_DTYPES = (torch.float32, torch.bfloat16)  # caches the kernel reads
 
 
 def build_kernel(compiler: str | None = None) -> Path:
-    """The compiled decode kernel (`workers.native.build_library`)."""
+    """The compiled decode kernel (`workers.kernels.native.build_library`)."""
     return build_library(SOURCE, compiler)
 
 

@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
-from workers.attention.kv_quant import as_copyable, read_kv, to_cache
+from workers.kernels.kv_quant import as_copyable, read_kv, to_cache
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V at their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]
     (a latent cache, [1, ...], stores k only: its keys are its values; an 8-bit cache stores
-    each head's values and scale, `workers.attention.kv_quant`)."""
+    each head's values and scale, `workers.kernels.kv_quant`)."""
     planes, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = as_copyable(kv_cache).view(planes, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, to_cache(k, kv_cache.dtype))

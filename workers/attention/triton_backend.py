@@ -38,7 +38,7 @@ class TritonAttentionBackend(AttentionBackend):
     stay valid."""
 
     name = "triton"
-    cuda_graph_safe = True  # read by workers.cuda_graphs
+    cuda_graph_safe = True  # read by workers.engine.cuda_graphs
     rotates_qk = True  # has forward_rotary: RoPE and the KV write in one kernel
 
     def __init__(self) -> None:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from workers.attention.decode_splits import MAX_SPLITS, DecodeScratch
-from workers.attention.kv_quant import is_quantized
+from workers.kernels.kv_quant import is_quantized
 from workers.attention.triton_tiles import (
     LOG2E,
     attend_tile,

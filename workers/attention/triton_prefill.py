@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention.kv_quant import is_quantized
+from workers.kernels.kv_quant import is_quantized
 from workers.attention.triton_tiles import (
     LOG2E,
     attend_tile,
@@ -28,7 +28,7 @@ from workers.attention.triton_tiles import (
     dot_config,
     output_buffer,
 )
-from workers.host_transfer import upload
+from workers.kernels.host_transfer import upload
 
 # Query rows and keys per tile. 64 x 64 with head_dim up to 128 keeps q, one K/V tile and the
 # accumulator in registers/shared memory at 4 warps on current NVIDIA parts; short chunks waste

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention.kv_quant import storage_head_dim
+from workers.kernels.kv_quant import storage_head_dim
 
 # softmax is computed in base 2 (exp2 is one instruction); logits are scaled by log2(e) first
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -28,7 +28,7 @@ def cached_rows(table, pos, pos_ok, kv_head, stride_cache_block, stride_cache_to
 @triton.jit
 def row_scales(rows_ptr, pos_ok, DIM: tl.constexpr):
     """The fp32 scale stored after each row's DIM values in an 8-bit cache
-    (`workers.attention.kv_quant`), one per key; 0 for keys that do not exist."""
+    (`workers.kernels.kv_quant`), one per key; 0 for keys that do not exist."""
     return tl.load((rows_ptr + DIM).to(tl.pointer_type(tl.float32)), mask=pos_ok, other=0.0)
 
 

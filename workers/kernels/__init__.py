@@ -11,7 +11,7 @@ torch fallback the callers use elsewhere:
 `use_triton(x)` says whether these kernels serve tensor x: on CUDA when triton is installed; on
 the CPU only when a test set `interpret_on_cpu` (and TRITON_INTERPRET=1 before the kernels'
 first import), so the interpreter proves the kernels there. The CPU path proper keeps its C
-kernels (`workers.norm_rope`): the interpreter is orders of magnitude slower.
+kernels (`workers.kernels.norm_rope`): the interpreter is orders of magnitude slower.
 
 The modules with kernels import triton; they are imported only when `use_triton` says yes.
 """

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.attention.kv_quant import is_quantized, qmax, storage_head_dim
+from workers.kernels.kv_quant import is_quantized, qmax, storage_head_dim
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _e4m3_rounded(x):
 @triton.jit
 def _quantized(x, scale, cache_ptr, QMAX: tl.constexpr, INT8: tl.constexpr):
     """x [heads, n] (fp32) divided by each head's `scale` [heads] into the 8-bit cache's dtype,
-    as `workers.attention.kv_quant.quantize_kv` does (int8 rounded half to even)."""
+    as `workers.kernels.kv_quant.quantize_kv` does (int8 rounded half to even)."""
     scaled = x / scale[:, None]
     if INT8:
         scaled = tl.minimum(tl.maximum(_round_half_even(scaled), -QMAX), QMAX)
@@ -145,7 +145,7 @@ def rope_and_store(
             or cos_sin_cache.shape[-1] != dim):
         raise ValueError(
             f"expected q [T, Hq, D], k and v [T, Hkv, D], kv_cache [2, blocks, block_size, Hkv, "
-            f"D] (D + 16 when 8-bit: `workers.attention.kv_quant`) and cos_sin_cache "
+            f"D] (D + 16 when 8-bit: `workers.kernels.kv_quant`) and cos_sin_cache "
             f"[max_position, D] with D even; got q {tuple(q.shape)}, k "
             f"{tuple(k.shape)}, v {tuple(v.shape)}, kv_cache {tuple(kv_cache.shape)}, "
             f"cos_sin_cache {tuple(cos_sin_cache.shape)}")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
-from workers.model_config import ModelConfig
+from workers.models.model_config import ModelConfig
 from workers.models.layers import (
     QKVParallelLinear,
     RMSNorm,

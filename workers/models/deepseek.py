@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
-from workers.model_config import ModelConfig
-from workers.moe_config import MoEConfig
+from workers.models.model_config import ModelConfig
+from workers.models.moe_config import MoEConfig
 from workers.models.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,

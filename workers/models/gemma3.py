@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
-from workers.model_config import ModelConfig
+from workers.models.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
 from workers.models.layers import RMSNorm, Shard
 from workers.models.llama import LlamaForCausalLM, LlamaModel

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers import norm_rope
+from workers.kernels import norm_rope
 from workers.kernels import use_triton
-from workers.parallel.comm import Communicator
+from workers.models.comm import Communicator
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
         _sharded_copy(param, loaded_weight, 0, self.tp_rank * size, size)
 
     # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
-    # weight's (workers.quant.linear), or a few rows on the CPU (workers.small_gemm); None:
+    # weight's (workers.quant.linear), or a few rows on the CPU (workers.kernels.small_gemm); None:
     # F.linear
     matmul: Callable[..., torch.Tensor] | None = None
 
@@ -156,7 +156,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = _make_param((output_size,), default_weight_loader) if bias else None
 
     # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
-    # weight's (workers.quant.linear), or a few rows on the CPU (workers.small_gemm); None:
+    # weight's (workers.quant.linear), or a few rows on the CPU (workers.kernels.small_gemm); None:
     # F.linear
     matmul: Callable[..., torch.Tensor] | None = None
 
@@ -237,7 +237,7 @@ class RowParallelLinear(nn.Module):
         _sharded_copy(param, loaded_weight, 1, self.tp_rank * size, size)
 
     # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
-    # weight's (workers.quant.linear), or a few rows on the CPU (workers.small_gemm); None:
+    # weight's (workers.quant.linear), or a few rows on the CPU (workers.kernels.small_gemm); None:
     # F.linear
     matmul: Callable[..., torch.Tensor] | None = None
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.kernels import use_triton
-from workers.model_config import ModelConfig
+from workers.models.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
 from workers.models.layers import (
     MergedColumnParallelLinear,
@@ -30,8 +30,8 @@ from workers.models.layers import (
 from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:
-    from workers.fused_layer import FusedDecoderStack
-    from workers.small_gemm import SmallBatchMLP
+    from workers.models.fused_layer import FusedDecoderStack
+    from workers.kernels.small_gemm import SmallBatchMLP
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 MlpFactory = Callable[[int], tuple[str, nn.Module]]  # layer index -> (name, MLP module)
@@ -62,7 +62,7 @@ class LlamaMLP(nn.Module):
         )
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
-    # a few fp32 rows on the CPU through one fused kernel (workers.small_gemm.SmallBatchMLP),
+    # a few fp32 rows on the CPU through one fused kernel (workers.kernels.small_gemm.SmallBatchMLP),
     # set at load where both projections take it; None: the two projections one by one
     small_batch: SmallBatchMLP | None = None
 
@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
     group, the stage's layers and expert parallelism. Parameters never require grad.
     """
 
-    cuda_graph_safe = True  # a decode step's forward has no host syncs (workers.cuda_graphs)
+    cuda_graph_safe = True  # a decode step's forward has no host syncs (workers.engine.cuda_graphs)
 
     def __init__(
         self, config: ModelConfig, attn_backend: AttentionBackend, tp_rank: int = 0,

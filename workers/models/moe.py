@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.host_transfer import gpu_paths
+from workers.kernels.host_transfer import gpu_paths
 from workers.kernels import use_triton
 from workers.models.layers import ReplicatedLinear, Shard, WeightShapeError, _make_param
-from workers.moe_config import MoEConfig
-from workers.parallel.comm import Communicator
+from workers.models.moe_config import MoEConfig
+from workers.models.comm import Communicator
 
 GATE, UP, DOWN = 0, 1, 2  # shard ids of an expert's w1/gate_proj, w3/up_proj, w2/down_proj
 DENSE_MAX_TOKENS = 64  # on a GPU without Triton, steps up to this many tokens run every expert

@@ -9,8 +9,8 @@ import weakref
 import torch
 from torch import nn
 
-from workers import norm_rope
-from workers.model_config import RopeScaling
+from workers.kernels import norm_rope
+from workers.models.model_config import RopeScaling
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.models.layers import _check_shape, _comm_for, _linear, _make_param, _sharded_copy
-from workers.parallel.comm import Communicator
+from workers.models.comm import Communicator
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from workers.quant import int_kernels
+from workers.kernels import int_gemm as int_kernels
 from workers.quant.scheme import QuantScheme
 
 INT4_GROUPS = (32, 64, 128, 256)
@@ -117,7 +117,7 @@ def _swap(module: nn.Module, scheme: QuantScheme, kernel: str) -> None:
 class QuantizedMatmul:
     """y = x W^T for a layer whose W is held packed; `pack` runs once, after loading.
 
-    With AVX-512 VNNI (`workers.quant.int_kernels`) the weights are blocked for Cleave's own
+    With AVX-512 VNNI (`workers.kernels.int_gemm`) the weights are blocked for Cleave's own
     kernels, activations quantized to int8 in blocks of 32 columns (one row, a 0.6B model's
     weights out of cache: int8 2.7x torch's weight-only kernel, int4 1.4x; in cache 2.0x and
     1.7x). Those take 4 rows of x per pass and are compute-bound past a few rows (50-90 GMAC/s
@@ -130,7 +130,7 @@ class QuantizedMatmul:
     the least accurate of the three (an int8 1024 x 1408 layer, 128 rows with 8 outlier
     columns x20: relative error bf16 2.4e-3, the VNNI kernels' 32-column blocks 7.3e-3, per-row
     int8 4.6e-2). The decode step's few rows stay
-    on the VNNI kernels (and the fused decoder stack's C, `workers.fused_layer`).
+    on the VNNI kernels (and the fused decoder stack's C, `workers.models.fused_layer`).
     Otherwise torch's: int8 weight-only below `INT8_ACTIVATION_ROWS` rows and `torch._int_mm`
     from there, int4 weight-only (tinygemm).
     """

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from workers.protocol import SamplingParams
+    from workers.contract.protocol import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context for the first output tokens (enough for any decoder's lookback).

@@ -1,0 +1,300 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookups."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from workers.engine.kv_cache.block_pool import BlockPool, KVBlock
+from workers.engine.kv_cache.events import KVEventLog
+from workers.engine.kv_cache.host_tier import NO_COPIES, BlockCopies, HostTier
+from workers.engine.kv_cache.hot_prefixes import HotPrefixes
+from workers.contract.protocol import hash_block
+from workers.engine.request import Request
+
+
+class HostHit(NamedTuple):
+    """A prefix hit in the host tier: the block's KV is copied into a fresh device block."""
+
+    block_hash: int
+
+
+class KVCacheManager:
+    """Owns which blocks each request holds. Never touches tensors.
+
+    Contract: `allocate_slots` either gives a request room for its next tokens or changes
+    nothing; `free` returns every block the request holds; `cache_blocks` registers the
+    request's newly computed full blocks in the prefix cache.
+
+    `window`: set when every layer attends over a sliding window of that many tokens (Mistral).
+    Then `allocate_slots` first returns (cached: they stay hits) the blocks no later query can
+    see, except of requests held for a KV handoff. Their table entries repeat the first live
+    block's id: attention never reads them (the kernels start at the window; torch masks).
+
+    `host_blocks`: the size of the host-memory tier (`workers.engine.kv_cache.host_tier`; 0: none).
+    Prefix hits there are brought back by copies the runner makes before the step's forward
+    pass (`take_copies`). `hot`: the prefixes hit lately, and what they saved.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 window: int | None = None, host_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.window = window
+        self.enable_caching = enable_caching
+        self.events = KVEventLog(block_size, enabled=enable_caching)
+        self.host = (HostTier(host_blocks, self.events)
+                     if host_blocks > 0 and enable_caching else None)
+        self.pool = BlockPool(num_blocks, self.events, enable_caching, self.host)
+        self._blocks: dict[str, list[KVBlock | None]] = {}  # None: out of the window, returned
+        # each request's block ids, in token order: rebuilt only when its blocks change, so the
+        # scheduler hands the same tuple to every step in between
+        self._tables: dict[str, tuple[int, ...]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
+        self._num_dropped: dict[str, int] = {}  # leading blocks returned, out of the window
+        self._held: dict[str, list[KVBlock]] = {}  # finished requests' blocks kept for a handoff
+        self.hot = HotPrefixes()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(self._tables.get(request_id, ()))
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """The request's block ids in token order; the same object until its blocks change."""
+        return self._tables.get(request_id, ())
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._blocks
+
+    def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
+        hashes, size = req.block_hashes, self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None,
+                                     req.all_token_ids[i * size:(i + 1) * size],
+                                     req.cache_salt if i == 0 else None))
+
+    def get_computed_blocks(self, req: Request) -> list[KVBlock | HostHit]:
+        """The longest run of the request's leading full blocks found in the prefix cache: in
+        the device pool (a `KVBlock`) or else in the host tier (a `HostHit`).
+
+        Leaves at least one token to compute (its logits give the next token). Requests that
+        want prompt logprobs compute everything. Takes no references.
+        """
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, max_blocks)
+        hits: list[KVBlock | HostHit] = []
+        host = self.host
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is not None:
+                hits.append(block)
+            elif host is not None and block_hash in host:
+                hits.append(HostHit(block_hash))
+            else:
+                break
+        return hits
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed: list[KVBlock | HostHit] | None = None, *,
+                       save_evicted: bool = True) -> bool:
+        """Make room for `num_new_tokens` after the request's computed tokens (and after the
+        prefix hits `computed`: references on the device ones, fresh blocks the host ones are
+        copied into). False, and no change, when the pool is short of blocks. `save_evicted`
+        False: the cache entries evicted for room are dropped, not saved to the host tier (the
+        caller writes the blocks before the next step: a KV handoff)."""
+        self._drop_out_of_window(req)
+        blocks = self._blocks.get(req.request_id, [])
+        total = req.num_computed_tokens + num_new_tokens
+        if blocks and not computed and total <= len(blocks) * self.block_size:
+            return True  # fits the blocks it has (most decode steps)
+        computed = computed or []
+        on_device = [b for b in computed if isinstance(b, KVBlock)]
+        total += len(computed) * self.block_size
+        needed = self.num_blocks_for(total) - len(blocks) - len(on_device)
+        revived = sum(1 for b in on_device if b.ref_cnt == 0)  # leave the free list when touched
+        if max(needed, 0) > self.pool.num_free_blocks - revived:
+            return False
+        self.pool.touch(on_device)
+        from_host = [h.block_hash for h in computed if isinstance(h, HostHit)]
+        if from_host:
+            self.host.protect(from_host)  # type: ignore[union-attr]  # the saves below keep them
+        fresh = self.pool.allocate(needed, save_evicted) if needed > 0 else []
+        blocks = self._blocks.setdefault(req.request_id, blocks)
+        if computed:
+            self._place_hits(req, blocks, computed, fresh[:len(from_host)])
+            fresh = fresh[len(from_host):]
+        blocks.extend(fresh)
+        self._tables[req.request_id] = _table(blocks)
+        return True
+
+    def _place_hits(self, req: Request, blocks: list[KVBlock | None],
+                    computed: list[KVBlock | HostHit], targets: list[KVBlock]) -> None:
+        """Append the hits in token order; each host hit's KV is loaded into the next target,
+        which enters the device cache at once (the load runs before any step reads it)."""
+        targets_left = iter(targets)
+        first = len(blocks)
+        for hit in computed:
+            if isinstance(hit, HostHit):
+                block = next(targets_left)
+                self.host.load(hit.block_hash, block.block_id)  # type: ignore[union-attr]
+                blocks.append(block)
+            else:
+                blocks.append(hit)
+        if targets:
+            placed: list[KVBlock] = blocks[first:]  # type: ignore[assignment]  # no None here
+            self.pool.cache(placed, req.block_hashes[first:len(blocks)],
+                            req.block_hashes[first - 1] if first else None,
+                            req.all_token_ids[first * self.block_size:
+                                              len(blocks) * self.block_size])
+        self._num_cached_blocks[req.request_id] = n = len(blocks)
+        self.hot.record(req.block_hashes[:n], req.all_token_ids[:n * self.block_size])
+
+    def take_copies(self) -> BlockCopies:
+        """The tier copies the next step must make before its forward pass (saves of evicted
+        blocks, then loads of host hits); none without a host tier."""
+        return self.host.take_copies() if self.host is not None else NO_COPIES
+
+    def _drop_out_of_window(self, req: Request) -> None:
+        """Return the request's blocks wholly before its next query's window (see the class)."""
+        blocks = self._blocks.get(req.request_id)
+        if self.window is None or req.hold_kv or not blocks:
+            return
+        first_seen = req.num_computed_tokens - self.window + 1  # the next query's first key
+        dead = min(max(first_seen, 0) // self.block_size, len(blocks))
+        done = self._num_dropped.get(req.request_id, 0)
+        if dead <= done:  # most steps: nothing new left the window
+            return
+        # cached first (blocks pulled from another worker are not yet): they stay hits
+        self.cache_blocks(req)
+        dropped = blocks[done:dead]
+        blocks[done:dead] = [None] * (dead - done)
+        self._num_dropped[req.request_id] = dead
+        self.pool.release([b for b in dropped[::-1] if b is not None])
+        self._tables[req.request_id] = _table(blocks)
+
+    def cache_blocks(self, req: Request) -> None:
+        """Register the request's full, computed blocks that are not in the cache yet."""
+        if not self.enable_caching:
+            return
+        rid = req.request_id
+        done = self._num_cached_blocks.get(rid, 0)
+        full = min(req.num_computed_tokens // self.block_size, len(self._blocks.get(rid, ())))
+        if full <= done:
+            return
+        self._extend_hashes(req, full)
+        size = self.block_size
+        self.pool.cache(self._blocks[rid][done:full], req.block_hashes[done:full],
+                        req.block_hashes[done - 1] if done else None,
+                        req.all_token_ids[done * size:full * size])
+        self._num_cached_blocks[rid] = full
+
+    def free(self, req: Request) -> None:
+        """Return every block the request holds (tail first: its last blocks evict first)."""
+        blocks = self._blocks.pop(req.request_id, [])
+        self._tables.pop(req.request_id, None)
+        self._num_cached_blocks.pop(req.request_id, None)
+        self._num_dropped.pop(req.request_id, None)
+        self.pool.release([b for b in blocks[::-1] if b is not None])
+
+    def hold(self, req: Request) -> None:
+        """Keep a finished request's blocks (a KV handoff reads them) until `free_held`."""
+        blocks = self._blocks.pop(req.request_id, [])
+        if None in blocks:  # hold_kv requests keep every block: never reached
+            raise RuntimeError(f"request {req.request_id!r} lost blocks out of its window")
+        self._held[req.request_id] = blocks  # type: ignore[assignment]
+        self._tables.pop(req.request_id, None)
+        self._num_cached_blocks.pop(req.request_id, None)
+
+    def hold_prefix(self, hold_id: str, block_hashes: Sequence[int]) -> list[int]:
+        """Hold the device blocks of the leading `block_hashes` found in the prefix cache (up
+        to the first miss) for another worker to pull, until `free_held(hold_id)`; their ids in
+        token order ([] when the first is not cached, and nothing is held)."""
+        self._check_new_hold(hold_id)
+        blocks: list[KVBlock] = []
+        for block_hash in block_hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        if blocks:
+            self.pool.touch(blocks)
+            self._held[hold_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def reserve(self, hold_id: str, num_blocks: int) -> list[int] | None:
+        """Hold `num_blocks` fresh blocks for a pull to fill (what they evict is not saved to
+        the host tier: the pull writes them first), until `cache_reserved` or `free_held`.
+        None, and nothing held, when that many are not free."""
+        self._check_new_hold(hold_id)
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(num_blocks, save_evicted=False)
+        self._held[hold_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def cache_reserved(self, hold_id: str, block_hashes: Sequence[int],
+                       token_ids: Sequence[int]) -> None:
+        """The reserved blocks hold the KV of the prompt's leading `block_hashes` (of
+        `token_ids`): they enter the prefix cache and are released, free but findable, so the
+        request that follows finds them as hits."""
+        blocks = self._held.pop(hold_id)
+        if len(block_hashes) != len(blocks):
+            raise ValueError(f"{hold_id!r}: {len(block_hashes)} hashes for {len(blocks)} "
+                             "reserved blocks")
+        self.pool.cache(blocks, list(block_hashes), None, list(token_ids))
+        self.pool.release(blocks[::-1])
+
+    def hold_leading(self, hold_id: str, request_id: str, num_blocks: int) -> list[int]:
+        """Hold a running request's first `num_blocks` blocks (one more reference) for another
+        worker to pull until `free_held(hold_id)`; their ids. Refused past a sliding window."""
+        self._check_new_hold(hold_id)
+        blocks = self._blocks.get(request_id, [])[:num_blocks]
+        if any(b is None for b in blocks):
+            raise ValueError(f"request {request_id!r} returned blocks out of its window")
+        if blocks:
+            self.pool.touch(blocks)  # type: ignore[arg-type]
+            self._held[hold_id] = list(blocks)  # type: ignore[arg-type]
+        return [b.block_id for b in blocks]  # type: ignore[union-attr]
+
+    def adopt(self, hold_id: str, request_id: str) -> None:
+        """Held blocks (reserved, and filled by a pull) become a new request's first blocks."""
+        if request_id in self._blocks:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        blocks = self._held.pop(hold_id, [])
+        self._blocks[request_id] = blocks  # type: ignore[assignment]
+        self._tables[request_id] = _table(blocks)  # type: ignore[arg-type]
+
+    def _check_new_hold(self, hold_id: str) -> None:
+        if hold_id in self._held or hold_id in self._blocks:
+            raise ValueError(f"{hold_id!r} already holds blocks here")
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The held blocks of a finished request, in token order; [] when none are held."""
+        return [b.block_id for b in self._held.get(request_id, ())]
+
+    def free_held(self, request_id: str) -> bool:
+        """Return a finished request's held blocks; False (harmless) when none are held."""
+        blocks = self._held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.release(blocks[::-1])
+        return True
+
+    num_held_requests = property(lambda self: len(self._held))
+
+    def reset_prefix_cache(self) -> bool:
+        self.hot.clear()
+        return self.pool.reset_prefix_cache()
+
+
+def _table(blocks: list[KVBlock | None]) -> tuple[int, ...]:
+    """Block ids in token order; a returned block's entry repeats the first live block's id."""
+    live = next((b.block_id for b in blocks if b is not None), 0)
+    return tuple(live if b is None else b.block_id for b in blocks)

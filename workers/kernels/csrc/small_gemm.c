@@ -1,0 +1,260 @@
+/* Small-batch matmul for the CPU: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (a decode
+ * step's tokens), weights fp32 or bf16, activations and output fp32.
+ *
+ * A decode step of a small model reads every weight once per token: the step is bound by memory
+ * bandwidth. torch's fp32 `linear` with one row goes to MKL's sgemv, which runs on one thread
+ * (2.4 ms for a 5632 x 2048 weight on this 2-core machine with 1 or 2 threads: 19 GB/s, where
+ * a streaming read reaches 35). Here `num_threads` OpenMP threads (torch's own pool: the library
+ * links the same libgomp) take chunks of output rows as they ask (chunks.h); a tile of 4 weight
+ * rows is read once and multiplied by up to 4 input rows held in 16 accumulators of 16 floats
+ * (AVX-512 through GCC's vector extensions; pairs of AVX registers elsewhere), so each weight
+ * byte crosses the memory bus once per 4 tokens. More than 4 input rows run in blocks of 4.
+ *
+ * bf16 weights are widened to fp32 in registers (a bf16 is the top half of an fp32). With one row
+ * of x, 8 weight rows go at a time (more reads in flight). int8 and int4 weights go through
+ * torch's own kernels (workers/quant/linear.py): versions of this loop widening bytes were no
+ * faster than them (int8: 16-21 GB/s both, on weights out of cache).
+ *
+ * bf16 activations against bf16 weights (a bf16 model's layers and output projection) go through
+ * AVX512-BF16's pairwise dot products where the CPU has them (`small_gemm_bf16_dot`): 32 weights
+ * per instruction, no widening, so the loop keeps up with memory. The products of two bf16 are
+ * exact in fp32; the sums are fp32, pairs first (the widening loop's order differs in rounding
+ * only); denormal inputs count as zero (the instruction's rule).
+ *
+ * Built at first use by workers/kernels/native.py: cc -O3 -march=native -ffast-math -fopenmp.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chunks.h"
+#include "kernels.h"
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+#define VL 16
+#define ROWS 4 /* weight rows per tile */
+#define MB 4   /* input rows per pass */
+
+static inline vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf load_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+static inline float widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One tile: rows [n0, n0 + nr) of w against input rows [m0, m0 + mr). Inlined into calls with
+ * constant counts (`DEFINE_ROWS`), so the accumulators live in registers: with the counts left
+ * variable GCC kept them in memory. */
+#define DEFINE_TILE(NAME, WTYPE, LOAD, SCALAR)                                                \
+    static inline __attribute__((always_inline)) void NAME(                                   \
+        const float *x, const WTYPE *w, float *y, int64_t N, int64_t K, int64_t m0,           \
+        int64_t n0, const int mr, const int nr) {                                             \
+        vf acc[MB][2 * ROWS];                                                                 \
+        for (int i = 0; i < mr; i++)                                                          \
+            for (int j = 0; j < nr; j++) acc[i][j] = (vf){0};                                 \
+        int64_t k = 0;                                                                        \
+        for (; k + VL <= K; k += VL) {                                                        \
+            vf wv[2 * ROWS];                                                                  \
+            for (int j = 0; j < nr; j++) wv[j] = LOAD(w + (n0 + j) * K + k);                  \
+            for (int i = 0; i < mr; i++) {                                                    \
+                vf xv = load_f32(x + (m0 + i) * K + k);                                       \
+                for (int j = 0; j < nr; j++) acc[i][j] += xv * wv[j];                         \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < mr; i++)                                                          \
+            for (int j = 0; j < nr; j++) {                                                    \
+                float s = hsum(acc[i][j]);                                                    \
+                for (int64_t t = k; t < K; t++)                                               \
+                    s += x[(m0 + i) * K + t] * SCALAR(w[(n0 + j) * K + t]);                   \
+                y[(m0 + i) * N + n0 + j] = s;                                                 \
+            }                                                                                 \
+    }
+
+#define IDENTITY(v) (v)
+DEFINE_TILE(tile_f32, float, load_f32, IDENTITY)
+DEFINE_TILE(tile_bf16, uint16_t, load_bf16, widen)
+
+/* Every tile of output rows [start, end), each read once for all M input rows: a tile (4 rows of
+ * K weights, 8-90 KB) stays in the core's caches while every block of 4 input rows passes over
+ * it. (Blocks of input rows outside, tiles inside, read the weights from memory once per 4 input
+ * rows: at 8 rows the `small` preset's fp32 decode step took 4.3x its one-row time.) Constant
+ * counts for full tiles; one input row takes 8 weight rows at a time. Each output's sum runs over
+ * k in the same order whatever the tile, so results do not depend on the split. */
+#define DEFINE_ROWS(NAME, TILE, XTYPE, WTYPE)                                                 \
+    static void NAME(const XTYPE *x, const WTYPE *w, float *y, int64_t M, int64_t N,          \
+                     int64_t K, int64_t start, int64_t end) {                                 \
+        for (int64_t n0 = start; n0 < end;) {                                                 \
+            if (M == 1 && end - n0 >= 2 * ROWS) {                                             \
+                TILE(x, w, y, N, K, 0, n0, 1, 2 * ROWS);                                      \
+                n0 += 2 * ROWS;                                                               \
+                continue;                                                                     \
+            }                                                                                 \
+            const int nr = end - n0 < ROWS ? (int)(end - n0) : ROWS;                          \
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {                                          \
+                const int mr = M - m0 < MB ? (int)(M - m0) : MB;                              \
+                if (nr < ROWS) TILE(x, w, y, N, K, m0, n0, mr, nr);                           \
+                else if (mr == 4) TILE(x, w, y, N, K, m0, n0, 4, ROWS);                       \
+                else if (mr == 3) TILE(x, w, y, N, K, m0, n0, 3, ROWS);                       \
+                else if (mr == 2) TILE(x, w, y, N, K, m0, n0, 2, ROWS);                       \
+                else TILE(x, w, y, N, K, m0, n0, 1, ROWS);                                    \
+            }                                                                                 \
+            n0 += nr;                                                                         \
+        }                                                                                     \
+    }
+
+DEFINE_ROWS(rows_f32, tile_f32, float, float)
+DEFINE_ROWS(rows_bf16, tile_bf16, float, uint16_t)
+
+/* `ROWS_FN(x, w, y, M, N, K, start, end)` on `num_threads` threads, over chunks of rows
+ * (chunks.h). */
+#define OVER_THREADS(ROWS_FN)                                                                 \
+    do {                                                                                      \
+        if (num_threads < 1) num_threads = 1;                                                 \
+        _Pragma("omp parallel num_threads(num_threads)")                                      \
+        FOR_EACH_CHUNK(N, ROWS, num_threads, ROWS_FN(x, w, y, M, N, K, start, end));          \
+    } while (0)
+
+int small_gemm_f32(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                   int num_threads) {
+    OVER_THREADS(rows_f32);
+    return 0;
+}
+
+int small_gemm_bf16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads) {
+    OVER_THREADS(rows_bf16);
+    return 0;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+
+/* Rows [n0, n0 + NR) of w against rows [m0, m0 + MR) of x, all bf16, K a multiple of 32 for
+ * the vector loop (the rest widened one by one). */
+static inline __attribute__((always_inline)) void tile_dot(
+    const uint16_t *x, const uint16_t *w, float *y, int64_t N, int64_t K, int64_t m0,
+    int64_t n0, const int mr, const int nr) {
+    __m512 acc[MB][2 * ROWS];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[2 * ROWS];
+        for (int j = 0; j < nr; j++) {
+            /* rows of 1-8 KB read side by side: the hardware prefetcher alone lags */
+            _mm_prefetch((const char *)(w + (n0 + j) * K + k) + 1024, _MM_HINT_T0);
+            wv[j] = (__m512bh)_mm512_loadu_si512((const void *)(w + (n0 + j) * K + k));
+        }
+        for (int i = 0; i < mr; i++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + i) * K + k));
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            float s = _mm512_reduce_add_ps(acc[i][j]);
+            for (int64_t t = k; t < K; t++)
+                s += widen(x[(m0 + i) * K + t]) * widen(w[(n0 + j) * K + t]);
+            y[(m0 + i) * N + n0 + j] = s;
+        }
+}
+
+DEFINE_ROWS(rows_dot, tile_dot, uint16_t, uint16_t)
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+int small_gemm_has_bf16_dot(void) { return HAVE_BF16_DOT; }
+
+/* bf16 x times bf16 w; -1 where the CPU (or compiler) has no AVX512-BF16. */
+int small_gemm_bf16_dot(const uint16_t *x, const uint16_t *w, float *y, int64_t M, int64_t N,
+                        int64_t K, int num_threads) {
+#if HAVE_BF16_DOT
+    OVER_THREADS(rows_dot);
+    return 0;
+#else
+    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return -1;
+#endif
+}
+
+/* A gated MLP's few rows in one parallel region (`small_mlp_f32`): y = down(act(x gate^T) *
+ * (x up^T)), w_gate_up [2I, H] (the gate's I rows, then the up's), w_down [H, I], all fp32;
+ * act: SiLU, or GELU's tanh form (`gelu`). The threads take chunks of gate/up rows, then
+ * (after a barrier) each its share of the activation, then (after another) chunks of output
+ * rows: no return to Python between the two matmuls. Returns -1 when scratch could not be
+ * allocated. */
+static inline float act_f32(float g, int gelu) {
+    if (gelu) return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
+/* Thread t of nt's share of a = act(gate) * up over gu [M, 2I] (gate, then up, per row). */
+static inline void act_run(const float *gu, float *a, int64_t M, int64_t I, int gelu, int t,
+                           int nt) {
+    /* runs of 64 elements: where the vectorised loop and its scalar tail fall (they round
+     * the exponential differently) then does not depend on the thread count */
+    const int64_t runs = (I + 63) / 64;
+    int64_t i0 = runs * t / nt * 64, i1 = runs * (t + 1) / nt * 64;
+    if (i0 > I) i0 = I;
+    if (i1 > I) i1 = I;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = i0; i < i1; i++)
+            a[m * I + i] = act_f32(gu[m * 2 * I + i], gelu) * gu[m * 2 * I + I + i];
+}
+
+int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
+                  int64_t M, int64_t H, int64_t I, int gelu, int num_threads) {
+    float *gu = malloc(sizeof(float) * (size_t)(M * 3 * I)); /* [M, 2I] then act [M, I] */
+    if (gu == NULL) return -1;
+    float *a = gu + M * 2 * I;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        FOR_EACH_CHUNK(2 * I, ROWS, nt, rows_f32(x, w_gate_up, gu, M, 2 * I, H, start, end));
+#pragma omp barrier
+        act_run(gu, a, M, I, gelu, t, nt);
+#pragma omp barrier
+        FOR_EACH_CHUNK(H, ROWS, nt, rows_f32(a, w_down, y, M, H, I, start, end));
+    }
+    free(gu);
+    return 0;
+}
+
+/* out [M, I] = act(gate) * up of gate_up [M, 2I] (each row: the gate's I values, then the
+ * up's), as `small_mlp_f32` computes it: the quantized MLP's middle, fused or not
+ * (workers/kernels/small_gemm.py `act_and_mul`, csrc/decoder_layer.c), so both round alike. */
+int act_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int gelu,
+                int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    act_run(gate_up, out, M, I, gelu, omp_get_thread_num(), omp_get_num_threads());
+    return 0;
+}

@@ -1,0 +1,244 @@
+"""A decode step's Llama decoder layers in one C call on the CPU (`csrc/decoder_layer.c`): for a
+few fp32 rows, every layer's norms, projections, RoPE, K/V write, paged attention and MLP, by
+the kernels the unfused path calls one by one from Python (norm_rope, small_gemm, int_gemm,
+paged_decode), linked into one library, so the results are that path's bit for bit.
+
+Decided once, at load (`use_fused_decoder_stack`): a stack takes it when every layer is a plain
+Llama layer on the CPU in fp32 whose projections are fp32 weights carrying the small-batch
+kernels or int8/int4 ones packed for the VNNI kernels (`EngineConfig.fp32_int_kernels`; int8
+without zero points: the unfused layer subtracts those in torch; the MLP's activation product
+then by `small_gemm.act_and_mul`'s C code, fused or not), no biases, no q/k norm, no attention
+sinks, one tensor-parallel rank and the `cpu` attention backend (a sliding window is fine: the
+attention kernel takes one). bf16 activations are refused: the stack's arithmetic is fp32.
+Per step (`FusedDecoderStack.takes`): all the batch's rows decodes, at most `MAX_ROWS` of them
+(`MAX_PACKED_ROWS` with int8/int4 projections), over fp32 or bf16 caches; else the layers run one
+by one, unchanged.
+
+Measured on this 2-core machine (`benchmarks/small_gemm.py`, the engine on the `small` preset,
+2 threads, fused and unfused steps alternating in the same engine, five runs while other tests
+ran beside them): decode steps 1.37-1.57x as fast at 1 stream (3.2-8.7 ms a step fused against
+5.1-12.5), 1.23-1.35x at 4, 1.19-1.25x at 8. Its int8 / int4 (group 32) copies packed in fp32
+(one quiet run): 2.09 / 1.49 / 1.34x and 2.11 / 1.55 / 1.30x at 1 / 4 / 8 streams (int8 1.67 ms
+a step at 1 stream), 1.3-2.2x the same checkpoints in a bf16 engine. Dense fp32 up to 32 rows
+(the small-batch kernel's limit since it reads each weight tile once for all rows): 1.2x at 16
+streams (23 ms a step against 28.5), 1.14x at 32 (40 against 46), one run beside other work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workers.kernels import norm_rope, small_gemm
+from workers.attention import cpu_backend
+from workers.attention.backend import AttentionMetadata
+from workers.models.attention import LlamaAttention
+from workers.models.layers import RMSNorm
+from workers.kernels.native import build_library, loads
+from workers.kernels import int_gemm as int_kernels
+from workers.quant.linear import QuantizedMatmul
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parents[1] / "kernels" / "csrc" / "decoder_layer.c"
+LINKED = (norm_rope.SOURCE, small_gemm.SOURCE, int_kernels.SOURCE, cpu_backend.SOURCE)
+MAX_ROWS = small_gemm.MAX_ROWS[torch.float32]  # the fused MLP's and the fp32 matmul's limit
+# a stack with int8/int4 projections: the rows the VNNI kernels are built for (more are
+# compute-bound there; the layers one by one give them to `QuantizedMatmul`'s choice)
+MAX_PACKED_ROWS = 8
+_ERRORS = {-1: (IndexError, "a position is outside a layer's rotary cache"),
+           -2: (IndexError, "a slot is outside the KV cache"),
+           -3: (MemoryError, "the fused decoder layers could not allocate their scratch"),
+           -4: (RuntimeError, "an int8/int4 kernel of the fused decoder layers failed")}
+DENSE, INT8, INT4 = 0, 1, 2  # a projection's kind
+
+
+class Proj(ctypes.Structure):
+    """`proj_t` of decoder_layer.c: one projection's weight, dense fp32 or packed int8/int4."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("offsets", ctypes.c_void_p), ("group", ctypes.c_int64),
+                ("kind", ctypes.c_int32), ("scales_bf16", ctypes.c_int32)]
+
+
+class Layer(ctypes.Structure):
+    """`layer_t` of decoder_layer.c: one layer's weights and settings."""
+
+    PROJECTIONS = ("qkv", "o", "gate_up", "down")
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
+        (name, Proj) for name in PROJECTIONS] + [
+        ("cos_sin", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in (
+            "cos_sin_stride", "max_position", "hidden", "heads", "kv_heads", "head_dim",
+            "inter")] + [
+        (name, ctypes.c_float) for name in ("input_eps", "post_eps", "scale")] + [
+        ("window", ctypes.c_int32), ("gelu", ctypes.c_int32)]
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernel() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(SOURCE, sources=LINKED)))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.decoder_stack_f32.argtypes = [ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64,
+                                      ptr, ptr, ptr, i64, ptr, i32]
+    lib.decoder_stack_f32.restype = i32
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the kernel builds and loads here; warns once, with the reason, when it does not."""
+    return loads(load_kernel, "the fused decoder-layer kernel is unavailable, running the "
+                              "layers one kernel at a time", logger)
+
+
+def _fusable(layer: nn.Module) -> bool:
+    """A dense fp32 CPU weight through the small-batch kernel, or an int8/int4 one packed for
+    the VNNI kernels (without int8 zero points: the unfused layer subtracts those in torch),
+    unbiased, on one rank."""
+    if layer.bias is not None or layer.tp_size != 1:
+        return False
+    if isinstance(layer.matmul, QuantizedMatmul):
+        return layer.matmul.c_callable
+    if not isinstance(layer.matmul, small_gemm.SmallBatchMatmul):
+        return False  # torch's linear
+    w = layer.weight
+    return w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+
+
+def _proj(layer: nn.Module) -> Proj:
+    """The C struct of a projection `_fusable` takes."""
+    matmul = layer.matmul
+    if not isinstance(matmul, QuantizedMatmul):
+        return Proj(layer.weight.data_ptr(), None, None, 0, DENSE, 0)
+    if matmul.kernel == "int8":
+        return Proj(layer.qweight.data_ptr(), layer.scales_f32.data_ptr(), None, 0, INT8, 0)
+    offsets = layer.offsets
+    return Proj(layer.qweight.data_ptr(), layer.scales.data_ptr(),
+                None if offsets is None else offsets.data_ptr(), matmul.group_size, INT4,
+                int(layer.scales.dtype == torch.bfloat16))
+
+
+def refusal(layer: nn.Module, layer_type: type[nn.Module], mlp_type: type[nn.Module]
+            ) -> str | None:
+    """Why `layer` cannot run fused; None when it can. `layer_type`, `mlp_type`: the plain
+    Llama decoder layer and MLP (workers.models.llama, which imports this module's type)."""
+    if type(layer) is not layer_type or type(layer.self_attn) is not LlamaAttention:
+        return f"{type(layer).__name__} is not a plain Llama decoder layer"
+    attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+    if not isinstance(attn.attn_backend, cpu_backend.CpuAttentionBackend):
+        return f"the {attn.attn_backend.name} attention backend, not cpu"
+    dtype = layer.input_layernorm.weight.dtype
+    if dtype != torch.float32:  # packed int8/int4 weights in a bf16 model are not fp32 rows
+        return f"{dtype} activations, not fp32"
+    if not (_fusable(attn.qkv_proj) and _fusable(attn.o_proj)):
+        return ("q/k/v or o_proj is not a dense fp32 CPU weight or a VNNI-packed int8/int4 one "
+                "without zero points (int8), without bias on one rank")
+    if type(mlp) is not mlp_type or mlp.small_batch is None:
+        return "the MLP does not take the fused small-batch MLP kernel (dense or packed)"
+    if attn.qk_norm or attn.sinks is not None or attn.rope_in_backend:
+        return "q/k norm, attention sinks or RoPE in the backend"
+    cache = attn.rotary_emb.cos_sin_cache
+    if attn.head_dim % 8 or cache.dtype != torch.float32 or cache.stride(-1) != 1:
+        return "head_dim not a multiple of 8, or a rotary cache not fp32 rows"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32
+           or not n.weight.is_contiguous() for n in norms):
+        return "a norm that is not a plain fp32 RMSNorm"
+    return None
+
+
+def _layer_struct(layer: nn.Module) -> Layer:
+    attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+    cache = attn.rotary_emb.cos_sin_cache
+    return Layer(
+        layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+        _proj(attn.qkv_proj), _proj(attn.o_proj), _proj(mlp.gate_up_proj),
+        _proj(mlp.down_proj), cache.data_ptr(), cache.stride(0), cache.shape[0],
+        layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        mlp.down_proj.input_size // mlp.down_proj.tp_size,
+        layer.input_layernorm.eps, layer.post_attention_layernorm.eps, attn.scale,
+        attn.window or 0, int(mlp.gelu))
+
+
+class FusedDecoderStack:
+    """A stage's decoder layers as one kernel call for a few decode rows (`takes`). Holds the
+    weights' addresses, taken at load: the weights must stay where they are (loading into them
+    again copies in place, which is fine; replacing a parameter is not)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers  # keeps the weights the structs point at alive
+        self.structs = (Layer * len(layers))(*(_layer_struct(layer) for layer in layers))
+        attn = layers[0].self_attn
+        self.kv_shape = (attn.num_kv_heads, attn.head_dim)
+        self.kv_pointers = ctypes.c_void_p * len(layers)
+        self.fn = load_kernel().decoder_stack_f32
+        packed = any(getattr(s, p).kind != DENSE for s in self.structs
+                     for p in Layer.PROJECTIONS)
+        self.max_rows = MAX_PACKED_ROWS if packed else MAX_ROWS
+
+    def takes(self, hidden: torch.Tensor, meta: AttentionMetadata,
+              kv_caches: list[torch.Tensor]) -> bool:
+        """Whether this step runs fused: every row a decode, 1..`max_rows` of them, fp32, over
+        contiguous fp32 or bf16 caches of the layers' shape."""
+        rows = hidden.shape[0]
+        if (not 0 < rows <= self.max_rows or meta.num_decodes != rows
+                or hidden.dtype != torch.float32):
+            return False
+        first = kv_caches[0]
+        shape, dtype = first.shape, first.dtype
+        return (dtype in cpu_backend.KV_DTYPES and shape[0] == 2
+                and tuple(shape[3:]) == self.kv_shape
+                and all(c.shape == shape and c.dtype == dtype and c.is_contiguous()
+                        for c in kv_caches))
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after the stack, as the layers one by one return them, from the
+        stack's input `hidden` [rows, H] (not written). K/V land in `kv_caches`."""
+        hidden = hidden.contiguous()
+        out, residual = torch.empty_like(hidden), torch.empty_like(hidden)
+        first = kv_caches[0]
+        tables = meta.block_tables.to(torch.int32)
+        lens = meta.seq_lens.to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        if tables.stride(-1) != 1:
+            tables = tables.contiguous()
+        rc = self.fn(self.structs, len(self.layers),
+                     self.kv_pointers(*(c.data_ptr() for c in kv_caches)),
+                     int(first.dtype == torch.bfloat16), first.shape[1] * first.shape[2],
+                     first.shape[2], hidden.data_ptr(), None, out.data_ptr(),
+                     residual.data_ptr(), hidden.shape[0], positions.data_ptr(),
+                     slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+                     torch.get_num_threads())
+        if rc != 0:
+            error, what = _ERRORS.get(rc, (RuntimeError, f"the fused layers failed ({rc})"))
+            raise error(what)
+        return out, residual
+
+
+def use_fused_decoder_stack(model: nn.Module, stack_type: type[nn.Module],
+                            layer_type: type[nn.Module], mlp_type: type[nn.Module]) -> int:
+    """Gives every `stack_type` (LlamaModel) in `model` whose layers all take it (`refusal`) the
+    fused stack (its `fused_stack`), when the kernel builds here. Returns how many layers took
+    it."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, stack_type):
+            continue
+        layers = list(module.layers.values())
+        if not layers or any(refusal(layer, layer_type, mlp_type) is not None
+                             for layer in layers):
+            continue
+        if not available():
+            return 0
+        module.fused_stack = FusedDecoderStack(layers)
+        count += len(layers)
+    return count

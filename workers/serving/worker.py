@@ -1,0 +1,373 @@
+"""A worker: one engine behind an asyncio face, serving one role in the cluster.
+
+Importing this module does not import torch; building a `Worker` does (it builds an engine). The
+router reaches a worker through `router.worker_client.WorkerClient` over a channel (in process:
+`cluster.inprocess_client`, over Ray: `cluster.engine_actor`), never by calling the engine:
+`submit(subscriber, commands)` starts and aborts requests, whose events come back on that
+subscriber's output channel (`next_outputs`, one message per step; `workers.engine.outputs`);
+`prefill` returns the first token and the KV handoff.
+
+The KV handoff: a "prefill" (or "both") worker runs a prompt to its first token with
+`prefill()`, which holds the request's blocks and offers them under a lease of its
+`TransferAgent`; the lease's end (pulled, cancelled, expired) frees them between steps. A
+"decode" (or "both") worker's `decode()` allocates blocks, pulls the handoff into them, and
+decodes on. Each worker owns one agent, started on first use with the configured transport.
+A prompt's prefix cached on another worker is pulled the same way (`workers.serving.prefix_fetch`).
+
+Long because it is the engine's one face to the router: every verb a channel carries lands
+here, each delegating to the async engine, the transfer layer or the prefix fetcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Coroutine, Mapping, Sequence
+
+from workers.contract.messages import (
+    Abort,
+    Command,
+    DecodeFromHandoff,
+    Generate,
+    Paused,
+    PrefillResult,
+    PrefixFetch,
+    Resume,
+    WorkerOutputs,
+)
+from workers.serving.migration import Migrations
+from workers.engine.outputs import OutputHub
+from workers.serving.prefix_fetch import PrefixFetcher
+from workers.contract.protocol import (
+    EngineOverloaded,
+    EngineStats,
+    FinishReason,
+    HotPrefix,
+    KVCacheFull,
+    KVPullFailed,
+    KVSnapshot,
+    WorkerInfo,
+    WorkerRequest,
+    WorkerRole,
+)
+from workers.engine.request import Continuation
+from workers.serving.roles import DECODE_ROLES, PREFILL_ROLES, ROLES, check_role_fits_engine
+from workers.serving.transfer import WorkerTransfer
+
+if TYPE_CHECKING:
+    from kvtransfer import RemoteAgent, TransferAgent
+    from kvtransfer.handoff import KVHandoff
+    from workers.engine.async_engine import AsyncEngine
+    from workers.engine.config import EngineConfig
+    from workers.engine.outputs import RequestStream, Sink
+    from workers.engine.parallel.group import RankLauncher
+
+logger = logging.getLogger(__name__)
+
+class Worker:
+    """One engine serving requests for the router. Owns the engine: `shutdown()` stops it."""
+
+    def __init__(self, worker_id: str, engine: AsyncEngine, role: str = "both", *,
+                 transport: str = "tcp", host: str = "127.0.0.1", lease_s: float = 30.0,
+                 pull_timeout_s: float = 10.0, step_timeout_s: float = 60.0,
+                 max_waiting_requests: int = 2048) -> None:
+        """`transport`: the KV transport's name (`kvtransfer.TRANSPORTS`), bound on `host`.
+        `lease_s`: how long a prefilled request's blocks wait for their puller at most;
+        `pull_timeout_s`: how long a decode waits for its KV to land; `step_timeout_s`: a
+        step running longer makes the worker unhealthy (`AsyncEngine`'s watchdog);
+        `max_waiting_requests`: requests queued here at most; more are refused with
+        `EngineOverloaded` (the router tries another worker or answers 429)."""
+        if role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        check_role_fits_engine(role, engine.engine)
+        self.worker_id = worker_id
+        self.role = role
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1, got "
+                             f"{max_waiting_requests}")
+        self.max_waiting_requests = max_waiting_requests
+        self.async_engine = engine
+        engine.watchdog.timeout_s = step_timeout_s
+        self.engine = engine.engine
+        self.transfer = WorkerTransfer(worker_id, engine.engine, self._free_held,
+                                       transport=transport, host=host, lease_s=lease_s,
+                                       pull_timeout_s=pull_timeout_s)
+        self.prefixes = PrefixFetcher(engine, self.transfer)
+        self.migrations = Migrations(engine, self.transfer)
+        self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled
+        self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way
+        self.outputs = OutputHub(lambda: engine.stats, self.abort)
+        engine.on_publish = self.outputs.publish
+
+    @classmethod
+    def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both", *,
+                    rank_launcher: RankLauncher | None = None, detokenize: bool = False,
+                    **options: object) -> Worker:
+        """`options`: the keyword arguments of `Worker.__init__` (transport, lease_s, ...);
+        `rank_launcher`: how a parallel engine starts its ranks (None: spawned processes).
+        `detokenize` is off: a worker's events carry token ids, and the router makes their
+        text and finds stop strings off the step thread (`router.streams`)."""
+        from workers.engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_config(config, rank_launcher, detokenize=detokenize)
+        try:
+            return cls(worker_id, engine, role, **options)  # type: ignore[arg-type]
+        except BaseException:
+            engine.engine.close()  # a refused worker leaves no rank running
+            raise
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.engine.config.tensor_parallel_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.engine.kv.pool.num_blocks
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, WorkerRole(self.role), self.block_size,
+                          self.max_model_len, self.vocab_size, self.num_blocks, self.tp_size,
+                          self.engine.kv_cache_spec.bytes_per_block)
+
+    # ---- commands and the output channel ---------------------------------------------------
+
+    def submit(self, subscriber: str, commands: Sequence[Command]) -> None:
+        """Start or abort requests, in order; the events of those started go to
+        `subscriber`'s channel (`next_outputs`), where a refused one arrives as a failure.
+        Call on the event loop's thread."""
+        box = self.outputs.outbox(subscriber)
+        for cmd in commands:
+            if isinstance(cmd, Abort):
+                self.abort(cmd.request_id)
+                continue
+            rid = cmd.req.request_id
+            box.samples_left[rid] = cmd.num_samples
+            try:
+                self._check_room(rid)
+                self.start(cmd, box)
+            except (ValueError, KVPullFailed, EngineOverloaded) as exc:  # a role that cannot,
+                # a bad handoff, a full queue
+                box.fail(rid, exc)
+                box.flush()
+
+    def _check_room(self, request_id: str) -> None:
+        """Raise `EngineOverloaded` when `max_waiting_requests` are already queued here."""
+        queued = self.async_engine.num_queued
+        if queued >= self.max_waiting_requests:
+            raise EngineOverloaded(request_id, f"worker {self.worker_id!r} has {queued} "
+                                   f"requests waiting (max_waiting_requests)")
+
+    def start(self, cmd: Generate | DecodeFromHandoff | Resume, sink: Sink) -> None:
+        """Start one streaming command with its events to `sink` (a refusal is raised here when
+        the role cannot run it, or given to `sink.fail` when the engine refuses it)."""
+        e = self.async_engine
+        if isinstance(cmd, Generate) and cmd.prefix is not None:
+            self._track_pull(cmd.req.request_id, self.prefixes.generate(cmd, sink))
+        elif isinstance(cmd, Generate):
+            e.generate(cmd.req, sink)
+        elif isinstance(cmd, Resume) and cmd.with_kv:
+            self._check_role(DECODE_ROLES, "resume")
+            self._track_pull(cmd.req.request_id, self.migrations.continue_(cmd, sink))
+        elif isinstance(cmd, Resume):
+            self._check_role(DECODE_ROLES, "resume")
+            e.resume(cmd.req, [Continuation(s.index, s.sent_token_ids) for s in cmd.samples],
+                     sink)
+        elif cmd.handoff is None:  # the prefill's KV is not coming: compute it here
+            self._check_role(DECODE_ROLES, "decode_from_handoff")
+            e.resume(cmd.req, [Continuation(0, (cmd.first_token_id,))], sink)
+        else:
+            self._check_role(DECODE_ROLES, "decode_from_handoff")
+            self._track_pull(cmd.req.request_id, self._decode_from_handoff(cmd, sink))
+
+    def _track_pull(self, request_id: str, pull: Coroutine[object, object, None]) -> None:
+        """Run a command that pulls KV first as a task an `abort` cancels."""
+        task = asyncio.get_running_loop().create_task(pull)
+        self._pulls[request_id] = task
+        task.add_done_callback(lambda _: self._pulls.pop(request_id, None))
+
+    # ---- live migration (`workers.serving.migration`) ------------------------------------------------
+
+    async def export_running(self, request_id: str,
+                             reader_tp_size: int = 1) -> dict[int, KVHandoff]:
+        """Offer a running request's full computed blocks to the worker it moves to, by sample
+        index."""
+        return await self.migrations.export(request_id, reader_tp_size)
+
+    async def prepare_migration(self, request_id: str,
+                                exported: Mapping[int, KVHandoff]) -> dict[int, int]:
+        """Pull a moving request's exported blocks ahead of its `Resume`; the blocks landed, by
+        sample index."""
+        self._check_role(DECODE_ROLES, "prepare_migration")
+        return await self.migrations.prepare(request_id, exported, self.transfer.lease_s)
+
+    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
+        """Stop a running request here for the worker it moves to (`Migrations.pause`)."""
+        return await self.migrations.pause(request_id, reader_tp_size)
+
+    async def cancel_migration(self, request_id: str) -> None:
+        """A live migration of the request that will not happen: let go of its blocks offered
+        or landed here (`Migrations.cancel`)."""
+        await self.migrations.cancel(request_id)
+
+    async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
+                            reader_tp_size: int = 1) -> KVHandoff | None:
+        """Offer the leading `block_hashes` cached here for a worker of `reader_tp_size` ranks
+        to pull before it runs `request_id` (`PrefixFetcher.export`)."""
+        return await self.prefixes.export(request_id, block_hashes, reader_tp_size)
+
+    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
+        """The prefixes requests hit here lately, most worth first, within `max_blocks`."""
+        return await self.prefixes.hot(max_blocks)
+
+    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
+                          token_ids: Sequence[int]) -> int:
+        """Pull another worker's prefix (`fetch`, of `token_ids`) into this prefix cache with
+        no request to run (a leaving worker's hand-off); the blocks landed (0: the pull failed
+        or found no room, and nothing is held)."""
+        return await self.prefixes.land(request_id, fetch, token_ids, self.block_size)
+
+    def stream(self, cmd: Generate | DecodeFromHandoff | Resume) -> RequestStream:
+        """One command's events as an async iterator (in-process callers, tests); closing it
+        early aborts the request."""
+        return self.async_engine.stream(lambda sink: self.start(cmd, sink), cmd.req.request_id,
+                                        cmd.num_samples)
+
+    async def next_outputs(self, subscriber: str, timeout_s: float,
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
+        """`subscriber`'s next message (`workers.engine.outputs.OutputHub.next_outputs`)."""
+        return await self.outputs.next_outputs(subscriber, timeout_s, min_interval_s)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request wherever it is here: running, pulling its KV, or prefilled and
+        leased (the lease ends and its blocks are freed). Unknown ids are ignored.
+
+        NOTE: a lease cancelled while a decode worker reads it frees the blocks under that read;
+        only cancel when the decode side is being aborted too."""
+        self.transfer.cancel(request_id)
+        prefill = self._prefills.pop(request_id, None)
+        if prefill is not None:  # the prefill() call ends, raising Cancelled
+            prefill.cancel()
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:
+            # its blocks are freed once its read has ended (by the task, and here after it): a
+            # read it shares with other pulls goes on (`kvtransfer.pulls`), and blocks freed
+            # now could be given to another request and written into
+            pull.cancel()
+            pull.add_done_callback(lambda _: self.async_engine.abort(request_id))
+            return
+        self.async_engine.abort(request_id)
+
+    # ---- the KV handoff ----------------------------------------------------------------------
+
+    def _check_role(self, allowed: tuple[str, ...], what: str) -> None:
+        if self.role not in allowed:
+            raise ValueError(f"worker {self.worker_id!r} has role {self.role!r}; {what} needs "
+                             f"one of {allowed}")
+
+    async def agents(self) -> list[TransferAgent | RemoteAgent]:
+        """This worker's transfer agents, started (`WorkerTransfer.agents`)."""
+        return await self.transfer.agents()
+
+    def _free_held(self, request_id: str) -> None:
+        self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
+
+    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
+                      prefix: PrefixFetch | None = None) -> PrefillResult:
+        """Run the prompt to its first token (sampled with its params) and offer its KV under
+        a lease per TP rank, or return no handoff when the request ended at that token.
+        `decode_tp_size`: the TP size of the worker that will pull it (each lease waits for
+        the pulls that many ranks make: `WorkerTransfer.offer`). `prefix`: the prompt's
+        leading blocks another worker offers (`export_prefix`), pulled first, not computed (a
+        failed pull: computed). Raises `InvalidRequestError` for a bad request; nothing is
+        held after any error or cancel; an `abort` of its id (the router's caller went away:
+        its cancel cannot cross a process boundary) ends the call with `CancelledError`."""
+        self._check_role(PREFILL_ROLES, "prefill")
+        if decode_tp_size < 1:
+            raise ValueError(f"decode_tp_size must be at least 1, got {decode_tp_size}")
+        rid = req.request_id
+        self._check_room(rid)
+        task = asyncio.current_task()
+        assert task is not None
+        if rid in self._prefills:
+            raise ValueError(f"request id {rid!r} is already being prefilled here")
+        self._prefills[rid] = task
+        try:
+            if prefix is not None:
+                await self.prefixes.land(rid, prefix, req.prompt_token_ids, self.block_size)
+            return await self._prefill(req, decode_tp_size)
+        finally:
+            if self._prefills.get(rid) is task:
+                del self._prefills[rid]
+
+    async def _prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
+        await self.agents()
+        rid, params = req.request_id, req.params
+        first = None
+        offered = False
+        stream = self.async_engine.stream(lambda sink: self.async_engine.prefill(req, sink),
+                                          rid)
+        try:
+            async for event in stream:
+                first = event
+            # finished: the blocks are held; no await from here to the offer
+            if first is None:
+                raise RuntimeError(f"prefill of {rid!r} ended without a token")
+            if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
+                return PrefillResult(first, None)  # the request is over (blocks freed below)
+            handoff = self.transfer.offer(rid, self.engine.held_block_ids(rid), decode_tp_size)
+            offered = True
+            return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
+        finally:
+            await stream.aclose()
+            if not offered:  # queued after the abort of an unfinished request
+                self.async_engine.apply_soon(lambda: self.engine.free_held(rid))
+
+    async def _decode_from_handoff(self, cmd: DecodeFromHandoff, sink: Sink) -> None:
+        """Pull the handoff's KV into fresh blocks, then decode after the first token; a pull
+        that fails (or no room to land it) fails the request with `KVPullFailed`, leaving
+        nothing behind (the router then asks for `DecodeFromHandoff` without a handoff)."""
+        rid = cmd.req.request_id
+        assert cmd.handoff is not None
+        try:
+            pull = await self.transfer.puller(rid, cmd.handoff)
+            await self.async_engine.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
+                                                        sink)
+        except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
+            sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
+            sink.flush()
+        except KVPullFailed as exc:
+            sink.fail(rid, exc)
+            sink.flush()
+
+    def resources(self) -> dict[str, int]:
+        """What this worker holds for requests: KV leases offered, blocks held for handoffs,
+        pulls and prefill calls under way (all 0 when idle and nothing leaked)."""
+        return {"leases": self.transfer.num_leases,
+                "held_requests": self.engine.kv.num_held_requests,
+                "pulls": len(self._pulls), "prefills": len(self._prefills)}
+
+    def stats(self) -> EngineStats:
+        """The engine's load as of its last step (published by the step thread)."""
+        return self.async_engine.stats
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        return await self.async_engine.apply(self.engine.kv_snapshot)
+
+    async def shutdown(self) -> None:
+        """Stop serving KV (every lease ends) and stop the engine."""
+        await self.transfer.close()
+        await self.async_engine.shutdown()
