@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers import LLM, SamplingParams, assembly
+from workers import LLM, SamplingParams
+from workers.engine import assembly
 from workers.engine.parallel.graph_ladder import capture_sizes, padded_size
 from workers.engine.parallel.messages import StepMessage
 
