@@ -1,4 +1,4 @@
-"""Files near 300 lines and functions near 60 (STYLE.md): past that, look for the second idea
+"""Files near 300 lines and functions near 60 (docs/style.md): past that, look for the second idea
 hiding inside. A file or function may stay longer when it says why, where a reader sees it:
 
 - a file: a line of its module docstring (or of the comment block it opens with) that starts

@@ -1,4 +1,4 @@
-"""The layering STYLE.md describes, checked from the source's imports without importing it.
+"""The layering docs/style.md describes, checked from the source's imports without importing it.
 
 `kvtransfer/` (bottom, no other Cleave package) <- `workers/` (the engine, no ray) <- `cluster/`
 (Ray composition); `router/` never loads torch; no module imports itself through others.
