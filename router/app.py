@@ -22,13 +22,14 @@ from router.errors import (
     NotFoundError,
     OverloadedError,
 )
+from router.failover import Failover
+from router.generations import GenerationFactory
 from router.hand_off import coldest, hand_off
 from router.live_migration import LiveMigrations
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
-from router.policy import WorkerLoad, get_policy
+from router.orchestrator import Orchestrator, Policies
+from router.policy import WorkerLoad
 from router.rebalance import rebalance
-from router.request_record import RequestRecord
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
@@ -44,11 +45,18 @@ TOKENIZE_INLINE_CHARS = 4096  # shorter texts are tokenized on the event loop (~
 
 
 class Admission:
-    """One admitted request's slots (one per prompt it carries); `release()` is idempotent."""
+    """One admitted request's slots (one per prompt it carries), held while a `with` block
+    runs (its one owner); `release()` is idempotent."""
 
     def __init__(self, router: Router, slots: int = 1) -> None:
         self._router: Router | None = router
         self.slots = slots
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         if self._router is not None:
@@ -63,13 +71,17 @@ class Router:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model_path)
         self.workers = WorkerSet(clients)
-        self.policy = get_policy(config.policy, **dict(config.policy_options))
+        policies = Policies.from_config(config)
         self.counters = RouterCounters()
         self.in_flight = 0
         self.metrics = RouterMetrics(self.workers, self.counters, lambda: self.in_flight)
-        self.orchestrator = Orchestrator(self.workers, config, self.policy, self.counters,
-                                         self.metrics, self.tokenizer)
         self.migrations = LiveMigrations(self.workers, self.counters)
+        generations = GenerationFactory(
+            Failover(self.workers, policies.route, self.counters, self.metrics, config),
+            metrics=self.metrics, tracker=self.migrations,
+            migration_retries=config.migration_retries, tokenizer=self.tokenizer)
+        self.orchestrator = Orchestrator(self.workers, config, policies, self.counters,
+                                         generations)
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
 
@@ -134,8 +146,9 @@ class Router:
                                 f"`{self.model_name}`", param="model")
 
     def admit(self, prompts: int = 1) -> Admission:
-        """Take a slot of `max_in_flight` per prompt, or raise 429. Release them when the
-        request ends. Call before any work on the request's content (tokenizing, templates)."""
+        """Take a slot of `max_in_flight` per prompt, or raise 429; hold them with `with` until
+        the request ends. Call before any work on the request's content (tokenizing,
+        templates)."""
         if prompts > self.config.max_prompts_per_request:
             raise BadRequestError(f"{prompts} prompts in one request; at most "
                                   f"{self.config.max_prompts_per_request}", param="prompt")
@@ -189,10 +202,7 @@ class Router:
         started = time.monotonic()
         req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
                             cache_salt)
-        gen = await self.orchestrator.generate(req)
-        gen.record = RequestRecord(self.metrics, gen, started, frontend)
-        self.migrations.track(gen)
-        return gen
+        return await self.orchestrator.generate(req, started, frontend)
 
     async def drain(self, worker_id: str, with_kv: bool = True,
                     hand_off_prefixes: bool = True) -> int:

@@ -36,8 +36,14 @@ class RouterConfig:
     max_prompts_per_request: int = 64  # a completions body's prompts at most (each takes a slot)
     retry_after_s: int = 1  # the Retry-After a 429 suggests
     kv_poll_interval_s: float = 0.5  # background poll of the workers' KV events
+    # "hand off or run here" (`router.split_policy`): uncached_threshold (hand off when at
+    # least disagg_threshold_tokens of the prompt are not cached), always, or never
+    disagg_policy: str = "uncached_threshold"
     # prefill on a decode worker when fewer prompt tokens than this are not in the cache
     disagg_threshold_tokens: int = 64
+    # which decode worker takes a handoff (`router.decode_policy`): a routing policy's name
+    # (least_loaded, round_robin, prefix_aware); each pick counts against its worker at once
+    decode_policy: str = "least_loaded"
     prefill_retries: int = 2  # other prefill workers tried after a failed prefill
     # times a stream moves to another decode-pool worker after the one streaming it failed
     migration_retries: int = 2

@@ -5,87 +5,107 @@ The disaggregated path (docs/architecture.md, "One request, step by step"):
 
 1. The routing policy picks a prefill worker from the prefill pool (prefix-aware; it may have
    the worker pull the prompt's leading blocks from another's cache: `router.prefix_fetch`);
-   the least loaded decode worker is picked from the decode pool ("decode" and "both"
-   workers). Loads are the ones the workers pushed (`router.workers.WorkerSet`).
-2. When the uncached part of the prompt (prompt tokens minus the predicted prefix hit) is
-   shorter than `RouterConfig.disagg_threshold_tokens`, or no prefill worker is healthy, the
-   whole request runs on a decode-pool worker instead; so do requests with n > 1 or
-   prompt_logprobs (the handoff carries one sample and no prompt logprobs).
+   the decode policy (`router.decode_policy`, least loaded by default) picks a decode worker
+   from the decode pool ("decode" and "both" workers), counted against it at once. Loads are
+   the ones the workers pushed (`router.workers.WorkerSet`).
+2. The split policy (`router.split_policy`; by default: when the uncached part of the prompt
+   is shorter than `RouterConfig.disagg_threshold_tokens`) may keep the request whole on a
+   decode-pool worker instead; so may the lack of a healthy prefill worker, and requests with
+   n > 1 or prompt_logprobs always run whole (the handoff carries one sample and no prompt
+   logprobs).
 3. The prefill worker returns the first token (streamed to the client at once) and a typed
    `KVHandoff`; a prefill that fails before its first token is retried on another prefill worker
    (`RouterConfig.prefill_retries` times), then the request runs aggregated.
-4. The decode worker pulls the KV and streams the rest (`router.streams.Generation`): a failed
-   pull makes it compute the prompt itself; a worker failing mid-stream moves the stream to
-   another decode-pool worker (`migrate`); closing the generation aborts it everywhere.
+4. The decode worker pulls the KV and streams the rest (`router.streams.Generation`, built by
+   `router.generations.GenerationFactory` from the `Start` made here): a failed pull makes it
+   compute the prompt itself; a worker failing mid-stream moves the stream to another
+   decode-pool worker (`router.failover`); closing the generation aborts it everywhere.
 
 Every fallback is counted by reason in `RouterCounters.fallbacks`, every aggregated request of
 a disaggregated deployment by reason in `RouterCounters.aggregated`."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Collection, Sequence
+from typing import NamedTuple, Sequence
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
+from router.decode_policy import DecodePick, DecodePolicy, get_decode_policy
 from router.errors import (
     BadRequestError,
     NoHealthyWorkerError,
     OverloadedError,
     WorkerUnavailableError,
 )
+from router.failover import DECODE_POOL
+from router.generations import GenerationFactory
 from router.loads import LoadTable
-from router.metrics import RouterMetrics
 from router.policy import Decision, NoHealthyWorker, RoutingPolicy, get_policy
 from router.prefix_fetch import export_prefix
-from router.streams import DONE, Generation, Handover
-from router.worker_client import TokenStream, WorkerClient
+from router.split_policy import SplitPolicy, get_split_policy
+from router.starts import DONE, Handover, Start
+from router.streams import Generation
+from router.worker_client import TokenStream
 from router.workers import WorkerSet
-from workers.contract.messages import PrefillResult, PrefixFetch, ResumedSample
+from workers.contract.messages import PrefillResult, PrefixFetch
 from workers.contract.protocol import (
     EngineOverloaded,
     InvalidRequestError,
-    KVPullFailed,
     TokenEvent,
     WorkerRequest,
     WorkerRole,
     hash_prompt_blocks,
 )
 
-if TYPE_CHECKING:
-    from kvtransfer.handoff import KVHandoff
-
 logger = logging.getLogger(__name__)
 
 PREFILL_POOL = (WorkerRole.PREFILL,)
-DECODE_POOL = (WorkerRole.DECODE, WorkerRole.BOTH)
-MIGRATION_POLL_S = 0.25  # how often a stream waiting to migrate looks for a worker again
+
+
+class Policies(NamedTuple):
+    """The named decisions of routing: which worker (`route`), hand off or run here
+    (`split`), which decode worker (`decode`)."""
+
+    route: RoutingPolicy
+    split: SplitPolicy
+    decode: DecodePolicy
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> Policies:
+        return cls(get_policy(config.policy, **dict(config.policy_options)),
+                   get_split_policy(config.disagg_policy,
+                                    threshold_tokens=config.disagg_threshold_tokens),
+                   get_decode_policy(config.decode_policy))
 
 
 class Orchestrator:
-    """Routes and starts requests over a `WorkerSet`; implements `router.streams.Rerouter`."""
+    """Routes and starts requests over a `WorkerSet`; `generations` builds what it started."""
 
-    def __init__(self, workers: WorkerSet, config: RouterConfig, policy: RoutingPolicy,
-                 counters: RouterCounters, metrics: RouterMetrics,
-                 tokenizer: object | None = None) -> None:
-        """`tokenizer`: the generations make their events' text with it (None: the workers')."""
-        self.tokenizer = tokenizer
+    def __init__(self, workers: WorkerSet, config: RouterConfig, policies: Policies,
+                 counters: RouterCounters, generations: GenerationFactory) -> None:
         self.workers = workers
         self.config = config
-        self.policy = policy
+        self.policy = policies.route
+        self.split = policies.split
+        self.decode = policies.decode
         self.counters = counters
-        self.metrics = metrics
-        self.least_loaded = get_policy("least_loaded")
+        self.generations = generations
 
     @property
     def block_size(self) -> int:
         return self.workers.any_info.block_size
 
-    async def generate(self, req: WorkerRequest) -> Generation:
-        """Route and start `req`; returns once its first token arrived. Raises
-        `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`."""
+    async def generate(self, req: WorkerRequest, started: float | None = None,
+                       frontend: str = "other") -> Generation:
+        """Route and start `req`; returns once its first token arrived. `started`, `frontend`:
+        for its metrics (`GenerationFactory.build`). Raises `BadRequestError` (a worker
+        refused it), `OverloadedError` or `NoHealthyWorkerError`."""
+        return self.generations.build(req, await self.start(req), started, frontend)
+
+    async def start(self, req: WorkerRequest) -> Start:
+        """`req` routed, and started where it runs (see the module's steps)."""
         w = self.workers
         hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size, req.cache_salt)
         prefill_loads = w.pool_loads(*PREFILL_POOL)
@@ -97,29 +117,28 @@ class Orchestrator:
             return await self._aggregated(req, hashes, decode_loads, "unsupported_params")
         tried: set[str] = set()
         for attempt in range(1 + self.config.prefill_retries):
-            candidates = self._present(prefill_loads, tried)
-            decode_loads = self._present(decode_loads, ())
+            decode_loads = decode_loads.without(())  # routing awaits: one may be gone
             try:
-                decision = self.policy.choose(hashes, candidates, w.index)
+                decision = self.policy.choose(hashes, prefill_loads.without(tried), w.index)
             except NoHealthyWorker:
                 if attempt > 0:
                     break  # every healthy prefill worker failed
                 self.counters.count_fallback("no_prefill_worker")
                 return await self._aggregated(req, hashes, decode_loads, "no_prefill_worker")
-            uncached = len(req.prompt_token_ids) - decision.predicted_hit_blocks * self.block_size
-            if attempt == 0 and uncached < self.config.disagg_threshold_tokens:
-                return await self._aggregated(req, hashes, decode_loads, "short_prompt")
-            decode = self._choose(hashes, decode_loads, self.least_loaded)
-            gen = await self._try_prefill(req, hashes, decision, decode.worker_id)
-            if gen is not None:
-                return gen
+            cached = decision.predicted_hit_blocks * self.block_size
+            reason = self.split.run_here(req, cached) if attempt == 0 else None
+            if reason is not None:
+                return await self._aggregated(req, hashes, decode_loads, reason)
+            decode = self._pick_decode(hashes, decode_loads)
+            try:
+                start = await self._try_prefill(req, hashes, decision, decode.worker_id)
+            finally:
+                decode.release()  # sent (the worker set counts it now), or not sent at all
+            if start is not None:
+                return start
             tried.add(decision.worker_id)
         self.counters.count_fallback("prefill_failed")
         return await self._aggregated(req, hashes, decode_loads, "prefill_failed")
-
-    def _present(self, loads: LoadTable, tried: Collection[str]) -> LoadTable:
-        """The workers still in the set and not tried yet (routing awaits: one may be gone)."""
-        return loads.without(tried)
 
     def _admit(self, loads: LoadTable) -> None:
         """Refuse the request (429) when every healthy worker that would queue its prompt
@@ -139,16 +158,15 @@ class Orchestrator:
             f"prompt tokens waiting); retry after {cfg.retry_after_s} s",
             headers={"Retry-After": str(cfg.retry_after_s)})
 
-    def _choose(self, hashes: Sequence[int], loads: LoadTable,
-                policy: RoutingPolicy) -> Decision:
+    def _pick_decode(self, hashes: Sequence[int], loads: LoadTable) -> DecodePick:
         try:
-            return policy.choose(hashes, loads, self.workers.index)
+            return self.decode.pick(hashes, loads, self.workers.index)
         except NoHealthyWorker as exc:
             raise NoHealthyWorkerError(f"no healthy worker can take the request: {exc}") from None
 
     async def _try_prefill(self, req: WorkerRequest, hashes: Sequence[int], decision: Decision,
-                           decode_id: str) -> Generation | None:
-        """The disaggregated generation, or None when the prefill worker failed (counted); the
+                           decode_id: str) -> Start | None:
+        """The disaggregated start, or None when the prefill worker failed (counted); the
         prefill worker first pulls the prefix the decision names (`router.prefix_fetch`)."""
         w = self.workers
         prefill, decode = w.clients[decision.worker_id], w.clients[decode_id]
@@ -172,20 +190,14 @@ class Orchestrator:
         self.counters.num_disaggregated += 1
         cached = decision.predicted_hit_blocks * self.block_size
         if result.handoff is None:  # finished at its first token
-            return Generation(req, first, DONE, worker_id=prefill.worker_id,
-                              predicted_cached_tokens=cached, rerouter=self,
-                              tokenizer=self.tokenizer)
+            return Start(first, DONE, prefill.worker_id, cached)
         w.note_routed(decode_id)
         stream = decode.decode_from_handoff(req, first.token_ids[-1], result.handoff)
-        return Generation(req, first, stream, worker_id=prefill.worker_id,
-                          predicted_cached_tokens=cached, rerouter=self,
-                          decode_worker_id=decode_id,
-                          handover=Handover(prefill, decode, result.handoff, time.monotonic()),
-                          migration_retries=self.config.migration_retries,
-                          tokenizer=self.tokenizer)
+        return Start(first, stream, prefill.worker_id, cached, decode_id,
+                     Handover(prefill, decode, result.handoff, time.monotonic()))
 
     async def _aggregated(self, req: WorkerRequest, hashes: Sequence[int],
-                          loads: LoadTable, reason: str | None) -> Generation:
+                          loads: LoadTable, reason: str | None) -> Start:
         """The whole request on one decode-pool worker; a worker that is unreachable, going
         away or overloaded before the first token is left for another
         (`RouterConfig.start_retries` more)."""
@@ -194,9 +206,8 @@ class Orchestrator:
         failed: list[Exception] = []
         tried: set[str] = set()
         for _ in range(1 + self.config.start_retries):
-            candidates = self._present(loads, tried)
             try:
-                decision = self.policy.choose(hashes, candidates, self.workers.index)
+                decision = self.policy.choose(hashes, loads.without(tried), self.workers.index)
             except NoHealthyWorker as exc:
                 if failed:
                     break
@@ -217,11 +228,7 @@ class Orchestrator:
                 failed.append(exc)
                 continue
             self._count(req, decision, first, wid, prefix)
-            return Generation(req, first, stream, worker_id=wid,
-                              predicted_cached_tokens=decision.predicted_hit_blocks
-                              * self.block_size, rerouter=self, decode_worker_id=wid,
-                              migration_retries=self.config.migration_retries,
-                              tokenizer=self.tokenizer)
+            return Start(first, stream, wid, decision.predicted_hit_blocks * self.block_size, wid)
         if all(isinstance(exc, EngineOverloaded) for exc in failed):
             self.counters.num_refused_overloaded += 1
             raise OverloadedError(
@@ -261,40 +268,5 @@ class Orchestrator:
             c.first_tokens_by_worker.get(decision.worker_id, 0) + 1)
         c.count_decode(decode_id)
 
-    # ---- `router.streams.Rerouter` -------------------------------------------------------------
 
-    async def migrate(self, req: WorkerRequest, samples: list[ResumedSample], tried: list[str],
-                      exc: Exception) -> tuple[str, TokenStream]:
-        """Resume the samples on another healthy decode-pool worker, waiting up to
-        `migration_wait_s` for one (a cluster's pool replaces its lost replicas); raise `exc`
-        when none comes."""
-        w = self.workers
-        if isinstance(exc, WorkerUnavailableError) and tried:
-            w.mark_unhealthy(tried[-1])
-        hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size, req.cache_salt)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.migration_wait_s
-        while True:
-            loads = w.pool_loads(*DECODE_POOL).without(tried)
-            try:
-                decision = self.policy.choose(hashes, loads, w.index)
-                break
-            except NoHealthyWorker:
-                if loop.time() >= deadline:
-                    raise exc from None
-                await asyncio.sleep(MIGRATION_POLL_S)
-        self.counters.count_fallback("decode_worker_failed")
-        self.counters.count_decode(decision.worker_id)
-        w.note_routed(decision.worker_id)
-        client: WorkerClient = w.clients[decision.worker_id]
-        return decision.worker_id, client.resume(req, samples)
-
-    def kv_pulled(self, decode_id: str, handoff: KVHandoff, seconds: float) -> None:
-        self.metrics.kv_transferred(decode_id, handoff, seconds)
-
-    def kv_pull_failed(self, decode_id: str, exc: KVPullFailed) -> None:
-        self.counters.count_fallback("kv_pull_failed")
-        self.metrics.kv_transfer_failed(decode_id, exc.kind)
-
-
-__all__ = ["DECODE_POOL", "Generation", "Orchestrator", "PREFILL_POOL"]
+__all__ = ["DECODE_POOL", "Orchestrator", "PREFILL_POOL", "Policies"]

@@ -1,5 +1,5 @@
 """One request's timings and outcome as the router's metrics count them (`RequestRecord`,
-opened by `Router.generate` once the first token arrived, `started` being when the request
+opened by `router.generations.GenerationFactory` as it builds the generation, `started` being when the request
 reached the router, `time.monotonic()`; torch-free)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Timed(Protocol):
 
 
 class NullRecord:
-    """A generation nobody times (one not started through `Router.generate`)."""
+    """A generation nobody times (built by a factory without metrics)."""
 
     def on_event(self, event: TokenEvent) -> None:
         """Called for each of the generation's events after the first."""

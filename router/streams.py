@@ -9,7 +9,7 @@ aborts the request on its worker), and handles every recovery in place (see `rou
   after the prefill worker's lease is ended;
 - migration: when the worker streaming a request fails mid-stream, the prompt plus every token
   already sent of each sample still running goes to another decode-pool worker
-  (`Rerouter.migrate`), at most `migration_retries` times (not before every such sample has a
+  (`Recovery.migrate`), at most `migration_retries` times (not before every such sample has a
   token);
 - live migration (`router.live_migration`, which marks it moving): the stream moves to another
   worker with its KV while it runs (a drain); its source's stream ends with `RequestMoved`
@@ -25,11 +25,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from router.errors import NoHealthyWorkerError, WorkerUnavailableError
 from router.metrics import error_reason
-from router.request_record import NULL_RECORD, NullRecord
+from router.request_record import NullRecord
+from router.starts import DONE, Start
 from router.worker_client import TokenStream, WorkerClient
 from workers.contract.messages import RequestMoved, ResumedSample
 from workers.contract.protocol import FinishReason, KVPullFailed, TokenEvent, WorkerRequest
@@ -41,8 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Rerouter(Protocol):
-    """What a generation asks of the orchestrator when its worker fails."""
+class Recovery(Protocol):
+    """What a generation asks when its worker or its KV pull fails (`router.failover`)."""
 
     async def migrate(self, req: WorkerRequest, samples: list[ResumedSample],
                       tried: list[str], exc: Exception) -> tuple[str, TokenStream]:
@@ -57,44 +58,42 @@ class Rerouter(Protocol):
         """The decode worker could not land the KV (it computes the prompt instead)."""
 
 
-@dataclass
-class Handover:
-    """The decode half of a disaggregated request while its KV is on the way."""
+@dataclass(frozen=True)
+class Parts:
+    """What every generation of a router shares (`router.generations.GenerationFactory`)."""
 
-    prefill: WorkerClient  # holds the prompt's blocks under a lease until the pull ends
-    decode: WorkerClient
-    handoff: KVHandoff
-    started: float  # when the decode worker was given the handoff (time.monotonic())
+    recovery: Recovery
+    migration_retries: int = 0  # times a stream moves on after its worker failed
+    tokenizer: object | None = None  # makes the events' text here (None: the workers' text)
 
 
 class Generation:
-    """One request submitted to its worker(s). `events()` yields its token events (the first
-    has already arrived when the `Generation` is returned); `aclose()` aborts what is left.
+    """One request submitted to its worker(s), built by a `GenerationFactory`. `events()`
+    yields its token events (the first has already arrived); `aclose()` aborts what is left.
     `worker_id` sampled the first token; `decode_worker_id`, when set, streams the rest.
     `record` times it and counts how it ended (`router.metrics`)."""
 
-    def __init__(self, req: WorkerRequest, first: TokenEvent, stream: TokenStream, *,
-                 worker_id: str, predicted_cached_tokens: int, rerouter: Rerouter,
-                 decode_worker_id: str | None = None, handover: Handover | None = None,
-                 migration_retries: int = 0, tokenizer: object | None = None) -> None:
-        """`tokenizer`: makes the events' text here (None: the worker's text is kept)."""
+    def __init__(self, req: WorkerRequest, start: Start, parts: Parts,
+                 record: Callable[[Generation], NullRecord]) -> None:
+        """`record(self)`: its metrics record, opened once its first event has its text."""
         self.req = req
-        self._tokenizer = tokenizer
+        self._tokenizer = parts.tokenizer
         self._texts: dict[int, SampleText] = {}  # sample index -> its text so far
         self._ended: set[int] = set()  # samples that finished (here or on the worker)
-        first = self._with_text(first)
-        assert first is not None  # a first event always belongs to a live sample
+        first = self._with_text(start.first)
+        if first is None:
+            raise ValueError(f"request {req.request_id}: a first event of no live sample")
         self.first = first
-        self.worker_id = worker_id
-        self.decode_worker_id = decode_worker_id
-        self.predicted_cached_tokens = predicted_cached_tokens
+        self.worker_id = start.worker_id
+        self.decode_worker_id = start.decode_worker_id
+        self.predicted_cached_tokens = start.predicted_cached_tokens
         self.num_cached_tokens = first.num_cached_tokens
-        self.record: NullRecord = NULL_RECORD
-        self._stream = stream
-        self._rerouter = rerouter
-        self._handover = handover
-        self._moves_left = migration_retries
-        self._streamed_by = [decode_worker_id or worker_id]
+        self._stream = start.stream
+        self._recovery = parts.recovery
+        self._handover = start.handover
+        # a stream that ended at its first token has nothing to move
+        self._moves_left = 0 if start.stream is DONE else parts.migration_retries
+        self._streamed_by = [start.streamer]
         self._failed: list[str] = []  # the workers that failed while streaming it
         self._closed = False
         # while a live migration is under way: its (target id, target stream, the source to
@@ -103,6 +102,7 @@ class Generation:
         # done at its first event from the worker a move took it to (or when it ends): the
         # worker has reported the KV it brought (`LiveMigrations.drain` waits for it)
         self.resumed: asyncio.Future[None] | None = None
+        self.record = record(self)
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -137,7 +137,7 @@ class Generation:
                     self._resume_seen()  # an event from the worker it moved to
                 if self._handover is not None:
                     h, self._handover = self._handover, None
-                    self._rerouter.kv_pulled(h.decode.worker_id, h.handoff,
+                    self._recovery.kv_pulled(h.decode.worker_id, h.handoff,
                                              time.monotonic() - h.started)
                 event = self._with_text(event)
                 if event is None:  # a sample that already ended here
@@ -188,10 +188,11 @@ class Generation:
         """The pull failed: end the prefill worker's lease, and have the decode worker compute
         the prompt itself and continue after the first token (none repeated or lost)."""
         h = self._handover
-        assert h is not None
+        if h is None:
+            raise RuntimeError(f"request {self.req.request_id}: a KV pull failed with no handoff")
         logger.warning("request %s: %s; decode worker %s prefills it itself",
                        self.req.request_id, exc, h.decode.worker_id)
-        self._rerouter.kv_pull_failed(h.decode.worker_id, exc)
+        self._recovery.kv_pull_failed(h.decode.worker_id, exc)
         await self._end_handover()
         self._stream = h.decode.decode_from_handoff(self.req, self.first.token_ids[-1], None)
 
@@ -208,7 +209,7 @@ class Generation:
                        self.req.request_id, failed, sum(map(len, sent.values())), exc)
         await self._stream.aclose()  # aborts what is left of it there
         self._moves_left -= 1
-        worker_id, self._stream = await self._rerouter.migrate(self.req, samples,
+        worker_id, self._stream = await self._recovery.migrate(self.req, samples,
                                                                list(self._failed), exc)
         self._streamed_by.append(worker_id)
 
@@ -278,19 +279,4 @@ class Generation:
                 pass  # gone: nothing is held there any more
 
 
-class _Done:
-    """The stream of a request that ended at its first token."""
-
-    def __aiter__(self) -> _Done:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        pass
-
-
-DONE: TokenStream = _Done()
-
-__all__ = ["DONE", "Generation", "Handover", "Rerouter"]
+__all__ = ["Generation", "Parts", "Recovery"]

@@ -10,21 +10,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from router.app import TOKENIZE_INLINE_CHARS, Admission, Router
+from router.app import TOKENIZE_INLINE_CHARS, Router
 from router.errors import BadRequestError
 from router.openai.common import (
+    STREAMING,
+    Streaming,
     TokenStrings,
-    admitted,
     default_max_tokens,
-    merge,
     parse_body,
-    released_at_end,
-    start_all,
+    respond,
     until_disconnected,
     usage,
 )
@@ -66,40 +65,59 @@ def chat_prompt(router: Router, body: ChatCompletionRequest) -> list[int]:
     return list(ids)
 
 
-async def create_chat_completion(router: Router, tokens: TokenStrings, request: Request) -> Any:
+async def create_chat_completion(router: Router, tokens: TokenStrings,
+                                 request: Request) -> Response:
+    """Validate the body, then answer it (`_answer`), JSON or streamed."""
     body = await parse_body(request, ChatCompletionRequest)
     body.check()
     router.check_model(body.model)
     router.check_n(body.n)
-    return await admitted(router.admit(),  # before the template and the tokenizer run
-                          lambda slot: _create(router, tokens, request, body, slot))
+    return await respond(_answer(router, tokens, request, body))
 
 
-async def _create(router: Router, tokens: TokenStrings, request: Request,
-                  body: ChatCompletionRequest, slot: Admission) -> Any:
-    """The chat completion of an admitted body; `slot` is released when it ends."""
-    ids = await asyncio.to_thread(chat_prompt, router, body) if _long(body) else chat_prompt(
-        router, body)
-    router.check_prompt(ids, param="messages")
+async def _answer(router: Router, tokens: TokenStrings, request: Request,
+                  body: ChatCompletionRequest) -> AsyncGenerator[Response | Streaming | str, None]:
+    """A valid body's response, as `respond` reads it: admitted, built, then collected or
+    streamed. Holds the request's slot until its last event."""
+    with router.admit():  # before the template and the tokenizer run
+        ids = await asyncio.to_thread(chat_prompt, router, body) if _long(body) else \
+            chat_prompt(router, body)
+        router.check_prompt(ids, param="messages")
+        params, tool_format = _sampling(router, body, len(ids))
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": router.model_name}
+        fmt = _Logprobs(tokens, body.logprobs)
+        if not body.stream:
+            yield await until_disconnected(request, _collect(router, body, ids, params, fmt,
+                                                             meta, tool_format))
+            return
+        gen = await router.generate(ids, params, body.cache_salt, frontend="http")
+        yield STREAMING
+        chunks = _Chunks(gen, body, fmt, meta, tool_format)
+        try:
+            yield chunks.opening()
+            async for event in gen.events():
+                yield chunks.of(event)
+            if body.include_usage:
+                yield chunks.usage()
+        except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
+            logger.exception("a streamed request failed")
+            yield sse_error(exc)
+        finally:
+            await gen.aclose()
+        yield SSE_DONE
+
+
+def _sampling(router: Router, body: ChatCompletionRequest,
+              prompt_len: int) -> tuple[SamplingParams, ToolCallFormat | None]:
+    """The request's sampling parameters, and the format its tool calls are read in."""
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(
-        default_max_tokens(router, body.requested_max_tokens, len(ids)), logprobs, None)
+        default_max_tokens(router, body.requested_max_tokens, prompt_len), logprobs, None)
     tool_format = _tool_format(router, body)
     if tool_format is not None:
         params = _force_call(body, tool_format, params)
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": router.model_name}
-    fmt = _Logprobs(tokens, body.logprobs)
-    if not body.stream:
-        try:
-            return await until_disconnected(request, _collect(router, body, ids, params, fmt,
-                                                              meta, tool_format))
-        finally:
-            slot.release()
-    gens = await start_all(router, [ids], [params], body.cache_salt)
-    return StreamingResponse(_stream(gens[0], body, fmt, meta, slot, tool_format),
-                             media_type="text/event-stream",
-                             background=released_at_end(slot))
+    return params, tool_format
 
 
 def _tool_format(router: Router, body: ChatCompletionRequest) -> ToolCallFormat | None:
@@ -128,19 +146,22 @@ def _force_call(body: ChatCompletionRequest, tool_format: ToolCallFormat,
     return dataclasses.replace(params, structured=forced)
 
 
-async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int], params: Any,
-                   fmt: _Logprobs, meta: dict[str, Any],
+async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int],
+                   params: SamplingParams, fmt: _Logprobs, meta: dict[str, Any],
                    tool_format: ToolCallFormat | None) -> JSONResponse:
-    gens = await start_all(router, [ids], [params], body.cache_salt)
+    gen = await router.generate(ids, params, body.cache_salt, frontend="http")
     choices = [_Choice() for _ in range(body.n)]
-    async for _, event in merge(gens):
-        choice = choices[event.index]
-        choice.content += event.text
-        choice.num_tokens += len(event.token_ids)
-        choice.logprobs.extend(event.logprobs or ())
-        if event.finish_reason is not None:
-            choice.finish_reason = event.finish_reason.value
-            choice.stop_reason = event.stop_reason
+    try:
+        async for event in gen.events():
+            choice = choices[event.index]
+            choice.content += event.text
+            choice.num_tokens += len(event.token_ids)
+            choice.logprobs.extend(event.logprobs or ())
+            if event.finish_reason is not None:
+                choice.finish_reason = event.finish_reason.value
+                choice.stop_reason = event.stop_reason
+    finally:
+        await gen.aclose()
     out = []
     for k, c in enumerate(choices):
         message, finish = {"role": "assistant", "content": c.content}, c.finish_reason
@@ -149,52 +170,53 @@ async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int], 
         out.append({"index": k, "message": message, "logprobs": fmt(c.logprobs),
                     "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({**meta, "object": "chat.completion", "choices": out,
-                         "usage": usage(gens, sum(c.num_tokens for c in choices))})
+                         "usage": usage([gen], sum(c.num_tokens for c in choices))})
 
 
-async def _stream(gen: Generation, body: ChatCompletionRequest, fmt: _Logprobs,
-                  meta: dict[str, Any], slot: Admission,
-                  tool_format: ToolCallFormat | None) -> AsyncIterator[str]:
-    head = {**meta, "object": "chat.completion.chunk"}
-    num_tokens = 0
+class _Chunks:
+    """The chat.completion.chunk events of one streamed generation, event by event."""
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
-        payload = {**head, "choices": choices}
-        if body.continuous_usage:
-            payload["usage"] = usage([gen], num_tokens)
-        return sse(payload)
-
-    try:
-        yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None} for k in range(body.n)])
-        calls = [ToolCallStream(tool_format) for _ in range(body.n)] if tool_format else None
+    def __init__(self, gen: Generation, body: ChatCompletionRequest, fmt: _Logprobs,
+                 meta: dict[str, Any], tool_format: ToolCallFormat | None) -> None:
+        self.gen, self.body, self.fmt = gen, body, fmt
+        self.head = head = {**meta, "object": "chat.completion.chunk"}
+        self.num_tokens = 0
+        self.calls = [ToolCallStream(tool_format) for _ in range(body.n)] if tool_format \
+            else None
         # a chunk of new content only (most of them) from a template
-        plain = calls is None and not (fmt.wanted or body.continuous_usage)
-        text_chunk = TextChunks(lambda k, text: {**head, "choices": [{
+        self.plain = self.calls is None and not (fmt.wanted or body.continuous_usage)
+        self.text_chunk = TextChunks(lambda k, text: {**head, "choices": [{
             "index": k, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
             "stop_reason": None}]})
-        async for _, event in merge([gen]):
-            num_tokens += len(event.token_ids)
-            finish = None if event.finish_reason is None else event.finish_reason.value
-            if plain and finish is None:
-                yield text_chunk(event.index, event.text)
-                continue
-            if calls is None:
-                delta = {"content": event.text} if event.text or finish is None else {}
-                yield chunk([{"index": event.index, "delta": delta,
-                              "logprobs": fmt(event.logprobs or []), "finish_reason": finish,
-                              "stop_reason": event.stop_reason}])
-                continue
-            for frame in _tool_frames(calls[event.index], event, finish, fmt):
-                yield chunk([frame])
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": usage([gen], num_tokens)})
-    except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
-        logger.exception("a streamed request failed")
-        yield sse_error(exc)
-    finally:
-        slot.release()
-    yield SSE_DONE
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> str:
+        payload = {**self.head, "choices": choices}
+        if self.body.continuous_usage:
+            payload["usage"] = usage([self.gen], self.num_tokens)
+        return sse(payload)
+
+    def opening(self) -> str:
+        """The first chunk: each choice's assistant role."""
+        return self._chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}
+                            for k in range(self.body.n)])
+
+    def of(self, event: TokenEvent) -> str:
+        """The event's chunks (several when it ends tool calls), as one string."""
+        self.num_tokens += len(event.token_ids)
+        finish = None if event.finish_reason is None else event.finish_reason.value
+        if self.plain and finish is None:
+            return self.text_chunk(event.index, event.text)
+        if self.calls is None:
+            delta = {"content": event.text} if event.text or finish is None else {}
+            return self._chunk([{"index": event.index, "delta": delta,
+                                 "logprobs": self.fmt(event.logprobs or []),
+                                 "finish_reason": finish, "stop_reason": event.stop_reason}])
+        return "".join(self._chunk([frame]) for frame in
+                       _tool_frames(self.calls[event.index], event, finish, self.fmt))
+
+    def usage(self) -> str:
+        return sse({**self.head, "choices": [], "usage": usage([self.gen], self.num_tokens)})
 
 
 def _tool_frames(calls: ToolCallStream, event: TokenEvent, finish: str | None,

@@ -1,18 +1,18 @@
-"""What the completions and chat endpoints share: body parsing, starting and merging
-generations, usage, and watching for a client that went away (the events they stream:
-`router.openai.sse`)."""
+"""What the completions and chat endpoints share: body parsing, the response a handler's
+generator makes (`respond`), starting and merging generations, usage, and watching for a
+client that went away (the events they stream: `router.openai.sse`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Sequence, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
-from starlette.background import BackgroundTask
 from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
-from router.app import Admission, Router
+from router.app import Router
 from router.errors import BadRequestError
 from router.streams import Generation
 from workers.contract.protocol import SamplingParams, TokenEvent
@@ -148,22 +148,29 @@ def usage(gens: Sequence[Generation], num_completion_tokens: int) -> dict[str, A
     }
 
 
-def released_at_end(slot: Admission) -> BackgroundTask:
-    """A streamed response's background task releasing its slot (a coroutine, so Starlette
-    runs it on the loop, not on a thread of its pool)."""
-    async def release() -> None:
-        slot.release()
-    return BackgroundTask(release)
+class Streaming:
+    """What a handler's response generator yields first when it streams (`respond`)."""
 
 
-async def admitted(slot: Admission, work: Callable[[Admission], Awaitable[T]]) -> T:
-    """`work(slot)` for a request admitted before any work on its content; the slot is
-    released here if that fails (else when the response ends)."""
-    try:
-        return await work(slot)
-    except BaseException:
-        slot.release()
-        raise
+STREAMING = Streaming()
+
+
+async def respond(parts: AsyncGenerator[Response | Streaming | str, None]) -> Response:
+    """The response a handler's generator makes. The generator holds the request's
+    admission for its whole life; its first item is the whole `Response` (the generator is
+    then closed), or `STREAMING`, after which its items are the events of a text/event-stream
+    response (closed when that ends). An error before its first item is raised here, as an
+    HTTP error; it must not yield one after it began streaming (errors then go in the
+    stream)."""
+    first = await parts.__anext__()
+    if isinstance(first, Response):
+        await parts.aclose()
+        return first
+    if first is not STREAMING:
+        await parts.aclose()
+        raise TypeError(f"a response generator began with {first!r}, not a Response or "
+                        f"STREAMING")
+    return StreamingResponse(cast(AsyncIterator[str], parts), media_type="text/event-stream")
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -4,24 +4,26 @@ uses them."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from router.app import Admission, Router
+from router.app import Router
 from router.errors import BadRequestError
 from router.openai.common import (
+    STREAMING,
+    Streaming,
     TokenStrings,
-    admitted,
     default_max_tokens,
     merge,
     parse_body,
-    released_at_end,
+    respond,
     start_all,
     until_disconnected,
     usage,
@@ -29,7 +31,7 @@ from router.openai.common import (
 from router.openai.protocol import CompletionRequest
 from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.streams import Generation
-from workers.contract.protocol import TokenLogprob
+from workers.contract.protocol import SamplingParams, TokenEvent, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +60,13 @@ async def prompt_token_lists(router: Router, prompt: Any) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-async def create_completion(router: Router, tokens: TokenStrings, request: Request) -> Any:
+async def create_completion(router: Router, tokens: TokenStrings, request: Request) -> Response:
+    """Validate the body, then answer it (`_answer`), JSON or streamed."""
     body = await parse_body(request, CompletionRequest)
     body.check()
     router.check_model(body.model)
     router.check_n(body.n)
-    return await admitted(router.admit(num_prompts(body.prompt)),  # before any work on the prompts
-                          lambda slot: _create(router, tokens, request, body, slot))
+    return await respond(_answer(router, tokens, request, body))
 
 
 def num_prompts(prompt: Any) -> int:
@@ -74,14 +76,49 @@ def num_prompts(prompt: Any) -> int:
     return len(prompt)
 
 
-async def _create(router: Router, tokens: TokenStrings, request: Request,
-                  body: CompletionRequest, slot: Admission) -> Any:
-    """The completion of an admitted body; `slot` is released when it ends."""
-    prompts = await prompt_token_lists(router, body.prompt)
+async def _answer(router: Router, tokens: TokenStrings, request: Request,
+                  body: CompletionRequest) -> AsyncGenerator[Response | Streaming | str, None]:
+    """A valid body's response, as `respond` reads it: admitted, built, then collected or
+    streamed. Holds the request's slots (one per prompt) until its last event."""
+    with router.admit(num_prompts(body.prompt)):  # before any work on the prompts
+        prompts = await prompt_token_lists(router, body.prompt)
+        params = _sampling(router, body, prompts)
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": router.model_name}
+        fmt = _Formatter(tokens, body, _echo_texts(router, body, prompts))
+        if not body.stream:
+            yield await until_disconnected(
+                request, _collect(router, body, prompts, params, fmt, meta))
+            return
+        gens = await start_all(router, prompts, params, body.cache_salt)
+        yield STREAMING
+        chunks = _Chunks(gens, body, fmt, meta)
+        try:
+            async for i, event in merge(gens):
+                yield chunks.of(i, event)
+            if body.include_usage:
+                yield chunks.usage()
+        except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
+            logger.exception("a streamed request failed")
+            yield sse_error(exc)
+        finally:
+            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+        yield SSE_DONE
+
+
+def _echo_texts(router: Router, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text as an echo shows it (none when the body asks no echo)."""
+    if not body.echo:
+        return []
     texts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
         isinstance(body.prompt[0], str) else [body.prompt] * len(prompts)
-    echo_texts = [t if isinstance(t, str) else router.tokenizer.decode(ids)
-                  for t, ids in zip(texts, prompts)] if body.echo else []
+    return [t if isinstance(t, str) else router.tokenizer.decode(ids)
+            for t, ids in zip(texts, prompts)]
+
+
+def _sampling(router: Router, body: CompletionRequest,
+              prompts: list[list[int]]) -> list[SamplingParams]:
+    """Each prompt's sampling parameters (checking the prompt)."""
     params = []
     for ids in prompts:
         router.check_prompt(ids)
@@ -89,18 +126,7 @@ async def _create(router: Router, tokens: TokenStrings, request: Request,
             else body.prompt_logprobs
         params.append(body.sampling_params(default_max_tokens(router, body.max_tokens, len(ids)),
                                            body.logprobs, prompt_logprobs))
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": router.model_name}
-    fmt = _Formatter(tokens, body, echo_texts)
-    if not body.stream:
-        try:
-            return await until_disconnected(
-                request, _collect(router, body, prompts, params, fmt, meta))
-        finally:
-            slot.release()
-    gens = await start_all(router, prompts, params, body.cache_salt)
-    return StreamingResponse(_stream(gens, body, fmt, meta, slot), media_type="text/event-stream",
-                             background=released_at_end(slot))
+    return params
 
 
 async def _collect(router: Router, body: CompletionRequest, prompts: list[list[int]],
@@ -137,52 +163,52 @@ async def _collect(router: Router, body: CompletionRequest, prompts: list[list[i
                          "usage": usage(gens, sum(c.num_tokens for c in choices))})
 
 
-async def _stream(gens: list[Generation], body: CompletionRequest, fmt: _Formatter,
-                  meta: dict[str, Any], slot: Admission) -> AsyncIterator[str]:
-    head = {**meta, "object": "text_completion"}
-    num_tokens = 0
-    echoed: set[int] = set()
-    begun: set[int] = set()  # choices that have sent a chunk (their prompt ids went with it)
-    # a chunk of new text only (most of them) from a template
-    plain = not (body.echo or fmt.wanted or body.return_token_ids or body.continuous_usage)
-    text_chunk = TextChunks(lambda k, text: {**head, "choices": [{
-        "index": k, "text": text, "logprobs": None, "finish_reason": None,
-        "stop_reason": None}]})
-    try:
-        async for i, event in merge(gens):
-            k = i * body.n + event.index
-            num_tokens += len(event.token_ids)
-            if plain and event.finish_reason is None:
-                yield text_chunk(k, event.text)
-                continue
-            text, prompt_ids, prompt_lps = event.text, [], None
-            if body.echo and k not in echoed:
-                echoed.add(k)
-                text = fmt.echo_texts[i] + text
-                prompt_ids, prompt_lps = gens[i].prompt_token_ids, gens[i].first.prompt_logprobs
-            choice = {
-                "index": k, "text": text,
-                "logprobs": fmt.logprobs(prompt_ids, prompt_lps, event.logprobs or []),
-                "finish_reason": None if event.finish_reason is None
-                else event.finish_reason.value,
-                "stop_reason": event.stop_reason}
-            if body.return_token_ids:
-                if k not in begun:
-                    begun.add(k)
-                    choice["prompt_token_ids"] = list(gens[i].prompt_token_ids)
-                choice["token_ids"] = list(event.token_ids)
-            chunk = {**head, "choices": [choice]}
-            if body.continuous_usage:
-                chunk["usage"] = usage(gens, num_tokens)
-            yield sse(chunk)
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(gens, num_tokens)})
-    except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
-        logger.exception("a streamed request failed")
-        yield sse_error(exc)
-    finally:
-        slot.release()
-    yield SSE_DONE
+class _Chunks:
+    """The text_completion chunks of streamed generations, event by event."""
+
+    def __init__(self, gens: list[Generation], body: CompletionRequest, fmt: _Formatter,
+                 meta: dict[str, Any]) -> None:
+        self.gens, self.body, self.fmt = gens, body, fmt
+        self.head = head = {**meta, "object": "text_completion"}
+        self.num_tokens = 0
+        self.echoed: set[int] = set()
+        self.begun: set[int] = set()  # choices that sent a chunk (their prompt ids went with it)
+        # a chunk of new text only (most of them) from a template
+        self.plain = not (body.echo or fmt.wanted or body.return_token_ids
+                          or body.continuous_usage)
+        self.text_chunk = TextChunks(lambda k, text: {**head, "choices": [{
+            "index": k, "text": text, "logprobs": None, "finish_reason": None,
+            "stop_reason": None}]})
+
+    def of(self, i: int, event: TokenEvent) -> str:
+        """The chunk of generation `i`'s event."""
+        body, gen = self.body, self.gens[i]
+        k = i * body.n + event.index
+        self.num_tokens += len(event.token_ids)
+        if self.plain and event.finish_reason is None:
+            return self.text_chunk(k, event.text)
+        text, prompt_ids, prompt_lps = event.text, [], None
+        if body.echo and k not in self.echoed:
+            self.echoed.add(k)
+            text = self.fmt.echo_texts[i] + text
+            prompt_ids, prompt_lps = list(gen.prompt_token_ids), gen.first.prompt_logprobs
+        choice = {
+            "index": k, "text": text,
+            "logprobs": self.fmt.logprobs(prompt_ids, prompt_lps, event.logprobs or []),
+            "finish_reason": None if event.finish_reason is None else event.finish_reason.value,
+            "stop_reason": event.stop_reason}
+        if body.return_token_ids:
+            if k not in self.begun:
+                self.begun.add(k)
+                choice["prompt_token_ids"] = list(gen.prompt_token_ids)
+            choice["token_ids"] = list(event.token_ids)
+        chunk: dict[str, Any] = {**self.head, "choices": [choice]}
+        if body.continuous_usage:
+            chunk["usage"] = usage(self.gens, self.num_tokens)
+        return sse(chunk)
+
+    def usage(self) -> str:
+        return sse({**self.head, "choices": [], "usage": usage(self.gens, self.num_tokens)})
 
 
 class _Formatter:

@@ -1,14 +1,19 @@
 """Two Ray nodes on one machine (`ray.cluster_utils.Cluster`): the prefill pool on one, the
-decode pool on the other, so every handoff's KV crosses nodes over the configured transport;
-the prefill replica is a TP=2 worker group (its ranks Ray actors in the replica's placement
-group, on the prefill node), so the KV is also resharded (2 ranks -> 1)."""
+decode pool (two replicas) on the other, so every handoff's KV crosses nodes over the
+configured transport; the prefill replica is a TP=2 worker group (its ranks Ray actors in the
+replica's placement group, on the prefill node), so the KV is also resharded (2 ranks -> 1).
+A burst of 16 streams sent at once spreads over both decode workers (`router.decode_policy`)."""
 
 from __future__ import annotations
 
+import re
+import threading
+
+import httpx
 import openai
 import pytest
 
-from tests.cluster.conftest import app_config, directory_entries, router_status
+from tests.cluster.conftest import app_config, directory_entries, router_status, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -48,7 +53,8 @@ def test_the_kv_crosses_nodes_from_the_prefill_to_the_decode_pool(two_nodes, tin
     config = CleaveConfig.parse(app_config(
         tiny_model, kv_transfer={"transport": transport},
         pools={"prefill": {**pool, "tp": 2, "resources": {"node_prefill": 1}},
-               "decode": {**pool, "resources": {"node_decode": 1}}}))
+               "decode": {**pool, "resources": {"node_decode": 1},
+                          "replicas": {"min": 2, "max": 2}}}))
     # Serve's proxy in front of the router (the Kubernetes mode); test_ray_app covers direct
     config = config.model_copy(update={"router": config.router.model_copy(
         update={"ingress": "serve"})})
@@ -60,6 +66,8 @@ def test_the_kv_crosses_nodes_from_the_prefill_to_the_decode_pool(two_nodes, tin
     expected = LLM(tiny_model).generate([PROMPT], SamplingParams(
         max_tokens=16, temperature=0.0, ignore_eos=True))[0].outputs[0].text
     assert out.choices[0].text == expected
+    wait_for(lambda: sum(w["role"] == "decode" and w["healthy"]
+                         for w in router_status()["workers"]) == 2, 120, "two decode workers")
     status = router_status()
     nodes = {w["role"]: w["node_id"] for w in status["workers"]}
     assert nodes["prefill"] != nodes["decode"]
@@ -71,3 +79,43 @@ def test_the_kv_crosses_nodes_from_the_prefill_to_the_decode_pool(two_nodes, tin
     assert {r.node_id for r in ranks} == {nodes["prefill"]}
     assert len({r.pid for r in ranks} | {info.pid}) == 3
     assert len({r.placement_group_id for r in ranks}) == 1 and ranks[0].placement_group_id
+    _burst_spreads_over_both_decode_workers(c, f"http://127.0.0.1:{config.router.http_port}")
+
+
+def _decode_successes(base_url: str) -> dict[str, float]:
+    """Requests each decode worker streamed to the end, from the router's /metrics."""
+    counts: dict[str, float] = {}
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    for labels, value in re.findall(r"^cleave_requests_total\{(.*)\} (\S+)$", text, re.M):
+        fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if fields.get("pool") == "decode" and fields.get("status") == "success":
+            counts[fields["worker"]] = counts.get(fields["worker"], 0.0) + float(value)
+    return counts
+
+
+def _burst_spreads_over_both_decode_workers(c: openai.OpenAI, base_url: str) -> None:
+    """16 streams sent at once (each choosing its decode worker while the prefills run):
+    8 +- 2 on each decode worker, not all on the one that looked idle first."""
+    before = _decode_successes(base_url)
+    go = threading.Barrier(16)
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        go.wait(60)
+        try:
+            chunks = c.completions.create(model="tiny", prompt=f"stream {i}: {PROMPT}",
+                                          max_tokens=8, stream=True,
+                                          extra_body={"ignore_eos": True})
+            assert sum(len(ch.choices[0].text) > 0 for ch in chunks if ch.choices) > 0
+        except Exception as exc:  # reported by the test
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors[:3]
+    after = _decode_successes(base_url)
+    spread = sorted(after[w] - before.get(w, 0.0) for w in after)
+    assert len(spread) == 2 and sum(spread) == 16 and all(6 <= n <= 10 for n in spread), spread

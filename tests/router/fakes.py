@@ -17,9 +17,10 @@ from kvtransfer.handoff import Handoff, KVHandoff, KVLayout
 from router.config import RouterConfig
 from router.counters import RouterCounters
 from router.errors import WorkerUnavailableError
+from router.failover import Failover
+from router.generations import GenerationFactory
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
-from router.policy import get_policy
+from router.orchestrator import Orchestrator, Policies
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
 from router.workers import WorkerSet
 from workers.contract.messages import Paused, PrefillResult, PrefixFetch, ResumedSample
@@ -71,6 +72,7 @@ class Script:
     fail_pull: bool = False  # decode_from_handoff with a handoff raises KVPullFailed first
     hang_after: int | None = None  # a stream stops yielding (not ending) after this many
     hang_prefill: bool = False
+    prefill_s: float = 0.0  # a prefill takes this long (the requests of a burst overlap)
     times: int | None = None
 
 
@@ -192,6 +194,8 @@ class FakeWorker(WorkerClient):
         self.calls.prefills.append(req.request_id)
         self.calls.prefixes.append(prefix)
         s = self.script
+        if s.prefill_s:
+            await asyncio.sleep(s.prefill_s)
         if s.hang_prefill:
             try:
                 await asyncio.Event().wait()
@@ -266,10 +270,14 @@ class FakeWorker(WorkerClient):
 
 
 async def orchestrator(*workers: FakeWorker, **config: object) -> Orchestrator:
-    """An orchestrator over a started worker set of `workers` (no router, no tokenizer)."""
+    """An orchestrator over a started worker set of `workers` (no router, no tokenizer); its
+    metrics are `o.generations.metrics`."""
     ws = WorkerSet(list(workers))
     await ws.start()
     counters = RouterCounters()
     cfg = RouterConfig("fake-model", **{"disagg_threshold_tokens": 8, **config})  # type: ignore[arg-type]
-    return Orchestrator(ws, cfg, get_policy(cfg.policy), counters,
-                        RouterMetrics(ws, counters, lambda: 0))
+    metrics = RouterMetrics(ws, counters, lambda: 0)
+    policies = Policies.from_config(cfg)
+    generations = GenerationFactory(Failover(ws, policies.route, counters, metrics, cfg),
+                                    metrics=metrics, migration_retries=cfg.migration_retries)
+    return Orchestrator(ws, cfg, policies, counters, generations)

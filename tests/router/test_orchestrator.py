@@ -56,7 +56,7 @@ def test_disaggregated_request_gets_its_first_token_from_prefill_and_the_rest_fr
         assert p.calls.prefills == [req.request_id] and not p.calls.aborts
         assert d.calls.handoffs[0].request_id == req.request_id  # the typed handoff, whole
         assert o.counters.num_disaggregated == 1 and not o.counters.fallbacks
-        assert o.metrics.kv_bytes.labels("decode", "d0")._value.get() == (
+        assert o.generations.metrics.kv_bytes.labels("decode", "d0")._value.get() == (
             3 * 2 * 2 * 16 * 2 * 8 * 4)  # blocks x layers x K,V x tokens x heads x dim x fp32
 
     run(go())
@@ -133,7 +133,7 @@ def test_a_failed_kv_pull_makes_the_decode_worker_compute_the_prompt_and_ends_th
         assert d.calls.handoffs[1] is None  # asked again, without the handoff
         assert p.calls.aborts == [req.request_id]  # the lease ended
         assert o.counters.fallbacks == {"kv_pull_failed": 1}
-        assert o.metrics.kv_failures.labels("decode", "d0", "LeaseExpired")._value.get() == 1
+        assert o.generations.metrics.kv_failures.labels("decode", "d0", "LeaseExpired")._value.get() == 1
 
     run(go())
 
