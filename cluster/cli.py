@@ -9,29 +9,22 @@ import time
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from cluster.flags import add_engine_flags
+
     p.add_argument("--model", default=None,
                    help="model folder (config.json, safetensors, tokenizer); default: the "
                         "embedded tiny model, created on first use")
-    # unset: `workers.engine.config.EngineConfig`'s defaults
-    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
-    p.add_argument("--load-format", default=None, help="auto, safetensors or dummy")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    p.add_argument("--kv-cache-dtype", default=None,
-                   help="auto, float32, bfloat16, float16, int8 or fp8")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
-                   help="GiB of host memory keeping evicted prefix-cache blocks")
+    add_engine_flags(p, skip=("seed",))  # --seed: the requests' sampling seed
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.flags import engine_options
     from workers import LLM, SamplingParams
 
     # checked before the model loads (or is made): a bad flag fails at once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, **_engine_options(args))
+    llm = LLM(args.model, **engine_options(args))
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -45,18 +38,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                           "finish_reason": sample.finish_reason.value}, ensure_ascii=False))
     print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s", file=sys.stderr)
     return 0
-
-
-def _engine_options(args: argparse.Namespace) -> dict:
-    """The `EngineConfig` fields given on the command line."""
-    given = dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
-                 kv_cache_dtype=args.kv_cache_dtype,
-                 max_num_seqs=args.max_num_seqs,
-                 max_num_batched_tokens=args.max_num_batched_tokens,
-                 enable_prefix_caching=False if args.no_prefix_caching else None,
-                 host_kv_cache_memory_bytes=(None if args.kv_offloading_size is None
-                                             else int(args.kv_offloading_size * 2**30)))
-    return {k: v for k, v in given.items() if v is not None}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
