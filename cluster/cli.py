@@ -146,8 +146,9 @@ def _add_quantize_parser(sub: argparse._SubParsersAction) -> None:
         "AWQ, compressed-tensors or FP8"))
     quantize.add_argument("--model", required=True, help="the full-precision checkpoint folder")
     quantize.add_argument("--out", required=True, help="output folder")
-    quantize.add_argument("--format", required=True, choices=[
-        "gptq", "awq", "compressed-tensors", "compressed-tensors-fp8", "fp8"])
+    quantize.add_argument("--format", required=True, help="the checkpoint format to write",
+                          choices=["gptq", "awq", "compressed-tensors",
+                                   "compressed-tensors-fp8", "fp8"])
     quantize.add_argument("--bits", type=int, default=4, help="4 or 8 (integer formats)")
     quantize.add_argument("--group-size", type=int, default=128,
                           help="input columns per scale; -1 for one per output channel")
@@ -177,20 +178,28 @@ def _add_drain_parser(sub: argparse._SubParsersAction) -> None:
     drain.set_defaults(func=_cmd_drain)
 
 
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="generate text offline with the engine")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: the smallest set of tokens with this probability")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="the requests' sampling seed (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past the end-of-sequence token")
+    gen.set_defaults(func=_cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cleave", description=(
         "Cleave: LLM serving with disaggregated prefill and decode."))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text offline with the engine")
-    _add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.set_defaults(func=_cmd_generate)
+    _add_generate_parser(sub)
 
     from cluster.flags import add_cluster_flags
 
@@ -225,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--arch", default="llama",
                       help="llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2_moe or qwen3_moe")
     make.add_argument("--preset", default="tiny", help="tiny, small or llama-3-8b")
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     make.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--no-weights", action="store_true",

@@ -48,12 +48,17 @@ class Setting:
             return None
         if self.choices is not None and value not in self.choices:
             return f"{name} must be one of {self.choices}, got {value!r}"
-        for bound, ok, words in ((self.ge, lambda b: value >= b, "at least"),
-                                 (self.gt, lambda b: value > b, "greater than"),
-                                 (self.le, lambda b: value <= b, "at most"),
-                                 (self.lt, lambda b: value < b, "less than")):
-            if bound is not None and not ok(bound):
-                return f"{name} must be {words} {bound:g}, got {value}"
+        low, opening = (self.ge, "[") if self.gt is None else (self.gt, "(")
+        top, close = (self.le, "]") if self.lt is None else (self.lt, ")")
+        if ((low is not None and (value < low or (self.gt is not None and value == low)))
+                or (top is not None and (value > top or (self.lt is not None and value == top)))):
+            if low is not None and top is not None:
+                return f"{name} must be in {opening}{low:g}, {top:g}{close}, got {value}"
+            if low is not None:
+                words = "at least" if self.gt is None else "greater than"
+                return f"{name} must be {words} {low:g}, got {value}"
+            words = "at most" if self.lt is None else "less than"
+            return f"{name} must be {words} {top:g}, got {value}"
         return None
 
 
