@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, create_model
 
@@ -37,8 +38,8 @@ RAY_MIGRATION_WAIT_S = 120.0
 # record's), and why
 MODE_DEFAULTS: dict[str, tuple[dict[str, Any], str]] = {
     "migration_wait_s": ({"ray": RAY_MIGRATION_WAIT_S},
-                         "on Ray a pool that lost its only replica gets it replaced; in "
-                         "process nothing replaces a dead worker"),
+                         ("on Ray a pool that lost its only replica gets it replaced; in "
+                          "process nothing replaces a dead worker")),
 }
 
 
@@ -97,8 +98,8 @@ def _field(record: type, d: Defined) -> tuple[Any, Any]:
         where = ", ".join(f"{v:g} on {m.replace('ray', 'Ray')}" for m, v in modes.items())
         description += f" Unset: {where}, {default:g} in process ({why})."
         default = None
-    bounds = {k: v for k, v in (("ge", s.ge), ("gt", s.gt), ("le", s.le), ("lt", s.lt))
-              if v is not None}
+    bounds: dict[str, Any] = {k: v for k, v in (("ge", s.ge), ("gt", s.gt), ("le", s.le),
+                                                 ("lt", s.lt)) if v is not None}
     kind = config_type(d)
     shape = typing.get_origin(_optional(kind)[0])
     if shape in (list, dict):  # a fresh list or mapping per config, of the record's default
@@ -142,8 +143,7 @@ def derived(section: str) -> Callable[[type[M]], type[M]]:
     return build
 
 
-def record_kwargs(record: type, sections: dict[str, Any], mode: str | None = None
-                  ) -> dict[str, Any]:
+def record_kwargs(record: type, sections: dict[str, Any], mode: str = "") -> dict[str, Any]:
     """The keyword arguments of `record` that the cluster config holds, read from `sections`
     (section name -> its model instance), with `mode`'s default for a setting left unset."""
     home = RECORDS[record]

@@ -16,7 +16,8 @@ import argparse
 import os
 import types
 import typing
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 from pydantic import BaseModel
 

@@ -31,8 +31,8 @@ from router.config import RouterConfig
 from workers.engine.config import EngineConfig
 from workers.serving.options import WorkerOptions
 
-__all__ = ["WorkerOptions", "PoolPlan", "InProcessPlan", "router_config", "engine_config",
-           "worker_options", "in_process_plan"]
+__all__ = ["InProcessPlan", "PoolPlan", "WorkerOptions", "engine_config", "in_process_plan",
+           "router_config", "worker_options"]
 
 Mode = Literal["ray", "in_process"]
 

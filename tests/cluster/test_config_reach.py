@@ -177,9 +177,9 @@ def test_a_field_added_to_a_record_reaches_the_config_its_flag_and_the_schema(mo
     """Adding a setting is adding its definition: nothing else is written."""
     import dataclasses
 
-    import cluster.derive as derive
+    from cluster import derive
     from cluster.config import RouterSettings
-    from cluster.flags import flagged_fields, flag_kind
+    from cluster.flags import flag_kind, flagged_fields
     from workers.contract.setting import setting
 
     @dataclasses.dataclass(frozen=True)
