@@ -9,29 +9,22 @@ import time
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from cluster.flags import add_engine_flags
+
     p.add_argument("--model", default=None,
                    help="model folder (config.json, safetensors, tokenizer); default: the "
                         "embedded tiny model, created on first use")
-    # unset: `workers.engine.config.EngineConfig`'s defaults
-    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
-    p.add_argument("--load-format", default=None, help="auto, safetensors or dummy")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    p.add_argument("--kv-cache-dtype", default=None,
-                   help="auto, float32, bfloat16, float16, int8 or fp8")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
-                   help="GiB of host memory keeping evicted prefix-cache blocks")
+    add_engine_flags(p, skip=("seed",))  # --seed: the requests' sampling seed
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.flags import engine_options
     from workers import LLM, SamplingParams
 
     # checked before the model loads (or is made): a bad flag fails at once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, **_engine_options(args))
+    llm = LLM(args.model, **engine_options(args))
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -45,18 +38,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                           "finish_reason": sample.finish_reason.value}, ensure_ascii=False))
     print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f} s", file=sys.stderr)
     return 0
-
-
-def _engine_options(args: argparse.Namespace) -> dict:
-    """The `EngineConfig` fields given on the command line."""
-    given = dict(dtype=args.dtype, load_format=args.load_format, block_size=args.block_size,
-                 kv_cache_dtype=args.kv_cache_dtype,
-                 max_num_seqs=args.max_num_seqs,
-                 max_num_batched_tokens=args.max_num_batched_tokens,
-                 enable_prefix_caching=False if args.no_prefix_caching else None,
-                 host_kv_cache_memory_bytes=(None if args.kv_offloading_size is None
-                                             else int(args.kv_offloading_size * 2**30)))
-    return {k: v for k, v in given.items() if v is not None}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -165,8 +146,9 @@ def _add_quantize_parser(sub: argparse._SubParsersAction) -> None:
         "AWQ, compressed-tensors or FP8"))
     quantize.add_argument("--model", required=True, help="the full-precision checkpoint folder")
     quantize.add_argument("--out", required=True, help="output folder")
-    quantize.add_argument("--format", required=True, choices=[
-        "gptq", "awq", "compressed-tensors", "compressed-tensors-fp8", "fp8"])
+    quantize.add_argument("--format", required=True, help="the checkpoint format to write",
+                          choices=["gptq", "awq", "compressed-tensors",
+                                   "compressed-tensors-fp8", "fp8"])
     quantize.add_argument("--bits", type=int, default=4, help="4 or 8 (integer formats)")
     quantize.add_argument("--group-size", type=int, default=128,
                           help="input columns per scale; -1 for one per output channel")
@@ -196,20 +178,28 @@ def _add_drain_parser(sub: argparse._SubParsersAction) -> None:
     drain.set_defaults(func=_cmd_drain)
 
 
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="generate text offline with the engine")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: the smallest set of tokens with this probability")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="the requests' sampling seed (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past the end-of-sequence token")
+    gen.set_defaults(func=_cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cleave", description=(
         "Cleave: LLM serving with disaggregated prefill and decode."))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text offline with the engine")
-    _add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.set_defaults(func=_cmd_generate)
+    _add_generate_parser(sub)
 
     from cluster.flags import add_cluster_flags
 
@@ -244,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--arch", default="llama",
                       help="llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2_moe or qwen3_moe")
     make.add_argument("--preset", default="tiny", help="tiny, small or llama-3-8b")
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     make.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--no-weights", action="store_true",

@@ -1,93 +1,137 @@
-"""Command-line flags onto a `CleaveConfig`: vLLM's flag names where the meaning is the same.
+"""Command-line flags onto a `CleaveConfig`, generated from the settings' definitions.
 
-A flag given on the command line overrides the `--config` file's value; a flag left out keeps
-it (or the config's default). Pool-wide flags (`--tensor-parallel-size`, `--block-size`, ...)
-apply to every pool.
+Every field of the cluster config whose definition gives it a flag becomes one: the derived
+fields (`cluster.derive.Source`: `--max-num-seqs`, vLLM's names where the definition gives them)
+and the cluster's own fields marked with `cluster.derive.flag` (`--port`). Its help is the
+definition's description, its choices and bounds the definition's. A flag given on the command
+line overrides the `--config` file's value; a flag left out keeps it (or the config's default).
+Pool-wide flags (`--tensor-parallel-size`, `--block-size`, ...) apply to every pool. The few
+flags that are not one setting (`--device`, worker counts, `--kv-offloading-size` in GiB) are
+written here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any, Literal
 
-from cluster.config import CleaveConfig, ConfigError
+from pydantic import BaseModel
 
-# flag dest -> (section, key) under every pool's settings
-_POOL_FLAGS = {"tensor_parallel_size": ("", "tp"), "pipeline_parallel_size": ("", "pp"),
-               "expert_parallel_size": ("", "ep"),
-               "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
-               "block_size": ("engine", "block_size"), "max_num_seqs": ("engine", "max_num_seqs"),
-               "max_num_batched_tokens": ("engine", "max_num_batched_tokens"),
-               "num_gpu_blocks_override": ("engine", "num_blocks"),
-               "attention_backend": ("engine", "attention_backend"),
-               "kv_cache_dtype": ("engine", "kv_cache_dtype"),
-               "max_cuda_graph_batch_size": ("engine", "max_cuda_graph_batch_size")}
-_MODEL_FLAGS = {"model": "path", "served_model_name": "served_model_name", "dtype": "dtype",
-                "max_model_len": "max_model_len", "load_format": "load_format"}
-_ROUTER_FLAGS = {"host": "host", "port": "http_port", "grpc_port": "grpc_port",
-                 "ingress": "ingress", "policy": "policy", "max_in_flight": "max_in_flight",
-                 "disagg_threshold_tokens": "disagg_threshold_tokens",
-                 "allow_unauthenticated": "allow_unauthenticated",
-                 "tool_call_parser": "tool_call_parser"}
+from cluster.config import CleaveConfig, ConfigError, PoolSettings
+from cluster.derive import Flag, Source, config_type
+from workers.contract.setting import settings_of
+from workers.engine.config import EngineConfig
+
+_DEST = "setting:"  # argparse dest of a generated flag: this, then the field's dotted path
+
+
+def _strip(annotation: Any) -> Any:
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    kind = _strip(annotation)
+    return kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+
+
+def flagged_fields(model: type[BaseModel] = CleaveConfig, prefix: tuple[str, ...] = ()
+                   ) -> Iterator[tuple[tuple[str, ...], tuple[str, ...], Any, Any]]:
+    """(path, flag names, annotation, FieldInfo) of every config field with a flag; a pool's
+    fields once, under `pools.*`."""
+    for name, info in model.model_fields.items():
+        path = prefix + (name,)
+        if name == "pools" and not prefix:
+            yield from flagged_fields(PoolSettings, ("pools", "*"))
+            continue
+        sub = _submodel(info.annotation)
+        if sub is not None:
+            yield from flagged_fields(sub, path)
+            continue
+        names: tuple[str, ...] = ()
+        for meta in info.metadata:
+            if isinstance(meta, Source):
+                names = meta.flags
+            elif isinstance(meta, Flag):
+                names = meta.names
+        if names:
+            yield path, names, info.annotation, info
+
+
+def flag_kind(annotation: Any, name: str) -> dict[str, Any]:
+    """`add_argument` keywords for a field of type `annotation` whose flag is `name`."""
+    metavar = name.lstrip("-").upper().replace("-", "_")
+    kind = _strip(annotation)
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        return {"type": type(choices[0]), "choices": choices}
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(kind) in (list, tuple):
+        return {"action": "append", "type": typing.get_args(kind)[0], "metavar": metavar}
+    if kind in (int, float, str):
+        return {"type": kind, "metavar": metavar}
+    raise TypeError(f"no flag for a setting of type {annotation}; define it with flag=None")
+
+
+def help_text(description: str | None, default: Any) -> str:
+    """A flag's help: the definition's description, and its default when it has one."""
+    if not description:
+        raise ValueError("a flag needs a description (its --help line)")
+    text = description.replace("%", "%%")
+    if default is not None and default not in ([], {}, ()) and not callable(default):
+        text += f" (default: {default})"
+    return text
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     """The flags of `cleave serve` and `cleave build-serve-config` (all default to unset)."""
     p.add_argument("--config", default=None, help="a Cleave config YAML file (flags override it)")
-    p.add_argument("--model", default=None, help="model folder; default: the embedded tiny model")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--load-format", default=None, help="auto, safetensors or dummy")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
-    p.add_argument("--expert-parallel-size", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, help="auto, torch, cpu or triton")
-    p.add_argument("--kv-cache-dtype", default=None,
-                   help="auto, float32, bfloat16, float16, int8 or fp8 (8 bits, a scale per "
-                        "token and head)")
+    for path, names, annotation, info in flagged_fields():
+        p.add_argument(*names, dest=_DEST + ".".join(path), default=None,
+                       help=help_text(info.description,
+                                      info.get_default(call_default_factory=True)),
+                       **flag_kind(annotation, names[0]))
     p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                    help="GiB of host memory per replica keeping evicted prefix-cache blocks, "
-                        "copied back on a hit instead of recomputed (default 0: none)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="on a GPU: no CUDA graphs for decode steps")
-    p.add_argument("--max-cuda-graph-batch-size", type=int, default=None)
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule the next step while the current one runs (one rank)")
-    p.add_argument("--fp32-int-kernels", action="store_true",
-                   help="--dtype float32 with an int8/int4 checkpoint: keep the weights packed "
-                        "for the CPU int kernels instead of dequantizing them")
-    p.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", action="store_true",
-                   dest="no_prefix_caching")
+                        "copied back on a hit instead of recomputed (every pool's "
+                        "engine.host_kv_cache_memory_bytes; default 0: none)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: one GPU per rank when this machine has one")
     p.add_argument("--num-workers", type=int, default=None,
                    help="replicas of one aggregated pool (instead of prefill/decode pools)")
     p.add_argument("--prefill-workers", type=int, default=None, help="prefill replicas")
     p.add_argument("--decode-workers", type=int, default=None, help="decode replicas")
-    p.add_argument("--kv-transport", default=None, help="tcp, ucx or nccl")
-    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    p.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 50051)")
-    p.add_argument("--ingress", default=None, choices=("direct", "serve"),
-                   help="direct (default): router replicas serve the ports; serve: Ray Serve's "
-                        "proxies do")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="accepted bearer key (repeatable; also CLEAVE_API_KEYS=a,b)")
-    p.add_argument("--allow-unauthenticated", action="store_true", default=None,
-                   help="serve on a non-loopback --host without API keys (refused otherwise)")
-    p.add_argument("--policy", default=None, help="prefix_aware, least_loaded or round_robin")
-    p.add_argument("--max-in-flight", type=int, default=None)
-    p.add_argument("--disagg-threshold-tokens", type=int, default=None)
-    p.add_argument("--tool-call-parser", default=None,
-                   choices=("llama3_json", "hermes", "mistral"),
-                   help="how the model writes tool calls; default: as its chat template shows")
+
+
+def add_engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The flags of `cleave generate`: `EngineConfig`'s settings that have one (those named in
+    `skip` left out), and `--kv-offloading-size`; `engine_options` reads them back."""
+    for d in settings_of(EngineConfig):
+        names = Source(EngineConfig, d).flags
+        if names and d.name not in skip:
+            p.add_argument(*names, dest=_DEST + d.name, default=None,
+                           help=help_text(d.setting.description, d.default),
+                           **flag_kind(config_type(d), names[0]))
+    p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory keeping evicted prefix-cache blocks "
+                        "(host_kv_cache_memory_bytes)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `EngineConfig` fields given on the command line (`add_engine_flags`)."""
+    given = given_settings(args)
+    if args.kv_offloading_size is not None:
+        given["host_kv_cache_memory_bytes"] = int(args.kv_offloading_size * 2**30)
+    return given
 
 
 def _fixed(n: int) -> dict[str, int]:
@@ -113,45 +157,43 @@ def _pools(args: argparse.Namespace, pools: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _set(node: dict[str, Any], path: list[str], value: Any) -> None:
+    for name in path[:-1]:
+        node = node.setdefault(name, {})
+    node[path[-1]] = value
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The generated flags given on the command line: dotted config path -> value."""
+    return {dest[len(_DEST):]: value for dest, value in vars(args).items()
+            if dest.startswith(_DEST) and value is not None}
+
+
 def config_from_args(args: argparse.Namespace) -> CleaveConfig:
     """The config file (or the defaults) with the given flags applied; raises `ConfigError`."""
     base = CleaveConfig.from_yaml(args.config) if args.config else CleaveConfig()
     data = base.to_dict()
-    for flag, key in _MODEL_FLAGS.items():
-        if getattr(args, flag) is not None:
-            data["model"][key] = getattr(args, flag)
-    for flag, key in _ROUTER_FLAGS.items():
-        if getattr(args, flag) is not None:
-            data["router"][key] = getattr(args, flag)
-    keys = list(args.api_key or [])
+    given = given_settings(args)
+    keys = list(given.pop("router.api_keys", []))
     keys += [k for k in os.environ.get("CLEAVE_API_KEYS", "").split(",") if k]
     if keys:
-        data["router"]["api_keys"] = keys
-    if args.kv_transport is not None:
-        data["kv_transfer"]["transport"] = args.kv_transport
+        given["router.api_keys"] = keys
     pools = _pools(args, {k: v for k, v in data["pools"].items() if v is not None})
+    if args.kv_offloading_size is not None:
+        if not args.kv_offloading_size >= 0:
+            raise ConfigError(f"--kv-offloading-size must be >= 0 GiB, got "
+                              f"{args.kv_offloading_size}")
+        given["pools.*.engine.host_kv_cache_memory_bytes"] = int(args.kv_offloading_size * 2**30)
     gpus = None if args.device == "auto" and args.config else _gpus_per_rank(args.device)
-    for settings in pools.values():
-        for flag, (section, key) in _POOL_FLAGS.items():
-            if getattr(args, flag) is not None:
-                (settings.setdefault(section, {}) if section else settings)[key] = getattr(args,
-                                                                                           flag)
-        if args.no_prefix_caching:
-            settings.setdefault("engine", {})["enable_prefix_caching"] = False
-        if args.kv_offloading_size is not None:
-            if not args.kv_offloading_size >= 0:
-                raise ConfigError(f"--kv-offloading-size must be >= 0 GiB, got "
-                                  f"{args.kv_offloading_size}")
-            settings.setdefault("engine", {})["host_kv_cache_memory_bytes"] = int(
-                args.kv_offloading_size * 2**30)
-        if args.enforce_eager:
-            settings.setdefault("engine", {})["enforce_eager"] = True
-        if args.async_scheduling:
-            settings.setdefault("engine", {})["async_scheduling"] = True
-        if args.fp32_int_kernels:
-            settings.setdefault("engine", {})["fp32_int_kernels"] = True
-        if gpus is not None:
-            settings["gpus_per_rank"] = gpus
+    if gpus is not None:
+        given["pools.*.gpus_per_rank"] = gpus
+    for dotted, value in given.items():
+        path = dotted.split(".")
+        if path[:2] == ["pools", "*"]:
+            for settings in pools.values():
+                _set(settings, path[2:], value)
+        else:
+            _set(data, path, value)
     data["pools"] = pools
     return CleaveConfig.parse(data)
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cluster import event_loop
-from cluster.config import RouterSettings, default_of
+from cluster.config import RouterSettings
 from cluster.inprocess_client import SUBSCRIBER, in_process_client
 from cluster.settings import InProcessPlan, PoolPlan, WorkerOptions
 from router.app import Router, RouterConfig
@@ -44,9 +44,9 @@ class LocalServeConfig:
     model_path: str
     # aggregated ("both") workers; None: 1 without prefill/decode pools, else 0
     num_workers: int | None = None
-    host: str = default_of(RouterSettings, "host")
-    http_port: int = default_of(RouterSettings, "http_port")  # 0: any free port
-    grpc_port: int = default_of(RouterSettings, "grpc_port")  # 0: any free port
+    host: str = RouterSettings.model_fields["host"].default
+    http_port: int = RouterSettings.model_fields["http_port"].default  # 0: any free port
+    grpc_port: int = RouterSettings.model_fields["grpc_port"].default  # 0: any free port
     router: dict[str, Any] = field(default_factory=dict)  # RouterConfig fields
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields besides model
     num_prefill_workers: int = 0  # "prefill" workers (prompt to first token, KV handed off)

@@ -9,48 +9,32 @@ Every way of running goes through here: the Ray app (`cluster.pool.engine_spec` 
 actors, `cluster.ingress` for the router), `cleave serve --in-process` (`in_process_plan`, run by
 `cluster.local_server`), and the Helm chart, whose `serveConfigV2` hands a CleaveConfig dict to
 `cluster.app.build_app`. What only Ray has (placement bundles, autoscaling, router replicas) is
-`cluster.app`'s; tests/cluster/test_config_coverage.py checks that every config field reaches a
-setting, the same one in both modes.
+`cluster.app`'s.
 
-Defaults are written once, by one rule: a setting an inner record has (`RouterConfig`,
-`EngineConfig`, `workers.serving.worker.Worker`'s keywords) keeps its default in that record, the config
-model reads it from there (`cluster.config.default_of`), and this module passes every value the
-config holds explicitly. A setting only the cluster has (replicas, placement, autoscaling, ports)
-has its default in the config model. One default depends on the mode: `router.migration_wait_s`
-left unset waits `RAY_MIGRATION_WAIT_S` on Ray, where Serve replaces a pool's lost replica, and
-the router's own default in process, where nothing replaces a dead worker.
+The translation is mechanical: each record's field is defined once (`workers.contract.setting`),
+names the config section holding it, and `cluster.derive.record_kwargs` reads it from there.
+What is left here is what the cluster decides itself: the model folder, the engine's device
+(from `gpus_per_rank`), keys from the environment, and the mode's default of a setting left
+unset (`cluster.derive.MODE_DEFAULTS`). tests/cluster/test_config_reach.py checks that every
+setting reaches the Ray app, in-process and the chart from its one definition.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from cluster.config import (
-    POOL_ROLES,
-    RAY_MIGRATION_WAIT_S,
-    CleaveConfig,
-    ConfigError,
-    PoolSettings,
-    default_of,
-)
+from cluster.config import POOL_ROLES, CleaveConfig, ConfigError, PoolSettings
+from cluster.derive import record_kwargs
 from router.config import RouterConfig
 from workers.engine.config import EngineConfig
-from workers.serving.worker import Worker
+from workers.serving.options import WorkerOptions
+
+__all__ = ["InProcessPlan", "PoolPlan", "WorkerOptions", "engine_config", "in_process_plan",
+           "router_config", "worker_options"]
 
 Mode = Literal["ray", "in_process"]
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """A worker's keywords besides its engine (`Worker.from_config`): how its KV moves."""
-
-    transport: str = default_of(Worker, "transport")  # `kvtransfer.TRANSPORTS`
-    lease_s: float = default_of(Worker, "lease_s")  # prefilled blocks wait for their puller
-    pull_timeout_s: float = default_of(Worker, "pull_timeout_s")  # a decode waits for its KV
-    step_timeout_s: float = default_of(Worker, "step_timeout_s")  # the step watchdog's bound
-    max_waiting_requests: int = default_of(Worker, "max_waiting_requests")  # more: overloaded
 
 
 @dataclass(frozen=True)
@@ -103,23 +87,17 @@ def router_config(config: CleaveConfig, model_path: str, mode: Mode = "ray") -> 
             raise ConfigError(f"router.api_keys_env={r.api_keys_env!r}: that environment "
                               f"variable is unset or holds no key where the router starts")
         keys += from_env
-    wait = r.migration_wait_s
-    if wait is None:
-        wait = RAY_MIGRATION_WAIT_S if mode == "ray" else default_of(RouterConfig,
-                                                                   "migration_wait_s")
-    return RouterConfig(model_path, served_model_name=config.model.served_model_name,
-                        api_keys=tuple(keys), policy=r.policy,
-                        policy_options=tuple(sorted(r.policy_weights.items())),
-                        max_in_flight=r.max_in_flight, max_n=r.max_n,
-                        kv_poll_interval_s=r.kv_poll_interval_s,
-                        disagg_threshold_tokens=r.disagg_threshold_tokens,
-                        start_retries=r.start_retries,
-                        max_waiting_per_worker=r.max_waiting_per_worker,
-                        max_pending_tokens_per_worker=r.max_pending_tokens_per_worker,
-                        prefill_timeout_s=r.prefill_timeout_s,
-                        stall_timeout_s=r.stall_timeout_s, migration_wait_s=wait,
-                        tool_call_parser=r.tool_call_parser,
-                        rebalance_kv_usage=r.rebalance_kv_usage)
+    return RouterConfig(**{**record_kwargs(RouterConfig, _sections(config), mode),
+                           "model_path": model_path, "api_keys": tuple(keys)})
+
+
+def _sections(config: CleaveConfig, pool: PoolSettings | None = None) -> dict[str, Any]:
+    """The config's sections by the names settings' definitions give them."""
+    sections: dict[str, Any] = {"model": config.model, "router": config.router,
+                                "kv_transfer": config.kv_transfer}
+    if pool is not None:
+        sections.update(pool=pool, engine=pool.engine)
+    return sections
 
 
 def _pool(config: CleaveConfig, pool: str) -> PoolSettings:
@@ -135,21 +113,14 @@ def engine_config(config: CleaveConfig, pool: str, model_path: str) -> EngineCon
     outright: on Ray an engine actor that only drives GPU ranks holds no GPU itself, so "auto"
     would resolve to the CPU there."""
     p = _pool(config, pool)
-    m = config.model
-    return EngineConfig(model=model_path, dtype=m.dtype, load_format=m.load_format,
-                        max_model_len=m.max_model_len,
-                        device="cpu" if p.gpus_per_rank == 0 else "cuda",
-                        tensor_parallel_size=p.tp, pipeline_parallel_size=p.pp,
-                        expert_parallel_size=p.ep, **p.engine.model_dump())
+    return EngineConfig(**record_kwargs(EngineConfig, _sections(config, p)), model=model_path,
+                        device="cpu" if p.gpus_per_rank == 0 else "cuda")
 
 
 def worker_options(config: CleaveConfig, pool: str) -> WorkerOptions:
     """A pool's workers' options: the transfer's (the same in every pool) and the pool's
     step watchdog."""
-    kv = config.kv_transfer
-    p = _pool(config, pool)
-    return WorkerOptions(kv.transport, kv.lease_s, kv.pull_timeout_s, p.step_timeout_s,
-                         p.max_waiting_requests)
+    return WorkerOptions(**record_kwargs(WorkerOptions, _sections(config, _pool(config, pool))))
 
 
 def pool_cores(pool: PoolSettings) -> tuple[tuple[int, ...] | None, int]:

@@ -1,10 +1,14 @@
-"""The router's settings (`cluster.settings` translates the cluster config into them)."""
+"""The router's settings, each defined once (`workers.contract.setting`): the cluster config,
+the `cleave serve` flags and the chart's schema are derived from these fields
+(`cluster.config`), and `cluster.settings` builds a `RouterConfig` from a cluster config."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+
+from workers.contract.setting import check_settings, setting
 
 
 @dataclass(frozen=True)
@@ -21,72 +25,75 @@ class Deadlines:
 
 # the tool-call formats `router.openai.tool_parsers` reads (vLLM's --tool-call-parser names)
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
+POLICIES = ("prefix_aware", "least_loaded", "round_robin")  # `router.policy`'s names
+# "hand off or run here" (`router.split_policy`'s names)
+SPLIT_POLICIES = ("uncached_threshold", "always", "never")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model_path: str
-    served_model_name: str | None = None  # default: the model folder's name
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
-    policy: str = "prefix_aware"
-    policy_options: tuple[tuple[str, float], ...] = ()  # (name, value): the policy's weights
-    max_in_flight: int = 256  # requests admitted at once; more get 429
-    max_body_bytes: int = 16 * 1024**2  # larger HTTP bodies get 413
-    max_n: int = 16  # samples per request at most
-    max_prompts_per_request: int = 64  # a completions body's prompts at most (each takes a slot)
-    retry_after_s: int = 1  # the Retry-After a 429 suggests
-    kv_poll_interval_s: float = 0.5  # background poll of the workers' KV events
-    # "hand off or run here" (`router.split_policy`): uncached_threshold (hand off when at
-    # least disagg_threshold_tokens of the prompt are not cached), always, or never
-    disagg_policy: str = "uncached_threshold"
-    # prefill on a decode worker when fewer prompt tokens than this are not in the cache
-    disagg_threshold_tokens: int = 64
-    # which decode worker takes a handoff (`router.decode_policy`): a routing policy's name
-    # (least_loaded, round_robin, prefix_aware); each pick counts against its worker at once
-    decode_policy: str = "least_loaded"
-    prefill_retries: int = 2  # other prefill workers tried after a failed prefill
-    # times a stream moves to another decode-pool worker after the one streaming it failed
-    migration_retries: int = 2
-    # how long a stream whose worker failed waits for a decode-pool worker to move to (a
-    # cluster's pool replaces its lost replicas); 0: fail at once when none is healthy
-    migration_wait_s: float = 0.0
-    # other workers tried when an aggregated request's worker fails before its first token
-    start_retries: int = 2
-    # admission: a worker with this many requests, or prompt tokens, waiting takes no more;
-    # when every healthy worker of the pool is that full, requests get 429 with Retry-After
-    max_waiting_per_worker: int = 256
-    max_pending_tokens_per_worker: int = 1 << 20
-    prefill_timeout_s: float = 300.0  # a prefill not answered by then is retried elsewhere
-    # a worker whose output channel says nothing for this long (it answers every 0.5 s when
-    # idle) is unhealthy, and the streams on it move to other workers
-    stall_timeout_s: float = 15.0
-    # how the model writes tool calls (TOOL_CALL_PARSERS); None: as its chat template says
-    tool_call_parser: str | None = None
-    # a decode-pool worker at this KV usage (0..1] moves a running stream, with its KV, to a
-    # worker with room each kv_poll_interval_s (`router.rebalance`); None: streams stay put
-    rebalance_kv_usage: float | None = None
+    model_path: str = setting(description="The model folder the router reads its tokenizer "
+                                          "from.", section=None)
+    served_model_name: str | None = setting(None, (
+        "The name clients pass as `model`; default: the model folder's name."), section="model")
+    api_keys: tuple[str, ...] = setting((), (
+        "Accepted bearer keys (cleave serve: --api-key, repeatable, or CLEAVE_API_KEYS=a,b); "
+        "empty and no api_keys_env: no authentication."), flag=("--api-key",))
+    policy: str = setting("prefix_aware", "How a worker is chosen for a prompt.",
+                          choices=POLICIES)
+    policy_options: tuple[tuple[str, float], ...] = setting((), (
+        "prefix_aware: w_hit, w_queue, w_kv, queue_scale."), key="policy_weights", flag=None)
+    max_in_flight: int = setting(256, "Requests per router replica; more: 429.", ge=1)
+    max_body_bytes: int = setting(16 * 1024**2, "Larger HTTP bodies get 413.", ge=1)
+    max_n: int = setting(16, "Samples per request at most.", ge=1)
+    max_prompts_per_request: int = setting(64, (
+        "Prompts in one completions body at most (each takes an admission slot)."), ge=1)
+    retry_after_s: int = setting(1, "The Retry-After (seconds) a 429 suggests.", ge=1)
+    kv_poll_interval_s: float = setting(0.5, (
+        "How often the router re-checks its workers' health, KV events and the directory."),
+        gt=0)
+    disagg_policy: str = setting("uncached_threshold", (
+        "Hand off or run here (`router.split_policy`): uncached_threshold hands a prompt to the "
+        "prefill pool when at least disagg_threshold_tokens of it are not cached; always; "
+        "never."), choices=SPLIT_POLICIES)
+    disagg_threshold_tokens: int = setting(64, (
+        "Prompts with fewer uncached tokens than this prefill on the decode worker."), ge=0)
+    decode_policy: str = setting("least_loaded", (
+        "Which decode worker takes a handoff (`router.decode_policy`): a routing policy's name; "
+        "each pick counts against its worker at once."), choices=POLICIES)
+    prefill_retries: int = setting(2, "Other prefill workers tried after a failed prefill.",
+                                   ge=0)
+    migration_retries: int = setting(2, (
+        "Times a stream moves to another decode-pool worker after the one streaming it "
+        "failed."), ge=0)
+    migration_wait_s: float = setting(0.0, (
+        "A stream whose decode worker died waits this long for another one before it fails "
+        "(0: fail at once when none is healthy)."), ge=0)
+    start_retries: int = setting(2, (
+        "Other workers an aggregated request is started on when its worker fails or refuses "
+        "it before the first token."), ge=0)
+    max_waiting_per_worker: int = setting(256, (
+        "Admission: requests waiting on a worker at most; when every healthy worker of the "
+        "pool has this many, a request gets 429 with Retry-After."), ge=1)
+    max_pending_tokens_per_worker: int = setting(1 << 20, (
+        "Admission: prompt tokens waiting on a worker at most (same rule)."), ge=1)
+    prefill_timeout_s: float = setting(300.0, (
+        "A prefill not answered in this time is aborted and retried on another worker."), gt=0)
+    stall_timeout_s: float = setting(15.0, (
+        "A worker whose output channel is silent this long (it answers every 0.5 s when idle) "
+        "is unhealthy; the streams on it move to other workers."), gt=0)
+    tool_call_parser: str | None = setting(None, (
+        "How the model writes tool calls (vLLM's --tool-call-parser names); unset: the format "
+        "its chat template's wording shows, and none when it renders no tools."),
+        choices=TOOL_CALL_PARSERS)
+    rebalance_kv_usage: float | None = setting(None, (
+        "A decode-pool worker whose KV usage reaches this fraction moves its longest running "
+        "stream, with its KV (nothing recomputed), to the least used worker at least 0.2 below "
+        "it, every kv_poll_interval_s. Unset: running streams stay where they started."),
+        gt=0, le=1)
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
-                             f"{self.tool_call_parser!r}")
-        for name in ("disagg_threshold_tokens", "prefill_retries", "migration_retries",
-                     "migration_wait_s", "start_retries"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_in_flight", "max_body_bytes", "max_n", "retry_after_s",
-                     "max_prompts_per_request",
-                     "max_waiting_per_worker", "max_pending_tokens_per_worker"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("prefill_timeout_s", "stall_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.kv_poll_interval_s > 0:
-            raise ValueError(f"kv_poll_interval_s must be > 0, got {self.kv_poll_interval_s}")
-        if self.rebalance_kv_usage is not None and not 0 < self.rebalance_kv_usage <= 1:
-            raise ValueError(f"rebalance_kv_usage must be in (0, 1], got "
-                             f"{self.rebalance_kv_usage}")
+        check_settings(self)
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty strings")
 

@@ -125,3 +125,19 @@ def test_serve_in_process_answers_the_openai_client_then_stops(tmp_path, tiny_mo
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+
+
+def test_every_flag_has_a_help_line():
+    """Flags are generated from the settings' definitions, each with its description."""
+    import argparse
+
+    from cluster.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    empty = [f"{name} {'/'.join(action.option_strings)}"
+             for name, sub in commands.choices.items() for action in sub._actions
+             if action.option_strings and not (action.help or "").strip()]
+    assert empty == []
+    serve = commands.choices["serve"].format_help()
+    assert "--disagg-threshold-tokens" in serve and "uncached tokens" in serve

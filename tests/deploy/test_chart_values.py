@@ -125,6 +125,20 @@ def test_values_schema_and_readme_table_are_in_step():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_checked_in_schema_is_the_one_generated_from_the_settings_definitions():
+    import json
+
+    sys.path.insert(0, str(CHART / "tools"))
+    from gen_docs import values_schema
+
+    checked_in = json.loads((CHART / "values.schema.json").read_text())
+    assert checked_in == values_schema(), "stale: run deploy/helm/cleave/tools/gen_docs.py"
+    router = checked_in["properties"]["cleave"]["properties"]["router"]["properties"]
+    assert router["disagg_threshold_tokens"] == {
+        "description": "Prompts with fewer uncached tokens than this prefill on the decode "
+                       "worker.", "minimum": 0, "type": "integer"}
+
+
 def test_every_value_is_documented():
     sys.path.insert(0, str(CHART / "tools"))
     from gen_docs import documented_values

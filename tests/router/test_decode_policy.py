@@ -103,3 +103,12 @@ def test_the_configured_policies_choose_the_decode_worker_and_whether_to_hand_of
         await collect(gen)
 
     run(go())
+
+
+def test_the_configs_policy_choices_are_the_registered_policies() -> None:
+    from router.config import POLICIES, SPLIT_POLICIES
+    from router.policy import registered_policies
+    from router.split_policy import registered_split_policies
+
+    assert sorted(POLICIES) == registered_policies()
+    assert sorted(SPLIT_POLICIES) == registered_split_policies()

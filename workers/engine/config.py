@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.contract.setting import setting
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -11,6 +13,9 @@ def _require(ok: bool, message: str) -> None:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the checkpoint's own
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # dummy: seeded random weights
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # full precision (auto: the model's dtype) or 8 bits with a scale per token and head
 # (workers.kernels.kv_quant)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
@@ -19,50 +24,86 @@ QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What one engine serves and how. Unset sizes are derived from the checkpoint and device."""
+    """What one engine serves and how. Unset sizes are derived from the checkpoint and device.
+    Each field is one setting's definition (`workers.contract.setting`): the cluster config and
+    the flags are derived from it."""
 
-    model: str  # a folder with config.json, safetensors and tokenizer files
-    dtype: str = "auto"  # auto (the checkpoint's own), float32, bfloat16, float16
-    load_format: str = "auto"  # auto / safetensors, or dummy (seeded random weights)
-    device: str = "auto"  # auto (cuda when present, else cpu), cpu, cuda, cuda:N
-    max_model_len: int | None = None  # tokens per sequence; default: the model's context
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory_bytes: int | None = None  # KV budget; default 512 MiB on CPU
-    # on GPU: the fraction of the device's total memory (not of what is free) that weights,
-    # activations and the KV cache may take together, memory held outside this process's torch
-    # allocator (CUDA context, other processes) counted against it (memory_profile)
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None  # overrides the budget: exactly this many KV blocks
-    # the host-memory tier: evicted prefix-cache blocks kept in this many bytes of host memory
-    # and copied back on a hit instead of recomputed (0: off; workers.engine.kv_cache.host_tier)
-    host_kv_cache_memory_bytes: int = 0
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), float32, bfloat16, float16, int8, fp8
-    max_num_seqs: int = 128  # running sequences at most
-    max_num_batched_tokens: int = 2048  # new tokens per step at most (chunked-prefill budget)
-    enable_prefix_caching: bool = True
-    # auto: triton on a GPU when installed; cpu (the C decode kernel) on the CPU when a C compiler
-    # builds it; else torch
-    attention_backend: str = "auto"
-    enforce_eager: bool = False  # on a GPU: never replay decode steps from CUDA graphs
-    max_cuda_graph_batch_size: int = 256  # decode batches up to this size replay CUDA graphs
-    seed: int = 0  # for requests without a seed, and for dummy weights
-    tensor_parallel_size: int = 1  # ranks sharing each layer (heads, MLP columns, vocab)
-    pipeline_parallel_size: int = 1  # stages the layers are split into
-    expert_parallel_size: int = 1  # 1, or tensor_parallel_size: MoE experts split whole
-    pipeline_microbatches: int | None = None  # per step; default: pipeline_parallel_size
-    rank_timeout_s: float = 120.0  # a rank silent this long (start-up or a step) is failed
-    # schedule and build step N+1 while step N runs, its decode inputs taken from step N's
-    # tokens on the device (`workers.engine.async_step`); one engine process (world_size 1) only
-    async_scheduling: bool = False
-    # dtype float32 with an int8 (per channel) or int4 (groups of 32-256) checkpoint on a CPU
-    # with AVX-512 VNNI: keep the weights packed for Cleave's int kernels (fp32 activations,
-    # quantized to int8 per 32 columns in the kernel) instead of dequantizing them to fp32,
-    # which stays the default as the faithful reference (its logits equal transformers' on the
-    # dequantized weights; the int kernels' do not, to 1e-4)
-    fp32_int_kernels: bool = False
+    model: str = setting(description=(
+        "A folder with config.json, safetensors and tokenizer files."), section=None, flag=None)
+    dtype: str = setting("auto", "Weights and activations; auto: the checkpoint's own dtype.",
+                         choices=DTYPES, section="model")
+    load_format: str = setting("auto", (
+        "dummy: seeded random weights of the checkpoint's shapes (benchmarks)."),
+        choices=LOAD_FORMATS, section="model")
+    # the cluster derives it from its pools' gpus_per_rank
+    device: str = setting("auto", "auto (cuda when present, else cpu), cpu, cuda or cuda:N.",
+                          section=None, flag=None)
+    max_model_len: int | None = setting(None, (
+        "Tokens per sequence, prompt and output together; default: the model's context."),
+        ge=2, section="model")
+    block_size: int = setting(16, "Tokens per KV block; the same in every pool.",
+                              choices=BLOCK_SIZES)
+    kv_cache_memory_bytes: int | None = setting(None, (
+        "KV-cache budget per rank; default 512 MiB on CPU, from gpu_memory_utilization on "
+        "GPU."), gt=0)
+    gpu_memory_utilization: float = setting(0.9, (
+        "On GPU: the fraction of the device's total memory that weights, activations and the "
+        "KV cache take together (memory held outside this process's torch allocator counted "
+        "against it)."), gt=0, le=1)
+    num_blocks: int | None = setting(None, (
+        "Exactly this many KV blocks (overrides the memory budget)."), ge=1,
+        flag=("--num-gpu-blocks-override",))
+    # workers.engine.kv_cache.host_tier; its flag is --kv-offloading-size, in GiB
+    host_kv_cache_memory_bytes: int = setting(0, (
+        "Host memory per replica for the KV cache's host tier: prefix-cache blocks evicted "
+        "from the KV cache are kept there and copied back on a hit instead of recomputed. "
+        "0: no host tier. Needs enable_prefix_caching."), ge=0, flag=None)
+    kv_cache_dtype: str = setting("auto", (
+        "KV-cache element type; the same in every pool. auto: the model's dtype. int8 / fp8 "
+        "(e4m3): 8 bits with a scale per token and head, 1.78x the blocks of bf16 in the same "
+        "bytes; every attention backend reads it."), choices=KV_CACHE_DTYPES)
+    max_num_seqs: int = setting(128, "Running sequences at most.", ge=1)
+    max_num_batched_tokens: int = setting(2048, (
+        "New tokens per engine step at most (the chunked-prefill budget)."), ge=1)
+    enable_prefix_caching: bool = setting(True, "Reuse cached KV blocks of prefixes.",
+                                          flag=("--enable-prefix-caching", "--prefix-caching"))
+    attention_backend: str = setting("auto", (
+        "Attention kernels. auto: triton on a GPU when installed; on the CPU, cpu (a C decode "
+        "kernel compiled at first use) when a C compiler is present; torch otherwise."),
+        choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = setting(False, (
+        "On a GPU: run every decode step eagerly instead of replaying CUDA graphs."))
+    max_cuda_graph_batch_size: int = setting(256, (
+        "Decode batches up to this size replay CUDA graphs (0: none)."), ge=0)
+    seed: int = setting(0, "The seed of requests without one, and of dummy weights.")
+    tensor_parallel_size: int = setting(1, (
+        "Tensor-parallel ranks per replica (sharing each layer's heads, MLP columns and "
+        "vocabulary)."), ge=1, section="pool", key="tp", flag=("--tensor-parallel-size", "-tp"))
+    pipeline_parallel_size: int = setting(1, "Pipeline stages per replica.", ge=1,
+                                          section="pool", key="pp",
+                                          flag=("--pipeline-parallel-size", "-pp"))
+    expert_parallel_size: int = setting(1, (
+        "Expert-parallel ranks (MoE models): 1, or tp to shard the experts across the "
+        "tensor-parallel group."), ge=1, section="pool", key="ep")
+    pipeline_microbatches: int | None = setting(None, (
+        "Microbatches per pipelined step; default: the pipeline stages."), ge=1)
+    rank_timeout_s: float = setting(120.0, (
+        "A parallel rank silent this long (start-up or a step) is failed."), gt=0)
+    # `workers.engine.async_step`: step N+1's decode inputs are taken from step N's tokens on
+    # the device
+    async_scheduling: bool = setting(False, (
+        "Schedule and launch the next step while the current one runs on the device (one rank "
+        "per replica; steps with penalties, grammars, seeds or min_tokens run synchronously)."))
+    # the dequantized fp32 path stays the default as the faithful reference: its logits equal
+    # transformers' on the dequantized weights; the int kernels' do not, to 1e-4
+    fp32_int_kernels: bool = setting(False, (
+        "With dtype float32 and an int8 or int4 checkpoint on a CPU with AVX-512 VNNI: keep the "
+        "weights packed for Cleave's int kernels (activations quantized to int8 in the kernel; "
+        "1.3-2.1x a bfloat16 engine's decode step on the small preset) instead of dequantizing "
+        "them to fp32, the faithful reference."))
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+        _require(self.block_size in BLOCK_SIZES,
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         _require(self.max_num_seqs >= 1,
                  f"max_num_seqs must be at least 1, got {self.max_num_seqs}")

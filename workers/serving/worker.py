@@ -37,6 +37,7 @@ from workers.contract.messages import (
     WorkerOutputs,
 )
 from workers.serving.migration import Migrations
+from workers.serving.options import WorkerOptions
 from workers.engine.outputs import OutputHub
 from workers.serving.prefix_fetch import PrefixFetcher
 from workers.contract.protocol import (
@@ -69,9 +70,11 @@ class Worker:
     """One engine serving requests for the router. Owns the engine: `shutdown()` stops it."""
 
     def __init__(self, worker_id: str, engine: AsyncEngine, role: str = "both", *,
-                 transport: str = "tcp", host: str = "127.0.0.1", lease_s: float = 30.0,
-                 pull_timeout_s: float = 10.0, step_timeout_s: float = 60.0,
-                 max_waiting_requests: int = 2048) -> None:
+                 transport: str = WorkerOptions.transport, host: str = "127.0.0.1",
+                 lease_s: float = WorkerOptions.lease_s,
+                 pull_timeout_s: float = WorkerOptions.pull_timeout_s,
+                 step_timeout_s: float = WorkerOptions.step_timeout_s,
+                 max_waiting_requests: int = WorkerOptions.max_waiting_requests) -> None:
         """`transport`: the KV transport's name (`kvtransfer.TRANSPORTS`), bound on `host`.
         `lease_s`: how long a prefilled request's blocks wait for their puller at most;
         `pull_timeout_s`: how long a decode waits for its KV to land; `step_timeout_s`: a

@@ -3,8 +3,9 @@
     .venv/bin/python deploy/helm/cleave/tools/gen_docs.py          # write both
     .venv/bin/python deploy/helm/cleave/tools/gen_docs.py --check  # exit 1 when either is stale
 
-The schema's `cleave` part is Cleave's own config model (`cluster.config.CleaveConfig`) as JSON
-schema, flattened (references inlined, `X | None` as a nullable type) so that Helm's messages name
+The schema's `cleave` part is Cleave's own config model (`cluster.config.CleaveConfig`, whose
+router, engine and worker fields are derived from the settings' one definition on their records:
+`cluster.derive`) as JSON schema, flattened (references inlined, `X | None` as a nullable type) so that Helm's messages name
 the bad value's path; the Kubernetes part (`KUBERNETES_SCHEMA`) is written here. The README table
 lists every value with a `# --` comment in values.yaml, in file order.
 """
