@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
@@ -100,7 +100,7 @@ class ChannelClient(WorkerClient):
             raise WorkerUnavailableError(self.worker_id, f"{type(call).__name__} not answered "
                                          f"in {self.deadlines.prefill_s} s") from None
 
-    def _undo(self, call: Call[object]) -> None:
+    def _undo(self, call: Call[Any]) -> None:
         request_id = call.undone_by_abort()
         if request_id is not None:
             self._queue(Abort(request_id))
