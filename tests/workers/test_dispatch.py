@@ -18,7 +18,6 @@ from workers.contract.messages import Abort, PrefixFetch
 from workers.contract.protocol import SamplingParams, WorkerRequest
 from workers.serving.dispatch import HANDLERS, dispatch
 
-
 HANDOFF: Any = "a handoff"  # the dispatch passes it on unread
 
 
