@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 
 from router.workers import fetch_cost
+from workers.contract.calls import ExportPrefix
 from workers.contract.messages import Generate, PrefixFetch
 from workers.contract.protocol import SamplingParams, WorkerRequest, hash_prompt_blocks
+from workers.serving.dispatch import dispatch
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -71,7 +73,7 @@ class _Pair:
         hashes = tuple(hash_prompt_blocks(list(prompt), self.block_size))
 
         async def fetch() -> int:
-            handoff = await self.a.export_prefix(rid, hashes, 1)
+            handoff = await dispatch(self.a, ExportPrefix(rid, hashes, 1))
             assert handoff is not None, "worker A no longer caches the prompt"
             return await _first_token(self.b, WorkerRequest(rid, prompt, FIRST_TOKEN),
                                       PrefixFetch(handoff, hashes))

@@ -5,14 +5,13 @@ lifetime; routers hold its handle (from the directory) and call it directly, so 
 router -> engine with no hop through Serve. Every method is async and runs on the actor's one
 event loop, where the engine's `AsyncEngine` also steps.
 
-Every router replica is a subscriber: it submits commands in batches (`submit`) and long-polls
-its output channel (`next_outputs`), one `WorkerOutputs` message per engine step with every new
-token of its requests, their failures, the KV events it has not seen and the engine's load
-(`workers.engine.outputs`). Those two, and `prefill` (the one call per request: it returns the first
-token and the KV handoff), go on a socket the actor serves (`channel_address`,
-`cluster.socket_calls`): a message per step is then a framed pickle on one long-lived
-connection, not a Ray call (whose submission and reply cost the router and the actor each more
-than the message itself on a small model). No per-token call, no stream per request.
+Every router replica is a subscriber: it sends its call records (`workers.contract.calls`:
+commands in batches as `Submit`, `Prefill`, ...) and long-polls its output channel
+(`next_outputs`, one `WorkerOutputs` message per engine step with every new token of its
+requests, their failures, the KV events it has not seen and the engine's load) on a socket the
+actor serves (`channel_address`, `cluster.socket_calls`), where the worker's one dispatch answers
+them (`workers.serving.dispatch`). No per-token call, no stream per request, and no method
+here per operation: the actor's own methods are its pool's (readiness, health, load, draining).
 """
 
 from __future__ import annotations
@@ -26,20 +25,15 @@ from typing import TYPE_CHECKING
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.contract.protocol import EngineStats, WorkerInfo
 
 if TYPE_CHECKING:
     from cluster.rank_actor import RankPlace
     from cluster.settings import WorkerOptions
     from cluster.socket_calls import CallServer
-    from kvtransfer.handoff import KVHandoff
     from workers.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-# what routers call on the actor's own socket (`channel_address`), not as Ray calls
-CHANNEL_METHODS = frozenset({"submit", "next_outputs", "prefill"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +92,6 @@ class EngineActor:
         self.worker = Worker.from_config(spec.worker_id, config, spec.role,
                                          rank_launcher=self.rank_launcher, host=self._host,
                                          **dataclasses.asdict(spec.worker))
-        self._broken: str | None = None
         self._channel: CallServer | None = None  # started at the first `channel_address`
 
     async def ready(self) -> ActorInfo:
@@ -112,74 +105,29 @@ class EngineActor:
         return ActorInfo(w.info, os.getpid(), ray.get_runtime_context().get_node_id(), places,
                          self._cores.cores if self._cores is not None else None)
 
-    # ---- requests ------------------------------------------------------------------------
-
-    async def submit(self, subscriber: str, commands: list[Command]) -> None:
-        """Start or abort requests for a router (`Worker.submit`)."""
-        self.worker.submit(subscriber, commands)
-
-    async def next_outputs(self, subscriber: str, timeout_s: float,
-                           min_interval_s: float = 0.0) -> WorkerOutputs:
-        """The router's next message (`Worker.next_outputs`)."""
-        return await self.worker.next_outputs(subscriber, timeout_s, min_interval_s)
-
     async def channel_address(self) -> tuple[str, int, bytes]:
-        """Where a router calls `CHANNEL_METHODS` without a Ray call each
-        (`cluster.socket_calls`): the host, port and token of a socket this actor serves on its
-        node's address (where its KV transfer listens too), started at the first ask. Ray
-        hands the token only to holders of this actor's handle."""
+        """Where a router sends its calls without a Ray call each (`cluster.socket_calls`): the
+        host, port and token of a socket this actor serves on its node's address (where its KV
+        transfer listens too), started at the first ask. Ray hands the token only to holders
+        of this actor's handle."""
         if self._channel is None:
-            from cluster.socket_calls import CallServer
+            from cluster.inprocess_client import InProcessChannel
+            from cluster.socket_calls import CHANNEL_METHODS, CallServer, serve_channel
 
-            self._channel = await CallServer(self._channel_call, CHANNEL_METHODS).start(
-                self._host)
+            handler = serve_channel(InProcessChannel(self.worker))
+            self._channel = await CallServer(handler, CHANNEL_METHODS).start(self._host)
         return self._host, self._channel.port, self._channel.token
-
-    async def _channel_call(self, method: str, args: tuple) -> object:
-        return await getattr(self, method)(*args)
-
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
-                      prefix: PrefixFetch | None = None) -> PrefillResult:
-        return await self.worker.prefill(req, decode_tp_size, prefix)
-
-    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
-                            reader_tp_size: int = 1) -> KVHandoff | None:
-        return await self.worker.export_prefix(request_id, block_hashes, reader_tp_size)
-
-    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
-        return await self.worker.hot_prefixes(max_blocks)
-
-    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
-                          token_ids: tuple[int, ...]) -> int:
-        return await self.worker.land_prefix(request_id, fetch, token_ids)
-
-    async def export_running(self, request_id: str,
-                             reader_tp_size: int = 1) -> dict[int, KVHandoff]:
-        return await self.worker.export_running(request_id, reader_tp_size)
-
-    async def prepare_migration(self, request_id: str,
-                                exported: dict[int, KVHandoff]) -> dict[int, int]:
-        return await self.worker.prepare_migration(request_id, exported)
-
-    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
-        return await self.worker.pause(request_id, reader_tp_size)
-
-    async def cancel_migration(self, request_id: str) -> None:
-        await self.worker.cancel_migration(request_id)
 
     # ---- load, events, health --------------------------------------------------------------
 
     async def stats(self) -> EngineStats:
+        """The worker's load (its pool's autoscaling and `cleave drain` read it)."""
         return self.worker.stats()
 
-    async def kv_snapshot(self) -> KVSnapshot:
-        return await self.worker.kv_snapshot()
-
     async def health(self) -> bool:
-        """False once the engine loop has died or the actor was marked broken."""
-        if self._broken is not None:
-            return False
-        return self.worker.async_engine.is_healthy
+        """False once the engine loop has died or the actor was marked broken (its pool
+        replica's health check; routers ask the worker on its socket)."""
+        return self.worker.health()
 
     async def inject_fault(self, point: str, action: str, seconds: float = 0.0,
                            times: int = 1) -> None:
@@ -196,7 +144,7 @@ class EngineActor:
 
     async def mark_broken(self, reason: str) -> None:
         """Fail health checks from now on (tests: a broken engine)."""
-        self._broken = reason
+        self.worker.mark_broken(reason)
 
     async def num_in_flight(self) -> int:
         """Requests still on the engine: queued, running, or waiting for their KV."""

@@ -2,39 +2,35 @@
 
 The same `router.channel.ChannelClient` as over Ray, with the calls made directly: the worker's
 output channel and batched commands are used as they are across processes, so the in-process
-server measures the same path minus Ray. Importing this module does not import torch (the
-worker is built by the caller).
+server measures the same path minus Ray. A worker process and an engine actor serve their
+socket through this channel too (`cluster.socket_calls.serve_channel`). Importing this module
+does not import torch (the worker is built by the caller).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Awaitable, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from router.channel import ChannelClient
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
-from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.contract.protocol import (
-    EngineShutDown,
-    EngineStats,
-    HotPrefix,
-    KVSnapshot,
-    WorkerInfo,
-    WorkerRequest,
-)
+from workers.contract.calls import Call
+from workers.contract.messages import WorkerOutputs
+from workers.contract.protocol import EngineShutDown
+from workers.serving.dispatch import dispatch
 
 if TYPE_CHECKING:
-    from kvtransfer.handoff import KVHandoff
     from workers.serving.worker import Worker
 
 SUBSCRIBER = "in-process"
-T = TypeVar("T")
+R = TypeVar("R")
 
 
 class InProcessChannel(WorkerChannel):
     """Owns its worker: `close()` shuts it down. A message is a return value here: one per
-    step (`output_interval_s` 0)."""
+    step (`output_interval_s` 0). An engine going away (`EngineShutDown`) is raised as the
+    worker being unavailable."""
 
     output_interval_s = 0.0
 
@@ -47,73 +43,20 @@ class InProcessChannel(WorkerChannel):
         if self._closed:
             raise WorkerUnavailableError(self.worker_id, "the worker was shut down")
 
-    async def info(self) -> WorkerInfo:
+    async def call(self, call: Call[R]) -> R:
         self._check_open()
-        return self.worker.info
-
-    async def submit(self, subscriber: str, commands: list[Command]) -> None:
-        self._check_open()
-        self.worker.submit(subscriber, commands)
+        try:
+            return await dispatch(self.worker, call)
+        except EngineShutDown as exc:
+            raise WorkerUnavailableError(self.worker_id, str(exc)) from None
 
     async def next_outputs(self, subscriber: str, timeout_s: float,
                            min_interval_s: float = 0.0) -> WorkerOutputs:
         self._check_open()
-        return await self.worker.next_outputs(subscriber, timeout_s, min_interval_s)
-
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int,
-                      prefix: PrefixFetch | None = None) -> PrefillResult:
-        self._check_open()
         try:
-            return await self.worker.prefill(req, decode_tp_size, prefix)
+            return await self.worker.next_outputs(subscriber, timeout_s, min_interval_s)
         except EngineShutDown as exc:
             raise WorkerUnavailableError(self.worker_id, str(exc)) from None
-
-    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
-                            reader_tp_size: int) -> KVHandoff | None:
-        self._check_open()
-        try:
-            return await self.worker.export_prefix(request_id, block_hashes, reader_tp_size)
-        except EngineShutDown as exc:
-            raise WorkerUnavailableError(self.worker_id, str(exc)) from None
-
-    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
-        return await self._call(self.worker.hot_prefixes(max_blocks))
-
-    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
-                          token_ids: tuple[int, ...]) -> int:
-        return await self._call(self.worker.land_prefix(request_id, fetch, token_ids))
-
-    async def export_running(self, request_id: str,
-                             reader_tp_size: int) -> dict[int, KVHandoff]:
-        return await self._call(self.worker.export_running(request_id, reader_tp_size))
-
-    async def prepare_migration(self, request_id: str,
-                                exported: dict[int, KVHandoff]) -> dict[int, int]:
-        return await self._call(self.worker.prepare_migration(request_id, exported))
-
-    async def pause(self, request_id: str, reader_tp_size: int) -> Paused:
-        return await self._call(self.worker.pause(request_id, reader_tp_size))
-
-    async def cancel_migration(self, request_id: str) -> None:
-        await self._call(self.worker.cancel_migration(request_id))
-
-    async def _call(self, call: Awaitable[T]) -> T:
-        self._check_open()
-        try:
-            return await call
-        except EngineShutDown as exc:
-            raise WorkerUnavailableError(self.worker_id, str(exc)) from None
-
-    async def stats(self) -> EngineStats:
-        self._check_open()
-        return self.worker.stats()
-
-    async def kv_snapshot(self) -> KVSnapshot:
-        self._check_open()
-        return await self.worker.kv_snapshot()
-
-    async def health(self) -> bool:
-        return not self._closed and self.worker.async_engine.is_healthy
 
     async def close(self) -> None:
         if not self._closed:

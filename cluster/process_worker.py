@@ -2,16 +2,18 @@
 --process-per-worker`.
 
 Each worker runs in a spawned child process (pinned to cores of its own when its pool has a
-`cpu_affinity`), serving the `WorkerChannel` calls over a socket on 127.0.0.1 to the router's
-process, which talks to it through the same `router.channel.ChannelClient` as over Ray: one
-long-polled output channel, batched commands, no per-token call. So a layout measured this way
-has each worker on its own cores, as on separate GPUs, with no Ray in between.
+`cpu_affinity`), serving its channel (call records and the output channel's long poll) over a
+socket on 127.0.0.1 to the router's process, which talks to it through the same
+`router.channel.ChannelClient` as over Ray: one long-polled output channel, batched commands,
+no per-token call. So a layout measured this way has each worker on its own cores, as on
+separate GPUs, with no Ray in between.
 
 The wire: each message is a 4-byte length and a pickle. The child connects to the parent's
 listening socket and proves itself with a random token, then reports ("ready", info) or
 ("failed", traceback). Then the calls go as `cluster.socket_calls` frames them (the Ray path's
-data channel speaks the same). The child ends when its connection closes (the parent died or
-closed it) or after a "shutdown" call has stopped the worker.
+data channel speaks the same), with one more of this channel's own, "shutdown". The child ends
+when its connection closes (the parent died or closed it) or after "shutdown" has stopped the
+worker.
 """
 
 from __future__ import annotations
@@ -25,18 +27,12 @@ import secrets
 import socket
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cluster import event_loop
 from cluster import process_wire as wire
-from cluster.socket_calls import SocketCalls, serve_calls
+from cluster.socket_calls import SocketCalls, SocketChannel, serve_calls, serve_channel
 from router.errors import WorkerUnavailableError
-from router.worker_client import WorkerChannel
-from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
-
-if TYPE_CHECKING:
-    from kvtransfer.handoff import KVHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +103,12 @@ async def _serve(spec: ProcessWorkerSpec, sock: socket.socket) -> None:
     wire.send(sock, ("ready", worker.info))
     reader, writer = await asyncio.open_connection(sock=sock)
 
+    serve = serve_channel(channel)
+
     async def handle(method: str, args: tuple) -> object:
         if method == "shutdown":
             return await channel.close()
-        return await getattr(channel, method)(*args)
+        return await serve(method, args)
 
     try:
         await serve_calls(reader, writer, handle, last=frozenset({"shutdown"}))
@@ -121,7 +119,7 @@ async def _serve(spec: ProcessWorkerSpec, sock: socket.socket) -> None:
 # ---- the parent --------------------------------------------------------------------------------
 
 
-class ProcessChannel(WorkerChannel):
+class ProcessChannel(SocketChannel):
     """The router's wire to one worker process. `start()` spawns it and waits until its model
     is loaded (blocking); the calls run on the router's event loop."""
 
@@ -163,7 +161,7 @@ class ProcessChannel(WorkerChannel):
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
-    async def _call(self, method: str, *args: object) -> Any:
+    async def _connection(self) -> SocketCalls:
         if self._calls is None:
             if self._lost is not None or self._sock is None:
                 raise WorkerUnavailableError(self.worker_id,
@@ -171,64 +169,14 @@ class ProcessChannel(WorkerChannel):
             self._sock.settimeout(None)
             reader, writer = await asyncio.open_connection(sock=self._sock)
             self._calls = SocketCalls(self.worker_id, reader, writer)
-        return await self._calls.call(method, *args)
-
-    async def info(self) -> WorkerInfo:
-        return await self._call("info")
-
-    async def submit(self, subscriber: str, commands: list[Command]) -> None:
-        await self._call("submit", subscriber, commands)
-
-    async def next_outputs(self, subscriber: str, timeout_s: float,
-                           min_interval_s: float = 0.0) -> WorkerOutputs:
-        return await self._call("next_outputs", subscriber, timeout_s, min_interval_s)
-
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int,
-                      prefix: PrefixFetch | None = None) -> PrefillResult:
-        return await self._call("prefill", req, decode_tp_size, prefix)
-
-    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
-                            reader_tp_size: int) -> KVHandoff | None:
-        return await self._call("export_prefix", request_id, block_hashes, reader_tp_size)
-
-    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
-        return await self._call("hot_prefixes", max_blocks)
-
-    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
-                          token_ids: tuple[int, ...]) -> int:
-        return await self._call("land_prefix", request_id, fetch, token_ids)
-
-    async def export_running(self, request_id: str,
-                             reader_tp_size: int) -> dict[int, KVHandoff]:
-        return await self._call("export_running", request_id, reader_tp_size)
-
-    async def prepare_migration(self, request_id: str,
-                                exported: dict[int, KVHandoff]) -> dict[int, int]:
-        return await self._call("prepare_migration", request_id, exported)
-
-    async def pause(self, request_id: str, reader_tp_size: int) -> Paused:
-        return await self._call("pause", request_id, reader_tp_size)
-
-    async def cancel_migration(self, request_id: str) -> None:
-        await self._call("cancel_migration", request_id)
-
-    async def stats(self) -> EngineStats:
-        return await self._call("stats")
-
-    async def kv_snapshot(self) -> KVSnapshot:
-        return await self._call("kv_snapshot")
-
-    async def health(self) -> bool:
-        try:
-            return bool(await self._call("health"))
-        except WorkerUnavailableError:
-            return False
+        return self._calls
 
     async def close(self) -> None:
         """Stop the worker (its engine and KV serving), then its process."""
         if self._lost is None and self._sock is not None:
             try:
-                await asyncio.wait_for(self._call("shutdown"), STOP_TIMEOUT_S)
+                calls = await self._connection()
+                await asyncio.wait_for(calls.call("shutdown"), STOP_TIMEOUT_S)
             except (WorkerUnavailableError, asyncio.TimeoutError):
                 pass
         self._lost = self._lost or "the worker was shut down"

@@ -2,32 +2,39 @@
 method, args), its answer (call id, ok, value or exception), each framed by
 `cluster.process_wire`; many calls run at once and are answered in any order.
 
-Two channels use it: `cluster.process_worker` (a worker in a process of its own, every call),
-and the Ray path's data channel (`cluster.worker_client`): the engine actor serves `submit`,
-`next_outputs` and `prefill` on a socket of its own, so the router's message per engine step is
-one framed pickle on a long-lived connection, not a Ray actor call. The caller proves itself
-first with a random token it got by a trusted way (the spawning parent, or a Ray call to the
-actor).
+Two channels use it, both a `SocketChannel`: `cluster.process_worker` (a worker in a process of
+its own) and the Ray path's data channel (`cluster.worker_client`: the engine actor serves its
+worker on a socket of its own, so the router's message per engine step is one framed pickle on a
+long-lived connection, not a Ray actor call). A worker's channel has two methods: "call", whose
+one argument is a call record (`workers.contract.calls`), and "next_outputs", the output
+channel's long poll (`serve_channel`). The caller proves itself first with a random token it got
+by a trusted way (the spawning parent, or a Ray call to the actor).
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import hmac
 import itertools
 import logging
 import pickle
 import secrets
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from cluster import process_wire as wire
 from router.errors import WorkerUnavailableError
+from router.worker_client import WorkerChannel
+from workers.contract.calls import Call
+from workers.contract.messages import WorkerOutputs
 
 logger = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
 
 Handler = Callable[[str, tuple], Awaitable[object]]
+CHANNEL_METHODS = frozenset({"call", "next_outputs"})  # what a worker's socket serves
+R = TypeVar("R")
 
 
 class SocketCalls:
@@ -183,3 +190,34 @@ def transportable(exc: Exception) -> Exception:
         return exc
     except Exception:  # noqa: BLE001 - any failure to travel
         return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class SocketChannel(WorkerChannel):
+    """A `WorkerChannel` whose records go over a `SocketCalls` connection to a server of
+    `serve_channel`; a subclass says how it connects."""
+
+    @abc.abstractmethod
+    async def _connection(self) -> SocketCalls:
+        """The open connection (made or remade here); raises `WorkerUnavailableError`."""
+
+    async def call(self, call: Call[R]) -> R:
+        return await (await self._connection()).call("call", call)
+
+    async def next_outputs(self, subscriber: str, timeout_s: float,
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
+        return await (await self._connection()).call("next_outputs", subscriber, timeout_s,
+                                                     min_interval_s)
+
+
+def serve_channel(channel: WorkerChannel) -> Handler:
+    """The answers of a worker's socket (`CHANNEL_METHODS`), from the worker's own channel
+    (`cluster.inprocess_client.InProcessChannel`)."""
+    async def handle(method: str, args: tuple) -> object:
+        if method == "call":
+            return await channel.call(args[0])
+        if method == "next_outputs":
+            return await channel.next_outputs(*args)
+        raise ValueError(f"method {method!r} is not served on a worker's channel; expected "
+                         f"one of {sorted(CHANNEL_METHODS)}")
+
+    return handle

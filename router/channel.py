@@ -2,45 +2,31 @@
 
 Across the process boundary there is one message per engine step, not one call per token:
 - requests and aborts go out batched: the commands issued in one turn of the event loop travel
-  in one `WorkerChannel.submit` call;
+  in one `Submit` call;
 - one reader task long-polls `WorkerChannel.next_outputs`, which returns a `WorkerOutputs` (every
   new token of this router's requests on that worker, their failures, the KV events and load),
   and demultiplexes it into per-request `RequestStream`s; KV events and load go to the
   `WorkerListener` (the router's worker set), so routing reads no stats per request;
-- only `prefill` is one call per request (it returns the first token and the KV handoff).
+- only `prefill` is one call per request (it returns the first token and the KV handoff);
+  every call (`WorkerChannel.call`, a record of `workers.contract.calls`) is answered within
+  the client's deadline, or the worker counts as unavailable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Awaitable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from router.config import Deadlines
 from router.errors import WorkerUnavailableError
 from router.request_stream import RequestStream
-from router.worker_client import TokenStream, WorkerChannel, WorkerClient, WorkerListener
-from workers.contract.messages import (
-    Abort,
-    Command,
-    DecodeFromHandoff,
-    FailureKind,
-    Generate,
-    Paused,
-    PrefillResult,
-    PrefixFetch,
-    Resume,
-    ResumedSample,
-    StreamCommand,
-    WorkerOutputs,
-)
-from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
-
-if TYPE_CHECKING:
-    from kvtransfer.handoff import KVHandoff
+from router.worker_client import WorkerChannel, WorkerClient, WorkerListener
+from workers.contract.calls import Call, Submit
+from workers.contract.messages import Abort, Command, FailureKind, StreamCommand, WorkerOutputs
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
+R = TypeVar("R")
 
 POLL_TIMEOUT_S = 0.5  # a worker answers a poll at least this often (a heartbeat with its load)
 RETRY_PAUSE_S = 0.5  # after a failed poll, before the next
@@ -70,73 +56,13 @@ class ChannelClient(WorkerClient):
         if self._closed:
             raise WorkerUnavailableError(self.worker_id, "the client is closed")
 
-    async def info(self) -> WorkerInfo:
-        self._check_open()
-        return await self.channel.info()
-
     def attach(self, listener: WorkerListener) -> None:
         self._listener = listener
         self._ensure_reader()
 
-    # ---- the streaming operations ------------------------------------------------------------
+    # ---- the primitives (`WorkerClient`) ------------------------------------------------------
 
-    def generate(self, req: WorkerRequest, prefix: PrefixFetch | None = None) -> TokenStream:
-        return self._open(Generate(req, prefix))
-
-    async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
-                            reader_tp_size: int = 1) -> KVHandoff | None:
-        self._check_open()
-        try:
-            return await asyncio.wait_for(
-                self.channel.export_prefix(request_id, tuple(block_hashes), reader_tp_size),
-                self.deadlines.prefill_s)
-        except asyncio.TimeoutError:
-            raise WorkerUnavailableError(self.worker_id, f"export_prefix for {request_id!r} "
-                                         f"not answered in {self.deadlines.prefill_s} s") from None
-
-    def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
-                            handoff: KVHandoff | None) -> TokenStream:
-        return self._open(DecodeFromHandoff(req, first_token_id, handoff))
-
-    def resume(self, req: WorkerRequest, samples: Sequence[ResumedSample]) -> TokenStream:
-        return self._open(Resume(req, tuple(samples)))
-
-    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
-        return await self._call(self.channel.hot_prefixes(max_blocks), "hot_prefixes",
-                                f"{max_blocks} blocks")
-
-    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
-                          token_ids: Sequence[int]) -> int:
-        return await self._call(self.channel.land_prefix(request_id, fetch, tuple(token_ids)),
-                                "land_prefix", request_id)
-
-    async def export_running(self, request_id: str,
-                             reader_tp_size: int = 1) -> dict[int, KVHandoff]:
-        return await self._call(self.channel.export_running(request_id, reader_tp_size),
-                                "export_running", request_id)
-
-    async def prepare_migration(self, request_id: str,
-                                exported: dict[int, KVHandoff]) -> dict[int, int]:
-        return await self._call(self.channel.prepare_migration(request_id, exported),
-                                "prepare_migration", request_id)
-
-    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
-        return await self._call(self.channel.pause(request_id, reader_tp_size), "pause",
-                                request_id)
-
-    async def cancel_migration(self, request_id: str) -> None:
-        await self._call(self.channel.cancel_migration(request_id), "cancel_migration",
-                         request_id)
-
-    async def _call(self, call: Awaitable[T], what: str, request_id: str) -> T:
-        self._check_open()
-        try:
-            return await asyncio.wait_for(call, self.deadlines.prefill_s)
-        except asyncio.TimeoutError:
-            raise WorkerUnavailableError(self.worker_id, f"{what} of {request_id!r} not "
-                                         f"answered in {self.deadlines.prefill_s} s") from None
-
-    def _open(self, cmd: StreamCommand) -> RequestStream:
+    def open(self, cmd: StreamCommand) -> RequestStream:
         """The command's stream; a closed client's fails at its first read."""
         rid = cmd.req.request_id
         if self._closed:
@@ -149,38 +75,44 @@ class ChannelClient(WorkerClient):
         stream = RequestStream(rid, cmd.num_samples, self._stream_finished)
         self._streams[rid] = stream
         self._ensure_reader()
-        self._send(cmd)
+        self._queue(cmd)
         return stream
 
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
-                      prefix: PrefixFetch | None = None) -> PrefillResult:
+    def send(self, cmd: Abort) -> None:
+        stream = self._streams.get(cmd.request_id)
+        if stream is not None:
+            stream._finish(abort=True)  # its events are not awaited any more; sends the abort
+        else:
+            self._queue(cmd)
+
+    async def call(self, call: Call[R]) -> R:
+        """The worker's answer within `deadlines.prefill_s`; past it the call is undone there
+        and `WorkerUnavailableError` raised."""
         self._check_open()
         try:
-            return await asyncio.wait_for(self.channel.prefill(req, decode_tp_size, prefix),
-                                          self.deadlines.prefill_s)
+            async with asyncio.timeout(self.deadlines.prefill_s):  # no task per call
+                return await self.channel.call(call)
         except asyncio.CancelledError:
-            self._send(Abort(req.request_id))
+            self._undo(call)
             raise
-        except asyncio.TimeoutError:
-            self._send(Abort(req.request_id))
-            raise WorkerUnavailableError(self.worker_id, f"prefill of {req.request_id!r} not "
-                                         f"answered in {self.deadlines.prefill_s} s") from None
+        except TimeoutError:
+            self._undo(call)
+            raise WorkerUnavailableError(self.worker_id, f"{type(call).__name__} not answered "
+                                         f"in {self.deadlines.prefill_s} s") from None
+
+    def _undo(self, call: Call[Any]) -> None:
+        request_id = call.undone_by_abort()
+        if request_id is not None:
+            self._queue(Abort(request_id))
 
     def _stream_finished(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)
         if abort:
-            self._send(Abort(request_id))
-
-    async def abort(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream._finish(abort=True)
-        else:
-            self._send(Abort(request_id))
+            self._queue(Abort(request_id))
 
     # ---- the channel ---------------------------------------------------------------------------
 
-    def _send(self, cmd: Command) -> None:
+    def _queue(self, cmd: Command) -> None:
         """Queue a command; the commands of one event-loop turn go out in one call."""
         if self._closed:
             return
@@ -195,7 +127,7 @@ class ChannelClient(WorkerClient):
 
     async def _submit(self, commands: list[Command]) -> None:
         try:
-            await self.channel.submit(self.subscriber, commands)
+            await self.call(Submit(self.subscriber, tuple(commands)))
         except Exception as exc:  # noqa: BLE001 -- the requests sent fail with it
             err = exc if isinstance(exc, WorkerUnavailableError) else WorkerUnavailableError(
                 self.worker_id, f"submit failed: {exc!r}")
@@ -259,21 +191,6 @@ class ChannelClient(WorkerClient):
             stream.put(err)
         if self._listener is not None:
             self._listener.on_unreachable(self.worker_id, err)
-
-    # ---- asked now -------------------------------------------------------------------------
-
-    async def stats(self) -> EngineStats:
-        self._check_open()
-        return await self.channel.stats()
-
-    async def kv_snapshot(self) -> KVSnapshot:
-        self._check_open()
-        return await self.channel.kv_snapshot()
-
-    async def health(self) -> bool:
-        if self._closed:
-            return False
-        return await self.channel.health()
 
     async def close(self) -> None:
         """Stop reading; streams still open fail as the worker being gone."""

@@ -2,23 +2,49 @@
 
 Torch-free. The router holds one `WorkerClient` per worker and never touches an engine directly.
 The one implementation is `router.channel.ChannelClient`, over a `WorkerChannel` (the wire, also
-defined here) in process (`cluster.inprocess_client`) or over Ray (`cluster.worker_client`);
-tests script fakes of this contract (`tests/router/fakes.py`). Prompts cross as token ids: the
-router tokenizes, so it can hash the prompt's blocks for routing. Every operation has one name at
-every layer: `generate`, `prefill`, `decode_from_handoff`, `resume`, `abort`.
+defined here) in process (`cluster.inprocess_client`), to a worker process
+(`cluster.process_worker`) or to a Ray actor's socket (`cluster.worker_client`); tests script
+fakes of this contract (`tests/router/fakes.py`). Prompts cross as token ids: the router
+tokenizes, so it can hash the prompt's blocks for routing.
+
+`WorkerClient` is the one place on the router's side that names the operations: each named
+method builds its record (a command of `workers.contract.messages`, a call of
+`workers.contract.calls`) and hands it to one of three primitives: `open` (a streaming command),
+`send` (an `Abort`), `call` (a call and its answer). A `WorkerChannel` carries the records and
+reads the output stream; it knows no operation by name. A new operation needs no method here:
+`client.call(NewRecord(...))`.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence, TypeVar
 
+from workers.contract.calls import (
+    Call,
+    CancelMigration,
+    ExportPrefix,
+    ExportRunning,
+    Health,
+    HotPrefixes,
+    Info,
+    LandPrefix,
+    Pause,
+    Prefill,
+    PrepareMigration,
+    SnapshotKV,
+    Stats,
+)
 from workers.contract.messages import (
-    Command,
+    Abort,
+    DecodeFromHandoff,
+    Generate,
     Paused,
     PrefillResult,
     PrefixFetch,
+    Resume,
     ResumedSample,
+    StreamCommand,
     WorkerOutputs,
 )
 from workers.contract.protocol import (
@@ -39,6 +65,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineStats", "KVPullFailed", "PrefillResult", "TokenStream", "WorkerChannel",
            "WorkerClient", "WorkerInfo", "WorkerListener", "WorkerRequest", "WorkerRole"]
+
+R = TypeVar("R")
 
 # between two output messages over a wire between processes (`WorkerChannel.output_interval_s`)
 OUTPUT_INTERVAL_S = 0.001
@@ -69,114 +97,124 @@ class WorkerListener(Protocol):
 class WorkerClient(abc.ABC):
     """How the router talks to one worker. Methods may raise `router.errors.
     WorkerUnavailableError` when the worker cannot be reached. A stream raises
-    `workers.contract.protocol.InvalidRequestError` for a request the worker refuses, before the first
-    event; a worker refuses an operation its role does not do with `ValueError`."""
+    `workers.contract.protocol.InvalidRequestError` for a request the worker refuses, before the
+    first event; a worker refuses an operation its role does not do with `ValueError`."""
 
     @property
     @abc.abstractmethod
     def worker_id(self) -> str: ...
 
     @abc.abstractmethod
-    async def info(self) -> WorkerInfo: ...
-
-    @abc.abstractmethod
     def attach(self, listener: WorkerListener) -> None:
         """Start telling `listener` the worker's KV events and load as they arrive."""
 
+    # ---- the primitives a client implements -----------------------------------------------
+
     @abc.abstractmethod
+    def open(self, cmd: StreamCommand) -> TokenStream:
+        """Send a streaming command; its events, until all its samples finish."""
+
+    @abc.abstractmethod
+    def send(self, cmd: Abort) -> None:
+        """Send a command that opens no stream (it goes with the next batch)."""
+
+    @abc.abstractmethod
+    async def call(self, call: Call[R]) -> R:
+        """Ask the worker `call` and wait for its answer; a caller that gives up (a cancel, a
+        deadline) undoes what the call began there (`Call.undone_by_abort`)."""
+
+    async def close(self) -> None:
+        """Release what the client holds (its channel, an in-process engine)."""
+
+    # ---- the operations, by name ------------------------------------------------------------
+
+    async def info(self) -> WorkerInfo:
+        return await self.call(Info())
+
     def generate(self, req: WorkerRequest, prefix: PrefixFetch | None = None) -> TokenStream:
         """The whole request on this worker (aggregated), all n samples; with `prefix` (from
         another worker's `export_prefix`) that part of the prompt's KV is pulled, not
         computed (a failed pull only means it is computed)."""
+        return self.open(Generate(req, prefix))
 
-    @abc.abstractmethod
     async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
                             reader_tp_size: int = 1) -> KVHandoff | None:
         """Offer the KV of the leading `block_hashes` this worker caches (up to the first miss)
         under a lease per TP rank, for the worker that will run `request_id` (of
         `reader_tp_size` ranks) to pull; None when it caches none of them."""
+        return await self.call(ExportPrefix(request_id, tuple(block_hashes), reader_tp_size))
 
-    @abc.abstractmethod
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
                       prefix: PrefixFetch | None = None) -> PrefillResult:
         """Run the prompt to its first token and offer its KV under a lease per TP rank, each
         for the decode worker's `decode_tp_size` ranks to pull; with `prefix` (another
         worker's `export_prefix`) that part of the prompt is pulled first, not computed.
         Raises `InvalidRequestError` for a bad request; cancelling leaves nothing held."""
+        return await self.call(Prefill(req, decode_tp_size, prefix))
 
-    @abc.abstractmethod
     def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
                             handoff: KVHandoff | None) -> TokenStream:
         """The events after `first_token_id`. With `handoff` (from `prefill`) the prompt's KV
         is pulled, and `KVPullFailed` is raised before any event when that fails; with None
         the worker computes the prompt's KV itself."""
+        return self.open(DecodeFromHandoff(req, first_token_id, handoff))
 
-    @abc.abstractmethod
     async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
-        """Hand-off, source: the prefixes requests hit here lately, most worth first, still
-        cached, within `max_blocks` in all."""
+        """Hand-off, source: the prefixes requests hit here lately (`HotPrefixes`)."""
+        return await self.call(HotPrefixes(max_blocks))
 
-    @abc.abstractmethod
     async def land_prefix(self, request_id: str, fetch: PrefixFetch,
                           token_ids: Sequence[int]) -> int:
-        """Hand-off, target: pull `fetch` (another worker's `export_prefix` of `token_ids`'
-        blocks) into this prefix cache, with no request to run; the blocks landed (0: the pull
-        failed or found no room; nothing is held)."""
+        """Hand-off, target: pull another worker's prefix into this cache (`LandPrefix`)."""
+        return await self.call(LandPrefix(request_id, fetch, tuple(token_ids)))
 
-    @abc.abstractmethod
     async def export_running(self, request_id: str,
                              reader_tp_size: int = 1) -> dict[int, KVHandoff]:
-        """Live migration, source: offer the running request's full computed blocks (it
-        decodes on), by sample index; a sample with none is left out."""
+        """Live migration, source: offer the running request's blocks (`ExportRunning`)."""
+        return await self.call(ExportRunning(request_id, reader_tp_size))
 
-    @abc.abstractmethod
     async def prepare_migration(self, request_id: str,
                                 exported: dict[int, KVHandoff]) -> dict[int, int]:
-        """Live migration, target: pull those blocks ahead of the `resume`; how many landed,
-        by sample index. Raises `KVPullFailed`."""
+        """Live migration, target: pull them ahead of the `resume` (`PrepareMigration`)."""
+        return await self.call(PrepareMigration(request_id, exported))
 
-    @abc.abstractmethod
     async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
-        """Live migration, source: stop the request between two steps; its stream here then
-        ends with `RequestMoved` after every token it produced; the blocks written since
-        `export_running` are offered."""
+        """Live migration, source: stop the request between two steps (`Pause`)."""
+        return await self.call(Pause(request_id, reader_tp_size))
 
-    @abc.abstractmethod
     async def cancel_migration(self, request_id: str) -> None:
-        """Live migration that will not happen (a pull failed, the stream ended): the source
-        lets go of what `export_running` offered, the target of what `prepare_migration`
-        landed, now rather than when their leases end. Harmless when nothing is held."""
+        """Live migration that will not happen: both sides let go now (`CancelMigration`);
+        harmless when nothing is held."""
+        await self.call(CancelMigration(request_id))
 
-    @abc.abstractmethod
     def resume(self, req: WorkerRequest, samples: Sequence[ResumedSample]) -> TokenStream:
         """The events of `samples` after each one's sent tokens, its first output tokens,
         which other workers sampled and sent (one failed mid-stream); the worker computes the
         KV of the prompt and those tokens itself (with their `kv`, a live migration's, it
         pulls it). Greedy and seeded output equal an uninterrupted run."""
+        return self.open(Resume(req, tuple(samples)))
 
-    @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is on the worker; unknown ids are ignored."""
+        self.send(Abort(request_id))
 
-    @abc.abstractmethod
     async def stats(self) -> EngineStats:
         """The worker's load, asked now (the router routes on the pushed copy instead)."""
+        return await self.call(Stats())
 
-    @abc.abstractmethod
-    async def kv_snapshot(self) -> KVSnapshot: ...
+    async def kv_snapshot(self) -> KVSnapshot:
+        return await self.call(SnapshotKV())
 
-    @abc.abstractmethod
     async def health(self) -> bool:
         """True when the worker can take requests."""
-
-    async def close(self) -> None:
-        """Release what the client holds (its channel, an in-process engine)."""
+        return await self.call(Health())
 
 
 class WorkerChannel(abc.ABC):
-    """The wire to one worker: the calls a `ChannelClient` makes. Each raises
-    `WorkerUnavailableError` when the worker cannot be reached; the worker's own refusals
-    (`InvalidRequestError`, `ValueError` for a role) are raised as the worker raised them.
+    """The wire to one worker: carries call records (`call`) and reads the output stream
+    (`next_outputs`); it knows no operation by name. Each raises `WorkerUnavailableError` when
+    the worker cannot be reached; the worker's own refusals (`InvalidRequestError`,
+    `ValueError` for a role) are raised as the worker raised them.
 
     `output_interval_s`: the least time between two output messages the client asks of the
     worker (`next_outputs`); steps faster than it are merged into one message, and a stream
@@ -194,52 +232,14 @@ class WorkerChannel(abc.ABC):
     output_interval_s: float = OUTPUT_INTERVAL_S
 
     @abc.abstractmethod
-    async def info(self) -> WorkerInfo: ...
-
-    @abc.abstractmethod
-    async def submit(self, subscriber: str, commands: list[Command]) -> None: ...
+    async def call(self, call: Call[R]) -> R:
+        """The worker's answer to `call` (`workers.serving.dispatch`)."""
 
     @abc.abstractmethod
     async def next_outputs(self, subscriber: str, timeout_s: float,
-                           min_interval_s: float = 0.0) -> WorkerOutputs: ...
-
-    @abc.abstractmethod
-    async def prefill(self, req: WorkerRequest, decode_tp_size: int,
-                      prefix: PrefixFetch | None = None) -> PrefillResult: ...
-
-    @abc.abstractmethod
-    async def export_prefix(self, request_id: str, block_hashes: tuple[int, ...],
-                            reader_tp_size: int) -> KVHandoff | None: ...
-
-    @abc.abstractmethod
-    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]: ...
-
-    @abc.abstractmethod
-    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
-                          token_ids: tuple[int, ...]) -> int: ...
-
-    @abc.abstractmethod
-    async def export_running(self, request_id: str,
-                             reader_tp_size: int) -> dict[int, KVHandoff]: ...
-
-    @abc.abstractmethod
-    async def prepare_migration(self, request_id: str,
-                                exported: dict[int, KVHandoff]) -> dict[int, int]: ...
-
-    @abc.abstractmethod
-    async def pause(self, request_id: str, reader_tp_size: int) -> Paused: ...
-
-    @abc.abstractmethod
-    async def cancel_migration(self, request_id: str) -> None: ...
-
-    @abc.abstractmethod
-    async def stats(self) -> EngineStats: ...
-
-    @abc.abstractmethod
-    async def kv_snapshot(self) -> KVSnapshot: ...
-
-    @abc.abstractmethod
-    async def health(self) -> bool: ...
+                           min_interval_s: float = 0.0) -> WorkerOutputs:
+        """`subscriber`'s next output message, within about `timeout_s` (a heartbeat with no
+        events when nothing happened), at least `min_interval_s` after its last."""
 
     async def close(self) -> None:
         """Release the channel (and what it owns: an in-process worker)."""

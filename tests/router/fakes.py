@@ -23,7 +23,15 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Policies
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
 from router.workers import WorkerSet
-from workers.contract.messages import Paused, PrefillResult, PrefixFetch, ResumedSample
+from workers.contract.calls import Call
+from workers.contract.messages import (
+    Abort,
+    Paused,
+    PrefillResult,
+    PrefixFetch,
+    ResumedSample,
+    StreamCommand,
+)
 from workers.contract.protocol import (
     EngineStats,
     FinishReason,
@@ -166,6 +174,16 @@ class FakeWorker(WorkerClient):
 
     def _stats(self) -> EngineStats:
         return EngineStats(0, 0, 0.0, 256, 0, 256)
+
+    # a fake is scripted by operation (the methods below), not through the primitives
+    def open(self, cmd: StreamCommand) -> TokenStream:
+        raise AssertionError(f"a fake worker streams through its named methods, not {cmd}")
+
+    def send(self, cmd: Abort) -> None:
+        raise AssertionError(f"a fake worker aborts through `abort`, not {cmd}")
+
+    async def call(self, call: Call[object]) -> object:
+        raise AssertionError(f"a fake worker answers its named methods, not {call}")
 
     def _open(self, verb: str, req: WorkerRequest, start: int) -> TokenStream:
         self.calls.streams.append((verb, req.request_id))

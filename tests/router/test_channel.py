@@ -12,6 +12,7 @@ from router.channel import ChannelClient, Deadlines
 from router.errors import WorkerUnavailableError
 from router.request_stream import RequestStream
 from router.worker_client import WorkerChannel
+from workers.contract.calls import Prefill, Submit
 from workers.contract.messages import WorkerOutputs
 from workers.contract.protocol import (
     EngineStats,
@@ -34,36 +35,13 @@ class _QuietChannel(WorkerChannel):
 
     worker_id = "w"
 
-    async def info(self): ...
-
-    async def submit(self, subscriber, commands) -> None:
-        pass
+    async def call(self, call):
+        if isinstance(call, Submit):
+            return None
+        raise AssertionError(f"not asked of a quiet worker: {call}")
 
     async def next_outputs(self, subscriber, timeout_s, min_interval_s=0.0):
         await asyncio.Event().wait()
-
-    async def prefill(self, req, decode_tp_size, prefix=None): ...
-
-    async def export_prefix(self, request_id, block_hashes, reader_tp_size): ...
-
-    async def hot_prefixes(self, max_blocks): ...
-
-    async def land_prefix(self, request_id, fetch, token_ids): ...
-
-    async def export_running(self, request_id, reader_tp_size): ...
-
-    async def prepare_migration(self, request_id, handoff): ...
-
-    async def pause(self, request_id, reader_tp_size): ...
-
-    async def cancel_migration(self, request_id): ...
-
-    async def stats(self): ...
-
-    async def kv_snapshot(self): ...
-
-    async def health(self) -> bool:
-        return True
 
 
 async def stream(num_samples: int = 1) -> RequestStream:
@@ -122,11 +100,11 @@ class _SlowChannel(_QuietChannel):
     def __init__(self) -> None:
         self.commands: list[object] = []
 
-    async def submit(self, subscriber, commands) -> None:
-        self.commands.extend(commands)
-
-    async def prefill(self, req, decode_tp_size, prefix=None):
-        await asyncio.Event().wait()
+    async def call(self, call):
+        if isinstance(call, Submit):
+            self.commands.extend(call.commands)
+        elif isinstance(call, Prefill):
+            await asyncio.Event().wait()
 
 
 def test_a_silent_channel_fails_its_streams_as_the_worker_being_unavailable():

@@ -11,7 +11,9 @@ import pytest
 from router.policy import Decision, WorkerLoad, get_policy
 from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
 from tests.router.test_policy import PROMPT, index_with
+from workers.contract.calls import ExportPrefix
 from workers.engine.llm import LLM
+from workers.serving.dispatch import dispatch
 from workers.contract.messages import Generate, PrefixFetch
 from workers.contract.protocol import BlockStored, SamplingParams, WorkerRequest, hash_prompt_blocks
 
@@ -109,7 +111,8 @@ def _exported(server, seed: int, length: int, rid: str):
     _run(server, _worker(server, 0), Generate(WorkerRequest(f"warm-{rid}", tuple(prompt),
                                                             GREEDY)))
     hashes = tuple(hash_prompt_blocks(prompt, BLOCK))
-    return prompt, hashes, server.call(_worker(server, 0).export_prefix(rid, hashes, 1))
+    export = ExportPrefix(rid, tuple(hashes), 1)
+    return prompt, hashes, server.call(dispatch(_worker(server, 0), export))
 
 
 def test_a_pulled_prefix_gives_the_same_tokens_and_both_workers_let_go(pair, expected):

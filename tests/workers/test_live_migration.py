@@ -11,7 +11,9 @@ import time
 import pytest
 
 from tests.router.conftest import API_KEY, NUM_BLOCKS, slow_steps, start_server, wait_until
+from workers.contract.calls import CancelMigration, ExportRunning, Pause
 from workers.engine.llm import LLM
+from workers.serving.dispatch import dispatch
 from workers.contract.messages import Generate, MigratedKV, RequestMoved, Resume, ResumedSample
 from workers.contract.protocol import InvalidRequestError, SamplingParams, WorkerRequest
 from workers.engine.request import Continuation
@@ -82,11 +84,11 @@ def _move(server, rid: str, prompt: tuple[int, ...], after: int, between: int,
         events = aiter(stream)
         for _ in range(after):
             on_a.extend((await anext(events)).token_ids)
-        first = await a.export_running(rid, 1)
+        first = await dispatch(a, ExportRunning(rid, 1))
         landed = await b.prepare_migration(rid, first)
         for _ in range(between):
             on_a.extend((await anext(events)).token_ids)
-        (paused,) = (await a.pause(rid, 1)).samples
+        (paused,) = (await dispatch(a, Pause(rid, 1))).samples
         with pytest.raises(RequestMoved):  # every token produced there comes first
             async for event in events:
                 on_a.extend(event.token_ids)
@@ -127,7 +129,7 @@ def test_a_failed_second_pull_computes_the_kv_and_the_stream_still_goes_on(pair,
 
 def test_only_a_running_request_whose_samples_all_have_output_can_move(pair, llm):
     with pytest.raises(InvalidRequestError, match="not running here"):
-        pair.call(_worker(pair, 0).pause("nobody", 1))
+        pair.call(dispatch(_worker(pair, 0), Pause("nobody", 1)))
     engine = llm.engine
     engine.generate(WorkerRequest("early", _prompt(9, 20), SamplingParams(n=2, max_tokens=8)))
     try:
@@ -158,11 +160,11 @@ def test_a_request_with_several_samples_moves_whole(pair, llm, seed):
         while not all(got.values()):  # every sample has output
             event = await anext(events)
             got[event.index].extend(event.token_ids)
-        landed = await b.prepare_migration("three", await a.export_running("three", 1))
+        landed = await b.prepare_migration("three", await dispatch(a, ExportRunning("three", 1)))
         for _ in range(3):
             event = await anext(events)
             got[event.index].extend(event.token_ids)
-        paused = await a.pause("three", 1)
+        paused = await dispatch(a, Pause("three", 1))
         with pytest.raises(RequestMoved):
             async for event in events:
                 got[event.index].extend(event.token_ids)
@@ -394,15 +396,17 @@ def test_a_stale_hold_timer_leaves_a_later_move_of_the_same_request_alone(pair):
         stream = a.stream(Generate(req))
         events = aiter(stream)
         await anext(events)
-        await b.migrations.prepare("again", await a.export_running("again", 1), hold_s=0.2)
+        exported = await dispatch(a, ExportRunning("again", 1))
+        await b.migrations.prepare("again", exported, hold_s=0.2)
         for w in (a, b):
-            await w.cancel_migration("again")
-        await b.migrations.prepare("again", await a.export_running("again", 1), hold_s=30)
+            await dispatch(w, CancelMigration("again"))
+        exported = await dispatch(a, ExportRunning("again", 1))
+        await b.migrations.prepare("again", exported, hold_s=30)
         await asyncio.sleep(0.5)  # the first prepare's timer has fired
         await b.async_engine.apply(lambda: None)  # and what it queued has run
         held = b.resources()["held_requests"]
         for w in (a, b):
-            await w.cancel_migration("again")
+            await dispatch(w, CancelMigration("again"))
         after = b.resources()["held_requests"]
         await stream.aclose()
         return held, after

@@ -2,26 +2,19 @@
 
 Importing this module does not import torch; building a `Worker` does (it builds an engine). The
 router reaches a worker through `router.worker_client.WorkerClient` over a channel (in process:
-`cluster.inprocess_client`, over Ray: `cluster.engine_actor`), never by calling the engine:
-`submit(subscriber, commands)` starts and aborts requests, whose events come back on that
-subscriber's output channel (`next_outputs`, one message per step; `workers.engine.outputs`);
-`prefill` returns the first token and the KV handoff.
-
-The KV handoff: a "prefill" (or "both") worker runs a prompt to its first token with
-`prefill()`, which holds the request's blocks and offers them under a lease of its
-`TransferAgent`; the lease's end (pulled, cancelled, expired) frees them between steps. A
-"decode" (or "both") worker's `decode()` allocates blocks, pulls the handoff into them, and
-decodes on. Each worker owns one agent, started on first use with the configured transport.
-A prompt's prefix cached on another worker is pulled the same way (`workers.serving.prefix_fetch`).
-
-Long because it is the engine's one face to the router: every verb a channel carries lands
-here, each delegating to the async engine, the transfer layer or the prefix fetcher.
+`cluster.inprocess_client`, in a process or a Ray actor of its own: `cluster.socket_calls`),
+never by calling the engine. Each call record (`workers.contract.calls`) is answered through
+the one table `workers.serving.dispatch`, by this class or one of its parts: the KV handoff
+(`workers.serving.handoff`), prefix fetches (`workers.serving.prefix_fetch`), live migrations
+(`workers.serving.migration`). `Submit` starts and aborts requests, whose events come back on
+that subscriber's output channel (`next_outputs`, one message per step;
+`workers.engine.outputs`). Each worker owns one transfer agent, started on first use with the
+configured transport (`workers.serving.transfer`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Coroutine, Mapping, Sequence
 
@@ -30,29 +23,25 @@ from workers.contract.messages import (
     Command,
     DecodeFromHandoff,
     Generate,
-    Paused,
     PrefillResult,
     PrefixFetch,
     Resume,
     WorkerOutputs,
 )
-from workers.serving.migration import Migrations
-from workers.serving.options import WorkerOptions
-from workers.engine.outputs import OutputHub
-from workers.serving.prefix_fetch import PrefixFetcher
 from workers.contract.protocol import (
     EngineOverloaded,
     EngineStats,
-    FinishReason,
-    HotPrefix,
-    KVCacheFull,
     KVPullFailed,
-    KVSnapshot,
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
 )
+from workers.engine.outputs import OutputHub
 from workers.engine.request import Continuation
+from workers.serving.handoff import Handoff
+from workers.serving.migration import Migrations
+from workers.serving.options import WorkerOptions
+from workers.serving.prefix_fetch import PrefixFetcher
 from workers.serving.roles import DECODE_ROLES, PREFILL_ROLES, ROLES, check_role_fits_engine
 from workers.serving.transfer import WorkerTransfer
 
@@ -65,6 +54,7 @@ if TYPE_CHECKING:
     from workers.engine.parallel.group import RankLauncher
 
 logger = logging.getLogger(__name__)
+
 
 class Worker:
     """One engine serving requests for the router. Owns the engine: `shutdown()` stops it."""
@@ -98,6 +88,8 @@ class Worker:
                                        pull_timeout_s=pull_timeout_s)
         self.prefixes = PrefixFetcher(engine, self.transfer)
         self.migrations = Migrations(engine, self.transfer)
+        self.handoff = Handoff(engine, self.transfer)
+        self._broken: str | None = None  # why health checks fail (`mark_broken`)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled
         self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way
         self.outputs = OutputHub(lambda: engine.stats, self.abort)
@@ -194,7 +186,7 @@ class Worker:
             e.resume(cmd.req, [Continuation(0, (cmd.first_token_id,))], sink)
         else:
             self._check_role(DECODE_ROLES, "decode_from_handoff")
-            self._track_pull(cmd.req.request_id, self._decode_from_handoff(cmd, sink))
+            self._track_pull(cmd.req.request_id, self.handoff.pull_and_decode(cmd, sink))
 
     def _track_pull(self, request_id: str, pull: Coroutine[object, object, None]) -> None:
         """Run a command that pulls KV first as a task an `abort` cancels."""
@@ -202,46 +194,12 @@ class Worker:
         self._pulls[request_id] = task
         task.add_done_callback(lambda _: self._pulls.pop(request_id, None))
 
-    # ---- live migration (`workers.serving.migration`) ------------------------------------------------
-
-    async def export_running(self, request_id: str,
-                             reader_tp_size: int = 1) -> dict[int, KVHandoff]:
-        """Offer a running request's full computed blocks to the worker it moves to, by sample
-        index."""
-        return await self.migrations.export(request_id, reader_tp_size)
-
     async def prepare_migration(self, request_id: str,
                                 exported: Mapping[int, KVHandoff]) -> dict[int, int]:
         """Pull a moving request's exported blocks ahead of its `Resume`; the blocks landed, by
         sample index."""
         self._check_role(DECODE_ROLES, "prepare_migration")
         return await self.migrations.prepare(request_id, exported, self.transfer.lease_s)
-
-    async def pause(self, request_id: str, reader_tp_size: int = 1) -> Paused:
-        """Stop a running request here for the worker it moves to (`Migrations.pause`)."""
-        return await self.migrations.pause(request_id, reader_tp_size)
-
-    async def cancel_migration(self, request_id: str) -> None:
-        """A live migration of the request that will not happen: let go of its blocks offered
-        or landed here (`Migrations.cancel`)."""
-        await self.migrations.cancel(request_id)
-
-    async def export_prefix(self, request_id: str, block_hashes: Sequence[int],
-                            reader_tp_size: int = 1) -> KVHandoff | None:
-        """Offer the leading `block_hashes` cached here for a worker of `reader_tp_size` ranks
-        to pull before it runs `request_id` (`PrefixFetcher.export`)."""
-        return await self.prefixes.export(request_id, block_hashes, reader_tp_size)
-
-    async def hot_prefixes(self, max_blocks: int) -> tuple[HotPrefix, ...]:
-        """The prefixes requests hit here lately, most worth first, within `max_blocks`."""
-        return await self.prefixes.hot(max_blocks)
-
-    async def land_prefix(self, request_id: str, fetch: PrefixFetch,
-                          token_ids: Sequence[int]) -> int:
-        """Pull another worker's prefix (`fetch`, of `token_ids`) into this prefix cache with
-        no request to run (a leaving worker's hand-off); the blocks landed (0: the pull failed
-        or found no room, and nothing is held)."""
-        return await self.prefixes.land(request_id, fetch, token_ids, self.block_size)
 
     def stream(self, cmd: Generate | DecodeFromHandoff | Resume) -> RequestStream:
         """One command's events as an async iterator (in-process callers, tests); closing it
@@ -311,50 +269,10 @@ class Worker:
         try:
             if prefix is not None:
                 await self.prefixes.land(rid, prefix, req.prompt_token_ids, self.block_size)
-            return await self._prefill(req, decode_tp_size)
+            return await self.handoff.offer_first_token(req, decode_tp_size)
         finally:
             if self._prefills.get(rid) is task:
                 del self._prefills[rid]
-
-    async def _prefill(self, req: WorkerRequest, decode_tp_size: int) -> PrefillResult:
-        await self.agents()
-        rid, params = req.request_id, req.params
-        first = None
-        offered = False
-        stream = self.async_engine.stream(lambda sink: self.async_engine.prefill(req, sink),
-                                          rid)
-        try:
-            async for event in stream:
-                first = event
-            # finished: the blocks are held; no await from here to the offer
-            if first is None:
-                raise RuntimeError(f"prefill of {rid!r} ended without a token")
-            if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
-                return PrefillResult(first, None)  # the request is over (blocks freed below)
-            handoff = self.transfer.offer(rid, self.engine.held_block_ids(rid), decode_tp_size)
-            offered = True
-            return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
-        finally:
-            await stream.aclose()
-            if not offered:  # queued after the abort of an unfinished request
-                self.async_engine.apply_soon(lambda: self.engine.free_held(rid))
-
-    async def _decode_from_handoff(self, cmd: DecodeFromHandoff, sink: Sink) -> None:
-        """Pull the handoff's KV into fresh blocks, then decode after the first token; a pull
-        that fails (or no room to land it) fails the request with `KVPullFailed`, leaving
-        nothing behind (the router then asks for `DecodeFromHandoff` without a handoff)."""
-        rid = cmd.req.request_id
-        assert cmd.handoff is not None
-        try:
-            pull = await self.transfer.puller(rid, cmd.handoff)
-            await self.async_engine.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
-                                                        sink)
-        except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
-            sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
-            sink.flush()
-        except KVPullFailed as exc:
-            sink.fail(rid, exc)
-            sink.flush()
 
     def resources(self) -> dict[str, int]:
         """What this worker holds for requests: KV leases offered, blocks held for handoffs,
@@ -367,8 +285,13 @@ class Worker:
         """The engine's load as of its last step (published by the step thread)."""
         return self.async_engine.stats
 
-    async def kv_snapshot(self) -> KVSnapshot:
-        return await self.async_engine.apply(self.engine.kv_snapshot)
+    def health(self) -> bool:
+        """True while the engine steps and nobody marked this worker broken."""
+        return self._broken is None and self.async_engine.is_healthy
+
+    def mark_broken(self, reason: str) -> None:
+        """Fail health checks from now on (a planned restart; tests: a broken engine)."""
+        self._broken = reason
 
     async def shutdown(self) -> None:
         """Stop serving KV (every lease ends) and stop the engine."""

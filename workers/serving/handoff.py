@@ -1,0 +1,75 @@
+"""The KV handoff's two ends on one worker. No torch at import.
+
+A "prefill" (or "both") worker runs a prompt to its first token, holds the request's blocks and
+offers them under a lease of its `TransferAgent` (`offer_first_token`); the lease's end
+(pulled, cancelled, expired) frees them between steps. A "decode" (or "both") worker allocates
+blocks, pulls the handoff into them, and decodes on (`pull_and_decode`). The `Worker` checks
+roles and tracks these calls (`Worker.prefill`, `Worker.start`), so an `abort` ends them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from workers.contract.messages import DecodeFromHandoff, PrefillResult
+from workers.contract.protocol import FinishReason, KVCacheFull, KVPullFailed, WorkerRequest
+
+if TYPE_CHECKING:
+    from workers.engine.async_engine import AsyncEngine
+    from workers.engine.outputs import Sink
+    from workers.serving.transfer import WorkerTransfer
+
+
+class Handoff:
+    """Both ends of the KV handoff for one worker's engine. Event-loop thread."""
+
+    def __init__(self, engine: AsyncEngine, transfer: WorkerTransfer) -> None:
+        self.async_engine = engine
+        self.engine = engine.engine
+        self.transfer = transfer
+
+    async def offer_first_token(self, req: WorkerRequest,
+                                decode_tp_size: int) -> PrefillResult:
+        """Run `req`'s prompt to its first token and offer its KV for `decode_tp_size` ranks to
+        pull (`WorkerTransfer.offer`); no handoff when the request ended at that token.
+        Nothing is held after an error or a cancel."""
+        await self.transfer.agents()
+        rid, params = req.request_id, req.params
+        first = None
+        offered = False
+        stream = self.async_engine.stream(lambda sink: self.async_engine.prefill(req, sink),
+                                          rid)
+        try:
+            async for event in stream:
+                first = event
+            # finished: the blocks are held; no await from here to the offer
+            if first is None:
+                raise RuntimeError(f"prefill of {rid!r} ended without a token")
+            if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
+                return PrefillResult(first, None)  # the request is over (blocks freed below)
+            handoff = self.transfer.offer(rid, self.engine.held_block_ids(rid), decode_tp_size)
+            offered = True
+            return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
+        finally:
+            await stream.aclose()
+            if not offered:  # queued after the abort of an unfinished request
+                self.async_engine.apply_soon(lambda: self.engine.free_held(rid))
+
+    async def pull_and_decode(self, cmd: DecodeFromHandoff, sink: Sink) -> None:
+        """Pull the handoff's KV into fresh blocks, then decode after the first token; a pull
+        that fails (or no room to land it) fails the request with `KVPullFailed`, leaving
+        nothing behind (the router then sends `DecodeFromHandoff` without a handoff)."""
+        rid = cmd.req.request_id
+        if cmd.handoff is None:
+            raise ValueError(f"request {rid!r}: pull_and_decode needs a handoff, got None")
+        try:
+            pull = await self.transfer.puller(rid, cmd.handoff)
+            await self.async_engine.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
+                                                        sink)
+        except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
+            sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
+            sink.flush()
+        except KVPullFailed as exc:
+            sink.fail(rid, exc)
+            sink.flush()
