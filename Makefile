@@ -16,7 +16,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	# two workers, a test module each at a time (its module-scoped servers and Ray instance
+	# stay whole): much of the suite waits on servers and processes starting, not on a core
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 serve: $(STAMP)
 	$(VENV)/bin/cleave serve
