@@ -109,6 +109,18 @@ def test_fewer_sequences_than_threads_split_heads_with_the_same_result(num_seqs,
                                     window=40, sinks=sinks), one)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 3, 32), (12, 4, 64)])
+def test_a_split_of_few_heads_normalizes_them_as_the_whole_sequence_does(heads, kv_heads, dim):
+    """Items of 1-3 query heads (the tiny model's 4 heads over 2 threads: 2 each), where a loop
+    over an item's heads vectorized by the compiler had its remainder divide otherwise."""
+    for seed, seq_lens in enumerate(([1], [8], [7], [20], [33], [8, 21])):
+        q, cache, tables, lens = make_case(seq_lens, heads, kv_heads, dim, 4, seed=seed)
+        one = paged_decode(q, cache, tables, lens, 0.25, num_threads=1)
+        for threads in (2, 3, 4):
+            got = paged_decode(q, cache, tables, lens, 0.25, num_threads=threads)
+            assert torch.equal(got, one), (seq_lens, threads)
+
+
 def test_decode_writes_into_out_and_reads_strided_queries():
     q, cache, tables, lens = make_case([20, 9], 4, 2, 16, 16)
     wide = torch.randn(2, 4, 32)

@@ -205,9 +205,17 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int item, c
             for (int i = 0; i < dv; i++) store_vf(ah + i * VL, av[i]);
         }
     }
+    /* each head normalized in vector registers: as a loop of floats, GCC vectorized this across
+     * the heads, and -ffast-math's vector division (a reciprocal estimate and a Newton step)
+     * rounds unlike the scalar division of the loop's remainder, so a head's output depended on
+     * how many heads its item held, so on the thread count below one sequence per thread (the
+     * tiny model's 4 heads: a last bit apart at 1 thread against 2, on GCC 12 for Cascade Lake).
+     * Here every head takes the same scalar division, whatever the item's heads: the loop holds
+     * vector statements, which GCC does not vectorize again. */
     for (int h = h0; h < h1; h++) {
-        const float inv = 1.0f / l[h];
-        for (int d = 0; d < D; d++) out[h * D + d] = acc[h * D + d] * inv;
+        const vf inv = (vf){0} + 1.0f / l[h];
+        for (int i = 0; i < dv; i++)
+            store_vf(out + h * D + i * VL, load_vf(acc + h * D + i * VL) * inv);
     }
     free(mem);
     return 0;
