@@ -37,7 +37,8 @@ from results_io import RESULTS, command_line, emit
 from router.policy import Decision, WorkerLoad, get_policy
 from router.prefix_index import PrefixIndex
 from workers.engine.kv_cache import KVCacheManager
-from workers.contract.protocol import SamplingParams, hash_prompt_blocks
+from workers.contract.protocol import SamplingParams
+from workers.contract.prefix_cache import hash_prompt_blocks
 from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 

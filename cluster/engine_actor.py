@@ -27,7 +27,8 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.contract.protocol import EngineStats, WorkerInfo, WorkerRequest
+from workers.contract.prefix_cache import HotPrefix, KVSnapshot
 
 if TYPE_CHECKING:
     from cluster.rank_actor import RankPlace

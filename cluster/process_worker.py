@@ -33,7 +33,8 @@ from cluster.socket_calls import SocketCalls, serve_calls
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
 from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch, WorkerOutputs
-from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.contract.protocol import EngineStats, WorkerInfo, WorkerRequest
+from workers.contract.prefix_cache import HotPrefix, KVSnapshot
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

@@ -25,11 +25,10 @@ from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetc
 from workers.contract.protocol import (
     EngineShutDown,
     EngineStats,
-    HotPrefix,
-    KVSnapshot,
     WorkerInfo,
     WorkerRequest,
 )
+from workers.contract.prefix_cache import HotPrefix, KVSnapshot
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

@@ -34,7 +34,8 @@ from workers.contract.messages import (
     StreamCommand,
     WorkerOutputs,
 )
-from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.contract.protocol import EngineStats, WorkerInfo, WorkerRequest
+from workers.contract.prefix_cache import HotPrefix, KVSnapshot
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

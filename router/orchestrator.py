@@ -51,8 +51,8 @@ from workers.contract.protocol import (
     TokenEvent,
     WorkerRequest,
     WorkerRole,
-    hash_prompt_blocks,
 )
+from workers.contract.prefix_cache import hash_prompt_blocks
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

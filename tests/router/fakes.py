@@ -26,15 +26,14 @@ from workers.contract.messages import Paused, PrefillResult, PrefixFetch, Resume
 from workers.contract.protocol import (
     EngineStats,
     FinishReason,
-    HotPrefix,
     InvalidRequestError,
     KVPullFailed,
-    KVSnapshot,
     TokenEvent,
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
 )
+from workers.contract.prefix_cache import HotPrefix, KVSnapshot
 
 BLOCK_SIZE = 16
 VOCAB = 1000

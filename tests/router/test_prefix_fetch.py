@@ -13,7 +13,8 @@ from tests.router.conftest import NUM_BLOCKS, start_server, wait_until
 from tests.router.test_policy import PROMPT, index_with
 from workers.engine.llm import LLM
 from workers.contract.messages import Generate, PrefixFetch
-from workers.contract.protocol import BlockStored, SamplingParams, WorkerRequest, hash_prompt_blocks
+from workers.contract.protocol import SamplingParams, WorkerRequest
+from workers.contract.prefix_cache import BlockStored, hash_prompt_blocks
 
 
 def test_a_busy_holder_loses_the_request_to_an_idle_worker_that_pulls_its_prefix():

@@ -37,7 +37,7 @@ def fake_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
 def replay_events(events: list, medium: str = "device") -> set[int]:
     """The set of block hashes cached in tier `medium` that a consumer of the KV events would
     believe in."""
-    from workers.contract.protocol import AllBlocksCleared, BlockRemoved, BlockStored
+    from workers.contract.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
 
     cached: set[int] = set()
     for event in events:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tests.workers.factories import create_request, create_scheduler, replay_events
 from tests.workers.test_block_accounting import OPS, check_pool
 from workers.engine.llm import LLM
-from workers.contract.protocol import FinishReason, SamplingParams, hash_prompt_blocks
+from workers.contract.protocol import FinishReason, SamplingParams
+from workers.contract.prefix_cache import hash_prompt_blocks
 from workers.engine.step_costs import StepCosts
 
 

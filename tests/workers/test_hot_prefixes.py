@@ -8,7 +8,8 @@ import pytest
 from tests.workers.factories import create_request, create_scheduler, fake_step
 from workers.engine.kv_cache.hot_prefixes import HotPrefixes
 from workers.engine.llm import LLM
-from workers.contract.protocol import SamplingParams, hash_prompt_blocks
+from workers.contract.protocol import SamplingParams
+from workers.contract.prefix_cache import hash_prompt_blocks
 
 
 class Clock:

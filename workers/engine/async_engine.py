@@ -35,11 +35,11 @@ from workers.engine.parallel.group import RankGroupError
 from workers.contract.protocol import (
     EngineShutDown,
     EngineStats,
-    KVEvent,
     SamplingParams,
     TokenEvent,
     WorkerRequest,
 )
+from workers.contract.prefix_cache import KVEvent
 from workers.engine.request import Continuation
 from workers.engine.watchdog import StepWatchdog
 

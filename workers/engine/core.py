@@ -31,15 +31,13 @@ from workers.engine.parallel.validate import check_parallel
 from workers.contract.protocol import (
     EngineStats,
     FinishReason,
-    HotPrefix,
     InvalidRequestError,
     KVCacheFull,
-    KVEvent,
-    KVSnapshot,
     SamplingParams,
     TokenEvent,
     WorkerRequest,
 )
+from workers.contract.prefix_cache import HotPrefix, KVEvent, KVSnapshot
 from workers.engine.request import Continuation, Request, RequestStatus
 from workers.engine.runner import KVCacheSpec, ModelRunner, RunnerOutput
 from workers.engine.sampler import sample_seed

@@ -25,7 +25,8 @@ import time
 from typing import Callable, Protocol
 
 from workers.contract.messages import RequestFailed, WorkerOutputs
-from workers.contract.protocol import EngineStats, KVEvent, TokenEvent
+from workers.contract.protocol import EngineStats, TokenEvent
+from workers.contract.prefix_cache import KVEvent
 
 
 class Sink(Protocol):

@@ -17,7 +17,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from workers.contract.protocol import HotPrefix, KVCacheFull, KVPullFailed
+from workers.contract.protocol import KVCacheFull, KVPullFailed
+from workers.contract.prefix_cache import HotPrefix
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

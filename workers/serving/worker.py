@@ -43,14 +43,13 @@ from workers.contract.protocol import (
     EngineOverloaded,
     EngineStats,
     FinishReason,
-    HotPrefix,
     KVCacheFull,
     KVPullFailed,
-    KVSnapshot,
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
 )
+from workers.contract.prefix_cache import HotPrefix, KVSnapshot
 from workers.engine.request import Continuation
 from workers.serving.roles import DECODE_ROLES, PREFILL_ROLES, ROLES, check_role_fits_engine
 from workers.serving.transfer import WorkerTransfer

@@ -8,7 +8,7 @@ from workers.engine.kv_cache.block_pool import BlockPool, KVBlock
 from workers.engine.kv_cache.events import KVEventLog
 from workers.engine.kv_cache.host_tier import NO_COPIES, BlockCopies, HostTier
 from workers.engine.kv_cache.hot_prefixes import HotPrefixes
-from workers.contract.protocol import hash_block
+from workers.contract.prefix_cache import hash_block
 from workers.engine.request import Request
 
 
