@@ -8,7 +8,8 @@ import torch
 from workers.engine.kv_cache import KVCacheManager
 from workers.contract.protocol import SamplingParams
 from workers.engine.request import Request
-from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.scheduler_records import SchedulerConfig, SchedulerOutput
 
 EOS = 0
 

@@ -41,7 +41,8 @@ from workers.contract.prefix_cache import HotPrefix, KVEvent, KVSnapshot
 from workers.engine.request import Continuation, Request, RequestStatus
 from workers.engine.runner import KVCacheSpec, ModelRunner, RunnerOutput
 from workers.engine.sampler import sample_seed
-from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.scheduler_records import SchedulerConfig, SchedulerOutput
 from workers.engine.step_costs import StepCosts
 
 if TYPE_CHECKING:
