@@ -36,6 +36,8 @@ from workers.contract.messages import (
     Resume,
     WorkerOutputs,
 )
+from workers.serving.async_connector import AsyncConnector
+from workers.serving.connector import Connector
 from workers.serving.migration import Migrations
 from workers.engine.outputs import OutputHub
 from workers.serving.prefix_fetch import PrefixFetcher
@@ -92,8 +94,10 @@ class Worker:
         self.transfer = WorkerTransfer(worker_id, engine.engine, self._free_held,
                                        transport=transport, host=host, lease_s=lease_s,
                                        pull_timeout_s=pull_timeout_s)
-        self.prefixes = PrefixFetcher(engine, self.transfer)
-        self.migrations = Migrations(engine, self.transfer)
+        self.connector = Connector(engine.engine)  # the KV handoff's and migration's verbs
+        self.async_connector = AsyncConnector(engine, self.connector)
+        self.prefixes = PrefixFetcher(self.async_connector, self.transfer)
+        self.migrations = Migrations(self.async_connector, self.transfer)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled
         self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way
         self.outputs = OutputHub(lambda: engine.stats, self.abort)
@@ -183,11 +187,11 @@ class Worker:
             self._track_pull(cmd.req.request_id, self.migrations.continue_(cmd, sink))
         elif isinstance(cmd, Resume):
             self._check_role(DECODE_ROLES, "resume")
-            e.resume(cmd.req, [Continuation(s.index, s.sent_token_ids) for s in cmd.samples],
-                     sink)
+            self.async_connector.resume(
+                cmd.req, [Continuation(s.index, s.sent_token_ids) for s in cmd.samples], sink)
         elif cmd.handoff is None:  # the prefill's KV is not coming: compute it here
             self._check_role(DECODE_ROLES, "decode_from_handoff")
-            e.resume(cmd.req, [Continuation(0, (cmd.first_token_id,))], sink)
+            self.async_connector.resume(cmd.req, [Continuation(0, (cmd.first_token_id,))], sink)
         else:
             self._check_role(DECODE_ROLES, "decode_from_handoff")
             self._track_pull(cmd.req.request_id, self._decode_from_handoff(cmd, sink))
@@ -282,7 +286,7 @@ class Worker:
         return await self.transfer.agents()
 
     def _free_held(self, request_id: str) -> None:
-        self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
+        self.async_engine.apply_soon(lambda: self.connector.free_held(request_id))
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
                       prefix: PrefixFetch | None = None) -> PrefillResult:
@@ -317,7 +321,7 @@ class Worker:
         rid, params = req.request_id, req.params
         first = None
         offered = False
-        stream = self.async_engine.stream(lambda sink: self.async_engine.prefill(req, sink),
+        stream = self.async_engine.stream(lambda sink: self.async_connector.prefill(req, sink),
                                           rid)
         try:
             async for event in stream:
@@ -327,13 +331,13 @@ class Worker:
                 raise RuntimeError(f"prefill of {rid!r} ended without a token")
             if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
                 return PrefillResult(first, None)  # the request is over (blocks freed below)
-            handoff = self.transfer.offer(rid, self.engine.held_block_ids(rid), decode_tp_size)
+            handoff = self.transfer.offer(rid, self.connector.held_block_ids(rid), decode_tp_size)
             offered = True
             return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
         finally:
             await stream.aclose()
             if not offered:  # queued after the abort of an unfinished request
-                self.async_engine.apply_soon(lambda: self.engine.free_held(rid))
+                self.async_engine.apply_soon(lambda: self.connector.free_held(rid))
 
     async def _decode_from_handoff(self, cmd: DecodeFromHandoff, sink: Sink) -> None:
         """Pull the handoff's KV into fresh blocks, then decode after the first token; a pull
@@ -343,8 +347,8 @@ class Worker:
         assert cmd.handoff is not None
         try:
             pull = await self.transfer.puller(rid, cmd.handoff)
-            await self.async_engine.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
-                                                        sink)
+            await self.async_connector.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
+                                                           sink)
         except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
             sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
             sink.flush()
@@ -356,7 +360,7 @@ class Worker:
         """What this worker holds for requests: KV leases offered, blocks held for handoffs,
         pulls and prefill calls under way (all 0 when idle and nothing leaked)."""
         return {"leases": self.transfer.num_leases,
-                "held_requests": self.engine.kv.num_held_requests,
+                "held_requests": self.engine.kv.ledger.num_held,
                 "pulls": len(self._pulls), "prefills": len(self._prefills)}
 
     def stats(self) -> EngineStats:
@@ -364,7 +368,7 @@ class Worker:
         return self.async_engine.stats
 
     async def kv_snapshot(self) -> KVSnapshot:
-        return await self.async_engine.apply(self.engine.kv_snapshot)
+        return await self.async_engine.apply(self.connector.kv_snapshot)
 
     async def shutdown(self) -> None:
         """Stop serving KV (every lease ends) and stop the engine."""
