@@ -260,9 +260,9 @@ class Connector:
             raise InvalidRequestError(f"request {request_id!r} is not running here",
                                       param="request_id")
         samples = [engine.scheduler.requests.get(sid) for sid in sample_ids]
-        if any(s is None or s.status is RequestStatus.WAITING_FOR_REMOTE_KV
-               or not s.output_token_ids for s in samples):
+        running = [s for s in samples if s is not None and s.output_token_ids
+                   and s.status is not RequestStatus.WAITING_FOR_REMOTE_KV]
+        if len(running) != len(samples):
             raise InvalidRequestError(f"request {request_id!r} has a sample with no output yet",
                                       param="request_id")
-        return [(engine.outputs.index(s.request_id), s)  # type: ignore[union-attr]
-                for s in samples]
+        return [(engine.outputs.index(s.request_id), s) for s in running]
