@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workers import LLM as _LLM
-from workers import SamplingParams, cuda_graphs, memory_profile
+from workers import SamplingParams
+from workers.engine import cuda_graphs, memory_profile
 from workers.engine.memory_profile import profile_step, run_profile_step
 from workers.engine.runner import KVCacheSpec, allocate_kv_caches
 from workers.engine.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP
