@@ -21,7 +21,8 @@ from pathlib import Path
 from router.workers import fetch_cost
 from workers.contract.calls import ExportPrefix
 from workers.contract.messages import Generate, PrefixFetch
-from workers.contract.protocol import SamplingParams, WorkerRequest, hash_prompt_blocks
+from workers.contract.prefix_cache import hash_prompt_blocks
+from workers.contract.protocol import SamplingParams, WorkerRequest
 from workers.serving.dispatch import dispatch
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

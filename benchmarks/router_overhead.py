@@ -30,7 +30,7 @@ from results_io import RESULTS, command_line, emit
 
 from router.policy import WorkerLoad, get_policy
 from router.prefix_index import PrefixIndex
-from workers.contract.protocol import BlockStored, hash_prompt_blocks
+from workers.contract.prefix_cache import BlockStored, hash_prompt_blocks
 
 BLOCK_SIZE = 16
 TARGET_DECISIONS_PER_S = 5000.0

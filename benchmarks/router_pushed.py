@@ -21,13 +21,11 @@ from router.orchestrator import DECODE_POOL
 from router.policy import get_policy
 from router.workers import WorkerSet
 from workers.contract.protocol import (
-    BlockStored,
     EngineStats,
-    KVSnapshot,
     WorkerInfo,
     WorkerRole,
-    hash_prompt_blocks,
 )
+from workers.contract.prefix_cache import BlockStored, KVSnapshot, hash_prompt_blocks
 
 CALLS: Counter[str] = Counter()  # what the router asked the simulated workers, by method
 

@@ -37,9 +37,11 @@ from results_io import RESULTS, command_line, emit
 from router.policy import Decision, WorkerLoad, get_policy
 from router.prefix_index import PrefixIndex
 from workers.engine.kv_cache import KVCacheManager
-from workers.contract.protocol import SamplingParams, hash_prompt_blocks
+from workers.contract.protocol import SamplingParams
+from workers.contract.prefix_cache import hash_prompt_blocks
 from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.scheduler_records import SchedulerConfig, SchedulerOutput
 
 BLOCK_SIZE = 16
 STEP_S, PREFILL_S_PER_TOKEN, DECODE_S_PER_SEQ = 4e-3, 50e-6, 0.2e-3  # the cost model

@@ -55,7 +55,8 @@ from cluster.inprocess_client import in_process_client
 from router.channel import ChannelClient
 from router.policy import Decision, RoutingPolicy, WorkerLoad, get_policy, healthy_loads
 from router.prefix_index import PrefixIndex
-from workers.contract.protocol import SamplingParams, hash_prompt_blocks
+from workers.contract.protocol import SamplingParams
+from workers.contract.prefix_cache import hash_prompt_blocks
 
 if TYPE_CHECKING:
     from workers.engine.core import Engine

@@ -40,7 +40,7 @@ from routing_engines import Workload, bench_model, make_workload, percentile
 from serving_ray import RayApp
 
 from cluster.cpu_affinity import affinity_of
-from workers.contract.protocol import hash_prompt_blocks
+from workers.contract.prefix_cache import hash_prompt_blocks
 
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 BLOCK_SIZE = 16

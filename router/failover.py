@@ -19,7 +19,8 @@ from router.policy import NoHealthyWorker, RoutingPolicy
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
 from workers.contract.messages import ResumedSample
-from workers.contract.protocol import KVPullFailed, WorkerRequest, WorkerRole, hash_prompt_blocks
+from workers.contract.prefix_cache import hash_prompt_blocks
+from workers.contract.protocol import KVPullFailed, WorkerRequest, WorkerRole
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from router.counters import RouterCounters
 from router.workers import WorkerSet
 from workers.contract.messages import PrefixFetch
-from workers.contract.protocol import EngineStats, HotPrefix, WorkerRole
+from workers.contract.protocol import EngineStats, WorkerRole
+from workers.contract.prefix_cache import HotPrefix
 
 logger = logging.getLogger(__name__)
 

@@ -56,8 +56,8 @@ from workers.contract.protocol import (
     TokenEvent,
     WorkerRequest,
     WorkerRole,
-    hash_prompt_blocks,
 )
+from workers.contract.prefix_cache import hash_prompt_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from workers.contract.protocol import (
+from workers.contract.prefix_cache import (
     HOST,
     AllBlocksCleared,
     BlockRemoved,

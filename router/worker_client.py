@@ -49,15 +49,13 @@ from workers.contract.messages import (
 )
 from workers.contract.protocol import (
     EngineStats,
-    HotPrefix,
-    KVEvent,
     KVPullFailed,
-    KVSnapshot,
     TokenEvent,
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
 )
+from workers.contract.prefix_cache import HotPrefix, KVEvent, KVSnapshot
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

@@ -24,7 +24,8 @@ from router.errors import WorkerUnavailableError
 from router.loads import LoadTable
 from router.prefix_index import PrefixIndex
 from router.worker_client import WorkerClient
-from workers.contract.protocol import EngineStats, KVEvent, WorkerInfo, WorkerRole
+from workers.contract.protocol import EngineStats, WorkerInfo, WorkerRole
+from workers.contract.prefix_cache import KVEvent
 
 logger = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ import torch
 
 from workers import LLM, SamplingParams
 from workers.engine.parallel.executor import KVCacheNotShared
+from workers.serving.transfer import kv_layouts
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -23,7 +24,7 @@ def test_nccl_group_greedy_tokens_equal_one_gpu(tiny_model, tp, pp):
     try:
         got = [o.outputs[0].token_ids for o in group.generate(prompts, params)]
         with pytest.raises(KVCacheNotShared):
-            group.engine.kv_layouts()
+            kv_layouts(group.engine)
     finally:
         group.engine.close()
     assert got == want

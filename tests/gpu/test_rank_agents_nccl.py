@@ -43,7 +43,7 @@ def test_a_gpu_tp_group_hands_off_from_every_rank(tiny_model, prefill_tp, decode
             async for event in decode.stream(DecodeFromHandoff(req, tokens[0], result.handoff)):
                 tokens += event.token_ids
             for _ in range(200):
-                if prefill.engine.kv.num_held_requests == 0:
+                if prefill.engine.kv.ledger.num_held == 0:
                     break
                 await asyncio.sleep(0.02)
             assert prefill.resources()["leases"] == 0

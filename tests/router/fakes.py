@@ -35,15 +35,14 @@ from workers.contract.messages import (
 from workers.contract.protocol import (
     EngineStats,
     FinishReason,
-    HotPrefix,
     InvalidRequestError,
     KVPullFailed,
-    KVSnapshot,
     TokenEvent,
     WorkerInfo,
     WorkerRequest,
     WorkerRole,
 )
+from workers.contract.prefix_cache import HotPrefix, KVSnapshot
 
 BLOCK_SIZE = 16
 VOCAB = 1000

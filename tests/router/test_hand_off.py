@@ -17,13 +17,11 @@ from tests.router.test_metrics import scrape, total
 from workers.engine.llm import LLM
 from workers.contract.messages import Generate
 from workers.contract.protocol import (
-    BlockStored,
     EngineStats,
-    HotPrefix,
     SamplingParams,
     WorkerRequest,
-    hash_prompt_blocks,
 )
+from workers.contract.prefix_cache import BlockStored, HotPrefix, hash_prompt_blocks
 
 
 def _stats(worth: float, kv_usage: float = 0.0, num_blocks: int = 256) -> EngineStats:

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.router.conftest import API_KEY, all_blocks_free, wait_until
-from workers.contract.protocol import hash_prompt_blocks
+from workers.contract.prefix_cache import hash_prompt_blocks
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

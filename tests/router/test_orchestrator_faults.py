@@ -12,7 +12,8 @@ import pytest
 from router.errors import NoHealthyWorkerError, OverloadedError, WorkerUnavailableError
 from tests.router.fakes import FakeWorker, Script, expected_tokens, orchestrator
 from tests.router.test_orchestrator import collect, request, run
-from workers.contract.protocol import EngineOverloaded, EngineStats, KVSnapshot, WorkerRole
+from workers.contract.protocol import EngineOverloaded, EngineStats, WorkerRole
+from workers.contract.prefix_cache import KVSnapshot
 
 BOTH, PREFILL, DECODE = WorkerRole.BOTH, WorkerRole.PREFILL, WorkerRole.DECODE
 GONE = WorkerUnavailableError("w0", "the process died")

@@ -14,7 +14,7 @@ from router.policy import (
     registered_policies,
 )
 from router.prefix_index import PrefixIndex
-from workers.contract.protocol import BlockStored
+from workers.contract.prefix_cache import BlockStored
 
 PROMPT = list(range(1, 11))  # ten block hashes
 

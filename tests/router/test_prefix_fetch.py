@@ -15,7 +15,8 @@ from workers.contract.calls import ExportPrefix
 from workers.engine.llm import LLM
 from workers.serving.dispatch import dispatch
 from workers.contract.messages import Generate, PrefixFetch
-from workers.contract.protocol import BlockStored, SamplingParams, WorkerRequest, hash_prompt_blocks
+from workers.contract.protocol import SamplingParams, WorkerRequest
+from workers.contract.prefix_cache import BlockStored, hash_prompt_blocks
 
 
 def test_a_busy_holder_loses_the_request_to_an_idle_worker_that_pulls_its_prefix():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.prefix_index import PrefixIndex
 from tests.workers.factories import create_request, create_scheduler, fake_step
-from workers.contract.protocol import (
+from workers.contract.prefix_cache import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -17,7 +17,7 @@ from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
 from tests.router.conftest import API_KEY, start_pools, wait_until
 from tests.sockets import listening, loopback
-from workers.contract.protocol import hash_prompt_blocks
+from workers.contract.prefix_cache import hash_prompt_blocks
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = " ".join(f"secret{i}" for i in range(60))  # several full blocks, past the threshold

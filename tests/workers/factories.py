@@ -8,7 +8,8 @@ import torch
 from workers.engine.kv_cache import KVCacheManager
 from workers.contract.protocol import SamplingParams
 from workers.engine.request import Request
-from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.scheduler_records import SchedulerConfig, SchedulerOutput
 
 EOS = 0
 
@@ -37,7 +38,7 @@ def fake_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
 def replay_events(events: list, medium: str = "device") -> set[int]:
     """The set of block hashes cached in tier `medium` that a consumer of the KV events would
     believe in."""
-    from workers.contract.protocol import AllBlocksCleared, BlockRemoved, BlockStored
+    from workers.contract.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
 
     cached: set[int] = set()
     for event in events:

@@ -119,7 +119,7 @@ def test_the_engine_is_built_on_the_thread_its_steps_run_on(tiny_model, monkeypa
     import threading
 
     from workers import EngineConfig
-    from workers.engine import async_engine as module
+    from workers.engine import step_thread as module  # where `from_config` builds it
 
     seen: dict[str, set[int]] = {"init": set(), "step": set()}
 

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from tests.workers.factories import (create_request, create_scheduler, fake_step,
                                      replay_events)
-from workers.contract.protocol import FinishReason, hash_prompt_blocks
+from workers.contract.protocol import FinishReason
+from workers.contract.prefix_cache import hash_prompt_blocks
 
 
 def check_pool(scheduler) -> None:

@@ -8,6 +8,7 @@ from tests.workers.factories import replay_events
 from workers import LLM, FinishReason, InvalidRequestError, SamplingParams
 from workers.contract.protocol import WorkerRequest
 from workers.engine.request import Continuation
+from workers.serving.connector import Connector
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -164,12 +165,12 @@ def test_kv_handed_off_to_another_engine_continues_identically(tiny_model):
     src_blocks = prefill.block_ids("x")
 
     decode = LLM(tiny_model, num_blocks=64).engine
-    dst_blocks = decode.decode_from_handoff(req, first)
+    dst_blocks = Connector(decode).decode_from_handoff(req, first)
     assert len(dst_blocks) == len(src_blocks[:len(dst_blocks)])
     for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
         dst_cache[:, dst_blocks] = src_cache[:, src_blocks[:len(dst_blocks)]]
     prefill.abort("x")
-    decode.kv_landed("x")
+    Connector(decode).kv_landed("x")
     tokens = [first]
     while decode.has_unfinished():
         for event in decode.step():
@@ -208,7 +209,8 @@ def test_resumed_request_recomputes_the_sent_tokens_and_continues_identically(ti
     llm = LLM(tiny_model, num_blocks=64)
     want = llm.generate([prompt], params)[0].outputs[0]
     engine = llm.engine
-    engine.resume(WorkerRequest("y", tuple(prompt), params), [Continuation(0, want.token_ids[:3])])
+    Connector(engine).resume(WorkerRequest("y", tuple(prompt), params),
+                             [Continuation(0, want.token_ids[:3])])
     tokens, text = [], ""
     while engine.has_unfinished():
         for event in engine.step():

@@ -6,6 +6,7 @@ import pytest
 
 from workers import LLM, SamplingParams
 from workers.contract.protocol import KVCacheFull, WorkerRequest
+from workers.serving.connector import Connector
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 16
@@ -18,12 +19,17 @@ def engine(tiny_model):
                max_num_batched_tokens=32).engine
 
 
+@pytest.fixture
+def connector(engine):
+    return Connector(engine)
+
+
 def handed_off(request_id: str, num_tokens: int = 40) -> WorkerRequest:
     return WorkerRequest(request_id, tuple(range(3, 3 + num_tokens)), PARAMS)
 
 
-def test_a_handed_off_request_waits_for_its_kv_until_it_lands(engine):
-    blocks = engine.decode_from_handoff(handed_off("h"), first_token_id=7)
+def test_a_handed_off_request_waits_for_its_kv_until_it_lands(engine, connector):
+    blocks = connector.decode_from_handoff(handed_off("h"), first_token_id=7)
     stats = engine.stats()
     assert (stats.num_waiting_for_kv, stats.num_waiting, stats.num_running) == (1, 0, 0)
     assert stats.num_free_blocks == NUM_BLOCKS - len(blocks) == NUM_BLOCKS - 3
@@ -31,27 +37,27 @@ def test_a_handed_off_request_waits_for_its_kv_until_it_lands(engine):
     assert not engine.has_unfinished()  # nothing to step until the KV is here
     assert engine.step() == []
 
-    engine.kv_landed("h")
+    connector.kv_landed("h")
     stats = engine.stats()
     assert (stats.num_waiting_for_kv, stats.num_running) == (0, 1)
     assert engine.has_unfinished()
     with pytest.raises(KeyError, match="not waiting for remote KV"):
-        engine.kv_landed("h")
+        connector.kv_landed("h")
 
 
-def test_abort_while_waiting_for_kv_frees_its_blocks(engine):
-    engine.decode_from_handoff(handed_off("h"), first_token_id=7)
+def test_abort_while_waiting_for_kv_frees_its_blocks(engine, connector):
+    connector.decode_from_handoff(handed_off("h"), first_token_id=7)
     assert engine.abort("h")
     stats = engine.stats()
     assert stats.num_waiting_for_kv == 0 and stats.num_free_blocks == NUM_BLOCKS
     with pytest.raises(KeyError):
-        engine.kv_landed("h")
+        connector.kv_landed("h")
 
 
-def test_a_handoff_the_cache_cannot_hold_is_refused_and_leaves_nothing(engine):
-    engine.decode_from_handoff(handed_off("big", 16 * 30), first_token_id=7)
+def test_a_handoff_the_cache_cannot_hold_is_refused_and_leaves_nothing(engine, connector):
+    connector.decode_from_handoff(handed_off("big", 16 * 30), first_token_id=7)
     with pytest.raises(KVCacheFull):
-        engine.decode_from_handoff(handed_off("h", 16 * 3), first_token_id=7)
+        connector.decode_from_handoff(handed_off("h", 16 * 3), first_token_id=7)
     assert engine.stats().num_waiting_for_kv == 1
     assert not engine.abort("h")
 

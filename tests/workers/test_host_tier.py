@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from tests.workers.factories import create_request, create_scheduler, replay_events
 from tests.workers.test_block_accounting import OPS, check_pool
 from workers.engine.llm import LLM
-from workers.contract.protocol import FinishReason, SamplingParams, hash_prompt_blocks
+from workers.contract.protocol import FinishReason, SamplingParams
+from workers.contract.prefix_cache import hash_prompt_blocks
 from workers.engine.step_costs import StepCosts
+from workers.serving.connector import Connector
 
 
 class FakeTensors:
@@ -210,7 +212,8 @@ def test_greedy_output_is_identical_with_the_host_tier(tiny_model, without_tier,
     # later turns find their whole history again; without the tier most of it was evicted
     assert sum(c for _, c in tiered) > 2 * sum(c for _, c in baseline)
     assert pool.num_free_blocks == pool.num_blocks  # every block back
-    assert llm.engine.kv_snapshot().host_block_hashes == frozenset(host.cached_hashes())
+    snapshot = Connector(llm.engine).kv_snapshot()
+    assert snapshot.host_block_hashes == frozenset(host.cached_hashes())
     # measured, not the prior: copying a block back is far cheaper than recomputing it here
     assert 0.0 < llm.engine.stats().host_hit_cost < StepCosts.HOST_HIT_PRIOR
 

@@ -8,7 +8,9 @@ import pytest
 from tests.workers.factories import create_request, create_scheduler, fake_step
 from workers.engine.kv_cache.hot_prefixes import HotPrefixes
 from workers.engine.llm import LLM
-from workers.contract.protocol import SamplingParams, hash_prompt_blocks
+from workers.contract.protocol import SamplingParams
+from workers.contract.prefix_cache import hash_prompt_blocks
+from workers.serving.connector import Connector
 
 
 class Clock:
@@ -96,9 +98,10 @@ def test_an_engine_reports_its_hit_worth_and_hands_out_its_hot_prefix(tiny_model
     assert engine.stats().recent_hit_blocks == 0.0
     llm.generate([shared + [4], shared + [5]], params)
     assert engine.stats().recent_hit_blocks == pytest.approx(6.0, rel=0.01)
-    (prefix,) = engine.hot_prefixes(64)
+    connector = Connector(engine)
+    (prefix,) = connector.hot_prefixes(64)
     assert prefix.block_hashes == tuple(hash_prompt_blocks(shared, 16))
     assert prefix.token_ids == tuple(shared)
-    assert engine.hot_prefixes(2) == []  # it does not fit
+    assert connector.hot_prefixes(2) == []  # it does not fit
     engine.reset_prefix_cache()
-    assert engine.hot_prefixes(64) == []
+    assert connector.hot_prefixes(64) == []

@@ -17,6 +17,7 @@ from workers.serving.dispatch import dispatch
 from workers.contract.messages import Generate, MigratedKV, RequestMoved, Resume, ResumedSample
 from workers.contract.protocol import InvalidRequestError, SamplingParams, WorkerRequest
 from workers.engine.request import Continuation
+from workers.serving.connector import Connector
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -135,11 +136,11 @@ def test_only_a_running_request_whose_samples_all_have_output_can_move(pair, llm
     try:
         for steps in range(2):  # before its first token; then sample 1 has none yet
             with pytest.raises(InvalidRequestError, match="a sample with no output yet"):
-                engine.export_running("early", lambda i: f"early-hold/{i}")
+                Connector(engine).export_running("early", lambda i: f"early-hold/{i}")
             engine.step()
     finally:
         engine.abort("early")
-    assert engine.kv.num_held_requests == 0 and not engine.has_unfinished()
+    assert engine.kv.ledger.num_held == 0 and not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
@@ -381,7 +382,7 @@ def test_a_continuation_must_bring_the_kv_of_some_but_not_all_of_its_tokens(llm)
     req = WorkerRequest("kv-bounds", _prompt(34, 20), GREEDY)
     for num_kv in (0, 23):  # 20 prompt tokens and 3 sent: 23 is all of them
         with pytest.raises(InvalidRequestError) as err:
-            engine.continue_with_kv(req, [Continuation(0, [7, 8, 9], num_kv)])
+            Connector(engine).continue_with_kv(req, [Continuation(0, [7, 8, 9], num_kv)])
         assert err.value.param == "num_kv_tokens"
     assert engine.kv.pool.num_free_blocks == free and not engine.has_unfinished()
 

@@ -9,13 +9,12 @@ import time
 
 from workers.engine.outputs import KVEventLog, OutputHub
 from workers.contract.protocol import (
-    BlockRemoved,
-    BlockStored,
     EngineStats,
     FinishReason,
     InvalidRequestError,
     TokenEvent,
 )
+from workers.contract.prefix_cache import BlockRemoved, BlockStored
 
 STATS = EngineStats(0, 1, 0.5, 10, 0, 20)
 

@@ -19,6 +19,7 @@ from workers import LLM, SamplingParams
 from workers.contract.messages import DecodeFromHandoff
 from workers.contract.protocol import WorkerRequest
 from workers.engine.request import Request
+from workers.serving.connector import Connector
 from workers.serving.transfer import WorkerTransfer
 
 PROMPT = list(range(5, 40))
@@ -45,7 +46,8 @@ def engines(tmp_path_factory):
 
 def transfer(engine, name: str) -> WorkerTransfer:
     """The worker's side of the handoff over TCP; a lease's end frees the held request."""
-    return WorkerTransfer(name, engine, engine.free_held, transport="tcp", host="127.0.0.1",
+    return WorkerTransfer(name, engine, Connector(engine).free_held, transport="tcp",
+                          host="127.0.0.1",
                           lease_s=30.0, pull_timeout_s=30.0)
 
 
@@ -56,23 +58,24 @@ async def handoff(prefill, decode, request_id: str, moved: list | None = None) -
     await source.agents()
     await sink.agents()
     req = WorkerRequest(request_id, tuple(PROMPT), PARAMS)
-    prefill.prefill(req)
+    prefilling, decoding = Connector(prefill), Connector(decode)
+    prefilling.prefill(req)
     events = []
     while prefill.has_unfinished():
         events += prefill.step()
     first = events[-1].token_ids[0]
     decode_tp = len(await sink.agents())
-    offered = source.offer(request_id, prefill.held_block_ids(request_id), decode_tp)
+    offered = source.offer(request_id, prefilling.held_block_ids(request_id), decode_tp)
     if moved is not None:
         moved += offered.ranks
-    dst_blocks = decode.decode_from_handoff(req, first)
+    dst_blocks = decoding.decode_from_handoff(req, first)
     await (await sink.puller(request_id, offered))(dst_blocks)
-    decode.kv_landed(request_id)
+    decoding.kv_landed(request_id)
     for _ in range(200):  # every rank's lease ended (each pulled by its readers): freed
-        if prefill.kv.num_held_requests == 0:
+        if prefill.kv.ledger.num_held == 0:
             break
         await asyncio.sleep(0.01)
-    assert prefill.kv.num_held_requests == 0 and source.num_leases == 0
+    assert prefill.kv.ledger.num_held == 0 and source.num_leases == 0
     tokens = [first]
     while decode.has_unfinished():
         for event in decode.step():
@@ -186,10 +189,10 @@ def test_workers_of_different_tp_sizes_hand_off_over_tcp(request, tmp_path, pref
             async for event in decode.stream(DecodeFromHandoff(req, tokens[0], result.handoff)):
                 tokens += event.token_ids
             for _ in range(100):  # the leases end once every reader pulled
-                if prefill.engine.kv.num_held_requests == 0:
+                if prefill.engine.kv.ledger.num_held == 0:
                     break
                 await asyncio.sleep(0.05)
-            assert prefill.engine.kv.num_held_requests == 0
+            assert prefill.engine.kv.ledger.num_held == 0
             return tokens
         finally:
             await prefill.shutdown()

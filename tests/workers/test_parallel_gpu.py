@@ -48,6 +48,7 @@ from workers.engine.parallel.messages import (
 from workers.engine.parallel.rank import DeviceCacheSpec, RankSetup, rank_device
 from workers.engine.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, SharedTensor
 from workers.contract.protocol import WorkerRequest
+from workers.serving.transfer import kv_layouts
 from workers.serving.worker import Worker
 
 FAVOURITE = 7  # the token every fake rank's logits pick
@@ -239,7 +240,8 @@ def test_a_gpu_engine_driven_from_a_process_without_gpus_serves_aggregated(tiny_
 def test_the_kv_cache_of_a_pipeline_parallel_gpu_engine_is_refused_in_plain_words(tiny_model):
     engine = cuda_engine(tiny_model, FakeLauncher(), pipeline_parallel_size=2)
     try:
-        for read in (engine.kv_layouts, engine.kv_caches_by_rank, lambda: engine.kv_caches):
+        for read in (lambda: kv_layouts(engine), engine.kv_caches_by_rank,
+                     lambda: engine.kv_caches):
             with pytest.raises(KVCacheNotShared, match="serve it as an aggregated pool"):
                 read()
         assert engine.kv_agent_hosts() is None

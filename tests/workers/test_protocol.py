@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.contract.protocol import hash_block, hash_prompt_blocks
+from workers.contract.prefix_cache import hash_block, hash_prompt_blocks
 
 
 @given(tokens=st.lists(st.integers(-2**63, 2**63 - 1), max_size=80),

@@ -47,7 +47,7 @@ async def until(condition, timeout_s: float = 10.0) -> bool:
 
 def all_free(w: Worker) -> bool:
     pool = w.engine.kv.pool
-    return pool.num_free_blocks == pool.num_blocks and w.engine.kv.num_held_requests == 0
+    return pool.num_free_blocks == pool.num_blocks and w.engine.kv.ledger.num_held == 0
 
 
 def test_a_tp2_prefill_group_hands_off_to_a_tp4_decode_group(model):

@@ -15,6 +15,7 @@ from workers import LLM, AsyncEngine, InvalidRequestError, SamplingParams
 from workers.engine.grammar import Grammars, compilable_schema
 from workers.contract.protocol import WorkerRequest
 from workers.engine.request import Continuation
+from workers.serving.connector import Connector
 from workers.contract.structured_output import StructuredOutput
 
 SCHEMA = random_schema(5)
@@ -37,8 +38,8 @@ def test_a_resumed_request_rebuilds_its_matcher_from_the_tokens_sent(llm):
     engine = llm.engine
     for cut in (1, 5):  # after the first token (a handoff), and mid-way (a migration)
         rid = f"resume-{cut}"
-        engine.resume(WorkerRequest(rid, tuple(prompt), params()),
-                      [Continuation(0, whole.token_ids[:cut])])
+        Connector(engine).resume(WorkerRequest(rid, tuple(prompt), params()),
+                                 [Continuation(0, whole.token_ids[:cut])])
         rest = []
         while engine.has_unfinished():
             for event in engine.step():
@@ -51,7 +52,8 @@ def test_sent_tokens_outside_the_grammar_are_refused_with_nothing_held(llm):
     free = engine.kv.pool.num_free_blocks
     junk = engine.tokenize("not json")  # a JSON object starts with "{"
     with pytest.raises(InvalidRequestError) as err:
-        engine.resume(WorkerRequest("junk", tuple(junk), params()), [Continuation(0, junk)])
+        Connector(engine).resume(WorkerRequest("junk", tuple(junk), params()),
+                                 [Continuation(0, junk)])
     assert err.value.param == "sent_token_ids"
     assert engine.kv.pool.num_free_blocks == free and not engine.has_unfinished()
 

@@ -95,11 +95,11 @@ def test_handoff_over_tcp_matches_aggregated_and_frees_every_block(trio, run):
         result = await prefill.prefill(req("r1", PROMPT, GREEDY))
         assert result.handoff is not None and result.first.finish_reason is None
         assert all(h.address.startswith("tcp://127.0.0.1:") for h in result.handoff.ranks)
-        assert prefill.engine.kv.num_held_requests == 1  # held under the lease
+        assert prefill.engine.kv.ledger.num_held == 1  # held under the lease
         rest = await collect(decode_stream(decode, "r1", result.first.token_ids[0],
                                            result.handoff))
         assert await until_all_free(prefill, decode, both)
-        assert prefill.engine.kv.num_held_requests == 0 and all(a.num_leases == 0 for a in await prefill.agents())
+        assert prefill.engine.kv.ledger.num_held == 0 and all(a.num_leases == 0 for a in await prefill.agents())
         return want, result.first.token_ids + rest
 
     want, got = run(go())
@@ -237,7 +237,7 @@ def test_cancelled_prefill_and_cancelled_pull_leave_nothing_behind(trio, run):
         await stream.aclose()  # the client went away
         prefill.abort("r6")
         assert await until_all_free(prefill, decode)
-        assert prefill.engine.kv.num_held_requests == 0
+        assert prefill.engine.kv.ledger.num_held == 0
 
     run(go())
 
@@ -262,7 +262,7 @@ def test_an_abort_ends_a_prefill_call_under_way_and_frees_its_blocks(trio, run):
                 assert task.cancelled()
             assert rid not in prefill._prefills
         assert await until_all_free(prefill)
-        assert prefill.engine.kv.num_held_requests == 0
+        assert prefill.engine.kv.ledger.num_held == 0
 
     run(go())
 
@@ -276,9 +276,9 @@ def test_held_blocks_are_kept_on_finish_and_freed_on_abort_without_a_model():
     aborted.hold_kv = True
     sched.add(held)
     fake_step(sched)
-    assert held.is_finished and kv.held_block_ids("held") and kv.pool.num_free_blocks == 6
+    assert held.is_finished and kv.ledger.held_block_ids("held") and kv.pool.num_free_blocks == 6
     sched.add(aborted)
     sched.finish("aborted", FinishReason.ABORT)
-    assert kv.held_block_ids("aborted") == [] and kv.pool.num_free_blocks == 6
-    assert kv.free_held("held") and not kv.free_held("held")
+    assert kv.ledger.held_block_ids("aborted") == [] and kv.pool.num_free_blocks == 6
+    assert kv.ledger.free_held("held") and not kv.ledger.free_held("held")
     assert kv.pool.num_free_blocks == 8

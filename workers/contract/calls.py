@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Mapping, TypeVar
 
 from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch
-from workers.contract.protocol import EngineStats, HotPrefix, KVSnapshot, WorkerInfo, WorkerRequest
+from workers.contract.prefix_cache import HotPrefix, KVSnapshot
+from workers.contract.protocol import EngineStats, WorkerInfo, WorkerRequest
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

@@ -18,11 +18,11 @@ from workers.contract.protocol import (
     EngineShutDown,
     EngineStats,
     InvalidRequestError,
-    KVEvent,
     KVPullFailed,
     TokenEvent,
     WorkerRequest,
 )
+from workers.contract.prefix_cache import KVEvent
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff

@@ -15,7 +15,8 @@ from workers.engine import cuda_graphs, memory_profile
 from workers.attention import get_backend
 from workers.engine.config import EngineConfig
 from workers.models.loader import load_model
-from workers.models.model_config import ModelConfig
+from workers.kernels.kv_quant import KV_QUANT_DTYPES
+from workers.models.model_config import ModelConfig, resolve_dtype
 from workers.engine.parallel.executor import GroupExecutor, GroupOptions, LocalExecutor, ModelExecutor
 from workers.engine.parallel.group import SpawnLauncher
 from workers.engine.parallel.rank_memory import KVProfile, KVSizing
@@ -50,6 +51,16 @@ def load_local_model(config: EngineConfig, model_config: ModelConfig, dtype: tor
                       attn_backend=get_backend(config.resolved_attention_backend),
                       load_format=config.load_format, seed=config.seed,
                       fp32_int_kernels=config.fp32_int_kernels)
+
+
+def kv_cache_spec(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> KVCacheSpec:
+    """The shape of one KV block (a cache of 1 block: the number is decided later), in the
+    configured KV dtype ("auto": the model's `dtype`)."""
+    kv_dtype = (dtype if config.kv_cache_dtype == "auto"
+                else KV_QUANT_DTYPES.get(config.kv_cache_dtype)
+                or resolve_dtype(config.kv_cache_dtype, mc))
+    return KVCacheSpec(mc.num_hidden_layers, 1, config.block_size, mc.kv_cache_heads,
+                       mc.kv_cache_head_dim, kv_dtype, latent=mc.mla is not None)
 
 
 def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, model: torch.nn.Module | None,

@@ -1,10 +1,12 @@
 """The asyncio face of the engine: commands in, each step's outputs out to their sinks.
 
-The step loop runs on one worker thread, off the event loop. Commands (`generate`, `prefill`,
-`decode_from_handoff`, `resume`, `abort`) are queued and applied between steps, so the engine
-is only ever touched by one thread at a time. Each request is routed to a `Sink` chosen by the
-caller: a router's output channel (`workers.engine.outputs.Outbox`, one message per step for all of
-that router's requests) or one request's own stream (`RequestStream`, for in-process callers).
+The step loop runs on one worker thread, off the event loop. Commands (`generate`, `abort`, and
+whatever a caller `start`s or `apply`s, as the worker's connector does for the KV handoff and
+live migration: `workers.serving.async_connector`) are queued and applied between steps, so the
+engine is only ever touched by one thread at a time. Each request is routed
+(`workers.engine.outputs.Routes`) to a `Sink` chosen by the caller: a router's output channel
+(`workers.engine.outputs.Outbox`, one message per step for all of that router's requests) or
+one request's own stream (`RequestStream`, for in-process callers).
 After every step the sinks that received something are flushed once, the engine's stats are
 published (`stats`, computed on the step thread, or between steps when the engine is at rest)
 and `on_publish` is told, with the step's KV events.
@@ -13,9 +15,6 @@ A structured-output request whose grammar is not compiled yet is compiled on a t
 own first (milliseconds per new schema), so neither the step nor the event loop waits on it; a
 grammar that does not compile fails the request before anything is allocated
 (`workers.engine.grammar.CompileQueue`).
-
-Long because each command's way into the engine (queued, compiled first, or awaited between
-steps) sits beside the step loop that applies it, so their ordering reads in one place.
 """
 
 from __future__ import annotations
@@ -24,23 +23,23 @@ import asyncio
 import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from kvtransfer import faults
 from workers.engine.config import EngineConfig
-from workers.engine.core import Engine, PausedHere
+from workers.engine.core import Engine
 from workers.engine.grammar import CompileQueue
-from workers.engine.outputs import RequestStream, Sink
+from workers.engine.outputs import RequestStream, Routes, Sink
 from workers.engine.parallel.group import RankGroupError
 from workers.contract.protocol import (
     EngineShutDown,
     EngineStats,
-    KVEvent,
     SamplingParams,
     TokenEvent,
     WorkerRequest,
 )
-from workers.engine.request import Continuation
+from workers.contract.prefix_cache import KVEvent
+from workers.engine.step_thread import build_on_step_thread, step_thread as new_step_thread
 from workers.engine.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
@@ -49,16 +48,6 @@ if TYPE_CHECKING:
 __all__ = ["AsyncEngine", "EngineShutDown", "RequestStream", "Sink"]
 
 T = TypeVar("T")
-
-
-@dataclasses.dataclass
-class _Route:
-    sink: Sink
-    samples_left: int
-
-
-def _step_thread() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(1, thread_name_prefix="cleave-engine")
 
 
 class AsyncEngine:
@@ -74,11 +63,11 @@ class AsyncEngine:
         self.on_publish = on_publish
         self.watchdog = StepWatchdog(step_timeout_s)
         self._stats: EngineStats = engine.stats()  # published after each step
-        self._routes: dict[str, _Route] = {}
+        self.routes = Routes()
         self._ops: list[Callable[[], None]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._executor = step_thread or _step_thread()
+        self._executor = step_thread or new_step_thread()
         self._stopping = False  # set by `shutdown`: the step thread stops after its step
         self.compile_queue = CompileQueue(engine.grammars)
         self._ids = itertools.count()
@@ -87,24 +76,10 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig, rank_launcher: RankLauncher | None = None, *,
                     detokenize: bool = True) -> AsyncEngine:
         """`rank_launcher`: how a parallel engine starts its ranks (None: spawned processes);
-        `detokenize`: see `Engine`.
-
-        The engine is built on the thread its steps will run on. The CPU's OpenMP runtime
-        (libgomp, torch's and the C kernels') keeps a pool of worker threads per thread that
-        starts parallel regions; once a second thread has one (loading and profiling the model
-        here, steps there), the process has more pool threads than cores, and libgomp then
-        parks idle workers after a short spin, so each of a step's ~40 parallel regions waits
-        for a wake-up. Measured on this 2-core machine, `small` preset int8, one sequence:
-        3.1-3.3 ms a decode step with one thread doing both, 5.3-6.0 ms with any parallel
-        region run on another thread first."""
-        step_thread = _step_thread()
-        try:
-            engine = step_thread.submit(Engine, config, rank_launcher,
-                                        detokenize=detokenize).result()
-        except BaseException:
-            step_thread.shutdown(wait=False)
-            raise
-        return cls(engine, step_thread=step_thread)
+        `detokenize`: see `Engine`. The engine is built on the thread its steps will run on
+        (`workers.engine.step_thread` says why)."""
+        engine, thread = build_on_step_thread(config, rank_launcher, detokenize=detokenize)
+        return cls(engine, step_thread=thread)
 
     @property
     def stats(self) -> EngineStats:
@@ -165,8 +140,8 @@ class AsyncEngine:
         self.apply_soon(op)
         return await done
 
-    def _start(self, request_id: str, num_samples: int, add: Callable[[], object],
-               sink: Sink, params: SamplingParams | None = None) -> None:
+    def start(self, request_id: str, num_samples: int, add: Callable[[], object],
+              sink: Sink, params: SamplingParams | None = None) -> None:
         """Between steps: `add` the request to the engine and route its events to `sink`; an
         error of `add` (a bad request) fails it there, leaving nothing behind. With `params`
         asking for a grammar not compiled yet, it is compiled first, off the step thread."""
@@ -175,7 +150,7 @@ class AsyncEngine:
                 sink.fail(request_id, exc)
                 sink.flush()
 
-            self.compile_queue.start_after(request_id, params, failed, lambda: self._start(
+            self.compile_queue.start_after(request_id, params, failed, lambda: self.start(
                 request_id, num_samples, add, sink))
             return
 
@@ -186,74 +161,23 @@ class AsyncEngine:
                 sink.fail(request_id, exc)
                 sink.flush()
                 return
-            self._routes[request_id] = _Route(sink, num_samples)
+            self.routes.add(request_id, sink, num_samples)
 
         self.apply_soon(op)
 
     def generate(self, req: WorkerRequest, sink: Sink) -> None:
         """Run the whole request here; its events go to `sink`."""
-        self._start(req.request_id, req.params.n, lambda: self.engine.generate(req), sink,
-                    req.params)
-
-    def prefill(self, req: WorkerRequest, sink: Sink) -> None:
-        """Run the prompt to its first token and hold its blocks (`Engine.prefill`)."""
-        self._start(req.request_id, 1, lambda: self.engine.prefill(req), sink, req.params)
-
-    def resume(self, req: WorkerRequest, samples: Sequence[Continuation], sink: Sink) -> None:
-        """Continue a request's samples after tokens other workers sent (`Engine.resume`)."""
-        self._start(req.request_id, len(samples), lambda: self.engine.resume(req, samples),
-                    sink, req.params)
-
-    async def decode_from_handoff(self, req: WorkerRequest, first_token_id: int,
-                                  pull: Callable[[list[int]], Awaitable[None]],
-                                  sink: Sink) -> None:
-        """Allocate blocks, await `pull(block_ids)` to land the prompt's KV in them, then decode
-        after `first_token_id` with events to `sink`. Raises what the allocation
-        (`KVCacheFull`) or `pull` raises, with nothing left behind; cancelled, it aborts."""
-        await self.continue_with_kv(
-            req, [Continuation(0, [first_token_id], len(req.prompt_token_ids))],
-            lambda to_fill: pull(to_fill[0]), sink)
-
-    async def continue_with_kv(self, req: WorkerRequest, samples: Sequence[Continuation],
-                               pull: Callable[[dict[int, list[int]]], Awaitable[None]],
-                               sink: Sink) -> None:
-        """`decode_from_handoff` for several samples after their sent tokens, each with the KV
-        of its first `num_kv_tokens` tokens pulled (`Engine.continue_with_kv`: `pull` gets
-        each sample's blocks to fill, by index), then the rest computed and decoded on with
-        events to `sink`."""
-        rid = req.request_id
-        await self.compile_queue.compile(req.params)
-        try:
-            to_fill = await self.apply(lambda: self.engine.continue_with_kv(req, samples))
-        except asyncio.CancelledError:
-            self.abort(rid)
-            raise
-        try:
-            if any(to_fill.values()):
-                await pull(to_fill)
-        except BaseException:
-            self.abort(rid)
-            raise
-        self._start(rid, len(samples), lambda: self.engine.kv_landed(rid), sink)
-
-    async def pause(self, request_id: str, moved: BaseException) -> list[PausedHere]:
-        """Stop a running request between steps, its blocks held (`Engine.pause`); its sink
-        then gets `moved` as its failure, after every event it produced here."""
-        result = await self.apply(lambda: self.engine.pause(request_id))
-        route = self._routes.pop(request_id, None)
-        if route is not None:
-            route.sink.fail(request_id, moved)
-            route.sink.flush()
-        return result
+        self.start(req.request_id, req.params.n, lambda: self.engine.generate(req), sink,
+                   req.params)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (applied before the next step); its sink hears nothing more.
         Unknown ids are ignored."""
-        self._routes.pop(request_id, None)
+        self.routes.drop(request_id)
         self.compile_queue.cancel(request_id)
 
         def op() -> None:  # after any queued start of the same request
-            self._routes.pop(request_id, None)
+            self.routes.drop(request_id)
             self.engine.abort(request_id)
 
         self.apply_soon(op)
@@ -288,22 +212,6 @@ class AsyncEngine:
         kv_events = self.engine.drain_kv_events() if self.on_publish is not None else []
         return events, self.engine.stats(), kv_events
 
-    def _dispatch(self, events: list[TokenEvent]) -> None:
-        touched: dict[int, Sink] = {}
-        routes = self._routes
-        for event in events:
-            route = routes.get(event.request_id)
-            if route is None:  # aborted meanwhile
-                continue
-            route.sink.put(event)
-            touched[id(route.sink)] = route.sink
-            if event.finish_reason is not None:
-                route.samples_left -= 1
-                if route.samples_left == 0:
-                    del routes[event.request_id]
-        for sink in touched.values():
-            sink.flush()
-
     async def _run(self) -> None:
         """Steps while there is work. Commands (`apply`, `apply_soon`) run on the loop, only
         while no step runs: the step thread steps on its own until a command waits or no work
@@ -337,7 +245,7 @@ class AsyncEngine:
         """On the step thread: steps until a command waits, no work is left or `shutdown`
         began. Each step's outcome goes to the loop (`_stepped`) before this returns or raises,
         so the loop sees every event of the steps before the commands that follow them
-        (`pause` relies on it)."""
+        (a live migration's pause relies on it)."""
         while True:
             self.watchdog.step_began()
             outcome = self._step()
@@ -349,7 +257,7 @@ class AsyncEngine:
     def _stepped(self, outcome: tuple[list[TokenEvent], EngineStats, list[KVEvent]]) -> None:
         """On the loop: a step's events to their sinks, its stats and KV events published."""
         events, self._stats, kv_events = outcome
-        self._dispatch(events)
+        self.routes.dispatch(events)
         if self.on_publish is not None:
             self.on_publish(kv_events)
 
@@ -361,20 +269,8 @@ class AsyncEngine:
             self.on_publish(self.engine.drain_kv_events())
 
     def _fail_all(self, exc: BaseException) -> None:
-        for rid in self._fail_routes(lambda rid: exc):
+        for rid in self.routes.fail_all(lambda rid: exc):
             self.engine.abort(rid)
-
-    def _fail_routes(self, error: Callable[[str], BaseException]) -> list[str]:
-        """Fail every routed request with `error(request_id)`, flushing each sink once; returns
-        their ids (no longer routed)."""
-        routes, self._routes = self._routes, {}
-        sinks: dict[int, Sink] = {}
-        for rid, route in routes.items():
-            route.sink.fail(rid, error(rid))
-            sinks[id(route.sink)] = route.sink
-        for sink in sinks.values():
-            sink.flush()
-        return list(routes)
 
     async def shutdown(self) -> None:
         """Stop the step loop; every request still routed fails with `EngineShutDown`."""
@@ -388,5 +284,5 @@ class AsyncEngine:
         self.compile_queue.shutdown()
         self._executor.shutdown(wait=True)
         self.engine.close()  # a parallel engine's rank processes
-        self._fail_routes(lambda rid: EngineShutDown(
+        self.routes.fail_all(lambda rid: EngineShutDown(
             f"the engine was shut down while {rid!r} ran"))

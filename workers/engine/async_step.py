@@ -49,7 +49,8 @@ from collections.abc import Callable
 from workers.contract.protocol import TokenEvent
 from workers.engine.request import Request
 from workers.engine.runner import Launched, ModelRunner, RunnerOutput
-from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.scheduler import Scheduler
+from workers.engine.scheduler_records import SchedulerOutput
 from workers.engine.step_costs import StepCosts
 
 # records a step's tokens in the scheduler: `Scheduler.update` or `Scheduler.record`

@@ -1,5 +1,5 @@
-"""Where a worker's outputs go: the `Sink`s the async engine routes each request's events to,
-and the output channel, one `WorkerOutputs` message per engine step per subscriber.
+"""Where a worker's outputs go: the `Sink`s the async engine routes each request's events to
+(`Routes`), and the output channel, one `WorkerOutputs` message per engine step per subscriber.
 
 `RequestStream` is one request's events as an async iterator (in-process callers); an `Outbox`
 gathers a subscriber's requests' events for the channel.
@@ -25,7 +25,8 @@ import time
 from typing import Callable, Protocol
 
 from workers.contract.messages import RequestFailed, WorkerOutputs
-from workers.contract.protocol import EngineStats, KVEvent, TokenEvent
+from workers.contract.protocol import EngineStats, TokenEvent
+from workers.contract.prefix_cache import KVEvent
 
 
 class Sink(Protocol):
@@ -86,6 +87,68 @@ class RequestStream:
         if not self._done:
             self._done = True
             self._abort(self.request_id)
+
+
+class _Route:
+    __slots__ = ("sink", "samples_left")
+
+    def __init__(self, sink: Sink, samples_left: int) -> None:
+        self.sink = sink
+        self.samples_left = samples_left
+
+
+class Routes:
+    """Which sink each request's events go to, until its last sample's final event (the async
+    engine's table). Event-loop thread."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, _Route] = {}
+
+    def add(self, request_id: str, sink: Sink, num_samples: int) -> None:
+        self._routes[request_id] = _Route(sink, num_samples)
+
+    def drop(self, request_id: str) -> None:
+        """Route nothing more of the request (unknown ids are ignored)."""
+        self._routes.pop(request_id, None)
+
+    def fail(self, request_id: str, exc: BaseException) -> None:
+        """Route nothing more of the request; its sink fails with `exc` (after every event
+        dispatched before). Unknown ids are ignored."""
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            route.sink.fail(request_id, exc)
+            route.sink.flush()
+
+    def dispatch(self, events: list[TokenEvent]) -> None:
+        """A step's events to their sinks (a request's route ends with its last sample's
+        final event; events of requests no longer routed are dropped), each sink flushed
+        once."""
+        touched: dict[int, Sink] = {}
+        routes = self._routes
+        for event in events:
+            route = routes.get(event.request_id)
+            if route is None:  # aborted meanwhile
+                continue
+            route.sink.put(event)
+            touched[id(route.sink)] = route.sink
+            if event.finish_reason is not None:
+                route.samples_left -= 1
+                if route.samples_left == 0:
+                    del routes[event.request_id]
+        for sink in touched.values():
+            sink.flush()
+
+    def fail_all(self, error: Callable[[str], BaseException]) -> list[str]:
+        """Fail every routed request with `error(request_id)`, flushing each sink once; returns
+        their ids (no longer routed)."""
+        routes, self._routes = self._routes, {}
+        sinks: dict[int, Sink] = {}
+        for rid, route in routes.items():
+            route.sink.fail(rid, error(rid))
+            sinks[id(route.sink)] = route.sink
+        for sink in sinks.values():
+            sink.flush()
+        return list(routes)
 
 
 KV_EVENT_LOG_SIZE = 65536  # events kept for routers that have not read them yet

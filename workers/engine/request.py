@@ -82,7 +82,7 @@ class Request:
 @dataclass(frozen=True)
 class Continuation:
     """One sample of a request continued on this worker after `sent_token_ids`, output other
-    workers sampled and sent (`Engine.resume`, `Engine.continue_with_kv`): with
+    workers sampled and sent (`Connector.resume`, `Connector.continue_with_kv`): with
     `num_kv_tokens` > 0, that many tokens' KV is pulled from another worker instead of
     computed, into blocks the request takes first when `hold_id` holds them (a live
     migration's first pull)."""

@@ -32,7 +32,7 @@ from workers.engine.parallel.sampling import SamplingSync
 from workers.contract.protocol import TokenLogprob
 from workers.engine.request import Request
 from workers.engine.sampler import DeviceSample, Sampler, SamplerOutput, top_logprobs
-from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
+from workers.engine.scheduler_records import ScheduledChunk, SchedulerOutput
 from workers.engine.step_inputs import TokenFill
 
 

@@ -11,22 +11,18 @@ arrive from another worker (`add_waiting_for_kv` until `kv_landed`); the engine 
 Async scheduling (`workers.engine.async_step`) splits `update` in two: `commit` at a step's launch
 (computed tokens advance, and each request that samples gets a placeholder for its coming token)
 and `record` once its tokens are on the host. `schedule(lookahead=True)` plans the next step in
-between, a placeholder counting as a token whose input the device supplies.
-
-Long because the async split of `update` sits beside it: one file holds every move of a
-request's scheduled and computed tokens.
+between, a placeholder counting as a token whose input the device supplies. The records it
+schedules within and hands out are `workers.engine.scheduler_records`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from workers.engine.kv_cache import KVCacheManager
-from workers.engine.kv_cache.host_tier import NO_COPIES, BlockCopies
 from workers.contract.protocol import FinishReason
 from workers.engine.request import Request, RequestStatus
+from workers.engine.scheduler_records import ScheduledChunk, SchedulerConfig, SchedulerOutput
 
 
 # Prompt-logprobs requests' prefill chunks compute a row of logits per token (tokens × vocab
@@ -40,42 +36,6 @@ def _takes_logprob_rows(req: Request) -> bool:
     """A prompt-logprobs request still in its prompt: its chunk counts against the step's
     prompt-logprob rows."""
     return req.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int  # running sequences at most
-    max_num_batched_tokens: int  # new tokens per step at most (the chunked-prefill budget)
-    max_model_len: int  # tokens per sequence at most (prompt + output)
-
-
-class ScheduledChunk(NamedTuple):
-    """`num_tokens` new tokens of `request`, at positions [start, start + num_tokens).
-
-    A NamedTuple, not a dataclass: one is made per running request per step."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    block_ids: tuple[int, ...]  # the request's whole block table (shared, not copied)
-    samples: bool  # the chunk brings the request level: its last logits pick the next token
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]  # single-token chunks (decodes) first, by context length
-    num_batched_tokens: int
-    preempted: list[str]  # request ids preempted this step
-    # KV copies between the cache's tiers, made before the forward pass (saves, then loads)
-    block_copies: BlockCopies = NO_COPIES
-
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for c in self.chunks if c.num_tokens == 1)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:

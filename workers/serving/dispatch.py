@@ -40,7 +40,7 @@ HANDLERS: dict[type[Call[Any]], Callable[[Worker, Any], Any]] = {
     Info: lambda w, c: w.info,
     Health: lambda w, c: w.health(),
     Stats: lambda w, c: w.stats(),
-    SnapshotKV: lambda w, c: w.async_engine.apply(w.engine.kv_snapshot),
+    SnapshotKV: lambda w, c: w.async_engine.apply(w.connector.kv_snapshot),
     Submit: lambda w, c: w.submit(c.subscriber, c.commands),
     Prefill: lambda w, c: w.prefill(c.req, c.decode_tp_size, c.prefix),
     ExportPrefix: lambda w, c: w.prefixes.export(c.request_id, c.block_hashes,

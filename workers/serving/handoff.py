@@ -16,7 +16,7 @@ from workers.contract.messages import DecodeFromHandoff, PrefillResult
 from workers.contract.protocol import FinishReason, KVCacheFull, KVPullFailed, WorkerRequest
 
 if TYPE_CHECKING:
-    from workers.engine.async_engine import AsyncEngine
+    from workers.serving.async_connector import AsyncConnector
     from workers.engine.outputs import Sink
     from workers.serving.transfer import WorkerTransfer
 
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 class Handoff:
     """Both ends of the KV handoff for one worker's engine. Event-loop thread."""
 
-    def __init__(self, engine: AsyncEngine, transfer: WorkerTransfer) -> None:
-        self.async_engine = engine
-        self.engine = engine.engine
+    def __init__(self, connector: AsyncConnector, transfer: WorkerTransfer) -> None:
+        self.connector = connector
+        self.async_engine = connector.engine
         self.transfer = transfer
 
     async def offer_first_token(self, req: WorkerRequest,
@@ -38,7 +38,7 @@ class Handoff:
         rid, params = req.request_id, req.params
         first = None
         offered = False
-        stream = self.async_engine.stream(lambda sink: self.async_engine.prefill(req, sink),
+        stream = self.async_engine.stream(lambda sink: self.connector.prefill(req, sink),
                                           rid)
         try:
             async for event in stream:
@@ -48,13 +48,13 @@ class Handoff:
                 raise RuntimeError(f"prefill of {rid!r} ended without a token")
             if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
                 return PrefillResult(first, None)  # the request is over (blocks freed below)
-            handoff = self.transfer.offer(rid, self.engine.held_block_ids(rid), decode_tp_size)
+            handoff = self.transfer.offer(rid, self.connector.connector.held_block_ids(rid), decode_tp_size)
             offered = True
             return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
         finally:
             await stream.aclose()
             if not offered:  # queued after the abort of an unfinished request
-                self.async_engine.apply_soon(lambda: self.engine.free_held(rid))
+                self.async_engine.apply_soon(lambda: self.connector.connector.free_held(rid))
 
     async def pull_and_decode(self, cmd: DecodeFromHandoff, sink: Sink) -> None:
         """Pull the handoff's KV into fresh blocks, then decode after the first token; a pull
@@ -65,8 +65,7 @@ class Handoff:
             raise ValueError(f"request {rid!r}: pull_and_decode needs a handoff, got None")
         try:
             pull = await self.transfer.puller(rid, cmd.handoff)
-            await self.async_engine.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
-                                                        sink)
+            await self.connector.decode_from_handoff(cmd.req, cmd.first_token_id, pull, sink)
         except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
             sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
             sink.flush()

@@ -29,9 +29,9 @@ from workers.engine.request import Continuation
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
-    from workers.engine.async_engine import AsyncEngine
     from workers.contract.messages import Resume
     from workers.engine.outputs import Sink
+    from workers.serving.async_connector import AsyncConnector
     from workers.serving.transfer import WorkerTransfer
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,10 @@ class Migrations:
     """Both halves of live migrations for one worker, a request with all its running samples
     (each sample's KV is offered and pulled on its own). Event-loop thread."""
 
-    def __init__(self, engine: AsyncEngine, transfer: WorkerTransfer) -> None:
-        self.engine = engine
+    def __init__(self, connector: AsyncConnector, transfer: WorkerTransfer) -> None:
+        self.engine = connector.engine  # the async engine
+        self.connector = connector.connector
+        self.commands = connector
         self.transfer = transfer
         # request id -> blocks offered in step 1, by sample index (source)
         self._exported: dict[str, dict[int, int]] = {}
@@ -63,7 +65,7 @@ class Migrations:
         """Step 1: offer each running sample's full computed blocks, by sample index (a sample
         with none yet is left out)."""
         await self.transfer.agents()
-        block_ids = await self.engine.apply(lambda: self.engine.engine.export_running(
+        block_ids = await self.engine.apply(lambda: self.connector.export_running(
             request_id, lambda index: hold_id(request_id, index)))
         self._exported[request_id] = {i: len(ids) for i, ids in block_ids.items()}
         return {i: self.transfer.offer(hold_id(request_id, i), ids, reader_tp_size)
@@ -73,19 +75,18 @@ class Migrations:
         """Step 3: stop the request here and offer each sample's blocks written since step
         1."""
         await self.transfer.agents()
-        engine = self.engine.engine
-        paused = await self.engine.pause(
+        connector, block_size = self.connector, self.connector.engine.config.block_size
+        paused = await self.commands.pause(
             request_id, RequestMoved(f"request {request_id!r} moved to another worker"))
         exported = self._exported.pop(request_id, {})
         samples = []
         for p in paused:
-            rest = p.block_ids[exported.get(p.index, 0):-(-p.num_kv_tokens
-                                                          // engine.config.block_size)]
+            rest = p.block_ids[exported.get(p.index, 0):-(-p.num_kv_tokens // block_size)]
             handoff = None
             if rest:
                 handoff = self.transfer.offer(p.sample_id, rest, reader_tp_size)
             else:
-                self.engine.apply_soon(lambda sid=p.sample_id: engine.free_held(sid))
+                self.engine.apply_soon(lambda sid=p.sample_id: connector.free_held(sid))
             samples.append(PausedSample(p.index, tuple(p.output_token_ids), p.num_kv_tokens,
                                         handoff))
         self.num_moved_out += 1
@@ -99,9 +100,9 @@ class Migrations:
         for index in exported:
             self.transfer.cancel(hold_id(request_id, index))
         prepared = self._prepared.pop(request_id, [])
-        engine = self.engine.engine
+        connector = self.connector
         if prepared:
-            await self.engine.apply(lambda: [engine.free_held(hold_id(request_id, i))
+            await self.engine.apply(lambda: [connector.free_held(hold_id(request_id, i))
                                              for i in prepared])
 
     # ---- the target ----------------------------------------------------------------------------
@@ -111,17 +112,17 @@ class Migrations:
         """Step 2: reserve blocks and pull each sample's exported ones; the blocks landed, by
         sample index. They are freed if no continuation takes them within `hold_s`. Raises
         `KVPullFailed` or `KVCacheFull`, nothing held."""
-        engine = self.engine.engine
+        connector = self.connector
         holds = {i: hold_id(request_id, i) for i in exported}
 
         def free_all() -> None:
             for hid in holds.values():
-                engine.free_held(hid)
+                connector.free_held(hid)
 
         try:
             pulls = {i: await self.transfer.puller(holds[i], h) for i, h in exported.items()}
             block_ids = await self.engine.apply(lambda: {
-                i: engine.reserve_prefix(holds[i], len(h.ranks[0].block_ids))
+                i: connector.reserve_prefix(holds[i], len(h.ranks[0].block_ids))
                 for i, h in exported.items()})
             await _all(pulls[i](block_ids[i]) for i in exported)
         except BaseException:
@@ -158,13 +159,13 @@ class Migrations:
             await _all(one(i, ids) for i, ids in to_fill.items() if ids)
 
         try:
-            await self.engine.continue_with_kv(cmd.req, samples, pull, sink)
+            await self.commands.continue_with_kv(cmd.req, samples, pull, sink)
         except (KVPullFailed, KVCacheFull) as exc:
             logger.warning("migration of %s: %s; computing its KV here", rid, exc)
             self.num_recomputed += 1
             await self.engine.apply(lambda: None)  # after the abort of what was allocated
-            self.engine.resume(cmd.req, [Continuation(s.index, s.sent_token_ids)
-                                         for s in cmd.samples], sink)
+            self.commands.resume(cmd.req, [Continuation(s.index, s.sent_token_ids)
+                                           for s in cmd.samples], sink)
             return
         except Exception as exc:  # noqa: BLE001 -- refused (a bad continuation): the stream says it
             sink.fail(rid, exc)

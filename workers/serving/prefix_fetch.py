@@ -17,13 +17,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from workers.contract.protocol import HotPrefix, KVCacheFull, KVPullFailed
+from workers.contract.protocol import KVCacheFull, KVPullFailed
+from workers.contract.prefix_cache import HotPrefix
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
-    from workers.engine.async_engine import AsyncEngine
     from workers.contract.messages import Generate, PrefixFetch
     from workers.engine.outputs import Sink
+    from workers.serving.async_connector import AsyncConnector
     from workers.serving.transfer import WorkerTransfer
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ def hold_id(request_id: str) -> str:
 class PrefixFetcher:
     """Both sides of a prefix fetch for one worker. Event-loop thread."""
 
-    def __init__(self, engine: AsyncEngine, transfer: WorkerTransfer) -> None:
-        self.engine = engine
+    def __init__(self, connector: AsyncConnector, transfer: WorkerTransfer) -> None:
+        self.engine = connector.engine  # the async engine
+        self.connector = connector.connector
         self.transfer = transfer
         # since start, for tests and metrics
         self.num_exported = 0
@@ -57,7 +59,7 @@ class PrefixFetcher:
         await self.transfer.agents()
         hid = hold_id(request_id)
         block_ids = await self.engine.apply(
-            lambda: self.engine.engine.export_prefix(hid, list(block_hashes)))
+            lambda: self.connector.export_prefix(hid, list(block_hashes)))
         if not block_ids:
             return None
         # no await from the hold to the offer: a lease is what frees the blocks
@@ -66,10 +68,10 @@ class PrefixFetcher:
         return handoff
 
     async def hot(self, max_blocks: int) -> tuple[HotPrefix, ...]:
-        """The prefixes hit here lately, most worth first (`Engine.hot_prefixes`)."""
+        """The prefixes hit here lately, most worth first (`Connector.hot_prefixes`)."""
         if max_blocks < 0:
             raise ValueError(f"max_blocks must be at least 0, got {max_blocks}")
-        return tuple(await self.engine.apply(lambda: self.engine.engine.hot_prefixes(max_blocks)))
+        return tuple(await self.engine.apply(lambda: self.connector.hot_prefixes(max_blocks)))
 
     async def generate(self, cmd: Generate, sink: Sink) -> None:
         """Land the command's prefix, then run the request (which computes whatever did not
@@ -85,24 +87,25 @@ class PrefixFetcher:
         (0 when the pull failed or found no room: the prompt is computed instead)."""
         hid = hold_id(request_id)
         num_blocks = len(fetch.block_hashes)
-        engine = self.engine.engine
+        connector = self.connector
         start = time.perf_counter()
         try:
             pull = await self.transfer.puller(hid, fetch.handoff)
-            block_ids = await self.engine.apply(lambda: engine.reserve_prefix(hid, num_blocks))
+            block_ids = await self.engine.apply(
+                lambda: connector.reserve_prefix(hid, num_blocks))
         except (KVPullFailed, KVCacheFull) as exc:
             self._failed(request_id, exc)
             return 0
         try:
             await pull(block_ids)
         except BaseException as exc:
-            self.engine.apply_soon(lambda: engine.free_held(hid))
+            self.engine.apply_soon(lambda: connector.free_held(hid))
             if not isinstance(exc, KVPullFailed):
                 raise
             self._failed(request_id, exc)
             return 0
         tokens = list(prompt_token_ids[:num_blocks * block_size])
-        await self.engine.apply(lambda: engine.land_prefix(hid, fetch.block_hashes, tokens))
+        await self.engine.apply(lambda: connector.land_prefix(hid, fetch.block_hashes, tokens))
         self.num_landed_blocks += num_blocks
         self._measured(time.perf_counter() - start, fetch.handoff.num_bytes)
         return num_blocks

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 from workers.contract.protocol import KVPullFailed
 
 if TYPE_CHECKING:
-    from kvtransfer import RemoteAgent, TransferAgent
+    from kvtransfer import KVLayout, RemoteAgent, TransferAgent
     from kvtransfer.handoff import KVHandoff
     from workers.engine.core import Engine
 
@@ -29,6 +29,16 @@ logger = logging.getLogger(__name__)
 
 Pull = Callable[[list[int]], Awaitable[None]]
 PULL_RATE_WEIGHT = 0.2  # of each pull in the moving average of the pull rate
+
+
+def kv_layouts(engine: Engine) -> list[KVLayout]:
+    """The transfer layer's view of each TP rank's share of the engine's cache (one agent per
+    rank)."""
+    from kvtransfer import KVLayout
+
+    by_rank = engine.kv_caches_by_rank()
+    return [KVLayout.from_caches(caches, tp_rank=r, tp_size=len(by_rank))
+            for r, caches in enumerate(by_rank)]
 
 
 class WorkerTransfer:
@@ -82,7 +92,7 @@ class WorkerTransfer:
         # at start, not a slow or failed first handoff
         await self_check(config)
         agents = [TransferAgent(layout, caches, config, on_release=self._on_release)
-                  for layout, caches in zip(self.engine.kv_layouts(),
+                  for layout, caches in zip(kv_layouts(self.engine),
                                             self.engine.kv_caches_by_rank())]
         for agent in agents:
             await agent.start()

@@ -38,6 +38,8 @@ from workers.contract.protocol import (
 )
 from workers.engine.outputs import OutputHub
 from workers.engine.request import Continuation
+from workers.serving.async_connector import AsyncConnector
+from workers.serving.connector import Connector
 from workers.serving.handoff import Handoff
 from workers.serving.migration import Migrations
 from workers.serving.options import WorkerOptions
@@ -86,9 +88,11 @@ class Worker:
         self.transfer = WorkerTransfer(worker_id, engine.engine, self._free_held,
                                        transport=transport, host=host, lease_s=lease_s,
                                        pull_timeout_s=pull_timeout_s)
-        self.prefixes = PrefixFetcher(engine, self.transfer)
-        self.migrations = Migrations(engine, self.transfer)
-        self.handoff = Handoff(engine, self.transfer)
+        self.connector = Connector(engine.engine)  # the KV handoff's and migration's verbs
+        self.async_connector = AsyncConnector(engine, self.connector)
+        self.prefixes = PrefixFetcher(self.async_connector, self.transfer)
+        self.migrations = Migrations(self.async_connector, self.transfer)
+        self.handoff = Handoff(self.async_connector, self.transfer)
         self._broken: str | None = None  # why health checks fail (`mark_broken`)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled
         self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way
@@ -117,26 +121,15 @@ class Worker:
         return self.engine.config.block_size
 
     @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
-
-    @property
     def tp_size(self) -> int:
         return self.engine.config.tensor_parallel_size
 
     @property
-    def num_blocks(self) -> int:
-        return self.engine.kv.pool.num_blocks
-
-    @property
     def info(self) -> WorkerInfo:
+        e = self.engine
         return WorkerInfo(self.worker_id, WorkerRole(self.role), self.block_size,
-                          self.max_model_len, self.vocab_size, self.num_blocks, self.tp_size,
-                          self.engine.kv_cache_spec.bytes_per_block)
+                          e.max_model_len, e.model_config.vocab_size, e.kv.pool.num_blocks,
+                          self.tp_size, e.kv_cache_spec.bytes_per_block)
 
     # ---- commands and the output channel ---------------------------------------------------
 
@@ -179,11 +172,11 @@ class Worker:
             self._track_pull(cmd.req.request_id, self.migrations.continue_(cmd, sink))
         elif isinstance(cmd, Resume):
             self._check_role(DECODE_ROLES, "resume")
-            e.resume(cmd.req, [Continuation(s.index, s.sent_token_ids) for s in cmd.samples],
-                     sink)
+            self.async_connector.resume(
+                cmd.req, [Continuation(s.index, s.sent_token_ids) for s in cmd.samples], sink)
         elif cmd.handoff is None:  # the prefill's KV is not coming: compute it here
             self._check_role(DECODE_ROLES, "decode_from_handoff")
-            e.resume(cmd.req, [Continuation(0, (cmd.first_token_id,))], sink)
+            self.async_connector.resume(cmd.req, [Continuation(0, (cmd.first_token_id,))], sink)
         else:
             self._check_role(DECODE_ROLES, "decode_from_handoff")
             self._track_pull(cmd.req.request_id, self.handoff.pull_and_decode(cmd, sink))
@@ -244,7 +237,7 @@ class Worker:
         return await self.transfer.agents()
 
     def _free_held(self, request_id: str) -> None:
-        self.async_engine.apply_soon(lambda: self.engine.free_held(request_id))
+        self.async_engine.apply_soon(lambda: self.connector.free_held(request_id))
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
                       prefix: PrefixFetch | None = None) -> PrefillResult:
@@ -278,7 +271,7 @@ class Worker:
         """What this worker holds for requests: KV leases offered, blocks held for handoffs,
         pulls and prefill calls under way (all 0 when idle and nothing leaked)."""
         return {"leases": self.transfer.num_leases,
-                "held_requests": self.engine.kv.num_held_requests,
+                "held_requests": self.engine.kv.ledger.num_held,
                 "pulls": len(self._pulls), "prefills": len(self._prefills)}
 
     def stats(self) -> EngineStats:

@@ -13,10 +13,9 @@ the special tokens and chat template of the family named by `arch`:
 
 bos is added by the post-processor on `encode(add_special_tokens=True)` (llama, mistral) and by the
 chat template itself, which is why chat prompts are encoded with `add_special_tokens=False`.
-The output is deterministic: the same arguments give a byte-identical `tokenizer.json`.
-
-Long because the training corpus (about 70 lines of multilingual text and code) is kept inline,
-so the tokenizer is built the same way with no package data to ship.
+The output is deterministic: the same arguments give a byte-identical `tokenizer.json`. The
+families' special tokens and chat templates are `workers.tokenizer.families`; the training corpus
+is kept inline below, so the tokenizer is built the same way with no package data to ship.
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from tokenizers import (
     processors,
     trainers,
 )
+
+from workers.tokenizer.families import FAMILIES, SUPPORTED_ARCHS, Family
 
 MAX_TOKENIZER_VOCAB = 8192
 # Llama 3's pre-tokenizer split: contractions, words, numbers in groups of three, punctuation runs.
@@ -59,169 +60,6 @@ class TokenizerInfo:
     pad_token_id: int | None
     stop_token_ids: tuple[int, ...]
 
-
-# Chat templates modelled on the real families' `tokenizer_config.json` (Meta-Llama-3-8B-Instruct,
-# Mistral-7B-Instruct-v0.2, Qwen2.5-Instruct); the Jinja string literals keep their `\n` escapes.
-# Llama 3.1's JSON tool calling: the tools ahead of the first user message, a call written as
-# {"name": ..., "parameters": ...}, a tool's answer in an "ipython" turn.
-_LLAMA3_TEMPLATE = r"""{%- set ns = namespace(tools='', text='') %}
-{%- if tools %}
-    {%- set ns.tools = 'Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\n\nRespond in the format {"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n' %}
-    {%- for tool in tools %}
-        {%- set ns.tools = ns.tools + (tool | tojson) + '\n\n' %}
-    {%- endfor %}
-{%- endif %}
-{%- for message in messages %}
-    {%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}
-    {%- if message['tool_calls'] %}
-        {%- set ns.text = '' %}
-        {%- for call in message['tool_calls'] %}
-            {%- set ns.text = ns.text + '{"name": "' + call['function']['name'] + '", "parameters": ' + (call['function']['arguments'] | tojson) + '}' %}
-        {%- endfor %}
-    {%- else %}
-        {%- set ns.text = message['content'] | trim %}
-    {%- endif %}
-    {%- if role == 'user' and ns.tools %}
-        {%- set ns.text = ns.tools + ns.text %}
-        {%- set ns.tools = '' %}
-    {%- endif %}
-    {%- set content = '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + ns.text + '<|eot_id|>' %}
-    {%- if loop.index0 == 0 %}
-        {%- set content = bos_token + content %}
-    {%- endif %}
-    {{- content }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
-{%- endif %}
-"""
-
-# Mistral v0.3's tool calling: [AVAILABLE_TOOLS] before the last user message, calls after
-# [TOOL_CALLS], results in [TOOL_RESULTS]; roles alternate only in a conversation without tools.
-_MISTRAL_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
-    {%- set system_message = messages[0]['content'] %}
-    {%- set loop_messages = messages[1:] %}
-{%- else %}
-    {%- set loop_messages = messages %}
-{%- endif %}
-{%- set ns = namespace(last_user=-1, tooling=(tools is not none and tools | length > 0)) %}
-{%- for message in loop_messages %}
-    {%- if message['role'] == 'user' %}
-        {%- set ns.last_user = loop.index0 %}
-    {%- endif %}
-    {%- if message['role'] == 'tool' or message['tool_calls'] %}
-        {%- set ns.tooling = true %}
-    {%- endif %}
-{%- endfor %}
-
-{{- bos_token }}
-{%- for message in loop_messages %}
-    {%- if not ns.tooling and (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
-        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
-    {%- endif %}
-    {%- if message['role'] == 'user' %}
-        {%- if tools and loop.index0 == ns.last_user %}
-            {{- ' [AVAILABLE_TOOLS] ' + (tools | tojson) + ' [/AVAILABLE_TOOLS]' }}
-        {%- endif %}
-        {%- if loop.first and system_message is defined %}
-            {{- ' [INST] ' + system_message + '\n\n' + message['content'] + ' [/INST]' }}
-        {%- else %}
-            {{- ' [INST] ' + message['content'] + ' [/INST]' }}
-        {%- endif %}
-    {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
-        {{- ' [TOOL_CALLS] [' }}
-        {%- for call in message['tool_calls'] %}
-            {{- '{"name": "' + call['function']['name'] + '", "arguments": ' + (call['function']['arguments'] | tojson) + '}' }}
-            {%- if not loop.last %}
-                {{- ', ' }}
-            {%- endif %}
-        {%- endfor %}
-        {{- ']' + eos_token }}
-    {%- elif message['role'] == 'assistant' %}
-        {{- ' ' + message['content'] + eos_token}}
-    {%- elif message['role'] == 'tool' %}
-        {{- ' [TOOL_RESULTS] {"content": ' + (message['content'] | tojson) + '} [/TOOL_RESULTS]' }}
-    {%- else %}
-        {{- raise_exception('Only user, assistant and tool roles are supported, with the exception of an initial optional system message!') }}
-    {%- endif %}
-{%- endfor %}
-"""
-
-# Gemma 3's turns: a system message becomes the first user turn's prefix; the assistant is "model"
-_GEMMA_TEMPLATE = r"""{{- bos_token }}
-{%- if messages and messages[0]['role'] == 'system' %}
-    {%- set first_user_prefix = messages[0]['content'] + '\n\n' %}
-    {%- set loop_messages = messages[1:] %}
-{%- else %}
-    {%- set first_user_prefix = '' %}
-    {%- set loop_messages = messages %}
-{%- endif %}
-{%- for message in loop_messages %}
-    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}
-    {{- '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
-    {{- (message['content'] or '') | trim }}
-    {{- '<end_of_turn>\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<start_of_turn>model\n' }}
-{%- endif %}
-"""
-
-_QWEN2_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
 
 # Training text: English prose, dialogue, code, numbers, and multi-byte UTF-8 (accents, CJK, emoji)
 # so that merges cover two-, three- and four-byte characters.
@@ -288,59 +126,13 @@ All happy families are alike; each unhappy family is unhappy in its own way.
 In the beginning the universe was created. This has made a lot of people very angry.
 """
 
-@dataclass(frozen=True)
-class _Family:
-    leading_specials: tuple[str, ...]  # ids 0.. before the learned vocab (SentencePiece style)
-    trailing_specials: tuple[str, ...]  # ids after the learned vocab (tiktoken style)
-    bos: str | None
-    eos: str
-    pad: str | None
-    unk: str | None
-    extra_stops: tuple[str, ...]
-    chat_template: str
-    model_max_length: int
-
-
-_FAMILIES: dict[str, _Family] = {
-    "llama": _Family(
-        leading_specials=(),
-        trailing_specials=(
-            "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-            "<|reserved_special_token_1|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|reserved_special_token_2|>", "<|eot_id|>",
-        ),
-        bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None, unk=None,
-        extra_stops=("<|end_of_text|>",),
-        chat_template=_LLAMA3_TEMPLATE, model_max_length=131072,
-    ),
-    "mistral": _Family(
-        leading_specials=("<unk>", "<s>", "</s>"), trailing_specials=(),
-        bos="<s>", eos="</s>", pad=None, unk="<unk>", extra_stops=(),
-        chat_template=_MISTRAL_TEMPLATE, model_max_length=32768,
-    ),
-    "qwen2": _Family(
-        leading_specials=(), trailing_specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        bos=None, eos="<|im_end|>", pad="<|endoftext|>", unk=None,
-        extra_stops=("<|endoftext|>",),
-        chat_template=_QWEN2_TEMPLATE, model_max_length=32768,
-    ),
-    "gemma": _Family(
-        leading_specials=("<pad>", "<eos>", "<bos>", "<unk>"),
-        trailing_specials=("<start_of_turn>", "<end_of_turn>"),
-        bos="<bos>", eos="<end_of_turn>", pad="<pad>", unk="<unk>", extra_stops=("<eos>",),
-        chat_template=_GEMMA_TEMPLATE, model_max_length=32768,
-    ),
-}
-
-SUPPORTED_ARCHS = tuple(sorted(_FAMILIES))
-
 
 def write_tokenizer_files(out_dir: Path | str, *, arch: str, vocab_size: int) -> TokenizerInfo:
     """Train and write `tokenizer.json` and `tokenizer_config.json` into `out_dir` (created if missing).
 
     The tokenizer has at most `min(vocab_size, 8192)` ids, special tokens included.
     """
-    family = _FAMILIES.get(arch)
+    family = FAMILIES.get(arch)
     if family is None:
         raise ValueError(f"unknown arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     num_specials = len(family.leading_specials) + len(family.trailing_specials)
@@ -376,7 +168,7 @@ def write_tokenizer_files(out_dir: Path | str, *, arch: str, vocab_size: int) ->
     )
 
 
-def _train(family: _Family, learned_vocab_size: int) -> Tokenizer:
+def _train(family: Family, learned_vocab_size: int) -> Tokenizer:
     """Byte-level BPE with `family.leading_specials` at ids 0.. and <= `learned_vocab_size` ids."""
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
@@ -395,7 +187,7 @@ def _train(family: _Family, learned_vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _tokenizer_config(family: _Family, tokenizer: Tokenizer) -> dict[str, object]:
+def _tokenizer_config(family: Family, tokenizer: Tokenizer) -> dict[str, object]:
     """`tokenizer_config.json` as transformers writes it for a `PreTrainedTokenizerFast`."""
     added = {
         str(token_id): {

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import uuid
 
-from workers.contract.protocol import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from workers.contract.prefix_cache import (
+    DEVICE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 
 class KVEventLog:

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from workers.engine.kv_cache.events import KVEventLog
-from workers.contract.protocol import HOST
+from workers.contract.prefix_cache import HOST
 
 
 class BlockCopies(NamedTuple):

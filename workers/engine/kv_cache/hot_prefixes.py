@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from workers.contract.protocol import HotPrefix
+from workers.contract.prefix_cache import HotPrefix
 
 HALF_LIFE_S = 60.0
 CAPACITY = 256  # prefixes remembered; the least worth is forgotten first

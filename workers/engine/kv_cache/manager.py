@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from workers.engine.kv_cache.block_pool import BlockPool, KVBlock
 from workers.engine.kv_cache.events import KVEventLog
 from workers.engine.kv_cache.host_tier import NO_COPIES, BlockCopies, HostTier
 from workers.engine.kv_cache.hot_prefixes import HotPrefixes
-from workers.contract.protocol import hash_block
+from workers.engine.kv_cache.ledger import LeaseLedger
+from workers.contract.prefix_cache import hash_block
 from workers.engine.request import Request
 
 
@@ -32,7 +33,9 @@ class KVCacheManager:
 
     `host_blocks`: the size of the host-memory tier (`workers.engine.kv_cache.host_tier`; 0: none).
     Prefix hits there are brought back by copies the runner makes before the step's forward
-    pass (`take_copies`). `hot`: the prefixes hit lately, and what they saved.
+    pass (`take_copies`). `hot`: the prefixes hit lately, and what they saved. `ledger`: blocks
+    held apart from running requests (`workers.engine.kv_cache.ledger`); `hold`, `hold_leading`
+    and `adopt` move blocks between a request and the ledger.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -50,7 +53,8 @@ class KVCacheManager:
         self._tables: dict[str, tuple[int, ...]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already in the cache
         self._num_dropped: dict[str, int] = {}  # leading blocks returned, out of the window
-        self._held: dict[str, list[KVBlock]] = {}  # finished requests' blocks kept for a handoff
+        # blocks held apart from running requests (handoffs, exports, reserved pulls)
+        self.ledger = LeaseLedger(self.pool, self.holds)
         self.hot = HotPrefixes()
 
     @property
@@ -204,90 +208,32 @@ class KVCacheManager:
         self.pool.release([b for b in blocks[::-1] if b is not None])
 
     def hold(self, req: Request) -> None:
-        """Keep a finished request's blocks (a KV handoff reads them) until `free_held`."""
+        """Hand a finished request's blocks to the ledger under its id (a KV handoff reads
+        them) until `ledger.free_held`."""
         blocks = self._blocks.pop(req.request_id, [])
         if None in blocks:  # hold_kv requests keep every block: never reached
             raise RuntimeError(f"request {req.request_id!r} lost blocks out of its window")
-        self._held[req.request_id] = blocks  # type: ignore[assignment]
+        self.ledger.keep(req.request_id, blocks)  # type: ignore[arg-type]
         self._tables.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
 
-    def hold_prefix(self, hold_id: str, block_hashes: Sequence[int]) -> list[int]:
-        """Hold the device blocks of the leading `block_hashes` found in the prefix cache (up
-        to the first miss) for another worker to pull, until `free_held(hold_id)`; their ids in
-        token order ([] when the first is not cached, and nothing is held)."""
-        self._check_new_hold(hold_id)
-        blocks: list[KVBlock] = []
-        for block_hash in block_hashes:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        if blocks:
-            self.pool.touch(blocks)
-            self._held[hold_id] = blocks
-        return [b.block_id for b in blocks]
-
-    def reserve(self, hold_id: str, num_blocks: int) -> list[int] | None:
-        """Hold `num_blocks` fresh blocks for a pull to fill (what they evict is not saved to
-        the host tier: the pull writes them first), until `cache_reserved` or `free_held`.
-        None, and nothing held, when that many are not free."""
-        self._check_new_hold(hold_id)
-        if num_blocks > self.pool.num_free_blocks:
-            return None
-        blocks = self.pool.allocate(num_blocks, save_evicted=False)
-        self._held[hold_id] = blocks
-        return [b.block_id for b in blocks]
-
-    def cache_reserved(self, hold_id: str, block_hashes: Sequence[int],
-                       token_ids: Sequence[int]) -> None:
-        """The reserved blocks hold the KV of the prompt's leading `block_hashes` (of
-        `token_ids`): they enter the prefix cache and are released, free but findable, so the
-        request that follows finds them as hits."""
-        blocks = self._held.pop(hold_id)
-        if len(block_hashes) != len(blocks):
-            raise ValueError(f"{hold_id!r}: {len(block_hashes)} hashes for {len(blocks)} "
-                             "reserved blocks")
-        self.pool.cache(blocks, list(block_hashes), None, list(token_ids))
-        self.pool.release(blocks[::-1])
-
     def hold_leading(self, hold_id: str, request_id: str, num_blocks: int) -> list[int]:
-        """Hold a running request's first `num_blocks` blocks (one more reference) for another
-        worker to pull until `free_held(hold_id)`; their ids. Refused past a sliding window."""
-        self._check_new_hold(hold_id)
+        """Hold a running request's first `num_blocks` blocks (one more reference) in the
+        ledger for another worker to pull until `ledger.free_held(hold_id)`; their ids.
+        Refused past a sliding window."""
         blocks = self._blocks.get(request_id, [])[:num_blocks]
         if any(b is None for b in blocks):
             raise ValueError(f"request {request_id!r} returned blocks out of its window")
-        if blocks:
-            self.pool.touch(blocks)  # type: ignore[arg-type]
-            self._held[hold_id] = list(blocks)  # type: ignore[arg-type]
-        return [b.block_id for b in blocks]  # type: ignore[union-attr]
+        return self.ledger.share(hold_id, blocks)  # type: ignore[arg-type]
 
     def adopt(self, hold_id: str, request_id: str) -> None:
-        """Held blocks (reserved, and filled by a pull) become a new request's first blocks."""
+        """Blocks the ledger holds (reserved, and filled by a pull) become a new request's
+        first blocks."""
         if request_id in self._blocks:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        blocks = self._held.pop(hold_id, [])
+        blocks = self.ledger.take(hold_id)
         self._blocks[request_id] = blocks  # type: ignore[assignment]
         self._tables[request_id] = _table(blocks)  # type: ignore[arg-type]
-
-    def _check_new_hold(self, hold_id: str) -> None:
-        if hold_id in self._held or hold_id in self._blocks:
-            raise ValueError(f"{hold_id!r} already holds blocks here")
-
-    def held_block_ids(self, request_id: str) -> list[int]:
-        """The held blocks of a finished request, in token order; [] when none are held."""
-        return [b.block_id for b in self._held.get(request_id, ())]
-
-    def free_held(self, request_id: str) -> bool:
-        """Return a finished request's held blocks; False (harmless) when none are held."""
-        blocks = self._held.pop(request_id, None)
-        if blocks is None:
-            return False
-        self.pool.release(blocks[::-1])
-        return True
-
-    num_held_requests = property(lambda self: len(self._held))
 
     def reset_prefix_cache(self) -> bool:
         self.hot.clear()
