@@ -43,7 +43,7 @@ from router.failover import DECODE_POOL
 from router.generations import GenerationFactory
 from router.loads import LoadTable
 from router.policy import Decision, NoHealthyWorker, RoutingPolicy, get_policy
-from router.prefix_fetch import export_prefix
+from router.prefix_fetch import prefix_to_fetch
 from router.split_policy import SplitPolicy, get_split_policy
 from router.starts import DONE, Handover, Start
 from router.streams import Generation
@@ -172,7 +172,7 @@ class Orchestrator:
         prefill, decode = w.clients[decision.worker_id], w.clients[decode_id]
         d_tp = w.info(decode_id).tp_size
         w.note_routed(prefill.worker_id)
-        prefix = (await export_prefix(w, self.counters, req, hashes, decision)
+        prefix = (await prefix_to_fetch(w, self.counters, req, hashes, decision)
                   if decision.fetch_from is not None else None)
         try:  # each prefill rank's KV is read by as many decode ranks as share its heads
             result: PrefillResult = await prefill.prefill(req, d_tp, prefix)
@@ -215,7 +215,7 @@ class Orchestrator:
                     f"no healthy worker can take the request: {exc}") from None
             wid = decision.worker_id
             self.workers.note_routed(wid)
-            prefix = (await export_prefix(self.workers, self.counters, req, hashes, decision)
+            prefix = (await prefix_to_fetch(self.workers, self.counters, req, hashes, decision)
                       if decision.fetch_from is not None else None)
             stream = self.workers.clients[wid].generate(req, prefix)
             try:

@@ -23,8 +23,8 @@ from workers.contract.protocol import WorkerRequest
 logger = logging.getLogger(__name__)
 
 
-async def export_prefix(workers: WorkerSet, counters: RouterCounters, req: WorkerRequest,
-                        hashes: Sequence[int], decision: Decision) -> PrefixFetch | None:
+async def prefix_to_fetch(workers: WorkerSet, counters: RouterCounters, req: WorkerRequest,
+                          hashes: Sequence[int], decision: Decision) -> PrefixFetch | None:
     """The prefix the decision says to pull, offered by its holder; None when there is none,
     or the holder is gone, failing or no longer holds it (the prompt is then computed: nothing
     is lost but the saving)."""
