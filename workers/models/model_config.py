@@ -16,6 +16,7 @@ from workers.models.mla_config import MLAConfig, parse_mla
 from workers.models.moe_config import MoEConfig, parse_moe
 from workers.quant.scheme import QuantScheme, parse_quantization
 from workers.models.rope_config import RopeScaling, layer_types, parse_local_rope, parse_rope
+from workers.tokenizer.gguf_file import find_gguf_file
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
@@ -128,7 +129,13 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Reads `config.json` (and `generation_config.json` for extra eos ids) in folder `path`."""
+        """Reads `config.json` (and `generation_config.json` for extra eos ids) in folder `path`,
+        or the metadata of the GGUF file `path` names (`workers.models.gguf_config`)."""
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            from workers.models.gguf_config import model_config_from_gguf
+
+            return model_config_from_gguf(gguf_file)
         folder = Path(path)
         config_file = folder / "config.json"
         if not config_file.is_file():
