@@ -24,8 +24,11 @@ GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text"
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
-def write_gguf(hf_dir: Path, out: Path, ggml_type: str = "F32") -> Path:
-    """`hf_dir` (a make_model checkpoint) as a GGUF file at `out`, matrices in `ggml_type`."""
+def write_gguf(hf_dir: Path, out: Path, ggml_type: str = "F32", *,
+               perturb_norms: bool = True) -> Path:
+    """`hf_dir` (a make_model checkpoint) as a GGUF file at `out`, matrices in `ggml_type`.
+    `perturb_norms`: seeded noise on the norm weights (make_model's are all one, which would
+    hide a norm loaded into the wrong place)."""
     config = json.loads((hf_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     writer = gguf.GGUFWriter(str(out), arch)
@@ -33,9 +36,13 @@ def write_gguf(hf_dir: Path, out: Path, ggml_type: str = "F32") -> Path:
     _write_bpe_tokenizer(writer, hf_dir, config["vocab_size"])
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     table = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+    noise = torch.Generator().manual_seed(7)
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         base, _, suffix = name.rpartition(".")
-        values = _converted(name, tensor.float(), config, arch).numpy()
+        tensor = tensor.float()
+        if perturb_norms and name.endswith("norm.weight"):
+            tensor = tensor + 0.2 * torch.randn(tensor.shape, generator=noise)
+        values = _converted(name, tensor, config, arch).numpy()
         _add_tensor(writer, f"{table.get_name(base)}.{suffix}", values, ggml_type)
     rope = config.get("rope_parameters") or {}
     if arch == "llama" and rope.get("rope_type") == "llama3":
@@ -101,8 +108,10 @@ def random_k_blocks(shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> 
     block, size = gguf.GGML_QUANT_SIZES[kind]
     rng = np.random.default_rng(int(kind) * 7919 + shape[0])
     data = rng.integers(0, 256, size=(shape[0], shape[1] // block, size), dtype=np.uint8)
-    # the super-block scales (fp16 d and, for Q4_K/Q5_K, dmin) sit first, Q6_K's d last
-    scale = np.float16(0.02 / math.sqrt(shape[1])).tobytes()
+    # the super-block scales (fp16 d and, for Q4_K/Q5_K, dmin) sit first, Q6_K's d last; d
+    # brings a typical weight (sub-scale times quant: ~250, ~500, ~1000) near 1/sqrt(fan_in)
+    typical = {"Q4_K": 250.0, "Q5_K": 500.0, "Q6_K": 1000.0}[kind.name]
+    scale = np.float16(1.0 / (typical * math.sqrt(shape[1]))).tobytes()
     offsets = (size - 2,) if kind == gguf.GGMLQuantizationType.Q6_K else (0, 2)
     for offset in offsets:
         data[..., offset:offset + 2] = np.frombuffer(scale, dtype=np.uint8)
@@ -149,6 +158,9 @@ def _write_bpe_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, vocab_size: int)
                      ("pad_token", writer.add_pad_token_id), ("unk_token", writer.add_unk_token_id)):
         if config.get(key) is not None:
             add(ids[config[key]])
+    if config.get("pad_token") is None and "eos_token" in config:
+        # transformers' Phi3Config would otherwise take pad id 32000, outside a tiny vocabulary
+        writer.add_pad_token_id(ids[config["eos_token"]])
     writer.add_add_bos_token(config.get("bos_token") is not None)
     writer.add_chat_template(config["chat_template"])
 
