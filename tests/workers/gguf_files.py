@@ -4,10 +4,12 @@
 permuted into llama.cpp's RoPE layout, Gemma's norms stored plus one, Llama 3's RoPE scaling as
 a `rope_freqs` tensor, 2-D weights in the asked type and the rest F32), and
 `write_spm_tokenizer_gguf` a SentencePiece-style vocabulary (scores, byte tokens, no merges).
+`cleave_logits` runs a fresh prompt through Cleave's model outside the engine.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -16,12 +18,54 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
+
+from workers.attention.backend import AttentionBackend, AttentionMetadata
+from workers.models.loader import load_model
+from workers.models.model_config import ModelConfig
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
              "phi3": "phi3"}
 # a block of 256 values, the K-quants' unit; rows narrower than that stay F32 in such files
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+class WindowedPromptBackend(AttentionBackend):
+    """Causal attention within each fresh prompt, with an optional sliding window; no cache."""
+
+    name = "test-windowed-prompt"
+
+    def forward(self, q, k, v, kv_cache, meta, scale, *, window=None, sinks=None):  # type: ignore[no-untyped-def]
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_cpu
+        for s, e in itertools.pairwise(starts):
+            qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
+            group = q.shape[1] // k.shape[1]
+            ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+            i = torch.arange(e - s)
+            mask = i[None, :] <= i[:, None]
+            if window is not None:
+                mask &= i[:, None] - i[None, :] < window
+            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                      scale=scale).transpose(0, 1)
+        return out
+
+
+def cleave_logits(path: Path, prompt: list[int]) -> torch.Tensor:
+    config = ModelConfig.from_pretrained(path)
+    model = load_model(path, config, dtype=torch.float32, device="cpu",
+                       attn_backend=WindowedPromptBackend())
+    n = len(prompt)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32), num_decodes=0, max_query_len=n,
+        max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+    with torch.no_grad():
+        hidden = model(torch.tensor(prompt), torch.arange(n),
+                       [torch.empty(0)] * config.num_hidden_layers, meta)
+        return model.compute_logits(hidden)
 
 
 def write_gguf(hf_dir: Path, out: Path, ggml_type: str = "F32", *,
@@ -173,39 +217,79 @@ Tokenizers split text into pieces; sentencepiece marks word starts with a low li
 
 
 def write_spm_tokenizer_gguf(out: Path, arch: str = "llama") -> Path:
-    """A GGUF holding only a SentencePiece-style vocabulary ("llama" tokenizer model): <unk>,
-    <s>, </s>, the 256 byte tokens, then pieces learned on a few lines, scored by rank."""
+    """A GGUF holding only a SentencePiece-style vocabulary ("llama" tokenizer model): the
+    family's special tokens, the 256 byte tokens, a user-defined `<think>`, then pieces learned
+    on a few lines, scored by rank (Gemma's also runs of spaces, stored as spaces)."""
     from tokenizers import SentencePieceBPETokenizer
 
     learner = SentencePieceBPETokenizer()
     learner.train_from_iterator(_SPM_TEXT.splitlines() * 4, vocab_size=420, min_frequency=1,
                                 show_progress=False)
     pieces = sorted(learner.get_vocab().items(), key=lambda item: item[1])
-    specials = ["<unk>", "<s>", "</s>"]
-    tokens = specials + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [p for p, _ in pieces if p not in tokens]
-    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-             + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (len(tokens) - 259))
-    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    gemma = arch == "gemma3"
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] if gemma else [
+        "<unk>", "<s>", "</s>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + ["<think>"]
+    types = [gguf.TokenType.UNKNOWN if t == "<unk>" else gguf.TokenType.CONTROL
+             for t in specials] + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.USER_DEFINED]
+    learned = [p for p, _ in pieces if p not in tokens] + (["  ", "    "] if gemma else [])
+    tokens += learned
+    types += [gguf.TokenType.NORMAL] * len(learned)
+    scores = [0.0] * (len(tokens) - len(learned)) + [-float(i) for i in range(len(learned))]
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(4)
-    writer.add_layer_norm_rms_eps(1e-5)
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64),
+                       (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 128),
+                       (writer.add_head_count, 4), (writer.add_layer_norm_rms_eps, 1e-5)):
+        add(value)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    ids = {t: i for i, t in enumerate(tokens)}
+    writer.add_unk_token_id(ids["<unk>"])
+    writer.add_bos_token_id(ids["<bos>" if gemma else "<s>"])
+    writer.add_eos_token_id(ids["<eos>" if gemma else "</s>"])
     writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(arch != "gemma3")
+    writer.add_add_space_prefix(not gemma)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+EDGE_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Tokenizers split text into pieces; sentencepiece marks word starts.",
+    "", " ", "  leading spaces", "trailing spaces   ", "a  b   c    d\t\te\n\nf\r\n g",
+    "\n\n\n", "    def main():\n        return 42\n",
+    "Ünïcödé, 日本語のテキスト, emoji 🦙🦙 and Ελληνικά; ∑ ≠ ∞",
+    "numbers 1234567 3.14159 and 1,000,000",
+    "<think>reasoning</think> then <s>text</s> and <|im_start|>user<|im_end|>",
+    "<|begin_of_text|>hi<|eot_id|>", "don't won't I'll we've",
+]
+
+
+def assert_same_tokenizer(path: Path, texts: list[str] = EDGE_TEXTS) -> None:
+    """Cleave's tokenizer of the GGUF file at `path` gives transformers' ids and text."""
+    import transformers
+
+    from workers.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_pretrained(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs(text).input_ids, text
+        assert ours.encode(text, add_special_tokens=False) == theirs(
+            text, add_special_tokens=False).input_ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    # every id names the same token (transformers' GPT-2 class may append its own
+    # "<|endoftext|>" past a vocabulary that lacks one)
+    every_id = list(range(len(ours)))
+    assert ours.convert_ids_to_tokens(every_id) == theirs.convert_ids_to_tokens(every_id)
+    assert len(theirs) - len(ours) in (0, 1)
+

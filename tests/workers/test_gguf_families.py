@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.workers.gguf_files import write_gguf
+from tests.workers.gguf_files import WindowedPromptBackend, cleave_logits, write_gguf
 from tests.workers.hf_oracle import greedy_reference
 from workers import LLM, SamplingParams
-from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.models.gguf_config import model_config_from_gguf
 from workers.models.loader import WeightLoadError, load_model
 from workers.models.make_model import make_model
@@ -51,43 +49,6 @@ GREEDY = {("llama", "F32"), ("llama", "Q4_1"), ("llama", "Q6_K"), ("qwen2", "Q8_
           ("qwen3", "Q4_0"), ("gemma3", "Q4_1"), ("phi3", "BF16")}
 PROMPTS = [[3, 17, 99, 4, 250, 8, 61, 7, 12, 200, 33, 5, 90, 41, 18, 77, 23, 140, 66, 9,
             101, 55, 2, 180], [42, 7, 300, 11]]
-
-
-class WindowedPromptBackend(AttentionBackend):
-    """Causal attention within each fresh prompt, with an optional sliding window; no cache."""
-
-    name = "test-windowed-prompt"
-
-    def forward(self, q, k, v, kv_cache, meta, scale, *, window=None, sinks=None):  # type: ignore[no-untyped-def]
-        out = torch.empty_like(q)
-        starts = meta.query_start_loc_cpu
-        for s, e in zip(starts[:-1], starts[1:]):
-            qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
-            group = q.shape[1] // k.shape[1]
-            ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
-            i = torch.arange(e - s)
-            mask = i[None, :] <= i[:, None]
-            if window is not None:
-                mask &= i[:, None] - i[None, :] < window
-            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                                      scale=scale).transpose(0, 1)
-        return out
-
-
-def cleave_logits(path: Path, prompt: list[int]) -> torch.Tensor:
-    config = ModelConfig.from_pretrained(path)
-    model = load_model(path, config, dtype=torch.float32, device="cpu",
-                       attn_backend=WindowedPromptBackend())
-    n = len(prompt)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32), num_decodes=0, max_query_len=n,
-        max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
-    with torch.no_grad():
-        hidden = model(torch.tensor(prompt), torch.arange(n),
-                       [torch.empty(0)] * config.num_hidden_layers, meta)
-        return model.compute_logits(hidden)
 
 
 def transformers_gguf(path: Path) -> torch.nn.Module:
