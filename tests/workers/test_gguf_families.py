@@ -15,7 +15,6 @@ import torch
 from tests.workers.gguf_files import WindowedPromptBackend, cleave_logits, write_gguf
 from tests.workers.hf_oracle import greedy_reference
 from workers import LLM, SamplingParams
-from workers.models.gguf_config import model_config_from_gguf
 from workers.models.loader import WeightLoadError, load_model
 from workers.models.make_model import make_model
 from workers.models.model_config import ModelConfig
@@ -103,7 +102,7 @@ def test_llama3_rope_scaling_from_the_rope_freqs_tensor(checkpoints, tmp_path):
     was converted from."""
     hf_dir = make_model(tmp_path / "hf", arch="llama", preset="tiny")  # llama3 scaling
     path = write_gguf(hf_dir, tmp_path / "llama3.gguf", "F32", perturb_norms=False)
-    assert model_config_from_gguf(path).rope_scaling.rope_type == "freq_factors"
+    assert ModelConfig.from_pretrained(path).rope_scaling.rope_type == "freq_factors"
     prompt = list(range(1, 120, 2)) * 2  # past the scaled wavelengths
     source = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""A GGUF file's metadata as Cleave's `ModelConfig`: the shapes, RoPE settings and special ids
+"""A GGUF file's metadata as a model config: the shapes, RoPE settings and special ids
 llama.cpp's converter (`convert_hf_to_gguf.py`) writes under `{arch}.*` and `tokenizer.ggml.*`,
 turned into the `config.json` fields the same model's Hugging Face folder has.
 
@@ -11,13 +11,11 @@ per-frequency divisors, kept as such (`RopeScaling(rope_type="freq_factors")`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from workers.models.model_config import ModelConfig
 from workers.models.rope_config import RopeScaling
 from workers.tokenizer.gguf_file import GGUFError, GGUFMetadata, open_gguf
 
@@ -67,20 +65,24 @@ def family_of(meta: GGUFMetadata) -> GGUFFamily:
     return family
 
 
-def model_config_from_gguf(path: str | Path) -> ModelConfig:
-    """The `ModelConfig` of the GGUF file at `path`. Raises GGUFError naming the file and what
-    is unsupported (architecture, a mixture of experts, partial RoPE ...) or missing."""
+class GGUFConfig(NamedTuple):
+    """A GGUF file's model settings: `config.json`'s fields, and the RoPE scaling that has no
+    `config.json` spelling (Llama 3's, as per-frequency divisors), None when there is none."""
+
+    raw: dict[str, Any]
+    rope_scaling: RopeScaling | None
+
+
+def read_gguf_config(path: str | Path) -> GGUFConfig:
+    """The settings of the GGUF file at `path` (`ModelConfig.from_pretrained` reads a GGUF file
+    through this). Raises GGUFError naming the file and what is unsupported (architecture, a
+    mixture of experts, RoPE scaling ...) or missing."""
     reader = open_gguf(path)
     meta = GGUFMetadata(reader, Path(path))
     tensors = tensor_infos(reader)
     raw = hf_config(meta, tensors)
-    try:
-        config = ModelConfig.from_dict(raw)
-    except ValueError as e:
-        raise GGUFError(f"GGUF file {str(path)!r}: {e}") from None
-    if ROPE_FREQS in tensors:
-        config = dataclasses.replace(config, rope_scaling=_freq_factors(reader, config, path))
-    return config
+    scaling = _freq_factors(reader, raw, path) if ROPE_FREQS in tensors else None
+    return GGUFConfig(raw, scaling)
 
 
 def hf_config(meta: GGUFMetadata, tensors: Mapping[str, GGUFTensorInfo]) -> dict[str, Any]:
@@ -205,16 +207,16 @@ def _gemma3(meta: GGUFMetadata, raw: Mapping[str, Any], window: Any) -> dict[str
                                 "sliding_attention": local}}
 
 
-def _freq_factors(reader: Any, config: ModelConfig, path: str | Path) -> RopeScaling:
+def _freq_factors(reader: Any, raw: Mapping[str, Any], path: str | Path) -> RopeScaling:
     """Llama 3's RoPE scaling as llama.cpp's converter writes it: a divisor per frequency."""
-    if config.rope_scaling is not None:
-        raise GGUFError(f"GGUF file {str(path)!r}: a rope_freqs tensor together with RoPE "
-                        f"scaling {config.rope_scaling.rope_type!r} is not supported")
+    if raw["rope_parameters"].get("rope_type", "default") != "default":
+        raise GGUFError(f"GGUF file {str(path)!r}: a {ROPE_FREQS} tensor together with RoPE "
+                        f"scaling {raw['rope_parameters']['rope_type']!r} is not supported")
     from gguf.quants import dequantize
 
     tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
     factors = tuple(float(f) for f in dequantize(tensor.data, tensor.tensor_type).reshape(-1))
-    if len(factors) != config.head_dim // 2:
+    if len(factors) != raw["head_dim"] // 2:
         raise GGUFError(f"GGUF file {str(path)!r}: {ROPE_FREQS} has {len(factors)} values; "
-                        f"expected head_dim / 2 = {config.head_dim // 2}")
+                        f"expected head_dim / 2 = {raw['head_dim'] // 2}")
     return RopeScaling(rope_type="freq_factors", factor=1.0, freq_factors=factors)

@@ -69,16 +69,7 @@ def load_model(
         raise ValueError(
             f"unknown load_format {load_format!r}; expected one of {list(LOAD_FORMATS)}"
         )
-    gguf_file = None
-    if load_format != "dummy":
-        if path is None:
-            raise ValueError(f"load_format {load_format!r} needs a model folder, got path=None")
-        # fail before allocating the model
-        gguf_file = find_gguf_file(path) if load_format == "auto" else None
-        if gguf_file is not None:
-            _check_gguf(gguf_file, config)
-        else:
-            files = find_safetensors_files(Path(path))
+    source = _weights_source(path, config, load_format)  # fails before allocating the model
     model_class = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config, attn_backend, shard=shard or Shard(tp_rank, tp_size))
@@ -90,12 +81,12 @@ def load_model(
     error: str | None = None
     try:
         with torch.no_grad():
-            if load_format == "dummy":
+            if source is None:
                 model.load_weights(random_weights(config, seed))
-            elif gguf_file is not None:
-                _load_gguf(model, gguf_file, config)
+            elif isinstance(source, Path):
+                _load_gguf(model, source, config)
             else:
-                _load_safetensors(model, files, Path(path), scheme, kept)  # type: ignore[arg-type]
+                _load_safetensors(model, source, Path(path), scheme, kept)  # type: ignore[arg-type]
     except WeightLoadError as e:
         error = str(e)
     if error is not None:
@@ -159,11 +150,22 @@ def _load_safetensors(model: nn.Module, files: list[Path], folder: Path,
     _check_all_loaded(model, loaded, f"checkpoint {str(folder)!r}")
 
 
-def _check_gguf(file: Path, config: ModelConfig) -> None:
+def _weights_source(path: str | Path | None, config: ModelConfig,
+                    load_format: str) -> Path | list[Path] | None:
+    """Where the weights come from: a GGUF file (checked against `config`), safetensors files,
+    or None for "dummy" (seeded random weights)."""
+    if load_format == "dummy":
+        return None
+    if path is None:
+        raise ValueError(f"load_format {load_format!r} needs a model folder, got path=None")
+    gguf_file = find_gguf_file(path) if load_format == "auto" else None
+    if gguf_file is None:
+        return find_safetensors_files(Path(path))
     try:
-        gguf_weights.check_tensors(file, config)
+        gguf_weights.check_tensors(gguf_file, config)
     except GGUFError as e:
         raise WeightLoadError(str(e)) from None
+    return gguf_file
 
 
 def _load_gguf(model: nn.Module, file: Path, config: ModelConfig) -> None:

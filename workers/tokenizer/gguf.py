@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from workers.tokenizer.gguf_file import GGUFError, GGUFMetadata, read_metadata
-from workers.tokenizer.tokenizer import Tokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 _SPACE = "\u2581"  # SentencePiece's word-start mark
@@ -49,7 +49,16 @@ _SPLITS = {
 _GEMMA = ("gemma", "gemma2", "gemma3")
 
 
-def gguf_tokenizer(path: str | Path) -> Tokenizer:
+class GGUFTokenizer(NamedTuple):
+    """What `Tokenizer` is built from (`Tokenizer.from_pretrained` on a GGUF file)."""
+
+    backend: tokenizers.Tokenizer
+    special_tokens: dict[str, str]  # "bos_token" ... -> the token's text
+    chat_templates: dict[str, str]  # "default" (and named ones) -> Jinja source
+    extra_eos_token_ids: list[int]  # end-of-turn / end-of-message ids besides eos
+
+
+def gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     """The tokenizer, special tokens, stop ids and chat template(s) of the GGUF file at `path`.
     Raises GGUFError for a vocabulary kind other than "gpt2" and "llama", or missing keys."""
     meta = read_metadata(path)
@@ -68,8 +77,7 @@ def gguf_tokenizer(path: str | Path) -> Tokenizer:
     backend.post_processor = _post_processor(meta, named, backend, kind)
     extra_eos = [int(i) for key in ("eot_token_id", "eom_token_id")
                  if (i := meta.get(f"tokenizer.ggml.{key}")) is not None]
-    return Tokenizer(backend, special_tokens=named, chat_templates=_chat_templates(meta),
-                     extra_eos_token_ids=extra_eos, name=str(path))
+    return GGUFTokenizer(backend, named, _chat_templates(meta), extra_eos)
 
 
 def _byte_level(meta: GGUFMetadata, tokens: list[str]) -> tuple[tokenizers.Tokenizer, list[str]]:
@@ -198,4 +206,4 @@ def _bytes_to_unicode() -> dict[int, str]:
     return spelling
 
 
-__all__ = ["gguf_tokenizer"]
+__all__ = ["GGUFTokenizer", "gguf_tokenizer"]
