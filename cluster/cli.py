@@ -12,7 +12,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from cluster.flags import add_engine_flags
 
     p.add_argument("--model", default=None,
-                   help="model folder (config.json, safetensors, tokenizer); default: the "
+                   help="model folder (config.json, safetensors, tokenizer) or GGUF file; default: the "
                         "embedded tiny model, created on first use")
     add_engine_flags(p, skip=("seed",))  # --seed: the requests' sampling seed
 
@@ -63,15 +63,16 @@ def _check_model(config, in_process: bool) -> None:  # noqa: ANN001 - a CleaveCo
     from pathlib import Path
 
     from workers.models.model_config import ModelConfig
+    from workers.tokenizer.gguf_file import find_gguf_file
 
     path = config.model.path
     if path is None:
         return
-    if Path(path, "config.json").is_file():
+    if Path(path, "config.json").is_file() or find_gguf_file(path) is not None:
         config.check_against_model(ModelConfig.from_pretrained(path))
     elif in_process or not os.environ.get("RAY_ADDRESS"):
         raise ValueError(f"model.path {path!r}: no config.json there; expected a Hugging Face "
-                         "model folder")
+                         "model folder or a GGUF file")
 
 
 def _serve_in_process(config, process_per_worker: bool) -> int:  # noqa: ANN001 - CleaveConfig

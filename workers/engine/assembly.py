@@ -37,7 +37,9 @@ def spawns_ranks(launcher: RankLauncher | None) -> bool:
 
 
 def load_tokenizer(model_path: str) -> object | None:
-    if not (Path(model_path) / "tokenizer.json").exists():
+    from workers.tokenizer.gguf_file import find_gguf_file
+
+    if find_gguf_file(model_path) is None and not (Path(model_path) / "tokenizer.json").exists():
         logger.warning("no tokenizer.json in %s: prompts must be token ids", model_path)
         return None
     from workers.tokenizer import Tokenizer

@@ -17,6 +17,7 @@ from torch import nn
 
 from workers.attention.backend import AttentionBackend
 from workers.models.checkpoint_shapes import random_weights
+from workers.models import gguf_weights
 from workers.models.fused_layer import use_fused_decoder_stack
 from workers.models.model_config import ModelConfig
 from workers.models.registry import get_model_class
@@ -27,6 +28,7 @@ from workers.quant.decode import QuantizedTensorError, decode_checkpoint
 from workers.quant.linear import prepare_layers, quantize_layers
 from workers.quant.scheme import QuantScheme
 from workers.kernels.small_gemm import use_small_batch_kernel, use_small_batch_mlp
+from workers.tokenizer.gguf_file import GGUFError, find_gguf_file
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -54,7 +56,9 @@ def load_model(
 ) -> nn.Module:
     """Returns the model for `config` on `device` in `dtype`, in eval mode, weights loaded.
 
-    `load_format`: "auto"/"safetensors" read `path`; "dummy" ignores `path` and draws the weights
+    `load_format`: "auto" reads `path`, a safetensors folder or a GGUF file (or a folder holding
+    one: dequantized at load, `workers.models.gguf_weights`); "safetensors" reads a folder's
+    safetensors files; "dummy" ignores `path` and draws the weights
     `random_weights(config, seed)` would give (the ones `make_model` writes for that seed).
     `shard` (overrides tp_rank/tp_size): the TP group, pipeline stage and expert split.
     `fp32_int_kernels`: in fp32, int8/int4 weights stay packed for the VNNI kernels
@@ -65,10 +69,7 @@ def load_model(
         raise ValueError(
             f"unknown load_format {load_format!r}; expected one of {list(LOAD_FORMATS)}"
         )
-    if load_format != "dummy":
-        if path is None:
-            raise ValueError(f"load_format {load_format!r} needs a model folder, got path=None")
-        files = find_safetensors_files(Path(path))  # fail before allocating the model
+    source = _weights_source(path, config, load_format)  # fails before allocating the model
     model_class = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config, attn_backend, shard=shard or Shard(tp_rank, tp_size))
@@ -80,10 +81,12 @@ def load_model(
     error: str | None = None
     try:
         with torch.no_grad():
-            if load_format == "dummy":
+            if source is None:
                 model.load_weights(random_weights(config, seed))
+            elif isinstance(source, Path):
+                _load_gguf(model, source, config)
             else:
-                _load_safetensors(model, files, Path(path), scheme, kept)  # type: ignore[arg-type]
+                _load_safetensors(model, source, Path(path), scheme, kept)  # type: ignore[arg-type]
     except WeightLoadError as e:
         error = str(e)
     if error is not None:
@@ -145,6 +148,32 @@ def _load_safetensors(model: nn.Module, files: list[Path], folder: Path,
     except KeyError as e:
         raise WeightLoadError(f"{str(folder)!r}: {e.args[0]}") from None
     _check_all_loaded(model, loaded, f"checkpoint {str(folder)!r}")
+
+
+def _weights_source(path: str | Path | None, config: ModelConfig,
+                    load_format: str) -> Path | list[Path] | None:
+    """Where the weights come from: a GGUF file (checked against `config`), safetensors files,
+    or None for "dummy" (seeded random weights)."""
+    if load_format == "dummy":
+        return None
+    if path is None:
+        raise ValueError(f"load_format {load_format!r} needs a model folder, got path=None")
+    gguf_file = find_gguf_file(path) if load_format == "auto" else None
+    if gguf_file is None:
+        return find_safetensors_files(Path(path))
+    try:
+        gguf_weights.check_tensors(gguf_file, config)
+    except GGUFError as e:
+        raise WeightLoadError(str(e)) from None
+    return gguf_file
+
+
+def _load_gguf(model: nn.Module, file: Path, config: ModelConfig) -> None:
+    try:
+        loaded = model.load_weights(gguf_weights.dequantized_weights(file, config))
+    except (GGUFError, WeightShapeError, KeyError) as e:
+        raise WeightLoadError(f"GGUF file {str(file)!r}: {e.args[0]}") from None
+    _check_all_loaded(model, loaded, f"GGUF file {str(file)!r}")
 
 
 def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:

@@ -6,6 +6,7 @@ to the same `ModelConfig`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from workers.models.mla_config import MLAConfig, parse_mla
 from workers.models.moe_config import MoEConfig, parse_moe
 from workers.quant.scheme import QuantScheme, parse_quantization
 from workers.models.rope_config import RopeScaling, layer_types, parse_local_rope, parse_rope
+from workers.models.gguf_config import read_gguf_config
+from workers.tokenizer.gguf_file import GGUFError, find_gguf_file
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
@@ -128,7 +131,17 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Reads `config.json` (and `generation_config.json` for extra eos ids) in folder `path`."""
+        """Reads `config.json` (and `generation_config.json` for extra eos ids) in folder `path`,
+        or the metadata of the GGUF file `path` names (`workers.models.gguf_config`)."""
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            gguf = read_gguf_config(gguf_file)
+            try:
+                config = cls.from_dict(gguf.raw)
+            except ValueError as e:
+                raise GGUFError(f"GGUF file {str(gguf_file)!r}: {e}") from None
+            return (config if gguf.rope_scaling is None
+                    else dataclasses.replace(config, rope_scaling=gguf.rope_scaling))
         folder = Path(path)
         config_file = folder / "config.json"
         if not config_file.is_file():

@@ -21,7 +21,7 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 class RopeScaling:
     """Non-default RoPE frequency scaling, as transformers' `modeling_rope_utils` applies it."""
 
-    rope_type: str  # "linear", "llama3" or "yarn"
+    rope_type: str  # "linear", "llama3", "yarn" or "freq_factors"
     factor: float
     # llama3 only
     low_freq_factor: float | None = None
@@ -34,6 +34,9 @@ class RopeScaling:
     truncate: bool = True
     attention_factor: float = 1.0
     mscale_all_dim: float | None = None  # DeepSeek scales its softmax by mscale(factor, this)**2
+    # freq_factors only: a divisor per frequency (head_dim / 2), as GGUF files carry Llama 3's
+    # scaling (llama.cpp's `rope_freqs` tensor)
+    freq_factors: tuple[float, ...] | None = None
 
     def softmax_mscale(self) -> float:
         """The factor DeepSeek's attention multiplies its softmax scale by (1 when none)."""

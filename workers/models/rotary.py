@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE), as transformers' `modeling_rope_utils` computes them:
-default, linear, Llama 3 and YaRN frequency scaling."""
+default, linear, Llama 3 and YaRN frequency scaling, and per-frequency divisors (GGUF files'
+Llama 3 scaling)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
         return inv_freq / scaling.factor
     if scaling.rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, inv_freq)
+    if scaling.rope_type == "freq_factors" and scaling.freq_factors is not None:
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     if scaling.rope_type != "llama3":
         raise ValueError(f"unsupported rope type {scaling.rope_type!r}")
     factor = scaling.factor

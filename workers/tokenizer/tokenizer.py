@@ -15,6 +15,8 @@ from typing import Any, overload
 import tokenizers
 
 from workers.tokenizer.chat_template import render_chat_template
+from workers.tokenizer.gguf import gguf_tokenizer
+from workers.tokenizer.gguf_file import find_gguf_file
 
 # Named special tokens transformers passes to every chat template (its `special_tokens_map`).
 _NAMED_SPECIAL_TOKENS = (
@@ -56,7 +58,14 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: Path | str) -> Tokenizer:
-        """Load `tokenizer.json`, `tokenizer_config.json`, chat templates and eos ids from folder `path`."""
+        """Load `tokenizer.json`, `tokenizer_config.json`, chat templates and eos ids from folder `path`,
+        or the tokenizer a GGUF file describes (`path` names the file or a folder holding it)."""
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            parts = gguf_tokenizer(gguf_file)
+            return cls(parts.backend, special_tokens=parts.special_tokens,
+                       chat_templates=parts.chat_templates,
+                       extra_eos_token_ids=parts.extra_eos_token_ids, name=str(gguf_file))
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
