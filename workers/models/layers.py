@@ -12,7 +12,8 @@ converting dtype and device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,7 @@ def default_weight_loader(
 
 def _make_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    # a parameter carries its loader as an attribute of its own (as vLLM's do)
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
 
@@ -80,7 +82,17 @@ def _sharded_copy(
     param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, start, size))
 
 
-def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+class _Linear(Protocol):
+    """What `_linear` reads of a linear layer."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def matmul(self) -> Callable[..., torch.Tensor] | None: ...
+
+
+def _linear(layer: _Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) with the layer's weight, full-precision or quantized."""
     if layer.matmul is None:
         return F.linear(x, layer.weight, bias)

@@ -8,7 +8,8 @@ RMSNorm, follows transformers' `modeling_llama` so fp32 logits match it to ~1e-5
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,9 @@ class LlamaMLP(nn.Module):
         )
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
-    # a few fp32 rows on the CPU through one fused kernel (workers.kernels.small_gemm.SmallBatchMLP),
-    # set at load where both projections take it; None: the two projections one by one
+    # a few fp32 rows on the CPU through one fused kernel
+    # (workers.kernels.small_gemm.SmallBatchMLP), set at load where both projections take it; None:
+    # the two projections one by one
     small_batch: SmallBatchMLP | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +170,8 @@ class LlamaModel(nn.Module):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if self.is_last:
             return self.norm(hidden, residual)[0]
-        return hidden.add_(residual)  # the next stage's input
+        # the next stage's input (a stage of no layers has no residual to add)
+        return hidden if residual is None else hidden.add_(residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -270,6 +273,7 @@ class LlamaForCausalLM(nn.Module):
                 unknown.append(hf_name)
                 continue
             try:
+                # a parameter carries its loader as an attribute of its own (as vLLM's do)
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             except WeightShapeError as e:
                 raise WeightShapeError(f"tensor {hf_name!r}: {e}") from None

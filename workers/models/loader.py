@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -21,7 +21,7 @@ from workers.models.fused_layer import use_fused_decoder_stack
 from workers.models.model_config import ModelConfig
 from workers.models.registry import get_model_class
 from workers.models.layers import LINEAR_LAYERS, Shard, WeightShapeError
-from workers.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from workers.models.vocab import ParallelLMHead
 from workers.quant.decode import QuantizedTensorError, decode_checkpoint
 from workers.quant.linear import prepare_layers, quantize_layers
@@ -51,7 +51,7 @@ def load_model(
     tp_size: int = 1,
     shard: Shard | None = None,
     fp32_int_kernels: bool = False,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """Returns the model for `config` on `device` in `dtype`, in eval mode, weights loaded.
 
     `load_format`: "auto"/"safetensors" read `path`; "dummy" ignores `path` and draws the weights
@@ -68,7 +68,8 @@ def load_model(
     if load_format != "dummy":
         if path is None:
             raise ValueError(f"load_format {load_format!r} needs a model folder, got path=None")
-        files = find_safetensors_files(Path(path))  # fail before allocating the model
+        folder = Path(path)
+        files = find_safetensors_files(folder)  # fail before allocating the model
     model_class = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config, attn_backend, shard=shard or Shard(tp_rank, tp_size))
@@ -83,7 +84,7 @@ def load_model(
             if load_format == "dummy":
                 model.load_weights(random_weights(config, seed))
             else:
-                _load_safetensors(model, files, Path(path), scheme, kept)  # type: ignore[arg-type]
+                _load_safetensors(model, files, folder, scheme, kept)
     except WeightLoadError as e:
         error = str(e)
     if error is not None:
@@ -124,14 +125,14 @@ def find_safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(model: nn.Module, files: list[Path], folder: Path,
+def _load_safetensors(model: LlamaForCausalLM, files: list[Path], folder: Path,
                       scheme: QuantScheme | None = None, kept: set[str] | None = None) -> None:
     current: list[str] = ["", ""]  # (file, tensor) being read, for error messages
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 -- the handle is no mapping
                     current[:] = [file.name, name]
                     yield name, f.get_tensor(name)
 
