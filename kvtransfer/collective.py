@@ -70,11 +70,9 @@ def _open_store(host: str, store: str) -> dist.Store:
 
 
 class PairGroup(Protocol):
-    """What a pair's process group is used for (torch's stubs declare no `send`/`recv` on the
-    gloo and NCCL backends, which have them)."""
+    """A pair's process group (torch's stubs give its gloo and NCCL backends no send/recv)."""
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
-
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
 
 
@@ -178,11 +176,9 @@ class CollectiveTransport(Transport):
         self._server: StreamServer | None = None
         self._store: dist.Store | None = None
         self._store_file: str | None = None  # the FileStore's, on a loopback host
-        # pair key -> group (we are rank 0)
-        self._served: PairCache[PairGroup] = PairCache(lambda group: group)
+        self._served: PairCache[PairGroup] = PairCache(lambda group: group)  # key -> group (rank 0)
         # source address -> (its store, pair key, group)
-        self._pulled: PairCache[tuple[dist.Store, str, PairGroup]] = PairCache(
-            lambda entry: entry[2])
+        self._pulled: PairCache[tuple[dist.Store, str, PairGroup]] = PairCache(lambda e: e[2])
         self._locks: dict[str, asyncio.Lock] = {}
 
     @classmethod

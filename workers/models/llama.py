@@ -19,15 +19,8 @@ from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.kernels import use_triton
 from workers.models.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
-from workers.models.layers import (
-    MergedColumnParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    Shard,
-    WeightShapeError,
-    _comm_for,
-    kv_heads_per_rank,
-)
+from workers.models.layers import (MergedColumnParallelLinear, RMSNorm, RowParallelLinear,
+                                   Shard, WeightShapeError, _comm_for, kv_heads_per_rank)
 from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -63,9 +56,8 @@ class LlamaMLP(nn.Module):
         )
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
-    # a few fp32 rows on the CPU through one fused kernel
-    # (workers.kernels.small_gemm.SmallBatchMLP), set at load where both projections take it; None:
-    # the two projections one by one
+    # a few fp32 rows on the CPU by one fused kernel (kernels.small_gemm.SmallBatchMLP), set at
+    # load where both projections take it; None: the two projections one by one
     small_batch: SmallBatchMLP | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,8 +162,7 @@ class LlamaModel(nn.Module):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if self.is_last:
             return self.norm(hidden, residual)[0]
-        # the next stage's input (a stage of no layers has no residual to add)
-        return hidden if residual is None else hidden.add_(residual)
+        return hidden if residual is None else hidden.add_(residual)  # the next stage's input
 
 
 class LlamaForCausalLM(nn.Module):
@@ -273,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
                 unknown.append(hf_name)
                 continue
             try:
-                # a parameter carries its loader as an attribute of its own (as vLLM's do)
+                # each parameter carries its loader (`workers.models.layers._make_param`)
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             except WeightShapeError as e:
                 raise WeightShapeError(f"tensor {hf_name!r}: {e}") from None

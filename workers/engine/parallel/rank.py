@@ -21,7 +21,6 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from workers.engine.parallel.messages import (
     DeviceCacheSpec,
     GraphsCaptured,
     MemoryReport,
+    RankConn,
     RankFailed,
     RankTiming,
     Ready,
@@ -117,14 +117,6 @@ def allocate_rank_caches(caches: RankCaches, device: torch.device) -> list[torch
         return [torch.zeros(caches.shape, dtype=dtype, device=device)
                 for _ in range(caches.num_layers)]
     return map_tensors(caches)  # the driver sees what is written here
-
-
-class RankConn(Protocol):
-    """The rank's end of its channel to the driver (a pipe's, or a socket's on Ray)."""
-
-    def send(self, obj: object) -> None: ...
-
-    def recv(self) -> Any: ...
 
 
 def rank_main(setup: RankSetup, conn: RankConn) -> None:
