@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# Lint and types first: they take seconds (mypy's first run a minute or two, then its cache) and
+# fail before the long pytest run. Their settings are pyproject.toml's [tool.ruff] and [tool.mypy].
 test: $(STAMP)
+	$(PY) -m ruff check cluster router workers kvtransfer
+	$(PY) -m mypy cluster router workers kvtransfer
 	# two workers, a test module each at a time (its module-scoped servers and Ray instance
 	# stay whole): much of the suite waits on servers and processes starting, not on a core
 	$(PY) -m pytest -q -n 2 --dist loadfile

@@ -77,12 +77,12 @@ def in_flight(timeout_s: float = 5.0) -> int:
             timeout_s=timeout_s)["num_in_flight"]
         entries = serve.get_deployment_handle("directory", app_name=APP_NAME).entries.remote(
             ).result(timeout_s=timeout_s)
-    except Exception:  # no router or directory answers: nothing reaches the workers
+    except Exception:  # noqa: BLE001 -- no router or directory answers: nothing reaches the workers
         return 0
     for ref in [e.actor.num_in_flight.remote() for e in entries]:
         try:
             count += ray.get(ref, timeout=timeout_s)
-        except Exception:  # a dead engine has nothing left to finish
+        except Exception:  # noqa: BLE001 -- a dead engine has nothing left to finish
             pass
     return count
 
@@ -92,5 +92,5 @@ def gone_or_unknown() -> bool:
     """The application is deleted, or Serve can no longer say."""
     try:
         return app_status() is None
-    except Exception:  # the controller is gone too
+    except Exception:  # noqa: BLE001 -- the controller is gone too
         return True

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 PREFILL_SIGNALS = ("pending_prompt_tokens",)
 DECODE_SIGNALS = ("kv_usage", "running_seqs")

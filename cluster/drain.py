@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from cluster.directory import TTL_S
 from cluster.launch import APP_NAME

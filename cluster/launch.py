@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from cluster.app_state import APP_NAME, app_status, describe, gone_or_unknown, in_flight, serving
 from cluster.config import CleaveConfig, ConfigError
@@ -82,7 +82,7 @@ def _wait(until: str, progress: Callable[[str], None] | None,
     while not (stop is not None and stop.is_set()):
         try:
             app = app_status()
-        except Exception:  # the controller is still starting
+        except Exception:  # noqa: BLE001 -- the controller is still starting
             app, line = None, "starting Serve"
         else:
             line = describe(app)

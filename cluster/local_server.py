@@ -185,6 +185,7 @@ class LocalServer:
     def workers(self) -> list[Worker]:
         """The in-process workers behind the clients (tests look inside them; not with
         `process_per_worker`)."""
+        # in process, each client's channel is an `InProcessChannel`, which holds its worker
         return [c.channel.worker for c in self.clients]  # type: ignore[attr-defined]
 
     @property
@@ -199,7 +200,7 @@ class LocalServer:
         self.loop = event_loop.new_event_loop()
         try:
             self.loop.run_until_complete(self._stack.serve(self._ready))
-        except BaseException as exc:  # surfaced by start()
+        except BaseException as exc:  # noqa: BLE001 -- surfaced by start()
             self._error = exc
             self._ready.set()
         finally:

@@ -69,7 +69,9 @@ def engine_actor_options(settings: PoolSettings, pg: PlacementGroup | None) -> d
 class WorkerReplica:
     """The Serve deployment class of every pool (bound once per pool, named `pool-<name>`)."""
 
-    async def __init__(self, config: dict[str, Any], pool: str, directory: Any) -> None:
+    # Serve awaits an async constructor; the checker holds that `__init__` returns None
+    async def __init__(  # type: ignore[misc]
+            self, config: dict[str, Any], pool: str, directory: Any) -> None:
         self.config = CleaveConfig.parse(config)
         self.pool = pool
         self.settings = getattr(self.config.pools, pool)
@@ -94,7 +96,8 @@ class WorkerReplica:
             await asyncio.sleep(HEARTBEAT_S)
             try:
                 await self.directory.register.remote(self.entry)
-            except Exception as exc:  # the directory restarting: the next beat re-registers
+            # the directory restarting: the next beat re-registers
+            except Exception as exc:  # noqa: BLE001
                 logger.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
 
     async def check_health(self) -> None:
@@ -138,12 +141,12 @@ class WorkerReplica:
                                "they move to other workers", self.worker_id, left,
                                a.drain_timeout_s)
             await self.actor.shutdown.remote()
-        except Exception as exc:  # going away regardless
+        except Exception as exc:  # noqa: BLE001 -- going away regardless
             logger.warning("worker %s: draining failed: %s", self.worker_id, exc)
         finally:
             try:
                 await asyncio.wait_for(self.directory.deregister.remote(self.worker_id),
                                        DIRECTORY_TIMEOUT_S)
-            except Exception:  # the directory may be going away too
+            except Exception:  # noqa: BLE001 -- the directory may be going away too
                 pass
             ray.kill(self.actor)

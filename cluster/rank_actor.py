@@ -119,7 +119,7 @@ class RankActor:
                          ctx.get_placement_group_id(),
                          self._cores.cores if self._cores is not None else None)
 
-    def run(self, target: Callable[[object, object], None], setup: object, port: int,
+    def run(self, target: Callable[[Any, Any], None], setup: object, port: int,
             token: bytes) -> int:
         """Connect to the driver on 127.0.0.1:`port`, then `target(setup, channel)`; returns
         the rank's exit code (0, or what it raised `SystemExit` with)."""
@@ -222,7 +222,7 @@ class RayActorLauncher(RankLauncher):
         self.bundles: list[dict[str, float]] = placement_group.bundle_specs
         self.ranks: list[ActorRank] = []
 
-    def launch(self, target: Callable[[object, object], None], setup: object) -> RankHandle:
+    def launch(self, target: Callable[[Any, Any], None], setup: object) -> RankHandle:
         rank = len(self.ranks)
         if rank >= len(self.bundles):
             raise ValueError(f"rank {rank} has no bundle: the placement group has "

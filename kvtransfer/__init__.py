@@ -31,7 +31,7 @@ _EXPORTS: dict[str, str] = {
     "Transport": "transport", "TransportConfig": "transport",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 -- the lazily imported names above
 
 
 def __getattr__(name: str) -> Any:

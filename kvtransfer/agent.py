@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -239,10 +239,11 @@ class TransferAgent:
         start = time.perf_counter()
         results = await settled([self._pulls.fetch(h, dst_ids, landed, timeout)
                                  for h in needed])
+        parts: list[PartStats] = []
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        parts: list[PartStats] = results  # type: ignore[assignment]
+            parts.append(r)
         return PullResult(sum(p.num_bytes for p in parts),
                           sum(p.read.num_messages for p in parts), len(parts),
                           time.perf_counter() - start, sum(p.read.num_bytes for p in parts))

@@ -14,7 +14,7 @@ import hmac
 import secrets
 import socket
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -85,7 +85,7 @@ class AgentHost:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             token = await asyncio.wait_for(m.recv_bytes(reader, len(self._token)), 5.0)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, OSError):
+        except (TimeoutError, asyncio.IncompleteReadError, ValueError, OSError):
             token = b""
         if not hmac.compare_digest(token, self._token) or self._driver is not None:
             writer.close()  # not our driver, or a second one

@@ -3,14 +3,14 @@ time, so pools can grow and shrink (no fixed world). NCCL for GPU caches; the sa
 gloo with CPU caches (what the CPU tests use).
 
 The source hosts a store and a TCP control socket; its address is
-`nccl://HOST:CONTROL_PORT/STORE_PORT`. torch's `TCPStore` listens on every interface whatever
-host it is given, so on a loopback host (every peer on this machine) the store is a `FileStore`
-instead, and the address `nccl://HOST:CONTROL_PORT/file:PATH`: nothing listens beyond the host. The first pull from a source makes a two-rank process
-group (source rank 0, puller rank 1) under a fresh key (`PrefixStore`); both sides cache it
-for later pulls, and drop it on any error. Control messages (request, accept/reject, done) go
-over the control socket as in `tcp`; the bytes go as one send per view (K and V of each
-coalesced segment, per layer). Pulls from one source are serialised on the puller (NCCL
-matches sends and receives by order, not tag).
+`nccl://HOST:CONTROL_PORT/STORE_PORT`. torch's `TCPStore` listens on every interface whatever host
+it is given, so on a loopback host (every peer on this machine) the store is a `FileStore` instead,
+and the address `nccl://HOST:CONTROL_PORT/file:PATH`: nothing listens beyond the host. The first
+pull from a source makes a two-rank process group (source rank 0, puller rank 1) under a fresh key
+(`PrefixStore`); both sides cache it for later pulls, and drop it on any error. Control messages
+(request, accept/reject, done) go over the control socket as in `tcp`; the bytes go as one send per
+view (K and V of each coalesced segment, per layer). Pulls from one source are serialised on the
+puller (NCCL matches sends and receives by order, not tag).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import socket
 import tempfile
 import time
 import uuid
-from typing import Callable
+import functools
+from typing import Generic, Protocol, TypeVar, cast
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,16 +69,23 @@ def _open_store(host: str, store: str) -> dist.Store:
     return dist.TCPStore(host, int(store), None, False, datetime.timedelta(seconds=30))
 
 
+class PairGroup(Protocol):
+    """A pair's process group (torch's stubs give its gloo and NCCL backends no send/recv)."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> dist.Work: ...
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> dist.Work: ...
+
+
 def _make_group(backend: str, store: dist.Store, key: str, rank: int, host: str,
-                timeout_s: float) -> dist.ProcessGroup:
+                timeout_s: float) -> PairGroup:
     """A two-rank process group under `key` (blocks until both ranks have joined)."""
     prefixed = dist.PrefixStore(f"kvtransfer/{key}/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         opts._timeout = timeout
-        return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+        return cast(PairGroup, dist.ProcessGroupGloo(prefixed, rank, 2, opts))
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None or not torch.cuda.is_available():
         raise TransportUnavailable("the nccl backend needs a CUDA build of torch and a GPU; "
@@ -99,22 +108,25 @@ def _shut(group: object) -> None:
             logger.debug("shutting a process group down failed: %r", exc)
 
 
-class PairCache(dict):
+_V = TypeVar("_V")
+
+
+class PairCache(dict[str, _V], Generic[_V]):
     """Pair key (or address) -> what its process group needs, at most `limit`, least recently
     used first out; every entry leaving (evicted, dropped, cleared) has its group shut down.
     Peers come and go with autoscaling: without a bound, every one ever seen kept a group."""
 
-    def __init__(self, group_of: Callable[[object], object], limit: int = MAX_PAIRS) -> None:
+    def __init__(self, group_of: Callable[[_V], PairGroup], limit: int = MAX_PAIRS) -> None:
         super().__init__()
         self.group_of, self.limit = group_of, limit
 
-    def use(self, key: str) -> object | None:
+    def use(self, key: str) -> _V | None:
         value = super().pop(key, None)
         if value is not None:
             super().__setitem__(key, value)  # now the most recent
         return value
 
-    def put(self, key: str, value: object) -> None:
+    def put(self, key: str, value: _V) -> None:
         self.drop(key)
         super().__setitem__(key, value)
         while len(self) > self.limit:
@@ -141,7 +153,7 @@ async def _in_thread(fn: Callable[[], None]) -> None:
         raise
 
 
-def _run_ops(ops: list[Callable[[], dist.Work]], timeout_s: float, cuda: bool) -> None:
+def _run_ops(ops: list[functools.partial[dist.Work]], timeout_s: float, cuda: bool) -> None:
     try:
         for op in ops:
             op().wait(datetime.timedelta(seconds=timeout_s))
@@ -164,9 +176,9 @@ class CollectiveTransport(Transport):
         self._server: StreamServer | None = None
         self._store: dist.Store | None = None
         self._store_file: str | None = None  # the FileStore's, on a loopback host
-        self._served = PairCache(lambda group: group)  # pair key -> group (we are rank 0)
+        self._served: PairCache[PairGroup] = PairCache(lambda group: group)  # key -> group (rank 0)
         # source address -> (its store, pair key, group)
-        self._pulled = PairCache(lambda entry: entry[2])
+        self._pulled: PairCache[tuple[dist.Store, str, PairGroup]] = PairCache(lambda e: e[2])
         self._locks: dict[str, asyncio.Lock] = {}
 
     @classmethod
@@ -197,28 +209,35 @@ class CollectiveTransport(Transport):
         hello = await recv_message(conn)
         if not isinstance(hello, PairHello):
             raise InvalidDescriptor(f"expected PairHello, got {type(hello).__name__}")
-        read = await open_read_or_reject(conn, self._source)
+        source = self._source
+        if source is None:
+            raise RuntimeError("the transport serves only after start()")
+        read = await open_read_or_reject(conn, source)
         if read is None:
             return
         try:
             group = self._served.use(hello.pair_key)
             device = read.caches[0].device
             if group is None:
+                store = self._store
+                if store is None:
+                    raise RuntimeError("the transport was closed")
                 group = await asyncio.to_thread(
-                    _make_group, self._backend_for(device), self._store, hello.pair_key, 0,
+                    _make_group, self._backend_for(device), store, hello.pair_key, 0,
                     self._host, self._op_timeout_s)
                 self._served.put(hello.pair_key, group)
             for layer in range(read.num_layers):
                 views = [v.contiguous() for v in read.layer_views(layer)]
-                ops = [lambda v=v: group.send([v], 1, TAG) for v in views]
-                await _in_thread(lambda: _run_ops(ops, self._op_timeout_s, device.type == "cuda"))
+                ops = [functools.partial(group.send, [v], 1, TAG) for v in views]
+                await _in_thread(functools.partial(_run_ops, ops, self._op_timeout_s,
+                                                   device.type == "cuda"))
             if not isinstance(await recv_message(conn), ReadDone):
                 raise InvalidDescriptor("expected ReadDone after the last layer")
         except (TransferError, asyncio.CancelledError):
             self._served.drop(hello.pair_key)
             raise
         finally:
-            self._source.close_read(read)
+            source.close_read(read)
 
     async def fetch(self, address: str, request: ReadRequest, sink: LayerSink) -> TransferStats:
         lock = self._locks.setdefault(address, asyncio.Lock())
@@ -253,8 +272,9 @@ class CollectiveTransport(Transport):
                 staged = [v if v.is_contiguous() else torch.empty_like(v, memory_format=
                                                                        torch.contiguous_format)
                           for v in views]
-                ops = [lambda s=s: group.recv([s], 0, TAG) for s in staged]
-                await _in_thread(lambda: _run_ops(ops, self._op_timeout_s, device.type == "cuda"))
+                ops = [functools.partial(group.recv, [s], 0, TAG) for s in staged]
+                await _in_thread(functools.partial(_run_ops, ops, self._op_timeout_s,
+                                                   device.type == "cuda"))
                 for v, s in zip(views, staged):
                     if s is not v:
                         v.copy_(s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from kvtransfer.errors import InvalidDescriptor, LayoutMismatch, PeerGone, TransferError
 from kvtransfer.transport import BlockSource, LayerSink, SourceRead
@@ -83,7 +83,7 @@ class StreamServer:
             await asyncio.wait_for(self._handle(conn), self.timeout_s)
         except TransferError as e:
             logger.info("pull ended early: %s", e)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("a KV connection ran past %s s and was closed", self.timeout_s)
         finally:
             conn.close()

@@ -10,7 +10,7 @@ class TransferError(Exception):
     """Base of every error a pull or an offer raises. `lease_ids` names the parts of a read
     at fault when only some are (empty: the whole read)."""
 
-    kind: "ErrorKind"
+    kind: ErrorKind
 
     def __init__(self, message: str = "", lease_ids: tuple[str, ...] = ()) -> None:
         super().__init__(message)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Sequence
 
 from kvtransfer.errors import InvalidDescriptor, LayoutMismatch
 

@@ -9,7 +9,7 @@ allocation usually moves as one segment per layer and K/V.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -107,10 +107,11 @@ def sources_for(dst: KVLayout, handoffs: Sequence[Handoff]) -> list[Handoff]:
             raise LayoutMismatch(
                 f"handoffs of one request disagree: {h.num_blocks} blocks at TP "
                 f"{h.layout.tp_size} vs {first.num_blocks} blocks at TP {first.layout.tp_size}")
-    needed = [h for h in handoffs if head_slice(h.layout, dst) is not None]
+    slices = [(h, sl) for h in handoffs if (sl := head_slice(h.layout, dst)) is not None]
     if dst.kind == "latent":  # every source rank holds the whole latent: one is enough
-        needed = needed[:1]
-    covered = sum(head_slice(h.layout, dst).num_heads for h in needed)
+        slices = slices[:1]
+    needed = [h for h, _ in slices]
+    covered = sum(sl.num_heads for _, sl in slices)
     ranks = sorted(h.layout.tp_rank for h in needed)
     if covered != dst.num_kv_heads or len(set(ranks)) != len(ranks):
         raise LayoutMismatch(

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -28,6 +29,8 @@ from kvtransfer.handoff import Handoff, KVLayout
 from kvtransfer.plan import ReadPlan
 from kvtransfer.transport import LayerSink, TransferStats, Transport
 from kvtransfer.wire import ReadPart, ReadRequest
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class PullBatcher:
             timeout = min(p.timeout for p in parts)
             try:
                 read = await asyncio.wait_for(self._fetch(address, parts), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 _fail(parts, TransferTimeout(f"pull did not finish within {timeout} s (a read of "
                                              f"{len(parts)} part(s) from {address})"))
                 return
@@ -135,7 +138,7 @@ def _fail(parts: list[_Part], exc: BaseException) -> None:
             p.done.set_exception(exc)
 
 
-async def settled(futures: Sequence[asyncio.Future]) -> list[object]:
+async def settled(futures: Sequence[asyncio.Future[_T]]) -> list[_T | BaseException]:
     """Each future's result or exception once every one is done. A cancellation of the caller
     waits for them too (their reads write into the caller's blocks) and is raised after."""
     cancelled = False
@@ -145,7 +148,7 @@ async def settled(futures: Sequence[asyncio.Future]) -> list[object]:
             break
         except asyncio.CancelledError:
             cancelled = True
-    results = [f.exception() or f.result() for f in futures]
+    results: list[_T | BaseException] = [f.exception() or f.result() for f in futures]
     if cancelled:
         raise asyncio.CancelledError
     return results

@@ -33,7 +33,7 @@ import logging
 import socket
 import time
 import uuid
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvtransfer import remote_messages as m
 from kvtransfer.agent import PullResult
@@ -72,7 +72,7 @@ class RemoteAgent:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host.host, host.port), timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise PeerGone(f"cannot reach the KV agent host at {host.host}:{host.port}: "
                            f"{exc!r}") from None
         sock = writer.get_extra_info("socket")
@@ -81,7 +81,7 @@ class RemoteAgent:
         try:
             await m.send(writer, m.Hello(transport))
             reply = await asyncio.wait_for(m.recv(reader), timeout_s)
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+        except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
             writer.close()
             raise PeerGone(f"the KV agent host at {host.host}:{host.port} did not start its "
                            f"agent: {exc!r}") from None
@@ -90,6 +90,10 @@ class RemoteAgent:
             if reply.kind is None:
                 raise RuntimeError(reply.message)
             raise error_from_kind(ErrorKind(reply.kind), reply.message)
+        if not isinstance(reply, m.Started):
+            writer.close()
+            raise PeerGone(f"the KV agent host at {host.host}:{host.port} replied "
+                           f"{type(reply).__name__}; expected Started or StartFailed")
         return cls(reader, writer, reply, on_release)
 
     @property

@@ -76,7 +76,10 @@ class TcpTransport(Transport):
         return f"tcp://{self._server.host}:{self._server.port}"
 
     async def _serve(self, conn: socket.socket) -> None:
-        read = await open_read_or_reject(conn, self._source)
+        source = self._source
+        if source is None:
+            raise RuntimeError("the transport serves only after start()")
+        read = await open_read_or_reject(conn, source)
         if read is None:
             return
         staging = self._staging.pop() if self._staging else HostStaging()
@@ -91,7 +94,7 @@ class TcpTransport(Transport):
                 raise InvalidDescriptor("expected ReadDone after the last layer")
         finally:
             self._staging.append(staging)
-            self._source.close_read(read)
+            source.close_read(read)
 
     async def fetch(self, address: str, request: ReadRequest, sink: LayerSink) -> TransferStats:
         start = time.perf_counter()

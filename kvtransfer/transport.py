@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -106,7 +107,8 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError(f"tensor on {t.device} with strides {t.stride()}; expected contiguous "
                          "CPU memory")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # ndarray has the buffer protocol; numpy's stubs declare it only for Python 3.12+
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

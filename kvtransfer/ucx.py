@@ -39,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Coroutine
+from typing import Any
+from collections.abc import Coroutine
 
 import torch
 
@@ -109,6 +110,9 @@ class UcxTransport(Transport):
 
     async def _serve_one(self, ep: Endpoint) -> bool:
         """One pull on `ep`; True when it ended cleanly and the endpoint may carry the next."""
+        source = self._source
+        if source is None:
+            raise RuntimeError("the transport serves only after start()")
         sends = Pipeline()
         read = None
         try:
@@ -116,7 +120,7 @@ class UcxTransport(Transport):
             if not isinstance(request, ReadRequest):
                 raise InvalidDescriptor(f"expected a ReadRequest, got {type(request).__name__}")
             try:
-                read = self._source.open_read(request)
+                read = source.open_read(request)
             except TransferError as e:
                 await ep.send_message(ReadRejected.of(e))
                 return True
@@ -129,14 +133,14 @@ class UcxTransport(Transport):
             if not isinstance(done, ReadDone):
                 raise InvalidDescriptor("expected ReadDone after the last layer")
             return True
-        except (TransferError, asyncio.TimeoutError):
+        except (TimeoutError, TransferError):
             return False  # the puller sees its own error (or stopped); the read ends below
         finally:
             if read is not None:
                 if not sends.idle:
                     await ep.close()  # cancels the sends still in flight
                 await sends.settle()
-                self._source.close_read(read)
+                source.close_read(read)
 
     async def fetch(self, address: str, request: ReadRequest, sink: LayerSink) -> TransferStats:
         start = time.perf_counter()

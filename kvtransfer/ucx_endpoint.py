@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Callable, Coroutine, Iterable
+from typing import Any
+from collections.abc import Callable, Coroutine, Iterable
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class Pipeline:
         window: deque[tuple[int, list[asyncio.Future]]] = deque()
         messages = 0
         for layer in range(num_layers):
-            ops = [asyncio.ensure_future(op) for op in post(layer)]
+            ops: list[asyncio.Future] = [asyncio.ensure_future(op) for op in post(layer)]
             self._posted.extend(ops)
             window.append((layer, ops))
             while window and (len(window) > LAYERS_IN_FLIGHT or layer == num_layers - 1):

@@ -19,7 +19,6 @@ import socket
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Union
 
 from kvtransfer.handoff import KVLayout
 from kvtransfer.errors import (ErrorKind, InvalidDescriptor, PeerGone, TransferError,
@@ -93,7 +92,7 @@ class PairHello:
     pair_key: str  # names the puller's side of a per-pair communicator
 
 
-Message = Union[ReadRequest, ReadAccepted, ReadRejected, ReadDone, PairHello]
+Message = ReadRequest | ReadAccepted | ReadRejected | ReadDone | PairHello
 _KINDS: dict[type, MessageKind] = {
     ReadRequest: MessageKind.READ_REQUEST, ReadAccepted: MessageKind.READ_ACCEPTED,
     ReadRejected: MessageKind.READ_REJECTED, ReadDone: MessageKind.READ_DONE,

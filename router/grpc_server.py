@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import AsyncIterator
+from collections.abc import Collection
+from typing import NoReturn, Protocol
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -39,6 +41,7 @@ def sampling_params(msg: pb.SamplingParameters, max_tokens_default: int) -> Samp
     try:
         kwargs["logit_bias"] = dict(msg.logit_bias) or None
         kwargs["structured"] = _constraint(msg)
+        # the fields' types are the message's; SamplingParams validates each value
         return SamplingParams(**kwargs)  # type: ignore[arg-type]
     except InvalidRequestError as exc:
         raise BadRequestError(exc.message, param=exc.param) from None
@@ -73,11 +76,20 @@ def _response(event: TokenEvent, gen: Generation, request_id: str) -> pb.Generat
         predicted_cached_tokens=gen.predicted_cached_tokens, worker_id=gen.worker_id)
 
 
+class ServicerContext(Protocol):
+    """What the handlers use of a gRPC context: `grpc.aio.ServicerContext`, or Serve's adapted
+    by `cluster/ingress.py`."""
+
+    def invocation_metadata(self) -> Collection[tuple[str, str | bytes]] | None: ...
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> NoReturn: ...
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    def _authenticate(self, context: ServicerContext) -> None:
         token = None
         for key, value in context.invocation_metadata() or ():
             if key == "authorization" and isinstance(value, str):
@@ -94,7 +106,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         raise BadRequestError("set the prompt: text or token_ids", param="prompt")
 
     async def Generate(self, request: pb.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+                       context: ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         router = self.router
         gen: Generation | None = None
         slot = None
@@ -116,7 +128,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             if gen is None:  # one that streamed was counted by its record
                 router.metrics.count_error("grpc", exc)
             await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
-        except Exception as exc:  # noqa: BLE001 -- the client gets no internals
+        except Exception as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             logger.exception("unhandled error serving a gRPC Generate")
@@ -128,7 +140,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 slot.release()
 
     async def Models(self, request: pb.ModelsRequest,
-                     context: grpc.aio.ServicerContext) -> pb.ModelsResponse:
+                     context: ServicerContext) -> pb.ModelsResponse:
         try:
             self._authenticate(context)
         except APIError as exc:
@@ -137,7 +149,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                                                   max_model_len=self.router.max_model_len)])
 
     async def Health(self, request: pb.HealthRequest,
-                     context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+                     context: ServicerContext) -> pb.HealthResponse:
         """Liveness, open without a key (as HTTP's /health): reads no worker."""
         healthy = self.router.healthy_workers()
         return pb.HealthResponse(healthy=bool(healthy), healthy_workers=healthy)

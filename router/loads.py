@@ -85,7 +85,7 @@ class LoadTable(Sequence[WorkerLoad]):
         self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
         self.pending, self.healthy, self.present = pending, healthy, present
         self.rows = rows
-        self.index = index  # worker id -> row
+        self.row_of = index  # worker id -> row (not `index`: that is Sequence.index)
 
     @classmethod
     def of(cls, loads: Sequence[WorkerLoad]) -> LoadTable:
@@ -113,8 +113,9 @@ class LoadTable(Sequence[WorkerLoad]):
     @classmethod
     def empty(cls) -> LoadTable:
         """A table of no rows, to `add` workers to."""
-        return cls([], *(np.zeros(0, dtype=t) for t in (np.int64, np.int64, np.float64,
-                                                         np.int64, bool, bool)),
+        return cls([], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                   np.zeros(0, dtype=np.float64), np.zeros(0, dtype=np.int64),
+                   np.zeros(0, dtype=bool), np.zeros(0, dtype=bool),
                    np.zeros(0, dtype=np.int64), {})
 
     # ---- kept by the router's worker set (one table, rows updated in place) -----------------
@@ -132,7 +133,7 @@ class LoadTable(Sequence[WorkerLoad]):
                 grown[:row] = getattr(self, name)[:row]
                 setattr(self, name, grown)
         self.ids.append(worker_id)
-        self.index[worker_id] = row
+        self.row_of[worker_id] = row
         self.healthy[row] = self.present[row] = True
         self.fetch_cost[row] = np.nan
         self.host_hit_cost[row] = self.fetch_fixed[row] = 0.0
@@ -140,7 +141,7 @@ class LoadTable(Sequence[WorkerLoad]):
 
     def remove(self, worker_id: str) -> None:
         """`worker_id`'s row is no longer present (tables read before still name it)."""
-        row = self.index.pop(worker_id)
+        row = self.row_of.pop(worker_id)
         self.ids[row] = None
         self.present[row] = self.healthy[row] = False
 
@@ -148,7 +149,7 @@ class LoadTable(Sequence[WorkerLoad]):
                pending: int, healthy: bool, fetch_cost: float | None = None,
                host_hit_cost: float = 0.0, fetch_fixed_blocks: float = 0.0) -> None:
         """A worker's reported load replaces its row."""
-        row = self.index.get(worker_id)
+        row = self.row_of.get(worker_id)
         if row is not None:
             self.waiting[row], self.running[row] = waiting, running
             self.kv_usage[row] = min(1.0, max(0.0, kv_usage))
@@ -159,7 +160,7 @@ class LoadTable(Sequence[WorkerLoad]):
 
     def rows_of(self, worker_ids: Iterable[str]) -> np.ndarray:
         """The rows of those of `worker_ids` that have one, ascending."""
-        return np.array(sorted(self.index[w] for w in worker_ids if w in self.index),
+        return np.array(sorted(self.row_of[w] for w in worker_ids if w in self.row_of),
                         dtype=np.int64)
 
     # ---- as a sequence of records --------------------------------------------------------
@@ -195,13 +196,13 @@ class LoadTable(Sequence[WorkerLoad]):
     def select(self, rows: np.ndarray) -> LoadTable:
         """The same columns with other candidate rows (ascending)."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
-                         self.healthy, self.present, rows, self.index, self.fetch_cost,
+                         self.healthy, self.present, rows, self.row_of, self.fetch_cost,
                          self.host_hit_cost, self.fetch_fixed)
 
     def with_healthy(self, healthy: np.ndarray) -> LoadTable:
         """The same candidates read against another healthy column."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
-                         healthy, self.present, self.rows, self.index, self.fetch_cost,
+                         healthy, self.present, self.rows, self.row_of, self.fetch_cost,
                          self.host_hit_cost, self.fetch_fixed)
 
     def without(self, worker_ids: Collection[str]) -> LoadTable:
@@ -230,7 +231,7 @@ class LoadTable(Sequence[WorkerLoad]):
 
     def position(self, rows: np.ndarray, worker_id: str) -> int | None:
         """Where `worker_id`'s row is in `rows` (ascending), or None."""
-        row = self.index.get(worker_id)
+        row = self.row_of.get(worker_id)
         if row is None:
             return None
         at = int(np.searchsorted(rows, row))

@@ -176,18 +176,19 @@ class _LoadCollector(Collector):
 def _kv_moves(c: RouterCounters) -> Iterator[Metric]:
     """KV moved between workers instead of recomputed (issue 23's counters)."""
     for name, doc, value in (
-            ("cleave_prefix_fetches", "Requests whose worker pulled their prompt's leading "
-             "blocks from another worker's cache", c.num_prefix_fetches),
+            ("cleave_prefix_fetches", ("Requests whose worker pulled their prompt's leading "
+                                       "blocks from another worker's cache"),
+             c.num_prefix_fetches),
             ("cleave_prefix_fetch_blocks", "KV blocks those fetches offered",
              c.prefix_fetch_blocks),
             ("cleave_live_migrations", "Running streams moved to another worker with their KV",
              c.num_live_migrations),
             ("cleave_live_migrations_failed", "Streams that could not move with their KV",
              c.num_live_migrations_failed),
-            ("cleave_rebalanced_streams", "Live migrations off a worker whose KV cache was "
-             "nearly full", c.num_rebalanced),
-            ("cleave_hand_off_prefixes", "A leaving worker's hot prefixes pulled by the workers "
-             "that stay", c.num_hand_off_prefixes),
+            ("cleave_rebalanced_streams", ("Live migrations off a worker whose KV cache was "
+                                           "nearly full"), c.num_rebalanced),
+            ("cleave_hand_off_prefixes", ("A leaving worker's hot prefixes pulled by the "
+                                          "workers that stay"), c.num_hand_off_prefixes),
             ("cleave_hand_off_blocks", "KV blocks those hand-offs landed", c.hand_off_blocks)):
         yield CounterMetricFamily(name, doc, value=value)
 

@@ -12,7 +12,7 @@ saved.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from router.counters import RouterCounters
 from router.policy import Decision

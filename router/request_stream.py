@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Callable
+from collections.abc import Callable
 
 from workers.contract.protocol import TokenEvent
 
@@ -46,10 +46,12 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._finish(abort=False)
             raise item
-        while (item.finish_reason is None and self._items
-               and isinstance(self._items[0], TokenEvent)
-               and self._items[0].index == item.index):
-            item = _merged(item, self._items.popleft())  # type: ignore[arg-type]
+        while item.finish_reason is None and self._items:
+            following = self._items[0]
+            if not isinstance(following, TokenEvent) or following.index != item.index:
+                break
+            self._items.popleft()
+            item = _merged(item, following)
         if item.finish_reason is not None:
             self._left -= 1
             if self._left == 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+from collections.abc import Coroutine, Sequence
 
 import numpy as np
 
@@ -174,7 +174,7 @@ class WorkerSet:
         return [wid for wid, info in self._infos.items() if info.role in roles]
 
     def is_healthy(self, worker_id: str) -> bool:
-        row = self._table.index.get(worker_id)
+        row = self._table.row_of.get(worker_id)
         return row is not None and bool(self._table.healthy[row])
 
     def healthy_workers(self) -> list[str]:
@@ -205,13 +205,13 @@ class WorkerSet:
             return table
         healthy = table.healthy.copy()
         for wid in self.draining:
-            if wid in table.index:
-                healthy[table.index[wid]] = False
+            if wid in table.row_of:
+                healthy[table.row_of[wid]] = False
         return table.with_healthy(healthy)
 
     def note_routed(self, worker_id: str) -> None:
         """A request was just sent to the worker (it counts as waiting until its report)."""
-        row = self._table.index.get(worker_id)
+        row = self._table.row_of.get(worker_id)
         if row is not None:
             self._table.waiting[row] += 1
 
@@ -219,7 +219,7 @@ class WorkerSet:
         self._set_healthy(worker_id, False)
 
     def _set_healthy(self, worker_id: str, healthy: bool) -> None:
-        row = self._table.index.get(worker_id)
+        row = self._table.row_of.get(worker_id)
         if row is not None:
             self._table.healthy[row] = healthy
 
@@ -228,7 +228,7 @@ class WorkerSet:
         async def ask(wid: str, client: WorkerClient) -> None:
             try:
                 ok = await asyncio.wait_for(client.health(), HEALTH_TIMEOUT_S)
-            except (WorkerUnavailableError, asyncio.TimeoutError):
+            except (TimeoutError, WorkerUnavailableError):
                 ok = False
             self._set_healthy(wid, ok)
 
@@ -275,7 +275,7 @@ class WorkerSet:
         finally:
             self._resyncing.discard(worker_id)
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -25,8 +25,8 @@ _LAZY = {
     "AsyncEngine": "workers.engine.async_engine",
 }
 
-__all__ = ["CompletionOutput", "FinishReason", "InvalidRequestError", "RequestOutput",
-           "SamplingParams", "TokenEvent", *_LAZY]
+__all__ = ["CompletionOutput", "FinishReason", "InvalidRequestError",  # noqa: PLE0604 -- with
+           "RequestOutput", "SamplingParams", "TokenEvent", *_LAZY]  # the lazy names
 
 
 def __getattr__(name: str) -> Any:

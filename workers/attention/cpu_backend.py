@@ -45,7 +45,7 @@ def build_kernel(compiler: str | None = None) -> Path:
     return build_library(SOURCE, compiler)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel() -> ctypes.CDLL:
     """The loaded kernel library (built if needed); raises KernelBuildError."""
     lib = ctypes.CDLL(str(build_kernel()))
@@ -57,7 +57,7 @@ def load_kernel() -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """Whether the kernel builds and loads here; warns once, with the reason, when it does not."""
     return loads(load_kernel, "the cpu attention kernel is unavailable, decoding with the "

@@ -165,7 +165,7 @@ def paged_decode_attention(
         return out
     if num_splits == 1:
         target, lse = out, out  # lse unused: WRITE_LSE is off
-        target_strides = (out.stride(0), out.stride(1), 0)
+        target_strides: tuple[int, ...] = (out.stride(0), out.stride(1), 0)
     else:
         if scratch is None:
             scratch = DecodeScratch.allocate(batch * num_splits, num_heads, head_dim, q.device)

@@ -1,1 +1,2 @@
-"""What crosses the router/worker boundary: torch-free typed records, imported by the router and the workers alike."""
+"""What crosses the router/worker boundary: torch-free typed records, imported by the router
+and the workers alike."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from workers.contract.protocol import (
     EngineOverloaded,
@@ -200,8 +200,8 @@ class Abort:
     request_id: str
 
 
-StreamCommand = Union[Generate, DecodeFromHandoff, Resume]
-Command = Union[Generate, DecodeFromHandoff, Resume, Abort]
+StreamCommand = Generate | DecodeFromHandoff | Resume
+Command = Generate | DecodeFromHandoff | Resume | Abort
 
 OUTPUTS_VERSION = 1
 

@@ -39,8 +39,8 @@ _MAX_SPEC_CHARS = 1 << 20  # a grammar's source, as text
 class StructuredOutput:
     """One constraint on a request's output text. `value` is compact text (a schema's JSON, its
     properties in the order given, which the output follows; the choices as a JSON list), so
-    equal constraints are equal records and a compiled grammar is cached by the record. `param`: the request field it came from, named
-    in errors."""
+    equal constraints are equal records and a compiled grammar is cached by the record.
+    `param`: the request field it came from, named in errors."""
 
     kind: str
     value: str = ""

@@ -17,13 +17,16 @@ from workers.engine.config import EngineConfig
 from workers.models.loader import load_model
 from workers.kernels.kv_quant import KV_QUANT_DTYPES
 from workers.models.model_config import ModelConfig, resolve_dtype
-from workers.engine.parallel.executor import GroupExecutor, GroupOptions, LocalExecutor, ModelExecutor
+from workers.engine.parallel.executor import (GroupExecutor, GroupOptions, LocalExecutor,
+                                              ModelExecutor)
 from workers.engine.parallel.group import SpawnLauncher
 from workers.engine.parallel.rank_memory import KVProfile, KVSizing
 from workers.engine.runner import KVCacheSpec, allocate_kv_caches
 
 if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
     from workers.engine.parallel.group import RankLauncher
+    from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ def spawns_ranks(launcher: RankLauncher | None) -> bool:
     return launcher is None or isinstance(launcher, SpawnLauncher)
 
 
-def load_tokenizer(model_path: str) -> object | None:
+def load_tokenizer(model_path: str) -> Tokenizer | None:
     from workers.tokenizer.gguf_file import find_gguf_file
 
     if find_gguf_file(model_path) is None and not (Path(model_path) / "tokenizer.json").exists():
@@ -48,7 +51,7 @@ def load_tokenizer(model_path: str) -> object | None:
 
 
 def load_local_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                     device: torch.device) -> torch.nn.Module:
+                     device: torch.device) -> LlamaForCausalLM:
     return load_model(config.model, model_config, dtype=dtype, device=device,
                       attn_backend=get_backend(config.resolved_attention_backend),
                       load_format=config.load_format, seed=config.seed,
@@ -65,7 +68,7 @@ def kv_cache_spec(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> 
                        mc.kv_cache_head_dim, kv_dtype, latent=mc.mla is not None)
 
 
-def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, model: torch.nn.Module | None,
+def num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, model: LlamaForCausalLM | None,
                   device: torch.device, max_model_len: int) -> int:
     """KV blocks: as configured, or what `kv_cache_memory_bytes` holds, or on a GPU what the
     weights and a profiled step leave of `gpu_memory_utilization`, else 512 MiB on the CPU."""
@@ -105,7 +108,7 @@ def num_host_blocks(config: EngineConfig, spec: KVCacheSpec) -> int:
     return num_blocks
 
 
-def graph_batch_size(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> int:
+def graph_batch_size(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> int:
     """The largest decode batch `local_executor` replays from the static buffers (captured on
     a GPU); 0 when it takes the plain `LocalExecutor`."""
     if (config.enforce_eager or config.max_cuda_graph_batch_size == 0
@@ -126,7 +129,7 @@ def group_graph_batch_size(config: EngineConfig, kind: str) -> int:
     return min(config.max_cuda_graph_batch_size, config.max_num_seqs)
 
 
-def local_executor(config: EngineConfig, model: torch.nn.Module, spec: KVCacheSpec,
+def local_executor(config: EngineConfig, model: LlamaForCausalLM, spec: KVCacheSpec,
                    device: torch.device, max_model_len: int,
                    host_blocks: int = 0) -> ModelExecutor:
     """The model in this process; on a GPU its decode steps replay CUDA graphs unless

@@ -33,8 +33,9 @@ from __future__ import annotations
 import logging
 import time
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 
 from workers.attention import AttentionMetadata
 from workers.kernels.host_transfer import upload
@@ -43,12 +44,15 @@ from workers.engine.parallel.local import LocalExecutor
 from workers.engine.parallel.messages import StepMessage
 from workers.engine.step_inputs import fill_input_ids, step_tensors
 
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CudaGraphExecutor", "capture_sizes", "graphs_supported"]
 
 
-def graphs_supported(model: nn.Module, backend: object, device: torch.device) -> bool:
+def graphs_supported(model: torch.nn.Module, backend: object, device: torch.device) -> bool:
     """Whether decode steps of `model` with attention `backend` can be captured on `device`."""
     return (device.type == "cuda" and getattr(backend, "cuda_graph_safe", False)
             and getattr(model, "cuda_graph_safe", True))
@@ -60,7 +64,8 @@ class CudaGraphExecutor(LocalExecutor):
     `sink_block` takes the padded rows' K/V. `max_seq_len`: the longest context a captured
     step may attend over (the model's context length)."""
 
-    def __init__(self, model: nn.Module, caches: list[torch.Tensor], device: torch.device, *,
+    def __init__(self, model: LlamaForCausalLM, caches: list[torch.Tensor],
+                 device: torch.device, *,
                  sink_block: int, max_batch_size: int, max_seq_len: int,
                  capture: bool = True, host_blocks: int = 0) -> None:
         super().__init__(model, caches, device, host_blocks)
@@ -73,12 +78,12 @@ class CudaGraphExecutor(LocalExecutor):
         self.sink_block = sink_block
         width = -(-max_seq_len // self.block_size)
         rows = self.sizes[-1]
-        ints = {"dtype": torch.int64, "device": device}
         # The persistent inputs. Rows past a step's batch keep the padding values: a one-token
         # sequence at position 0 whose K/V go to the sink block.
-        self._input_ids = torch.zeros(rows, **ints)
-        self._positions = torch.zeros(rows, **ints)
-        self._slots = torch.full((rows,), sink_block * self.block_size, **ints)
+        self._input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._slots = torch.full((rows,), sink_block * self.block_size, dtype=torch.int64,
+                                 device=device)
         self._seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self._tables = torch.full((rows, width), sink_block, dtype=torch.int32, device=device)
         self._query_start = torch.arange(rows + 1, dtype=torch.int32, device=device)
@@ -112,7 +117,7 @@ class CudaGraphExecutor(LocalExecutor):
                              f"to {size} rows; the ladder is {self.sizes}")
         rows = self._load(msg, size)
         fill_input_ids(self._input_ids, self.token_fill)
-        if self._graphs:
+        if self._graphs and self._logits is not None:  # the graphs write `_logits`
             self._graphs[size].replay()
             logits = self._logits[:size]
         elif self._backend_graph_safe:

@@ -142,9 +142,10 @@ class CompileQueue:
     async def compile(self, params: SamplingParams) -> None:
         """Compile (and cache) the grammar `params` asks for; raises `InvalidRequestError`
         when it does not compile. Nothing to do without one, or when it is cached."""
-        if self.needed(params):
+        spec = params.structured
+        if spec is not None and self.needed(params):
             await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.grammars.compile, params.structured)
+                self._pool, self.grammars.compile, spec)
 
     def start_after(self, request_id: str, params: SamplingParams,
                     failed: Callable[[Exception], None], start: Callable[[], None]) -> None:
@@ -155,7 +156,8 @@ class CompileQueue:
                 await self.compile(params)
             except asyncio.CancelledError:
                 return
-            except Exception as exc:  # a grammar that does not compile: a bad request
+            # a grammar that does not compile: a bad request
+            except Exception as exc:  # noqa: BLE001
                 failed(exc)
                 return
             finally:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Sequence
 
 from workers.engine.config import EngineConfig
 from workers.engine.core import Engine
@@ -15,6 +16,9 @@ from workers.contract.protocol import (
     WorkerRequest,
 )
 
+if TYPE_CHECKING:
+    from workers.tokenizer import Tokenizer
+
 Prompt = str | list[int]
 
 
@@ -22,7 +26,7 @@ class LLM:
     """Runs prompts to completion in one process. `model=None` uses the embedded tiny default;
     other keyword arguments are `EngineConfig` fields."""
 
-    def __init__(self, model: str | None = None, **engine_options: object) -> None:
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         if model is None:
             from workers.models.make_model import default_model_path
 
@@ -31,22 +35,26 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self) -> object | None:
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        # a list of ints is one prompt (the checker cannot narrow by the first element's type)
+        prompt_list = ([cast(Prompt, prompts)] if one
+                       else list(cast(Sequence[Prompt], prompts)))
         params = sampling_params or SamplingParams()
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        params_list = (list(params) if isinstance(params, Sequence)
+                       else [params] * len(prompt_list))
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} "
+                             "prompts")
         outputs: dict[str, RequestOutput] = {}
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p in zip(prompt_list, params_list):
                 rid = str(next(self._ids))
                 ids = self.engine.tokenize(prompt)
                 self.engine.generate(WorkerRequest(rid, tuple(ids), p, cache_salt))
@@ -66,7 +74,7 @@ class LLM:
 
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             **template_kwargs: object) -> RequestOutput:
+             **template_kwargs: Any) -> RequestOutput:
         """Render `messages` with the model's chat template (add_generation_prompt) and generate."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; the model folder has no tokenizer.json")

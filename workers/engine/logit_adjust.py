@@ -27,7 +27,7 @@ def adjusted(req: Request) -> bool:
     p = req.params
     return (req.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
             or bool(p.logit_bias)
-            or ((p.presence_penalty or p.frequency_penalty) and bool(req.output_token_ids)))
+            or (bool(p.presence_penalty or p.frequency_penalty) and bool(req.output_token_ids)))
 
 
 @dataclass

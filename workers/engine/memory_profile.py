@@ -18,11 +18,12 @@ them at start, not while serving.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import logging
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from workers.engine.cuda_graphs import CudaGraphExecutor
 from workers.kernels.host_transfer import upload
@@ -32,6 +33,9 @@ from workers.contract.protocol import SamplingParams
 from workers.engine.request import Request
 from workers.engine.sampler import Sampler, top_logprobs
 from workers.engine.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP
+
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +77,7 @@ def profile_step(num_tokens: int, max_model_len: int, block_size: int,
     return msg, next_block
 
 
-def run_profile_step(model: nn.Module, caches_for: CacheFactory, device: torch.device,
+def run_profile_step(model: LlamaForCausalLM, caches_for: CacheFactory, device: torch.device,
                      num_tokens: int, max_model_len: int, block_size: int,
                      max_num_seqs: int) -> torch.Tensor:
     """Runs the largest step once on a cache made by `caches_for(num_blocks)`, then
@@ -104,7 +108,7 @@ def sample_profile(logits: torch.Tensor, max_num_seqs: int, device: torch.device
         top_logprobs(logits[sampled:].log_softmax(-1), chosen, MAX_LOGPROBS)
 
 
-def graph_profile(model: nn.Module, caches_for: CacheFactory, device: torch.device, *,
+def graph_profile(model: LlamaForCausalLM, caches_for: CacheFactory, device: torch.device, *,
                   max_seq_len: int, graph_batch_size: int) -> int:
     """Runs one-row decode steps that compile every decode-kernel variant, and with
     `graph_batch_size` > 0 captures the graph of that many rows (the ladder's largest) on a
@@ -146,7 +150,7 @@ def kv_budget_bytes(total: int, peak: int, outside_torch: int, utilization: floa
     return int(total * utilization) - peak - outside_torch - graph_bytes
 
 
-def gpu_kv_budget(model: nn.Module, caches_for: CacheFactory, device: torch.device, *,
+def gpu_kv_budget(model: LlamaForCausalLM, caches_for: CacheFactory, device: torch.device, *,
                   utilization: float, num_tokens: int, max_model_len: int, block_size: int,
                   max_num_seqs: int, graph_batch_size: int = 0) -> int:
     """Bytes the KV cache may take on `device` (CUDA), after a measured profile step and, with

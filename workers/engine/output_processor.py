@@ -1,6 +1,7 @@
-"""From sampled tokens to token events, with their text (`workers.tokenizer.detokenizer.SampleText`) unless the
-engine serves a router, which detokenizes off the step thread (`detokenize=False`: events carry
-token ids only, and stop strings are the router's to find)."""
+"""From sampled tokens to token events, with their text
+(`workers.tokenizer.detokenizer.SampleText`) unless the engine serves a router, which
+detokenizes off the step thread (`detokenize=False`: events carry token ids only, and stop
+strings are the router's to find)."""
 
 from __future__ import annotations
 

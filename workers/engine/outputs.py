@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from workers.contract.messages import RequestFailed, WorkerOutputs
 from workers.contract.protocol import EngineStats, TokenEvent

@@ -1,7 +1,7 @@
 """Turns a scheduled step into one `StepMessage`, has an executor run the model, and samples.
 
-A worker group samples on its last rank instead (`workers.engine.parallel.sampling`): the message then
-carries a `SamplingRecord` and the tokens come back, not the logits.
+A worker group samples on its last rank instead (`workers.engine.parallel.sampling`): the
+message then carries a `SamplingRecord` and the tokens come back, not the logits.
 
 The executor (in this process, or a group of tensor/pipeline-parallel ranks) owns the KV-cache
 tensors: per layer `[2, num_blocks, block_size, num_kv_heads, head_dim]`, indexed by the block
@@ -179,15 +179,16 @@ class ModelRunner:
             logprobs = logits[row:row + count].log_softmax(-1)
             row += count
             result.prompt_logprobs[req.request_id] = (chunk.start + 1, top_logprobs(
-                logprobs, upload(targets, self.device), req.params.prompt_logprobs))
+                logprobs, upload(targets, self.device), req.params.prompt_logprobs or 0))
 
     def _execute_sampled(self, batch: _Batch) -> RunnerOutput:
         """The step on an executor that samples (the group's last rank): tokens come back."""
         prompt = [PromptLogprobRows(
             tuple(chunk.request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]),
             chunk.request.params.prompt_logprobs or 0) for chunk, _, count in batch.prompt_rows]
+        # a runner has `sync` exactly when its executor samples (see __init__)
         record = self.sync.record(batch.sampling, prompt)  # type: ignore[union-attr]
-        executor: SamplingExecutor = self.executor  # type: ignore[assignment]  # `sync` says so
+        executor: SamplingExecutor = self.executor  # type: ignore[assignment]
         sampled = executor.execute_sampled(dataclasses.replace(batch.msg, sampling=record))
         result = RunnerOutput()
         _record_sampled(result, batch.sampling,

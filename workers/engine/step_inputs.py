@@ -1,10 +1,10 @@
 """A whole step's device inputs from its `StepMessage`, in one asynchronous upload.
 
-The eager path of the single-GPU executor (`workers.engine.cuda_graphs.CudaGraphExecutor`) builds its
-inputs here: token ids, positions, slot mapping, query starts, sequence lengths, the padded
+The eager path of the single-GPU executor (`workers.engine.cuda_graphs.CudaGraphExecutor`) builds
+its inputs here: token ids, positions, slot mapping, query starts, sequence lengths, the padded
 block tables and the logit rows go to the device as one pinned, non-blocking copy
-(`host_transfer.upload`), so the step's only host wait is its token copy-back. Layers then read
-the metadata as it is: nothing in a layer goes back to the host.
+(`host_transfer.upload`), so the step's only host wait is its token copy-back. Layers then read the
+metadata as it is: nothing in a layer goes back to the host.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from workers.engine.parallel.messages import StepMessage
 
 class TokenFill(NamedTuple):
     """Input ids the host does not have yet: rows of a step's input ids to overwrite on the
-    device with the previous step's sampled tokens (async scheduling, `workers.engine.async_step`)."""
+    device with the previous step's sampled tokens (async scheduling,
+    `workers.engine.async_step`)."""
 
     rows: torch.Tensor  # [k] int64, on the step's device
     tokens: torch.Tensor  # [k] int64, on the step's device

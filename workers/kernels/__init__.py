@@ -27,7 +27,7 @@ import torch
 interpret_on_cpu = False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 

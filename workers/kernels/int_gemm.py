@@ -1,5 +1,5 @@
-"""int8 and int4 weights times int8 activations on the CPU (`workers/kernels/csrc/int_gemm.c`: AVX-512
-VNNI byte dot products, activations quantized in blocks of 32 columns). `available()` says
+"""int8 and int4 weights times int8 activations on the CPU (`workers/kernels/csrc/int_gemm.c`:
+AVX-512 VNNI byte dot products, activations quantized in blocks of 32 columns). `available()` says
 whether this CPU and compiler run them; without them the quantized layers use torch's kernels.
 `block_int8` / `block_int4` lay the weights out as the kernels read them."""
 
@@ -9,7 +9,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +21,7 @@ SOURCE = Path(__file__).parent / "csrc" / "int_gemm.c"
 DEQUANT_SOURCE = Path(__file__).parent / "csrc" / "int_dequant.c"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE)))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -31,14 +31,14 @@ def load_kernel() -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """Whether the kernels build here and the CPU has AVX-512 VNNI."""
     return (loads(load_kernel, "the int8/int4 CPU kernels are unavailable, using torch's", logger)
             and bool(load_kernel().int_gemm_available()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_dequant() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(DEQUANT_SOURCE)))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -49,7 +49,7 @@ def load_dequant() -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dequant_available() -> bool:
     """Whether the weights can be unpacked to bf16 here (AVX-512 BF16) and torch's bf16 matmul
     has AMX tiles to run on. Without AMX, oneDNN's bf16 matmul was not measured against the

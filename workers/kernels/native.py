@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

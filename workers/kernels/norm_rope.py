@@ -19,7 +19,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "norm_rope.c"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE)))
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -43,13 +43,13 @@ def load_kernel() -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """Whether the kernel builds and loads here; warns once, with the reason, when it does not."""
     return loads(load_kernel, "the norm/rope kernel is unavailable, using torch's ops", logger)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _functions() -> dict[torch.dtype, tuple[Callable[..., None], Callable[..., int]]]:
     """(rms_norm, rope) by dtype; empty when the kernel is unavailable. Looked up once: a
     decode step calls these a few times per layer, where each microsecond of Python shows."""

@@ -23,6 +23,8 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Any, Protocol
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,7 +40,7 @@ MAX_ROWS = {torch.float32: 32, torch.bfloat16: 2}  # rows through the kernel, by
 BF16_DOT_MAX_ROWS = 8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE)))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -53,13 +55,13 @@ def load_kernel() -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_bf16_dot() -> bool:
     """Whether bf16 activations times bf16 weights go through AVX512-BF16 dot products here."""
     return available() and bool(load_kernel().small_gemm_has_bf16_dot())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """Whether the kernel builds and loads here; warns once, with the reason, when it does not."""
     return loads(load_kernel, "the small-batch matmul kernel is unavailable, using torch's "
@@ -102,6 +104,13 @@ def small_gemm_bf16_dot(x: torch.Tensor, w: torch.Tensor,
     return out
 
 
+class Weighted(Protocol):
+    """A dense layer, as the kernels read it."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+
 class SmallBatchMatmul:
     """A dense layer's matmul on the CPU: the kernel for a few rows, `linear` for more."""
 
@@ -112,7 +121,7 @@ class SmallBatchMatmul:
         self.bf16_dot = weight_dtype == torch.bfloat16 and has_bf16_dot()
         self.max_rows = BF16_DOT_MAX_ROWS if self.bf16_dot else MAX_ROWS[weight_dtype]
 
-    def __call__(self, module: nn.Module, x: torch.Tensor,
+    def __call__(self, module: Weighted, x: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         w = module.weight
         if x.shape[0] > self.max_rows or x.dtype != w.dtype:
@@ -173,7 +182,7 @@ class SmallBatchMLP:
 
     max_rows = MAX_ROWS[torch.float32]
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module, gelu: bool) -> None:
+    def __init__(self, gate_up: Weighted, down: Weighted, gelu: bool) -> None:
         _check_mlp(torch.float32, gate_up.weight.shape[1], gate_up.weight, down.weight,
                    "rows of the layer's width")
         self.gate_up, self.down, self.gelu = gate_up, down, gelu
@@ -200,7 +209,8 @@ class PackedMLP:
 
     max_rows = MAX_ROWS[torch.float32]
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module, gelu: bool) -> None:
+    def __init__(self, gate_up: Callable[[torch.Tensor], torch.Tensor],
+                 down: Callable[[torch.Tensor], torch.Tensor], gelu: bool) -> None:
         self.gate_up, self.down, self.gelu = gate_up, down, gelu
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,15 +226,16 @@ def use_small_batch_mlp(model: nn.Module, mlp_types: tuple[type, ...]) -> int:
     for module in model.modules():
         if not isinstance(module, mlp_types):
             continue
-        gate_up, down = module.gate_up_proj, module.down_proj
+        mlp: Any = module  # one of `mlp_types`, which this layer below the models cannot name
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
         if any(p.bias is not None or p.tp_size != 1 for p in (gate_up, down)):
             continue
         if all(isinstance(p.matmul, SmallBatchMatmul) and p.weight.dtype == torch.float32
                for p in (gate_up, down)):
-            module.small_batch = SmallBatchMLP(gate_up, down, module.gelu)
+            mlp.small_batch = SmallBatchMLP(gate_up, down, mlp.gelu)
             count += 1
         elif all(getattr(p.matmul, "c_callable", False) for p in (gate_up, down)):
-            module.small_batch = PackedMLP(gate_up, down, module.gelu)
+            mlp.small_batch = PackedMLP(gate_up, down, mlp.gelu)
             count += 1
     return count
 

@@ -86,15 +86,17 @@ class LlamaAttention(nn.Module):
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        kwargs = {"scale": self.scale, "window": self.window, "sinks": self.sinks}
         if self.rope_in_backend:  # one kernel rotates q and k and stores k and v
-            out = self.attn_backend.forward_rotary(
-                positions, self.rotary_emb.cos_sin_cache, q, k, v, kv_cache, meta, **kwargs)
+            # a backend that sets `rotates_qk` has `forward_rotary`, which the base class lacks
+            out = self.attn_backend.forward_rotary(  # type: ignore[attr-defined]
+                positions, self.rotary_emb.cos_sin_cache, q, k, v, kv_cache, meta,
+                scale=self.scale, window=self.window, sinks=self.sinks)
         else:
             if self.qk_norm:
                 q, k = self.rotary_emb(positions, q, k)
             else:  # q and k side by side: rotated together
                 qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
                 q, k = self.rotary_emb.rotate_qk(positions, qk, self.num_heads)
-            out = self.attn_backend.forward(q, k, v, kv_cache, meta, **kwargs)  # [T, Hq, D]
+            out = self.attn_backend.forward(q, k, v, kv_cache, meta, scale=self.scale,
+                                            window=self.window, sinks=self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, q_size))

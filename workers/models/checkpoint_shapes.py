@@ -4,7 +4,7 @@ seeded random weights for them: what `make_model` writes and `load_format="dummy
 from __future__ import annotations
 
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -29,8 +29,9 @@ def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         if config.is_moe_layer(i):
             shapes += _moe_shapes(config, p)
             continue
-        mlp = (("gate_up_proj", (2 * inter, h)),) if fused else (
-            ("gate_proj", (inter, h)), ("up_proj", (inter, h)))
+        mlp: tuple[tuple[str, tuple[int, int]], ...] = (
+            (("gate_up_proj", (2 * inter, h)),) if fused
+            else (("gate_proj", (inter, h)), ("up_proj", (inter, h))))
         mlp += (("down_proj", (h, inter)),)
         for proj, shape in mlp:
             shapes.append((f"{p}mlp.{proj}.weight", shape))
@@ -69,6 +70,7 @@ def _mla_shapes(config: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]
     assert mla is not None
     qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     a = f"{p}self_attn."
+    shapes: list[tuple[str, tuple[int, ...]]]
     if mla.q_lora_rank is None:
         shapes = [(a + "q_proj.weight", (heads * qk, h))]
     else:

@@ -8,7 +8,9 @@ import torch
 
 
 class _Checkpoint(Protocol):
-    torch_dtype: str | None  # the checkpoint's own dtype name, None if unstated
+    @property
+    def torch_dtype(self) -> str | None:
+        """The checkpoint's own dtype name, None if unstated."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

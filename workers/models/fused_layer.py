@@ -30,6 +30,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ class Layer(ctypes.Structure):
         ("window", ctypes.c_int32), ("gelu", ctypes.c_int32)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE, sources=LINKED)))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -90,14 +91,18 @@ def load_kernel() -> ctypes.CDLL:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """Whether the kernel builds and loads here; warns once, with the reason, when it does not."""
     return loads(load_kernel, "the fused decoder-layer kernel is unavailable, running the "
                               "layers one kernel at a time", logger)
 
 
-def _fusable(layer: nn.Module) -> bool:
+# The layers here are Llama's decoder layers, attention and linear layers, read by attribute:
+# `workers.models.llama` imports this module, so they are typed `Any` (checked by `refusal`).
+
+
+def _fusable(layer: Any) -> bool:
     """A dense fp32 CPU weight through the small-batch kernel, or an int8/int4 one packed for
     the VNNI kernels (without int8 zero points: the unfused layer subtracts those in torch),
     unbiased, on one rank."""
@@ -111,7 +116,7 @@ def _fusable(layer: nn.Module) -> bool:
     return w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
 
 
-def _proj(layer: nn.Module) -> Proj:
+def _proj(layer: Any) -> Proj:
     """The C struct of a projection `_fusable` takes."""
     matmul = layer.matmul
     if not isinstance(matmul, QuantizedMatmul):
@@ -124,7 +129,7 @@ def _proj(layer: nn.Module) -> Proj:
                 int(layer.scales.dtype == torch.bfloat16))
 
 
-def refusal(layer: nn.Module, layer_type: type[nn.Module], mlp_type: type[nn.Module]
+def refusal(layer: Any, layer_type: type[Any], mlp_type: type[Any]
             ) -> str | None:
     """Why `layer` cannot run fused; None when it can. `layer_type`, `mlp_type`: the plain
     Llama decoder layer and MLP (workers.models.llama, which imports this module's type)."""
@@ -153,7 +158,7 @@ def refusal(layer: nn.Module, layer_type: type[nn.Module], mlp_type: type[nn.Mod
     return None
 
 
-def _layer_struct(layer: nn.Module) -> Layer:
+def _layer_struct(layer: Any) -> Layer:
     attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
     cache = attn.rotary_emb.cos_sin_cache
     return Layer(
@@ -171,7 +176,7 @@ class FusedDecoderStack:
     weights' addresses, taken at load: the weights must stay where they are (loading into them
     again copies in place, which is fine; replacing a parameter is not)."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[Any]) -> None:
         self.layers = layers  # keeps the weights the structs point at alive
         self.structs = (Layer * len(layers))(*(_layer_struct(layer) for layer in layers))
         attn = layers[0].self_attn
@@ -233,12 +238,13 @@ def use_fused_decoder_stack(model: nn.Module, stack_type: type[nn.Module],
     for module in model.modules():
         if not isinstance(module, stack_type):
             continue
-        layers = list(module.layers.values())
+        stack: Any = module  # a LlamaModel (see above)
+        layers = list(stack.layers.values())
         if not layers or any(refusal(layer, layer_type, mlp_type) is not None
                              for layer in layers):
             continue
         if not available():
             return 0
-        module.fused_stack = FusedDecoderStack(layers)
+        stack.fused_stack = FusedDecoderStack(layers)
         count += len(layers)
     return count

@@ -160,7 +160,8 @@ def _deepseek_kwargs(shape: Preset) -> dict[str, Any]:
     rope = head // 2
     return dict(
         num_key_value_heads=shape.num_attention_heads,
-        kv_lora_rank=max(64, shape.hidden_size // 4) - rope, q_lora_rank=shape.hidden_size // 2, qk_rope_head_dim=rope, qk_nope_head_dim=head - rope,
+        kv_lora_rank=max(64, shape.hidden_size // 4) - rope, q_lora_rank=shape.hidden_size // 2,
+        qk_rope_head_dim=rope, qk_nope_head_dim=head - rope,
         v_head_dim=head, head_dim=rope, n_routed_experts=_NUM_EXPERTS, n_shared_experts=1,
         num_experts_per_tok=_TOP_K, n_group=2, topk_group=1, first_k_dense_replace=1,
         moe_intermediate_size=shape.intermediate_size // 2,

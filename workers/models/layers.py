@@ -12,14 +12,14 @@ converting dtype and device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.kernels import norm_rope
-from workers.kernels import use_triton
+from workers.kernels import norm_rope, use_triton
 from workers.models.comm import Communicator
 
 
@@ -68,7 +68,7 @@ def default_weight_loader(
 
 def _make_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape), requires_grad=False)
-    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.weight_loader = loader  # type: ignore[attr-defined]  # a loader of its own, as vLLM's
     return param
 
 
@@ -80,7 +80,7 @@ def _sharded_copy(
     param.data.narrow(dim, dst_start, size).copy_(loaded.narrow(dim, start, size))
 
 
-def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) with the layer's weight, full-precision or quantized."""
     if layer.matmul is None:
         return F.linear(x, layer.weight, bias)

@@ -8,7 +8,8 @@ RMSNorm, follows transformers' `modeling_llama` so fp32 logits match it to ~1e-5
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -18,15 +19,8 @@ from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.kernels import use_triton
 from workers.models.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
-from workers.models.layers import (
-    MergedColumnParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    Shard,
-    WeightShapeError,
-    _comm_for,
-    kv_heads_per_rank,
-)
+from workers.models.layers import (MergedColumnParallelLinear, RMSNorm, RowParallelLinear,
+                                   Shard, WeightShapeError, _comm_for, kv_heads_per_rank)
 from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -62,8 +56,8 @@ class LlamaMLP(nn.Module):
         )
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # else silu
 
-    # a few fp32 rows on the CPU through one fused kernel (workers.kernels.small_gemm.SmallBatchMLP),
-    # set at load where both projections take it; None: the two projections one by one
+    # a few fp32 rows on the CPU by one fused kernel (kernels.small_gemm.SmallBatchMLP), set at
+    # load where both projections take it; None: the two projections one by one
     small_batch: SmallBatchMLP | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +162,7 @@ class LlamaModel(nn.Module):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if self.is_last:
             return self.norm(hidden, residual)[0]
-        return hidden.add_(residual)  # the next stage's input
+        return hidden if residual is None else hidden.add_(residual)  # the next stage's input
 
 
 class LlamaForCausalLM(nn.Module):
@@ -270,6 +264,7 @@ class LlamaForCausalLM(nn.Module):
                 unknown.append(hf_name)
                 continue
             try:
+                # each parameter carries its loader (`workers.models.layers._make_param`)
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             except WeightShapeError as e:
                 raise WeightShapeError(f"tensor {hf_name!r}: {e}") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -22,7 +22,7 @@ from workers.models.fused_layer import use_fused_decoder_stack
 from workers.models.model_config import ModelConfig
 from workers.models.registry import get_model_class
 from workers.models.layers import LINEAR_LAYERS, Shard, WeightShapeError
-from workers.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from workers.models.vocab import ParallelLMHead
 from workers.quant.decode import QuantizedTensorError, decode_checkpoint
 from workers.quant.linear import prepare_layers, quantize_layers
@@ -53,7 +53,7 @@ def load_model(
     tp_size: int = 1,
     shard: Shard | None = None,
     fp32_int_kernels: bool = False,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """Returns the model for `config` on `device` in `dtype`, in eval mode, weights loaded.
 
     `load_format`: "auto" reads `path`, a safetensors folder or a GGUF file (or a folder holding
@@ -127,14 +127,14 @@ def find_safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(model: nn.Module, files: list[Path], folder: Path,
+def _load_safetensors(model: LlamaForCausalLM, files: list[Path], folder: Path,
                       scheme: QuantScheme | None = None, kept: set[str] | None = None) -> None:
     current: list[str] = ["", ""]  # (file, tensor) being read, for error messages
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 -- the handle is no mapping
                     current[:] = [file.name, name]
                     yield name, f.get_tensor(name)
 

@@ -1,8 +1,8 @@
 """Synthetic but real checkpoints: HF config, seeded safetensors weights and a trained tokenizer.
 
 `make_model` writes a folder that both Cleave and `transformers.AutoModelForCausalLM` load. The
-weights are `workers.models.loader.random_weights(config, seed)`, so `load_format="dummy"` with the same
-seed gives the same model without touching disk. `default_model_path()` is the embedded default
+weights are `workers.models.loader.random_weights(config, seed)`, so `load_format="dummy"` with the
+same seed gives the same model without touching disk. `default_model_path()` is the embedded default
 every test and `cleave generate` uses when no model is named.
 """
 

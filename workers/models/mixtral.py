@@ -44,7 +44,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return expert_name(hf_name) or super().map_name(hf_name)
 
     def num_shards(self, name: str) -> int:
-        num_experts = self.config.moe.num_experts  # type: ignore[union-attr]
+        num_experts = self.config.moe.num_experts  # type: ignore[union-attr]  # an MoE family
         if name.endswith((".w13_weight", ".w13_bias")):
             return 2 * num_experts
         if name.endswith((".w2_weight", ".w2_bias")):

@@ -1,7 +1,7 @@
 """The model's shape and numerics, read from a Hugging Face checkpoint folder.
 
-Every spelling of the RoPE settings on the hub is accepted (`workers.models.rope_config`) and normalized
-to the same `ModelConfig`.
+Every spelling of the RoPE settings on the hub is accepted (`workers.models.rope_config`) and
+normalized to the same `ModelConfig`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from workers.models.dtypes import resolve_dtype
 from workers.models.mla_config import MLAConfig, parse_mla
@@ -206,8 +207,7 @@ class ModelConfig:
             hidden_act=hidden_act,
             final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
             **(_gemma3(raw, num_layers) if gemma else {}),
-            **(dict(layer_types=layer_types(raw, num_layers, 2), attention_sinks=True)
-               if model_type == "gpt_oss" else {}),
+            **(_gpt_oss(raw, num_layers) if model_type == "gpt_oss" else {}),
             mla=parse_mla(raw, model_type) if model_type.startswith("deepseek") else None,
             quantization=parse_quantization(raw),
         )
@@ -270,6 +270,11 @@ def _sliding_window(raw: Mapping[str, Any], model_type: str) -> int | None:
     return int(window)
 
 
+def _gpt_oss(raw: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """gpt-oss's own fields: sliding and full layers alternating, learned attention sinks."""
+    return {"layer_types": layer_types(raw, num_layers, 2), "attention_sinks": True}
+
+
 def _gemma3(raw: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
     """Gemma 3's own fields: local/global layers, the local RoPE base, the attention scale."""
     if raw.get("attn_logit_softcapping") is not None:
@@ -287,4 +292,5 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "MLAConfig", "ModelConfig", "MoEConfig", "RopeScaling", "resolve_dtype"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling",
+           "resolve_dtype"]

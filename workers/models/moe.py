@@ -107,10 +107,14 @@ class FusedExperts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: object = None) -> None:
-        expert, part = shard_id  # type: ignore[misc]
+        match shard_id:
+            case (int() as expert, int() as part):
+                pass
+            case _:
+                raise ValueError(f"expert weight shard_id {shard_id!r}; expected (expert, part)")
         h, inter = self.hidden_size, self.intermediate_size
         is_bias = param is self.w13_bias or param is self.w2_bias
-        expected = (h, inter) if part == DOWN else (inter, h)
+        expected: tuple[int, ...] = (h, inter) if part == DOWN else (inter, h)
         if is_bias:
             expected = expected[:1]
         if tuple(loaded.shape) != expected:
@@ -225,7 +229,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, shard, comm,
                                     bias, None if moe is None else moe.clamped_swiglu)
         if shared_expert is not None:
-            self.shared_expert = shared_expert
+            self.shared_expert: nn.Module | None = shared_expert
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1)
         else:
             self.shared_expert = None

@@ -9,7 +9,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss, in the HF config's terms."""
+    """The sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss, in the HF config's
+    terms."""
 
     num_experts: int  # routed experts per MoE layer
     top_k: int  # experts each token goes to
@@ -44,7 +45,8 @@ def parse_moe(raw: Mapping[str, Any], model_type: str) -> MoEConfig | None:
         # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the hub's
         # configs (and Qwen2-MoE's) as num_experts
         return MoEConfig(
-            num_experts=int(raw.get("num_experts") or raw["num_local_experts"]), top_k=int(raw["num_experts_per_tok"]),
+            num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),
+            top_k=int(raw["num_experts_per_tok"]),
             intermediate_size=int(raw["moe_intermediate_size"]),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),

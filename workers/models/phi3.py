@@ -4,7 +4,7 @@ knows before loading, so tensor parallelism shards each part as it does for Llam
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

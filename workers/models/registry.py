@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from workers.models.deepseek import DeepseekV3ForCausalLM
 from workers.models.gemma3 import Gemma3ForCausalLM
 from workers.models.gpt_oss import GptOssForCausalLM
@@ -12,7 +10,8 @@ from workers.models.mixtral import MixtralForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2_moe import Qwen2MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# every family derives from Llama's: one interface (forward, compute_logits, load_weights)
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -28,7 +27,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """The class implementing `architecture` (e.g. "LlamaForCausalLM")."""
     if architecture not in MODEL_REGISTRY:
         raise ValueError(

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 DEFAULT_ROPE_THETA = 10000.0
 _LAYER_TYPES = ("sliding_attention", "full_attention")

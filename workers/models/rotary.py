@@ -31,6 +31,9 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -
     factor = scaling.factor
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
     old_context_len = scaling.original_max_position_embeddings
+    if low is None or high is None or old_context_len is None:
+        raise ValueError(f"llama3 RoPE scaling {scaling}; expected low_freq_factor, "
+                         "high_freq_factor and original_max_position_embeddings")
     low_freq_wavelen = old_context_len / low
     high_freq_wavelen = old_context_len / high
     wavelen = 2 * math.pi / inv_freq

@@ -46,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
         out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
-        return self.comm.all_reduce(out, "embed")
+        return _tp_comm(self.comm).all_reduce(out, "embed")
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -67,5 +67,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         # hidden: [N, hidden] -> [N, num_embeddings]
         logits = _linear(self, hidden, None)
         if self.tp_size > 1:
-            logits = self.comm.all_gather(logits, "lm_head", dim=-1)
+            logits = _tp_comm(self.comm).all_gather(logits, "lm_head", dim=-1)
         return logits[..., : self.num_embeddings]
+
+
+def _tp_comm(comm: Communicator | None) -> Communicator:
+    """The communicator of a layer sharded over ranks (`_comm_for` gives one when sharded)."""
+    if comm is None:
+        raise RuntimeError("a vocabulary layer sharded over ranks has no communicator")
+    return comm

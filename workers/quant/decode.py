@@ -9,7 +9,7 @@ experts, an output projection, a layer on a device without a kernel) loads it un
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

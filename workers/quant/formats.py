@@ -95,7 +95,7 @@ def encode(scheme: QuantScheme, weight: IntWeight | Fp8Weight | tuple[torch.Tens
     """A weight -> the tensors `scheme`'s layout stores for it (what `cleave quantize` writes).
     FP8 weights come as (w_fp8, checkpoint-shaped scales) from `quantize_fp8`."""
     if scheme.kind == "fp8":
-        w, scales = weight  # type: ignore[misc]
+        w, scales = weight  # type: ignore[misc]  # fp8 schemes get (w_fp8, scales)
         return {"weight": w, scheme.fp8_scale_name: scales.float()}
     assert isinstance(weight, IntWeight)
     b, offset = weight.bits, 1 << (weight.bits - 1)

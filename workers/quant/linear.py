@@ -18,7 +18,8 @@ activations, GPUs and other layouts get the dequantized weight (measured in
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Protocol
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -59,7 +60,15 @@ def kernel_for(scheme: QuantScheme, dtype: torch.dtype, device: torch.device,
     return None
 
 
-def checkpoint_names(model: nn.Module, name: str) -> list[str]:
+class QuantizableModel(Protocol):
+    """A model as `quantize_layers` reads it (every family: `LlamaForCausalLM`'s)."""
+
+    def map_name(self, hf_name: str) -> tuple[str, object]: ...
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+
+def checkpoint_names(model: QuantizableModel, name: str) -> list[str]:
     """The checkpoint modules fused into our module `name` (itself when not fused)."""
     parent, _, leaf = name.rpartition(".")
     parts = [f"{parent}.{p}" for p in _FUSED.get(leaf, ())]
@@ -67,7 +76,7 @@ def checkpoint_names(model: nn.Module, name: str) -> list[str]:
     return mapped or [name]
 
 
-def quantize_layers(model: nn.Module, scheme: QuantScheme, dtype: torch.dtype,
+def quantize_layers(model: QuantizableModel, scheme: QuantScheme, dtype: torch.dtype,
                     device: torch.device, linear_types: tuple[type, ...],
                     fp32: bool = False) -> set[str]:
     """Gives each linear layer a kernel can serve quantized params in place of its weight
@@ -80,38 +89,60 @@ def quantize_layers(model: nn.Module, scheme: QuantScheme, dtype: torch.dtype,
     for name, module in list(model.named_modules()):
         if not isinstance(module, linear_types) or name.rpartition(".")[2] in dense:
             continue
+        layer: Any = module  # one of `linear_types`, whose attributes nn.Module cannot name
         names = checkpoint_names(model, name)
         quantized = [scheme.quantizes(n) for n in names]
-        if all(quantized) and getattr(module, "tied", False):
+        if all(quantized) and getattr(layer, "tied", False):
             raise ValueError(f"{name!r} is tied to the input embedding (tie_word_embeddings) "
                              "but the quantization config quantizes it; expected an untied "
                              "model or a full-precision lm_head")
         if any(quantized) and not all(quantized):
             raise ValueError(f"{names} are fused into one layer but the quantization config "
                              "skips only some of them; expected all or none")
-        in_features = module.weight.shape[1]
+        in_features = layer.weight.shape[1]
         module_scheme = scheme.for_module(names[0])
         kernel = kernel_for(module_scheme, dtype, device, in_features, fp32) \
             if all(quantized) else None
         if kernel is None:
             continue
-        _swap(module, module_scheme, kernel)
+        _swap(layer, module_scheme, kernel)
         kept.update(names)
     return kept
 
 
-def _swap(module: nn.Module, scheme: QuantScheme, kernel: str) -> None:
+def _swap(module: Any, scheme: QuantScheme, kernel: str) -> None:
+    """`module`: a linear layer (its `weight` and `matmul`)."""
     n, k = module.weight.shape
     groups = k // (scheme.group_size or k)
-    loader: Callable[..., None] = module.weight.weight_loader  # type: ignore[attr-defined]
+    loader: Callable[..., None] = module.weight.weight_loader
     del module.weight
     for pname, shape, dtype in (("qweight", (n, k), torch.int8),
                                 ("scales", (n, groups), torch.float32),
                                 ("zeros", (n, groups), torch.float32)):
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        # a parameter carries its loader as an attribute of its own (as vLLM's do)
         param.weight_loader = loader  # type: ignore[attr-defined]
         module.register_parameter(pname, param)
     module.matmul = QuantizedMatmul(kernel)
+
+
+class PackedLayer(Protocol):
+    """The buffers `QuantizedMatmul.pack` registers on its layer (which ones: by kernel)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    scales_f32: torch.Tensor
+    zero_terms: torch.Tensor
+    offsets: torch.Tensor
+    scale_zero: torch.Tensor
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    t = getattr(module, name)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} is a {type(t).__name__}; expected a "
+                        "tensor")
+    return t
 
 
 class QuantizedMatmul:
@@ -141,7 +172,7 @@ class QuantizedMatmul:
         self.unpack_rows: int | None = None  # rows from which `_unpacked` runs; None: never
 
     def pack(self, module: nn.Module) -> None:
-        q, scales, zeros = module.qweight.data, module.scales.data, module.zeros.data
+        q, scales, zeros = (_tensor(module, n).data for n in ("qweight", "scales", "zeros"))
         del module.qweight, module.scales, module.zeros
         self.out_features, k = q.shape
         self.group_size = k // scales.shape[1]
@@ -179,7 +210,7 @@ class QuantizedMatmul:
         it."""
         return self.vnni and not (self.kernel == "int8" and self.has_zeros)
 
-    def __call__(self, module: nn.Module, x: torch.Tensor,
+    def __call__(self, module: PackedLayer, x: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # x: [T, K] -> [T, N] in out_dtype (default x's)
         out_dtype = out_dtype or x.dtype
@@ -200,7 +231,7 @@ class QuantizedMatmul:
             y = y - x.float().sum(-1, keepdim=True) * module.zero_terms
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
-    def _unpacked(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _unpacked(self, module: PackedLayer, x: torch.Tensor) -> torch.Tensor:
         n, k = self.out_features, x.shape[1]
         if self.kernel == "int8":
             unpack = functools.partial(int_kernels.unpack_int8, module.qweight, n, k)
@@ -209,7 +240,7 @@ class QuantizedMatmul:
         unpack = functools.partial(int_kernels.unpack_int4, blocked, n, k, self.group_size)
         return int_kernels.unpacked_mm(x, unpack, n, k)
 
-    def _torch_kernels(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _torch_kernels(self, module: PackedLayer, x: torch.Tensor) -> torch.Tensor:
         xb = (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
         if self.kernel == "int8" and x.shape[0] >= INT8_ACTIVATION_ROWS:
             return _int8_activations_mm(xb, module.qweight, module.scales_f32)

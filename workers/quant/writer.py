@@ -107,7 +107,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, **options: A
     for file in files:
         tensors: dict[str, torch.Tensor] = {}
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 -- the handle is no mapping
                 for out_name, tensor in _convert(scheme, name, f.get_tensor(name), options):
                     tensors[out_name] = tensor.contiguous()
                     weight_map[out_name] = file.name

@@ -1,9 +1,9 @@
 """Render Hugging Face chat templates exactly as `transformers`' `apply_chat_template` does.
 
-Templates come from model folders, so they are untrusted code: they run in Jinja's immutable sandbox,
-with the same globals and filters transformers provides (`raise_exception`, `strftime_now`, a
-`tojson` that does not HTML-escape, `namespace` and `dict` that cannot reach Python internals,
-loop controls, and a `{% generation %}` block that renders its body).
+Templates come from model folders, so they are untrusted code: they run in Jinja's immutable
+sandbox, with the same globals and filters transformers provides (`raise_exception`,
+`strftime_now`, a `tojson` that does not HTML-escape, `namespace` and `dict` that cannot reach
+Python internals, loop controls, and a `{% generation %}` block that renders its body).
 """
 
 from __future__ import annotations
@@ -35,14 +35,16 @@ def render_chat_template(
     documents: Sequence[Mapping[str, Any]] | None = None,
     **variables: Any,
 ) -> str:
-    """Render `messages` with `template`; `variables` (special tokens, template kwargs) are visible to it.
+    """Render `messages` with `template`; `variables` (special tokens, template kwargs) are
+    visible to it.
 
     Messages are copied into plain JSON types first, and keys whose value is None are dropped, as
     transformers does (templates handle a missing `content` better than a `None` one).
     """
     compiled = compile_chat_template(template)
     plain_messages = [
-        _alias_reasoning({key: _plain(value) for key, value in message.items() if value is not None})
+        _alias_reasoning({key: _plain(value) for key, value in message.items()
+                          if value is not None})
         for message in messages
     ]
     try:
@@ -71,15 +73,18 @@ def compile_chat_template(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"chat template does not compile (line {exc.lineno}): {exc.message}") from exc
+        raise ChatTemplateError(f"chat template does not compile (line {exc.lineno}): "
+                                f"{exc.message}") from exc
 
 
-# Names a message's reasoning comes under; templates read the first, gpt-oss templates read `thinking`.
+# Names a message's reasoning comes under; templates read the first, gpt-oss templates read
+# `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+    reasoning = next((message[key] for key in _REASONING_FIELDS
+                      if message.get(key) is not None), None)
     if reasoning is None:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -90,7 +95,8 @@ def _tojson(
     separators: tuple[str, str] | None = None, sort_keys: bool = False,
 ) -> str:
     # Jinja's own `tojson` HTML-escapes `<`, `>`, `&` and `'`; chat templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> None:
@@ -112,9 +118,10 @@ class _TemplateDict:
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
-    """Jinja's `namespace`, refusing underscore-prefixed attributes (a path to CPython internals)."""
+    """Jinja's `namespace`, refusing underscore-prefixed attributes (a path to CPython
+    internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Jinja's signature trick
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
@@ -129,26 +136,30 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     def _check_name(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}"
+                "chat templates cannot store underscore-prefixed attributes on a namespace, got "
+                f"{name!r}"
             )
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it just renders."""
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it
+    just renders."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 -- jinja's `Extension.tags`, read from the class
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [],
+                                      body).set_lineno(lineno)
 
     def _render_body(self, caller: Any) -> str:
         return caller()
 
 
 def _plain(value: Any) -> Any:
-    """Copy `value` into plain JSON-like types, so the sandbox only ever sees str/int/float/list/dict."""
+    """Copy `value` into plain JSON-like types, so the sandbox only ever sees
+    str/int/float/list/dict."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, str):
@@ -164,7 +175,8 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_plain(item) for item in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+        return {field.name: _plain(getattr(value, field.name))
+                for field in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):  # pydantic models
         return _plain(value.model_dump())
     return f"<{type(value).__name__}>"

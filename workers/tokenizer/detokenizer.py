@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from workers.contract.protocol import SamplingParams
 
 _REPLACEMENT = "\ufffd"
-# Prompt tokens decoded as left context for the first output tokens (enough for any decoder's lookback).
+# Prompt tokens decoded as left context for the first output tokens (enough for any decoder's
+# lookback).
 _PROMPT_CONTEXT_TOKENS = 5
 
 
@@ -58,9 +59,11 @@ class IncrementalDetokenizer:
         return self._ids[self._num_context:]
 
     def add_tokens(self, new_ids: Sequence[int]) -> str:
-        """Append `new_ids` and return the text they complete ("" while a character is incomplete)."""
+        """Append `new_ids` and return the text they complete ("" while a character is
+        incomplete)."""
         if self._finished:
-            raise RuntimeError("add_tokens called after flush(); the request's text is already final")
+            raise RuntimeError("add_tokens called after flush(); the request's text is already "
+                               "final")
         self._ids.extend(new_ids)
         text = self._decode(self._ids[self._prefix_offset:])
         if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
@@ -68,7 +71,8 @@ class IncrementalDetokenizer:
         return self._advance(text)
 
     def flush(self) -> str:
-        """Return the held-back text at the end of the request (U+FFFD for bytes that never completed)."""
+        """Return the held-back text at the end of the request (U+FFFD for bytes that never
+        completed)."""
         self._finished = True
         text = self._decode(self._ids[self._prefix_offset:])
         if len(text) <= len(self._prefix_text):
@@ -94,11 +98,12 @@ class SampleText:
     still turn out to be the start of a stop string is held back until it can't, so a streamed
     response never shows part of a stop string."""
 
-    __slots__ = ("_detok", "_params", "hold_back", "text", "num_sent_chars", "num_tokens")
+    __slots__ = ("_detok", "_params", "hold_back", "num_sent_chars", "num_tokens", "text")
 
     def __init__(self, tokenizer: object | None, prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> None:
         """`tokenizer` None: no text at all (a model without a tokenizer)."""
+        # `tokenizer`: the engine's `Tokenizer`, held as an object by its callers
         self._detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids,  # type: ignore[arg-type]
                                               skip_special_tokens=params.skip_special_tokens)
                        if tokenizer is not None else None)

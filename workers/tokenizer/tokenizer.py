@@ -41,7 +41,8 @@ class Tokenizer:
     ) -> None:
         """Prefer `from_pretrained`. `special_tokens` maps names like "eos_token" to token strings;
         `chat_templates` maps template names to Jinja sources ("default" is used unless tools pick
-        "tool_use"); `extra_eos_token_ids` are stop ids besides `eos_token` (from generation config)."""
+        "tool_use"); `extra_eos_token_ids` are stop ids besides `eos_token` (from generation
+        config)."""
         self._backend = backend
         self._name = name
         self._special_tokens = dict(special_tokens)
@@ -54,7 +55,8 @@ class Tokenizer:
             eos.add(self.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         added = backend.get_added_tokens_decoder()
-        self.all_special_ids: tuple[int, ...] = tuple(sorted(i for i, tok in added.items() if tok.special))
+        self.all_special_ids: tuple[int, ...] = tuple(
+            sorted(i for i, tok in added.items() if tok.special))
 
     @classmethod
     def from_pretrained(cls, path: Path | str) -> Tokenizer:
@@ -99,12 +101,14 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, added and special tokens included (`len()` of a transformers tokenizer)."""
+        """Number of token ids, added and special tokens included (`len()` of a transformers
+        tokenizer)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
-        """Named special tokens ("bos_token", "eos_token", ...) as strings, as the chat template sees them."""
+        """Named special tokens ("bos_token", "eos_token", ...) as strings, as the chat template
+        sees them."""
         return dict(self._special_tokens)
 
     @property
@@ -112,7 +116,8 @@ class Tokenizer:
         return bool(self._chat_templates)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a leading bos)."""
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a leading
+        bos)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}: {text!r:.80}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -152,7 +157,8 @@ class Tokenizer:
         template = self._pick_chat_template(tools)
         variables = {**self._special_tokens, **kwargs}
         text = render_chat_template(
-            template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables
+            template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            **variables
         )
         if tokenize:
             return self.encode(text, add_special_tokens=False)
@@ -188,30 +194,36 @@ class Tokenizer:
     def _id_to_token(self, token_id: int) -> str:
         token = self._backend.id_to_token(token_id) if token_id >= 0 else None
         if token is None:
-            raise ValueError(f"token id {token_id} is out of range; expected 0 <= id < {self.vocab_size}")
+            raise ValueError(f"token id {token_id} is out of range; expected 0 <= id < "
+                             f"{self.vocab_size}")
         return token
 
     def __len__(self) -> int:
         return self.vocab_size
 
     def __repr__(self) -> str:
-        return f"Tokenizer({self._name!r}, vocab_size={self.vocab_size}, eos_token_ids={sorted(self.eos_token_ids)})"
+        return (f"Tokenizer({self._name!r}, vocab_size={self.vocab_size}, "
+                f"eos_token_ids={sorted(self.eos_token_ids)})")
 
 
 def _check_messages(messages: object) -> None:
     if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"messages must be a list of dicts with 'role' and 'content', got {messages!r:.200}")
+        raise ValueError("messages must be a list of dicts with 'role' and 'content', got "
+                         f"{messages!r:.200}")
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             raise ValueError(
-                f"messages[{index}] must be a dict with 'role' and 'content' keys, got {message!r:.200}"
+                f"messages[{index}] must be a dict with 'role' and 'content' keys, got "
+                f"{message!r:.200}"
             )
         if not isinstance(message["role"], str):
-            raise ValueError(f"messages[{index}]['role'] must be a str, got {message['role']!r:.80}")
+            raise ValueError(f"messages[{index}]['role'] must be a str, got "
+                             f"{message['role']!r:.80}")
 
 
 def _load_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
-    """Template files (`chat_template.jinja`, `additional_chat_templates/*.jinja`) win over the config."""
+    """Template files (`chat_template.jinja`, `additional_chat_templates/*.jinja`) win over the
+    config."""
     templates: dict[str, str] = {}
     if (folder / _TEMPLATE_FILE).is_file():
         templates["default"] = (folder / _TEMPLATE_FILE).read_text(encoding="utf-8")
@@ -225,7 +237,8 @@ def _load_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, s
         return {}
     if isinstance(entry, str):
         return {"default": entry}
-    if isinstance(entry, list) and all(isinstance(t, Mapping) and {"name", "template"} <= t.keys() for t in entry):
+    if isinstance(entry, list) and all(isinstance(t, Mapping) and {"name", "template"} <= t.keys()
+                                       for t in entry):
         return {t["name"]: t["template"] for t in entry}
     raise ValueError(
         f"chat_template in {str(folder / 'tokenizer_config.json')!r} must be a string or a list of "

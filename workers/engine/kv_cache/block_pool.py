@@ -9,9 +9,10 @@ from workers.engine.kv_cache.host_tier import HostTier
 
 
 class KVBlock:
-    """One block of `block_size` token slots. `block_hash` is set once the block is full and cached."""
+    """One block of `block_size` token slots. `block_hash` is set once the block is full and
+    cached."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

@@ -136,7 +136,7 @@ class GroupExecutor(SamplingExecutor):
         request = CaptureGraphs(tuple(capture_sizes(options.graph_batch_size)),
                                 options.max_model_len)
         try:
-            replies: list[GraphsCaptured] = self.group.broadcast(  # type: ignore[assignment]
+            replies = self.group.broadcast(
                 request, GraphsCaptured, "CUDA graph capture", self.group.start_timeout_s)
             if len({r.sizes for r in replies}) != 1:
                 raise RuntimeError(f"the ranks captured different decode graphs: "
@@ -160,10 +160,14 @@ class GroupExecutor(SamplingExecutor):
         """The second phase of a measured start: the blocks every rank has room for, allocated
         on each; the group is stopped when that fails."""
         try:
-            templates = [s.kv_caches for s in setups]
+            templates = [s.kv_caches for s in setups
+                         if isinstance(s.kv_caches, DeviceCacheSpec)]
+            if len(templates) != len(setups):
+                raise ValueError("a measured start sizes device caches; some ranks were given "
+                                 "caches in shared memory")
             num_blocks = group_num_blocks(self.group.reports, sizing.budget,
-                                          [t.bytes_per_block for t in templates])  # type: ignore
-            self.group.allocate([AllocateCaches(t.with_blocks(num_blocks))  # type: ignore
+                                          [t.bytes_per_block for t in templates])
+            self.group.allocate([AllocateCaches(t.with_blocks(num_blocks))
                                  for t in templates])
         except BaseException:
             self.group.close()
@@ -200,9 +204,8 @@ class GroupExecutor(SamplingExecutor):
 
     def agent_hosts(self) -> list[AgentHostAddress] | None:
         hosts = [ready.agent for ready in self.group.ready[:self.tp_size]]
-        if any(h is None for h in hosts):
-            return None
-        return hosts  # type: ignore[return-value]
+        known = [h for h in hosts if h is not None]
+        return known if len(known) == len(hosts) else None
 
     def close(self) -> None:
         self._finalizer()

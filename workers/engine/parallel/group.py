@@ -11,8 +11,10 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, NoReturn, TypeVar
 
 from workers.engine.parallel.messages import (
     MemoryReport,
@@ -59,40 +61,40 @@ class RankLauncher(abc.ABC):
     (`cluster.rank_actor.RayActorLauncher`). A `RankGroup` launches its ranks in rank order."""
 
     @abc.abstractmethod
-    def launch(self, target: Callable[[object, object], None], setup: object) -> RankHandle:
+    def launch(self, target: Callable[[Any, Any], None], setup: object) -> RankHandle:
         """Start `target(setup, channel)` as a new rank without waiting for it; returns the
         driver's handle. `setup` and the messages must pickle; `channel` has `send` and
         `recv`, and `target` returning (or raising `SystemExit(code)`) ends the rank."""
 
 
 class _ProcessHandle(RankHandle):
-    def __init__(self, process: object, conn: object) -> None:
+    def __init__(self, process: BaseProcess, conn: Connection) -> None:
         self.process, self.conn = process, conn
 
     def send(self, msg: object) -> None:
-        self.conn.send(msg)  # type: ignore[attr-defined]
+        self.conn.send(msg)
 
     def poll(self, timeout_s: float) -> bool:
-        return self.conn.poll(timeout_s)  # type: ignore[attr-defined]
+        return self.conn.poll(timeout_s)
 
     def recv(self) -> object:
-        return self.conn.recv()  # type: ignore[attr-defined]
+        return self.conn.recv()
 
     def exitcode(self) -> int | None:
-        return self.process.exitcode  # type: ignore[attr-defined]
+        return self.process.exitcode
 
     def stop(self, timeout_s: float) -> None:
-        self.process.join(timeout_s)  # type: ignore[attr-defined]
-        if self.process.is_alive():  # type: ignore[attr-defined]
-            self.process.kill()  # type: ignore[attr-defined]
-            self.process.join(5.0)  # type: ignore[attr-defined]
-        self.conn.close()  # type: ignore[attr-defined]
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+        self.conn.close()
 
 
 class SpawnLauncher(RankLauncher):
     """Ranks as `spawn`ed daemon processes, a pipe each."""
 
-    def launch(self, target: Callable[[object, object], None], setup: object) -> RankHandle:
+    def launch(self, target: Callable[[Any, Any], None], setup: object) -> RankHandle:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -115,10 +117,14 @@ def _died(handle: RankHandle) -> bool:
     return handle.exitcode() is not None
 
 
+_Setup = TypeVar("_Setup")
+_Reply = TypeVar("_Reply")
+
+
 class RankGroup:
     """`len(setups)` ranks; `replies()` of rank i come back in `[i]`."""
 
-    def __init__(self, target: Callable[[object, object], None], setups: list[object],
+    def __init__(self, target: Callable[[_Setup, Any], None], setups: Sequence[_Setup],
                  launcher: RankLauncher, timeout_s: float,
                  start_timeout_s: float | None = None, *, measure_first: bool = False) -> None:
         """`timeout_s`: the longest a step may take; `start_timeout_s` (default the same):
@@ -134,15 +140,13 @@ class RankGroup:
         try:
             for setup in setups:
                 self.handles.append(launcher.launch(target, setup))
-            first = self._collect("start-up", MemoryReport if measure_first else Ready,
-                                  self.start_timeout_s)
+            if measure_first:
+                self.reports = self._collect("start-up", MemoryReport, self.start_timeout_s)
+            else:
+                self.ready = self._collect("start-up", Ready, self.start_timeout_s)
         except BaseException:
             self.close()
             raise
-        if measure_first:
-            self.reports = first  # type: ignore[assignment]
-        else:
-            self.ready = first  # type: ignore[assignment]
 
     def allocate(self, messages: list[object]) -> None:
         """A two-phase start's second phase: rank i gets `messages[i]` (its
@@ -155,15 +159,14 @@ class RankGroup:
                 handle.send(msg)
             except (OSError, EOFError):
                 self._lost(rank, "cache allocation")
-        self.ready = self._collect("cache allocation", Ready,  # type: ignore[assignment]
-                                   self.start_timeout_s)
+        self.ready = self._collect("cache allocation", Ready, self.start_timeout_s)
 
     def step(self, msg: StepMessage) -> list[StepReply]:
         """Send `msg` to every rank; every rank's reply, in rank order."""
-        return self.broadcast(msg, StepReply, f"step {msg.step_id}",  # type: ignore[return-value]
-                              self.timeout_s)
+        return self.broadcast(msg, StepReply, f"step {msg.step_id}", self.timeout_s)
 
-    def broadcast(self, msg: object, kind: type, what: str, timeout_s: float) -> list[object]:
+    def broadcast(self, msg: object, kind: type[_Reply], what: str,
+                  timeout_s: float) -> list[_Reply]:
         """Send `msg` to every rank, in rank order; every rank's reply (a `kind`), in rank
         order, within `timeout_s`. `what` names the exchange in errors."""
         if self.closed:
@@ -175,9 +178,9 @@ class RankGroup:
                 self._lost(rank, what)
         return self._collect(what, kind, timeout_s)
 
-    def _collect(self, what: str, kind: type, timeout_s: float) -> list[object]:
+    def _collect(self, what: str, kind: type[_Reply], timeout_s: float) -> list[_Reply]:
         deadline = time.monotonic() + timeout_s
-        replies: dict[int, object] = {}
+        replies: dict[int, _Reply] = {}
         while len(replies) < len(self.handles):
             pending = [r for r in range(len(self.handles)) if r not in replies]
             for i, rank in enumerate(pending):

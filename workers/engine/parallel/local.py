@@ -10,14 +10,18 @@ from __future__ import annotations
 import abc
 import time
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 
 from kvtransfer.remote_messages import AgentHostAddress
 from workers.engine.kv_cache.host_caches import HostCaches
 from workers.engine.parallel.messages import SampledTokens, StepMessage
 from workers.engine.parallel.pipeline import MicroBatch, microbatch_tensors
 from workers.engine.step_inputs import TokenFill, fill_input_ids
+
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
 
 
 class ModelExecutor(abc.ABC):
@@ -33,7 +37,7 @@ class ModelExecutor(abc.ABC):
         with `heads` that rank's KV heads. Shared with the ranks: writes land in their cache.
         Raises `KVCacheNotShared` where this process cannot reach the cache (GPU ranks)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- a default: an executor may hold nothing to stop
         """Stop whatever runs the model (idempotent)."""
 
     def agent_hosts(self) -> list[AgentHostAddress] | None:
@@ -63,7 +67,7 @@ class LocalExecutor(ModelExecutor):
 
     token_fill: TokenFill | None = None
 
-    def __init__(self, model: nn.Module, caches: list[torch.Tensor],
+    def __init__(self, model: LlamaForCausalLM, caches: list[torch.Tensor],
                  device: torch.device, host_blocks: int = 0) -> None:
         self.model, self.caches, self.device = model, caches, device
         self.host = HostCaches(caches, host_blocks) if host_blocks else None

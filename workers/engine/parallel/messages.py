@@ -9,12 +9,21 @@ between a driver and ranks of the same build (never stored, never across release
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from kvtransfer.remote_messages import AgentHostAddress
 from workers.engine.kv_cache.host_tier import NO_COPIES, BlockCopies
 from workers.contract.protocol import SamplingParams, TokenLogprob
+
+
+class RankConn(Protocol):
+    """A rank's end of its channel to the driver (a pipe's; on Ray, a socket's)."""
+
+    def send(self, obj: object) -> None: ...
+
+    def recv(self) -> Any: ...
 
 
 @dataclass(frozen=True)

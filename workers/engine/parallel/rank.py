@@ -35,6 +35,7 @@ from workers.engine.parallel.messages import (
     DeviceCacheSpec,
     GraphsCaptured,
     MemoryReport,
+    RankConn,
     RankFailed,
     RankTiming,
     Ready,
@@ -118,15 +119,15 @@ def allocate_rank_caches(caches: RankCaches, device: torch.device) -> list[torch
     return map_tensors(caches)  # the driver sees what is written here
 
 
-def rank_main(setup: RankSetup, conn: object) -> None:
+def rank_main(setup: RankSetup, conn: RankConn) -> None:
     """The rank's entry point. `conn`: its end of the channel to the driver (`send`, `recv`)."""
     torch.set_num_threads(1)
     host = None
     try:
         runner = _StageRunner(setup)
         if setup.profile is not None:  # a two-phase start: report, then allocate
-            conn.send(runner.measure(setup.profile))  # type: ignore[attr-defined]
-            msg = conn.recv()  # type: ignore[attr-defined]
+            conn.send(runner.measure(setup.profile))
+            msg = conn.recv()
             if isinstance(msg, Shutdown):
                 return
             if not isinstance(msg, AllocateCaches):
@@ -137,17 +138,17 @@ def rank_main(setup: RankSetup, conn: object) -> None:
         if setup.serves_kv:
             host = AgentHost(runner.kv_caches, tp_rank=setup.tp_rank, tp_size=setup.tp_size)
             address = host.start(AGENT_HOST)
-        conn.send(Ready(setup.rank, address))  # type: ignore[attr-defined]
+        conn.send(Ready(setup.rank, address))
         while True:
-            msg = conn.recv()  # type: ignore[attr-defined]
+            msg = conn.recv()
             if isinstance(msg, Shutdown):
                 break
             if isinstance(msg, CaptureGraphs):
-                conn.send(runner.capture_graphs(msg))  # type: ignore[attr-defined]
+                conn.send(runner.capture_graphs(msg))
                 continue
-            conn.send(runner.step(msg))  # type: ignore[attr-defined]
+            conn.send(runner.step(msg))
     except BaseException:  # noqa: BLE001 - reported to the driver, then the process exits
-        conn.send(RankFailed(setup.rank, traceback.format_exc()))  # type: ignore[attr-defined]
+        conn.send(RankFailed(setup.rank, traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
         if host is not None:
@@ -252,8 +253,8 @@ class _StageRunner:
                 raise RuntimeError(f"rank {rank}: step {msg.step_id} asks for graph size "
                                    f"{msg.graph_size}, but no graphs were captured")
             t0 = time.perf_counter()
-            logits = self.graphs.run(msg)  # writes the K/V even when no logits are wanted
-            logits = logits if msg.logit_rows else None
+            graph_logits = self.graphs.run(msg)  # writes the K/V even when no logits are wanted
+            logits = graph_logits if msg.logit_rows else None
             busy = [time.perf_counter() - t0]  # replays: no collective is timed on the host
         else:
             logits, busy = self._forward(msg)
@@ -288,7 +289,7 @@ class _StageRunner:
             else:
                 pending.append(self.link.send(out, rank + tp))
         for work in pending:
-            work.wait()  # type: ignore[attr-defined]
+            work.wait()  # type: ignore[attr-defined]  # `StageLink.send`'s torch Work
         logits = None
         if self.is_last and msg.logit_rows:  # every TP rank: the vocab shards are all-gathered
             hidden = torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -14,13 +14,17 @@ On the CPU nothing is captured: the same static buffers and padding run eagerly 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import time
 
 import torch
-from torch import nn
 
 from workers.engine.cuda_graphs import CudaGraphExecutor, graphs_supported
 from workers.engine.parallel.messages import CaptureGraphs, GraphsCaptured, StepMessage
+
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
 
 
 class RankGraphs:
@@ -28,7 +32,7 @@ class RankGraphs:
 
     `caches`: the rank's, with block `sink_block` (the last) owned by no request."""
 
-    def __init__(self, rank: int, model: nn.Module, caches: list[torch.Tensor],
+    def __init__(self, rank: int, model: LlamaForCausalLM, caches: list[torch.Tensor],
                  device: torch.device, sink_block: int, request: CaptureGraphs) -> None:
         sizes = list(request.sizes)
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:

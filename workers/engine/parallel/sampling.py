@@ -41,6 +41,7 @@ def grammar_masks(matchers: Sequence[object], vocab_size: int) -> torch.Tensor |
 
     bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
     for row, matcher in enumerate(matchers):
+        # xgrammar's matchers, held as objects by modules that do not import xgrammar
         matcher.fill_next_token_bitmask(bitmask, row)  # type: ignore[attr-defined]
     return bitmask
 
@@ -123,7 +124,7 @@ class RankSampler:
         if num_rows != len(reqs) + num_prompt:
             raise ValueError(f"{num_rows} logit rows for {len(reqs)} sampling rows and "
                              f"{num_prompt} prompt-logprob rows")
-        if not num_rows:
+        if logits is None or not num_rows:
             return SampledTokens((), ())
         out = self.sampler(logits[:len(reqs)], reqs) if reqs else None
         prompt = []
@@ -146,12 +147,12 @@ class RankSampler:
         for rid in record.finished:
             self.mirrors.pop(rid, None)
         for new in record.new:
-            req = Request(new.request_id, list(new.prompt_token_ids), new.params,
-                          new.eos_token_ids)
+            mirror = Request(new.request_id, list(new.prompt_token_ids), new.params,
+                             new.eos_token_ids)
             for token in new.output_token_ids:
-                req.append_output(token)
-            req.grammar = _SentMask(None) if new.constrained else None
-            self.mirrors[new.request_id] = req
+                mirror.append_output(token)
+            mirror.grammar = _SentMask(None) if new.constrained else None
+            self.mirrors[new.request_id] = mirror
         masks = record.grammar_masks
         num_masks = 0 if masks is None else masks.shape[0]
         reqs, used = [], 0
@@ -163,10 +164,10 @@ class RankSampler:
             for token in added:
                 req.append_output(token)
             if req.grammar is not None:
-                if used >= num_masks:
+                if masks is None or used >= num_masks:
                     raise ValueError(f"constrained request {rid!r} came without its grammar "
                                      f"mask ({num_masks} masks in the step)")
-                req.grammar = _SentMask(masks[used])  # type: ignore[index]
+                req.grammar = _SentMask(masks[used])
                 used += 1
             reqs.append(req)
         return reqs
