@@ -6,14 +6,18 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.config import CleaveConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from cluster.flags import add_engine_flags
 
     p.add_argument("--model", default=None,
-                   help="model folder (config.json, safetensors, tokenizer) or GGUF file; default: the "
-                        "embedded tiny model, created on first use")
+                   help="model folder (config.json, safetensors, tokenizer) or GGUF file; "
+                        "default: the embedded tiny model, created on first use")
     add_engine_flags(p, skip=("seed",))  # --seed: the requests' sampling seed
 
 
@@ -55,7 +59,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(config, num_cpus=args.num_cpus)
 
 
-def _check_model(config, in_process: bool) -> None:  # noqa: ANN001 - a CleaveConfig
+def _check_model(config: CleaveConfig, in_process: bool) -> None:
     """Fail before starting anything when the model folder is missing where the workers will
     run (this machine: in process or on a Ray started here; on a Ray cluster joined through
     RAY_ADDRESS the folder may live on its nodes only), or the pools' shapes do not fit it."""
@@ -75,7 +79,7 @@ def _check_model(config, in_process: bool) -> None:  # noqa: ANN001 - a CleaveCo
                          "model folder or a GGUF file")
 
 
-def _serve_in_process(config, process_per_worker: bool) -> int:  # noqa: ANN001 - CleaveConfig
+def _serve_in_process(config: CleaveConfig, process_per_worker: bool) -> int:
     """The same deployment with every worker an engine in this process, or in a process of
     its own (no Ray): each pool keeps the replicas it starts with."""
     from cluster.local_server import serve_local

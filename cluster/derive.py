@@ -79,13 +79,12 @@ def _optional(kind: Any) -> tuple[Any, bool]:
 def config_type(d: Defined) -> Any:
     kind, optional = _optional(d.type)
     if d.setting.choices is not None:
-        kind = Literal[d.setting.choices]  # type: ignore[valid-type]
+        kind = Literal[d.setting.choices]
     elif typing.get_origin(kind) is tuple:
         item = typing.get_args(kind)[0]
-        if typing.get_origin(item) is tuple:  # (name, value) pairs
-            kind = dict[typing.get_args(item)]  # type: ignore[misc]
-        else:
-            kind = list[item]  # type: ignore[valid-type]
+        # (name, value) pairs become a dict, other items a list (`dict[k, v]`, `list[item]`)
+        kind = (types.GenericAlias(dict, typing.get_args(item)) if typing.get_origin(item) is tuple
+                else types.GenericAlias(list, (item,)))
     optional = optional or d.name in MODE_DEFAULTS
     return kind | None if optional else kind
 
@@ -138,8 +137,9 @@ def derived(section: str) -> Callable[[type[M]], type[M]]:
     def build(cls: type[M]) -> type[M]:
         fields = {d.setting.key or d.name: _field(record, d)
                   for record, d in derived_settings(section)}
-        return create_model(cls.__name__, __base__=cls, __module__=cls.__module__,
-                            __doc__=cls.__doc__, **fields)  # type: ignore[call-overload]
+        return create_model(  # type: ignore[call-overload]  # fields made at run time
+            cls.__name__, __base__=cls, __module__=cls.__module__, __doc__=cls.__doc__,
+            **fields)
     return build
 
 

@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
-    """What the actor builds: one `workers.serving.worker.Worker` (settings from `cluster.settings`)."""
+    """What the actor builds: one `workers.serving.worker.Worker` (settings from
+    `cluster.settings`)."""
 
     worker_id: str
     role: str  # "prefill", "decode" or "both"

@@ -65,8 +65,7 @@ class _Aborted(Exception):
 class RouterIngress:
     """The Serve deployment class of the router (named `router`)."""
 
-    # Serve awaits an async constructor; the checker holds that `__init__` returns None
-    async def __init__(  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
             self, config: dict[str, Any], directory: Any, *pools: Any) -> None:
         self.config = CleaveConfig.parse(config)
         cores = router_cores(self.config)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypeVar
 
 from router.channel import ChannelClient
-from router.config import Deadlines
+from router.config import DEFAULT_DEADLINES, Deadlines
 from router.errors import WorkerUnavailableError
 from router.worker_client import WorkerChannel
 from workers.contract.calls import Call
@@ -64,6 +64,7 @@ class InProcessChannel(WorkerChannel):
             await self.worker.shutdown()
 
 
-def in_process_client(worker: Worker, deadlines: Deadlines = Deadlines()) -> ChannelClient:
+def in_process_client(worker: Worker,
+                      deadlines: Deadlines = DEFAULT_DEADLINES) -> ChannelClient:
     """The router's client of a worker in this process (the client owns the worker)."""
     return ChannelClient(InProcessChannel(worker), SUBSCRIBER, deadlines)

@@ -186,7 +186,8 @@ class LocalServer:
         """The in-process workers behind the clients (tests look inside them; not with
         `process_per_worker`)."""
         # in process, each client's channel is an `InProcessChannel`, which holds its worker
-        return [c.channel.worker for c in self.clients]  # type: ignore[attr-defined]
+        return [c.channel.worker  # type: ignore[attr-defined]  # an InProcessChannel's
+                for c in self.clients]
 
     @property
     def http_port(self) -> int:

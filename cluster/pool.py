@@ -69,8 +69,7 @@ def engine_actor_options(settings: PoolSettings, pg: PlacementGroup | None) -> d
 class WorkerReplica:
     """The Serve deployment class of every pool (bound once per pool, named `pool-<name>`)."""
 
-    # Serve awaits an async constructor; the checker holds that `__init__` returns None
-    async def __init__(  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
             self, config: dict[str, Any], pool: str, directory: Any) -> None:
         self.config = CleaveConfig.parse(config)
         self.pool = pool
@@ -97,7 +96,7 @@ class WorkerReplica:
             try:
                 await self.directory.register.remote(self.entry)
             # the directory restarting: the next beat re-registers
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 -- (see above)
                 logger.warning("worker %s: heartbeat failed: %s", self.worker_id, exc)
 
     async def check_health(self) -> None:

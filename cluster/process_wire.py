@@ -7,6 +7,7 @@ import asyncio
 import pickle
 import socket
 import struct
+from typing import Any
 
 _HEADER = struct.Struct("<I")
 
@@ -27,7 +28,9 @@ def send(sock: socket.socket, msg: object) -> None:
     sock.sendall(frame(msg))
 
 
-def recv(sock: socket.socket) -> object:
+def recv(sock: socket.socket) -> Any:
+    """The next message, as the peer sent it: its shape (a tuple, by convention) is the
+    caller's protocol, which pickle does not type."""
     (size,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
     return pickle.loads(recv_exact(sock, size))
 
@@ -42,6 +45,8 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-async def read(reader: asyncio.StreamReader) -> object:
+async def read(reader: asyncio.StreamReader) -> Any:
+    """`recv` on a stream: the next message, as the peer sent it (untyped, as pickle gives
+    it)."""
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
     return pickle.loads(await reader.readexactly(size))

@@ -107,7 +107,8 @@ async def _serve(spec: ProcessWorkerSpec, sock: socket.socket) -> None:
 
     async def handle(method: str, args: tuple) -> object:
         if method == "shutdown":
-            return await channel.close()
+            await channel.close()
+            return None
         return await serve(method, args)
 
     try:
@@ -149,7 +150,7 @@ class ProcessChannel(SocketChannel):
             sock.close()
             raise RuntimeError(f"worker {self.worker_id}: a process that is not the child "
                                f"connected")
-        kind, value = wire.recv(sock)  # type: ignore[misc]
+        kind, value = wire.recv(sock)
         if kind != "ready":
             sock.close()
             self.process.join(10)
@@ -177,7 +178,7 @@ class ProcessChannel(SocketChannel):
             try:
                 calls = await self._connection()
                 await asyncio.wait_for(calls.call("shutdown"), STOP_TIMEOUT_S)
-            except (WorkerUnavailableError, asyncio.TimeoutError):
+            except (TimeoutError, WorkerUnavailableError):
                 pass
         self._lost = self._lost or "the worker was shut down"
         if self._calls is not None:

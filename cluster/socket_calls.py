@@ -20,7 +20,8 @@ import itertools
 import logging
 import pickle
 import secrets
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from cluster import process_wire as wire
 from router.errors import WorkerUnavailableError
@@ -57,7 +58,7 @@ class SocketCalls:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
                                                     timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             raise WorkerUnavailableError(worker_id, f"cannot reach its channel at "
                                                     f"{host}:{port}: {exc!r}") from None
         wire.no_delay(writer.get_extra_info("socket"))
@@ -67,16 +68,16 @@ class SocketCalls:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                call_id, ok, value = await wire.read(reader)  # type: ignore[misc]
+                call_id, ok, value = await wire.read(reader)
                 future = self._pending.pop(call_id, None)
                 if future is not None and not future.done():
                     if ok:
                         future.set_result(value)
                     else:
-                        future.set_exception(value)  # type: ignore[arg-type]
+                        future.set_exception(value)
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             self._fail_all(f"its connection closed ({type(exc).__name__})")
-        except Exception as exc:  # noqa: BLE001 - a message that does not decode
+        except Exception as exc:  # a message that does not decode
             logger.exception("worker %s sent a message that does not decode", self.worker_id)
             self._fail_all(f"it sent a message that does not decode: {exc!r}")
 
@@ -129,7 +130,7 @@ async def serve_calls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
     try:
         while True:
-            call_id, method, args = await wire.read(reader)  # type: ignore[misc]
+            call_id, method, args = await wire.read(reader)
             task = asyncio.get_running_loop().create_task(answer(call_id, method, args))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -161,7 +162,7 @@ class CallServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), 10.0)
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError, OSError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
             writer.close()
             return
         if not hmac.compare_digest(token, self.token):

@@ -14,13 +14,14 @@ migrate.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.socket_calls import SocketCalls, SocketChannel
 from router.channel import ChannelClient
-from router.config import Deadlines
+from router.config import DEFAULT_DEADLINES, Deadlines
 from router.errors import WorkerUnavailableError
 from workers.contract.protocol import EngineShutDown
 
@@ -61,7 +62,7 @@ class RayChannel(SocketChannel):
             raise _cause(exc, self.worker_id) from None
         except RayActorError as exc:
             raise WorkerUnavailableError(self.worker_id, f"the actor died: {exc}") from None
-        except (asyncio.TimeoutError, GetTimeoutError):
+        except (TimeoutError, GetTimeoutError):
             raise WorkerUnavailableError(self.worker_id,
                                          f"{what} gave no answer in {CALL_TIMEOUT_S}s") from None
 
@@ -72,7 +73,7 @@ class RayChannel(SocketChannel):
 
 
 def ray_worker_client(worker_id: str, actor: Any, subscriber: str,
-                      deadlines: Deadlines = Deadlines()) -> ChannelClient:
+                      deadlines: Deadlines = DEFAULT_DEADLINES) -> ChannelClient:
     """One router replica's client of one engine actor; `subscriber` names the router."""
     return ChannelClient(RayChannel(worker_id, actor), subscriber, deadlines)
 

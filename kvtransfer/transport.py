@@ -108,7 +108,8 @@ def as_bytes(t: torch.Tensor) -> memoryview:
         raise ValueError(f"tensor on {t.device} with strides {t.stride()}; expected contiguous "
                          "CPU memory")
     # ndarray has the buffer protocol; numpy's stubs declare it only for Python 3.12+
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return memoryview(
+        t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # stubs: 3.12+ only
 
 
 @dataclass(frozen=True)

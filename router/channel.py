@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from router.config import Deadlines
+from router.config import DEFAULT_DEADLINES, Deadlines
 from router.errors import WorkerUnavailableError
 from router.request_stream import RequestStream
 from router.worker_client import WorkerChannel, WorkerClient, WorkerListener
@@ -37,7 +38,7 @@ class ChannelClient(WorkerClient):
     router replica has its own output channel)."""
 
     def __init__(self, channel: WorkerChannel, subscriber: str,
-                 deadlines: Deadlines = Deadlines()) -> None:
+                 deadlines: Deadlines = DEFAULT_DEADLINES) -> None:
         self.channel = channel
         self.subscriber = subscriber
         self.deadlines = deadlines
@@ -137,8 +138,8 @@ class ChannelClient(WorkerClient):
                     if stream is not None:
                         stream.put(err)
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -23,6 +23,8 @@ class Deadlines:
     stall_s: float = 15.0
 
 
+DEFAULT_DEADLINES = Deadlines()  # the clients' default (a frozen record, shared safely)
+
 # the tool-call formats `router.openai.tool_parsers` reads (vLLM's --tool-call-parser names)
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")  # `router.policy`'s names

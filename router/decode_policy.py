@@ -11,7 +11,7 @@ instead of all seeing the same idle worker.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from router.loads import LoadTable, WorkerLoad
 from router.policy import RoutingPolicy, get_policy

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Collection
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 from collections.abc import AsyncIterator
 
 import grpc
@@ -34,7 +34,7 @@ _PLAIN_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_pena
 
 def sampling_params(msg: pb.SamplingParameters, max_tokens_default: int) -> SamplingParams:
     """The engine's parameters from the message; raises `BadRequestError` naming the field."""
-    kwargs: dict[str, object] = {f: getattr(msg, f) for f in _PLAIN_FIELDS if msg.HasField(f)}
+    kwargs: dict[str, Any] = {f: getattr(msg, f) for f in _PLAIN_FIELDS if msg.HasField(f)}
     kwargs["max_tokens"] = msg.max_tokens if msg.HasField("max_tokens") else max_tokens_default
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
@@ -42,7 +42,7 @@ def sampling_params(msg: pb.SamplingParameters, max_tokens_default: int) -> Samp
         kwargs["logit_bias"] = dict(msg.logit_bias) or None
         kwargs["structured"] = _constraint(msg)
         # the fields' types are the message's; SamplingParams validates each value
-        return SamplingParams(**kwargs)  # type: ignore[arg-type]
+        return SamplingParams(**kwargs)
     except InvalidRequestError as exc:
         raise BadRequestError(exc.message, param=exc.param) from None
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
@@ -269,4 +270,4 @@ class Orchestrator:
         c.count_decode(decode_id)
 
 
-__all__ = ["DECODE_POOL", "Orchestrator", "PREFILL_POOL", "Policies"]
+__all__ = ["DECODE_POOL", "PREFILL_POOL", "Orchestrator", "Policies"]

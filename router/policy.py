@@ -11,8 +11,9 @@ deterministic for the same inputs (round robin: for the same call history).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import numpy as np
 

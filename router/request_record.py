@@ -1,6 +1,6 @@
 """One request's timings and outcome as the router's metrics count them (`RequestRecord`,
-opened by `router.generations.GenerationFactory` as it builds the generation, `started` being when the request
-reached the router, `time.monotonic()`; torch-free)."""
+opened by `router.generations.GenerationFactory` as it builds the generation, `started` being
+when the request reached the router, `time.monotonic()`; torch-free)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ class Timed(Protocol):
 
     worker_id: str  # sampled the first token
     decode_worker_id: str | None  # streams the rest, when set
-    prompt_token_ids: tuple[int, ...]
     predicted_cached_tokens: int
     num_cached_tokens: int
     first: TokenEvent
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]: ...
 
 
 class NullRecord:

@@ -13,7 +13,8 @@ before any policy is asked (`router.orchestrator`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from workers.contract.protocol import WorkerRequest
 
@@ -25,7 +26,8 @@ class SplitPolicy(ABC):
 
     def __init__(self, threshold_tokens: int = 0) -> None:
         """`threshold_tokens`: `RouterConfig.disagg_threshold_tokens` (for the policies that
-        read it)."""
+        read it; the others keep nothing, so this base constructor ignores it)."""
+        return None
 
     @abstractmethod
     def run_here(self, req: WorkerRequest, predicted_cached_tokens: int) -> str | None:

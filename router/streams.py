@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from router.errors import NoHealthyWorkerError, WorkerUnavailableError
 from router.metrics import error_reason
@@ -139,12 +140,12 @@ class Generation:
                     h, self._handover = self._handover, None
                     self._recovery.kv_pulled(h.decode.worker_id, h.handoff,
                                              time.monotonic() - h.started)
-                event = self._with_text(event)
-                if event is None:  # a sample that already ended here
+                shown = self._with_text(event)
+                if shown is None:  # a sample that already ended here
                     continue
-                sent[event.index].extend(event.token_ids)
-                self.record.on_event(event)
-                yield event
+                sent[shown.index].extend(shown.token_ids)
+                self.record.on_event(shown)
+                yield shown
             self.record.finish("success")
         except Exception as exc:
             self.record.finish("error", error_reason(exc))

@@ -18,7 +18,8 @@ reads the output stream; it knows no operation by name. A new operation needs no
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from workers.contract.calls import (
     Call,
@@ -122,7 +123,9 @@ class WorkerClient(abc.ABC):
         deadline) undoes what the call began there (`Call.undone_by_abort`)."""
 
     async def close(self) -> None:
-        """Release what the client holds (its channel, an in-process engine)."""
+        """Release what the client holds (its channel, an in-process engine). An optional hook:
+        a client that holds nothing keeps this default, which does nothing."""
+        return None
 
     # ---- the operations, by name ------------------------------------------------------------
 
@@ -240,4 +243,6 @@ class WorkerChannel(abc.ABC):
         events when nothing happened), at least `min_interval_s` after its last."""
 
     async def close(self) -> None:
-        """Release the channel (and what it owns: an in-process worker)."""
+        """Release the channel (and what it owns: an in-process worker). An optional hook: a
+        channel that owns nothing keeps this default, which does nothing."""
+        return None

@@ -8,8 +8,9 @@ reads or parses the body. Handlers parse bodies themselves (`parse_body`), so Fa
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -134,6 +135,16 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
     return error_response(APIError(INTERNAL_ERROR))
 
 
+E = TypeVar("E", bound=Exception)
+
+
+def _handle(app: FastAPI, kind: type[E],
+            handler: Callable[[Request, E], Awaitable[Response]]) -> None:
+    """Register `handler` for the errors of class `kind`, checking that it takes that class.
+    Starlette's annotations want a handler of any Exception, though it passes only `kind`."""
+    app.add_exception_handler(kind, handler)  # type: ignore[arg-type]  # it gets only `kind`
+
+
 async def health(request: Request) -> Response:
     """Liveness, open without a key: the workers healthy as last reported (their heartbeats),
     asking none of them (a probe per second must not become a call per worker)."""
@@ -182,9 +193,9 @@ def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="Cleave", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.router = router
     app.state.tokens = TokenStrings(router)
-    app.add_exception_handler(APIError, _on_api_error)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    _handle(app, APIError, _on_api_error)
+    _handle(app, RequestValidationError, _on_validation_error)
+    _handle(app, StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_crash)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/version", version, methods=["GET"])

@@ -9,8 +9,9 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,7 +28,7 @@ from router.openai.common import (
     until_disconnected,
     usage,
 )
-from router.openai.protocol import ChatCompletionRequest
+from router.openai.protocol import ChatCompletionRequest, ChatMessage
 from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.openai.tool_calls import ToolCallStream, message_with_calls, tool_call_format
 from router.openai.tool_parsers import ToolCallFormat
@@ -52,7 +53,16 @@ def _long(body: ChatCompletionRequest) -> bool:
                for m in body.messages) >= TOKENIZE_INLINE_CHARS
 
 
-def chat_prompt(router: Router, body: ChatCompletionRequest) -> list[int]:
+class ChatBody(Protocol):
+    """What `chat_prompt` reads of a request: a chat completion's, or a tokenize request's."""
+
+    @property
+    def messages(self) -> list[ChatMessage]: ...
+    @property
+    def add_generation_prompt(self) -> bool: ...
+
+
+def chat_prompt(router: Router, body: ChatBody) -> list[int]:
     messages = [m.as_template_input() for m in body.messages]
     tools = body.template_tools() if isinstance(body, ChatCompletionRequest) else None
     try:
@@ -100,7 +110,7 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
                 yield chunks.of(event)
             if body.include_usage:
                 yield chunks.usage()
-        except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
+        except Exception as exc:  # reported to the client in the stream
             logger.exception("a streamed request failed")
             yield sse_error(exc)
         finally:
@@ -228,9 +238,10 @@ def _tool_frames(calls: ToolCallStream, event: TokenEvent, finish: str | None,
         deltas += calls.finish()
         if calls.made_calls and finish == "stop":
             finish = "tool_calls"
-    frames = [{"index": event.index, "delta": d, "logprobs": None, "finish_reason": None}
-              for d in deltas] or [{"index": event.index, "delta": {}, "logprobs": None,
-                                    "finish_reason": None}]
+    frames: list[dict[str, Any]] = [
+        {"index": event.index, "delta": d, "logprobs": None, "finish_reason": None}
+        for d in deltas] or [{"index": event.index, "delta": {}, "logprobs": None,
+                              "finish_reason": None}]
     frames[0]["logprobs"] = fmt(event.logprobs or [])
     frames[-1].update(finish_reason=finish, stop_reason=event.stop_reason)
     return frames

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Sequence, TypeVar, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -113,7 +114,7 @@ async def merge(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, TokenEve
             async for event in gen.events():
                 queue.put_nowait((i, event))
             queue.put_nowait(None)
-        except Exception as exc:  # handed to the consumer, which re-raises it
+        except Exception as exc:  # noqa: BLE001 -- handed to the consumer, which re-raises it
             queue.put_nowait(exc)
 
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]

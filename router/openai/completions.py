@@ -8,8 +8,9 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -41,7 +42,7 @@ class _Choice:
     text: str = ""
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -98,7 +99,7 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
                 yield chunks.of(i, event)
             if body.include_usage:
                 yield chunks.usage()
-        except Exception as exc:  # noqa: BLE001 -- reported to the client in the stream
+        except Exception as exc:  # reported to the client in the stream
             logger.exception("a streamed request failed")
             yield sse_error(exc)
         finally:

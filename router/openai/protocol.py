@@ -13,7 +13,7 @@ vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -35,7 +35,7 @@ class _SamplingBody(StructuredFields):
 
     model: str | None = None
     n: int = 1
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -74,7 +74,7 @@ class _SamplingBody(StructuredFields):
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, seed=self.seed,
                 max_tokens=max_tokens, min_tokens=self.min_tokens,
-                stop=[] if self.stop is None else self.stop,
+                stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
                 stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
@@ -111,7 +111,7 @@ class _SamplingBody(StructuredFields):
 
 
 # A prompt: text, texts, token ids or lists of token ids. Strict so "1" is not token 1.
-Prompt = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+Prompt = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 
 class CompletionRequest(_SamplingBody):
@@ -141,7 +141,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers

@@ -9,7 +9,7 @@ anything, as a 400 naming the same field.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,7 +23,7 @@ class JSONSchemaFormat(BaseModel):
 
     name: str | None = None
     description: str | None = None
-    schema_: Union[dict[str, Any], bool, None] = Field(default=None, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -41,7 +41,7 @@ class StructuredOutputs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -54,7 +54,7 @@ class StructuredFields(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's names before `structured_outputs`
-    guided_json: Union[dict[str, Any], str, None] = None
+    guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None

@@ -5,7 +5,7 @@ router's tokenizer and touch no worker."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Union
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt
 from starlette.requests import Request
@@ -44,7 +44,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-class TokenizeRequest(RootModel[Union[TokenizeCompletionRequest, TokenizeChatRequest]]):
+class TokenizeRequest(RootModel[TokenizeCompletionRequest | TokenizeChatRequest]):
     """vLLM's two shapes: a prompt, or chat messages."""
 
 
@@ -52,7 +52,7 @@ async def tokenize(router: Router, request: Request) -> JSONResponse:
     body = (await parse_body(request, TokenizeRequest)).root
     router.check_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        ids = await asyncio.to_thread(chat_prompt, router, body)  # type: ignore[arg-type]
+        ids = await asyncio.to_thread(chat_prompt, router, body)
     elif len(body.prompt) >= TOKENIZE_INLINE_CHARS:
         ids = await asyncio.to_thread(router.tokenizer.encode, body.prompt,
                                       body.add_special_tokens)

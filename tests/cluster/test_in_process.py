@@ -32,10 +32,11 @@ def test_each_pool_runs_its_own_engine_and_transfer_settings(tiny_model, monkeyp
     server = LocalServer(plan)  # builds the workers; not started: no ports taken
     try:
         prefill, decode = server.workers
-        assert (prefill.worker_id, prefill.role, prefill.num_blocks) == ("prefill-0", "prefill",
-                                                                          32)
+        assert (prefill.worker_id, prefill.role, prefill.info.num_blocks) == (
+            "prefill-0", "prefill", 32)
         assert prefill.engine.config.max_num_seqs == 4
-        assert (decode.worker_id, decode.role, decode.num_blocks) == ("decode-0", "decode", 64)
+        assert (decode.worker_id, decode.role, decode.info.num_blocks) == (
+            "decode-0", "decode", 64)
         assert decode.engine.config.max_num_seqs == 128
         assert {w: (o["lease_s"], o["pull_timeout_s"]) for w, o in built.items()} == {
             "prefill-0": (7.0, 3.0), "decode-0": (7.0, 3.0)}

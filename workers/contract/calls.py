@@ -15,8 +15,9 @@ Adding an operation: its record here, its handler in `workers.serving.dispatch`,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Mapping, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from workers.contract.messages import Command, Paused, PrefillResult, PrefixFetch
 from workers.contract.prefix_cache import HotPrefix, KVSnapshot

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:

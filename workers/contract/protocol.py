@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from workers.contract.errors import InvalidRequestError  # noqa: F401 -- re-exported: every layer's refusal
+from workers.contract.errors import InvalidRequestError  # re-exported too: every layer's refusal
 
 if TYPE_CHECKING:
     from workers.contract.structured_output import StructuredOutput
@@ -104,7 +104,7 @@ class SamplingParams:
             _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
                    f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
             _check(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias",
-                   f"keys must be non-negative token ids, got {[t for t in bias][:5]}")
+                   f"keys must be non-negative token ids, got {list(bias)[:5]}")
             bad = {t: v for t, v in bias.items() if not -100.0 <= v <= 100.0}
             _check(not bad, "logit_bias", f"values must be in [-100, 100], got {bad}")
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvtransfer import faults
 from workers.engine.config import EngineConfig
@@ -64,7 +65,7 @@ class AsyncEngine:
         self.watchdog = StepWatchdog(step_timeout_s)
         self._stats: EngineStats = engine.stats()  # published after each step
         self.routes = Routes()
-        self._ops: list[Callable[[], None]] = []
+        self._ops: list[Callable[[], object]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._executor = step_thread or new_step_thread()
@@ -114,8 +115,9 @@ class AsyncEngine:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def apply_soon(self, op: Callable[[], None]) -> None:
-        """Queue `op` to run on the event loop between two steps; fire and forget."""
+    def apply_soon(self, op: Callable[[], object]) -> None:
+        """Queue `op` to run on the event loop between two steps; fire and forget (its result
+        is dropped)."""
         self._ensure_running()
         self._ops.append(op)
         assert self._wakeup is not None
@@ -130,7 +132,7 @@ class AsyncEngine:
         def op() -> None:
             try:
                 result = fn()
-            except Exception as exc:  # handed to the caller
+            except Exception as exc:  # noqa: BLE001 -- handed to the caller, who raises it
                 if not done.done():
                     done.set_exception(exc)
             else:
@@ -157,7 +159,7 @@ class AsyncEngine:
         def op() -> None:
             try:
                 add()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- a bad request fails only itself
                 sink.fail(request_id, exc)
                 sink.flush()
                 return
@@ -233,7 +235,7 @@ class AsyncEngine:
                 continue
             try:
                 await loop.run_in_executor(self._executor, self._steps, loop)
-            except Exception as exc:  # a broken step fails every request in flight
+            except Exception as exc:  # noqa: BLE001 -- a broken step fails every request in flight
                 if isinstance(exc, RankGroupError):  # a rank is gone: no step will work again
                     self.watchdog.broken(f"a rank of its group failed: {exc}")
                 self._fail_all(exc)

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -184,7 +184,9 @@ class Engine:
         n > 1 request's first token lets in."""
         for rid, (first, logprobs) in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
-            if req is not None:  # else aborted while its step ran (async scheduling)
+            # None: aborted while its step ran (async scheduling); a request whose prompt
+            # logprobs the step computed asked for them, so it has their list
+            if req is not None and req.prompt_logprobs is not None:
                 req.prompt_logprobs[first:first + len(logprobs)] = logprobs
         events: list[TokenEvent] = []
         for req in record(out, result.sampled):
@@ -195,10 +197,10 @@ class Engine:
                 req.stop_reason = stop
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
             event = self.outputs.event(req, result.logprobs.get(req.request_id))
-            if event is not None:
+            if event is not None:  # always, for a finished sample
                 events.append(event)
-            if req.is_finished:
-                self._retire(event.request_id, req.request_id)
+                if req.is_finished:
+                    self._retire(event.request_id, req.request_id)
             for sibling in self._forks.pop(req.request_id, ()):
                 self.scheduler.add(sibling)
         return events
@@ -208,12 +210,12 @@ class Engine:
         (its stop token accepted, even under ignore_eos) ends the request."""
         if req.is_finished:
             return  # its matcher is not used again (a continuation rebuilds its own)
-        matcher = req.grammar
-        accepted = matcher.accept_token(req.output_token_ids[-1])  # type: ignore[attr-defined]
+        matcher: Any = req.grammar  # xgrammar's matcher (held as an object: not imported here)
+        accepted = matcher.accept_token(req.output_token_ids[-1])
         if not accepted:  # the mask forbids it: only a bug gets here
             logger.error("request %s sampled token %d outside its grammar", req.request_id,
                          req.output_token_ids[-1])
-        if not accepted or matcher.is_terminated():  # type: ignore[attr-defined]
+        if not accepted or matcher.is_terminated():
             self.scheduler.finish(req.request_id, FinishReason.STOP)
 
     def _retire(self, parent_id: str, sample_id: str) -> None:

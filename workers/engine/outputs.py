@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Protocol
 from collections.abc import Callable
+from typing import Protocol
 
 from workers.contract.messages import RequestFailed, WorkerOutputs
 from workers.contract.protocol import EngineStats, TokenEvent
@@ -91,7 +91,7 @@ class RequestStream:
 
 
 class _Route:
-    __slots__ = ("sink", "samples_left")
+    __slots__ = ("samples_left", "sink")
 
     def __init__(self, sink: Sink, samples_left: int) -> None:
         self.sink = sink

@@ -187,8 +187,9 @@ class ModelRunner:
             tuple(chunk.request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]),
             chunk.request.params.prompt_logprobs or 0) for chunk, _, count in batch.prompt_rows]
         # a runner has `sync` exactly when its executor samples (see __init__)
-        record = self.sync.record(batch.sampling, prompt)  # type: ignore[union-attr]
-        executor: SamplingExecutor = self.executor  # type: ignore[assignment]
+        record = self.sync.record(  # type: ignore[union-attr]  # set: its executor samples
+            batch.sampling, prompt)
+        executor: SamplingExecutor = self.executor  # type: ignore[assignment]  # it samples
         sampled = executor.execute_sampled(dataclasses.replace(batch.msg, sampling=record))
         result = RunnerOutput()
         _record_sampled(result, batch.sampling,

@@ -27,8 +27,8 @@ from workers.engine.scheduler_records import ScheduledChunk, SchedulerConfig, Sc
 
 # Prompt-logprobs requests' prefill chunks compute a row of logits per token (tokens × vocab
 # floats, then their log-softmax): at most this many rows a step, over all of them, so a step
-# stays within the memory the profile measured (`workers.engine.memory_profile`; a chunk of 8192 rows
-# of a 128k vocabulary would need 4 GiB twice over).
+# stays within the memory the profile measured (`workers.engine.memory_profile`; a chunk of
+# 8192 rows of a 128k vocabulary would need 4 GiB twice over).
 PROMPT_LOGPROB_TOKENS_PER_STEP = 512
 
 

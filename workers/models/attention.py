@@ -88,7 +88,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_in_backend:  # one kernel rotates q and k and stores k and v
             # a backend that sets `rotates_qk` has `forward_rotary`, which the base class lacks
-            out = self.attn_backend.forward_rotary(  # type: ignore[attr-defined]
+            out = self.attn_backend.forward_rotary(  # type: ignore[attr-defined]  # rotates_qk
                 positions, self.rotary_emb.cos_sin_cache, q, k, v, kv_cache, meta,
                 scale=self.scale, window=self.window, sinks=self.sinks)
         else:

@@ -156,7 +156,8 @@ class DeepseekMoE(nn.Module):
             correction = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32),
                                       requires_grad=False)
             # a parameter carries its loader as an attribute of its own (as vLLM's do)
-            correction.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+            correction.weight_loader = (  # type: ignore[attr-defined]  # an attribute of our own
+                default_weight_loader)
             self.gate.e_score_correction_bias = correction
         self.experts = FusedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size,
                                     shard, shard.comm)

@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             try:
                 # each parameter carries its loader (`workers.models.layers._make_param`)
-                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                param.weight_loader(  # type: ignore[attr-defined]  # an attribute of our own
+                    param, tensor, shard_id)
             except WeightShapeError as e:
                 raise WeightShapeError(f"tensor {hf_name!r}: {e}") from None
             if shard_id is None:

@@ -86,7 +86,7 @@ def load_model(
             elif isinstance(source, Path):
                 _load_gguf(model, source, config)
             else:
-                _load_safetensors(model, source, Path(path), scheme, kept)  # type: ignore[arg-type]
+                _load_safetensors(model, source, Path(path), scheme, kept)  # type: ignore[arg-type]  # files: path set
     except WeightLoadError as e:
         error = str(e)
     if error is not None:
@@ -168,7 +168,7 @@ def _weights_source(path: str | Path | None, config: ModelConfig,
     return gguf_file
 
 
-def _load_gguf(model: nn.Module, file: Path, config: ModelConfig) -> None:
+def _load_gguf(model: LlamaForCausalLM, file: Path, config: ModelConfig) -> None:
     try:
         loaded = model.load_weights(gguf_weights.dequantized_weights(file, config))
     except (GGUFError, WeightShapeError, KeyError) as e:

@@ -121,7 +121,7 @@ def _swap(module: Any, scheme: QuantScheme, kernel: str) -> None:
                                 ("zeros", (n, groups), torch.float32)):
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
         # a parameter carries its loader as an attribute of its own (as vLLM's do)
-        param.weight_loader = loader  # type: ignore[attr-defined]
+        param.weight_loader = loader  # type: ignore[attr-defined]  # an attribute of our own
         module.register_parameter(pname, param)
     module.matmul = QuantizedMatmul(kernel)
 

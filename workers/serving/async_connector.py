@@ -5,7 +5,8 @@ or stops a request with a stream of events, applied between steps (`AsyncEngine.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from workers.engine.request import Continuation
 

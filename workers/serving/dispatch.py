@@ -10,7 +10,8 @@ checks that every record of the contract has one.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from workers.contract.calls import (
     CALLS_VERSION,

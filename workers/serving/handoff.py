@@ -48,7 +48,8 @@ class Handoff:
                 raise RuntimeError(f"prefill of {rid!r} ended without a token")
             if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
                 return PrefillResult(first, None)  # the request is over (blocks freed below)
-            handoff = self.transfer.offer(rid, self.connector.connector.held_block_ids(rid), decode_tp_size)
+            handoff = self.transfer.offer(rid, self.connector.connector.held_block_ids(rid),
+                                          decode_tp_size)
             offered = True
             return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
         finally:

@@ -19,6 +19,7 @@ offered and pulled on its own, the prompt's shared blocks once per sample):
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import TYPE_CHECKING
@@ -86,7 +87,7 @@ class Migrations:
             if rest:
                 handoff = self.transfer.offer(p.sample_id, rest, reader_tp_size)
             else:
-                self.engine.apply_soon(lambda sid=p.sample_id: connector.free_held(sid))
+                self.engine.apply_soon(functools.partial(connector.free_held, p.sample_id))
             samples.append(PausedSample(p.index, tuple(p.output_token_ids), p.num_kv_tokens,
                                         handoff))
         self.num_moved_out += 1
@@ -143,10 +144,13 @@ class Migrations:
         tokens; a failed pull (or no room) computes the KV instead."""
         rid = cmd.req.request_id
         self._prepared.pop(rid, None)  # taken (or freed) by the continuation
-        handoffs = {s.index: s.kv.handoff for s in cmd.samples}  # type: ignore[union-attr]
-        samples = [Continuation(s.index, s.sent_token_ids, s.kv.num_kv_tokens,  # type: ignore
-                                hold_id(rid, s.index) if s.kv.num_landed_blocks else None)
-                   for s in cmd.samples]
+        migrated = [(s, s.kv) for s in cmd.samples if s.kv is not None]
+        if len(migrated) < len(cmd.samples):
+            raise ValueError(f"resume of {rid!r}: each sample of a live migration carries its KV")
+        handoffs = {s.index: kv.handoff for s, kv in migrated}
+        samples = [Continuation(s.index, s.sent_token_ids, kv.num_kv_tokens,
+                                hold_id(rid, s.index) if kv.num_landed_blocks else None)
+                   for s, kv in migrated]
 
         async def pull(to_fill: dict[int, list[int]]) -> None:
             async def one(index: int, block_ids: list[int]) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from workers.contract.protocol import KVCacheFull, KVPullFailed
 from workers.contract.prefix_cache import HotPrefix

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from workers.contract.protocol import KVPullFailed
 
@@ -156,14 +157,16 @@ class WorkerTransfer:
             results = await asyncio.gather(*(agent.pull(list(handoff.ranks), block_ids,
                                                         timeout=self.pull_timeout_s)
                                              for agent in agents), return_exceptions=True)
-            for exc in results:
-                if isinstance(exc, TransferError):
-                    raise KVPullFailed(request_id, type(exc).__name__, str(exc)) from None
-                if isinstance(exc, BaseException):
-                    raise exc
+            read_bytes = 0
+            for result in results:
+                if isinstance(result, TransferError):
+                    raise KVPullFailed(request_id, type(result).__name__, str(result)) from None
+                if isinstance(result, BaseException):
+                    raise result
+                read_bytes += result.read_bytes
             # the rate of the reads it went in, every rank's (each merged with other pulls from
             # the same source rank)
-            self._measured(sum(r.read_bytes for r in results), time.perf_counter() - start)
+            self._measured(read_bytes, time.perf_counter() - start)
 
         return pull
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from workers.contract.messages import (
     Abort,
@@ -102,7 +103,7 @@ class Worker:
     @classmethod
     def from_config(cls, worker_id: str, config: EngineConfig, role: str = "both", *,
                     rank_launcher: RankLauncher | None = None, detokenize: bool = False,
-                    **options: object) -> Worker:
+                    **options: Any) -> Worker:
         """`options`: the keyword arguments of `Worker.__init__` (transport, lease_s, ...);
         `rank_launcher`: how a parallel engine starts its ranks (None: spawned processes).
         `detokenize` is off: a worker's events carry token ids, and the router makes their
@@ -111,7 +112,7 @@ class Worker:
 
         engine = AsyncEngine.from_config(config, rank_launcher, detokenize=detokenize)
         try:
-            return cls(worker_id, engine, role, **options)  # type: ignore[arg-type]
+            return cls(worker_id, engine, role, **options)
         except BaseException:
             engine.engine.close()  # a refused worker leaves no rank running
             raise

@@ -1,15 +1,15 @@
 """Write a small, real tokenizer for a synthetic checkpoint (no model hub needed).
 
-`write_tokenizer_files` trains a byte-level BPE on the corpus below with the `tokenizers` library and
-writes `tokenizer.json` plus a `tokenizer_config.json` that `transformers.AutoTokenizer` loads, with
-the special tokens and chat template of the family named by `arch`:
+`write_tokenizer_files` trains a byte-level BPE on the corpus below with the `tokenizers` library
+and writes `tokenizer.json` plus a `tokenizer_config.json` that `transformers.AutoTokenizer`
+loads, with the special tokens and chat template of the family named by `arch`:
 
-| arch      | bos                 | eos (stop here)  | pad             | also stop at       | template   |
-|-----------|---------------------|------------------|-----------------|--------------------|------------|
-| `llama`   | `<|begin_of_text|>` | `<|eot_id|>`     | none            | `<|end_of_text|>`  | Llama 3    |
-| `mistral` | `<s>`               | `</s>`           | none            | -                  | `[INST]`   |
-| `qwen2`   | none                | `<|im_end|>`     | `<|endoftext|>` | `<|endoftext|>`    | ChatML     |
-| `gemma`   | `<bos>`             | `<end_of_turn>`  | `<pad>`         | `<eos>`            | Gemma 3    |
+| arch    | bos                 | eos (stop here) | pad             | also stop at      | template |
+|---------|---------------------|-----------------|-----------------|-------------------|----------|
+| llama   | `<|begin_of_text|>` | `<|eot_id|>`    | none            | `<|end_of_text|>` | Llama 3  |
+| mistral | `<s>`               | `</s>`          | none            | -                 | `[INST]` |
+| qwen2   | none                | `<|im_end|>`    | `<|endoftext|>` | `<|endoftext|>`   | ChatML   |
+| gemma   | `<bos>`             | `<end_of_turn>` | `<pad>`         | `<eos>`           | Gemma 3  |
 
 bos is added by the post-processor on `encode(add_special_tokens=True)` (llama, mistral) and by the
 chat template itself, which is why chat prompts are encoded with `add_special_tokens=False`.
@@ -128,7 +128,8 @@ In the beginning the universe was created. This has made a lot of people very an
 
 
 def write_tokenizer_files(out_dir: Path | str, *, arch: str, vocab_size: int) -> TokenizerInfo:
-    """Train and write `tokenizer.json` and `tokenizer_config.json` into `out_dir` (created if missing).
+    """Train and write `tokenizer.json` and `tokenizer_config.json` into `out_dir` (created if
+    missing).
 
     The tokenizer has at most `min(vocab_size, 8192)` ids, special tokens included.
     """
@@ -158,14 +159,22 @@ def write_tokenizer_files(out_dir: Path | str, *, arch: str, vocab_size: int) ->
     (out / "tokenizer_config.json").write_text(
         json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    eos_id = tokenizer.token_to_id(family.eos)
+    eos_id = _token_id(tokenizer, family.eos)
     return TokenizerInfo(
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         bos_token_id=None if family.bos is None else tokenizer.token_to_id(family.bos),
         eos_token_id=eos_id,
         pad_token_id=None if family.pad is None else tokenizer.token_to_id(family.pad),
-        stop_token_ids=(eos_id, *(tokenizer.token_to_id(t) for t in family.extra_stops)),
+        stop_token_ids=(eos_id, *(_token_id(tokenizer, t) for t in family.extra_stops)),
     )
+
+
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    """The id of a special token the tokenizer was trained with."""
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"the trained tokenizer has no token {token!r}")
+    return token_id
 
 
 def _train(family: Family, learned_vocab_size: int) -> Tokenizer:
@@ -175,7 +184,7 @@ def _train(family: Family, learned_vocab_size: int) -> Tokenizer:
         pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
     ])
-    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()  # its settings are fixed (the arguments did nothing)
     trainer = trainers.BpeTrainer(
         vocab_size=learned_vocab_size,
         min_frequency=2,

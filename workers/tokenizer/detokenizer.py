@@ -104,9 +104,10 @@ class SampleText:
                  params: SamplingParams) -> None:
         """`tokenizer` None: no text at all (a model without a tokenizer)."""
         # `tokenizer`: the engine's `Tokenizer`, held as an object by its callers
-        self._detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids,  # type: ignore[arg-type]
-                                              skip_special_tokens=params.skip_special_tokens)
-                       if tokenizer is not None else None)
+        self._detok = (IncrementalDetokenizer(
+            tokenizer,  # type: ignore[arg-type]  # a `Tokenizer` (above): it has `decode`
+            prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
+            if tokenizer is not None else None)
         self._params = params
         stops = params.stop
         # characters held back while unfinished: a stop string could start there (0: no stops)

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 # {"name": ..., "parameters": ...}, a tool's answer in an "ipython" turn.
 _LLAMA3_TEMPLATE = r"""{%- set ns = namespace(tools='', text='') %}
 {%- if tools %}
-    {%- set ns.tools = 'Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\n\nRespond in the format {"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n' %}
+    {%- set ns.tools = 'Given the following functions, please respond with a JSON for a function '
+                       'call with its proper arguments that best answers the given prompt.\n\n'
+                       'Respond in the format {"name": function name, "parameters": dictionary '
+                       'of argument name and its value}. Do not use variables.\n\n' %}
     {%- for tool in tools %}
         {%- set ns.tools = ns.tools + (tool | tojson) + '\n\n' %}
     {%- endfor %}
@@ -23,7 +26,9 @@ _LLAMA3_TEMPLATE = r"""{%- set ns = namespace(tools='', text='') %}
     {%- if message['tool_calls'] %}
         {%- set ns.text = '' %}
         {%- for call in message['tool_calls'] %}
-            {%- set ns.text = ns.text + '{"name": "' + call['function']['name'] + '", "parameters": ' + (call['function']['arguments'] | tojson) + '}' %}
+            {%- set ns.text = ns.text + '{"name": "' + call['function']['name']
+                              + '", "parameters": ' + (call['function']['arguments'] | tojson)
+                              + '}' %}
         {%- endfor %}
     {%- else %}
         {%- set ns.text = message['content'] | trim %}
@@ -32,7 +37,8 @@ _LLAMA3_TEMPLATE = r"""{%- set ns = namespace(tools='', text='') %}
         {%- set ns.text = ns.tools + ns.text %}
         {%- set ns.tools = '' %}
     {%- endif %}
-    {%- set content = '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + ns.text + '<|eot_id|>' %}
+    {%- set content = '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + ns.text
+                      + '<|eot_id|>' %}
     {%- if loop.index0 == 0 %}
         {%- set content = bos_token + content %}
     {%- endif %}
@@ -64,7 +70,8 @@ _MISTRAL_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
 {{- bos_token }}
 {%- for message in loop_messages %}
     {%- if not ns.tooling and (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
-        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+        {{- raise_exception('After the optional system message, conversation roles must '
+                            'alternate user/assistant/user/assistant/...') }}
     {%- endif %}
     {%- if message['role'] == 'user' %}
         {%- if tools and loop.index0 == ns.last_user %}
@@ -78,7 +85,8 @@ _MISTRAL_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
     {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
         {{- ' [TOOL_CALLS] [' }}
         {%- for call in message['tool_calls'] %}
-            {{- '{"name": "' + call['function']['name'] + '", "arguments": ' + (call['function']['arguments'] | tojson) + '}' }}
+            {{- '{"name": "' + call['function']['name'] + '", "arguments": '
+                + (call['function']['arguments'] | tojson) + '}' }}
             {%- if not loop.last %}
                 {{- ', ' }}
             {%- endif %}
@@ -87,9 +95,11 @@ _MISTRAL_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
     {%- elif message['role'] == 'assistant' %}
         {{- ' ' + message['content'] + eos_token}}
     {%- elif message['role'] == 'tool' %}
-        {{- ' [TOOL_RESULTS] {"content": ' + (message['content'] | tojson) + '} [/TOOL_RESULTS]' }}
+        {{- ' [TOOL_RESULTS] {"content": ' + (message['content'] | tojson)
+            + '} [/TOOL_RESULTS]' }}
     {%- else %}
-        {{- raise_exception('Only user, assistant and tool roles are supported, with the exception of an initial optional system message!') }}
+        {{- raise_exception('Only user, assistant and tool roles are supported, with the '
+                            'exception of an initial optional system message!') }}
     {%- endif %}
 {%- endfor %}
 """
@@ -121,12 +131,15 @@ _QWEN2_TEMPLATE = r"""{%- if tools %}
     {%- else %}
         {{- 'You are a helpful assistant.' }}
     {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
     {%- for tool in tools %}
         {{- "\n" }}
         {{- tool | tojson }}
     {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and "
+        "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+        "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
 {%- else %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
@@ -135,7 +148,8 @@ _QWEN2_TEMPLATE = r"""{%- if tools %}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+           or (message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>' + message.role }}

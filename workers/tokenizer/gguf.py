@@ -100,8 +100,7 @@ def _byte_level(meta: GGUFMetadata, tokens: list[str]) -> tuple[tokenizers.Token
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True,
-                                         use_regex=True)
+    backend.decoder = decoders.ByteLevel()  # its settings are fixed (the arguments did nothing)
     return backend, tokens
 
 

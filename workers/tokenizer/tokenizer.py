@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import tokenizers
 
@@ -60,8 +60,9 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: Path | str) -> Tokenizer:
-        """Load `tokenizer.json`, `tokenizer_config.json`, chat templates and eos ids from folder `path`,
-        or the tokenizer a GGUF file describes (`path` names the file or a folder holding it)."""
+        """Load `tokenizer.json`, `tokenizer_config.json`, chat templates and eos ids from folder
+        `path`, or the tokenizer a GGUF file describes (`path` names the file or a folder holding
+        it)."""
         gguf_file = find_gguf_file(path)
         if gguf_file is not None:
             parts = gguf_tokenizer(gguf_file)
@@ -136,6 +137,19 @@ class Tokenizer:
         if isinstance(ids, int):
             return self._id_to_token(ids)
         return [self._id_to_token(i) for i in ids]
+
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = ...,
+                            tokenize: Literal[False] = ...,
+                            tools: list[dict[str, Any]] | None = ..., **kwargs: Any) -> str: ...
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = ...,
+                            *, tokenize: Literal[True], tools: list[dict[str, Any]] | None = ...,
+                            **kwargs: Any) -> list[int]: ...
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = ...,
+                            tokenize: bool = ..., tools: list[dict[str, Any]] | None = ...,
+                            **kwargs: Any) -> str | list[int]: ...
 
     def apply_chat_template(
         self,

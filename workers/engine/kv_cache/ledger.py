@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from workers.engine.kv_cache.block_pool import BlockPool, KVBlock
 

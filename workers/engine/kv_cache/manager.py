@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 from workers.engine.kv_cache.block_pool import BlockPool, KVBlock
 from workers.engine.kv_cache.events import KVEventLog
@@ -147,7 +147,8 @@ class KVCacheManager:
         for hit in computed:
             if isinstance(hit, HostHit):
                 block = next(targets_left)
-                self.host.load(hit.block_hash, block.block_id)  # type: ignore[union-attr]
+                self.host.load(  # type: ignore[union-attr]  # a host hit implies a host tier
+                    hit.block_hash, block.block_id)
                 blocks.append(block)
             else:
                 blocks.append(hit)
@@ -194,7 +195,10 @@ class KVCacheManager:
             return
         self._extend_hashes(req, full)
         size = self.block_size
-        self.pool.cache(self._blocks[rid][done:full], req.block_hashes[done:full],
+        blocks = self._blocks[rid][done:full]
+        if not _whole(blocks):  # a block is cached before it leaves the window: never reached
+            raise RuntimeError(f"request {rid!r} lost uncached blocks out of its window")
+        self.pool.cache(blocks, req.block_hashes[done:full],
                         req.block_hashes[done - 1] if done else None,
                         req.all_token_ids[done * size:full * size])
         self._num_cached_blocks[rid] = full
@@ -211,9 +215,9 @@ class KVCacheManager:
         """Hand a finished request's blocks to the ledger under its id (a KV handoff reads
         them) until `ledger.free_held`."""
         blocks = self._blocks.pop(req.request_id, [])
-        if None in blocks:  # hold_kv requests keep every block: never reached
+        if not _whole(blocks):  # hold_kv requests keep every block: never reached
             raise RuntimeError(f"request {req.request_id!r} lost blocks out of its window")
-        self.ledger.keep(req.request_id, blocks)  # type: ignore[arg-type]
+        self.ledger.keep(req.request_id, blocks)
         self._tables.pop(req.request_id, None)
         self._num_cached_blocks.pop(req.request_id, None)
 
@@ -222,22 +226,27 @@ class KVCacheManager:
         ledger for another worker to pull until `ledger.free_held(hold_id)`; their ids.
         Refused past a sliding window."""
         blocks = self._blocks.get(request_id, [])[:num_blocks]
-        if any(b is None for b in blocks):
+        if not _whole(blocks):
             raise ValueError(f"request {request_id!r} returned blocks out of its window")
-        return self.ledger.share(hold_id, blocks)  # type: ignore[arg-type]
+        return self.ledger.share(hold_id, blocks)
 
     def adopt(self, hold_id: str, request_id: str) -> None:
         """Blocks the ledger holds (reserved, and filled by a pull) become a new request's
         first blocks."""
         if request_id in self._blocks:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        blocks = self.ledger.take(hold_id)
-        self._blocks[request_id] = blocks  # type: ignore[assignment]
-        self._tables[request_id] = _table(blocks)  # type: ignore[arg-type]
+        blocks: list[KVBlock | None] = list(self.ledger.take(hold_id))  # the ledger's list ended
+        self._blocks[request_id] = blocks
+        self._tables[request_id] = _table(blocks)
 
     def reset_prefix_cache(self) -> bool:
         self.hot.clear()
         return self.pool.reset_prefix_cache()
+
+
+def _whole(blocks: list[KVBlock | None]) -> TypeGuard[list[KVBlock]]:
+    """Whether none of `blocks` was returned out of the window."""
+    return None not in blocks
 
 
 def _table(blocks: list[KVBlock | None]) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -30,9 +31,10 @@ from workers.engine.request import Request
 from workers.engine.sampler import Sampler, top_logprobs
 
 
-def grammar_masks(matchers: Sequence[object], vocab_size: int) -> torch.Tensor | None:
+def grammar_masks(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor | None:
     """[len(matchers), ceil(vocab_size / 32)] int32 on the CPU: each matcher's next-token
-    bitmask (xgrammar's layout); None without matchers."""
+    bitmask (xgrammar's layout); None without matchers. `matchers`: xgrammar's, held as
+    objects by modules that do not import xgrammar (hence untyped)."""
     if not matchers:
         return None
     if vocab_size < 1:
@@ -41,8 +43,7 @@ def grammar_masks(matchers: Sequence[object], vocab_size: int) -> torch.Tensor |
 
     bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
     for row, matcher in enumerate(matchers):
-        # xgrammar's matchers, held as objects by modules that do not import xgrammar
-        matcher.fill_next_token_bitmask(bitmask, row)  # type: ignore[attr-defined]
+        matcher.fill_next_token_bitmask(bitmask, row)
     return bitmask
 
 
