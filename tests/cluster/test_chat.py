@@ -153,6 +153,18 @@ def test_answers_stream_with_the_history_until_clear_and_exit(terminals, url, se
     assert term.exit_code() == 0
 
 
+def test_a_system_prompt_goes_first_in_every_request_and_stays_after_clear(terminals, url):
+    term = terminals("--url", url, "--api-key", KEY, "--verbose", "--max-tokens", "2",
+                     "--system", "You answer in one sentence.")
+    _, messages, with_system, _ = ask(term, "hello")
+    assert messages == 2
+    term.type("/clear\n")
+    _, messages, prompt, _ = ask(term, "hello")
+    assert (messages, prompt) == (2, with_system)
+    term.type("/exit\n")
+    assert term.exit_code() == 0
+
+
 @pytest.mark.parametrize("keys", ["\x04", "\x03"], ids=["ctrl-d", "ctrl-c"])
 def test_end_of_input_and_ctrl_c_at_the_prompt_quit_cleanly(terminals, url, keys):
     term = terminals("--url", url, "--api-key", KEY)
