@@ -247,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=_cmd_make_model)
 
     _add_quantize_parser(sub)
+
+    from cluster.chat import add_chat_parser
+
+    add_chat_parser(sub)
     return parser
 
 
