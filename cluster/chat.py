@@ -17,12 +17,13 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO, cast
 
 from cluster.config import RouterSettings
 
 if TYPE_CHECKING:
     import openai
+    from openai.types.chat import ChatCompletionMessageParam
 
 DEFAULT_URL = (f"http://{RouterSettings.model_fields['host'].default}:"
                f"{RouterSettings.model_fields['http_port'].default}/v1")
@@ -147,14 +148,18 @@ def stream_answer(client: openai.OpenAI, model: str, conversation: Conversation,
                   options: ChatOptions, out: TextIO) -> Answer:
     """Send the conversation, write the answer to `out` as it streams (flushed per piece).
     Raises the client's errors (`openai.APIError`); Ctrl-C ends the answer early."""
-    extra = {k: v for k, v in (("temperature", options.temperature),
-                               ("max_tokens", options.max_tokens)) if v is not None}
+    import openai
+
+    unset = openai.omit  # the server's default
     pieces: list[str] = []
     usage = None
     try:
         stream = client.chat.completions.create(
-            model=model, messages=conversation.messages(), stream=True,
-            stream_options={"include_usage": True}, **extra)
+            model=model, messages=cast("list[ChatCompletionMessageParam]",
+                                       conversation.messages()),
+            stream=True, stream_options={"include_usage": True},
+            temperature=unset if options.temperature is None else options.temperature,
+            max_tokens=unset if options.max_tokens is None else options.max_tokens)
         with stream:
             for chunk in stream:
                 usage = chunk.usage or usage  # the last chunk's, asked for by include_usage
