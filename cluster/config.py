@@ -59,8 +59,8 @@ class _Strict(BaseModel):
 @derived("model")
 class ModelSettings(_Strict):
     path: Annotated[str | None, flag("--model")] = Field(None, description=(
-        "A model folder (config.json, safetensors, tokenizer files) readable on every node. "
-        "Unset: the embedded tiny model, created on first use."))
+        "A model folder or GGUF file on every node. Unset: the tiny random model, but `cleave "
+        "serve` fetches SmolLM2-135M-Instruct once and serves it (names: `tiny`, `smollm2`)."))
 
 
 class ReplicaSettings(_Strict):

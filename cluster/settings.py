@@ -69,7 +69,8 @@ class InProcessPlan:
 
 
 def model_path(config: CleaveConfig) -> str:
-    """The model folder; unset in the config: the embedded tiny model (created on first use)."""
+    """The model folder; unset in the config: the embedded tiny model (created on first use).
+    `cleave serve` settles the path before (`cluster.default_model`): its replicas get one."""
     if config.model.path is not None:
         return config.model.path
     from workers.models.make_model import default_model_path
