@@ -20,9 +20,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m ruff check cluster router workers kvtransfer
 	$(PY) -m mypy cluster router workers kvtransfer
-	# two workers, a test module each at a time (its module-scoped servers and Ray instance
-	# stay whole): much of the suite waits on servers and processes starting, not on a core
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q
 
 serve: $(STAMP)
 	$(VENV)/bin/cleave serve

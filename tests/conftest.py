@@ -1,16 +1,8 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
-# Under pytest-xdist (`make test` runs two workers), each worker's Ray instances and core claims
-# live apart: a local `ray.init()` attaches to the newest cluster it finds under RAY_TMPDIR, so
-# two workers sharing one would join each other's clusters.
-if worker := os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{worker}")
-    os.environ.setdefault("CLEAVE_CPU_CLAIM_DIR", f"/tmp/cleave-cpu-claims-{worker}")
 
 
 @pytest.fixture(scope="session")
