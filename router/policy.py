@@ -11,14 +11,14 @@ deterministic for the same inputs (round robin: for the same call history).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 
 from router.loads import LoadTable, NoHealthyWorker, WorkerLoad
 from router.prefix_index import PrefixIndex
+from router.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -42,31 +42,17 @@ class RoutingPolicy(ABC):
         """The worker for a prompt whose full blocks hash to `block_hashes`."""
 
 
-_P = TypeVar("_P", bound=type[RoutingPolicy])
-_REGISTRY: dict[str, Callable[..., RoutingPolicy]] = {}
-
-
-def register_policy(name: str) -> Callable[[_P], _P]:
-    def register(cls: _P) -> _P:
-        if name in _REGISTRY:
-            raise ValueError(f"routing policy {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return register
+POLICY_CLASSES: Registry[type[RoutingPolicy]] = Registry("routing policy")
+register_policy = POLICY_CLASSES.register
 
 
 def registered_policies() -> list[str]:
-    return sorted(_REGISTRY)
+    return POLICY_CLASSES.names()
 
 
 def get_policy(name: str, **options: float) -> RoutingPolicy:
     """A new policy instance by registered name, with its options (see each policy's __init__)."""
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        raise ValueError(f"unknown routing policy {name!r}; registered: "
-                         f"{', '.join(registered_policies())}")
+    factory = POLICY_CLASSES.get(name)
     try:
         return factory(**options)
     except TypeError as exc:

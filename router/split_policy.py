@@ -13,9 +13,8 @@ before any policy is asked (`router.orchestrator`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import TypeVar
 
+from router.registry import Registry
 from workers.contract.protocol import WorkerRequest
 
 
@@ -35,33 +34,18 @@ class SplitPolicy(ABC):
         `predicted_cached_tokens`: prompt tokens the prefill worker is predicted to hold."""
 
 
-_S = TypeVar("_S", bound=type[SplitPolicy])
-_REGISTRY: dict[str, type[SplitPolicy]] = {}
-
-
-def register_split_policy(name: str) -> Callable[[_S], _S]:
-    def register(cls: _S) -> _S:
-        if name in _REGISTRY:
-            raise ValueError(f"split policy {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return register
+SPLIT_POLICY_CLASSES: Registry[type[SplitPolicy]] = Registry("disagg policy")
+register_split_policy = SPLIT_POLICY_CLASSES.register
 
 
 def registered_split_policies() -> list[str]:
-    return sorted(_REGISTRY)
+    return SPLIT_POLICY_CLASSES.names()
 
 
 def get_split_policy(name: str, *, threshold_tokens: int = 0) -> SplitPolicy:
     """A policy by registered name. `threshold_tokens`: `RouterConfig.disagg_threshold_tokens`
     (read by the policies that use it)."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown disagg policy {name!r}; registered: "
-                         f"{', '.join(registered_split_policies())}")
-    return cls(threshold_tokens)
+    return SPLIT_POLICY_CLASSES.get(name)(threshold_tokens)
 
 
 @register_split_policy("uncached_threshold")
