@@ -12,6 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
+def adapter_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
+    """The salt a request's block hashes start from: its cache salt, and its LoRA adapter's
+    name when it has one (KV computed under one adapter is never another's, nor the base
+    model's). The engine's cache and the router's prefix index both hash with it."""
+    if lora_name is None:
+        return cache_salt
+    return f"lora:{lora_name}\x00{cache_salt or ''}"
+
+
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:
     """Chained hash of one full KV block: the same prefix gives the same hash in every process.
 

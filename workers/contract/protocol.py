@@ -129,6 +129,7 @@ class WorkerRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     cache_salt: str | None = None  # isolates this request's prefix-cache blocks
+    lora_name: str | None = None  # the LoRA adapter it runs under (its served name); None: base
 
 
 class WorkerRole(str, enum.Enum):

@@ -111,7 +111,7 @@ def num_host_blocks(config: EngineConfig, spec: KVCacheSpec) -> int:
 def graph_batch_size(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> int:
     """The largest decode batch `local_executor` replays from the static buffers (captured on
     a GPU); 0 when it takes the plain `LocalExecutor`."""
-    if (config.enforce_eager or config.max_cuda_graph_batch_size == 0
+    if (config.enforce_eager or config.max_cuda_graph_batch_size == 0 or config.enable_lora
             or not cuda_graphs.graphs_supported(model, model.attn_backend, device)):
         return 0
     return min(config.max_cuda_graph_batch_size, config.max_num_seqs)

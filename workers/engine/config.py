@@ -12,6 +12,22 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_lora(config: EngineConfig) -> None:
+    _require(config.max_loras >= 1, f"max_loras must be at least 1, got {config.max_loras}")
+    _require(config.max_lora_rank >= 1,
+             f"max_lora_rank must be at least 1, got {config.max_lora_rank}")
+    _require(not config.lora_modules or config.enable_lora,
+             f"lora_modules {list(config.lora_modules)} need enable_lora")
+    _require(not config.enable_lora or config.world_size == 1,
+             f"LoRA adapters run on one rank per replica (a sharded adapter is not supported "
+             f"yet), got world_size={config.world_size}")
+    names = [m.split("=", 1)[0] for m in config.lora_modules]
+    bad = [m for m in config.lora_modules
+           if "=" not in m or not m.split("=", 1)[0] or not m.split("=", 1)[1]]
+    _require(not bad, f"lora_modules entries must be NAME=PATH, got {bad}")
+    _require(len(set(names)) == len(names), f"lora_modules names repeat: {names}")
+
+
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the checkpoint's own
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # dummy: seeded random weights
@@ -101,8 +117,20 @@ class EngineConfig:
         "weights packed for Cleave's int kernels (activations quantized to int8 in the kernel; "
         "1.3-2.1x a bfloat16 engine's decode step on the small preset) instead of dequantizing "
         "them to fp32, the faithful reference."))
+    # workers.models.lora: PEFT adapters on the base model, several in one step
+    enable_lora: bool = setting(False, (
+        "Serve LoRA adapters on the base model (one rank per replica), each under its own "
+        "model name."))
+    max_loras: int = setting(4, (
+        "Adapters in the device's slots at once (a step runs at most this many); the least "
+        "recently used is evicted to host memory."), ge=1)
+    max_lora_rank: int = setting(16, "The largest LoRA rank an adapter may have.", ge=1)
+    lora_modules: tuple[str, ...] = setting((), (
+        "Adapters loaded at start, each NAME=PATH (a PEFT adapter folder); NAME is the model "
+        "name requests select it by. Needs enable_lora."))
 
     def __post_init__(self) -> None:
+        _check_lora(self)
         _require(self.block_size in BLOCK_SIZES,
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         _require(self.max_num_seqs >= 1,
@@ -145,6 +173,11 @@ class EngineConfig:
                  f"got world_size={self.world_size}")
         _require(self.rank_timeout_s > 0,
                  f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """`lora_modules` as adapter name -> folder."""
+        return dict(m.split("=", 1) for m in self.lora_modules)  # type: ignore[misc]  # pairs
 
     @property
     def quantized_kv_cache(self) -> bool:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workers.engine import assembly
+from workers.engine import adapters, assembly
 from workers.engine.async_step import AsyncStepper, Recorder
 from workers.engine.config import EngineConfig
 from workers.engine.grammar import Grammars
@@ -64,9 +64,8 @@ class Engine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        # GPUs are counted only for ranks spawned here, which share this process's view:
-        # other launchers' ranks (Ray actors) each hold their own GPU, which this process (an
-        # engine actor that holds none) may not see, and Ray has already placed them
+        # GPUs are counted only for ranks spawned here, sharing this process's view: other
+        # launchers' ranks (Ray actors) each hold a GPU this process may not see, placed by Ray
         check_parallel(config, mc, torch.cuda.device_count()
                        if self.device.type == "cuda" and assembly.spawns_ranks(rank_launcher)
                        else None)
@@ -97,12 +96,13 @@ class Engine:
                                   num_microbatches=config.pipeline_microbatches
                                   or config.pipeline_parallel_size,
                                   vocab_size=mc.vocab_size)
+        self.adapters = adapters.attach_adapters(config, model, self.runner, self.scheduler)
         self.outputs = OutputProcessor(self.tokenizer, detokenize)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.intake = Intake(mc.vocab_size, self.max_model_len, config.max_num_batched_tokens,
-                             self.kv, self.eos_token_ids, self.grammars)
+                             self.kv, self.eos_token_ids, self.grammars, self.adapters)
         self._samples: dict[str, list[str]] = {}  # request id -> its samples' internal ids
         self._forks: dict[str, list[Request]] = {}  # sample 0's id -> siblings not yet added
         self.async_steps = (AsyncStepper(self.scheduler, self.runner, self.costs, self._emit)

@@ -8,7 +8,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from workers.contract.prefix_cache import adapter_salt
 from workers.contract.protocol import InvalidRequestError, SamplingParams, WorkerRequest
+from workers.engine.adapters import NoAdapters
 from workers.engine.request import Request
 from workers.engine.sampler import sample_seed
 
@@ -21,8 +23,10 @@ class Intake:
     """Checks requests against one engine's limits and builds their samples."""
 
     def __init__(self, vocab_size: int, max_model_len: int, max_num_batched_tokens: int,
-                 kv: KVCacheManager, eos_token_ids: frozenset[int], grammars: Grammars) -> None:
+                 kv: KVCacheManager, eos_token_ids: frozenset[int], grammars: Grammars,
+                 adapters: NoAdapters | None = None) -> None:
         self.vocab_size = vocab_size
+        self.adapters = adapters or NoAdapters()  # refuses requests for adapters not loaded
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
@@ -65,9 +69,11 @@ class Intake:
         after `sent_token_ids` (compiled here unless the async engine compiled it off the step
         thread). The sent tokens are not appended. Not validated: call `validate` first."""
         params = req.params if params is None else params
+        self.adapters.check(req.lora_name)
         sample = Request(sample_id(req.request_id, params.n, index), list(req.prompt_token_ids),
                          sample_params(params, index), self.eos_token_ids,
-                         cache_salt=req.cache_salt, hold_kv=hold_kv)
+                         cache_salt=adapter_salt(req.cache_salt, req.lora_name),
+                         hold_kv=hold_kv, lora_name=req.lora_name)
         spec = sample.params.structured
         if spec is not None:
             sample.grammar = self.grammars.matcher(spec, sent_token_ids)

@@ -40,8 +40,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in prompt order."""
+                 *, cache_salt: str | None = None,
+                 lora_name: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in prompt order. `lora_name`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         # a list of ints is one prompt (the checker cannot narrow by the first element's type)
         prompt_list = ([cast(Prompt, prompts)] if one
@@ -52,12 +54,14 @@ class LLM:
         if len(params_list) != len(prompt_list):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompt_list)} "
                              "prompts")
+        loras = ([lora_name] * len(prompt_list) if lora_name is None or isinstance(lora_name, str)
+                 else list(lora_name))
         outputs: dict[str, RequestOutput] = {}
         try:
-            for prompt, p in zip(prompt_list, params_list):
+            for prompt, p, lora in zip(prompt_list, params_list, loras, strict=True):
                 rid = str(next(self._ids))
                 ids = self.engine.tokenize(prompt)
-                self.engine.generate(WorkerRequest(rid, tuple(ids), p, cache_salt))
+                self.engine.generate(WorkerRequest(rid, tuple(ids), p, cache_salt, lora))
                 outputs[rid] = RequestOutput(
                     rid, prompt if isinstance(prompt, str) else None, ids,
                     [CompletionOutput(i, "", [], None) for i in range(p.n)], finished=False)

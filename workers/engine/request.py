@@ -28,8 +28,10 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int], *, cache_salt: str | None = None,
-                 arrival_time: float | None = None, hold_kv: bool = False) -> None:
+                 arrival_time: float | None = None, hold_kv: bool = False,
+                 lora_name: str | None = None) -> None:
         self.request_id = request_id
+        self.lora_name = lora_name  # its LoRA adapter; None: the base model
         # a prefill-only request: on finishing (not on abort) its blocks are held for a KV
         # handoff instead of freed (`KVCacheManager.hold`)
         self.hold_kv = hold_kv

@@ -34,6 +34,7 @@ from workers.engine.request import Request
 from workers.engine.sampler import DeviceSample, Sampler, SamplerOutput, top_logprobs
 from workers.engine.scheduler_records import ScheduledChunk, SchedulerOutput
 from workers.engine.step_inputs import TokenFill
+from workers.models.lora import AdapterSlots
 
 
 @dataclass
@@ -91,6 +92,8 @@ class ModelRunner:
         self.sync = (SamplingSync(vocab_size) if isinstance(executor, SamplingExecutor)
                      else None)
         self._step_id = 0
+        # the model's LoRA slots, set by the engine when it serves adapters (one rank only)
+        self.adapters: AdapterSlots | None = None
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -243,8 +246,15 @@ class ModelRunner:
             slot_mapping=tuple(slots), query_start_loc=tuple(starts), seq_lens=tuple(seq_lens),
             block_tables=tuple(c.block_ids for c in out.chunks), num_decodes=num_decodes,
             logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches,
-            block_copies=out.block_copies)
+            block_copies=out.block_copies, lora_slots=self.lora_slots(out))
         return _Batch(msg, sampling, prompt_rows)
+
+    def lora_slots(self, out: SchedulerOutput) -> tuple[int, ...]:
+        """Each chunk's LoRA adapter slot (-1: the base model), its adapters brought into the
+        model's slots; () without adapters."""
+        if self.adapters is None:
+            return ()
+        return self.adapters.seq_slots([c.request.lora_name for c in out.chunks])
 
 
 def _record_sampled(result: RunnerOutput, sampling: list[Request],

@@ -152,7 +152,8 @@ class Scheduler:
             if _takes_logprob_rows(req):
                 num_new = min(num_new, rows)
                 rows -= num_new
-            if num_new == 0 or not self.kv.allocate_slots(req, num_new, hits):
+            if (num_new == 0 or not self._adapter_fits(req)
+                    or not self.kv.allocate_slots(req, num_new, hits)):
                 break
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:
@@ -167,6 +168,14 @@ class Scheduler:
         chunks.sort(key=lambda c: (c.num_tokens != 1, c.start))
         return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted,
                                self.kv.take_copies())
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether `req` can join the running requests without their LoRA adapters
+        outnumbering the model's slots (`max_loras`): a step runs them all at once."""
+        if req.lora_name is None:
+            return True
+        running = {r.lora_name for r in self.running} - {None}
+        return req.lora_name in running or len(running) < self.config.max_loras
 
     def _chunk(self, req: Request, num_new: int, ahead: int = 0) -> ScheduledChunk:
         start = req.num_computed_tokens

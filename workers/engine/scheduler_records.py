@@ -15,6 +15,7 @@ class SchedulerConfig:
     max_num_seqs: int  # running sequences at most
     max_num_batched_tokens: int  # new tokens per step at most (the chunked-prefill budget)
     max_model_len: int  # tokens per sequence at most (prompt + output)
+    max_loras: int = 0  # LoRA adapters among the running requests at most; 0: no adapters
 
 
 class ScheduledChunk(NamedTuple):

@@ -12,7 +12,7 @@ converting dtype and device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 import torch
@@ -21,6 +21,9 @@ from torch import nn
 
 from workers.kernels import norm_rope, use_triton
 from workers.models.comm import Communicator
+
+if TYPE_CHECKING:  # the hook's type only: workers.models.lora imports this module
+    from workers.models.lora.projection import LoraProjection
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,11 @@ def _sharded_copy(
 
 
 def _linear(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b) with the layer's weight, full-precision or quantized."""
-    if layer.matmul is None:
-        return F.linear(x, layer.weight, bias)
-    out = layer.matmul(layer, x)
-    return out if bias is None else out + bias
+    """x W^T (+ b) with the layer's weight, full-precision or quantized, (+ its LoRA deltas)."""
+    out = F.linear(x, layer.weight, bias) if layer.matmul is None else layer.matmul(layer, x)
+    out = out if layer.matmul is None or bias is None else out + bias
+    lora = getattr(layer, "lora", None)  # the linear layers' (vocab layers have none)
+    return out if lora is None or not lora.batch.active else lora.add(x, out)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -111,9 +114,9 @@ class ColumnParallelLinear(nn.Module):
         _sharded_copy(param, loaded_weight, 0, self.tp_rank * size, size)
 
     # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
-    # weight's (workers.quant.linear), or a few rows on the CPU (workers.kernels.small_gemm); None:
-    # F.linear
+    # weight's (workers.quant.linear), a few CPU rows' (workers.kernels.small_gemm); None: F.linear
     matmul: Callable[..., torch.Tensor] | None = None
+    lora: LoraProjection | None = None  # its adapters' stacks (workers.models.lora); None: none
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size] -> [num_tokens, output_size / tp_size]
@@ -155,10 +158,8 @@ class ReplicatedLinear(nn.Module):
         self.weight = _make_param((output_size, input_size), default_weight_loader)
         self.bias = _make_param((output_size,), default_weight_loader) if bias else None
 
-    # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
-    # weight's (workers.quant.linear), or a few rows on the CPU (workers.kernels.small_gemm); None:
-    # F.linear
-    matmul: Callable[..., torch.Tensor] | None = None
+    matmul: Callable[..., torch.Tensor] | None = None  # as ColumnParallelLinear's
+    lora: LoraProjection | None = None  # as ColumnParallelLinear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(self, x, self.bias)
@@ -236,10 +237,8 @@ class RowParallelLinear(nn.Module):
         _check_shape(loaded_weight, full, "row-parallel tensor")
         _sharded_copy(param, loaded_weight, 1, self.tp_rank * size, size)
 
-    # x W^T by a kernel of its own, (layer, x, out dtype or None for x's) -> out: a quantized
-    # weight's (workers.quant.linear), or a few rows on the CPU (workers.kernels.small_gemm); None:
-    # F.linear
-    matmul: Callable[..., torch.Tensor] | None = None
+    matmul: Callable[..., torch.Tensor] | None = None  # as ColumnParallelLinear's
+    lora: LoraProjection | None = None  # as ColumnParallelLinear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size / tp_size] -> [num_tokens, output_size]

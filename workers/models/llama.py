@@ -21,6 +21,7 @@ from workers.models.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
 from workers.models.layers import (MergedColumnParallelLinear, RMSNorm, RowParallelLinear,
                                    Shard, WeightShapeError, _comm_for, kv_heads_per_rank)
+from workers.models.lora.projection import LoraBatch, lora_active
 from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:
@@ -59,10 +60,11 @@ class LlamaMLP(nn.Module):
     # a few fp32 rows on the CPU by one fused kernel (kernels.small_gemm.SmallBatchMLP), set at
     # load where both projections take it; None: the two projections one by one
     small_batch: SmallBatchMLP | None = None
+    lora_batch: LoraBatch | None = None  # the step's adapter rows: they skip `small_batch`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        fused = self.small_batch
+        fused = None if lora_active(self.lora_batch) else self.small_batch
         if fused is not None and x.shape[0] <= fused.max_rows and x.dtype == torch.float32:
             return fused(x)
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate / tp_size]
@@ -144,6 +146,7 @@ class LlamaModel(nn.Module):
 
     # set at load where every layer takes it: a few CPU decode rows in one C call (fused_layer)
     fused_stack: FusedDecoderStack | None = None
+    lora_batch: LoraBatch | None = None  # the step's adapter rows: they skip `fused_stack`
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -154,7 +157,8 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)  # [T, hidden]
             if self.embed_scale is not None:  # rounded to the weights' dtype first, as HF does
                 hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        if self.fused_stack is not None and self.fused_stack.takes(hidden, meta, kv_caches):
+        if (self.fused_stack is not None and not lora_active(self.lora_batch)
+                and self.fused_stack.takes(hidden, meta, kv_caches)):
             hidden, residual = self.fused_stack(positions, hidden, kv_caches, meta)
         else:
             residual = None

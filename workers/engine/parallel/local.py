@@ -22,6 +22,7 @@ from workers.engine.step_inputs import TokenFill, fill_input_ids
 
 if TYPE_CHECKING:
     from workers.models.llama import LlamaForCausalLM
+    from workers.models.lora import LoraBatch
 
 
 class ModelExecutor(abc.ABC):
@@ -66,6 +67,9 @@ class LocalExecutor(ModelExecutor):
     `token_fill`, set by the runner for one `execute`: input ids taken on the device."""
 
     token_fill: TokenFill | None = None
+    # the model's LoRA rows of each step, set where the engine serves adapters (the CUDA-graph
+    # executor never does: `workers.engine.assembly.graph_batch_size`)
+    lora: LoraBatch | None = None
 
     def __init__(self, model: LlamaForCausalLM, caches: list[torch.Tensor],
                  device: torch.device, host_blocks: int = 0) -> None:
@@ -93,6 +97,8 @@ class LocalExecutor(ModelExecutor):
         whole = MicroBatch(0, msg.num_seqs, 0, msg.num_tokens)
         ids, positions, meta = microbatch_tensors(msg, whole, self.device)
         fill_input_ids(ids, self.token_fill)
+        if self.lora is not None:
+            self.lora.begin(msg.query_start_loc, msg.lora_slots, self.device)
         hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
         return self.model.compute_logits(hidden[list(msg.logit_rows)])
 

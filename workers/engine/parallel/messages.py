@@ -85,6 +85,9 @@ class StepMessage:
     block_copies: BlockCopies = NO_COPIES
     # None: the logits of `logit_rows` come back; else the last rank samples them
     sampling: SamplingRecord | None = None
+    # [num_seqs]: each sequence's LoRA adapter slot, -1 for the base model; (): none has one
+    # (workers.models.lora)
+    lora_slots: tuple[int, ...] = ()
     # > 0: a pure decode that every rank pads to this many rows and replays from its CUDA
     # graph of that size (one of `GraphsCaptured.sizes`; the driver chose it, so every rank's
     # captured collectives pair up); 0: run eagerly

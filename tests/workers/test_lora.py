@@ -1,0 +1,191 @@
+"""LoRA adapters against PEFT itself: adapters made with `get_peft_model` + `save_pretrained` on
+checkpoints transformers wrote, served by the engine alone and mixed in one batch with the base
+model and each other; logprobs of 32 greedy tokens within 1e-4 (fp32) and the tokens identical
+to PEFT recomputing the whole sequence each step. Then the adapters a user gets wrong, refused
+with what is wrong, and the prefix cache kept apart per adapter."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+
+from tests.workers.hf_oracle import greedy_reference, save_hf_model
+from workers import LLM, SamplingParams
+from workers.models.lora import LoraAdapterError
+
+peft = pytest.importorskip("peft", reason="PEFT is the oracle (the test extras install it)")
+
+STEPS = 32
+TOL = 1e-4
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(20, 45))]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name -> (targets, rank, alpha, rsLoRA)
+ADAPTERS = {"attn": (ATTENTION, 4, 8, False), "full": (ATTENTION + MLP, 8, 16, True),
+            "mlp": (["up_proj", "down_proj"], 2, 4, False)}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+
+
+def make_adapter(base, folder, targets, rank, alpha, rslora, seed):
+    """A PEFT LoRA on a copy of `base`, its A and B drawn at random (PEFT starts B at zero: the
+    adapter would change nothing), saved as PEFT saves it; returns the PEFT model."""
+    import torch
+
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                             lora_dropout=0.0, use_rslora=rslora)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family(request, tmp_path_factory):
+    """(checkpoint, adapter folders, references by (adapter or None, prompt))."""
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = save_hf_model(request.param, root / "base")
+    folders, refs = {}, {}
+    for prompt in PROMPTS:
+        refs[None, tuple(prompt)] = greedy_reference(base, prompt, STEPS)
+    for seed, (name, spec) in enumerate(ADAPTERS.items()):
+        folders[name] = root / name
+        model = make_adapter(base, folders[name], *spec, seed=seed)
+        for prompt in PROMPTS:
+            refs[name, tuple(prompt)] = greedy_reference(model, prompt, STEPS)
+    return str(root / "base"), folders, refs
+
+
+def serve(path, folders, **options):
+    modules = tuple(f"{name}={folder}" for name, folder in folders.items())
+    return LLM(path, block_size=4, num_blocks=256, enable_lora=True, max_lora_rank=8,
+               lora_modules=modules, **options)
+
+
+def assert_matches(outputs, loras, prompts, refs):
+    for lora, prompt, out in zip(loras, prompts, outputs, strict=True):
+        ref = refs[lora, tuple(prompt)]
+        sample = out.outputs[0]
+        assert sample.token_ids == ref.tokens, f"adapter {lora}, prompt {prompt[:4]}..."
+        got = [lp.logprob for lp in sample.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, ref.logprobs, strict=True)) <= TOL, lora
+
+
+def test_each_adapter_alone_and_all_mixed_in_one_batch_match_peft(family):
+    path, folders, refs = family
+    for name in ADAPTERS:  # each adapter changes the output: the test can tell them apart
+        assert any(refs[name, tuple(p)].tokens != refs[None, tuple(p)].tokens for p in PROMPTS)
+    llm = serve(path, folders, max_loras=3)
+    for name in ADAPTERS:
+        assert_matches(llm.generate(PROMPTS, GREEDY, lora_name=name), [name] * 3, PROMPTS, refs)
+    # every prompt under the base model and each adapter, interleaved, in one batch
+    loras = [lora for _ in PROMPTS for lora in (None, *ADAPTERS)]
+    prompts = [p for p in PROMPTS for _ in (None, *ADAPTERS)]
+    assert_matches(llm.generate(prompts, GREEDY, lora_name=loras), loras, prompts, refs)
+
+
+def test_fewer_slots_than_adapters_evicts_and_stays_exact(family):
+    """max_loras=1: a step runs one adapter (and the base model); the others wait, and each
+    comes back into the slot from host memory."""
+    path, folders, refs = family
+    llm = serve(path, folders, max_loras=1)
+    loras = [lora for _ in PROMPTS[:2] for lora in (*ADAPTERS, None)]
+    prompts = [p for p in PROMPTS[:2] for _ in (*ADAPTERS, None)]
+    assert_matches(llm.generate(prompts, GREEDY, lora_name=loras), loras, prompts, refs)
+    assert llm.engine.adapters.slots.num_loads >= len(ADAPTERS)
+
+
+@pytest.fixture(scope="module")
+def llama_lora(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-errors")
+    base = save_hf_model("llama", root / "base")
+    good = root / "good"
+    make_adapter(base, good, ATTENTION, 8, 16, False, seed=0)
+    other = save_hf_model("llama", root / "other", hidden_size=32)
+    make_adapter(other, root / "other-base", ATTENTION, 4, 8, False, seed=1)
+    llm = LLM(str(root / "base"), block_size=4, num_blocks=64, enable_lora=True,
+              max_lora_rank=4, max_loras=2)
+    return llm, root
+
+
+def _broken(root, name, edit):
+    folder = root / name
+    if not folder.exists():
+        shutil.copytree(root / "good", folder)
+        edit(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing-folder", "no folder at"),
+    ("missing-weights", "adapter_model.safetensors is missing"),
+    ("missing-config", "adapter_config.json is missing"),
+    ("unknown-target", "unknown target module(s) ['embed_tokens']"),
+    ("rank-over-limit", "rank r=8 is over max_lora_rank=4"),
+    ("other-base", "has shape [4, 32], the base model needs [4, 64]"),
+])
+def test_a_bad_adapter_is_refused_naming_what_is_wrong_and_nothing_is_kept(
+        llama_lora, case, expected):
+    llm, root = llama_lora
+
+    def retarget(folder):
+        config = json.loads((folder / "adapter_config.json").read_text())
+        config["target_modules"] = ["q_proj", "embed_tokens"]
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+
+    folder = {
+        "missing-folder": root / "nowhere",
+        "missing-weights": _broken(
+            root, case, lambda f: (f / "adapter_model.safetensors").unlink()),
+        "missing-config": _broken(root, case, lambda f: (f / "adapter_config.json").unlink()),
+        "unknown-target": _broken(root, case, retarget),
+        "rank-over-limit": root / "good",  # rank 8, the engine's limit 4
+        "other-base": root / "other-base",
+    }[case]
+    adapters = llm.engine.adapters
+    with pytest.raises(LoraAdapterError) as err:
+        adapters.load(case, str(folder))
+    assert expected in str(err.value) and repr(case) in str(err.value)
+    assert case not in adapters.names()
+    with pytest.raises(ValueError, match="does not exist"):
+        llm.generate([[1, 2, 3]], GREEDY, lora_name=case)
+
+
+def test_load_serve_unload(llama_lora, tmp_path):
+    llm, root = llama_lora
+    base = save_hf_model("llama", tmp_path / "base")
+    make_adapter(base, tmp_path / "small", ATTENTION, 4, 8, False, seed=3)
+    adapters = llm.engine.adapters
+    adapters.load("small", str(tmp_path / "small"))
+    with pytest.raises(LoraAdapterError, match="already loaded"):
+        adapters.load("small", str(tmp_path / "small"))
+    assert "small" in adapters.names()
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4),
+                       lora_name="small")
+    assert len(out[0].outputs[0].token_ids) == 4
+    adapters.unload("small", [])
+    assert "small" not in adapters.names()
+    with pytest.raises(ValueError, match="does not exist"):
+        llm.generate([[1, 2, 3]], GREEDY, lora_name="small")
+    with pytest.raises(KeyError):
+        adapters.unload("small", [])
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(family):
+    """The same prompt under two adapters and the base model: no block hits across them; a
+    repeat under the same adapter hits."""
+    path, folders, refs = family
+    llm = serve(path, {k: v for k, v in folders.items() if k != "mlp"}, max_loras=2)
+    prompt = list(range(20, 45))  # 6 full blocks of 4
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    firsts = [llm.generate([prompt], one, lora_name=lora)[0] for lora in ("attn", "full", None)]
+    assert [o.num_cached_tokens for o in firsts] == [0, 0, 0]
+    again = llm.generate([prompt], GREEDY, lora_name="attn")
+    assert again[0].num_cached_tokens == 24
+    assert_matches(again, ["attn"], [prompt], refs)  # the hit blocks are the adapter's KV

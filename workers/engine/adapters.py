@@ -1,0 +1,109 @@
+"""The engine's LoRA adapters (`EngineConfig.enable_lora`): which are loaded, loading and
+unloading them between steps, and refusing requests for adapters it does not have.
+
+The model's side (PEFT folders, the device slots, the per-segment products) is
+`workers.models.lora`; the scheduler keeps each step within `max_loras` adapters
+(`Scheduler._adapter_fits`), and the runner asks the slots for each step's
+(`ModelRunner.lora_slots`). An engine without adapters has `NoAdapters`, which refuses any
+request naming one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from workers.contract.protocol import InvalidRequestError
+from workers.engine.parallel.local import LocalExecutor
+from workers.models.lora import AdapterSlots, LoraAdapterError
+
+if TYPE_CHECKING:
+    from workers.engine.config import EngineConfig
+    from workers.engine.request import Request
+    from workers.engine.runner import ModelRunner
+    from workers.engine.scheduler import Scheduler
+    from workers.models.llama import LlamaForCausalLM
+
+__all__ = ["Adapters", "LoraAdapterError", "NoAdapters", "attach_adapters"]
+
+
+class NoAdapters:
+    """An engine that serves the base model only."""
+
+    max_loras = 0  # the scheduler's bound on a step's adapters; 0: none
+
+    def check(self, lora_name: str | None) -> None:
+        """Raises `InvalidRequestError` (param `model`) unless `lora_name` is None."""
+        if lora_name is not None:
+            raise InvalidRequestError(f"The model `{lora_name}` does not exist: this worker "
+                                      "serves no LoRA adapters (enable_lora)", param="model")
+
+    def names(self) -> list[str]:
+        return []
+
+    def load(self, name: str, path: str) -> None:
+        raise LoraAdapterError(f"cannot load adapter {name!r}: this worker serves no LoRA "
+                               "adapters (start it with enable_lora)")
+
+    def unload(self, name: str, running: Iterable[Request]) -> None:
+        raise KeyError(f"adapter {name!r} is not loaded (this worker serves none)")
+
+
+class Adapters(NoAdapters):
+    """The adapters of an engine with LoRA: kept on the host, up to `max_loras` of them in the
+    model's device slots (`AdapterSlots`). Call between steps, on the step's thread."""
+
+    def __init__(self, slots: AdapterSlots) -> None:
+        self.slots = slots
+        self.max_loras = slots.max_loras
+
+    def check(self, lora_name: str | None) -> None:
+        if lora_name is not None and lora_name not in self.slots.paths:
+            raise InvalidRequestError(
+                f"The model `{lora_name}` does not exist: no LoRA adapter of that name is "
+                f"loaded (loaded: {self.slots.names()})", param="model")
+
+    def names(self) -> list[str]:
+        return self.slots.names()
+
+    def paths(self) -> dict[str, str]:
+        """Adapter name -> the folder it was loaded from."""
+        return dict(self.slots.paths)
+
+    def load(self, name: str, path: str) -> None:
+        """Read and keep the PEFT adapter at `path` as `name`. `LoraAdapterError` naming what is
+        wrong (and nothing kept) for a bad one or a name already loaded."""
+        if not name:
+            raise LoraAdapterError(f"an adapter needs a name, got {name!r}")
+        self.slots.add(name, path)
+
+    def unload(self, name: str, running: Iterable[Request]) -> None:
+        """Forget adapter `name`. KeyError when it is not loaded; `LoraAdapterError` while
+        requests of `running` (the engine's unfinished ones) still use it."""
+        if name not in self.slots.paths:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        users = [r.request_id for r in running if r.lora_name == name]
+        if users:
+            raise LoraAdapterError(f"adapter {name!r} is in use by {len(users)} request(s) "
+                                   f"({users[:3]}); unload it once they finish")
+        self.slots.remove(name)
+
+
+def attach_adapters(config: EngineConfig, model: LlamaForCausalLM | None,
+                    runner: ModelRunner, scheduler: Scheduler) -> NoAdapters:
+    """The engine's adapters: `NoAdapters` unless `config.enable_lora`; else `model`'s
+    projections hooked, the runner and its executor given the slots and the step's rows, the
+    scheduler its bound on a step's adapters, and `config.lora_modules` loaded (a bad one
+    fails the start)."""
+    if not config.enable_lora:
+        return NoAdapters()
+    if model is None or not isinstance(runner.executor, LocalExecutor):
+        raise ValueError("LoRA adapters need the model in the engine's process (one rank)")
+    slots = AdapterSlots(model, config.max_loras, config.max_lora_rank)
+    runner.adapters, runner.executor.lora = slots, slots.batch
+    scheduler.config = dataclasses.replace(scheduler.config, max_loras=slots.max_loras)
+    adapters = Adapters(slots)
+    for name, path in config.lora_paths.items():
+        adapters.load(name, path)
+    return adapters

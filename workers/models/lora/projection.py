@@ -1,0 +1,121 @@
+"""LoRA on a model's projections: a step's rows grouped by adapter slot (`LoraBatch`), and the
+hook each projection carries (`LoraProjection`) that adds its adapters' products to the base
+output, one shrink and one expand matmul per segment of rows sharing an adapter.
+
+Every hooked projection holds, per slot, its adapters' A and B stacked over its PEFT modules (a
+fused q/k/v projection: q_proj's, k_proj's and v_proj's side by side), each padded to
+`max_rank` with zeros: A `[max_loras, num_subs * max_rank, in]`, B `[max_loras, out,
+num_subs * max_rank]`, B already scaled (alpha / r, or alpha / sqrt(r) for rsLoRA). B is block
+diagonal over the subs, so one pair of matmuls gives every sub's product; the zero padding adds
+exact zeros. The base projection runs as before (its own kernel, quantized or small-batch); the
+hook only adds. Rows of the base model are in no segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sub:
+    """One PEFT module inside a (possibly fused) projection: its name and output columns."""
+
+    name: str  # PEFT's module name, e.g. "q_proj"
+    offset: int  # first output column of the fused projection it fills
+    size: int  # its output columns
+
+
+class LoraBatch:
+    """The current step's adapter rows, shared by every hooked projection of one model.
+
+    `begin` is called once per step before the forward pass (the executor); `active` is False
+    when no row has an adapter, and then no hook does any work."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.rows = torch.empty(0, dtype=torch.int64)  # [N] adapter rows, grouped by slot
+        self.segments: list[tuple[int, int, int]] = []  # (slot, first, end) into `rows`
+
+    def begin(self, query_start_loc: Sequence[int], seq_slots: Sequence[int],
+              device: torch.device) -> None:
+        """`seq_slots` [num_seqs]: each sequence's adapter slot, -1 for the base model (empty:
+        none has one). Groups the step's token rows by slot with vectorized host ops (no loop
+        over sequences) and uploads their indices."""
+        if not seq_slots or max(seq_slots) < 0:
+            self.active = False
+            return
+        starts = torch.tensor(query_start_loc, dtype=torch.int64)
+        counts = starts[1:] - starts[:-1]  # [num_seqs] new tokens of each sequence
+        slots = torch.tensor(seq_slots, dtype=torch.int64)
+        token_slots = torch.repeat_interleave(slots, counts)  # [T]
+        order = torch.argsort(token_slots, stable=True)
+        sorted_slots = token_slots[order]
+        keep = sorted_slots >= 0
+        rows, kept = order[keep], sorted_slots[keep]
+        ids, sizes = torch.unique_consecutive(kept, return_counts=True)
+        ends = torch.cumsum(sizes, 0)
+        self.segments = [(s, e - n, e) for s, n, e in
+                         zip(ids.tolist(), sizes.tolist(), ends.tolist(), strict=True)]
+        self.rows = rows.to(device, non_blocking=True)
+        self.active = True
+
+    def end(self) -> None:
+        self.active = False
+
+
+class LoraProjection:
+    """The LoRA stacks of one projection and the product it adds (`add`)."""
+
+    def __init__(self, batch: LoraBatch, subs: tuple[Sub, ...], in_features: int,
+                 out_features: int, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.batch, self.subs, self.max_rank = batch, subs, max_rank
+        self.in_features, self.out_features = in_features, out_features
+        width = len(subs) * max_rank
+        self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
+
+    def host_stacks(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's padded (A, B) of this projection on the host, from its subs' (A [r,
+        in], B scaled [size, r]); subs it does not target stay zero."""
+        width = len(self.subs) * self.max_rank
+        a = torch.zeros(width, self.in_features, dtype=self.a.dtype)
+        b = torch.zeros(self.out_features, width, dtype=self.b.dtype)
+        for j, sub in enumerate(self.subs):
+            if sub.name not in weights:
+                continue
+            lora_a, lora_b = weights[sub.name]
+            rank, col = lora_a.shape[0], j * self.max_rank
+            a[col:col + rank] = lora_a
+            b[sub.offset:sub.offset + sub.size, col:col + rank] = lora_b
+        return a, b
+
+    def write_slot(self, slot: int, stacks: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Puts an adapter's host stacks into `slot` (None: zeros, the adapter skips this
+        projection)."""
+        if stacks is None:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+        else:
+            self.a[slot].copy_(stacks[0], non_blocking=True)
+            self.b[slot].copy_(stacks[1], non_blocking=True)
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out[rows] += (x[rows] A^T) B^T of each row's adapter, in place; returns `out`.
+        x: [T, in], out: [T, out] (the base projection's fresh output)."""
+        batch = self.batch
+        xs = x.index_select(0, batch.rows)  # [N, in], grouped by slot
+        delta = torch.empty(xs.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
+        for slot, first, end in batch.segments:  # at most max_loras segments
+            shrunk = torch.mm(xs[first:end], self.a[slot].t())  # [n, width]
+            torch.mm(shrunk, self.b[slot].t(), out=delta[first:end])
+        return out.index_add_(0, batch.rows, delta)
+
+
+def lora_active(batch: LoraBatch | None) -> bool:
+    """Whether the step has adapter rows (a fused fast path that skips the hooks must not run)."""
+    return batch is not None and batch.active
