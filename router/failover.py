@@ -19,7 +19,7 @@ from router.policy import NoHealthyWorker, RoutingPolicy
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
 from workers.contract.messages import ResumedSample
-from workers.contract.prefix_cache import hash_prompt_blocks
+from workers.contract.prefix_cache import adapter_salt, hash_prompt_blocks
 from workers.contract.protocol import KVPullFailed, WorkerRequest, WorkerRole
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ class Failover:
         w = self.workers
         if isinstance(exc, WorkerUnavailableError) and tried:
             w.mark_unhealthy(tried[-1])
-        hashes = hash_prompt_blocks(req.prompt_token_ids, w.any_info.block_size, req.cache_salt)
+        hashes = hash_prompt_blocks(req.prompt_token_ids, w.any_info.block_size,
+                                    adapter_salt(req.cache_salt, req.lora_name))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.migration_wait_s
         while True:

@@ -58,7 +58,7 @@ from workers.contract.protocol import (
     WorkerRequest,
     WorkerRole,
 )
-from workers.contract.prefix_cache import hash_prompt_blocks
+from workers.contract.prefix_cache import adapter_salt, hash_prompt_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class Orchestrator:
     async def start(self, req: WorkerRequest) -> Start:
         """`req` routed, and started where it runs (see the module's steps)."""
         w = self.workers
-        hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size, req.cache_salt)
+        hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size,
+                                    adapter_salt(req.cache_salt, req.lora_name))
         prefill_loads = w.pool_loads(*PREFILL_POOL)
         decode_loads = w.pool_loads(*DECODE_POOL)
         self._admit(prefill_loads or decode_loads)

@@ -177,7 +177,7 @@ class EngineConfig:
     @property
     def lora_paths(self) -> dict[str, str]:
         """`lora_modules` as adapter name -> folder."""
-        return dict(m.split("=", 1) for m in self.lora_modules)  # type: ignore[misc]  # pairs
+        return dict(m.split("=", 1) for m in self.lora_modules)
 
     @property
     def quantized_kv_cache(self) -> bool:

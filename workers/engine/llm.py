@@ -41,7 +41,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, cache_salt: str | None = None,
-                 lora_name: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+                 lora_name: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in prompt order. `lora_name`:
         the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))

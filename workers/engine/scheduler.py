@@ -143,7 +143,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while (self.waiting and budget > 0 and not preempted
+        while (self.waiting and budget > 0 and not preempted and self._adapter_ok(self.waiting[0])
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
@@ -152,8 +152,7 @@ class Scheduler:
             if _takes_logprob_rows(req):
                 num_new = min(num_new, rows)
                 rows -= num_new
-            if (num_new == 0 or not self._adapter_fits(req)
-                    or not self.kv.allocate_slots(req, num_new, hits)):
+            if num_new == 0 or not self.kv.allocate_slots(req, num_new, hits):
                 break
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:
@@ -169,7 +168,7 @@ class Scheduler:
         return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted,
                                self.kv.take_copies())
 
-    def _adapter_fits(self, req: Request) -> bool:
+    def _adapter_ok(self, req: Request) -> bool:
         """Whether `req` can join the running requests without their LoRA adapters
         outnumbering the model's slots (`max_loras`): a step runs them all at once."""
         if req.lora_name is None:

@@ -100,11 +100,12 @@ def read_adapter(name: str, path: str | Path, targets: Mapping[str, TargetShape]
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise LoraAdapterError(f"adapter {name!r}: {weights} is missing")
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
         tensors = load_file(str(weights))
-    except Exception as e:  # a truncated or foreign file: safetensors says what
+    except (SafetensorError, OSError) as e:  # a truncated or foreign file: safetensors says what
         raise LoraAdapterError(f"adapter {name!r}: {weights} cannot be read: {e}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():

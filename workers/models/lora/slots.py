@@ -78,7 +78,7 @@ class AdapterSlots:
             raise ValueError(f"{type(model).__name__} has no projection that takes LoRA")
         for module in model.modules():  # fused fast paths skip steps with adapter rows
             if hasattr(module, "lora_batch"):
-                module.lora_batch = self.batch
+                setattr(module, "lora_batch", self.batch)  # noqa: B010 -- any module
         # name -> per projection path, its host (A, B) stacks
         self._host: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.paths: dict[str, str] = {}  # name -> its folder
