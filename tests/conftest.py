@@ -35,16 +35,16 @@ def cache_dir(root: Path) -> Path:
     return cache
 
 
-
 _SPAWN: dict[str, Any] = {}  # the product's `SpawnLauncher.launch`, kept for `spawned_ranks`
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def ranks_forked_from_a_warm_server() -> Iterator[None]:
     """`SpawnLauncher` ranks forked from one forkserver that has imported torch and the rank's
     modules, instead of each rank a fresh interpreter importing them again (~3 s of CPU a
     rank; the suite starts over a hundred). A rank still gets its target and setup pickled,
-    as a spawned one does. `spawned_ranks` gives a test the real spawn."""
+    as a spawned one does. `tests/workers/conftest.py` uses it for every test there (it imports
+    torch: not for the torch-free router tests); `spawned_ranks` gives a test the real spawn."""
     import torch.multiprocessing as mp
 
     from workers.engine.parallel import group
@@ -78,7 +78,8 @@ def _as_spawned(target: Callable[[Any, Any], None], environ: dict[str, str], cwd
 
 
 @pytest.fixture
-def spawned_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+def spawned_ranks(ranks_forked_from_a_warm_server: None,
+                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The product's own `SpawnLauncher.launch` (a fresh interpreter per rank) for one test."""
     from workers.engine.parallel import group
 
