@@ -1,8 +1,16 @@
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+# what a rank process imports before its first message (its module, the model definitions and
+# the loader); a forked rank finds them imported
+RANK_PRELOAD = ["workers.engine.parallel.rank", "workers.models.registry",
+                "workers.models.loader"]
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +33,54 @@ def cache_dir(root: Path) -> Path:
         kernel_dir().mkdir(parents=True, exist_ok=True)
         (cache / "kernels").symlink_to(kernel_dir(), target_is_directory=True)
     return cache
+
+
+_SPAWN: dict[str, Any] = {}  # the product's `SpawnLauncher.launch`, kept for `spawned_ranks`
+
+
+@pytest.fixture(scope="session")
+def ranks_forked_from_a_warm_server() -> Iterator[None]:
+    """`SpawnLauncher` ranks forked from one forkserver that has imported torch and the rank's
+    modules, instead of each rank a fresh interpreter importing them again (~3 s of CPU a
+    rank; the suite starts over a hundred). A rank still gets its target and setup pickled,
+    as a spawned one does. `tests/workers/conftest.py` uses it for every test there (it imports
+    torch: not for the torch-free router tests); `spawned_ranks` gives a test the real spawn."""
+    import torch.multiprocessing as mp
+
+    from workers.engine.parallel import group
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+
+    def launch(self: group.SpawnLauncher, target: Callable[[Any, Any], None],
+               setup: object) -> group.RankHandle:
+        driver_end, rank_end = ctx.Pipe()
+        process = ctx.Process(target=_as_spawned, daemon=True, args=(
+            target, dict(os.environ), os.getcwd(), setup, rank_end))
+        process.start()
+        rank_end.close()
+        return group._ProcessHandle(process, driver_end)
+
+    _SPAWN["launch"] = group.SpawnLauncher.launch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(group.SpawnLauncher, "launch", launch)
+        yield
+
+
+def _as_spawned(target: Callable[[Any, Any], None], environ: dict[str, str], cwd: str,
+                setup: object, channel: object) -> None:
+    """Run a forked rank in the launching process's environment and folder, as a spawned
+    rank would be (the forkserver's are those of when it started)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    target(setup, channel)
+
+
+@pytest.fixture
+def spawned_ranks(ranks_forked_from_a_warm_server: None,
+                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The product's own `SpawnLauncher.launch` (a fresh interpreter per rank) for one test."""
+    from workers.engine.parallel import group
+
+    monkeypatch.setattr(group.SpawnLauncher, "launch", _SPAWN["launch"])

@@ -24,10 +24,23 @@ SHARED = list(range(100, 140))  # a 40-token prefix for the prefix-cache scenari
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "mixtral", "qwen2_moe",
-                                        "qwen3", "qwen3_moe", "phi3", "gemma3",
-                                        "gpt_oss", "deepseek_v3",
-                                        "deepseek_v2"])
+FAMILIES = ["llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
+            "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2"]
+# one family per attention path a cached or chunked context takes: plain GQA, every layer
+# windowed, a head size other than hidden / heads, local and global layers with soft-capping,
+# sinks with a window, MLA's latent cache. The rest differ from one of these only in per-token
+# projections (biases, q/k norm, fused tensors, experts), which the first batch checks for all
+ATTENTION_PATHS = ["llama", "mistral", "qwen3", "gemma3", "gpt_oss", "deepseek_v3"]
+# preemption frees and re-prefills a sequence: the KV layouts (paged GQA, windowed blocks
+# returned early, local/global and sinks, the latent cache)
+PREEMPTION = ["llama", "mistral", "gemma3", "gpt_oss", "deepseek_v3"]
+
+
+def families(names: list[str]) -> pytest.MarkDecorator:
+    return pytest.mark.parametrize("checkpoint", names, indirect=True)
+
+
+@pytest.fixture(scope="module")
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = save_hf_model(request.param, path)
@@ -48,12 +61,14 @@ def assert_matches(outputs, prompts, refs) -> None:
         assert max(abs(a - b) for a, b in zip(got, ref.logprobs)) <= TOL
 
 
+@families(FAMILIES)
 def test_one_batch_of_mixed_lengths(checkpoint):
     path, refs = checkpoint
     llm = LLM(path, block_size=4, num_blocks=256)
     assert_matches(llm.generate(PROMPTS, GREEDY), PROMPTS, refs)
 
 
+@families(ATTENTION_PATHS)
 def test_prefix_cache_hits(checkpoint):
     path, refs = checkpoint
     llm = LLM(path, block_size=4, num_blocks=256)
@@ -64,12 +79,14 @@ def test_prefix_cache_hits(checkpoint):
     assert_matches(out, [second], refs)
 
 
+@families(ATTENTION_PATHS)
 def test_chunked_prefill_under_a_tiny_token_budget(checkpoint):
     path, refs = checkpoint
     llm = LLM(path, block_size=4, num_blocks=256, max_num_batched_tokens=5)
     assert_matches(llm.generate(PROMPTS, GREEDY), PROMPTS, refs)
 
 
+@families(PREEMPTION)
 def test_after_preemption(checkpoint, request):
     path, refs = checkpoint
     # 24 blocks of 4 tokens cannot hold the four sequences (up to 72 tokens each) at once.
@@ -104,6 +121,7 @@ def test_an_all_windowed_model_returns_blocks_out_of_the_window(tmp_path):
     assert out[0].num_cached_tokens == 40
 
 
+@families(FAMILIES)
 def test_prompt_logprobs_match_transformers(checkpoint):
     path, refs = checkpoint
     llm = LLM(path, block_size=4, num_blocks=256, max_num_batched_tokens=7)

@@ -12,6 +12,8 @@ from workers.engine.parallel.group import RankGroup, RankGroupError, SpawnLaunch
 from workers.engine.parallel.messages import Ready, StepMessage
 from workers.engine.parallel.rank import RankSetup, rank_main
 
+pytestmark = pytest.mark.usefixtures("spawned_ranks")  # the real spawn, as users get it
+
 STEP = StepMessage(1, (1,), (0,), (0,), (0, 1), (1,), ((0,),), 1, (0,))
 
 
