@@ -16,6 +16,7 @@ import uuid
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
+from router.embedder import Embedder
 from router.errors import (
     AuthenticationError,
     BadRequestError,
@@ -33,6 +34,7 @@ from router.rebalance import rebalance
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
+from workers.contract.calls import Embeddings
 from workers.contract.protocol import SamplingParams
 from workers.tokenizer import Tokenizer
 
@@ -82,6 +84,7 @@ class Router:
             migration_retries=config.migration_retries, tokenizer=self.tokenizer)
         self.orchestrator = Orchestrator(self.workers, config, policies, self.counters,
                                          generations)
+        self.embedder = Embedder(self.workers, policies.route, config.start_retries)
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
 
@@ -203,6 +206,12 @@ class Router:
         req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
                             cache_salt)
         return await self.orchestrator.generate(req, started, frontend)
+
+    async def embed(self, token_ids: list[list[int]], pooling: str,
+                    normalize: bool) -> Embeddings:
+        """The inputs' pooled final hidden states, from one worker of the prefill pool (or
+        the aggregated pool): `router.embedder`."""
+        return await self.embedder.embed(token_ids, pooling, normalize)
 
     async def drain(self, worker_id: str, with_kv: bool = True,
                     hand_off_prefixes: bool = True) -> int:

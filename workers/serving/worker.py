@@ -19,6 +19,7 @@ import logging
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from workers.contract.calls import Embeddings
 from workers.contract.messages import (
     Abort,
     Command,
@@ -239,6 +240,15 @@ class Worker:
 
     def _free_held(self, request_id: str) -> None:
         self.async_engine.apply_soon(lambda: self.connector.free_held(request_id))
+
+    async def embed(self, token_ids: Sequence[Sequence[int]], pooling: str,
+                    normalize: bool) -> Embeddings:
+        """`Embed`: pooled final hidden states, computed between two engine steps
+        (`workers.serving.embed`)."""
+        from workers.serving.embed import embed  # imports torch: on the first call
+
+        return await self.async_engine.apply(
+            lambda: embed(self.engine, token_ids, pooling, normalize))
 
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
                       prefix: PrefixFetch | None = None) -> PrefillResult:
