@@ -10,9 +10,7 @@ only at the model's hidden size (no model here declares truncation)."""
 from __future__ import annotations
 
 import base64
-import json
 import struct
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.app import Router
+from router.embedder import embed_inputs
 from router.errors import BadRequestError
 from router.openai.common import parse_body
 from router.openai.protocol import Prompt
@@ -51,32 +50,14 @@ class EmbeddingRequest(BaseModel):
         return [v for v in value if isinstance(v, (str, list))]
 
 
-def model_pooling(model_path: str) -> str:
-    """The model folder's sentence-transformers pooling (`last` or `mean`), else `last`."""
-    config = Path(model_path) / "1_Pooling" / "config.json"
-    if not config.is_file():
-        return "last"
-    modes = json.loads(config.read_text())
-    return "mean" if modes.get("pooling_mode_mean_tokens") else "last"
-
-
 async def create_embeddings(router: Router, request: Request) -> Response:
     body = await parse_body(request, EmbeddingRequest)
     router.check_model(body.model)
-    inputs = body.inputs()
-    if len(inputs) > router.config.max_prompts_per_request:
-        raise BadRequestError(f"at most {router.config.max_prompts_per_request} inputs per "
-                              f"request, got {len(inputs)}", param="input")
     if body.dimensions is not None and body.dimensions < 1:
         raise BadRequestError(f"dimensions must be at least 1, got {body.dimensions}",
                               param="dimensions")
-    pooling = body.pooling or model_pooling(router.config.model_path)
-    with router.admit():
-        token_ids = [await router.tokenize_async(x) if isinstance(x, str) else list(x)
-                     for x in inputs]
-        for ids in token_ids:
-            router.check_prompt(ids, param="input")
-        vectors = (await router.embed(token_ids, pooling, body.normalize)).vectors
+    vectors, num_tokens = await embed_inputs(router, body.inputs(), body.pooling,
+                                             body.normalize)
     if body.dimensions is not None and body.dimensions != len(vectors[0]):
         raise BadRequestError(f"dimensions must be this model's hidden size {len(vectors[0])}, "
                               f"got {body.dimensions} (it declares no truncation)",
@@ -84,7 +65,6 @@ async def create_embeddings(router: Router, request: Request) -> Response:
     data = [{"object": "embedding", "index": i,
              "embedding": _base64(v) if body.encoding_format == "base64" else list(v)}
             for i, v in enumerate(vectors)]
-    num_tokens = sum(len(ids) for ids in token_ids)
     return JSONResponse({"object": "list", "data": data, "model": router.model_name,
                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 

@@ -99,3 +99,27 @@ def test_bad_embedding_requests_are_400s_naming_the_field(tiny, body, param):
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_grpc_embed_gives_the_http_vectors(tiny):
+    import grpc
+
+    from router.proto.cleave.v1 import generate_pb2 as pb
+    from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
+
+    tok = tiny.router.tokenizer
+    http = client_of(tiny).embeddings.create(model="m", input=TEXTS[:2], encoding_format="float")
+    auth = (("authorization", f"Bearer {API_KEY}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{tiny.grpc_port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        out = stub.Embed(pb.EmbedRequest(model="m", inputs=[
+            pb.EmbedInput(text=TEXTS[0]),
+            pb.EmbedInput(token_ids=pb.TokenIds(ids=tok.encode(TEXTS[1])))]),
+            metadata=auth, timeout=60)
+        for got, want in zip(out.embeddings, http.data):
+            assert list(got.values) == pytest.approx(want.embedding, abs=1e-6)  # fp32 on the wire
+        assert out.num_prompt_tokens == http.usage.prompt_tokens
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text="x")], pooling="cls"),
+                       metadata=auth, timeout=60)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
