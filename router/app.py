@@ -36,6 +36,7 @@ from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, Worker
 from router.workers import WorkerSet
 from workers.contract.calls import Embeddings
 from workers.contract.protocol import SamplingParams
+from workers.contract.tracing import tracing
 from workers.tokenizer import Tokenizer
 
 __all__ = ["Admission", "Generation", "Router", "RouterConfig", "RouterCounters"]
@@ -202,10 +203,16 @@ class Router:
         `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`. `frontend` (http,
         grpc) labels its metrics; errors raised here are for the caller to count
         (`metrics.count_error`)."""
-        started = time.monotonic()
-        req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
-                            cache_salt)
-        return await self.orchestrator.generate(req, started, frontend)
+        started, tr = time.monotonic(), tracing()
+        with tr.span("router.start", attributes={"prompt_tokens": len(prompt_token_ids)}):
+            req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
+                                cache_salt, tr.traceparent())
+            gen = await self.orchestrator.generate(req, started, frontend)
+            if tr.on:
+                tr.set_attributes({"request_id": req.request_id, "worker": gen.worker_id,
+                                   "decode_worker": gen.decode_worker_id or "",
+                                   "predicted_cached_tokens": gen.predicted_cached_tokens})
+        return gen
 
     async def embed(self, token_ids: list[list[int]], pooling: str,
                     normalize: bool) -> Embeddings:

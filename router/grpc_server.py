@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from router.app import Router
-from router.embedder import embed_inputs
+from router.embedding_inputs import embed_inputs
 from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc

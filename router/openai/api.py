@@ -35,6 +35,7 @@ from router.openai.embeddings import create_embeddings
 from router.openai.response_items import ResponseStore
 from router.openai.responses import create_response, delete_response, get_response
 from router.openai.tokenize import detokenize, tokenize
+from workers.contract.tracing import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ class GuardMiddleware:
                     raise RequestTooLargeError(_too_large(limit, received))
             return message
 
-        await self.app(scope, counting_receive, send)
+        with tracing().span(f"{scope['method']} {path}", headers.get("traceparent"),
+                            {"http.route": path}):
+            await self.app(scope, counting_receive, send)
 
 
 def _bearer(value: str | None) -> str | None:

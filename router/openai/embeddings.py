@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.app import Router
-from router.embedder import embed_inputs
+from router.embedding_inputs import embed_inputs
 from router.errors import BadRequestError
 from router.openai.common import parse_body
 from router.openai.protocol import Prompt

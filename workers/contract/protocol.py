@@ -129,6 +129,8 @@ class WorkerRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     cache_salt: str | None = None  # isolates this request's prefix-cache blocks
+    # the W3C trace context its spans continue (`workers.contract.tracing`; None: untraced)
+    traceparent: str | None = None
 
 
 class WorkerRole(str, enum.Enum):

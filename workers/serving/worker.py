@@ -20,6 +20,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from workers.contract.calls import Embeddings
+from workers.contract.tracing import tracing
 from workers.contract.messages import (
     Abort,
     Command,
@@ -270,10 +271,16 @@ class Worker:
         if rid in self._prefills:
             raise ValueError(f"request id {rid!r} is already being prefilled here")
         self._prefills[rid] = task
+        tr = tracing()
         try:
-            if prefix is not None:
-                await self.prefixes.land(rid, prefix, req.prompt_token_ids, self.block_size)
-            return await self.handoff.offer_first_token(req, decode_tp_size)
+            with tr.span("worker.prefill", req.traceparent, {"worker": self.worker_id}):
+                if prefix is not None:
+                    await self.prefixes.land(rid, prefix, req.prompt_token_ids,
+                                             self.block_size)
+                result = await self.handoff.offer_first_token(req, decode_tp_size)
+                if tr.on and result.handoff is not None:
+                    tr.set_attributes({"kv.offered_bytes": result.handoff.num_bytes})
+                return result
         finally:
             if self._prefills.get(rid) is task:
                 del self._prefills[rid]
