@@ -181,6 +181,9 @@ def test_grpc_generate_runs_through_serves_grpc_proxy(app, expected):
         assert text == expected[PROMPTS[1]]
         models = stub.Models(pb.ModelsRequest(), metadata=metadata, timeout=30)
         assert [m.id for m in models.models] == ["tiny"]
+        embedded = stub.Embed(pb.EmbedRequest(model="tiny", inputs=[pb.EmbedInput(text="hi")]),
+                              metadata=metadata, timeout=60)
+        assert sum(x * x for x in embedded.embeddings[0].values) == pytest.approx(1.0, abs=1e-4)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), metadata=metadata,
                                timeout=30))
