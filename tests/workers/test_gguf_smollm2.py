@@ -106,7 +106,9 @@ def test_embeddings_are_transformers_pooled_hidden_states(llm, reference):
             hidden = reference.model(torch.tensor([prompt])).last_hidden_state[0]
             want = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
             diff = (torch.tensor(vector) - want).abs().max().item()
-            assert diff <= TOL * max(1.0, want.abs().max().item()), (pooling, diff)
+            print(f"SmolLM2 {pooling} embedding: max |diff| {diff:.2e}, "
+                  f"max |value| {want.abs().max().item():.1f}")
+            assert diff <= TOL, (pooling, diff)
 
 
 def test_tokenizer_ids_match_transformers(path):
