@@ -172,6 +172,9 @@ class RouterIngress:
     async def Health(self, request: pb.HealthRequest, grpc_context: Any) -> pb.HealthResponse:
         return await self.grpc.Health(request, _ServeGrpcContext(grpc_context))
 
+    async def Embed(self, request: pb.EmbedRequest, grpc_context: Any) -> pb.EmbedResponse:
+        return await self.grpc.Embed(request, _ServeGrpcContext(grpc_context))
+
     # ---- operations ------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:

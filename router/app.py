@@ -16,6 +16,7 @@ import uuid
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
+from router.embedder import Embedder
 from router.errors import (
     AuthenticationError,
     BadRequestError,
@@ -33,7 +34,9 @@ from router.rebalance import rebalance
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
+from workers.contract.calls import Embeddings
 from workers.contract.protocol import SamplingParams
+from workers.contract.tracing import tracing
 from workers.tokenizer import Tokenizer
 
 __all__ = ["Admission", "Generation", "Router", "RouterConfig", "RouterCounters"]
@@ -82,6 +85,7 @@ class Router:
             migration_retries=config.migration_retries, tokenizer=self.tokenizer)
         self.orchestrator = Orchestrator(self.workers, config, policies, self.counters,
                                          generations)
+        self.embedder = Embedder(self.workers, policies.route, config.start_retries)
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
 
@@ -199,10 +203,22 @@ class Router:
         `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`. `frontend` (http,
         grpc) labels its metrics; errors raised here are for the caller to count
         (`metrics.count_error`)."""
-        started = time.monotonic()
-        req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
-                            cache_salt)
-        return await self.orchestrator.generate(req, started, frontend)
+        started, tr = time.monotonic(), tracing()
+        with tr.span("router.start", attributes={"prompt_tokens": len(prompt_token_ids)}):
+            req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
+                                cache_salt, tr.traceparent())
+            gen = await self.orchestrator.generate(req, started, frontend)
+            if tr.on:
+                tr.set_attributes({"request_id": req.request_id, "worker": gen.worker_id,
+                                   "decode_worker": gen.decode_worker_id or "",
+                                   "predicted_cached_tokens": gen.predicted_cached_tokens})
+        return gen
+
+    async def embed(self, token_ids: list[list[int]], pooling: str,
+                    normalize: bool) -> Embeddings:
+        """The inputs' pooled final hidden states, from one worker of the prefill pool (or
+        the aggregated pool): `router.embedder`."""
+        return await self.embedder.embed(token_ids, pooling, normalize)
 
     async def drain(self, worker_id: str, with_kv: bool = True,
                     hand_off_prefixes: bool = True) -> int:

@@ -27,6 +27,8 @@ DEFAULT_DEADLINES = Deadlines()  # the clients' default (a frozen record, shared
 
 # the tool-call formats `router.openai.tool_parsers` reads (vLLM's --tool-call-parser names)
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
+# the reasoning formats `router.openai.reasoning` reads (vLLM's --reasoning-parser names)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")  # `router.policy`'s names
 # "hand off or run here" (`router.split_policy`'s names)
 SPLIT_POLICIES = ("uncached_threshold", "always", "never")
@@ -88,6 +90,15 @@ class RouterConfig:
         "How the model writes tool calls (vLLM's --tool-call-parser names); unset: the format "
         "its chat template's wording shows, and none when it renders no tools."),
         choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = setting(None, (
+        "How the model writes its reasoning (vLLM's --reasoning-parser names): the text in "
+        "its <think> block is returned apart from the answer (chat: reasoning_content; "
+        "Responses: a reasoning item); unset: all output is the answer."),
+        choices=REASONING_PARSERS)
+    response_store_size: int = setting(1024, (
+        "Responses (/v1/responses with store) each router replica keeps for "
+        "previous_response_id and GET /v1/responses/{id}; the oldest are dropped past this."),
+        ge=0)
     rebalance_kv_usage: float | None = setting(None, (
         "A decode-pool worker whose KV usage reaches this fraction moves its longest running "
         "stream, with its KV (nothing recomputed), to the least used worker at least 0.2 below "

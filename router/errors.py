@@ -44,6 +44,10 @@ class NotFoundError(APIError):
     status, type, code, grpc_code = 404, "invalid_request_error", "model_not_found", "NOT_FOUND"
 
 
+class ResponseNotFoundError(NotFoundError):
+    code = "response_not_found"
+
+
 class RequestTooLargeError(APIError):
     status, type, code, grpc_code = 413, "invalid_request_error", "request_too_large", \
         "RESOURCE_EXHAUSTED"

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from router.app import Router
+from router.embedding_inputs import embed_inputs
 from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
@@ -138,6 +139,21 @@ class GenerationService(pb_grpc.GenerationServicer):
                 await gen.aclose()
             if slot is not None:
                 slot.release()
+
+    async def Embed(self, request: pb.EmbedRequest,
+                    context: ServicerContext) -> pb.EmbedResponse:
+        try:
+            self._authenticate(context)
+            self.router.check_model(request.model or None)
+            inputs = [list(x.token_ids.ids) if x.WhichOneof("input") == "token_ids" else x.text
+                      for x in request.inputs]
+            normalize = request.normalize if request.HasField("normalize") else True
+            vectors, num_tokens = await embed_inputs(self.router, inputs,
+                                                     request.pooling or None, normalize)
+        except APIError as exc:
+            await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vectors],
+                                num_prompt_tokens=num_tokens)
 
     async def Models(self, request: pb.ModelsRequest,
                      context: ServicerContext) -> pb.ModelsResponse:

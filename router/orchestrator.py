@@ -59,6 +59,7 @@ from workers.contract.protocol import (
     WorkerRole,
 )
 from workers.contract.prefix_cache import adapter_salt, hash_prompt_blocks
+from workers.contract.tracing import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,9 @@ class Orchestrator:
         prefix = (await prefix_to_fetch(w, self.counters, req, hashes, decision)
                   if decision.fetch_from is not None else None)
         try:  # each prefill rank's KV is read by as many decode ranks as share its heads
-            result: PrefillResult = await prefill.prefill(req, d_tp, prefix)
+            with tracing().span("router.prefill_call", attributes={
+                    "prefill_worker": prefill.worker_id, "decode_worker": decode_id}):
+                result: PrefillResult = await prefill.prefill(req, d_tp, prefix)
         except InvalidRequestError as exc:
             raise BadRequestError(exc.message, param=exc.param) from None
         except Exception as exc:  # noqa: BLE001 -- any worker failure: try another one

@@ -31,12 +31,16 @@ from router.errors import (
 from router.openai.chat import create_chat_completion
 from router.openai.common import TokenStrings
 from router.openai.completions import create_completion
+from router.openai.embeddings import create_embeddings
+from router.openai.response_items import ResponseStore
+from router.openai.responses import create_response, delete_response, get_response
 from router.openai.tokenize import detokenize, tokenize
+from workers.contract.tracing import tracing
 
 logger = logging.getLogger(__name__)
 
 # requests counted in `cleave_requests_total` (the metrics of `router.metrics`)
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -84,7 +88,9 @@ class GuardMiddleware:
                     raise RequestTooLargeError(_too_large(limit, received))
             return message
 
-        await self.app(scope, counting_receive, send)
+        with tracing().span(f"{scope['method']} {path}", headers.get("traceparent"),
+                            {"http.route": path}):
+            await self.app(scope, counting_receive, send)
 
 
 def _bearer(value: str | None) -> str | None:
@@ -180,6 +186,22 @@ async def chat_completions(request: Request) -> Any:
     return await create_chat_completion(_router(request), request.app.state.tokens, request)
 
 
+async def embeddings(request: Request) -> Any:
+    return await create_embeddings(_router(request), request)
+
+
+async def responses(request: Request) -> Any:
+    return await create_response(_router(request), request.app.state.responses, request)
+
+
+async def stored_response(request: Request, response_id: str) -> Any:
+    return await get_response(request.app.state.responses, response_id)
+
+
+async def drop_response(request: Request, response_id: str) -> Any:
+    return await delete_response(request.app.state.responses, response_id)
+
+
 async def tokenize_route(request: Request) -> Any:
     return await tokenize(_router(request), request)
 
@@ -193,6 +215,7 @@ def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="Cleave", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.router = router
     app.state.tokens = TokenStrings(router)
+    app.state.responses = ResponseStore(router.config.response_store_size)
     _handle(app, APIError, _on_api_error)
     _handle(app, RequestValidationError, _on_validation_error)
     _handle(app, StarletteHTTPException, _on_http_error)
@@ -203,6 +226,10 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])
+    app.add_api_route("/v1/responses", responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", drop_response, methods=["DELETE"])
     app.add_api_route("/tokenize", tokenize_route, methods=["POST"])
     app.add_api_route("/detokenize", detokenize_route, methods=["POST"])
     app.add_middleware(GuardMiddleware, router=router)

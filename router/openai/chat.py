@@ -29,6 +29,8 @@ from router.openai.common import (
     usage,
 )
 from router.openai.protocol import ChatCompletionRequest, ChatMessage
+from router.openai.reasoning import PARSERS as REASONING_PARSERS
+from router.openai.reasoning import ReasoningFormat, ReasoningStream
 from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.openai.tool_calls import ToolCallStream, message_with_calls, tool_call_format
 from router.openai.tool_parsers import ToolCallFormat
@@ -47,7 +49,7 @@ class _Choice:
     stop_reason: str | int | None = None
 
 
-def _long(body: ChatCompletionRequest) -> bool:
+def long_chat(body: ChatCompletionRequest) -> bool:
     """Whether the messages are long enough to template and tokenize off the event loop."""
     return sum(len(m.content) if isinstance(m.content, str) else 64 * len(m.content or ())
                for m in body.messages) >= TOKENIZE_INLINE_CHARS
@@ -90,10 +92,10 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
     """A valid body's response, as `respond` reads it: admitted, built, then collected or
     streamed. Holds the request's slot until its last event."""
     with router.admit():  # before the template and the tokenizer run
-        ids = await asyncio.to_thread(chat_prompt, router, body) if _long(body) else \
+        ids = await asyncio.to_thread(chat_prompt, router, body) if long_chat(body) else \
             chat_prompt(router, body)
         router.check_prompt(ids, param="messages")
-        params, tool_format = _sampling(router, body, len(ids))
+        params, tool_format = chat_sampling(router, body, len(ids))
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": router.model_name}
         fmt = _Logprobs(tokens, body.logprobs)
@@ -103,7 +105,7 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
             return
         gen = await router.generate(ids, params, body.cache_salt, frontend="http")
         yield STREAMING
-        chunks = _Chunks(gen, body, fmt, meta, tool_format)
+        chunks = _Chunks(gen, body, fmt, meta, tool_format, reasoning_format(router))
         try:
             yield chunks.opening()
             async for event in gen.events():
@@ -118,7 +120,7 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
         yield SSE_DONE
 
 
-def _sampling(router: Router, body: ChatCompletionRequest,
+def chat_sampling(router: Router, body: ChatCompletionRequest,
               prompt_len: int) -> tuple[SamplingParams, ToolCallFormat | None]:
     """The request's sampling parameters, and the format its tool calls are read in."""
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -128,6 +130,12 @@ def _sampling(router: Router, body: ChatCompletionRequest,
     if tool_format is not None:
         params = _force_call(body, tool_format, params)
     return params, tool_format
+
+
+def reasoning_format(router: Router) -> ReasoningFormat | None:
+    """The format this model's reasoning is read in (None: all output is the answer)."""
+    name = router.config.reasoning_parser
+    return None if name is None else REASONING_PARSERS[name]
 
 
 def _tool_format(router: Router, body: ChatCompletionRequest) -> ToolCallFormat | None:
@@ -172,11 +180,16 @@ async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int],
                 choice.stop_reason = event.stop_reason
     finally:
         await gen.aclose()
-    out = []
+    out, thinking = [], reasoning_format(router)
     for k, c in enumerate(choices):
-        message, finish = {"role": "assistant", "content": c.content}, c.finish_reason
-        if tool_format is not None:
-            message, finish = message_with_calls(tool_format, c.content, finish)
+        reasoning, answer = ("", c.content) if thinking is None else \
+            thinking.split(c.content)[:2]
+        message: dict[str, Any] = {"role": "assistant", "content": answer}
+        finish = c.finish_reason
+        if tool_format is not None:  # calls are read from the answer only
+            message, finish = message_with_calls(tool_format, answer, finish)
+        if thinking is not None:
+            message["reasoning_content"] = reasoning or None
         out.append({"index": k, "message": message, "logprobs": fmt(c.logprobs),
                     "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({**meta, "object": "chat.completion", "choices": out,
@@ -187,14 +200,18 @@ class _Chunks:
     """The chat.completion.chunk events of one streamed generation, event by event."""
 
     def __init__(self, gen: Generation, body: ChatCompletionRequest, fmt: _Logprobs,
-                 meta: dict[str, Any], tool_format: ToolCallFormat | None) -> None:
+                 meta: dict[str, Any], tool_format: ToolCallFormat | None,
+                 thinking: ReasoningFormat | None = None) -> None:
         self.gen, self.body, self.fmt = gen, body, fmt
         self.head = head = {**meta, "object": "chat.completion.chunk"}
         self.num_tokens = 0
         self.calls = [ToolCallStream(tool_format) for _ in range(body.n)] if tool_format \
             else None
+        self.thoughts = [ReasoningStream(thinking) for _ in range(body.n)] if thinking \
+            else None
         # a chunk of new content only (most of them) from a template
-        self.plain = self.calls is None and not (fmt.wanted or body.continuous_usage)
+        self.plain = self.calls is None and self.thoughts is None and not (
+            fmt.wanted or body.continuous_usage)
         self.text_chunk = TextChunks(lambda k, text: {**head, "choices": [{
             "index": k, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
             "stop_reason": None}]})
@@ -217,6 +234,21 @@ class _Chunks:
         finish = None if event.finish_reason is None else event.finish_reason.value
         if self.plain and finish is None:
             return self.text_chunk(event.index, event.text)
+        if self.thoughts is None:
+            return self._answer(event, finish)
+        thoughts = self.thoughts[event.index]
+        reasoning, answer = thoughts.feed(event.text)
+        if finish is not None:
+            more = thoughts.finish()
+            reasoning, answer = reasoning + more[0], answer + more[1]
+        head = self._chunk([{"index": event.index, "delta": {"reasoning_content": reasoning},
+                             "logprobs": None, "finish_reason": None}]) if reasoning else ""
+        if not answer and finish is None and not self.fmt.wanted:
+            return head
+        return head + self._answer(event.replaced(text=answer), finish)
+
+    def _answer(self, event: TokenEvent, finish: str | None) -> str:
+        """The chunks of an event's answer text (the reasoning taken out)."""
         if self.calls is None:
             delta = {"content": event.text} if event.text or finish is None else {}
             return self._chunk([{"index": event.index, "delta": delta,

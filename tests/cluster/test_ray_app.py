@@ -145,6 +145,29 @@ def test_structured_output_and_a_forced_tool_call_through_the_ray_app(app):
     jsonschema.validate(json.loads(call.function.arguments), params)
 
 
+def test_responses_and_embeddings_through_the_ray_app(app):
+    """`/v1/responses` handed off prefill -> decode, streamed as typed events and continued
+    by `previous_response_id`; `/v1/embeddings` answered by an engine actor (the `Embed` record
+    and its vectors cross the actor's socket)."""
+    c = client(app)
+    before = router_status()["num_disaggregated"]
+    first = c.responses.create(model="tiny", input=LONG * 3, max_output_tokens=6,
+                               temperature=0, instructions="Be brief.")
+    assert router_status()["num_disaggregated"] == before + 1
+    events = list(c.responses.create(model="tiny", input=LONG * 3, max_output_tokens=6,
+                                     temperature=0, instructions="Be brief.", stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        first.output_text
+    second = c.responses.create(model="tiny", input="and then?", max_output_tokens=4,
+                                previous_response_id=first.id)
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+    out = c.embeddings.create(model="tiny", input=["hello", LONG])
+    norms = [sum(x * x for x in d.embedding) for d in out.data]
+    assert len(out.data) == 2 and norms == pytest.approx([1.0, 1.0], abs=1e-4)
+
+
 def test_grpc_generate_runs_through_serves_grpc_proxy(app, expected):
     from router.proto.cleave.v1 import generate_pb2 as pb
     from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
@@ -158,6 +181,9 @@ def test_grpc_generate_runs_through_serves_grpc_proxy(app, expected):
         assert text == expected[PROMPTS[1]]
         models = stub.Models(pb.ModelsRequest(), metadata=metadata, timeout=30)
         assert [m.id for m in models.models] == ["tiny"]
+        embedded = stub.Embed(pb.EmbedRequest(model="tiny", inputs=[pb.EmbedInput(text="hi")]),
+                              metadata=metadata, timeout=60)
+        assert sum(x * x for x in embedded.embeddings[0].values) == pytest.approx(1.0, abs=1e-4)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), metadata=metadata,
                                timeout=30))

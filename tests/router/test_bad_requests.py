@@ -69,7 +69,7 @@ CASES = [
     ("chat top_logprobs without logprobs", CHAT, chat(top_logprobs=2), JSON, 400,
      "top_logprobs"),
     ("chat stream not a bool", CHAT, chat(stream="yes please"), JSON, 400, "stream"),
-    ("unknown route", "/v1/embeddings", body(), JSON, 404, None),
+    ("unknown route", "/v1/audio/speech", body(), JSON, 404, None),
     ("seed past 64 bits", CMPL, body(seed=2**70, temperature=1.0), JSON, 400, "seed"),
     ("seed below int64", CMPL, body(seed=-2**63 - 1), JSON, 400, "seed"),
     ("too many stop strings", CMPL, body(stop=[f"s{i}" for i in range(65)]), JSON, 400,

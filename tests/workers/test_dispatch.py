@@ -35,7 +35,7 @@ def example(record: type[Call[Any]]) -> Call[Any]:
         "subscriber": "router-a", "commands": (Abort("req-1"),),
         "req": WorkerRequest("req-8", (1, 2, 3), SamplingParams(max_tokens=4)),
         "fetch": PrefixFetch(HANDOFF, (11,)), "prefix": PrefixFetch(HANDOFF, (13,)),
-        "exported": {0: "handoff-0"},
+        "exported": {0: "handoff-0"}, "pooling": "mean", "normalize": False,
     }
     fields = [f.name for f in dataclasses.fields(record) if f.name != "version"]
     missing = [f for f in fields if f not in values]

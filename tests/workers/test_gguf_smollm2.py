@@ -95,5 +95,21 @@ def test_a_chat_answer_names_paris(llm):
     assert out.token_ids[-1] == tokenizer.eos_token_id  # the turn ends with <|im_end|>
 
 
+@torch.no_grad()
+def test_embeddings_are_transformers_pooled_hidden_states(llm, reference):
+    from workers.serving.embed import embed
+
+    prompts = [llm.tokenizer.encode(text[:300]) for text in REAL_TEXT]
+    for pooling in ("last", "mean"):
+        got = embed(llm.engine, prompts, pooling, normalize=False)
+        for vector, prompt in zip(got.vectors, prompts):
+            hidden = reference.model(torch.tensor([prompt])).last_hidden_state[0]
+            want = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
+            diff = (torch.tensor(vector) - want).abs().max().item()
+            print(f"SmolLM2 {pooling} embedding: max |diff| {diff:.2e}, "
+                  f"max |value| {want.abs().max().item():.1f}")
+            assert diff <= TOL, (pooling, diff)
+
+
 def test_tokenizer_ids_match_transformers(path):
     assert_same_tokenizer(path, EDGE_TEXTS + REAL_TEXT)

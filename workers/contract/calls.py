@@ -154,3 +154,25 @@ class CancelMigration(Call[None]):
     `PrepareMigration` landed for the request, now rather than when their leases end."""
 
     request_id: str
+
+
+POOLINGS = ("last", "mean")  # how `Embed` pools a prompt's final hidden states
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """`Embed`'s answer: one vector per prompt, in order (fp32 values, `hidden_size` each)."""
+
+    vectors: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class Embed(Call[Embeddings]):
+    """Run whole prompts through the model (no sampling, nothing cached or kept) and pool each
+    one's final hidden states (the final norm's output): its last token's (`last`) or their
+    mean (`mean`), scaled to unit length when `normalize`. Raises `InvalidRequestError` for a
+    pooling it does not know or a worker whose model is split over ranks."""
+
+    token_ids: tuple[tuple[int, ...], ...]
+    pooling: str = "last"
+    normalize: bool = True

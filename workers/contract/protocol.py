@@ -130,6 +130,8 @@ class WorkerRequest:
     params: SamplingParams
     cache_salt: str | None = None  # isolates this request's prefix-cache blocks
     lora_name: str | None = None  # the LoRA adapter it runs under (its served name); None: base
+    # the W3C trace context its spans continue (`workers.contract.tracing`; None: untraced)
+    traceparent: str | None = None
 
 
 class WorkerRole(str, enum.Enum):

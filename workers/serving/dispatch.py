@@ -17,6 +17,7 @@ from workers.contract.calls import (
     CALLS_VERSION,
     Call,
     CancelMigration,
+    Embed,
     ExportPrefix,
     ExportRunning,
     Health,
@@ -53,6 +54,7 @@ HANDLERS: dict[type[Call[Any]], Callable[[Worker, Any], Any]] = {
     PrepareMigration: lambda w, c: w.prepare_migration(c.request_id, c.exported),
     Pause: lambda w, c: w.migrations.pause(c.request_id, c.reader_tp_size),
     CancelMigration: lambda w, c: w.migrations.cancel(c.request_id),
+    Embed: lambda w, c: w.embed(c.token_ids, c.pooling, c.normalize),
 }
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from workers.contract.messages import DecodeFromHandoff, PrefillResult
 from workers.contract.protocol import FinishReason, KVCacheFull, KVPullFailed, WorkerRequest
+from workers.contract.tracing import tracing
 
 if TYPE_CHECKING:
     from workers.serving.async_connector import AsyncConnector
@@ -64,9 +65,14 @@ class Handoff:
         rid = cmd.req.request_id
         if cmd.handoff is None:
             raise ValueError(f"request {rid!r}: pull_and_decode needs a handoff, got None")
+        handoff = cmd.handoff
         try:
-            pull = await self.transfer.puller(rid, cmd.handoff)
-            await self.connector.decode_from_handoff(cmd.req, cmd.first_token_id, pull, sink)
+            with tracing().span("worker.kv_pull", cmd.req.traceparent, {
+                    "kv.bytes": handoff.num_bytes, "kv.blocks": handoff.num_blocks,
+                    "kv.transport": handoff.ranks[0].address.partition(":")[0]}):
+                pull = await self.transfer.puller(rid, handoff)
+                await self.connector.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
+                                                         sink)
         except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
             sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
             sink.flush()

@@ -19,6 +19,8 @@ import logging
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from workers.contract.calls import Embeddings
+from workers.contract.tracing import tracing
 from workers.contract.messages import (
     Abort,
     Command,
@@ -240,6 +242,15 @@ class Worker:
     def _free_held(self, request_id: str) -> None:
         self.async_engine.apply_soon(lambda: self.connector.free_held(request_id))
 
+    async def embed(self, token_ids: Sequence[Sequence[int]], pooling: str,
+                    normalize: bool) -> Embeddings:
+        """`Embed`: pooled final hidden states, computed between two engine steps
+        (`workers.serving.embed`)."""
+        from workers.serving.embed import embed  # imports torch: on the first call
+
+        return await self.async_engine.apply(
+            lambda: embed(self.engine, token_ids, pooling, normalize))
+
     async def prefill(self, req: WorkerRequest, decode_tp_size: int = 1,
                       prefix: PrefixFetch | None = None) -> PrefillResult:
         """Run the prompt to its first token (sampled with its params) and offer its KV under
@@ -260,10 +271,16 @@ class Worker:
         if rid in self._prefills:
             raise ValueError(f"request id {rid!r} is already being prefilled here")
         self._prefills[rid] = task
+        tr = tracing()
         try:
-            if prefix is not None:
-                await self.prefixes.land(rid, prefix, req.prompt_token_ids, self.block_size)
-            return await self.handoff.offer_first_token(req, decode_tp_size)
+            with tr.span("worker.prefill", req.traceparent, {"worker": self.worker_id}):
+                if prefix is not None:
+                    await self.prefixes.land(rid, prefix, req.prompt_token_ids,
+                                             self.block_size)
+                result = await self.handoff.offer_first_token(req, decode_tp_size)
+                if tr.on and result.handoff is not None:
+                    tr.set_attributes({"kv.offered_bytes": result.handoff.num_bytes})
+                return result
         finally:
             if self._prefills.get(rid) is task:
                 del self._prefills[rid]

@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.HealthRequest.SerializeToString,
                 response_deserializer=router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/cleave.v1.Generation/Embed',
+                request_serializer=router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -74,6 +79,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """The model's final hidden states, pooled per input (as /v1/embeddings).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +103,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.HealthRequest.FromString,
                     response_serializer=router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.HealthResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +191,33 @@ class Generation:
             '/cleave.v1.Generation/Health',
             router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.HealthRequest.SerializeToString,
             router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cleave.v1.Generation/Embed',
+            router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            router_dot_proto_dot_cleave_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,111 @@
+"""OpenTelemetry traces: one disaggregated chat request with tracing on (the standard `OTEL_*`
+variables naming an OTLP/HTTP endpoint: a real HTTP server started here, decoding the
+protobuf the SDK's exporter sends) is one trace under the client's `traceparent`, from the
+front end through routing, the prefill call and the prefill worker to the decode worker's KV
+pull with its bytes. Off (no endpoint), no span is made."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from cluster.local_server import LocalServeConfig, LocalServer
+from tests.router.conftest import API_KEY, NUM_BLOCKS
+from workers.contract import tracing
+
+trace_service = pytest.importorskip(
+    "opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+class Receiver(ThreadingHTTPServer):
+    """An OTLP/HTTP trace receiver: every span posted to /v1/traces, decoded."""
+
+    def __init__(self) -> None:
+        self.spans: list = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 -- http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = trace_service.ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for resource in request.resource_spans:
+                    for scope in resource.scope_spans:
+                        receiver.spans.extend(scope.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+                self.wfile.write(trace_service.ExportTraceServiceResponse().SerializeToString())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def traced(tiny_model, monkeypatch):
+    receiver = Receiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                       f"http://127.0.0.1:{receiver.server_address[1]}/v1/traces")
+    tracing.set_tracing(None)  # made from the environment above on first use
+    srv = LocalServer(LocalServeConfig(
+        tiny_model, http_port=0, grpc_port=0, num_prefill_workers=1, num_decode_workers=1,
+        router={"api_keys": (API_KEY,), "disagg_threshold_tokens": 8},
+        engine={"num_blocks": NUM_BLOCKS})).start()
+    try:
+        yield srv, receiver
+    finally:
+        srv.stop()
+        tracing.tracing().provider.shutdown()
+        tracing.set_tracing(None)
+        receiver.shutdown()
+
+
+def test_one_disaggregated_request_is_one_trace_under_the_clients_span(traced):
+    srv, receiver = traced
+    resp = httpx.post(
+        f"http://127.0.0.1:{srv.http_port}/v1/chat/completions", timeout=60,
+        headers={"Authorization": f"Bearer {API_KEY}",
+                 "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"},
+        json={"messages": [{"role": "user", "content": "tell me a long story " * 4}],
+              "max_tokens": 4, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert srv.router.counters.num_disaggregated == 1
+    assert tracing.tracing().provider.force_flush(10_000)
+    spans = {s.name: s for s in receiver.spans}
+    assert {"POST /v1/chat/completions", "router.start", "router.prefill_call",
+            "worker.prefill", "worker.kv_pull"} <= set(spans)
+    assert {s.trace_id.hex() for s in receiver.spans} == {TRACE_ID}
+    parent = {name: s.parent_span_id.hex() for name, s in spans.items()}
+    ids = {name: s.span_id.hex() for name, s in spans.items()}
+    assert parent["POST /v1/chat/completions"] == CLIENT_SPAN
+    assert parent["router.start"] == ids["POST /v1/chat/completions"]
+    assert parent["router.prefill_call"] == ids["router.start"]
+    # the workers' spans continue the context their WorkerRequest carried
+    assert parent["worker.prefill"] == ids["router.start"]
+    assert parent["worker.kv_pull"] == ids["router.start"]
+    attributes = {a.key: a.value for a in spans["worker.kv_pull"].attributes}
+    assert attributes["kv.bytes"].int_value > 0 and attributes["kv.transport"].string_value
+    start = {a.key: a.value for a in spans["router.start"].attributes}
+    assert start["worker"].string_value == "prefill-0"
+    assert start["decode_worker"].string_value == "decode-0"
+
+
+def test_off_without_an_endpoint(monkeypatch):
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    off = tracing.from_env()
+    assert not off.on and off.traceparent() is None
+    with off.span("x") as span:
+        assert span is None
+    assert not tracing.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318",
+                                 "OTEL_SDK_DISABLED": "true"}).on
