@@ -206,7 +206,7 @@ class Router:
         started, tr = time.monotonic(), tracing()
         with tr.span("router.start", attributes={"prompt_tokens": len(prompt_token_ids)}):
             req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
-                                cache_salt, tr.traceparent())
+                                cache_salt, traceparent=tr.traceparent())
             gen = await self.orchestrator.generate(req, started, frontend)
             if tr.on:
                 tr.set_attributes({"request_id": req.request_id, "worker": gen.worker_id,

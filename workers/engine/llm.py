@@ -61,7 +61,7 @@ class LLM:
             for prompt, p, lora in zip(prompt_list, params_list, loras, strict=True):
                 rid = str(next(self._ids))
                 ids = self.engine.tokenize(prompt)
-                self.engine.generate(WorkerRequest(rid, tuple(ids), p, cache_salt, lora))
+                self.engine.generate(WorkerRequest(rid, tuple(ids), p, cache_salt, lora_name=lora))
                 outputs[rid] = RequestOutput(
                     rid, prompt if isinstance(prompt, str) else None, ids,
                     [CompletionOutput(i, "", [], None) for i in range(p.n)], finished=False)

@@ -52,6 +52,7 @@ class Handoff:
             handoff = self.transfer.offer(rid, self.connector.connector.held_block_ids(rid),
                                           decode_tp_size)
             offered = True
+            tracing().set_attributes({"kv.offered_bytes": handoff.num_bytes})
             return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
         finally:
             await stream.aclose()

@@ -134,8 +134,6 @@ class Worker:
                           e.max_model_len, e.model_config.vocab_size, e.kv.pool.num_blocks,
                           self.tp_size, e.kv_cache_spec.bytes_per_block)
 
-    # ---- commands and the output channel ---------------------------------------------------
-
     def submit(self, subscriber: str, commands: Sequence[Command]) -> None:
         """Start or abort requests, in order; the events of those started go to
         `subscriber`'s channel (`next_outputs`), where a refused one arrives as a failure.
@@ -155,8 +153,7 @@ class Worker:
                 box.fail(rid, exc)
                 box.flush()
 
-    def _check_room(self, request_id: str) -> None:
-        """Raise `EngineOverloaded` when `max_waiting_requests` are already queued here."""
+    def _check_room(self, request_id: str) -> None:  # `max_waiting_requests` queued: refused
         queued = self.async_engine.num_queued
         if queued >= self.max_waiting_requests:
             raise EngineOverloaded(request_id, f"worker {self.worker_id!r} has {queued} "
@@ -228,8 +225,6 @@ class Worker:
             return
         self.async_engine.abort(request_id)
 
-    # ---- the KV handoff ----------------------------------------------------------------------
-
     def _check_role(self, allowed: tuple[str, ...], what: str) -> None:
         if self.role not in allowed:
             raise ValueError(f"worker {self.worker_id!r} has role {self.role!r}; {what} needs "
@@ -244,10 +239,8 @@ class Worker:
 
     async def embed(self, token_ids: Sequence[Sequence[int]], pooling: str,
                     normalize: bool) -> Embeddings:
-        """`Embed`: pooled final hidden states, computed between two engine steps
-        (`workers.serving.embed`)."""
-        from workers.serving.embed import embed  # imports torch: on the first call
-
+        """`Embed`, between two engine steps (`workers.serving.embed`; imports torch)."""
+        from workers.serving.embed import embed
         return await self.async_engine.apply(
             lambda: embed(self.engine, token_ids, pooling, normalize))
 
@@ -271,16 +264,12 @@ class Worker:
         if rid in self._prefills:
             raise ValueError(f"request id {rid!r} is already being prefilled here")
         self._prefills[rid] = task
-        tr = tracing()
         try:
-            with tr.span("worker.prefill", req.traceparent, {"worker": self.worker_id}):
+            with tracing().span("worker.prefill", req.traceparent, {"worker": self.worker_id}):
                 if prefix is not None:
                     await self.prefixes.land(rid, prefix, req.prompt_token_ids,
                                              self.block_size)
-                result = await self.handoff.offer_first_token(req, decode_tp_size)
-                if tr.on and result.handoff is not None:
-                    tr.set_attributes({"kv.offered_bytes": result.handoff.num_bytes})
-                return result
+                return await self.handoff.offer_first_token(req, decode_tp_size)
         finally:
             if self._prefills.get(rid) is task:
                 del self._prefills[rid]
