@@ -30,6 +30,7 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Policies
 from router.policy import WorkerLoad
 from router.rebalance import rebalance
+from router.role_plan import RoleSwitch
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
@@ -192,17 +193,19 @@ class Router:
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, frontend: str = "other") -> Generation:
+                       cache_salt: str | None = None, frontend: str = "other",
+                       ttft_deadline_s: float | None = None) -> Generation:
         """Route and start a request (aggregated or split between a prefill and a decode
         worker: `router.orchestrator`); returns once its first token arrived. The request id,
         the key of its blocks and leases on every worker, is made here. Raises
         `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`. `frontend` (http,
         grpc) labels its metrics; errors raised here are for the caller to count
-        (`metrics.count_error`)."""
+        (`metrics.count_error`). `ttft_deadline_s`: the request's own TTFT target; one no
+        worker is predicted to meet is refused at once (429, `router.deadline`)."""
         started = time.monotonic()
         req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
                             cache_salt)
-        return await self.orchestrator.generate(req, started, frontend)
+        return await self.orchestrator.generate(req, started, frontend, ttft_deadline_s)
 
     async def drain(self, worker_id: str, with_kv: bool = True,
                     hand_off_prefixes: bool = True) -> int:
@@ -213,6 +216,34 @@ class Router:
         if hand_off_prefixes:
             await hand_off(self.workers, self.counters, worker_id)
         return moved
+
+    async def switch_role(self, worker_id: str, role: WorkerRole) -> RoleSwitch:
+        """Route a switchable worker (started as "both") under `role` from now on. Leaving
+        the decode pool (to PREFILL), it is drained first: its running streams move to other
+        decode-pool workers with their KV (nothing recomputed); its cached prefixes stay in
+        the prefix index. Joining the decode pool needs no move. A request that was still in
+        its prefill there when the switch began finishes there."""
+        started = time.monotonic()
+        before = self.workers.role_of(worker_id)
+        moved = 0
+        if role == before:
+            return RoleSwitch(worker_id, before, role, 0, 0.0)
+        if self.workers.info(worker_id).role != WorkerRole.BOTH:
+            raise ValueError(f"worker {worker_id!r} was started as "
+                             f"{self.workers.info(worker_id).role.value!r}; only a worker "
+                             f"started as 'both' switches role")
+        if role == WorkerRole.PREFILL:
+            try:
+                moved = await self.migrations.drain(worker_id, with_kv=True)
+                self.workers.assign_role(worker_id, role)
+            finally:
+                self.migrations.end_drain(worker_id)
+        else:
+            self.workers.assign_role(worker_id, role)
+        switch = RoleSwitch(worker_id, before, role, moved, time.monotonic() - started)
+        logger.info("worker %s switched from %s to %s in %.3f s (%d streams moved)",
+                    worker_id, before.value, role.value, switch.seconds, moved)
+        return switch
 
     def coldest(self, *roles: WorkerRole) -> str | None:
         """The worker of `roles` a scale-down should remove: its cache is worth least lately

@@ -148,6 +148,11 @@ class LiveMigrations:
                         sum(results), len(moving))
         return sum(results)
 
+    def end_drain(self, worker_id: str) -> None:
+        """Route to `worker_id` again (a role switch drained it; it stays in the worker set)."""
+        self.workers.draining.discard(worker_id)
+        self._drain_with_kv.pop(worker_id, None)
+
 
 @dataclass
 class Move:
