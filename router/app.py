@@ -31,6 +31,7 @@ from router.orchestrator import Orchestrator, Policies
 from router.policy import WorkerLoad
 from router.rebalance import rebalance
 from router.role_plan import RoleSwitch
+from router.role_switch import switch_role
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
@@ -218,32 +219,9 @@ class Router:
         return moved
 
     async def switch_role(self, worker_id: str, role: WorkerRole) -> RoleSwitch:
-        """Route a switchable worker (started as "both") under `role` from now on. Leaving
-        the decode pool (to PREFILL), it is drained first: its running streams move to other
-        decode-pool workers with their KV (nothing recomputed); its cached prefixes stay in
-        the prefix index. Joining the decode pool needs no move. A request that was still in
-        its prefill there when the switch began finishes there."""
-        started = time.monotonic()
-        before = self.workers.role_of(worker_id)
-        moved = 0
-        if role == before:
-            return RoleSwitch(worker_id, before, role, 0, 0.0)
-        if self.workers.info(worker_id).role != WorkerRole.BOTH:
-            raise ValueError(f"worker {worker_id!r} was started as "
-                             f"{self.workers.info(worker_id).role.value!r}; only a worker "
-                             f"started as 'both' switches role")
-        if role == WorkerRole.PREFILL:
-            try:
-                moved = await self.migrations.drain(worker_id, with_kv=True)
-                self.workers.assign_role(worker_id, role)
-            finally:
-                self.migrations.end_drain(worker_id)
-        else:
-            self.workers.assign_role(worker_id, role)
-        switch = RoleSwitch(worker_id, before, role, moved, time.monotonic() - started)
-        logger.info("worker %s switched from %s to %s in %.3f s (%d streams moved)",
-                    worker_id, before.value, role.value, switch.seconds, moved)
-        return switch
+        """Route a worker started as "both" under `role` from now on, once emptied of what
+        the role must not run (`router.role_switch`: streams moved away with their KV)."""
+        return await switch_role(self.workers, self.migrations, worker_id, role)
 
     def coldest(self, *roles: WorkerRole) -> str | None:
         """The worker of `roles` a scale-down should remove: its cache is worth least lately

@@ -3,7 +3,8 @@ Torch-free.
 
 `StepProfile` is a linear cost model (seconds):
 
-    prefill_s(tokens)            = prefill_fixed_s + prefill_s_per_token × tokens
+    prefill_s(tokens)            = steps × prefill_fixed_s + prefill_s_per_token × tokens
+                                   (steps: one per `chunk_tokens` of the prompt)
     decode_step_s(batch, ctx)    = decode_fixed_s + batch × (decode_s_per_seq
                                                             + ctx × decode_s_per_ctx_token)
     transfer_s(tokens)           = tokens × transfer_s_per_token
@@ -17,6 +18,7 @@ window of recent steps (refined as the worker runs), clamped to non-negative coe
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -52,8 +54,10 @@ class StepProfile:
                              f"and {self.chunk_tokens}")
 
     def prefill_s(self, tokens: float) -> float:
-        """A prompt of `tokens` uncached tokens to its first token, alone on the worker."""
-        return self.prefill_fixed_s + self.prefill_s_per_token * tokens
+        """A prompt of `tokens` uncached tokens to its first token, alone on the worker (one
+        step per `chunk_tokens` of it)."""
+        steps = max(1, math.ceil(tokens / self.chunk_tokens))
+        return steps * self.prefill_fixed_s + self.prefill_s_per_token * tokens
 
     def decode_step_s(self, batch: float, context: float) -> float:
         """One decode step of `batch` sequences of `context` tokens each on average."""

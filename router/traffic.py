@@ -4,9 +4,9 @@ Torch-free.
 `TrafficWindow` keeps each arrival's time, prompt tokens (uncached as the router predicted them)
 and output tokens (the request's `max_tokens`, an upper bound: the planner errs towards more
 workers) for `window_s` seconds. `classes(now)` buckets them by prompt length at `edges` into
-`planner.RequestClass`es; the forecast rate is the larger of the whole window's and the last
-`burst_s` seconds' (a burst is planned for as soon as it shows; a lull only once the window
-has seen it), applied to the window's mix.
+`planner.RequestClass`es; each class's forecast rate is the larger of its whole window's and
+its last `burst_s` seconds' (a burst, or a class the mix moves to, is planned for as soon as it
+shows; a lull only once the window has seen it).
 """
 
 from __future__ import annotations
@@ -44,28 +44,22 @@ class TrafficWindow:
             self._arrivals.popleft()
 
     def classes(self, now: float) -> tuple[RequestClass, ...]:
-        """The window's mix by prompt bucket, at the forecast rate (empty: no arrivals)."""
+        """The window's mix by prompt bucket, each at its forecast rate (empty: none)."""
         self._trim(now)
         if not self._arrivals or self._started is None:
             return ()
         seen_s = min(self.window_s, max(now - self._started, 1e-9))
         burst_s = min(self.burst_s, seen_s)
-        recent = len(self._arrivals) - bisect.bisect_left(self._arrivals, (now - burst_s,))
-        scale = max(1.0, (recent / burst_s) / (len(self._arrivals) / seen_s))
-        buckets: dict[int, list[int]] = {}
-        sums: dict[int, list[float]] = {}
-        for _, prompt, output in self._arrivals:
-            b = bisect.bisect_left(self.edges, prompt)
-            count = buckets.setdefault(b, [0])
-            count[0] += 1
-            acc = sums.setdefault(b, [0.0, 0.0])
-            acc[0] += prompt
-            acc[1] += output
-        out = []
-        for b in sorted(buckets):
-            n = buckets[b][0]
-            out.append(RequestClass(n / seen_s * scale, sums[b][0] / n, sums[b][1] / n))
-        return tuple(out)
+        recent_from = now - burst_s
+        acc: dict[int, list[float]] = {}  # bucket -> [count, recent count, prompt, output]
+        for t, prompt, output in self._arrivals:
+            a = acc.setdefault(bisect.bisect_left(self.edges, prompt), [0, 0, 0.0, 0.0])
+            a[0] += 1
+            a[1] += t >= recent_from
+            a[2] += prompt
+            a[3] += output
+        return tuple(RequestClass(max(a[0] / seen_s, a[1] / burst_s), a[2] / a[0], a[3] / a[0])
+                     for _, a in sorted(acc.items()))
 
 
 __all__ = ["DEFAULT_EDGES", "TrafficWindow"]

@@ -101,8 +101,22 @@ def test_the_planner_grows_at_once_and_shrinks_only_after_its_window():
     grown = planner.decide(busy)
     assert grown.workers > first.workers  # at once
     held = [planner.decide(quiet) for _ in range(2)]
-    assert all(p.decode == grown.decode for p in held) and "held" in held[-1].reason
-    assert planner.decide(quiet).decode == first.decode  # three quiet ticks in a row
+    assert all(p.workers == grown.workers for p in held)  # the total is held
+    assert "held" in held[-1].reason
+    assert planner.decide(quiet).workers == first.workers  # three quiet ticks in a row
+
+
+def test_the_layout_changes_only_for_one_that_saves_workers():
+    planner = SloPlanner(down_ticks=1)
+    mixed = PlanInput((CHAT, SUMMARIZE), GPU, TARGETS)
+    split = planner.decide(mixed)
+    assert split.threshold_tokens != AGGREGATED
+    chat = PlanInput((CHAT,), GPU, TARGETS)
+    kept = planner.decide(chat)  # the split layout still meets the targets at no more workers
+    if layout(chat, split.threshold_tokens).workers <= best_plan(chat).workers:
+        assert kept.threshold_tokens == split.threshold_tokens
+    else:
+        assert kept.threshold_tokens == best_plan(chat).threshold_tokens
 
 
 def test_a_fitted_profile_recovers_the_step_costs_it_saw():
@@ -128,10 +142,11 @@ def test_the_traffic_window_gives_the_mix_and_plans_for_a_burst_at_once():
     assert chat.rate == pytest.approx(10.0, rel=0.02) and chat.prompt_tokens == 120
     for i in range(100):  # then 50/s of long prompts for 2 s
         window.arrived(10.0 + i * 0.02, 3000, 50)
-    classes = window.classes(12.0)
-    assert [c.prompt_tokens for c in classes] == [120, 3000]
-    # the last 2 s ran at 50/s against 10/s over the window: the mix is scaled to the burst
-    assert sum(c.rate for c in classes) == pytest.approx(50.0, rel=0.05)
+    chat, long = window.classes(12.0)
+    assert (chat.prompt_tokens, long.prompt_tokens) == (120, 3000)
+    # the long prompts ran at 50/s in the last 2 s, not 10/s over the window: planned at once
+    assert long.rate == pytest.approx(50.0, rel=0.05)
+    assert chat.rate == pytest.approx(80 / 10.0, rel=0.05)  # what the window holds of it
 
 
 def workers(*spec: tuple[str, WorkerRole, bool, int]) -> list[WorkerState]:
