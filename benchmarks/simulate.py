@@ -259,11 +259,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layouts", default="planner,aggregated,disagg_1to1,disagg_1to3,"
                                          "conditional_1to3")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--same-cost", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run each fixed layout at the planner's mean worker count")
     ap.add_argument("--out", default=str(RESULTS / "simulate.json"))
     args = ap.parse_args(argv)
     scale = args.workers / 1000
+    names = args.layouts.split(",")
     layouts = {name: Run(name, args.workers, args.phase_s, args.seed).run(scale)
-               for name in args.layouts.split(",")}
+               for name in names}
+    if "planner" in layouts and args.same_cost:  # fixed layouts as large as the planner's mean
+        mean = round(layouts["planner"]["worker_s"] / (len(PHASES) * args.phase_s))
+        for name in names:
+            if name != "planner" and mean < args.workers:
+                layouts[f"{name}@{mean}"] = Run(name, mean, args.phase_s, args.seed).run(scale)
     result: dict = {"benchmark": "simulate", "command": command_line(argv),
                     "workers": args.workers, "phases": [
                         {"prompt": p, "output": o, "rate": r * scale} for p, o, r in PHASES],
@@ -278,7 +286,11 @@ def main(argv: list[str] | None = None) -> dict:
         result["best_fixed"] = best
         result["goodput_per_worker_s_vs_best_fixed_ratio"] = round(
             p["goodput_per_worker_s"] / max(1e-9, fixed[best]["goodput_per_worker_s"]), 3)
-        result["worker_s_vs_fixed_ratio"] = round(p["worker_s"] / fixed[best]["worker_s"], 3)
+        result["worker_s_vs_best_fixed_ratio"] = round(
+            p["worker_s"] / fixed[best]["worker_s"], 3)
+        full = [k for k in fixed if "@" not in k]
+        result["worker_s_vs_fixed_peak_ratio"] = round(
+            p["worker_s"] / max(fixed[k]["worker_s"] for k in full), 3) if full else None
         result["min_phase_slo_planner"] = min(p["slo_met_by_phase"].values())
         result["min_phase_slo_best_fixed"] = min(fixed[best]["slo_met_by_phase"].values())
     report_us = report_cost_us(args.workers)

@@ -5,8 +5,9 @@ rejection). Torch-free.
 
 A worker's prediction is the prompt tokens already waiting there (as pushed with its load) and
 this prompt's, at its measured prefill rate (`EngineStats.prefill_s_per_token`), plus `step_s`
-for the step that returns the first token; a worker that has not measured its rate yet
-promises 0. The request is routed only among the workers predicted to meet its deadline
+for the step that returns the first token. A worker that has not measured its rate yet is
+predicted at its measured peers' median (they serve the same model), and promises 0 when none
+has. The request is routed only among the workers predicted to meet its deadline
 (`within_deadline`); when there is none, it is refused (`refuse_late`). Requests without a
 deadline are admitted and routed as before.
 """
@@ -45,7 +46,11 @@ def predicted_ttft_s(loads: LoadTable, prompt_tokens: int, step_s: float = 0.0) 
     """What each healthy candidate of `loads` promises a prompt of `prompt_tokens`, seconds,
     over `loads.healthy_rows()`' order (empty when none is healthy)."""
     rows = loads.rows[loads.healthy[loads.rows]]
-    return (loads.pending[rows] + prompt_tokens) * loads.prefill_rate[rows] + step_s
+    rate = loads.prefill_rate[rows]
+    measured = rate[rate > 0]
+    if len(measured) < len(rate) and len(measured):  # the same model: its peers' rate
+        rate = np.where(rate > 0, rate, np.median(measured))
+    return (loads.pending[rows] + prompt_tokens) * rate + step_s
 
 
 def within_deadline(deadline_s: float, loads: LoadTable, prompt_tokens: int,

@@ -11,11 +11,11 @@ prompt, the layout is aggregated):
 
 - **Prefill pool** (n workers, prompts >= T): an M/M/n queue (least-loaded routing pools the
   workers' queues) of arrival rate λ (plus the prompts queued now, cleared within the TTFT
-  target: a backlog after a shift of the mix is worked off, not carried) and mean service S (the prompts' `prefill_s`); a class's
-  TTFT at percentile p is its own prefill, its KV transfer and one decode step plus the
-  queue's wait at p, `ln(C/(1-p)) · S/(n - λS)` with C the Erlang C probability of waiting (0
-  while C <= 1-p). Exponential service waits longer than prompts of one length do: the planner
-  errs towards more workers.
+  target: a backlog after a shift of the mix is worked off, not carried) and mean service S
+  (the prompts' `prefill_s`). A class's TTFT at percentile p is its own prefill, its KV
+  transfer and one decode step plus the queue's wait at p, `ln(C/(1-p)) · S/(n - λS)`, C the
+  Erlang C probability of waiting (0 while C <= 1-p). Exponential service waits longer than
+  prompts of one length do: the planner errs towards more workers.
 - **Decode pool** (m workers, every request decodes there; prompts < T prefill there too, each
   riding a decode step at `prefill_s_per_token` a token): a fraction f of each worker's time
   prefills short prompts; the streams a worker runs, B, and

@@ -10,7 +10,9 @@ import pytest
 
 from router.deadline import ttft_deadline_s
 from router.errors import BadRequestError, OverloadedError
+from router.live_migration import LiveMigrations
 from router.orchestrator import PREFILL_POOL
+from router.role_switch import switch_role
 from tests.router.fakes import FakeWorker, expected_tokens, orchestrator
 from workers.contract.protocol import EngineStats, SamplingParams, WorkerRequest, WorkerRole
 
@@ -86,5 +88,26 @@ def test_a_worker_started_for_one_half_does_not_switch():
         o = await orchestrator(FakeWorker("d", WorkerRole.DECODE), FakeWorker("b"))
         with pytest.raises(ValueError, match="started as 'decode'"):
             o.workers.assign_role("d", WorkerRole.PREFILL)
+
+    run(go())
+
+
+def test_a_switch_back_to_the_decode_pool_waits_for_the_prompts_queued_there():
+    async def go():
+        a, b = FakeWorker("a"), FakeWorker("b")
+        o = await orchestrator(a, b)
+        migrations = LiveMigrations(o.workers, o.counters)
+        to_prefill = await switch_role(o.workers, migrations, "a", WorkerRole.PREFILL)
+        assert (to_prefill.moved, o.workers.role_of("a")) == (0, WorkerRole.PREFILL)
+        assert "a" not in o.workers.draining
+        report(a, 4096)  # a long prompt still queued there
+        back = asyncio.create_task(switch_role(o.workers, migrations, "a", WorkerRole.BOTH))
+        await asyncio.sleep(0.05)
+        assert not back.done() and "a" in o.workers.draining  # routed nothing meanwhile
+        assert o.workers.role_of("a") == WorkerRole.PREFILL
+        a.listener.on_outputs("a", (), EngineStats(0, 0, 0.0, 256, 0, 256))  # done
+        switch = await back
+        assert switch.after == WorkerRole.BOTH and switch.seconds >= 0.05
+        assert o.workers.pool(*PREFILL_POOL) == [] and "a" not in o.workers.draining
 
     run(go())
