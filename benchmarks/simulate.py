@@ -130,7 +130,7 @@ class Run:
         if not classes:
             return
         backlog = float(c.table.pending[c.table.rows_of(c.workers)].sum())
-        inp = PlanInput(classes, c.fitter.profile(), TARGETS,
+        inp = PlanInput(classes, c.fitter.profile() or PROFILE, TARGETS,
                         PoolBounds(0, self.n, 1, self.n, self.n), backlog)
         plan = self.planner.decide(inp)
         self.plans.append((round(now, 1), plan.prefill, plan.decode, plan.threshold_tokens,

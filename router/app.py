@@ -32,6 +32,7 @@ from router.policy import WorkerLoad
 from router.rebalance import rebalance
 from router.role_plan import RoleSwitch
 from router.role_switch import switch_role
+from router.slo_control import SloControl
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
@@ -86,6 +87,11 @@ class Router:
                                          generations)
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
+        self._planner: asyncio.Task[None] | None = None
+        self.slo: SloControl | None = None  # the SLO planner, with both targets set
+        if config.slo_ttft_ms is not None and config.slo_itl_ms is not None:
+            self.slo = SloControl(config, self.workers, self.migrations)
+            self.workers.observers.append(self.slo.observe)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -94,13 +100,17 @@ class Router:
         and every `kv_poll_interval_s` re-check unreachable workers' health and rebalance
         (`router.rebalance`, when configured)."""
         await self.workers.start()
-        self._checker = asyncio.get_running_loop().create_task(self._recheck_forever())
+        loop = asyncio.get_running_loop()
+        self._checker = loop.create_task(self._recheck_forever())
+        if self.slo is not None:
+            self._planner = loop.create_task(self.slo.run(self.orchestrator))
 
     async def stop(self) -> None:
-        if self._checker is not None:
-            self._checker.cancel()
-            await asyncio.gather(self._checker, return_exceptions=True)
-            self._checker = None
+        for task in (self._checker, self._planner):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._checker = self._planner = None
         await self.workers.stop()
 
     async def _recheck_forever(self) -> None:
@@ -206,6 +216,8 @@ class Router:
         started = time.monotonic()
         req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
                             cache_salt)
+        if self.slo is not None:
+            self.slo.arrived(len(prompt_token_ids), params.max_tokens)
         return await self.orchestrator.generate(req, started, frontend, ttft_deadline_s)
 
     async def drain(self, worker_id: str, with_kv: bool = True,

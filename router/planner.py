@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.profiles import StepProfile
+from router.queueing import fewest, queue_wait_s
 
 AGGREGATED = 1 << 30  # a threshold past any prompt: every request runs whole
 
@@ -132,24 +133,6 @@ class Plan:
         return self.prefill + self.decode
 
 
-def queue_wait_s(rate: float, service_s: float, percentile: float, servers: int = 1) -> float:
-    """The wait at `percentile` of an M/M/c queue of `servers` (Erlang C; inf when
-    saturated). The router's least-loaded routing pools the workers' queues, so a pool of c
-    workers waits as one queue of c servers, not as c queues of one."""
-    a = rate * service_s  # offered load, in servers
-    if a >= servers:
-        return math.inf
-    if a <= 0:
-        return 0.0
-    erlang_b = 1.0
-    for k in range(1, servers + 1):
-        erlang_b = a * erlang_b / (k + a * erlang_b)
-    waits = erlang_b / (1 - a / servers * (1 - erlang_b))  # P(wait > 0), Erlang C
-    if waits <= 1 - percentile:
-        return 0.0
-    return math.log(waits / (1 - percentile)) * service_s / (servers - a)
-
-
 def _mean(classes: Sequence[RequestClass],
           value: Callable[[RequestClass], float]) -> tuple[float, float]:
     """Total rate of `classes` and the rate-weighted mean of `value(c)`."""
@@ -157,22 +140,6 @@ def _mean(classes: Sequence[RequestClass],
     if rate <= 0:
         return 0.0, 0.0
     return rate, sum(c.rate * value(c) for c in classes) / rate
-
-
-def fewest(lo: int, hi: int, meets: Callable[[int], bool]) -> int:
-    """The least n in [lo, hi] with `meets(n)` (monotone: more workers never predict worse),
-    by doubling then bisection (each prediction costs O(n)); `hi` when none meets it."""
-    top = max(lo, 1)
-    while top < hi and not meets(top):
-        lo, top = top + 1, 2 * top
-    hi = min(hi, top)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if meets(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
 
 
 def prefill_pool(classes: Sequence[RequestClass], inp: PlanInput,
@@ -322,4 +289,4 @@ class SloPlanner:
 
 
 __all__ = ["AGGREGATED", "Plan", "PlanInput", "PoolBounds", "RequestClass", "SloPlanner",
-           "SloTargets", "best_plan", "layout", "queue_wait_s"]
+           "SloTargets", "best_plan", "layout"]

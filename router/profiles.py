@@ -70,9 +70,11 @@ class StepProfile:
 
 class ProfileFitter:
     """A worker's `StepProfile`, fitted from its recent decode steps and prefill rate. Starts
-    from `prior` (a calibration pass's or a peer's figures) and refines it as steps arrive."""
+    from `prior` (a calibration pass's or a peer's figures) and refines it as steps arrive;
+    with no prior, there is a profile once both are measured."""
 
-    def __init__(self, prior: StepProfile, window: int = 512, min_samples: int = 16) -> None:
+    def __init__(self, prior: StepProfile | None = None, window: int = 512,
+                 min_samples: int = 16) -> None:
         if window < min_samples or min_samples < 3:
             raise ValueError(f"need window >= min_samples >= 3, got {window} and {min_samples}")
         self.prior = prior
@@ -90,26 +92,39 @@ class ProfileFitter:
         if s_per_token > 0:
             self._prefill_s_per_token = s_per_token
 
-    def profile(self) -> StepProfile:
+    def profile(self) -> StepProfile | None:
         """The prior with what was observed fitted in: decode coefficients once `min_samples`
-        steps with at least two batch sizes were seen; the prefill rate once measured."""
+        steps with at least two batch sizes were seen; the prefill rate once measured. None
+        without a prior until both are."""
         out = self.prior
+        if out is None:
+            fitted = self._fit_decode()
+            if fitted is None or not self._prefill_s_per_token:
+                return None
+            return StepProfile(0.0, self._prefill_s_per_token, *fitted)
         if self._prefill_s_per_token:
             out = replace(out, prefill_s_per_token=self._prefill_s_per_token)
-        if len(self._steps) < self.min_samples:
+        fitted = self._fit_decode()
+        if fitted is None:
             return out
+        return replace(out, decode_fixed_s=fitted[0], decode_s_per_seq=fitted[1],
+                       decode_s_per_ctx_token=fitted[2])
+
+    def _fit_decode(self) -> tuple[float, float, float] | None:
+        """(fixed, per sequence, per context token) seconds, least squares; None until
+        `min_samples` steps of at least two batch sizes were seen."""
+        if len(self._steps) < self.min_samples:
+            return None
         data = np.array(self._steps)  # [n, 3]: batch, batch × context, seconds
         if len(np.unique(data[:, 0])) < 2:
-            return out
+            return None
         ctx_varies = np.ptp(data[:, 1] / data[:, 0]) > 0
         columns = [np.ones(len(data)), data[:, 0]] + ([data[:, 1]] if ctx_varies else [])
         coef, *_ = np.linalg.lstsq(np.stack(columns, axis=1), data[:, 2], rcond=None)
         coef = np.maximum(coef, 0.0)
         if coef[0] + coef[1] <= 0:
-            return out
-        return replace(out, decode_fixed_s=float(coef[0]), decode_s_per_seq=float(coef[1]),
-                       decode_s_per_ctx_token=(float(coef[2]) if ctx_varies
-                                               else out.decode_s_per_ctx_token))
+            return None
+        return float(coef[0]), float(coef[1]), float(coef[2]) if ctx_varies else 0.0
 
 
 __all__ = ["ProfileFitter", "StepProfile"]

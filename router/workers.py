@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 
 import numpy as np
 
@@ -67,8 +67,7 @@ class WorkerSet:
         self.index = PrefixIndex()
         self.draining: set[str] = set()  # routed no new requests (being removed)
         self._infos: dict[str, WorkerInfo] = {}
-        # the role the router routes a switchable ("both") worker under, when not its own
-        self._assigned: dict[str, WorkerRole] = {}
+        self._assigned: dict[str, WorkerRole] = {}  # a "both" worker's role as routed
         self._model: WorkerInfo | None = None  # the first worker's: the model as served
         self._stats: dict[str, EngineStats] = {}
         self._table = LoadTable.empty()
@@ -76,6 +75,7 @@ class WorkerSet:
         for wid in self.clients:
             self._table.add(wid)
         self._resyncing: set[str] = set()
+        self.observers: list[Callable[[str, EngineStats], None]] = []  # told each load
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- membership --------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class WorkerSet:
         return [wid for wid in self._infos if self.role_of(wid) in roles]
 
     def role_of(self, worker_id: str) -> WorkerRole:
-        """The role the worker is routed under: its own, or the one assigned to it."""
+        """The role the worker is routed under: its own or the one assigned."""
         return self._assigned.get(worker_id) or self._infos[worker_id].role
 
     def assign_role(self, worker_id: str, role: WorkerRole) -> None:
@@ -266,6 +266,8 @@ class WorkerSet:
                            stats.host_hit_cost,
                            fetch_fixed_blocks(self._infos.get(worker_id), stats),
                            stats.prefill_s_per_token)
+        for observe in self.observers:
+            observe(worker_id, stats)
         if kv_events:
             self.index.apply(worker_id, kv_events)
             if self.index.needs_resync(worker_id) and worker_id not in self._resyncing:

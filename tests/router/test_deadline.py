@@ -5,14 +5,17 @@ any worker is asked anything; a switchable worker is routed under its new role a
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from router.deadline import ttft_deadline_s
+from router.config import RouterConfig
 from router.errors import BadRequestError, OverloadedError
 from router.live_migration import LiveMigrations
 from router.orchestrator import PREFILL_POOL
 from router.role_switch import switch_role
+from router.slo_control import SloControl
 from tests.router.fakes import FakeWorker, expected_tokens, orchestrator
 from workers.contract.protocol import EngineStats, SamplingParams, WorkerRequest, WorkerRole
 
@@ -109,5 +112,39 @@ def test_a_switch_back_to_the_decode_pool_waits_for_the_prompts_queued_there():
         switch = await back
         assert switch.after == WorkerRole.BOTH and switch.seconds >= 0.05
         assert o.workers.pool(*PREFILL_POOL) == [] and "a" not in o.workers.draining
+
+    run(go())
+
+
+def test_the_live_planner_fits_a_profile_from_pushed_steps_then_moves_the_threshold_and_roles():
+    """`SloControl` over fake workers: no plan before a profile is fitted; then long prompts
+    arriving make it hand them off (a switchable worker becomes a prefill worker) while the
+    short ones stay whole."""
+    async def go():
+        workers = [FakeWorker(f"w{i}") for i in range(4)]
+        o = await orchestrator(*workers)
+        control = SloControl(RouterConfig("fake-model", slo_ttft_ms=2000, slo_itl_ms=30),
+                             o.workers, LiveMigrations(o.workers, o.counters))
+        o.workers.observers.append(control.observe)
+        now = time.monotonic()
+        for i in range(20):  # the last 10 s: 2/s of 4,096-token prompts, 2/s of chat
+            control.traffic.arrived(now - 10 + i / 2, 4096, 64)
+            control.traffic.arrived(now - 10 + i / 2, 100, 100)
+        assert control.decide() is None  # no profile yet
+        for step in range(40):  # pure decode steps, 10 ms + 0.1 ms a sequence
+            running = 1 + step % 20
+            time.sleep(0.01 + running * 1e-4)
+            workers[0].listener.on_outputs("w0", (), EngineStats(
+                0, running, 0.1, 256, 0, 256, prefill_s_per_token=1e-4))
+        plan = control.decide()
+        # a 2,048-token chunk (0.2 s) would stall decode past 5 x 30 ms: long prompts go to
+        # a prefill pool
+        assert plan is not None and plan.feasible and 1 <= plan.prefill < 4, plan
+        assert plan.threshold_tokens <= 4096
+        o.split = control.split_policy(o.split)
+        assert o.split.threshold_tokens == plan.threshold_tokens
+        switched = await control.apply()
+        assert len(switched) == plan.prefill
+        assert sorted(o.workers.pool(*PREFILL_POOL)) == sorted(switched)
 
     run(go())

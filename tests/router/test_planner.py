@@ -18,9 +18,9 @@ from router.planner import (
     SloTargets,
     best_plan,
     layout,
-    queue_wait_s,
 )
 from router.profiles import ProfileFitter, StepProfile
+from router.queueing import fewest, queue_wait_s
 from router.role_plan import WorkerState, role_changes
 from router.traffic import TrafficWindow
 from workers.contract.protocol import WorkerRole
@@ -90,6 +90,8 @@ def test_queue_wait_is_zero_when_lightly_loaded_and_unbounded_when_saturated():
     assert queue_wait_s(8.0, 0.1, 0.9) == pytest.approx(math.log(8.0) / 2.0)
     # one pooled queue of 4 servers waits less than 4 queues of a quarter of the load each
     assert queue_wait_s(32.0, 0.1, 0.9, servers=4) < queue_wait_s(8.0, 0.1, 0.9)
+    assert fewest(1, 1 << 20, lambda n: n >= 1000) == 1000  # doubling, then bisection
+    assert fewest(1, 8, lambda n: False) == 8  # none meets it: the bound
 
 
 def test_the_planner_grows_at_once_and_shrinks_only_after_its_window():
