@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import itertools
 import math
 import random
 import time
@@ -25,6 +24,7 @@ import time
 import numpy as np
 
 from benchmarks.results_io import RESULTS, command_line, emit
+from benchmarks.sim_costs import control_plane_costs
 from benchmarks.sim_cluster import BOTH, PREFILL, Cluster, Req, SimWorker
 from router.decode_policy import get_decode_policy
 from router.loads import NoHealthyWorker
@@ -241,17 +241,6 @@ class Run:
         return out
 
 
-def report_cost_us(workers: int, reports: int = 200_000) -> float:
-    """The router's cost of one load report (`LoadTable.report`) at `workers` rows."""
-    c = Cluster(PROFILE, None, get_decode_policy("least_loaded"))
-    ws = [c.add(BOTH, 0.0) for _ in range(workers)]
-    ids = [w.wid for w in ws]
-    start = time.perf_counter()
-    for wid in itertools.islice(itertools.cycle(ids), reports):
-        c.table.report(wid, 3, 40, 0.5, 1000, True, prefill_s_per_token=1e-4)
-    return 1e6 * (time.perf_counter() - start) / reports
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=1000)
@@ -259,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layouts", default="planner,aggregated,disagg_1to1,disagg_1to3,"
                                          "conditional_1to3")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=10_000.0,
+                    help="requests/s the control plane's costs are sized for")
     ap.add_argument("--same-cost", action=argparse.BooleanOptionalAction, default=True,
                     help="also run each fixed layout at the planner's mean worker count")
     ap.add_argument("--out", default=str(RESULTS / "simulate.json"))
@@ -266,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     scale = args.workers / 1000
     names = args.layouts.split(",")
     layouts = {name: Run(name, args.workers, args.phase_s, args.seed).run(scale)
-               for name in names}
+               for name in names if name}
     if "planner" in layouts and args.same_cost:  # fixed layouts as large as the planner's mean
         mean = round(layouts["planner"]["worker_s"] / (len(PHASES) * args.phase_s))
         for name in names:
@@ -293,13 +284,19 @@ def main(argv: list[str] | None = None) -> dict:
             p["worker_s"] / max(fixed[k]["worker_s"] for k in full), 3) if full else None
         result["min_phase_slo_planner"] = min(p["slo_met_by_phase"].values())
         result["min_phase_slo_best_fixed"] = min(fixed[best]["slo_met_by_phase"].values())
-    report_us = report_cost_us(args.workers)
-    any_run = next(iter(layouts.values()))
-    route_us = any_run["route_us_mean"]
-    arrivals = max(r for *_, r in PHASES) * scale
-    busy = any_run["reports_per_sim_s"] * report_us * 1e-6 + arrivals * route_us * 1e-6
-    result.update(report_us=round(report_us, 2), router_core_load=round(busy, 3),
-                  router_replicas_needed=max(1, math.ceil(busy)))
+    costs = control_plane_costs(args.workers, args.rate, PROFILE, TARGETS, args.seed)
+    # every worker reports to every router replica once per engine step; the requests divide
+    steps_per_s = 1 / PROFILE.decode_step_s(
+        (TARGETS.itl_s * TARGETS.itl_headroom - PROFILE.decode_fixed_s)
+        / PROFILE.decode_s_per_seq, 0)
+    reports = args.workers * steps_per_s
+    report_load = reports * costs["report_us"] * 1e-6
+    route_load = args.rate * (costs["route_us"] + costs["decode_pick_us"]) * 1e-6
+    result.update({k: round(v, 2) for k, v in costs.items()})
+    result.update(reports_per_router_s=round(reports), requests_per_s=args.rate,
+                  report_core_load=round(report_load, 3), route_core_load=round(route_load, 3),
+                  router_replicas_needed=(math.ceil(route_load / (1 - report_load))
+                                          if report_load < 1 else None))
     return emit(result, args.out)
 
 
