@@ -59,6 +59,7 @@ class SimWorker:
     left: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last: np.ndarray = field(default_factory=lambda: np.zeros(0))
     gap: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    incoming: int = 0  # handoffs on their way here (reported as waiting for KV)
     stepping: bool = False
     draining: bool = False
     removed: bool = False
@@ -203,7 +204,7 @@ class Cluster:
         """`w`'s load as its channel pushes it (after a step; after a change while idle, as
         its heartbeat would)."""
         if w.wid in self.table.row_of:
-            self.table.report(w.wid, len(w.queue), len(w.streams),
+            self.table.report(w.wid, len(w.queue) + w.incoming, len(w.streams),
                               min(1.0, len(w.streams) / 256), w.pending,
                               not w.draining and now >= w.ready_at,
                               prefill_s_per_token=self.profile.prefill_s_per_token)
@@ -220,4 +221,6 @@ class Cluster:
             pick = self.decode.pick((), self.pool(False), self.index)
             target = self.workers[pick.worker_id]
             pick.release()
+            target.incoming += 1  # `WorkerSet.note_routed`, then its reports count it
+            self.table.waiting[self.table.row_of[target.wid]] += 1
             self.at(now + self.profile.transfer_s(req.prompt), "joined", (target, req))

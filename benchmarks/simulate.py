@@ -201,6 +201,12 @@ class Run:
             w.draining = False
             c.report(w, now)
 
+    def joined(self, what: tuple, now: float) -> None:
+        """A handoff's KV landed on its decode worker."""
+        w, req = what
+        w.incoming -= 1
+        self.c.join(w, req, now, req.output - 1, req.first)
+
     def run(self, scale: float) -> dict:
         self.arrivals(scale)
         c, end = self.c, len(PHASES) * self.phase_s + 60.0
@@ -208,7 +214,7 @@ class Run:
                     "ready": c.ready,
                     "step": lambda w, now: c.step(w, now),
                     "stepped": lambda a, now: c.stepped(*a, now),
-                    "joined": lambda a, now: c.join(a[0], a[1], now, a[1].output - 1, a[1].first),
+                    "joined": self.joined,
                     "switched": self.switched}
         wall = time.perf_counter()
         while c.events and c.events[0][0] < end:
