@@ -31,6 +31,9 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Policies
 from router.policy import WorkerLoad
 from router.rebalance import rebalance
+from router.role_plan import RoleSwitch
+from router.role_switch import switch_role
+from router.slo_control import SloControl
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
@@ -88,6 +91,11 @@ class Router:
         self.embedder = Embedder(self.workers, policies.route, config.start_retries)
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
+        self._planner: asyncio.Task[None] | None = None
+        self.slo: SloControl | None = None  # the SLO planner, with both targets set
+        if config.slo_ttft_ms is not None and config.slo_itl_ms is not None:
+            self.slo = SloControl(config, self.workers, self.migrations)
+            self.workers.observers.append(self.slo.observe)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -96,13 +104,17 @@ class Router:
         and every `kv_poll_interval_s` re-check unreachable workers' health and rebalance
         (`router.rebalance`, when configured)."""
         await self.workers.start()
-        self._checker = asyncio.get_running_loop().create_task(self._recheck_forever())
+        loop = asyncio.get_running_loop()
+        self._checker = loop.create_task(self._recheck_forever())
+        if self.slo is not None:
+            self._planner = loop.create_task(self.slo.run(self.orchestrator))
 
     async def stop(self) -> None:
-        if self._checker is not None:
-            self._checker.cancel()
-            await asyncio.gather(self._checker, return_exceptions=True)
-            self._checker = None
+        for task in (self._checker, self._planner):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._checker = self._planner = None
         await self.workers.stop()
 
     async def _recheck_forever(self) -> None:
@@ -196,18 +208,22 @@ class Router:
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, frontend: str = "other") -> Generation:
+                       cache_salt: str | None = None, frontend: str = "other",
+                       ttft_deadline_s: float | None = None) -> Generation:
         """Route and start a request (aggregated or split between a prefill and a decode
         worker: `router.orchestrator`); returns once its first token arrived. The request id,
         the key of its blocks and leases on every worker, is made here. Raises
         `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`. `frontend` (http,
         grpc) labels its metrics; errors raised here are for the caller to count
-        (`metrics.count_error`)."""
+        (`metrics.count_error`). `ttft_deadline_s`: the request's own TTFT target; one no
+        worker is predicted to meet is refused at once (429, `router.deadline`)."""
         started, tr = time.monotonic(), tracing()
         with tr.span("router.start", attributes={"prompt_tokens": len(prompt_token_ids)}):
             req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
                                 cache_salt, traceparent=tr.traceparent())
-            gen = await self.orchestrator.generate(req, started, frontend)
+            if self.slo is not None:
+                self.slo.arrived(len(prompt_token_ids), params.max_tokens)
+            gen = await self.orchestrator.generate(req, started, frontend, ttft_deadline_s)
             if tr.on:
                 tr.set_attributes({"request_id": req.request_id, "worker": gen.worker_id,
                                    "decode_worker": gen.decode_worker_id or "",
@@ -229,6 +245,11 @@ class Router:
         if hand_off_prefixes:
             await hand_off(self.workers, self.counters, worker_id)
         return moved
+
+    async def switch_role(self, worker_id: str, role: WorkerRole) -> RoleSwitch:
+        """Route a worker started as "both" under `role` from now on, once emptied of what
+        the role must not run (`router.role_switch`: streams moved away with their KV)."""
+        return await switch_role(self.workers, self.migrations, worker_id, role)
 
     def coldest(self, *roles: WorkerRole) -> str | None:
         """The worker of `roles` a scale-down should remove: its cache is worth least lately

@@ -104,6 +104,15 @@ class RouterConfig:
         "stream, with its KV (nothing recomputed), to the least used worker at least 0.2 below "
         "it, every kv_poll_interval_s. Unset: running streams stay where they started."),
         gt=0, le=1)
+    slo_ttft_ms: float | None = setting(None, (
+        "Time-to-first-token target, milliseconds, at slo_percentile: with slo_itl_ms, what the "
+        "SLO planner (router.planner) sizes the prefill and decode pools and the disaggregation "
+        "threshold for. Unset: no planner."), gt=0)
+    slo_itl_ms: float | None = setting(None, (
+        "Inter-token latency target, milliseconds, at slo_percentile (the planner's second "
+        "target; the planner runs when both are set)."), gt=0)
+    slo_percentile: float = setting(0.9, "The fraction of requests the SLO targets bound "
+                                         "(0.9: p90).", gt=0, le=0.999)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -25,6 +25,7 @@ class RouterCounters:
     # hand_off_failed (a leaving worker's prefix did not move: a lost hit only)
     fallbacks: dict[str, int] = field(default_factory=dict)
     num_refused_overloaded: int = 0  # 429s because every worker's queue was full
+    num_refused_deadline: int = 0  # 429s: no worker could meet the request's own TTFT target
     first_tokens_by_worker: dict[str, int] = field(default_factory=dict)  # worker id -> requests
     decodes_by_worker: dict[str, int] = field(default_factory=dict)  # who streamed the rest
     # prefix fetches (a request's worker pulled its prompt's leading blocks from another's

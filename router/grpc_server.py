@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from router.app import Router
+from router.deadline import ttft_deadline_s
 from router.embedding_inputs import embed_inputs
 from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from router.proto.cleave.v1 import generate_pb2 as pb
@@ -119,8 +120,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             ids = await self._prompt(request)
             router.check_prompt(ids)
             params = sampling_params(request.sampling, router.max_model_len - len(ids))
+            deadline = ttft_deadline_s({k: v for k, v in context.invocation_metadata() or ()
+                                        if isinstance(v, str)})
             gen = await router.generate(ids, params, request.cache_salt or None,
-                                        frontend="grpc")
+                                        frontend="grpc", ttft_deadline_s=deadline)
             # the client's id labels its responses; the router's own keys its blocks and leases
             label = request.request_id or gen.req.request_id
             async for event in gen.events():

@@ -57,12 +57,16 @@ class LiveMigrations:
 
     def track(self, gen: Generation) -> None:
         """A generation started (its first token arrived). One that started on a worker
-        being drained (it was queued or in its prefill when the drain began) moves at once."""
+        being drained (it was queued or in its prefill when the drain began), or on one
+        switched to the prefill role since (`Router.switch_role`), moves at once."""
         self._running.add(gen)
         worker = gen.worker_now
-        if worker in self.workers.draining and worker in self._drain_with_kv:
+        switched = (worker in self.workers.clients  # assigned (`router.role_switch`)
+                    and self.workers.info(worker).role == WorkerRole.BOTH
+                    and self.workers.role_of(worker) == WorkerRole.PREFILL)
+        if switched or (worker in self.workers.draining and worker in self._drain_with_kv):
             task = asyncio.get_running_loop().create_task(
-                self.move(gen, self._drain_with_kv[worker]))
+                self.move(gen, self._drain_with_kv.get(worker, True)))
             self._late_moves.add(task)
             task.add_done_callback(self._late_moves.discard)
 
@@ -147,6 +151,11 @@ class LiveMigrations:
             logger.info("drain of %s: %d of %d streams moved with their KV", worker_id,
                         sum(results), len(moving))
         return sum(results)
+
+    def end_drain(self, worker_id: str) -> None:
+        """Route to `worker_id` again (a role switch drained it; it stays in the worker set)."""
+        self.workers.draining.discard(worker_id)
+        self._drain_with_kv.pop(worker_id, None)
 
 
 @dataclass

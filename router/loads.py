@@ -74,7 +74,8 @@ class LoadTable(Sequence[WorkerLoad]):
                  present: np.ndarray, rows: np.ndarray, index: dict[str, int],
                  fetch_cost: np.ndarray | None = None,
                  host_hit_cost: np.ndarray | None = None,
-                 fetch_fixed: np.ndarray | None = None) -> None:
+                 fetch_fixed: np.ndarray | None = None,
+                 prefill_rate: np.ndarray | None = None) -> None:
         self.ids = ids
         # NaN: the row's worker fetches no prefixes
         self.fetch_cost = (np.full(len(waiting), np.nan) if fetch_cost is None
@@ -82,6 +83,8 @@ class LoadTable(Sequence[WorkerLoad]):
         self.host_hit_cost = (np.zeros(len(waiting)) if host_hit_cost is None
                               else host_hit_cost)
         self.fetch_fixed = np.zeros(len(waiting)) if fetch_fixed is None else fetch_fixed
+        # measured prefill seconds per prompt token (0.0: not measured yet)
+        self.prefill_rate = np.zeros(len(waiting)) if prefill_rate is None else prefill_rate
         self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
         self.pending, self.healthy, self.present = pending, healthy, present
         self.rows = rows
@@ -121,7 +124,7 @@ class LoadTable(Sequence[WorkerLoad]):
     # ---- kept by the router's worker set (one table, rows updated in place) -----------------
 
     _COLUMNS = ("waiting", "running", "kv_usage", "pending", "healthy", "present", "fetch_cost",
-                "host_hit_cost", "fetch_fixed")
+                "host_hit_cost", "fetch_fixed", "prefill_rate")
 
     def add(self, worker_id: str) -> int:
         """A new row for `worker_id` (idle, healthy, present; the columns grow by doubling).
@@ -136,7 +139,7 @@ class LoadTable(Sequence[WorkerLoad]):
         self.row_of[worker_id] = row
         self.healthy[row] = self.present[row] = True
         self.fetch_cost[row] = np.nan
-        self.host_hit_cost[row] = self.fetch_fixed[row] = 0.0
+        self.host_hit_cost[row] = self.fetch_fixed[row] = self.prefill_rate[row] = 0.0
         return row
 
     def remove(self, worker_id: str) -> None:
@@ -147,7 +150,8 @@ class LoadTable(Sequence[WorkerLoad]):
 
     def report(self, worker_id: str, waiting: int, running: int, kv_usage: float,
                pending: int, healthy: bool, fetch_cost: float | None = None,
-               host_hit_cost: float = 0.0, fetch_fixed_blocks: float = 0.0) -> None:
+               host_hit_cost: float = 0.0, fetch_fixed_blocks: float = 0.0,
+               prefill_s_per_token: float = 0.0) -> None:
         """A worker's reported load replaces its row."""
         row = self.row_of.get(worker_id)
         if row is not None:
@@ -157,6 +161,7 @@ class LoadTable(Sequence[WorkerLoad]):
             self.fetch_cost[row] = np.nan if fetch_cost is None else fetch_cost
             self.host_hit_cost[row] = min(1.0, max(0.0, host_hit_cost))
             self.fetch_fixed[row] = max(0.0, fetch_fixed_blocks)
+            self.prefill_rate[row] = max(0.0, prefill_s_per_token)
 
     def rows_of(self, worker_ids: Iterable[str]) -> np.ndarray:
         """The rows of those of `worker_ids` that have one, ascending."""
@@ -197,13 +202,13 @@ class LoadTable(Sequence[WorkerLoad]):
         """The same columns with other candidate rows (ascending)."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
                          self.healthy, self.present, rows, self.row_of, self.fetch_cost,
-                         self.host_hit_cost, self.fetch_fixed)
+                         self.host_hit_cost, self.fetch_fixed, self.prefill_rate)
 
     def with_healthy(self, healthy: np.ndarray) -> LoadTable:
         """The same candidates read against another healthy column."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
                          healthy, self.present, self.rows, self.row_of, self.fetch_cost,
-                         self.host_hit_cost, self.fetch_fixed)
+                         self.host_hit_cost, self.fetch_fixed, self.prefill_rate)
 
     def without(self, worker_ids: Collection[str]) -> LoadTable:
         """The candidates that are still present (not removed since) and not in

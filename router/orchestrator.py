@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
+from router.deadline import refuse_late, within_deadline
 from router.decode_policy import DecodePick, DecodePolicy, get_decode_policy
 from router.errors import (
     BadRequestError,
@@ -100,13 +101,16 @@ class Orchestrator:
         return self.workers.any_info.block_size
 
     async def generate(self, req: WorkerRequest, started: float | None = None,
-                       frontend: str = "other") -> Generation:
+                       frontend: str = "other",
+                       ttft_deadline_s: float | None = None) -> Generation:
         """Route and start `req`; returns once its first token arrived. `started`, `frontend`:
-        for its metrics (`GenerationFactory.build`). Raises `BadRequestError` (a worker
-        refused it), `OverloadedError` or `NoHealthyWorkerError`."""
-        return self.generations.build(req, await self.start(req), started, frontend)
+        for its metrics (`GenerationFactory.build`); `ttft_deadline_s`: the request's own TTFT
+        target (`router.deadline`). Raises `BadRequestError` (a worker refused it),
+        `OverloadedError` or `NoHealthyWorkerError`."""
+        start = await self.start(req, ttft_deadline_s)
+        return self.generations.build(req, start, started, frontend)
 
-    async def start(self, req: WorkerRequest) -> Start:
+    async def start(self, req: WorkerRequest, ttft_deadline_s: float | None = None) -> Start:
         """`req` routed, and started where it runs (see the module's steps)."""
         w = self.workers
         hashes = hash_prompt_blocks(req.prompt_token_ids, self.block_size,
@@ -114,8 +118,13 @@ class Orchestrator:
         prefill_loads = w.pool_loads(*PREFILL_POOL)
         decode_loads = w.pool_loads(*DECODE_POOL)
         self._admit(prefill_loads or decode_loads)
-        if not prefill_loads:  # an aggregated deployment
-            return await self._aggregated(req, hashes, decode_loads, None)
+        split = bool(prefill_loads)
+        if ttft_deadline_s is not None:  # only the workers that can meet it (else 429)
+            prefill_loads, decode_loads = self._within(req, ttft_deadline_s, prefill_loads,
+                                                       decode_loads)
+        if not prefill_loads:  # an aggregated deployment, or no prefill worker in time
+            return await self._aggregated(req, hashes, decode_loads,
+                                          "deadline" if split else None)
         if req.params.n > 1 or req.params.prompt_logprobs is not None:
             return await self._aggregated(req, hashes, decode_loads, "unsupported_params")
         tried: set[str] = set()
@@ -160,6 +169,22 @@ class Orchestrator:
             f"{cfg.max_waiting_per_worker} requests or {cfg.max_pending_tokens_per_worker} "
             f"prompt tokens waiting); retry after {cfg.retry_after_s} s",
             headers={"Retry-After": str(cfg.retry_after_s)})
+
+    def _within(self, req: WorkerRequest, deadline_s: float, prefill: LoadTable,
+                decode: LoadTable) -> tuple[LoadTable, LoadTable]:
+        """The pools narrowed to the workers predicted to give the first token within
+        `deadline_s` (`router.deadline`; the decode pool stays whole when none of it is, for
+        the handoffs of the prefill workers that are); 429 before any work when none is. With
+        no healthy worker at all, the routing answers (503)."""
+        tokens = len(req.prompt_token_ids)
+        fast_prefill = within_deadline(deadline_s, prefill, tokens)
+        fast_decode = within_deadline(deadline_s, decode, tokens)
+        if fast_prefill or fast_decode:
+            return fast_prefill, fast_decode or decode
+        if not any(p.healthy[p.rows].any() for p in (prefill, decode)):
+            return prefill, decode
+        self.counters.num_refused_deadline += 1
+        raise refuse_late(deadline_s, (prefill, decode), tokens, self.config.retry_after_s)
 
     def _pick_decode(self, hashes: Sequence[int], loads: LoadTable) -> DecodePick:
         try:

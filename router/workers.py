@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 
 import numpy as np
 
@@ -67,6 +67,7 @@ class WorkerSet:
         self.index = PrefixIndex()
         self.draining: set[str] = set()  # routed no new requests (being removed)
         self._infos: dict[str, WorkerInfo] = {}
+        self._assigned: dict[str, WorkerRole] = {}  # a "both" worker's role as routed
         self._model: WorkerInfo | None = None  # the first worker's: the model as served
         self._stats: dict[str, EngineStats] = {}
         self._table = LoadTable.empty()
@@ -74,6 +75,7 @@ class WorkerSet:
         for wid in self.clients:
             self._table.add(wid)
         self._resyncing: set[str] = set()
+        self.observers: list[Callable[[str, EngineStats], None]] = []  # told each load
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- membership --------------------------------------------------------------------------
@@ -114,7 +116,7 @@ class WorkerSet:
         client = self.clients.pop(worker_id, None)
         if client is None:
             return
-        for table in (self._infos, self._stats):
+        for table in (self._infos, self._stats, self._assigned):
             table.pop(worker_id, None)
         self._table.remove(worker_id)
         self._pools.clear()
@@ -170,8 +172,22 @@ class WorkerSet:
         return recompute_s * (1.0 - cost) - stats.kv_fetch_fixed_s
 
     def pool(self, *roles: WorkerRole) -> list[str]:
-        """Ids of the workers serving one of `roles` (healthy or not)."""
-        return [wid for wid, info in self._infos.items() if info.role in roles]
+        """Ids of the workers routed under one of `roles` (healthy or not)."""
+        return [wid for wid in self._infos if self.role_of(wid) in roles]
+
+    def role_of(self, worker_id: str) -> WorkerRole:
+        """The role the worker is routed under: its own or the one assigned."""
+        return self._assigned.get(worker_id) or self._infos[worker_id].role
+
+    def assign_role(self, worker_id: str, role: WorkerRole) -> None:
+        """Route a worker started as BOTH under `role` from now on (`Router.switch_role`
+        first moves its streams away); `ValueError` for a worker started for one half."""
+        own = self._infos[worker_id].role
+        if own != WorkerRole.BOTH and role != own:
+            raise ValueError(f"worker {worker_id!r} was started as {own.value!r}; only a "
+                             f"worker started as 'both' switches role, not to {role.value!r}")
+        self._assigned[worker_id] = role
+        self._pools.clear()
 
     def is_healthy(self, worker_id: str) -> bool:
         row = self._table.row_of.get(worker_id)
@@ -248,7 +264,10 @@ class WorkerSet:
                            stats.num_running, stats.kv_usage, stats.num_pending_prompt_tokens,
                            stats.healthy, fetch_cost(self._infos.get(worker_id), stats),
                            stats.host_hit_cost,
-                           fetch_fixed_blocks(self._infos.get(worker_id), stats))
+                           fetch_fixed_blocks(self._infos.get(worker_id), stats),
+                           stats.prefill_s_per_token)
+        for observe in self.observers:
+            observe(worker_id, stats)
         if kv_events:
             self.index.apply(worker_id, kv_events)
             if self.index.needs_resync(worker_id) and worker_id not in self._resyncing:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.app import TOKENIZE_INLINE_CHARS, Router
+from router.deadline import ttft_deadline_s
 from router.errors import BadRequestError
 from router.openai.common import (
     STREAMING,
@@ -91,6 +92,7 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
                   body: ChatCompletionRequest) -> AsyncGenerator[Response | Streaming | str, None]:
     """A valid body's response, as `respond` reads it: admitted, built, then collected or
     streamed. Holds the request's slot until its last event."""
+    deadline = ttft_deadline_s(request.headers)
     with router.admit():  # before the template and the tokenizer run
         ids = await asyncio.to_thread(chat_prompt, router, body) if long_chat(body) else \
             chat_prompt(router, body)
@@ -101,9 +103,10 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
         fmt = _Logprobs(tokens, body.logprobs)
         if not body.stream:
             yield await until_disconnected(request, _collect(router, body, ids, params, fmt,
-                                                             meta, tool_format))
+                                                             meta, tool_format, deadline))
             return
-        gen = await router.generate(ids, params, body.cache_salt, frontend="http")
+        gen = await router.generate(ids, params, body.cache_salt, frontend="http",
+                                    ttft_deadline_s=deadline)
         yield STREAMING
         chunks = _Chunks(gen, body, fmt, meta, tool_format, reasoning_format(router))
         try:
@@ -166,8 +169,10 @@ def _force_call(body: ChatCompletionRequest, tool_format: ToolCallFormat,
 
 async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int],
                    params: SamplingParams, fmt: _Logprobs, meta: dict[str, Any],
-                   tool_format: ToolCallFormat | None) -> JSONResponse:
-    gen = await router.generate(ids, params, body.cache_salt, frontend="http")
+                   tool_format: ToolCallFormat | None,
+                   deadline: float | None = None) -> JSONResponse:
+    gen = await router.generate(ids, params, body.cache_salt, frontend="http",
+                                ttft_deadline_s=deadline)
     choices = [_Choice() for _ in range(body.n)]
     try:
         async for event in gen.events():

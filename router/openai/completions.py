@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.app import Router
+from router.deadline import ttft_deadline_s
 from router.errors import BadRequestError
 from router.openai.common import (
     STREAMING,
@@ -81,6 +82,7 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
                   body: CompletionRequest) -> AsyncGenerator[Response | Streaming | str, None]:
     """A valid body's response, as `respond` reads it: admitted, built, then collected or
     streamed. Holds the request's slots (one per prompt) until its last event."""
+    deadline = ttft_deadline_s(request.headers)
     with router.admit(num_prompts(body.prompt)):  # before any work on the prompts
         prompts = await prompt_token_lists(router, body.prompt)
         params = _sampling(router, body, prompts)
@@ -89,9 +91,9 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
         fmt = _Formatter(tokens, body, _echo_texts(router, body, prompts))
         if not body.stream:
             yield await until_disconnected(
-                request, _collect(router, body, prompts, params, fmt, meta))
+                request, _collect(router, body, prompts, params, fmt, meta, deadline))
             return
-        gens = await start_all(router, prompts, params, body.cache_salt)
+        gens = await start_all(router, prompts, params, body.cache_salt, deadline)
         yield STREAMING
         chunks = _Chunks(gens, body, fmt, meta)
         try:
@@ -131,8 +133,9 @@ def _sampling(router: Router, body: CompletionRequest,
 
 
 async def _collect(router: Router, body: CompletionRequest, prompts: list[list[int]],
-                   params: list, fmt: _Formatter, meta: dict[str, Any]) -> JSONResponse:
-    gens = await start_all(router, prompts, params, body.cache_salt)
+                   params: list, fmt: _Formatter, meta: dict[str, Any],
+                   deadline: float | None = None) -> JSONResponse:
+    gens = await start_all(router, prompts, params, body.cache_salt, deadline)
     choices = [_Choice() for _ in range(len(gens) * body.n)]
     prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * len(gens)
     async for i, event in merge(gens):

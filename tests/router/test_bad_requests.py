@@ -87,6 +87,9 @@ CASES = [
      "logit_bias"),
     ("unknown field", CHAT, chat(frobnicate=True), JSON, 400, "frobnicate"),
     ("too many prompts", CMPL, body(prompt=["a"] * 65), JSON, 400, "prompt"),
+    ("a deadline that is no number", CMPL, body(), {**JSON, "x-slo-ttft-ms": "soon"}, 400,
+     "x-slo-ttft-ms"),
+    ("a deadline of zero", CHAT, chat(), {**JSON, "x-slo-ttft-ms": "0"}, 400, "x-slo-ttft-ms"),
 ]
 
 
@@ -123,6 +126,21 @@ def small_server(tiny_model):
     srv = start_server(tiny_model, num_workers=1, max_in_flight=1, retry_after_s=3)
     yield srv
     srv.stop()
+
+
+@pytest.mark.parametrize("path,raw", [(CMPL, body()), (CHAT, chat())], ids=["cmpl", "chat"])
+def test_a_deadline_no_worker_can_meet_gets_429_and_a_loose_one_is_served(base_url, path,
+                                                                          raw):
+    # a prompt of 300 tokens: its prefill measures its worker's rate (the other's is taken
+    # to be its peer's)
+    httpx.post(f"{base_url}{CMPL}", content=body(prompt=[5] * 300), headers=JSON, timeout=30)
+    tight = httpx.post(f"{base_url}{path}", content=raw,
+                       headers={**JSON, "x-slo-ttft-ms": "0.000001"}, timeout=30)
+    assert tight.status_code == 429 and tight.headers["Retry-After"] == "1", tight.text
+    assert "x-slo-ttft-ms" in tight.json()["error"]["message"]
+    loose = httpx.post(f"{base_url}{path}", content=raw,
+                       headers={**JSON, "x-slo-ttft-ms": "60000"}, timeout=30)
+    assert loose.status_code == 200, loose.text
 
 
 def test_each_prompt_takes_a_slot_and_a_refusal_does_no_work(small_server, monkeypatch):

@@ -414,3 +414,41 @@ def test_a_stale_hold_timer_leaves_a_later_move_of_the_same_request_alone(pair):
 
     assert pair.call(go()) == (1, 0)
     assert wait_until(lambda: _idle(pair))
+
+
+def test_a_worker_switches_to_prefill_and_back_its_streams_moved_with_their_kv(pair, llm):
+    """`Router.switch_role`: an aggregated worker streaming a request becomes a prefill worker
+    (the stream moves to the other worker with its KV: the undisturbed text, no prompt token
+    computed there), hands a long prompt's KV off while switched, and switches back."""
+    import openai
+
+    from workers.contract.protocol import WorkerRole
+
+    prompt = list(_prompt(13, 37))
+    want = llm.generate([prompt], GREEDY)[0].outputs[0].text
+    router = pair.router
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY)
+    chunks = iter(client.completions.create(
+        model=router.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+        stream=True, extra_body={"ignore_eos": True}))
+    got = ""
+    while not got:
+        got += next(chunks).choices[0].text
+    source = next(w for w in ("worker-0", "worker-1") if router.migrations.on(w))
+    target = _worker(pair, 1 if source == "worker-0" else 0)
+    computed_on_target = _count_prompt_tokens(target)
+    switch = pair.call(router.switch_role(source, WorkerRole.PREFILL))
+    assert (switch.moved, switch.after) == (1, WorkerRole.PREFILL) and switch.seconds > 0
+    assert router.pool(WorkerRole.PREFILL) == [source] and source not in router.draining
+    got += "".join(c.choices[0].text for c in chunks)
+    assert got == want and computed_on_target[0] == 0
+    handed_off = router.counters.num_disaggregated
+    long_prompt = list(_prompt(14, 90))  # past the default threshold of 64 uncached tokens
+    text = client.completions.create(model=router.model_name, prompt=long_prompt,
+                                     max_tokens=8, temperature=0.0).choices[0].text
+    assert text == llm.generate([long_prompt], dataclasses.replace(
+        GREEDY, max_tokens=8))[0].outputs[0].text
+    assert router.counters.num_disaggregated == handed_off + 1
+    back = pair.call(router.switch_role(source, WorkerRole.BOTH))
+    assert back.moved == 0 and router.pool(WorkerRole.PREFILL) == []
+    assert wait_until(lambda: _idle(pair))

@@ -1,0 +1,292 @@
+"""The SLO planner: how many prefill and decode-pool workers, and which disaggregation
+threshold, meet a TTFT and an ITL target at the fewest workers. Torch-free, pure: a
+`PlanInput` (the traffic as request classes, a worker's `StepProfile`, the targets, the pools'
+bounds) in, a `Plan` out; `SloPlanner` adds hysteresis. What carries a plan out (Serve's
+replica counts, role switches, the router's threshold) is the actuator's
+(`router.role_plan`), not this module's.
+
+The model, per candidate layout (a threshold T: prompts of fewer uncached tokens run whole on a
+decode-pool worker, the others are handed off; T = 0 hands every prompt off; past the longest
+prompt, the layout is aggregated):
+
+- **Prefill pool** (n workers, prompts >= T): an M/M/n queue (least-loaded routing pools the
+  workers' queues) of arrival rate λ (plus the prompts queued now, cleared within the TTFT
+  target: a backlog after a shift of the mix is worked off, not carried) and mean service S
+  (the prompts' `prefill_s`). A class's TTFT at percentile p is its own prefill, its KV
+  transfer and one decode step plus the queue's wait at p, `ln(C/(1-p)) · S/(n - λS)`, C the
+  Erlang C probability of waiting (0 while C <= 1-p). Exponential service waits longer than
+  prompts of one length do: the planner errs towards more workers.
+- **Decode pool** (m workers, every request decodes there; prompts < T prefill there too, each
+  riding a decode step at `prefill_s_per_token` a token): a fraction f of each worker's time
+  prefills short prompts; the streams a worker runs, B, and
+  the inter-token latency, ITL = decode_step_s(B, ctx)/(1-f), solve Little's law
+  B = λ · output · ITL / m. A short prompt's prefill stalls the streams of its worker once:
+  decode_step_s + its chunk's tokens must stay within `max_gap_itl` ITL targets,
+  which bounds the threshold from the profile.
+
+The chosen layout is the feasible one of fewest workers (ties: fewer prefill workers, then
+fewer handoffs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.profiles import StepProfile
+from router.queueing import fewest, queue_wait_s
+
+AGGREGATED = 1 << 30  # a threshold past any prompt: every request runs whole
+
+
+@dataclass(frozen=True)
+class SloTargets:
+    """The latency targets: `ttft_s` and `itl_s` at `percentile` (0..1)."""
+
+    ttft_s: float
+    itl_s: float
+    percentile: float = 0.9
+    # the slowest inter-token gap a stream tolerates (another prompt prefilled on its worker),
+    # in ITL targets
+    max_gap_itl: float = 5.0
+    # the mean ITL the planner plans for, as a fraction of the target: requests' own means
+    # spread around the pool's (their workers' loads differ), and the target bounds a
+    # percentile of them
+    itl_headroom: float = 0.85
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.itl_s <= 0:
+            raise ValueError(f"SLO targets must be > 0, got ttft_s={self.ttft_s}, "
+                             f"itl_s={self.itl_s}")
+        if not 0 < self.percentile < 1:
+            raise ValueError(f"percentile must be in (0, 1), got {self.percentile}")
+        if self.max_gap_itl < 1:
+            raise ValueError(f"max_gap_itl must be >= 1, got {self.max_gap_itl}")
+        if not 0 < self.itl_headroom <= 1:
+            raise ValueError(f"itl_headroom must be in (0, 1], got {self.itl_headroom}")
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    """Requests alike: `rate` per second, `prompt_tokens` uncached, `output_tokens`."""
+
+    rate: float
+    prompt_tokens: float
+    output_tokens: float
+
+    def __post_init__(self) -> None:
+        if self.rate < 0 or self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError(f"a request class needs rate >= 0 and prompt and output tokens "
+                             f">= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class PoolBounds:
+    min_prefill: int = 0
+    max_prefill: int = 1 << 20
+    min_decode: int = 1
+    max_decode: int = 1 << 20
+    max_workers: int = 1 << 21  # both pools together
+
+    def __post_init__(self) -> None:
+        if self.max_workers < self.min_prefill + self.min_decode:
+            raise ValueError(f"max_workers must be >= min_prefill + min_decode, got "
+                             f"{self.max_workers}")
+        if not 0 <= self.min_prefill <= self.max_prefill:
+            raise ValueError(f"need 0 <= min_prefill <= max_prefill, got {self.min_prefill} "
+                             f"and {self.max_prefill}")
+        if not 1 <= self.min_decode <= self.max_decode:
+            raise ValueError(f"need 1 <= min_decode <= max_decode, got {self.min_decode} and "
+                             f"{self.max_decode}")
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """What one planning tick knows."""
+
+    classes: tuple[RequestClass, ...]
+    profile: StepProfile
+    targets: SloTargets
+    bounds: PoolBounds = PoolBounds()
+    # prompt tokens queued now (as the workers pushed them): work to clear within the TTFT
+    # target on top of the arrivals, by the pool that prefills the longest prompts
+    backlog_tokens: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Workers per pool and the router's threshold (`RouterConfig.disagg_threshold_tokens`),
+    with what the model predicts for them and why."""
+
+    prefill: int
+    decode: int  # decode-pool workers (they also run the prompts under the threshold)
+    threshold_tokens: int  # AGGREGATED: no prompt is handed off
+    feasible: bool  # False: the bounds do not allow meeting the targets; the plan is the max
+    ttft_s: float  # predicted, at the percentile, for the worst class
+    itl_s: float  # predicted mean inter-token latency
+    reason: str
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+
+def _mean(classes: Sequence[RequestClass],
+          value: Callable[[RequestClass], float]) -> tuple[float, float]:
+    """Total rate of `classes` and the rate-weighted mean of `value(c)`."""
+    rate = sum(c.rate for c in classes)
+    if rate <= 0:
+        return 0.0, 0.0
+    return rate, sum(c.rate * value(c) for c in classes) / rate
+
+
+def prefill_pool(classes: Sequence[RequestClass], inp: PlanInput,
+                 decode_step_s: float) -> tuple[int, float]:
+    """Fewest prefill workers (within bounds) for `classes`, and the worst class's TTFT."""
+    p, t = inp.profile, inp.targets
+    rate, service = _mean(classes, lambda c: p.prefill_s(c.prompt_tokens))
+    lo, hi = inp.bounds.min_prefill, inp.bounds.max_prefill
+    if rate <= 0:
+        return lo, 0.0
+    rate += inp.backlog_tokens * p.prefill_s_per_token / service / t.ttft_s
+    alone = max(p.prefill_s(c.prompt_tokens) + p.transfer_s(c.prompt_tokens)
+                for c in classes if c.rate > 0) + decode_step_s
+
+    def ttft(n: int) -> float:
+        return alone + queue_wait_s(rate, service, t.percentile, n)
+
+    n = fewest(min(max(lo, 1, math.ceil(rate * service)), hi), hi,
+               lambda n: ttft(n) <= t.ttft_s)
+    return n, ttft(n)
+
+
+def decode_pool(classes: Sequence[RequestClass], short: Sequence[RequestClass],
+                inp: PlanInput) -> tuple[int, float, float, float]:
+    """Fewest decode-pool workers for every class's decode and `short`'s prefills: (m, ITL,
+    the short classes' worst TTFT, one step's time)."""
+    p, t, b = inp.profile, inp.targets, inp.bounds
+    rate, out = _mean(classes, lambda c: c.output_tokens)
+    ctx = _mean(classes, lambda c: c.prompt_tokens + c.output_tokens / 2)[1]
+    # a short prompt rides a decode step: its tokens' cost, not a prefill step's fixed cost
+    s_rate, s_service = _mean(short, lambda c: p.prefill_s_per_token * min(c.prompt_tokens,
+                                                                           p.chunk_tokens))
+    k = p.decode_s_per_seq + ctx * p.decode_s_per_ctx_token
+    if s_rate and len(short) == len(classes):  # no prefill pool: the backlog is here
+        s_rate += inp.backlog_tokens * p.prefill_s_per_token / s_service / t.ttft_s
+
+    def predict(m: int) -> tuple[float, float, float]:
+        """(ITL, the short classes' worst TTFT, one step) at m workers."""
+        f = s_rate * s_service / m
+        load = rate * out / ((1 - f) * m) if f < 1 else math.inf
+        if load * k >= 1:
+            return math.inf, math.inf, math.inf
+        batch = load * p.decode_fixed_s / (1 - load * k)
+        step = p.decode_step_s(batch, ctx)
+        itl = step / (1 - f) if batch <= p.max_batch else math.inf
+        short_ttft = 0.0
+        if short:
+            short_ttft = step + queue_wait_s(s_rate, s_service, t.percentile, m) + max(
+                p.prefill_s_per_token * c.prompt_tokens for c in short if c.rate > 0)
+        return itl, short_ttft, step
+
+    def meets(m: int) -> bool:
+        itl, short_ttft, _ = predict(m)
+        return itl <= t.itl_s * t.itl_headroom and short_ttft <= t.ttft_s
+
+    lo = min(max(b.min_decode, math.ceil(rate * out * k + s_rate * s_service)), b.max_decode)
+    m = fewest(lo, b.max_decode, meets)
+    return (m, *predict(m))
+
+
+def gap_fits(prompt_tokens: float, inp: PlanInput, step_s: float) -> bool:
+    """Whether prefilling `prompt_tokens` on a decode-pool worker keeps its streams' slowest
+    gap within `max_gap_itl` ITL targets."""
+    p, t = inp.profile, inp.targets
+    return (step_s + p.prefill_s_per_token * min(prompt_tokens, p.chunk_tokens)
+            <= t.max_gap_itl * t.itl_s)
+
+
+def layout(inp: PlanInput, threshold: int) -> Plan:
+    """The fewest workers meeting the targets when prompts under `threshold` run whole."""
+    live = [c for c in inp.classes if c.rate > 0]
+    short = [c for c in live if c.prompt_tokens < threshold]
+    long = [c for c in live if c.prompt_tokens >= threshold]
+    m, itl, short_ttft, step = decode_pool(live, short, inp)
+    n, long_ttft = prefill_pool(long, inp, step)
+    gaps = all(gap_fits(c.prompt_tokens, inp, step) for c in short)
+    ttft = max(short_ttft, long_ttft)
+    feasible = gaps and ttft <= inp.targets.ttft_s and itl <= inp.targets.itl_s
+    over = n + m - inp.bounds.max_workers
+    if over > 0:  # more than the bounds allow: both pools cut in proportion
+        feasible = False
+        cut_n = max(inp.bounds.min_prefill, n - math.ceil(over * n / (n + m)))
+        n, m = cut_n, max(inp.bounds.min_decode, inp.bounds.max_workers - cut_n)
+    where = "aggregated" if not long else f"threshold {threshold}"
+    reason = (f"{where}: {n} prefill for {sum(c.rate for c in long):.3g}/s, {m} decode for "
+              f"{sum(c.rate for c in live):.3g}/s; TTFT p{inp.targets.percentile * 100:g} "
+              f"{ttft:.3g}s (target {inp.targets.ttft_s:g}), ITL {itl:.3g}s (target "
+              f"{inp.targets.itl_s:g})" + ("" if gaps else "; a short prefill stalls decode "
+                                                           "past the gap bound"))
+    return Plan(n, m, threshold, feasible, ttft, itl, reason)
+
+
+def thresholds(classes: Sequence[RequestClass]) -> list[int]:
+    """The candidate thresholds: hand every prompt off, or run whole each class up to a
+    prompt length (the last: every class, aggregated)."""
+    lengths = sorted({math.floor(c.prompt_tokens) + 1 for c in classes if c.rate > 0})
+    return [0] + lengths[:-1] + [AGGREGATED]
+
+
+def best_plan(inp: PlanInput) -> Plan:
+    """The feasible layout of fewest workers (ties: fewer prefill workers, then the higher
+    threshold: fewer handoffs); when none is
+    feasible within the bounds, the one predicting the least TTFT and ITL overshoot."""
+    plans = [layout(inp, t) for t in thresholds(inp.classes)]
+    t = inp.targets
+
+    def key(p: Plan) -> tuple[bool, float, int, int, int]:
+        over = max(p.ttft_s / t.ttft_s, p.itl_s / t.itl_s)
+        return (not p.feasible, 0.0 if p.feasible else over, p.workers, p.prefill,
+                -p.threshold_tokens)
+
+    return min(plans, key=key)
+
+
+class SloPlanner:
+    """`best_plan` with hysteresis: the number of workers grows at once and shrinks only to
+    the largest total the last `down_ticks` ticks asked for (a dip shorter than that removes
+    nothing); the layout (the threshold) changes only for one that needs fewer workers than
+    the current one does. The split between the pools follows the plan at once (a role
+    switch is cheap); workers held beyond it stay in the decode pool, which runs both
+    halves."""
+
+    def __init__(self, down_ticks: int = 3) -> None:
+        if down_ticks < 1:
+            raise ValueError(f"down_ticks must be >= 1, got {down_ticks}")
+        self._wanted: deque[int] = deque(maxlen=down_ticks)
+        self.last: Plan | None = None
+
+    def decide(self, inp: PlanInput) -> Plan:
+        """This tick's plan (kept as `last`)."""
+        want = best_plan(inp)
+        if self.last is not None and self.last.threshold_tokens != want.threshold_tokens:
+            kept = layout(inp, self.last.threshold_tokens)  # a layout change must save workers
+            if kept.feasible and kept.workers <= want.workers:
+                want = kept
+        self._wanted.append(want.workers)
+        total = min(max(self._wanted), inp.bounds.max_workers)
+        decode = min(inp.bounds.max_decode, total - want.prefill)
+        held = ""
+        if decode != want.decode:
+            held = (f"; {decode - want.decode} more decode held (the total shrinks after "
+                    f"{self._wanted.maxlen} ticks)")
+        plan = Plan(want.prefill, decode, want.threshold_tokens, want.feasible, want.ttft_s,
+                    want.itl_s, want.reason + held)
+        self.last = plan
+        return plan
+
+
+__all__ = ["AGGREGATED", "Plan", "PlanInput", "PoolBounds", "RequestClass", "SloPlanner",
+           "SloTargets", "best_plan", "layout"]
