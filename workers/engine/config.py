@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.contract.setting import setting
+from workers.engine.speculative.config import SpeculativeConfig, parse_speculative_config
 
 
 def _require(ok: bool, message: str) -> None:
@@ -102,6 +103,13 @@ class EngineConfig:
         "1.3-2.1x a bfloat16 engine's decode step on the small preset) instead of dequantizing "
         "them to fp32, the faithful reference."))
 
+    # workers.engine.speculative; parsed and checked by `speculative`
+    speculative_config: str | None = setting(None, (
+        "Speculative decoding, as vLLM's JSON object, e.g. {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
+        "(Cleave's keys: disable_by_batch_size, min_acceptance_rate, the back-off). Unset: "
+        "none. A request turns it off with speculative=false."))
+
     def __post_init__(self) -> None:
         _require(self.block_size in BLOCK_SIZES,
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
@@ -143,8 +151,16 @@ class EngineConfig:
         _require(not self.fp32_int_kernels or self.world_size == 1,
                  f"fp32_int_kernels needs one rank (parallel ranks dequantize their shards), "
                  f"got world_size={self.world_size}")
+        _require(self.speculative is None or (self.world_size == 1 and not self.async_scheduling),
+                 f"speculative_config needs one rank and no async_scheduling, got world_size="
+                 f"{self.world_size}, async_scheduling={self.async_scheduling}")
         _require(self.rank_timeout_s > 0,
                  f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (ValueError naming a bad key or value)."""
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def quantized_kv_cache(self) -> bool:
