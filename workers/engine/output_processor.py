@@ -63,12 +63,13 @@ class OutputProcessor:
                 return stop
         return None
 
-    def event(self, req: Request, logprobs: Sequence[TokenLogprob] = ()) -> TokenEvent | None:
+    def event(self, req: Request, new_logprobs: Sequence[TokenLogprob] = (),
+              ) -> TokenEvent | None:
         """The event carrying what this sample has not sent yet; None when there is nothing.
-        `logprobs`: of the tokens the step added (those of tokens a stop string dropped are
+        `new_logprobs`: of the tokens the step added (those of tokens a stop string dropped are
         dropped too)."""
         sample = self._samples[req.request_id]
-        sample.pending_logprobs.extend(logprobs)
+        sample.pending_logprobs.extend(new_logprobs)
         finished = req.status is RequestStatus.FINISHED
         num_sent_tokens = sample.num_sent_tokens
         if not finished and len(req.output_token_ids) == num_sent_tokens:

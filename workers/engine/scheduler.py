@@ -13,10 +13,6 @@ Async scheduling (`workers.engine.async_step`) splits `update` in two: `commit` 
 and `record` once its tokens are on the host. `schedule(lookahead=True)` plans the next step in
 between, a placeholder counting as a token whose input the device supplies. The records it
 schedules within and hands out are `workers.engine.scheduler_records`.
-
-Speculative decoding: a decoding request's drafted tokens (`Request.draft_token_ids`) join its
-chunk when budget and blocks allow (never a preemption for a draft); `update` appends the
-accepted ones through the stop checks and returns the blocks of the rejected positions.
 """
 
 from __future__ import annotations
@@ -128,7 +124,7 @@ class Scheduler:
                     i += 1
                     continue
             while not self.kv.allocate_slots(req, num_new):
-                if draft:  # decode without it rather than preempt
+                if draft:  # a speculative draft: decode without it rather than preempt
                     num_new, draft = num_new - len(draft), ()
                     continue
                 if lookahead:
@@ -145,8 +141,16 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+        budget = budget if preempted else self._admit(chunks, budget, rows)
+        # decodes first, shortest context first (the attention backend batches similar lengths)
+        chunks.sort(key=lambda c: (c.num_tokens != 1, c.start))
+        return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted,
+                               self.kv.take_copies())
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int, rows: int) -> int:
+        """Admit waiting requests into `chunks` within `budget` tokens and `rows` prompt-logprob
+        rows, in order, while sequence slots and blocks allow; the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
@@ -164,11 +168,7 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, num_new))
             budget -= num_new
-
-        # decodes first, shortest context first (the attention backend batches similar lengths)
-        chunks.sort(key=lambda c: (c.num_tokens != 1, c.start))
-        return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted,
-                               self.kv.take_copies())
+        return budget
 
     def _chunk(self, req: Request, num_new: int, ahead: int = 0,
                draft: tuple[int, ...] = ()) -> ScheduledChunk:
