@@ -100,7 +100,8 @@ class Engine:
                                   or config.pipeline_parallel_size,
                                   vocab_size=mc.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, detokenize)
-        self.speculator = build_speculator(config.speculative, self.max_model_len)
+        self.speculator = build_speculator(config.speculative, self.max_model_len, self.runner,
+                                           self.kv)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)

@@ -15,7 +15,11 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.parallel.local import LocalExecutor
 from workers.engine.request import Request, RequestStatus
+from workers.engine.runner import ModelRunner
+from workers.engine.speculative.draft_model import TruncatedDraft
 from workers.engine.speculative.config import SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
 
@@ -95,12 +99,48 @@ class Speculator:
         return True
 
 
-def build_speculator(config: SpeculativeConfig | None,
-                     max_model_len: int) -> Speculator | NoSpeculation:
-    """The speculator `config` asks for (`NoSpeculation` for None)."""
+class DraftModelSpeculator(Speculator):
+    """Drafts with a model, batched over the drafting requests (greedy ones only: a sampled
+    request decodes without speculation, until the draft's probabilities reach the
+    verification, `workers.engine.speculative.rejection`). The slots of a request's drafted
+    positions are allocated before the draft writes them; none free: it does not draft."""
+
+    def __init__(self, config: SpeculativeConfig, draft: TruncatedDraft, kv: KVCacheManager,
+                 max_model_len: int) -> None:
+        self.config, self.draft, self.kv = config, draft, kv
+        self.method = draft.name
+        self.max_model_len = max_model_len
+        self._backoff = weakref.WeakKeyDictionary()
+
+    def propose(self, running: Sequence[Request]) -> None:
+        reqs: list[Request] = []
+        ks: list[int] = []
+        for req in running:
+            req.draft_token_ids = []
+            if len(running) > self.config.disable_by_batch_size or not req.params.greedy:
+                continue
+            k = self._num_to_draft(req)
+            if k > 0 and self._may_draft(req) and self.kv.allocate_slots(req, 1 + k):
+                reqs.append(req)
+                ks.append(k)
+        drafts = self.draft.propose(reqs, ks, [self.kv.block_table(r.request_id) for r in reqs])
+        for req, draft in zip(reqs, drafts):
+            req.draft_token_ids = draft
+
+
+def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
+                     runner: ModelRunner, kv: KVCacheManager) -> Speculator | NoSpeculation:
+    """The speculator `config` asks for (`NoSpeculation` for None); a draft model drafts on
+    `runner`'s model and KV cache (one rank in this process)."""
     if config is None:
         return NoSpeculation()
     if config.method == "ngram":
         return Speculator(config, NgramDrafter(config.prompt_lookup_min,
                                                config.prompt_lookup_max), max_model_len)
-    raise ValueError(f"speculative method {config.method!r} is not served by this engine yet")
+    executor = runner.executor
+    if not isinstance(executor, LocalExecutor):
+        raise ValueError(f"a draft model needs the target in this process, got "
+                         f"{type(executor).__name__}")
+    draft = TruncatedDraft(executor.model, executor.caches, runner.device,
+                           runner.spec.block_size, config.draft_num_layers)
+    return DraftModelSpeculator(config, draft, kv, max_model_len)
