@@ -28,22 +28,23 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 
 CODE = [
-    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
-    "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
-    "    return sum((v - m) ** 2 for v in values) / len(values)\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
-    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
-    "    def is_empty(self):\n        return not self.items\n",
-    "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
-    "def save(path, data):\n    with open(path, 'w') as f:\n        json.dump(data, f, indent=2)\n",
+    ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+     "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
+     "    return sum((v - m) ** 2 for v in values) / len(values)\n"),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+     "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+     "    def is_empty(self):\n        return not self.items\n"),
+    ("import json\n\n\ndef load(path):\n    with open(path) as f:\n"
+     "        return json.load(f)\n\n\ndef save(path, data):\n"
+     "    with open(path, 'w') as f:\n        json.dump(data, f, indent=2)\n"),
 ]
 PROSE = [
-    "The river runs through the old town, past the market and the stone bridge. In the "
-    "morning the fishermen bring their boats to the bank, and by noon the market is full of "
-    "people buying bread, fish and vegetables.",
-    "Photosynthesis is the process by which plants use sunlight, water and carbon dioxide to "
-    "make glucose and oxygen. It takes place in the chloroplasts, which contain chlorophyll, "
-    "the green pigment that absorbs light.",
+    ("The river runs through the old town, past the market and the stone bridge. In the "
+     "morning the fishermen bring their boats to the bank, and by noon the market is full of "
+     "people buying bread, fish and vegetables."),
+    ("Photosynthesis is the process by which plants use sunlight, water and carbon dioxide to "
+     "make glucose and oxygen. It takes place in the chloroplasts, which contain chlorophyll, "
+     "the green pigment that absorbs light."),
 ]
 REPEAT = ([f"Repeat this code exactly, then stop:\n\n{c}" for c in CODE]
           + [f"Fix the indentation of this code and print it:\n\n{c}" for c in CODE[:1]]

@@ -1,6 +1,7 @@
-"""Speculative decoding with n-gram drafts: the scheduler's drafts and blocks, and outputs
-identical to decoding without speculation (greedy and seeded, every sampling option, mixed
-batches, chunked prefill, preemption, a KV handoff) on several families and the real model."""
+"""Speculative decoding: the scheduler's drafts and blocks, and outputs identical to decoding
+without speculation (greedy and seeded, every sampling option, mixed batches, chunked prefill,
+preemption, a KV handoff) with n-gram drafts on several families and the real model, and with a
+truncated copy of the target as the draft."""
 
 from __future__ import annotations
 
@@ -171,7 +172,29 @@ def test_seeded_sampling_is_reproducible_and_follows_the_same_positions(llama_pa
     assert texts(first) == texts(base.generate(PROMPTS, params))
 
 
-def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_model):
+DRAFT_MODEL = json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
+                          "draft_num_layers": 1, "min_acceptance_rate": 0.0})
+
+
+def test_a_truncated_draft_model_is_exact_in_mixed_batches_with_preemption(tiny_model):
+    base = LLM(tiny_model, block_size=4, num_blocks=24, max_num_batched_tokens=32)
+    spec = LLM(tiny_model, block_size=4, num_blocks=24, max_num_batched_tokens=32,
+               speculative_config=DRAFT_MODEL)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                             repetition_penalty=1.2),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
+    assert texts(got) == texts(want)
+    stats = spec.engine.stats()
+    assert stats.speculative_method == "draft_model" and stats.num_accepted_tokens > 0
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("config", [NGRAM, DRAFT_MODEL], ids=["ngram", "draft_model"])
+def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_model, config):
     prompt = PROMPTS[0] * 2
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     want = LLM(tiny_model, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
@@ -179,7 +202,8 @@ def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_mo
     req = WorkerRequest("x", tuple(prompt), params)
     prefill.generate(req)
     first = prefill.step()[0].token_ids[0]
-    decode = LLM(tiny_model, num_blocks=64, speculative_config=NGRAM).engine
+    # the draft model's KV for the prompt is the target's first layers': it came with the pull
+    decode = LLM(tiny_model, num_blocks=64, speculative_config=config).engine
     dst_blocks = Connector(decode).decode_from_handoff(req, first)
     src_blocks = prefill.block_ids("x")[:len(dst_blocks)]
     for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
