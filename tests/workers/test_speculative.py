@@ -17,7 +17,8 @@ from workers.engine.speculative.drafter import NgramDrafter
 from workers.serving.connector import Connector
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                    "prompt_lookup_min": 1, "min_acceptance_rate": 0.0})
+                    "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+                    "disable_by_batch_size": 8})
 # token-id prompts with repeats (n-gram drafts find matches from the first step)
 PROMPTS = [[5, 6, 7, 8, 9] * 4, list(range(10, 60)), [40, 41, 42, 40, 41, 42, 40, 41],
            [3, 4] * 9]
@@ -173,7 +174,8 @@ def test_seeded_sampling_is_reproducible_and_follows_the_same_positions(llama_pa
 
 
 DRAFT_MODEL = json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
-                          "draft_num_layers": 1, "min_acceptance_rate": 0.0})
+                          "draft_num_layers": 1, "min_acceptance_rate": 0.0,
+                          "disable_by_batch_size": 8})
 
 
 def test_a_truncated_draft_model_is_exact_in_mixed_batches_with_preemption(tiny_model):

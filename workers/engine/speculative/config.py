@@ -20,9 +20,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: the shortest suffix that counts as a match
     # draft_model: the target's first layers the draft keeps (with its final norm and head)
     draft_num_layers: int = 1
-    # no request drafts in a step with more running requests than this (verification costs
-    # k + 1 positions a request; large batches are bound by compute, not by weight reads)
-    disable_by_batch_size: int = 8
+    # no request drafts in a step with more running requests than this: verification costs
+    # k + 1 positions a request, and on the CPU a verifying step leaves the fused decode path
+    # (`workers.models.fused_layer` takes decode rows only); 8 streams of SmolLM2 measured
+    # 0.47x with drafting (benchmarks/results/speculative.json)
+    disable_by_batch_size: int = 2
     # a request whose recent acceptance falls below this stops drafting for a while
     min_acceptance_rate: float = 0.3
 
