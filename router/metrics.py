@@ -162,6 +162,7 @@ class _LoadCollector(Collector):
         for pool, n in sorted(pools.items()):
             workers.add_metric([pool], n)
         yield from (up, waiting, running, kv, workers)
+        yield from _speculation(w)
         yield GaugeMetricFamily("cleave_router_in_flight", "Requests admitted and not yet "
                                 "finished", value=self.in_flight())
         c = self.counters
@@ -171,6 +172,23 @@ class _LoadCollector(Collector):
         yield CounterMetricFamily("cleave_disaggregated_requests", "Requests whose first token "
                                   "came from a prefill worker", value=c.num_disaggregated)
         yield from _kv_moves(c)
+
+
+def _speculation(w: WorkerSet) -> Iterator[Metric]:
+    """Speculative decoding's drafted and accepted tokens per worker and method (as vLLM's
+    spec_decode counters), from the workers' stats."""
+    labels = ["pool", "worker", "method"]
+    drafted = CounterMetricFamily("cleave_spec_decode_num_draft_tokens", "Drafted tokens "
+                                  "verified by the target model", labels=labels)
+    accepted = CounterMetricFamily("cleave_spec_decode_num_accepted_tokens", "Drafted tokens "
+                                   "the target model accepted", labels=labels)
+    for wid, info in w.infos.items():
+        s = w.stats(wid)
+        if s is not None and s.speculative_method is not None:
+            drafted.add_metric([info.role.value, wid, s.speculative_method], s.num_draft_tokens)
+            accepted.add_metric([info.role.value, wid, s.speculative_method],
+                                s.num_accepted_tokens)
+    yield from (drafted, accepted)
 
 
 def _kv_moves(c: RouterCounters) -> Iterator[Metric]:

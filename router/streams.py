@@ -89,6 +89,7 @@ class Generation:
         self.decode_worker_id = start.decode_worker_id
         self.predicted_cached_tokens = start.predicted_cached_tokens
         self.num_cached_tokens = first.num_cached_tokens
+        self._speculated: dict[int, tuple[int, int]] = {}  # sample -> (drafted, accepted)
         self._stream = start.stream
         self._recovery = parts.recovery
         self._handover = start.handover
@@ -104,6 +105,12 @@ class Generation:
         # worker has reported the KV it brought (`LiveMigrations.drain` waits for it)
         self.resumed: asyncio.Future[None] | None = None
         self.record = record(self)
+
+    @property
+    def speculated(self) -> tuple[int, int]:
+        """(drafted tokens verified, accepted) over its samples, as its workers reported."""
+        return (sum(d for d, _ in self._speculated.values()),
+                sum(a for _, a in self._speculated.values()))
 
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
@@ -162,6 +169,8 @@ class Generation:
         its sample); None for an event of a sample that already ended."""
         if event.index in self._ended:
             return None
+        if event.num_draft_tokens:
+            self._speculated[event.index] = (event.num_draft_tokens, event.num_accepted_tokens)
         if self._tokenizer is None:
             if event.finish_reason is not None:
                 self._ended.add(event.index)

@@ -139,7 +139,13 @@ async def merge(gens: Sequence[Generation]) -> AsyncIterator[tuple[int, TokenEve
 
 def usage(gens: Sequence[Generation], num_completion_tokens: int) -> dict[str, Any]:
     prompt = sum(len(g.prompt_token_ids) for g in gens)
+    drafted = sum(g.speculated[0] for g in gens)
+    accepted = sum(g.speculated[1] for g in gens)
+    # Cleave's extension, with speculative decoding: drafted tokens verified, and accepted
+    spec = ({"speculative_tokens": {"drafted": drafted, "accepted": accepted}}
+            if drafted else {})
     return {
+        **spec,
         "prompt_tokens": prompt,
         "completion_tokens": num_completion_tokens,
         "total_tokens": prompt + num_completion_tokens,

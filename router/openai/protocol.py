@@ -60,6 +60,9 @@ class _SamplingBody(StructuredFields):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, description="isolates this request's prefix "
                                    "cache hits to requests with the same salt")
+    # Cleave's extension
+    speculative: bool = Field(default=True, description="false: decode this request without "
+                              "speculation on a server that speculates")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
@@ -79,7 +82,8 @@ class _SamplingBody(StructuredFields):
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                structured=self.structured_output(), logit_bias=self._logit_bias())
+                structured=self.structured_output(), logit_bias=self._logit_bias(),
+                speculative=self.speculative)
         except InvalidRequestError as exc:
             raise BadRequestError(exc.message, param=exc.param) from None
 

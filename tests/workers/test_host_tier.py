@@ -43,7 +43,7 @@ class FakeTensors:
         for host_block, device_block in out.block_copies.swap_in:
             self.device[device_block] = list(self.host[host_block])
         size = self.block_size
-        for req, start, n, table, _ in out.chunks:
+        for req, start, n, table, _, _ in out.chunks:
             tokens = req.all_token_ids
             for i in range(start // size):  # the prefix the chunk attends over
                 assert self._block(table[i]) == tokens[i * size:(i + 1) * size], (

@@ -61,6 +61,9 @@ class SamplingParams:
     # the output text's grammar (`workers.contract.structured_output`); None: free text
     structured: StructuredOutput | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # Cleave's extension: False decodes this request without speculation on a server that
+    # speculates (`workers.engine.speculative`)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -183,6 +186,11 @@ class EngineStats:
     # since start: prompt tokens computed (not served from a cache or pulled; replayed
     # context included), a counter
     num_prompt_tokens_computed: int = 0
+    # speculative decoding: the server's method (None: none), and since start the drafted
+    # tokens verified and those accepted, counters
+    speculative_method: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):
     # the router routes nothing new there and moves the streams on it
     healthy: bool = True
@@ -212,6 +220,9 @@ class TokenEvent:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # on a request's first event, when prompt logprobs were asked for (None for the first token)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # speculative decoding: this sample's drafted tokens verified so far, and of those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def replaced(self, **changes: Any) -> TokenEvent:
         """This event with `changes`, as `dataclasses.replace` makes it but without running

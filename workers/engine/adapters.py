@@ -3,8 +3,8 @@ unloading them between steps, and refusing requests for adapters it does not hav
 
 The model's side (PEFT folders, the device slots, the per-segment products) is
 `workers.models.lora`; the scheduler keeps each step within `max_loras` adapters
-(`Scheduler._adapter_ok`), and the runner asks the slots for each step's
-(`ModelRunner.lora_slots`). An engine without adapters has `NoAdapters`, which refuses any
+(`scheduler_records.adapter_fits`), and the runner asks the slots for each step's
+(`ModelRunner._prepare`). An engine without adapters has `NoAdapters`, which refuses any
 request naming one.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.contract.setting import setting
+from workers.engine.speculative.config import SpeculativeConfig, parse_speculative_config
 
 
 def _require(ok: bool, message: str) -> None:
@@ -129,6 +130,13 @@ class EngineConfig:
         "Adapters loaded at start, each NAME=PATH (a PEFT adapter folder); NAME is the model "
         "name requests select it by. Needs enable_lora."))
 
+    # workers.engine.speculative; parsed and checked by `speculative`
+    speculative_config: str | None = setting(None, (
+        "Speculative decoding, as vLLM's JSON object, e.g. {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
+        "(Cleave's keys: disable_by_batch_size, min_acceptance_rate, the back-off). Unset: "
+        "none. A request turns it off with speculative=false."))
+
     def __post_init__(self) -> None:
         _check_lora(self)
         _require(self.block_size in BLOCK_SIZES,
@@ -171,6 +179,11 @@ class EngineConfig:
         _require(not self.fp32_int_kernels or self.world_size == 1,
                  f"fp32_int_kernels needs one rank (parallel ranks dequantize their shards), "
                  f"got world_size={self.world_size}")
+        _require(self.speculative is None or (self.world_size == 1 and not self.async_scheduling
+                                              and not self.enable_lora),
+                 f"speculative_config needs one rank, no async_scheduling and no enable_lora, got "
+                 f"world_size={self.world_size}, async_scheduling={self.async_scheduling}, "
+                 f"enable_lora={self.enable_lora}")
         _require(self.rank_timeout_s > 0,
                  f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
 
@@ -178,6 +191,11 @@ class EngineConfig:
     def lora_paths(self) -> dict[str, str]:
         """`lora_modules` as adapter name -> folder."""
         return dict(m.split("=", 1) for m in self.lora_modules)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (ValueError naming a bad key or value)."""
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def quantized_kv_cache(self) -> bool:

@@ -26,6 +26,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.grammar import Grammars
 from workers.engine.intake import Intake
 from workers.engine.kv_cache import KVCacheManager
+from workers.engine.load import engine_stats
 from workers.models.model_config import ModelConfig, resolve_dtype
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.parallel.validate import check_parallel
@@ -41,6 +42,7 @@ from workers.engine.request import Request
 from workers.engine.runner import KVCacheSpec, ModelRunner, RunnerOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_records import SchedulerConfig, SchedulerOutput
+from workers.engine.speculative.speculator import build_speculator
 from workers.engine.step_costs import StepCosts
 
 if TYPE_CHECKING:
@@ -98,6 +100,8 @@ class Engine:
                                   vocab_size=mc.vocab_size)
         self.adapters = adapters.attach_adapters(config, model, self.runner, self.scheduler)
         self.outputs = OutputProcessor(self.tokenizer, detokenize)
+        self.speculator = build_speculator(config.speculative, self.max_model_len, self.runner,
+                                           self.kv)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
@@ -168,6 +172,7 @@ class Engine:
         step and return the events of the one before (`workers.engine.async_step`)."""
         if self.async_steps is not None:
             return self.async_steps.step()
+        self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out is None or out.is_empty:
             return []
@@ -175,7 +180,8 @@ class Engine:
         result = self.runner.execute(out)
         self.costs.record_step(time.perf_counter() - start, self.runner.executor.last_tier_copy_s,
                                out.block_copies, out.num_batched_tokens, out.num_decodes)
-        return self._emit(out, result, self.scheduler.update)
+        return self._emit(out, result,
+                          lambda o, s: self.scheduler.update(o, s, result.accepted))
 
     def _emit(self, out: SchedulerOutput, result: RunnerOutput, record: Recorder,
               ) -> list[TokenEvent]:
@@ -196,7 +202,7 @@ class Engine:
             if stop is not None and not req.is_finished:
                 req.stop_reason = stop
                 self.scheduler.finish(req.request_id, FinishReason.STOP)
-            event = self.outputs.event(req, result.logprobs.get(req.request_id))
+            event = self.outputs.event(req, result.new_logprobs(req.request_id))
             if event is not None:  # always, for a finished sample
                 events.append(event)
                 if req.is_finished:
@@ -219,27 +225,17 @@ class Engine:
             self.scheduler.finish(req.request_id, FinishReason.STOP)
 
     def _retire(self, parent_id: str, sample_id: str) -> None:
-        remaining = [s for s in self._samples.get(parent_id, ()) if s != sample_id]
+        remaining = [s for s in self._samples.pop(parent_id, ()) if s != sample_id]
         if remaining:
             self._samples[parent_id] = remaining
-        else:
-            self._samples.pop(parent_id, None)
 
     # ---- observability and the caches' tensors ------------------------------------------------
 
     def stats(self) -> EngineStats:
-        """The engine's load now, from the scheduler's and the block pool's own counters (O(1),
-        no scan). Call it on the step thread, between steps: the async engine does after each
-        step and publishes the copy for other threads."""
-        sched, pool = self.scheduler, self.kv.pool
-        return EngineStats(len(sched.waiting), len(sched.running), pool.usage,
-                           pool.num_free_blocks, pool.num_cached_blocks, pool.num_blocks,
-                           len(sched.waiting_for_kv), sched.num_pending_prompt_tokens,
-                           self.costs.host_hit_cost if self.kv.host is not None else 0.0,
-                           self.costs.prefill_s_per_token or 0.0, self.kv_pull_bytes_per_s,
-                           kv_fetch_fixed_s=self.kv_fetch_fixed_s,
-                           recent_hit_blocks=self.kv.hot.recent_hit_blocks(),
-                           num_prompt_tokens_computed=self.costs.num_prompt_tokens_computed)
+        """The engine's load now (`workers.engine.load`). Call it on the step thread, between
+        steps: the async engine does after each step and publishes the copy for other threads."""
+        return engine_stats(self.scheduler, self.kv, self.costs, self.speculator.method,
+                            self.kv_pull_bytes_per_s, self.kv_fetch_fixed_s)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()
@@ -296,5 +292,5 @@ class Engine:
         for token_id in sent_token_ids[1:]:
             sample.append_output(token_id)
             self.outputs.find_stop_string(sample)
-            self.outputs.event(sample, None)
+            self.outputs.event(sample)
         self._samples.setdefault(parent_id, []).append(sample.request_id)

@@ -32,7 +32,7 @@ from workers.engine.parallel.messages import StepMessage
 from workers.contract.protocol import SamplingParams
 from workers.engine.request import Request
 from workers.engine.sampler import Sampler, top_logprobs
-from workers.engine.scheduler import PROMPT_LOGPROB_TOKENS_PER_STEP
+from workers.engine.scheduler_records import PROMPT_LOGPROB_TOKENS_PER_STEP
 
 if TYPE_CHECKING:
     from workers.models.llama import LlamaForCausalLM

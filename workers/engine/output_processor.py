@@ -5,6 +5,7 @@ strings are the router's to find)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from workers.contract.protocol import FinishReason, TokenEvent, TokenLogprob
@@ -18,6 +19,7 @@ class _Sample:
     index: int
     text: SampleText | None  # None: no text here
     num_sent_tokens: int = 0
+    num_read_tokens: int = 0  # output tokens looked at for stop strings
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
@@ -35,7 +37,7 @@ class OutputProcessor:
         if req.output_token_ids:  # tokens already sent by another worker (KV handoff)
             if text is not None:
                 text.prime(req.output_token_ids)
-            sample.num_sent_tokens = req.num_output_tokens
+            sample.num_sent_tokens = sample.num_read_tokens = req.num_output_tokens
 
     def index(self, request_id: str) -> int:
         """A sample's index in its request."""
@@ -45,18 +47,29 @@ class OutputProcessor:
         self._samples.pop(request_id, None)
 
     def find_stop_string(self, req: Request) -> str | None:
-        """Detokenize the request's newest token; return the stop string it completed, if any
-        (the text is then cut there, keeping the stop string only when asked to)."""
-        text = self._samples[req.request_id].text
+        """Detokenize the request's new tokens one at a time (a speculative step appends
+        several); return the stop string one completed, if any (the text is then cut there,
+        keeping the stop string only when asked to, and the tokens after it are dropped from
+        the request's output, as one-at-a-time decoding would never have made them)."""
+        sample = self._samples[req.request_id]
+        text = sample.text
         if text is None:
             return None
-        return text.add_token(req.output_token_ids[-1])
+        while sample.num_read_tokens < req.num_output_tokens:
+            sample.num_read_tokens += 1
+            stop = text.add_token(req.output_token_ids[sample.num_read_tokens - 1])
+            if stop is not None:
+                req.truncate_output(sample.num_read_tokens)
+                return stop
+        return None
 
-    def event(self, req: Request, logprob: TokenLogprob | None) -> TokenEvent | None:
-        """The event carrying what this sample has not sent yet; None when there is nothing."""
+    def event(self, req: Request, new_logprobs: Sequence[TokenLogprob] = (),
+              ) -> TokenEvent | None:
+        """The event carrying what this sample has not sent yet; None when there is nothing.
+        `new_logprobs`: of the tokens the step added (those of tokens a stop string dropped are
+        dropped too)."""
         sample = self._samples[req.request_id]
-        if logprob is not None:
-            sample.pending_logprobs.append(logprob)
+        sample.pending_logprobs.extend(new_logprobs)
         finished = req.status is RequestStatus.FINISHED
         num_sent_tokens = sample.num_sent_tokens
         if not finished and len(req.output_token_ids) == num_sent_tokens:
@@ -69,9 +82,9 @@ class OutputProcessor:
             text = sample.text.take(finished, flush=req.stop_reason is None and not continues)
         new_tokens = req.output_token_ids[num_sent_tokens:]
         sample.num_sent_tokens = len(req.output_token_ids)
-        logprobs = None
+        logprobs: list[TokenLogprob] | None = None
         if req.params.logprobs is not None:
-            logprobs, sample.pending_logprobs = sample.pending_logprobs, []
+            logprobs, sample.pending_logprobs = sample.pending_logprobs[:len(new_tokens)], []
         if finished:
             self.remove(req.request_id)
         return TokenEvent(
@@ -79,4 +92,5 @@ class OutputProcessor:
             logprobs=logprobs, finish_reason=req.finish_reason if finished else None,
             stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=req.prompt_logprobs if num_sent_tokens == 0 else None)
+            prompt_logprobs=req.prompt_logprobs if num_sent_tokens == 0 else None,
+            num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)

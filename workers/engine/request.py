@@ -51,6 +51,12 @@ class Request:
         # a structured-output request's grammar matcher (`workers.engine.grammar`), in step with
         # `output_token_ids`; None: free text
         self.grammar: object | None = None
+        # speculative decoding (`workers.engine.speculative`): the tokens drafted for the next
+        # step (set by the speculator before each step), and this sample's counts of drafted
+        # tokens verified and of those accepted
+        self.draft_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.block_hashes: list[int] = []  # chained hashes of the full blocks known so far
         # entry i: logprob of prompt token i given the tokens before it (None for the first)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
@@ -75,6 +81,14 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens after the first `num_output_tokens` (a stop string ended the
+        request there, within a speculative step's tokens)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[-drop:]
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "

@@ -32,7 +32,8 @@ from workers.engine.parallel.sampling import SamplingSync
 from workers.contract.protocol import TokenLogprob
 from workers.engine.request import Request
 from workers.engine.sampler import DeviceSample, Sampler, SamplerOutput, top_logprobs
-from workers.engine.scheduler_records import ScheduledChunk, SchedulerOutput
+from workers.engine.scheduler_records import ScheduledChunk, SchedulerOutput, prompt_logprob_rows
+from workers.engine.speculative.verify import row_spans, sampling_rows
 from workers.engine.step_inputs import TokenFill
 from workers.models.lora import AdapterSlots
 
@@ -41,6 +42,14 @@ from workers.models.lora import AdapterSlots
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # a verifying request's id -> the drafted tokens accepted before its `sampled` token
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+    def new_logprobs(self, request_id: str) -> list[TokenLogprob]:
+        """The logprobs of a request's new tokens this step, in order ([] without)."""
+        last = self.logprobs.get(request_id)
+        return [*self.accepted_logprobs.get(request_id, ()), *(() if last is None else (last,))]
     # request id -> (index of the first prompt token covered, logprobs of consecutive tokens)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
@@ -63,7 +72,8 @@ class Launched:
 @dataclass(frozen=True)
 class _Batch:
     msg: StepMessage
-    sampling: list[Request]  # the requests whose chunk samples, in chunk order
+    sampling: list[Request]  # the rows that sample, in chunk order (k + 1 for a draft of k)
+    drafts: dict[int, tuple[int, ...]]  # a verifying request's first row of `sampling` -> draft
     prompt_rows: list[tuple[ScheduledChunk, int, int]]  # (chunk, first row, num rows)
 
 
@@ -118,7 +128,8 @@ class ModelRunner:
         result = RunnerOutput()
         sampling = batch.sampling
         if sampling:
-            _record_sampled(result, sampling, self.sampler(logits[:len(sampling)], sampling))
+            _record_sampled(result, sampling, self.sampler(logits[:len(sampling)], sampling),
+                            batch.drafts)
         self._prompt_logprobs(result, batch, logits)
         return result
 
@@ -214,8 +225,9 @@ class ModelRunner:
         sampling: list[Request] = []
         prompt_rows: list[tuple[ScheduledChunk, int, int]] = []
         row = num_decodes = 0
+        drafts: dict[int, tuple[int, ...]] = {}
         for chunk in out.chunks:
-            req, s, n, blocks, samples = chunk
+            req, s, n, blocks, samples, draft = chunk
             end = s + n
             if n == 1:
                 num_decodes += 1
@@ -223,19 +235,24 @@ class ModelRunner:
                 input_ids.append(ids[s] if s < len(ids) else 0)
                 positions.append(s)
                 slots.append(blocks[s // block_size] * block_size + s % block_size)
-            else:
-                input_ids.extend(req.all_token_ids[s:end])
+            else:  # a prefill chunk; a verified one: the last token, then the drafted ones
+                input_ids.extend((req.all_token_ids[s], *draft) if draft
+                                 else req.all_token_ids[s:end])
                 positions.extend(range(s, end))
                 slots.extend(blocks[p // block_size] * block_size + p % block_size
                              for p in range(s, end))
             row += n
             starts.append(row)
             seq_lens.append(end)
-            if samples:
+            if draft:  # every position samples
+                drafts[len(sampling)] = draft
+                sample_rows.extend(range(row - n, row))
+                sampling.extend(sampling_rows(req, draft))
+            elif samples:
                 sample_rows.append(row - 1)
                 sampling.append(req)
             if req.prompt_logprobs is not None:
-                num_prompt_targets = _prompt_logprob_rows(req, s, n)
+                num_prompt_targets = prompt_logprob_rows(req, s, n)
                 if num_prompt_targets:
                     prompt_rows.append((chunk, row - n, num_prompt_targets))
         for _, first, count in prompt_rows:
@@ -246,25 +263,26 @@ class ModelRunner:
             slot_mapping=tuple(slots), query_start_loc=tuple(starts), seq_lens=tuple(seq_lens),
             block_tables=tuple(c.block_ids for c in out.chunks), num_decodes=num_decodes,
             logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches,
-            block_copies=out.block_copies, lora_slots=self.lora_slots(out))
-        return _Batch(msg, sampling, prompt_rows)
-
-    def lora_slots(self, out: SchedulerOutput) -> tuple[int, ...]:
-        """Each chunk's LoRA adapter slot (-1: the base model), its adapters brought into the
-        model's slots; () without adapters."""
-        if self.adapters is None:
-            return ()
-        return self.adapters.seq_slots([c.request.lora_name for c in out.chunks])
+            block_copies=out.block_copies, lora_slots=() if self.adapters is None else
+            # each chunk's adapter slot (-1: the base model), its adapters brought in
+            self.adapters.seq_slots([c.request.lora_name for c in out.chunks]))
+        return _Batch(msg, sampling, drafts, prompt_rows)
 
 
-def _record_sampled(result: RunnerOutput, sampling: list[Request],
-                    sampled: SamplerOutput) -> None:
-    if len(sampled.token_ids) != len(sampling):
-        raise RuntimeError(f"{len(sampled.token_ids)} tokens sampled for {len(sampling)} rows")
-    for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
-        result.sampled[req.request_id] = token
+def _record_sampled(result: RunnerOutput, sampling: list[Request], sampled: SamplerOutput,
+                    drafts: dict[int, tuple[int, ...]] | None = None) -> None:
+    """Each request's new tokens from its rows (`drafts`: see `_Batch`)."""
+    tokens, logprobs = sampled.token_ids, sampled.logprobs
+    for rid, first, m, num_drafted in row_spans(sampling, drafts or {}, tokens):
+        result.sampled[rid] = tokens[first + m]
+        lp = logprobs[first + m]
         if lp is not None:
-            result.logprobs[req.request_id] = lp
+            result.logprobs[rid] = lp
+        if num_drafted:
+            result.accepted[rid] = tokens[first:first + m]
+            if lp is not None:
+                result.accepted_logprobs[rid] = [x for x in logprobs[first:first + m]
+                                                 if x is not None]
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
@@ -274,10 +292,3 @@ def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda" and device.index is not None:
         return torch.cuda.device(device)
     return contextlib.nullcontext()
-
-
-def _prompt_logprob_rows(req: Request, start: int, num_tokens: int) -> int:
-    """How many of this chunk's rows predict a prompt token (position p predicts token p + 1)."""
-    if req.prompt_logprobs is None:
-        return 0
-    return max(0, min(start + num_tokens, req.num_prompt_tokens - 1) - start)

@@ -11,8 +11,7 @@ arrive from another worker (`add_waiting_for_kv` until `kv_landed`); the engine 
 Async scheduling (`workers.engine.async_step`) splits `update` in two: `commit` at a step's launch
 (computed tokens advance, and each request that samples gets a placeholder for its coming token)
 and `record` once its tokens are on the host. `schedule(lookahead=True)` plans the next step in
-between, a placeholder counting as a token whose input the device supplies. The records it
-schedules within and hands out are `workers.engine.scheduler_records`.
+between (a placeholder: a token the device supplies). Records: `workers.engine.scheduler_records`.
 """
 
 from __future__ import annotations
@@ -22,20 +21,10 @@ from collections import deque
 from workers.engine.kv_cache import KVCacheManager
 from workers.contract.protocol import FinishReason
 from workers.engine.request import Request, RequestStatus
-from workers.engine.scheduler_records import ScheduledChunk, SchedulerConfig, SchedulerOutput
-
-
-# Prompt-logprobs requests' prefill chunks compute a row of logits per token (tokens × vocab
-# floats, then their log-softmax): at most this many rows a step, over all of them, so a step
-# stays within the memory the profile measured (`workers.engine.memory_profile`; a chunk of
-# 8192 rows of a 128k vocabulary would need 4 GiB twice over).
-PROMPT_LOGPROB_TOKENS_PER_STEP = 512
-
-
-def _takes_logprob_rows(req: Request) -> bool:
-    """A prompt-logprobs request still in its prompt: its chunk counts against the step's
-    prompt-logprob rows."""
-    return req.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens
+from workers.engine.stops import append_checked, check_stop
+from workers.engine.scheduler_records import (
+    PROMPT_LOGPROB_TOKENS_PER_STEP, ScheduledChunk, SchedulerConfig, SchedulerOutput,
+    adapter_fits, prompt_left, takes_logprob_rows)
 
 
 class Scheduler:
@@ -48,6 +37,8 @@ class Scheduler:
         self._kv_tokens: dict[str, int] = {}  # request id -> tokens whose KV is coming
         self.requests: dict[str, Request] = {}  # every unfinished request, wherever it is
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.num_draft_tokens = 0  # drafted tokens verified since start (speculative decoding)
+        self.num_accepted_tokens = 0  # of those, accepted
         # prompt tokens of waiting and running requests not computed yet; kept as
         # `num_computed_tokens` moves (`_set_computed`), so reading it costs nothing
         self.num_pending_prompt_tokens = 0
@@ -67,7 +58,7 @@ class Scheduler:
         computed from scratch)."""
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        self.num_pending_prompt_tokens += _prompt_left(req, req.num_computed_tokens)
+        self.num_pending_prompt_tokens += prompt_left(req, req.num_computed_tokens)
 
     def add_waiting_for_kv(self, req: Request, num_kv_tokens: int | None = None) -> bool:
         """Allocate blocks for the first `num_kv_tokens` tokens (default: the prompt) of a
@@ -93,7 +84,7 @@ class Scheduler:
         if req is None:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV")
         req.num_computed_tokens = self._kv_tokens.pop(request_id)
-        self.num_pending_prompt_tokens += _prompt_left(req, req.num_computed_tokens)
+        self.num_pending_prompt_tokens += prompt_left(req, req.num_computed_tokens)
         self.kv.cache_blocks(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -122,13 +113,19 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(req.num_tokens + ahead - req.num_computed_tokens, budget)
-            takes_rows = _takes_logprob_rows(req)
+            draft = (tuple(req.draft_token_ids[:budget - 1])
+                     if req.draft_token_ids and num_new == 1 and not ahead else ())
+            num_new += len(draft)
+            takes_rows = takes_logprob_rows(req)
             if takes_rows:
                 num_new = min(num_new, rows)
                 if num_new == 0:  # its prompt-logprob rows wait for the next step
                     i += 1
                     continue
             while not self.kv.allocate_slots(req, num_new):
+                if draft:  # a speculative draft: decode without it rather than preempt
+                    num_new, draft = num_new - len(draft), ()
+                    continue
                 if lookahead:
                     return None
                 victim = self.running.pop()
@@ -139,17 +136,26 @@ class Scheduler:
             else:
                 if takes_rows:
                     rows -= num_new
-                chunks.append(self._chunk(req, num_new, ahead))
+                chunks.append(self._chunk(req, num_new, ahead, draft))
                 budget -= num_new
                 i += 1
 
-        while (self.waiting and budget > 0 and not preempted and self._adapter_ok(self.waiting[0])
-               and len(self.running) < self.config.max_num_seqs):
+        budget = budget if preempted else self._admit(chunks, budget, rows)
+        # decodes first, shortest context first (the attention backend batches similar lengths)
+        chunks.sort(key=lambda c: (c.num_tokens != 1, c.start))
+        return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted,
+                               self.kv.take_copies())
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int, rows: int) -> int:
+        """Admit waiting requests into `chunks` within `budget` tokens and `rows` prompt-logprob
+        rows, in order, while sequence slots and blocks allow; the budget left."""
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and adapter_fits(self.waiting[0], self.running, self.config.max_loras)):
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            if _takes_logprob_rows(req):
+            if takes_logprob_rows(req):
                 num_new = min(num_new, rows)
                 rows -= num_new
             if num_new == 0 or not self.kv.allocate_slots(req, num_new, hits):
@@ -162,24 +168,14 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, num_new))
             budget -= num_new
+        return budget
 
-        # decodes first, shortest context first (the attention backend batches similar lengths)
-        chunks.sort(key=lambda c: (c.num_tokens != 1, c.start))
-        return SchedulerOutput(chunks, self.config.max_num_batched_tokens - budget, preempted,
-                               self.kv.take_copies())
-
-    def _adapter_ok(self, req: Request) -> bool:
-        """Whether `req` can join the running requests without their LoRA adapters
-        outnumbering the model's slots (`max_loras`): a step runs them all at once."""
-        if req.lora_name is None:
-            return True
-        running = {r.lora_name for r in self.running} - {None}
-        return req.lora_name in running or len(running) < self.config.max_loras
-
-    def _chunk(self, req: Request, num_new: int, ahead: int = 0) -> ScheduledChunk:
+    def _chunk(self, req: Request, num_new: int, ahead: int = 0,
+               draft: tuple[int, ...] = ()) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(req, start, num_new, self.kv.block_table(req.request_id),
-                              start + num_new == len(req.all_token_ids) + ahead)
+                              start + num_new == len(req.all_token_ids) + ahead + len(draft),
+                              draft)
 
     def _ends_at(self, req: Request, ahead: int) -> bool:
         """Whether the `ahead` tokens sampled but not recorded surely end the request."""
@@ -189,18 +185,25 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         self._set_computed(req, 0)
+        req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Record a finished step: advance computed tokens, cache full blocks, append sampled
-        tokens and finish requests that hit a stop condition. Returns the requests that got a
-        token this step."""
+        tokens (after a verifying request's `accepted` drafted ones) and finish requests that
+        hit a stop condition. Returns the requests that got a token this step."""
         advanced: list[Request] = []
-        for req, _, num_tokens, _, samples in out.chunks:
+        for req, start, num_tokens, _, samples, draft in out.chunks:
             if req.status is RequestStatus.FINISHED:  # aborted while the step ran
+                continue
+            if draft:
+                good = (accepted or {}).get(req.request_id, [])
+                self._record_verified(req, start, len(draft), [*good, sampled[req.request_id]])
+                advanced.append(req)
                 continue
             self._set_computed(req, req.num_computed_tokens + num_tokens)
             self.kv.cache_blocks(req)
@@ -208,16 +211,32 @@ class Scheduler:
                 continue
             req.append_output(sampled[req.request_id])
             advanced.append(req)
-            reason = self._check_stop(req)
+            reason = check_stop(req, self.config.max_model_len)
             if reason is not None:
                 self.finish(req.request_id, reason)
         return advanced
+
+    def _record_verified(self, req: Request, start: int, num_drafted: int,
+                         tokens: list[int]) -> None:
+        """Append a verified chunk's new tokens one at a time through the stop checks; the KV
+        computed is the chunk's first position's and the appended drafted tokens'; blocks past
+        the request's tokens (rejected positions') are returned."""
+        req.num_draft_tokens += num_drafted
+        req.num_accepted_tokens += len(tokens) - 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += len(tokens) - 1
+        appended, reason = append_checked(req, tokens, self.config.max_model_len)
+        self._set_computed(req, start + appended)
+        self.kv.cache_blocks(req)
+        self.kv.trim(req)
+        if reason is not None:
+            self.finish(req.request_id, reason)
 
     def commit(self, out: SchedulerOutput) -> None:
         """A launched step's KV is as good as computed (later steps are ordered after it on
         the device): advance each request's computed tokens, cache its full blocks of known
         tokens, and give each request that samples a placeholder until `record`."""
-        for req, _, num_tokens, _, samples in out.chunks:
+        for req, _, num_tokens, _, samples, _ in out.chunks:
             if req.status is RequestStatus.FINISHED:
                 continue
             self._set_computed(req, req.num_computed_tokens + num_tokens)
@@ -232,7 +251,7 @@ class Scheduler:
         that a later step already computed past is rolled back by `finish`. Returns the
         requests that got a token."""
         advanced: list[Request] = []
-        for req, _, _, _, samples in out.chunks:
+        for req, _, _, _, samples, _ in out.chunks:
             if not samples or req.status is RequestStatus.FINISHED:
                 continue
             rid = req.request_id
@@ -243,26 +262,12 @@ class Scheduler:
                 del self.placeholders[rid]
             req.append_output(sampled[rid])
             advanced.append(req)
-            reason = self._check_stop(req)
+            reason = check_stop(req, self.config.max_model_len)
             if reason is not None:
                 self.finish(rid, reason)
             elif req.num_computed_tokens == req.num_tokens:  # a launched step computed it
                 self.kv.cache_blocks(req)
         return advanced
-
-    def _check_stop(self, req: Request) -> FinishReason | None:
-        params, num_output = req.params, len(req.output_token_ids)
-        if num_output > params.min_tokens:
-            token = req.output_token_ids[-1]
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return FinishReason.STOP
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return FinishReason.STOP
-        if (num_output >= params.max_tokens
-                or len(req.all_token_ids) >= self.config.max_model_len):
-            return FinishReason.LENGTH
-        return None
 
     def finish(self, request_id: str, reason: FinishReason,
                hold: bool | None = None) -> Request | None:
@@ -284,7 +289,7 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            self.num_pending_prompt_tokens -= _prompt_left(req, req.num_computed_tokens)
+            self.num_pending_prompt_tokens -= prompt_left(req, req.num_computed_tokens)
         if (req.hold_kv and reason is not FinishReason.ABORT) if hold is None else hold:
             self.kv.hold(req)
         else:
@@ -293,7 +298,3 @@ class Scheduler:
         req.finish_reason = reason
         return req
 
-
-def _prompt_left(req: Request, num_computed: int) -> int:
-    """Prompt tokens still to compute when `num_computed` tokens are."""
-    return max(0, req.num_prompt_tokens - num_computed)

@@ -4,6 +4,7 @@ each step it hands the runner (`SchedulerOutput`, one `ScheduledChunk` per reque
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from workers.engine.kv_cache.host_tier import NO_COPIES, BlockCopies
@@ -28,6 +29,10 @@ class ScheduledChunk(NamedTuple):
     num_tokens: int
     block_ids: tuple[int, ...]  # the request's whole block table (shared, not copied)
     samples: bool  # the chunk brings the request level: its last logits pick the next token
+    # drafted tokens verified by this chunk (its last len(draft) positions; a decode's first
+    # position is the request's last token): every position samples, the drafted tokens are
+    # accepted while the target samples them (`workers.engine.speculative`)
+    draft: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -43,5 +48,43 @@ class SchedulerOutput:
         return sum(1 for c in self.chunks if c.num_tokens == 1)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft) for c in self.chunks)
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+# Prompt-logprobs requests' prefill chunks compute a row of logits per token (tokens × vocab
+# floats, then their log-softmax): at most this many rows a step, over all of them, so a step
+# stays within the memory the profile measured (`workers.engine.memory_profile`; a chunk of
+# 8192 rows of a 128k vocabulary would need 4 GiB twice over).
+PROMPT_LOGPROB_TOKENS_PER_STEP = 512
+
+
+def takes_logprob_rows(req: Request) -> bool:
+    """A prompt-logprobs request still in its prompt: its chunk counts against the step's
+    prompt-logprob rows."""
+    return req.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens
+
+def prompt_left(req: Request, num_computed: int) -> int:
+    """Prompt tokens still to compute when `num_computed` tokens are."""
+    return max(0, req.num_prompt_tokens - num_computed)
+
+
+def adapter_fits(req: Request, running: Iterable[Request], max_loras: int) -> bool:
+    """Whether `req` can join the `running` requests without their LoRA adapters outnumbering
+    the model's slots (`max_loras`): a step runs them all at once."""
+    if req.lora_name is None:
+        return True
+    loaded = {r.lora_name for r in running} - {None}
+    return req.lora_name in loaded or len(loaded) < max_loras
+
+
+def prompt_logprob_rows(req: Request, start: int, num_tokens: int) -> int:
+    """How many rows of a chunk of `num_tokens` from `start` predict a prompt token (position p
+    predicts token p + 1)."""
+    if req.prompt_logprobs is None:
+        return 0
+    return max(0, min(start + num_tokens, req.num_prompt_tokens - 1) - start)

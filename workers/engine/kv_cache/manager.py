@@ -203,6 +203,18 @@ class KVCacheManager:
                         req.all_token_ids[done * size:full * size])
         self._num_cached_blocks[rid] = full
 
+    def trim(self, req: Request) -> None:
+        """Return the request's blocks wholly past its tokens (a speculative step's rejected
+        positions: their KV is never read, nor cached)."""
+        blocks = self._blocks.get(req.request_id)
+        keep = self.num_blocks_for(req.num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.release([b for b in extra[::-1] if b is not None])
+        self._tables[req.request_id] = _table(blocks)
+
     def free(self, req: Request) -> None:
         """Return every block the request holds (tail first: its last blocks evict first)."""
         blocks = self._blocks.pop(req.request_id, [])

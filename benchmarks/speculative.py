@@ -1,0 +1,183 @@
+"""Speculative decoding on the real model (SmolLM2-135M-Instruct), served by `cleave serve
+--in-process`: output tokens/s with n-gram drafts against none, two servers started side by side
+and measured in alternation (the order flips each round), at 1, 8 and 32 concurrent streams, on
+two workloads of real text: `repeat` (the answer repeats or edits code and prose in the prompt)
+and `chat` (open questions). Greedy, so the two servers' texts must match exactly (reported).
+
+The bound it is compared against is the same server without speculation, in the same run:
+`<workload>_<streams>_ratio` = tokens/s with speculation / without. Targets (issue 48): >= 1.8x
+at one stream on `repeat`; >= 0.95x at 32 streams (the back-off).
+
+    python benchmarks/speculative.py [--rounds 2] [--streams 1 8 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from typing import Any
+
+import httpx
+from results_io import RESULTS, command_line, emit
+from serving_ray import CLEAVE, ServerProcess, free_ports
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+
+CODE = [
+    ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+     "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
+     "    return sum((v - m) ** 2 for v in values) / len(values)\n"),
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+     "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+     "    def is_empty(self):\n        return not self.items\n"),
+    ("import json\n\n\ndef load(path):\n    with open(path) as f:\n"
+     "        return json.load(f)\n\n\ndef save(path, data):\n"
+     "    with open(path, 'w') as f:\n        json.dump(data, f, indent=2)\n"),
+]
+PROSE = [
+    ("The river runs through the old town, past the market and the stone bridge. In the "
+     "morning the fishermen bring their boats to the bank, and by noon the market is full of "
+     "people buying bread, fish and vegetables."),
+    ("Photosynthesis is the process by which plants use sunlight, water and carbon dioxide to "
+     "make glucose and oxygen. It takes place in the chloroplasts, which contain chlorophyll, "
+     "the green pigment that absorbs light."),
+]
+REPEAT = ([f"Repeat this code exactly, then stop:\n\n{c}" for c in CODE]
+          + [f"Fix the indentation of this code and print it:\n\n{c}" for c in CODE[:1]]
+          + [f"Repeat this paragraph word for word:\n\n{p}" for p in PROSE])
+CHAT = ["Tell me about the history of Rome.", "What are some tips for learning to cook?",
+        "Why is the sky blue?", "Write a short story about a dog who finds a key.",
+        "How do airplanes fly?", "What should I pack for a week of hiking?"]
+WORKLOADS = {"repeat": REPEAT, "chat": CHAT}
+MAX_TOKENS = {"repeat": 128, "chat": 96}
+
+
+class Server(ServerProcess):
+    """`cleave serve --in-process` of SmolLM2 on the CPU, with `speculative` or none."""
+
+    def __init__(self, speculative: dict | None) -> None:
+        self.http_port, grpc_port = free_ports(2)
+        self.command = [CLEAVE, "serve", "--in-process", "--model", "smollm2", "--device", "cpu",
+                        "--port", str(self.http_port), "--grpc-port", str(grpc_port),
+                        "--served-model-name", "smollm2", "--max-num-seqs", "64"]
+        if speculative is not None:
+            self.command += ["--speculative-config", json.dumps(speculative)]
+
+    def start(self, timeout_s: float = 600.0) -> Server:
+        self._spawn()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"cleave serve exited: {self.stderr_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).json().get("healthy_workers"):
+                    return self
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"cleave serve not ready within {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        self._terminate(60.0)
+
+
+async def _load(url: str, prompts: list[str], max_tokens: int, streams: int,
+                num_requests: int) -> dict[str, Any]:
+    """`num_requests` greedy chat requests over `streams` concurrent streams; tokens/s and the
+    texts (by request index)."""
+    queue = list(range(num_requests))
+    texts: dict[int, str] = {}
+    tokens = drafted = accepted = 0
+
+    async def stream(client: httpx.AsyncClient) -> None:
+        nonlocal tokens, drafted, accepted
+        while queue:
+            i = queue.pop(0)
+            body = {"model": "smollm2", "max_tokens": max_tokens, "temperature": 0.0,
+                    "messages": [{"role": "user", "content": prompts[i % len(prompts)]}]}
+            reply = (await client.post(f"{url}/v1/chat/completions", json=body)).json()
+            texts[i] = reply["choices"][0]["message"]["content"]
+            usage = reply["usage"]
+            tokens += usage["completion_tokens"]
+            spec = usage.get("speculative_tokens", {})
+            drafted += spec.get("drafted", 0)
+            accepted += spec.get("accepted", 0)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(stream(client) for _ in range(streams)))
+        seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "drafted": drafted, "accepted": accepted, "texts": texts}
+
+
+def _requests_for(streams: int) -> int:
+    return max(4, streams)
+
+
+def run(rounds: int, stream_counts: list[int]) -> dict[str, Any]:
+    servers = {"none": Server(None), "ngram": Server(NGRAM)}
+    for server in servers.values():
+        server.start()
+    try:
+        runs: dict[str, dict[str, list[dict]]] = {}
+        for name, prompts in WORKLOADS.items():
+            for streams in stream_counts:
+                key = f"{name}_{streams}"
+                runs[key] = {"none": [], "ngram": []}
+                # one request of each to warm both servers (compiled kernels, caches)
+                for server in servers.values():
+                    asyncio.run(_load(server.base_url, prompts, 8, 1, 1))
+                for r in range(rounds):
+                    order = ["none", "ngram"] if r % 2 == 0 else ["ngram", "none"]
+                    for mode in order:
+                        runs[key][mode].append(asyncio.run(_load(
+                            servers[mode].base_url, prompts, MAX_TOKENS[name], streams,
+                            _requests_for(streams))))
+                print(key, {m: [round(x["tokens_per_s"], 1) for x in v]
+                            for m, v in runs[key].items()}, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return _summary(runs)
+
+
+def _summary(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, modes in runs.items():
+        base = statistics.median(x["tokens_per_s"] for x in modes["none"])
+        spec = statistics.median(x["tokens_per_s"] for x in modes["ngram"])
+        drafted = sum(x["drafted"] for x in modes["ngram"])
+        accepted = sum(x["accepted"] for x in modes["ngram"])
+        steps = sum(x["tokens"] for x in modes["ngram"])
+        result[key] = {
+            "none_tokens_per_s": round(base, 2), "ngram_tokens_per_s": round(spec, 2),
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "drafted_tokens": drafted, "accepted_tokens": accepted,
+            # tokens per verified step is not seen from outside; accepted per output token is
+            "accepted_per_output_token": round(accepted / steps, 3) if steps else None,
+            "same_texts": all(a["texts"] == b["texts"]
+                              for a, b in zip(modes["none"], modes["ngram"]))}
+        result[f"{key}_ratio"] = round(spec / base, 3)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
+    args = parser.parse_args(argv)
+    result = run(args.rounds, args.streams)
+    result["speculative_config"] = NGRAM
+    result["command"] = command_line(argv)
+    result["targets"] = {"repeat_1_ratio": ">= 1.8", "repeat_32_ratio and chat_32_ratio": ">= 0.95"}
+    return emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Speculative decoding: the scheduler's drafts and blocks, and outputs identical to decoding
+without speculation (greedy and seeded, every sampling option, mixed batches, chunked prefill,
+preemption, a KV handoff) with n-gram drafts on several families and the real model, and with a
+truncated copy of the target as the draft."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.workers.factories import create_request, create_scheduler
+from workers import LLM, SamplingParams
+from workers.contract.protocol import WorkerRequest
+from workers.engine.speculative.config import parse_speculative_config
+from workers.engine.speculative.drafter import NgramDrafter
+from workers.serving.connector import Connector
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                    "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+                    "disable_by_batch_size": 8})
+# token-id prompts with repeats (n-gram drafts find matches from the first step)
+PROMPTS = [[5, 6, 7, 8, 9] * 4, list(range(10, 60)), [40, 41, 42, 40, 41, 42, 40, 41],
+           [3, 4] * 9]
+
+
+def pair(model: str, **options: object) -> tuple[LLM, LLM]:
+    """Two engines of `model` with `options`: without speculation, and with n-gram drafts."""
+    return LLM(model, **options), LLM(model, speculative_config=NGRAM, **options)
+
+
+def texts(outputs) -> list[tuple]:
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+             o.outputs[0].stop_reason) for o in outputs]
+
+
+# ---- the pieces -------------------------------------------------------------------------------
+
+def test_ngram_copies_what_followed_the_latest_match_of_the_longest_suffix():
+    drafter = NgramDrafter(min_n=1, max_n=3)
+    assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]
+    assert drafter.propose([1, 2, 3, 9, 1, 2, 3], 4) == [9, 1, 2, 3]
+    assert drafter.propose([5, 6, 7], 3) == []  # no earlier occurrence
+    assert NgramDrafter(min_n=2, max_n=2).propose([4, 1, 4, 2, 1], 3) == []  # "2 1" unseen
+
+
+def test_speculative_config_names_what_is_wrong():
+    assert parse_speculative_config(None) is None
+    assert parse_speculative_config(NGRAM).num_speculative_tokens == 4
+    for text, words in [('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+                        ('{"method": "ngram"}', "num_speculative_tokens"),
+                        ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "'k'"),
+                        ("ngram", "JSON object")]:
+        with pytest.raises(ValueError, match=words):
+            parse_speculative_config(text)
+
+
+def test_a_draft_joins_a_decode_chunk_and_rejected_positions_blocks_are_returned():
+    sched = create_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=16)
+    req = create_request("a", [1, 2, 3, 4, 5, 6], max_tokens=10)
+    sched.add(req)
+    sched.update(sched.schedule(), {"a": 7})  # the prompt; 7 sampled
+    req.draft_token_ids = [8, 9, 10, 11, 12]
+    out = sched.schedule()
+    (chunk,) = out.chunks
+    assert (chunk.start, chunk.num_tokens, chunk.draft) == (6, 6, (8, 9, 10, 11, 12))
+    assert len(sched.kv.block_ids("a")) == 3  # positions 6..11
+    sched.update(out, {"a": 20}, {"a": [8]})  # 8 accepted, 9 rejected: 20 sampled there
+    assert req.output_token_ids == [7, 8, 20]
+    assert req.num_computed_tokens == 8  # 7 and 8: the rejected positions' KV is not counted
+    assert len(sched.kv.block_ids("a")) == 3  # 9 tokens: the third block holds the last one
+    assert (req.num_draft_tokens, req.num_accepted_tokens) == (5, 1)
+    req.draft_token_ids = [1]
+    out = sched.schedule()
+    sched.update(out, {"a": 30}, {"a": []})
+    assert req.num_computed_tokens == 9 and len(sched.kv.block_ids("a")) == 3
+    # the prefix cache holds the blocks of accepted tokens only
+    assert sched.kv.pool.num_cached_blocks == 2
+
+
+def test_a_draft_is_dropped_rather_than_preempt_and_cut_to_the_budget():
+    sched = create_scheduler(num_blocks=2, block_size=4, max_num_batched_tokens=16)
+    a = create_request("a", [1, 2, 3, 4, 5, 6], max_tokens=10)
+    sched.add(a)
+    sched.update(sched.schedule(), {"a": 7})
+    a.draft_token_ids = [8, 9, 10]  # needs a third block: none free
+    (chunk,) = sched.schedule().chunks
+    assert chunk.num_tokens == 1 and chunk.draft == () and sched.num_preemptions == 0
+    tight = create_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=3)
+    b = create_request("b", [1, 2], max_tokens=10)
+    tight.add(b)
+    tight.update(tight.schedule(), {"b": 7})
+    b.draft_token_ids = [8, 9, 10, 11]
+    (chunk,) = tight.schedule().chunks
+    assert chunk.draft == (8, 9) and chunk.num_tokens == 3
+
+
+def test_a_stop_token_among_accepted_tokens_ends_the_request_there():
+    sched = create_scheduler(num_blocks=8, block_size=4)
+    req = create_request("a", [1, 2, 3], max_tokens=10, stop_token_ids=[9])
+    sched.add(req)
+    sched.update(sched.schedule(), {"a": 7})
+    req.draft_token_ids = [8, 9, 10]
+    sched.update(sched.schedule(), {"a": 11}, {"a": [8, 9, 10]})
+    assert req.output_token_ids == [7, 8, 9] and req.is_finished and req.stop_reason == 9
+    assert sched.kv.pool.num_free_blocks == 8
+
+
+# ---- exactness against decoding without speculation --------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mixtral", "deepseek_v3"])
+def test_greedy_is_identical_in_mixed_batches_with_chunked_prefill_and_preemption(
+        arch, tmp_path_factory):
+    from workers.models.make_model import make_model
+
+    model = str(make_model(tmp_path_factory.mktemp(arch), arch=arch, preset="tiny"))
+    # 24 blocks of 4 for 4 requests of up to 60 tokens: preemptions; 32-token steps: the
+    # 50-token prompt is prefilled in chunks beside the others' verifications
+    base, spec = pair(model, block_size=4, num_blocks=24, max_num_batched_tokens=32)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                             speculative=i != 1) for i in range(len(PROMPTS))]
+    want = base.generate(PROMPTS, params)
+    got = spec.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = spec.engine.stats()
+    assert stats.num_accepted_tokens > 0, "no drafted token was accepted: nothing verified"
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tiny_model) -> tuple[LLM, LLM]:
+    return pair(tiny_model, num_blocks=256)
+
+
+def test_every_sampling_option_behaves_as_without_speculation(llama_pair):
+    base, spec = llama_pair
+    plain = base.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=30,
+                                                       ignore_eos=True))[0].outputs[0]
+    stop_text = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 3]
+    eos = plain.token_ids[12]  # a token it emits: as EOS it ends it, after min_tokens
+    cases = [dict(logprobs=3), dict(stop=[stop_text]), dict(stop_token_ids=[eos]),
+             dict(stop_token_ids=[eos], min_tokens=20), dict(max_tokens=7),
+             dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+             dict(logit_bias={plain.token_ids[3]: 5.0, plain.token_ids[5]: -100.0}),
+             dict(stop=[stop_text], include_stop_str_in_output=True, logprobs=1)]
+    params = [SamplingParams(**{"temperature": 0.0, "max_tokens": 30, "ignore_eos": True,
+                                **case}) for case in cases]
+    prompts = [PROMPTS[0]] * len(cases)
+    want, got = base.generate(prompts, params), spec.generate(prompts, params)
+    assert texts(got) == texts(want)
+    for w, g in zip(want, got):
+        wl, gl = w.outputs[0].logprobs, g.outputs[0].logprobs
+        assert (wl is None) == (gl is None)
+        for a, b in zip(wl or (), gl or ()):
+            assert a.token_id == b.token_id and a.top.keys() == b.top.keys()
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert len(gl or g.outputs[0].token_ids) == len(g.outputs[0].token_ids)
+    assert want[1].outputs[0].finish_reason.value == "stop"  # the stop string was met
+    assert spec.engine.stats().num_accepted_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_same_positions(llama_pair):
+    base, spec = llama_pair
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40,
+                            ignore_eos=True)
+    first = spec.generate(PROMPTS, params)
+    again = spec.generate(PROMPTS, params)
+    assert texts(first) == texts(again)
+    # a drafted token is accepted when the target samples it, with the seed of its output
+    # position: the very tokens decoding one at a time samples
+    assert texts(first) == texts(base.generate(PROMPTS, params))
+
+
+DRAFT_MODEL = json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
+                          "draft_num_layers": 1, "min_acceptance_rate": 0.0,
+                          "disable_by_batch_size": 8})
+
+
+def test_a_truncated_draft_model_is_exact_in_mixed_batches_with_preemption(tiny_model):
+    base = LLM(tiny_model, block_size=4, num_blocks=24, max_num_batched_tokens=32)
+    spec = LLM(tiny_model, block_size=4, num_blocks=24, max_num_batched_tokens=32,
+               speculative_config=DRAFT_MODEL)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                             repetition_penalty=1.2),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
+    assert texts(got) == texts(want)
+    stats = spec.engine.stats()
+    assert stats.speculative_method == "draft_model" and stats.num_accepted_tokens > 0
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("config", [NGRAM, DRAFT_MODEL], ids=["ngram", "draft_model"])
+def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_model, config):
+    prompt = PROMPTS[0] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = LLM(tiny_model, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    prefill = LLM(tiny_model, num_blocks=64).engine
+    req = WorkerRequest("x", tuple(prompt), params)
+    prefill.generate(req)
+    first = prefill.step()[0].token_ids[0]
+    # the draft model's KV for the prompt is the target's first layers': it came with the pull
+    decode = LLM(tiny_model, num_blocks=64, speculative_config=config).engine
+    dst_blocks = Connector(decode).decode_from_handoff(req, first)
+    src_blocks = prefill.block_ids("x")[:len(dst_blocks)]
+    for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
+        dst_cache[:, dst_blocks] = src_cache[:, src_blocks]
+    prefill.abort("x")
+    Connector(decode).kv_landed("x")
+    tokens = [first]
+    while decode.has_unfinished():
+        for event in decode.step():
+            tokens += event.token_ids
+    assert tokens == want
+    assert decode.stats().num_accepted_tokens > 0
+
+
+def test_the_batch_size_back_off_stops_drafting(tiny_model):
+    config = json.dumps({**json.loads(NGRAM), "disable_by_batch_size": 2})
+    llm = LLM(tiny_model, num_blocks=256, speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate(PROMPTS[:3], params)
+    assert llm.engine.stats().num_draft_tokens == 0
+    llm.generate(PROMPTS[:1], params)
+    assert llm.engine.stats().num_draft_tokens > 0
+
+
+def test_usage_counts_drafted_and_accepted_tokens_per_sample(llama_pair):
+    _, spec = llama_pair
+    events = []
+    spec.engine.generate(WorkerRequest("u", tuple(PROMPTS[0]), SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True)))
+    while spec.engine.has_unfinished():
+        events += spec.engine.step()
+    last = events[-1]
+    assert last.finish_reason is not None
+    assert 0 < last.num_accepted_tokens <= last.num_draft_tokens
+    assert sum(len(e.token_ids) for e in events) == 24
+    assert len(events) < 24  # several tokens an event: fewer steps than tokens
+
+
+def test_the_real_model_greedy_is_identical(tmp_path_factory):
+    from tests.workers.smollm2 import smollm2_gguf
+
+    path = str(smollm2_gguf())
+    base, spec = pair(path, block_size=16, num_blocks=64, max_num_batched_tokens=64)
+    tok = base.tokenizer
+    text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    prompts = [tok.encode(f"Repeat this code exactly:\n{text}\nHere it is:\n"),
+               tok.encode("The capital of France is"), tok.encode("List the numbers 1 to 20:")]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, speculative=i != 1)
+              for i in range(3)]
+    want, got = base.generate(prompts, params), spec.generate(prompts, params)
+    assert texts(got) == texts(want)
+    assert spec.engine.stats().num_accepted_tokens > 10

@@ -1,0 +1,7 @@
+"""Speculative decoding: drafts of a few tokens per request, verified in one target forward.
+
+`config` (torch-free) parses `--speculative-config`; `drafter` holds the methods that propose
+tokens (`Drafter`); `speculator` is the per-step policy that decides which requests draft and
+how many tokens (the back-off); `verify` turns a verification step's sampled rows into the
+accepted tokens; `rejection` is the acceptance rule for a draft with probabilities.
+"""

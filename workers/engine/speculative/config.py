@@ -1,0 +1,69 @@
+"""`--speculative-config`: vLLM's JSON shape, parsed and validated into one frozen record.
+Torch-free (the engine's config validates it at construction)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How a server drafts. Keys as vLLM's `--speculative-config` spells them; the back-off's
+    two keys are Cleave's (vLLM's `disable_by_batch_size` kept its name)."""
+
+    method: str  # "ngram": prompt lookup; "draft_model": a truncated copy of the target
+    num_speculative_tokens: int  # tokens drafted per request per step at most
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the request's tokens
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix that counts as a match
+    # draft_model: the target's first layers the draft keeps (with its final norm and head)
+    draft_num_layers: int = 1
+    # no request drafts in a step with more running requests than this: verification costs
+    # k + 1 positions a request, and on the CPU a verifying step leaves the fused decode path
+    # (`workers.models.fused_layer` takes decode rows only); 8 streams of SmolLM2 measured
+    # 0.47x with drafting (benchmarks/results/speculative.json)
+    disable_by_batch_size: int = 2
+    # a request whose recent acceptance falls below this stops drafting for a while
+    min_acceptance_rate: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got "
+                             f"{self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "draft_num_layers", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got "
+                                 f"{value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} "
+                             f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError(f"speculative_config min_acceptance_rate must be in [0, 1], got "
+                             f"{self.min_acceptance_rate!r}")
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """The record of a `--speculative-config` JSON object; None for None or "" (no
+    speculation). ValueError naming the bad key or value."""
+    if not text:
+        return None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative_config must be a JSON object, got {text!r}: {exc}") \
+            from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"speculative_config has unknown keys {unknown}; expected some of "
+                         f"{sorted(known)}")
+    for name in ("method", "num_speculative_tokens"):
+        if name not in raw:
+            raise ValueError(f"speculative_config needs {name!r}, got {text!r}")
+    return SpeculativeConfig(**raw)

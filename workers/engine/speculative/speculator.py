@@ -1,0 +1,146 @@
+"""When to speculate: the per-step policy that sets each running request's draft.
+
+Before each step the engine asks the speculator to `propose`: every running request gets its
+`draft_token_ids` for the step (empty: it decodes one token as without speculation). A request
+drafts when it is decoding (its prompt computed), asked for speculation, is not constrained by
+a grammar and is not a prefill-only request. Back-off, measured per request and per step:
+no request drafts while more than `disable_by_batch_size` run, and a request whose recent
+acceptance rate fell below `min_acceptance_rate` pauses drafting for a number of its steps that
+doubles each time it backs off again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.parallel.local import LocalExecutor
+from workers.engine.request import Request, RequestStatus
+from workers.engine.runner import ModelRunner
+from workers.engine.speculative.draft_model import TruncatedDraft
+from workers.engine.speculative.config import SpeculativeConfig
+from workers.engine.speculative.drafter import Drafter, NgramDrafter
+
+EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
+MAX_PAUSE_STEPS = 64  # a backed-off request tries drafting again at least this often
+
+
+class NoSpeculation:
+    """The speculator of a server without speculation: nothing drafts."""
+
+    method: str | None = None
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Nothing: drafts stay empty."""
+
+
+@dataclass
+class _Backoff:
+    rate: float = 1.0  # recent acceptance rate (an average over drafting steps)
+    seen_drafted: int = 0  # the request's counters when last looked at
+    seen_accepted: int = 0
+    pause: int = 0  # decode steps left without drafting
+    next_pause: int = 2  # the pause of the next back-off
+
+
+class Speculator:
+    """Sets running requests' drafts from `drafter` (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.method: str | None = drafter.name
+        self.max_model_len = max_model_len
+        self._backoff: weakref.WeakKeyDictionary[Request, _Backoff] = (
+            weakref.WeakKeyDictionary())
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Set `draft_token_ids` of every request in `running` for the next step."""
+        if len(running) > self.config.disable_by_batch_size:
+            for req in running:
+                req.draft_token_ids = []
+            return
+        for req in running:
+            k = self._num_to_draft(req)
+            req.draft_token_ids = (self.drafter.propose(req.all_token_ids, k)
+                                   if k > 0 and self._may_draft(req) else [])
+
+    def _num_to_draft(self, req: Request) -> int:
+        """Tokens the request may draft now: 0 unless it is decoding and wants speculation;
+        fewer near `max_tokens` (a step appends up to k + 1) and the context's end."""
+        if (req.status is not RequestStatus.RUNNING or not req.params.speculative
+                or req.grammar is not None or req.hold_kv
+                or req.num_computed_tokens != req.num_tokens - 1):
+            return 0
+        return min(self.config.num_speculative_tokens,
+                   req.params.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens)
+
+    def _may_draft(self, req: Request) -> bool:
+        """The acceptance back-off: folds the request's last verified step into its average,
+        and says whether it drafts this step."""
+        state = self._backoff.get(req)
+        if state is None:
+            state = self._backoff[req] = _Backoff()
+        drafted = req.num_draft_tokens - state.seen_drafted
+        if drafted:
+            accepted = req.num_accepted_tokens - state.seen_accepted
+            state.seen_drafted, state.seen_accepted = req.num_draft_tokens, req.num_accepted_tokens
+            state.rate = (1 - EMA_WEIGHT) * state.rate + EMA_WEIGHT * accepted / drafted
+            if state.rate < self.config.min_acceptance_rate:
+                state.pause, state.next_pause = (state.next_pause,
+                                                 min(2 * state.next_pause, MAX_PAUSE_STEPS))
+                state.rate = 1.0  # tried afresh after the pause
+        if state.pause:
+            state.pause -= 1
+            return False
+        return True
+
+
+class DraftModelSpeculator(Speculator):
+    """Drafts with a model, batched over the drafting requests (greedy ones only: a sampled
+    request decodes without speculation, until the draft's probabilities reach the
+    verification, `workers.engine.speculative.rejection`). The slots of a request's drafted
+    positions are allocated before the draft writes them; none free: it does not draft."""
+
+    def __init__(self, config: SpeculativeConfig, draft: TruncatedDraft, kv: KVCacheManager,
+                 max_model_len: int) -> None:
+        self.config, self.draft, self.kv = config, draft, kv
+        self.method = draft.name
+        self.max_model_len = max_model_len
+        self._backoff = weakref.WeakKeyDictionary()
+
+    def propose(self, running: Sequence[Request]) -> None:
+        reqs: list[Request] = []
+        ks: list[int] = []
+        for req in running:
+            req.draft_token_ids = []
+            if len(running) > self.config.disable_by_batch_size or not req.params.greedy:
+                continue
+            k = self._num_to_draft(req)
+            if k > 0 and self._may_draft(req) and self.kv.allocate_slots(req, 1 + k):
+                reqs.append(req)
+                ks.append(k)
+        drafts = self.draft.propose(reqs, ks, [self.kv.block_table(r.request_id) for r in reqs])
+        for req, draft in zip(reqs, drafts):
+            req.draft_token_ids = draft
+
+
+def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
+                     runner: ModelRunner, kv: KVCacheManager) -> Speculator | NoSpeculation:
+    """The speculator `config` asks for (`NoSpeculation` for None); a draft model drafts on
+    `runner`'s model and KV cache (one rank in this process)."""
+    if config is None:
+        return NoSpeculation()
+    if config.method == "ngram":
+        return Speculator(config, NgramDrafter(config.prompt_lookup_min,
+                                               config.prompt_lookup_max), max_model_len)
+    executor = runner.executor
+    if not isinstance(executor, LocalExecutor):
+        raise ValueError(f"a draft model needs the target in this process, got "
+                         f"{type(executor).__name__}")
+    draft = TruncatedDraft(executor.model, executor.caches, runner.device,
+                           runner.spec.block_size, config.draft_num_layers)
+    return DraftModelSpeculator(config, draft, kv, max_model_len)

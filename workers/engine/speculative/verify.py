@@ -1,0 +1,79 @@
+"""A verification step's sampling: each drafting request samples k + 1 rows in one step, row j
+as if its first j drafted tokens were already its output, so each row passes through exactly
+the sampling of one-at-a-time decoding (penalties over the tokens before it, min_tokens, the
+seed of its output position, logit_bias); then the drafted tokens are accepted while the
+target sampled them, and the first token it sampled otherwise (or after the last draft)
+follows them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, cast
+
+from workers.engine.request import Request
+
+
+class DraftRow:
+    """Request `base` seen after its first `j` drafted tokens (`draft[:j]`), as the sampler and
+    the logit adjuster read a request (its token lists are built only when read)."""
+
+    def __init__(self, base: Request, draft: Sequence[int], j: int) -> None:
+        self.base = base
+        self._extra = list(draft[:j])
+        self.request_id = base.request_id
+        self.params = base.params
+        self.eos_token_ids = base.eos_token_ids
+        self.grammar = None  # constrained requests do not draft
+        self.num_output_tokens = base.num_output_tokens + j
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.base.output_token_ids + self._extra
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.base.all_token_ids + self._extra
+
+
+def sampling_rows(req: Request, draft: Sequence[int]) -> list[Request]:
+    """The k + 1 rows request `req` samples to verify `draft` (k tokens): itself, then itself
+    after each drafted prefix."""
+    # a DraftRow has every attribute the sampler and the logit adjuster read of a Request
+    return [req, *cast(list[Request], [DraftRow(req, draft, j)
+                                       for j in range(1, len(draft) + 1)])]
+
+
+def num_accepted(draft: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many leading drafted tokens the target sampled too (`sampled`: its k + 1 rows)."""
+    m = 0
+    while m < len(draft) and sampled[m] == draft[m]:
+        m += 1
+    return m
+
+
+class RowSpan(NamedTuple):
+    """One request's rows of a step's sampling: its new tokens are those of rows
+    [first, first + num_accepted] (the accepted drafted tokens, then the last one)."""
+
+    request_id: str
+    first: int
+    num_accepted: int  # drafted tokens accepted (0 for a request that did not draft)
+    num_drafted: int
+
+
+def row_spans(rows: Sequence[Request], drafts: dict[int, tuple[int, ...]],
+              tokens: Sequence[int]) -> list[RowSpan]:
+    """Each sampling request's span of the step's sampling `rows` and their `tokens`;
+    `drafts`: the first row of each verifying request -> its draft."""
+    if len(tokens) != len(rows):
+        raise RuntimeError(f"{len(tokens)} tokens sampled for {len(rows)} rows")
+    spans: list[RowSpan] = []
+    i = 0
+    while i < len(rows):
+        draft = drafts.get(i, ())
+        width = len(draft) + 1
+        spans.append(RowSpan(rows[i].request_id, i,
+                             num_accepted(draft, tokens[i:i + width]), len(draft)))
+        i += width
+    return spans
