@@ -125,13 +125,15 @@ def _margin(top: dict[int, float]) -> float:
 
 
 @torch.no_grad()
-def run_transformers(folder: Path, passages: list[list[int]], args: argparse.Namespace,
+def run_transformers(gguf: Path, passages: list[list[int]], args: argparse.Namespace,
                      reference: list[qm.Rows]) -> dict:
-    """The oracle: transformers on the same (dequantized) weights, fp32, the same measures."""
+    """The oracle: transformers' reading of the same GGUF file (dequantized to fp32), the same
+    measures."""
     from transformers import AutoModelForCausalLM
 
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32).eval()
     rows, logprobs, greedy = [], [], []
     for ids, ref in zip(passages, reference):
         logits = model(torch.tensor([ids])).logits[0].float()
@@ -169,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help=f"comma-separated, of {', '.join(v for v in VARIANTS if v != 'fp32')}")
-    parser.add_argument("--passages", type=int, default=50, help="the corpus's first N")
-    parser.add_argument("--tokens", type=int, default=192, help="a passage's first N tokens")
+    parser.add_argument("--passages", type=int, default=30, help="the corpus's first N (of 56)")
+    parser.add_argument("--tokens", type=int, default=160, help="a passage's first N tokens")
     parser.add_argument("--chunk", type=int, default=32, help="prefill chunk; scored from it")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32, help="greedy tokens per prompt")
@@ -190,8 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.torch_threads)
 
     gguf = smollm2_gguf()
-    needed = {VARIANTS[v][0] for v in names} | ({"fp32"} if not args.no_transformers else set())
-    paths = checkpoints(gguf, needed)
+    paths = checkpoints(gguf, {VARIANTS[v][0] for v in names})
     corpus = load_corpus()[:args.passages]
     passages = _tokenize(gguf, corpus, args.tokens)
     ref = run_cleave(gguf, VARIANTS["fp32"][1], passages, args, None)
@@ -204,12 +205,14 @@ def main(argv: list[str] | None = None) -> dict:
             "tail_mass_outside_top_k": qm.reference_tail_mass(ref["rows"], args.chunk),
             "seconds": round(ref["seconds"], 1)},
         "variants": {}, "command": command_line(argv)}
+    print(f"fp32 (the reference): {result['reference']}", flush=True)
     if not args.no_transformers:
-        oracle = run_transformers(paths["fp32"], passages, args, ref["rows"])
+        oracle = run_transformers(gguf, passages, args, ref["rows"])
         cmp = compare(oracle, ref, args)  # Cleave fp32 as the variant of transformers
         cmp["seconds"] = round(oracle["seconds"], 1)  # the oracle's own
         result["fp32_vs_transformers"] = cmp
         result["fp32_vs_transformers_perplexity_ratio"] = cmp["perplexity_ratio"]
+        print(f"fp32 against transformers: {cmp}", flush=True)
     for name in names:
         source, options = VARIANTS[name]
         cmp = compare(ref, run_cleave(paths[source], options, passages, args, ref["rows"]), args)
