@@ -30,7 +30,8 @@ TOPICS = ("assert", "assignment", "async", "attribute-access", "binary", "boolea
           "truth", "try", "while", "with", "yield")
 FUNCTIONS = ("textwrap:dedent", "textwrap:TextWrapper._wrap_chunks", "heapq:nlargest",
              "heapq:merge", "ast:literal_eval", "functools:total_ordering",
-             "shlex:split", "fnmatch:translate", "pprint:PrettyPrinter._format", "argparse:ArgumentParser.parse_known_args",
+             "shlex:split", "fnmatch:translate", "pprint:PrettyPrinter._format",
+             "argparse:ArgumentParser.parse_known_args",
              "collections:Counter.most_common", "statistics:median", "difflib:get_close_matches",
              "string:capwords")
 LICENSES = (("the PSF license that ships with CPython", "LICENSE.txt", 200),
