@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 
@@ -158,6 +159,46 @@ def test_an_abort_while_a_prefix_is_reserved_for_a_request_frees_it(pair, run, m
         assert await _nothing_held(src) == {}
 
     run(go())
+
+
+def test_an_abort_behind_a_hung_step_frees_the_prefix_reserved_for_its_request(pair, run,
+                                                                              monkeypatch):
+    """The soak's path, with no hook in the op: a step hangs (its `step_stall`), the router
+    gives up on the requests queued behind it and aborts them, and one of them was waiting
+    for the step's end to reserve blocks for the prefix it pulls."""
+    src, dst = pair
+    rid = "behind-a-hung-step"
+    entered, gate = threading.Event(), threading.Event()
+
+    async def go() -> None:
+        handoff = await dispatch(src, ExportPrefix(rid, _hashes(PROMPT)))
+        reader = await _running(dst, "hung")
+        real = dst.engine.step
+
+        def hung_step():
+            entered.set()
+            gate.wait(10.0)
+            return real()
+
+        monkeypatch.setattr(dst.engine, "step", hung_step)
+        assert await asyncio.to_thread(entered.wait, 10.0)  # the step thread hangs now
+        req = WorkerRequest(rid, PROMPT + (5, 6, 7), GREEDY)
+        dst.submit("router", [Generate(req, PrefixFetch(handoff, _hashes(PROMPT)))])
+        await asyncio.sleep(0.05)  # its pull waits to reserve blocks, behind the step
+        assert dst.resources()["pulls"] == 1 and dst.engine.kv.ledger.num_held == 0
+        dst.submit("router", [Abort(rid)])
+        reader.cancel()
+        gate.set()
+        monkeypatch.setattr(dst.engine, "step", real)
+        await asyncio.gather(reader, return_exceptions=True)
+        assert await _nothing_held(dst) == {}
+        src.transfer.cancel(f"{rid}#prefix")
+        assert await _nothing_held(src) == {}
+
+    try:
+        run(go())
+    finally:
+        gate.set()
 
 
 async def _running(worker: Worker, rid: str) -> asyncio.Task[list[int]]:
