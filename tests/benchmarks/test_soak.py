@@ -12,8 +12,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from tests.benchmarks.conftest import BENCHMARKS
 
 
@@ -37,15 +35,9 @@ def test_soak_subset_ends_every_request_and_leaves_nothing_behind(tmp_path, tiny
                                                 for f in result["faults_skipped"]}
     assert server_faults <= injected, result["faults_by_kind"]
     assert len(result["faults_skipped"]) <= 1, result["faults_skipped"]
+    assert result["blocks_leaked"] == 0, result["workers_settled"]
+    assert result["leases_outstanding"] == 0
     assert result["engine_actors_alive"] == 4  # killed ones replaced, none left over
     assert result["shm_files_left"] == []
     assert result["ray_processes_left"] == 0
     assert result["router_slots_held_after"] == 0
-    if result["blocks_leaked"] or result["leases_outstanding"]:
-        # Known defect, open (2026-11-28): since the issue-46 rebuild, 2 of 4 soak runs ended
-        # with one decode worker holding blocks past the 120 s settle window (54 blocks under 4
-        # leases or held handoffs; 20 under 1), nothing running there; which fault path leaves
-        # them is not found yet. An expected failure with the figures until it is fixed; every
-        # other check above and below stays strict.
-        pytest.xfail(f"{result['blocks_leaked']} blocks and {result['leases_outstanding']} "
-                     f"leases left after the soak: {result['workers_settled']}")

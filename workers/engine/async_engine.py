@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -123,10 +124,11 @@ class AsyncEngine:
         assert self._wakeup is not None
         self._wakeup.set()
 
-    async def apply(self, fn: Callable[[], T]) -> T:
+    async def apply(self, fn: Callable[[], T], undo: Callable[[T], object] | None = None) -> T:
         """Run `fn` between two steps and return its result or raise its error: it sees the
-        engine at rest (the KV event log, the prefix cache). If the caller is cancelled, `fn`
-        still runs."""
+        engine at rest (the KV event log, the prefix cache). If the caller is cancelled (a
+        deadline, an abort, a lost connection), `fn` still runs and `undo(result)` after it,
+        between steps: an `fn` that holds blocks for its caller to hand on needs one."""
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def op() -> None:
@@ -135,12 +137,20 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 -- handed to the caller, who raises it
                 if not done.done():
                     done.set_exception(exc)
-            else:
-                if not done.done():
-                    done.set_result(result)
+                return
+            if not done.done():
+                done.set_result(result)
+            elif undo is not None:  # the caller is gone: nobody takes the result
+                undo(result)
 
         self.apply_soon(op)
-        return await done
+        try:
+            return await done
+        except asyncio.CancelledError:
+            ran = done.done() and not done.cancelled() and done.exception() is None
+            if undo is not None and ran:  # cancelled once `fn` ran: its result is dropped
+                self.apply_soon(functools.partial(undo, done.result()))
+            raise
 
     def start(self, request_id: str, num_samples: int, add: Callable[[], object],
               sink: Sink, params: SamplingParams | None = None) -> None:

@@ -69,7 +69,17 @@ class AsyncConnector:
 
     async def pause(self, request_id: str, moved: BaseException) -> list[PausedHere]:
         """Stop a running request between steps, its blocks held (`Connector.pause`); its sink
-        then gets `moved` as its failure, after every event it produced here."""
-        result = await self.engine.apply(lambda: self.connector.pause(request_id))
-        self.engine.routes.fail(request_id, moved)
+        then gets `moved` as its failure, after every event it produced here. A caller gone
+        before the answer (nobody offers the held blocks): they are freed, and the sink fails
+        with an engine error instead, so the router continues the request elsewhere."""
+        connector, routes = self.connector, self.engine.routes
+
+        def let_go(paused: list[PausedHere]) -> None:
+            for p in paused:
+                connector.free_held(p.sample_id)
+            routes.fail(request_id, RuntimeError(
+                f"request {request_id!r} was paused for a live migration whose caller gave up"))
+
+        result = await self.engine.apply(lambda: connector.pause(request_id), undo=let_go)
+        routes.fail(request_id, moved)
         return result

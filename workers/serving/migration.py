@@ -66,8 +66,14 @@ class Migrations:
         """Step 1: offer each running sample's full computed blocks, by sample index (a sample
         with none yet is left out)."""
         await self.transfer.agents()
-        block_ids = await self.engine.apply(lambda: self.connector.export_running(
-            request_id, lambda index: hold_id(request_id, index)))
+        connector = self.connector
+
+        def let_go(held: dict[int, list[int]]) -> None:  # the caller gone before the offer
+            for index in held:
+                connector.free_held(hold_id(request_id, index))
+
+        block_ids = await self.engine.apply(lambda: connector.export_running(
+            request_id, lambda index: hold_id(request_id, index)), undo=let_go)
         self._exported[request_id] = {i: len(ids) for i, ids in block_ids.items()}
         return {i: self.transfer.offer(hold_id(request_id, i), ids, reader_tp_size)
                 for i, ids in block_ids.items() if ids}

@@ -59,8 +59,11 @@ class PrefixFetcher:
             raise ValueError(f"reader_tp_size must be at least 1, got {reader_tp_size}")
         await self.transfer.agents()
         hid = hold_id(request_id)
+        connector = self.connector
+        # a caller gone before the offer (no lease ends the hold then): let go at once
         block_ids = await self.engine.apply(
-            lambda: self.connector.export_prefix(hid, list(block_hashes)))
+            lambda: connector.export_prefix(hid, list(block_hashes)),
+            undo=lambda _: connector.free_held(hid))
         if not block_ids:
             return None
         # no await from the hold to the offer: a lease is what frees the blocks
@@ -92,8 +95,9 @@ class PrefixFetcher:
         start = time.perf_counter()
         try:
             pull = await self.transfer.puller(hid, fetch.handoff)
-            block_ids = await self.engine.apply(
-                lambda: connector.reserve_prefix(hid, num_blocks))
+            block_ids = await self.engine.apply(  # a caller gone before the pull: let go
+                lambda: connector.reserve_prefix(hid, num_blocks),
+                undo=lambda _: connector.free_held(hid))
         except (KVPullFailed, KVCacheFull) as exc:
             self._failed(request_id, exc)
             return 0
