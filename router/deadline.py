@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from router.counters import RouterCounters
 from router.errors import BadRequestError, OverloadedError
 from router.loads import LoadTable
 
@@ -75,3 +76,19 @@ def refuse_late(deadline_s: float, pools: Sequence[LoadTable], prompt_tokens: in
 
 __all__ = ["TTFT_HEADER", "predicted_ttft_s", "refuse_late", "ttft_deadline_s",
            "within_deadline"]
+
+
+def pools_within(deadline_s: float, prefill: LoadTable, decode: LoadTable, prompt_tokens: int,
+                 retry_after_s: int, counters: RouterCounters) -> tuple[LoadTable, LoadTable]:
+    """The pools narrowed to the workers predicted to give the first token within
+    `deadline_s` (the decode pool stays whole when none of it is, for the handoffs of the
+    prefill workers that are); 429 before any work when none is (counted in `counters`). With
+    no healthy worker at all, the pools as they are: the routing answers (503)."""
+    fast_prefill = within_deadline(deadline_s, prefill, prompt_tokens)
+    fast_decode = within_deadline(deadline_s, decode, prompt_tokens)
+    if fast_prefill or fast_decode:
+        return fast_prefill, fast_decode or decode
+    if not any(p.healthy[p.rows].any() for p in (prefill, decode)):
+        return prefill, decode
+    counters.num_refused_deadline += 1
+    raise refuse_late(deadline_s, (prefill, decode), prompt_tokens, retry_after_s)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
-from router.deadline import refuse_late, within_deadline
+from router.deadline import pools_within
 from router.decode_policy import DecodePick, DecodePolicy, get_decode_policy
 from router.errors import (
     BadRequestError,
@@ -120,8 +120,9 @@ class Orchestrator:
         self._admit(prefill_loads or decode_loads)
         split = bool(prefill_loads)
         if ttft_deadline_s is not None:  # only the workers that can meet it (else 429)
-            prefill_loads, decode_loads = self._within(req, ttft_deadline_s, prefill_loads,
-                                                       decode_loads)
+            prefill_loads, decode_loads = pools_within(
+                ttft_deadline_s, prefill_loads, decode_loads, len(req.prompt_token_ids),
+                self.config.retry_after_s, self.counters)
         if not prefill_loads:  # an aggregated deployment, or no prefill worker in time
             return await self._aggregated(req, hashes, decode_loads,
                                           "deadline" if split else None)
@@ -169,22 +170,6 @@ class Orchestrator:
             f"{cfg.max_waiting_per_worker} requests or {cfg.max_pending_tokens_per_worker} "
             f"prompt tokens waiting); retry after {cfg.retry_after_s} s",
             headers={"Retry-After": str(cfg.retry_after_s)})
-
-    def _within(self, req: WorkerRequest, deadline_s: float, prefill: LoadTable,
-                decode: LoadTable) -> tuple[LoadTable, LoadTable]:
-        """The pools narrowed to the workers predicted to give the first token within
-        `deadline_s` (`router.deadline`; the decode pool stays whole when none of it is, for
-        the handoffs of the prefill workers that are); 429 before any work when none is. With
-        no healthy worker at all, the routing answers (503)."""
-        tokens = len(req.prompt_token_ids)
-        fast_prefill = within_deadline(deadline_s, prefill, tokens)
-        fast_decode = within_deadline(deadline_s, decode, tokens)
-        if fast_prefill or fast_decode:
-            return fast_prefill, fast_decode or decode
-        if not any(p.healthy[p.rows].any() for p in (prefill, decode)):
-            return prefill, decode
-        self.counters.num_refused_deadline += 1
-        raise refuse_late(deadline_s, (prefill, decode), tokens, self.config.retry_after_s)
 
     def _pick_decode(self, hashes: Sequence[int], loads: LoadTable) -> DecodePick:
         try:

@@ -30,8 +30,7 @@ from router.openai.common import (
     usage,
 )
 from router.openai.protocol import ChatCompletionRequest, ChatMessage
-from router.openai.reasoning import PARSERS as REASONING_PARSERS
-from router.openai.reasoning import ReasoningFormat, ReasoningStream
+from router.openai.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
 from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.openai.tool_calls import ToolCallStream, message_with_calls, tool_call_format
 from router.openai.tool_parsers import ToolCallFormat
@@ -108,7 +107,8 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
         gen = await router.generate(ids, params, body.cache_salt, frontend="http",
                                     ttft_deadline_s=deadline)
         yield STREAMING
-        chunks = _Chunks(gen, body, fmt, meta, tool_format, reasoning_format(router))
+        chunks = _Chunks(gen, body, fmt, meta, tool_format,
+                         reasoning_format(router.config.reasoning_parser))
         try:
             yield chunks.opening()
             async for event in gen.events():
@@ -133,12 +133,6 @@ def chat_sampling(router: Router, body: ChatCompletionRequest,
     if tool_format is not None:
         params = _force_call(body, tool_format, params)
     return params, tool_format
-
-
-def reasoning_format(router: Router) -> ReasoningFormat | None:
-    """The format this model's reasoning is read in (None: all output is the answer)."""
-    name = router.config.reasoning_parser
-    return None if name is None else REASONING_PARSERS[name]
 
 
 def _tool_format(router: Router, body: ChatCompletionRequest) -> ToolCallFormat | None:
@@ -185,7 +179,7 @@ async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int],
                 choice.stop_reason = event.stop_reason
     finally:
         await gen.aclose()
-    out, thinking = [], reasoning_format(router)
+    out, thinking = [], reasoning_format(router.config.reasoning_parser)
     for k, c in enumerate(choices):
         reasoning, answer = ("", c.content) if thinking is None else \
             thinking.split(c.content)[:2]

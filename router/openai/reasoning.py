@@ -58,6 +58,12 @@ PARSERS: dict[str, ReasoningFormat] = {
 }
 
 
+def reasoning_format(parser: str | None) -> ReasoningFormat | None:
+    """The format a `reasoning_parser` setting reads reasoning in (None: all output is the
+    answer)."""
+    return None if parser is None else PARSERS[parser]
+
+
 class ReasoningStream:
     """One streamed choice's text, split as it arrives: `feed` and `finish` return
     (reasoning, answer) pieces, which add up to `fmt.split(whole text)`."""

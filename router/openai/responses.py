@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse, Response
 
 from router.app import Router
 from router.errors import BadRequestError
-from router.openai.chat import chat_prompt, chat_sampling, long_chat, reasoning_format
+from router.openai.chat import chat_prompt, chat_sampling, long_chat
+from router.openai.reasoning import reasoning_format
 from router.openai.common import STREAMING, Streaming, parse_body, respond, until_disconnected
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.response_events import OutputStream, new_id
@@ -121,7 +122,7 @@ async def _answer(router: Router, request: Request, chat: ChatCompletionRequest,
             chat_prompt(router, chat)
         router.check_prompt(ids, param="messages")
         params, tool_format = chat_sampling(router, chat, len(ids))
-        out = OutputStream(reasoning_format(router), tool_format)
+        out = OutputStream(reasoning_format(router.config.reasoning_parser), tool_format)
         if not chat.stream:
             gen = await router.generate(ids, params, None, frontend="http")
             yield await until_disconnected(request, _collect(gen, out, made))
