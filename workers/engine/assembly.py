@@ -55,7 +55,8 @@ def load_local_model(config: EngineConfig, model_config: ModelConfig, dtype: tor
     return load_model(config.model, model_config, dtype=dtype, device=device,
                       attn_backend=get_backend(config.resolved_attention_backend),
                       load_format=config.load_format, seed=config.seed,
-                      fp32_int_kernels=config.fp32_int_kernels)
+                      fp32_int_kernels=config.fp32_int_kernels,
+                      gguf_packed=config.gguf_packed)
 
 
 def kv_cache_spec(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype) -> KVCacheSpec:

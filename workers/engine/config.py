@@ -118,6 +118,12 @@ class EngineConfig:
         "weights packed for Cleave's int kernels (activations quantized to int8 in the kernel; "
         "1.3-2.1x a bfloat16 engine's decode step on the small preset) instead of dequantizing "
         "them to fp32, the faithful reference."))
+    # packed is the faster on the CPU (`benchmarks/gguf_packed.py`); dequantized at load is the
+    # reference transformers' GGUF loading matches to fp32 1e-4 (packed: up to the order of sums)
+    gguf_packed: bool = setting(True, (
+        "A GGUF file's Q8_0, Q4_0 and Q4_1 weights stay packed on the CPU as the file stores "
+        "them (the tied output projection and embedding included), read by Cleave's block "
+        "kernels; off: dequantized to the model's dtype at load. GPUs always dequantize."))
     # workers.models.lora: PEFT adapters on the base model, several in one step
     enable_lora: bool = setting(False, (
         "Serve LoRA adapters on the base model (one rank per replica), each under its own "

@@ -1,13 +1,14 @@
 """A decode step's Llama decoder layers in one C call on the CPU (`csrc/decoder_layer.c`): for a
 few fp32 rows, every layer's norms, projections, RoPE, K/V write, paged attention and MLP, by
 the kernels the unfused path calls one by one from Python (norm_rope, small_gemm, int_gemm,
-paged_decode), linked into one library, so the results are that path's bit for bit.
+gguf_gemm, paged_decode), linked into one library, so the results are that path's bit for bit.
 
 Decided once, at load (`use_fused_decoder_stack`): a stack takes it when every layer is a plain
 Llama layer on the CPU in fp32 whose projections are fp32 weights carrying the small-batch
 kernels or int8/int4 ones packed for the VNNI kernels (`EngineConfig.fp32_int_kernels`; int8
 without zero points: the unfused layer subtracts those in torch; the MLP's activation product
-then by `small_gemm.act_and_mul`'s C code, fused or not), no biases, no q/k norm, no attention
+then by `small_gemm.act_and_mul`'s C code, fused or not) or a GGUF file's Q8_0/Q4_0/Q4_1 blocks
+(`EngineConfig.gguf_packed`, likewise), no biases, no q/k norm, no attention
 sinks, one tensor-parallel rank and the `cpu` attention backend (a sliding window is fine: the
 attention kernel takes one). bf16 activations are refused: the stack's arithmetic is fp32.
 Per step (`FusedDecoderStack.takes`): all the batch's rows decodes, at most `MAX_ROWS` of them
@@ -41,13 +42,16 @@ from workers.attention.backend import AttentionMetadata
 from workers.models.attention import LlamaAttention
 from workers.models.layers import RMSNorm
 from workers.kernels.native import build_library, loads
+from workers.kernels import gguf_gemm as gguf_kernels
 from workers.kernels import int_gemm as int_kernels
+from workers.quant.gguf_packed import GGUFMatmul
 from workers.quant.linear import QuantizedMatmul
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parents[1] / "kernels" / "csrc" / "decoder_layer.c"
-LINKED = (norm_rope.SOURCE, small_gemm.SOURCE, int_kernels.SOURCE, cpu_backend.SOURCE)
+LINKED = (norm_rope.SOURCE, small_gemm.SOURCE, int_kernels.SOURCE, gguf_kernels.SOURCE,
+          cpu_backend.SOURCE)
 MAX_ROWS = small_gemm.MAX_ROWS[torch.float32]  # the fused MLP's and the fp32 matmul's limit
 # a stack with int8/int4 projections: the rows the VNNI kernels are built for (more are
 # compute-bound there; the layers one by one give them to `QuantizedMatmul`'s choice)
@@ -56,7 +60,8 @@ _ERRORS = {-1: (IndexError, "a position is outside a layer's rotary cache"),
            -2: (IndexError, "a slot is outside the KV cache"),
            -3: (MemoryError, "the fused decoder layers could not allocate their scratch"),
            -4: (RuntimeError, "an int8/int4 kernel of the fused decoder layers failed")}
-DENSE, INT8, INT4 = 0, 1, 2  # a projection's kind
+DENSE, INT8, INT4 = 0, 1, 2  # a projection's kind; then a GGUF file's blocks, by type
+GGUF_KINDS = {name: 3 + kind for name, (kind, _) in gguf_kernels.TYPES.items()}
 
 
 class Proj(ctypes.Structure):
@@ -110,6 +115,8 @@ def _fusable(layer: Any) -> bool:
         return False
     if isinstance(layer.matmul, QuantizedMatmul):
         return layer.matmul.c_callable
+    if isinstance(layer.matmul, GGUFMatmul):
+        return True
     if not isinstance(layer.matmul, small_gemm.SmallBatchMatmul):
         return False  # torch's linear
     w = layer.weight
@@ -119,6 +126,8 @@ def _fusable(layer: Any) -> bool:
 def _proj(layer: Any) -> Proj:
     """The C struct of a projection `_fusable` takes."""
     matmul = layer.matmul
+    if isinstance(matmul, GGUFMatmul):
+        return Proj(layer.weight.data_ptr(), None, None, 0, GGUF_KINDS[matmul.ggml_type], 0)
     if not isinstance(matmul, QuantizedMatmul):
         return Proj(layer.weight.data_ptr(), None, None, 0, DENSE, 0)
     if matmul.kernel == "int8":
@@ -142,8 +151,8 @@ def refusal(layer: Any, layer_type: type[Any], mlp_type: type[Any]
     if dtype != torch.float32:  # packed int8/int4 weights in a bf16 model are not fp32 rows
         return f"{dtype} activations, not fp32"
     if not (_fusable(attn.qkv_proj) and _fusable(attn.o_proj)):
-        return ("q/k/v or o_proj is not a dense fp32 CPU weight or a VNNI-packed int8/int4 one "
-                "without zero points (int8), without bias on one rank")
+        return ("q/k/v or o_proj is not a dense fp32 CPU weight, GGUF blocks or a VNNI-packed "
+                "int8/int4 one without zero points (int8), without bias on one rank")
     if type(mlp) is not mlp_type or mlp.small_batch is None:
         return "the MLP does not take the fused small-batch MLP kernel (dense or packed)"
     if attn.qk_norm or attn.sinks is not None or attn.rope_in_backend:

@@ -6,14 +6,16 @@ family's q/k rows come back from llama.cpp's RoPE layout (`hf_row_order`), Gemma
 the one added to them. Quantized blocks are dequantized once, tensor by tensor, to fp32
 (`gguf.quants.dequantize`); `load_weights` casts each into the model's dtype.
 
-`raw_tensors` yields every tensor with its GGML type and its blocks as the file stores them:
-the hook for a path that keeps Q8_0/Q4_x blocks packed (rows reorder blocks whole, so
-`hf_row_order` applies to packed rows too).
+`raw_tensors` yields every tensor with its GGML type and its blocks as the file stores them.
+On the CPU (`EngineConfig.gguf_packed`), `keep_packed` gives the layers whose tensors are all
+Q8_0, Q4_0 or Q4_1 packed weights (`workers.quant.gguf_packed`) before the file is read, and
+`checkpoint_tensors(..., packed)` yields those tensors' blocks as uint8 rows [rows, row bytes] (rows
+reorder blocks whole, so `hf_row_order` applies to packed rows too), the rest dequantized.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +25,8 @@ import torch
 from workers.models.checkpoint_shapes import hf_weight_shapes
 from workers.models.gguf_config import ROPE_FREQS, GGUFFamily, family_of, tensor_infos
 from workers.models.model_config import ModelConfig
+from workers.quant import gguf_packed
+from workers.quant.linear import QuantizableModel, checkpoint_names
 from workers.tokenizer.gguf_file import GGUFError, GGUFMetadata, open_gguf
 
 # the GGML types the dequantized path reads (others are refused before the model is built)
@@ -109,14 +113,54 @@ def raw_tensors(path: str | Path, config: ModelConfig) -> Iterator[RawGGUFTensor
                             hf_row_order(hf_name, config, family))
 
 
-def dequantized_weights(path: str | Path, config: ModelConfig
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, fp32 CPU tensor) for every checkpoint tensor, one at a time: the values the
-    file stores, as the HF checkpoint it was converted from holds them."""
+def keep_packed(model: QuantizableModel, path: str | Path, config: ModelConfig,
+                dtype: torch.dtype, layer_types: tuple[type, ...]) -> set[str]:
+    """Gives every layer of `layer_types` in `model` (linear layers, vocabulary tables) whose
+    checkpoint tensors in the file are all of one packed type (`gguf_packed.PACKED_TYPES`) a
+    packed weight (`gguf_packed.pack_layer`), and a tied output projection its embedding's.
+    Returns the HF names of the tensors to load as blocks (`checkpoint_tensors`' `packed`)."""
+    reader = open_gguf(path)
+    meta = GGUFMetadata(reader, Path(path))
+    names = hf_names(config, family_of(meta), meta.architecture)
+    types = {names[name]: info.ggml_type for name, info in tensor_infos(reader).items()
+             if name in names}
+    kept: set[str] = set()
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if not isinstance(module, layer_types):
+            continue
+        parts = [f"{part}.weight" for part in checkpoint_names(model, name)]
+        kinds = {types.get(part) for part in parts}
+        if len(kinds) != 1:
+            continue
+        (kind,) = kinds
+        if kind is None or not gguf_packed.packable(module, kind):
+            continue
+        gguf_packed.pack_layer(module, kind, dtype)
+        kept.update(parts)
+    lm_head, embedding = modules.get("lm_head"), modules.get("model.embed_tokens")
+    if getattr(lm_head, "tied", False) and "model.embed_tokens.weight" in kept:
+        gguf_packed.tie_packed(lm_head, embedding)
+    return kept
+
+
+def checkpoint_tensors(path: str | Path, config: ModelConfig, packed: Collection[str] = ()
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every checkpoint tensor, one at a time: those named in
+    `packed` as their blocks, uint8 [rows, row bytes] in HF row order; the others fp32, the
+    values the file stores, as the HF checkpoint it was converted from holds them."""
     import gguf
 
     family = family_of(GGUFMetadata(open_gguf(path), Path(path)))
     for raw in raw_tensors(path, config):
+        if raw.hf_name in packed:
+            if raw.ggml_type not in gguf_packed.PACKED_TYPES:
+                raise GGUFError(f"tensor {raw.gguf_name!r} is {raw.ggml_type}, not a packed "
+                                f"type {list(gguf_packed.PACKED_TYPES)}")
+            blocks = np.asarray(raw.data, dtype=np.uint8)
+            blocks = blocks[raw.row_order] if raw.row_order is not None else blocks.copy()
+            yield raw.hf_name, torch.from_numpy(blocks)
+            continue
         values = gguf.quants.dequantize(raw.data, gguf.GGMLQuantizationType[raw.ggml_type])
         values = np.array(values, dtype=np.float32).reshape(raw.shape)  # a copy: writable
         if raw.row_order is not None:

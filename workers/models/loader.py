@@ -23,7 +23,7 @@ from workers.models.model_config import ModelConfig
 from workers.models.registry import get_model_class
 from workers.models.layers import LINEAR_LAYERS, Shard, WeightShapeError
 from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
-from workers.models.vocab import ParallelLMHead
+from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 from workers.quant.decode import QuantizedTensorError, decode_checkpoint
 from workers.quant.linear import prepare_layers, quantize_layers
 from workers.quant.scheme import QuantScheme
@@ -53,16 +53,18 @@ def load_model(
     tp_size: int = 1,
     shard: Shard | None = None,
     fp32_int_kernels: bool = False,
+    gguf_packed: bool = True,
 ) -> LlamaForCausalLM:
     """Returns the model for `config` on `device` in `dtype`, in eval mode, weights loaded.
 
     `load_format`: "auto" reads `path`, a safetensors folder or a GGUF file (or a folder holding
-    one: dequantized at load, `workers.models.gguf_weights`); "safetensors" reads a folder's
+    one: `workers.models.gguf_weights`); "safetensors" reads a folder's
     safetensors files; "dummy" ignores `path` and draws the weights
     `random_weights(config, seed)` would give (the ones `make_model` writes for that seed).
     `shard` (overrides tp_rank/tp_size): the TP group, pipeline stage and expert split.
     `fp32_int_kernels`: in fp32, int8/int4 weights stay packed for the VNNI kernels
-    (`EngineConfig.fp32_int_kernels`).
+    (`EngineConfig.fp32_int_kernels`). `gguf_packed`: a GGUF file's Q8_0/Q4_0/Q4_1 weights
+    stay packed on the CPU (one rank; `EngineConfig.gguf_packed`), else dequantized at load.
     Raises WeightLoadError when the checkpoint does not fit; no half-loaded model escapes.
     """
     if load_format not in LOAD_FORMATS:
@@ -84,7 +86,8 @@ def load_model(
             if source is None:
                 model.load_weights(random_weights(config, seed))
             elif isinstance(source, Path):
-                _load_gguf(model, source, config)
+                packed = gguf_packed and torch.device(device).type == "cpu"
+                _load_gguf(model, source, config, dtype if packed else None)
             else:
                 _load_safetensors(model, source, Path(path), scheme, kept)  # type: ignore[arg-type]  # files: path set
     except WeightLoadError as e:
@@ -168,9 +171,14 @@ def _weights_source(path: str | Path | None, config: ModelConfig,
     return gguf_file
 
 
-def _load_gguf(model: LlamaForCausalLM, file: Path, config: ModelConfig) -> None:
+def _load_gguf(model: LlamaForCausalLM, file: Path, config: ModelConfig,
+               packed_dtype: torch.dtype | None) -> None:
+    """`packed_dtype`: the model's dtype, when Q8_0/Q4_0/Q4_1 weights stay packed; None:
+    every tensor dequantized."""
     try:
-        loaded = model.load_weights(gguf_weights.dequantized_weights(file, config))
+        packed = set() if packed_dtype is None else gguf_weights.keep_packed(
+            model, file, config, packed_dtype, (*LINEAR_LAYERS, VocabParallelEmbedding))
+        loaded = model.load_weights(gguf_weights.checkpoint_tensors(file, config, packed))
     except (GGUFError, WeightShapeError, KeyError) as e:
         raise WeightLoadError(f"GGUF file {str(file)!r}: {e.args[0]}") from None
     _check_all_loaded(model, loaded, f"GGUF file {str(file)!r}")

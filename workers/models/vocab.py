@@ -4,6 +4,7 @@ tensor-parallel ranks."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,14 @@ class VocabParallelEmbedding(nn.Module):
             param.data[size:].zero_()
         _sharded_copy(param, loaded_weight, 0, self.vocab_start, size)
 
+    # the rows of a table held packed, (table, input_ids) -> rows in the model's dtype
+    # (workers.quant.gguf_packed); None: `weight` is the table itself
+    lookup: Callable[..., torch.Tensor] | None = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [num_tokens] -> [num_tokens, embedding_dim]
+        if self.lookup is not None:
+            return self.lookup(self, input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)

@@ -28,9 +28,10 @@
 #include "bf16.h"
 #include "kernels.h"
 
-/* One projection's weight [N, K]: dense fp32 rows (small_gemm_f32), or int8 / int4 blocked by
+/* One projection's weight [N, K]: dense fp32 rows (small_gemm_f32), int8 / int4 blocked by
  * workers/kernels/int_gemm.py for int_gemm.c (fp32 activations in and out: the unfused
- * layer's `QuantizedMatmul` with fp32 rows makes the same call). */
+ * layer's `QuantizedMatmul` with fp32 rows makes the same call), or a GGUF file's Q8_0 / Q4_0 /
+ * Q4_1 rows for gguf_gemm.c (the unfused layer's `GGUFMatmul` makes the same call). */
 typedef struct {
     const void *w;
     const void *scales;    /* int8: fp32 [N]; int4: [tiles, groups, 4], bf16 when scales_bf16 */
@@ -39,7 +40,7 @@ typedef struct {
     int32_t kind, scales_bf16;
 } proj_t;
 
-enum { DENSE = 0, INT8 = 1, INT4 = 2 };
+enum { DENSE = 0, INT8 = 1, INT4 = 2, GGUF_Q8_0 = 3, GGUF_Q4_0 = 4, GGUF_Q4_1 = 5 };
 
 /* One layer's weights and settings, fixed at load (workers/models/fused_layer.py `Layer` mirrors it). */
 typedef struct {
@@ -76,6 +77,8 @@ static int matmul(const proj_t *p, const float *x, float *y, int64_t M, int64_t 
         small_gemm_f32(x, p->w, y, M, N, K, nt);
     else if (p->kind == INT8)
         rc = int8_gemm(x, 0, p->w, p->scales, y, 0, M, N, K, nt);
+    else if (p->kind >= GGUF_Q8_0)
+        rc = gguf_gemm(x, p->w, p->kind - GGUF_Q8_0, y, M, N, K, nt);
     else
         rc = int4_gemm(x, 0, p->w, p->scales, p->scales_bf16, p->offsets, y, 0, M, N, K,
                        p->group, nt);

@@ -27,6 +27,12 @@ int int4_gemm(const void *x, int x_bf16, const uint8_t *w, const void *scales, i
               const float *offsets, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
               int64_t group, int num_threads);
 
+/* gguf_gemm.c */
+int gguf_gemm(const float *x, const uint8_t *w, int type, float *y, int64_t M, int64_t N,
+              int64_t K, int num_threads);
+int gguf_dequant(const uint8_t *w, int type, int64_t K, const int64_t *rows, int64_t start,
+                 int64_t count, float *out, int num_threads);
+
 /* attention/csrc/paged_decode.c */
 int paged_decode_f32(const float *q, const void *k, const void *v, const float *sinks,
                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,

@@ -1,0 +1,107 @@
+"""Layers whose weights stay GGUF Q8_0 / Q4_0 / Q4_1 blocks on the CPU, as the file stores them.
+
+`pack_layer` runs on a freshly built model before its GGUF file is read: the layer's `weight`
+becomes a uint8 parameter [N, K / 32 * block bytes] (each row its blocks, as in the file; the
+layer's own weight loader fills it, since the loaders place rows by `param.shape[1:]`), and
+its `matmul` (or, for an embedding table, its `lookup`) reads those blocks
+(`workers.kernels.gguf_gemm`). A tied output projection shares the embedding's packed table.
+
+Kernels: up to `DECODE_ROWS` rows of x (a decode step's), the block kernel, which reads the
+weight once for all rows; more (a prefill's), the weight dequantized a tile of rows at a time
+and torch's fp32 matmul. Both give dequantize-then-matmul's result up to the order of fp32 sums.
+Compared in `benchmarks/gguf_packed.py` with the weights dequantized at load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.kernels import gguf_gemm as gguf_kernels
+
+PACKED_TYPES = tuple(gguf_kernels.TYPES)  # the GGML types kept packed
+# up to this many rows, the block kernel (its time grows with each row: at 8 rows of
+# SmolLM2's 3072 x 576 gate/up it is still ahead of dequantizing the weight per call); more,
+# dequantize-to-tile and torch's matmul
+DECODE_ROWS = 8
+
+
+def packable(module: Any, ggml_type: str) -> bool:
+    """Whether `module` (a linear layer or a vocabulary table, unsharded, not already given a
+    kernel) can hold `ggml_type` blocks."""
+    weight = getattr(module, "weight", None)
+    return (ggml_type in PACKED_TYPES and isinstance(weight, nn.Parameter)
+            and weight.dim() == 2 and weight.shape[1] % gguf_kernels.BLOCK == 0
+            and getattr(module, "tp_size", 1) == 1 and getattr(module, "matmul", None) is None
+            and gguf_kernels.available())
+
+
+def pack_layer(module: Any, ggml_type: str, dtype: torch.dtype) -> None:
+    """Trades `module.weight` [N, K] for a uint8 one [N, row bytes] its loader fills with the
+    file's blocks; gives the layer `GGUFMatmul` (a linear layer, an output projection) or
+    `GGUFLookup` (an input embedding: anything with `num_embeddings` and no `compute_logits`).
+    `dtype`: the model's activations, which the kernels return."""
+    if not packable(module, ggml_type):
+        raise ValueError(f"{type(module).__name__} cannot hold {ggml_type} blocks (packed "
+                         f"types {list(PACKED_TYPES)}, K a multiple of "
+                         f"{gguf_kernels.BLOCK}, one rank)")
+    n, k = module.weight.shape
+    loader = module.weight.weight_loader
+    packed = nn.Parameter(torch.empty(n, gguf_kernels.row_bytes(ggml_type, k),
+                                      dtype=torch.uint8), requires_grad=False)
+    packed.weight_loader = loader  # type: ignore[attr-defined]  # as every parameter's
+    del module.weight
+    module.weight = packed
+    if hasattr(module, "num_embeddings") and not hasattr(module, "compute_logits"):
+        module.lookup = GGUFLookup(ggml_type, k, dtype)
+    else:
+        module.matmul = GGUFMatmul(ggml_type, n, k)
+
+
+def tie_packed(lm_head: Any, embedding: Any) -> None:
+    """Points a tied output projection at the embedding's packed table (`pack_layer` replaced
+    the parameter they shared)."""
+    lookup = embedding.lookup
+    if not isinstance(lookup, GGUFLookup):
+        raise ValueError(f"the embedding holds no packed table (lookup {lookup!r})")
+    del lm_head.weight
+    lm_head.weight = embedding.weight
+    lm_head.matmul = GGUFMatmul(lookup.ggml_type, embedding.weight.shape[0], lookup.k)
+
+
+class GGUFMatmul:
+    """y = x W^T for a layer whose W is GGUF blocks (`weight`: uint8 [N, row bytes])."""
+
+    # the fused decoder layers and `small_gemm.PackedMLP` may call its kernel from C
+    c_callable = True
+
+    def __init__(self, ggml_type: str, out_features: int, in_features: int) -> None:
+        self.ggml_type, self.out_features, self.in_features = (
+            ggml_type, out_features, in_features)
+
+    def __call__(self, module: Any, x: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # x: [T, K] -> [T, N] in out_dtype (default x's); fp32 inside
+        w = module.weight
+        if x.shape[0] <= DECODE_ROWS:
+            y = gguf_kernels.gguf_gemm(x, w, self.ggml_type, self.out_features)
+        else:
+            y = gguf_kernels.tiled_mm(x, w, self.ggml_type, self.out_features)
+        out_dtype = out_dtype or x.dtype
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+class GGUFLookup:
+    """Rows of an embedding table held as GGUF blocks, dequantized as they are looked up."""
+
+    def __init__(self, ggml_type: str, k: int, dtype: torch.dtype) -> None:
+        self.ggml_type, self.k, self.dtype = ggml_type, k, dtype
+
+    def __call__(self, module: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, k] in the model's dtype
+        rows = gguf_kernels.dequantize_rows(module.weight, self.ggml_type, self.k,
+                                            ids=input_ids.reshape(-1))
+        rows = rows.view(*input_ids.shape, self.k)
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
