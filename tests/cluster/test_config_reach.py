@@ -34,7 +34,11 @@ from workers.engine.config import EngineConfig
 MODEL = "/models/reach-model"
 POOLS = ("prefill", "decode")
 # values the generic choice cannot make: setting name -> value (as the cluster config holds it)
-VALUES = {"policy_options": {"w_hit": 2.0}, "api_keys": ["test-key"]}
+VALUES = {"policy_options": {"w_hit": 2.0}, "api_keys": ["test-key"],
+          "lora_modules": ["adapter-a=/adapters/a"],
+          "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'}
+# settings another must come with (lora_modules needs enable_lora): setting -> (key, value)
+COMPANIONS = {"lora_modules": ("enable_lora", True)}
 
 
 def _optional(kind: Any) -> Any:
@@ -84,6 +88,9 @@ def config_with(path: tuple[str, ...], value: Any, base: dict[str, Any]) -> dict
         node[path[-1]] = value
         if path[-1] == "ep":  # ep is 1 or tp
             node["tp"] = value
+        if path[-1] in COMPANIONS:
+            key, companion = COMPANIONS[path[-1]]
+            node[key] = companion
     return data
 
 
@@ -137,6 +144,8 @@ def test_a_settings_flag_sets_what_it_says(record, d):
         argv = [flag, str(value)]
     if d.name == "expert_parallel_size":
         argv += ["--tensor-parallel-size", str(value)]
+    if d.name in COMPANIONS:
+        argv += [f"--{COMPANIONS[d.name][0].replace('_', '-')}"]
     parser = argparse.ArgumentParser()
     add_cluster_flags(parser)
     config = config_from_args(parser.parse_args([*argv, "--device", "cpu", "--model", MODEL]))

@@ -58,9 +58,8 @@ def load_model(
     """Returns the model for `config` on `device` in `dtype`, in eval mode, weights loaded.
 
     `load_format`: "auto" reads `path`, a safetensors folder or a GGUF file (or a folder holding
-    one: `workers.models.gguf_weights`); "safetensors" reads a folder's
-    safetensors files; "dummy" ignores `path` and draws the weights
-    `random_weights(config, seed)` would give (the ones `make_model` writes for that seed).
+    one: `workers.models.gguf_weights`); "safetensors" reads a folder's safetensors files;
+    "dummy" ignores `path` and draws `random_weights(config, seed)` (what `make_model` writes).
     `shard` (overrides tp_rank/tp_size): the TP group, pipeline stage and expert split.
     `fp32_int_kernels`: in fp32, int8/int4 weights stay packed for the VNNI kernels
     (`EngineConfig.fp32_int_kernels`). `gguf_packed`: a GGUF file's Q8_0/Q4_0/Q4_1 weights
@@ -98,11 +97,16 @@ def load_model(
         raise WeightLoadError(error)
     if kept:
         prepare_layers(model)
+    _use_cpu_kernels(model)
+    return model.eval()
+
+
+def _use_cpu_kernels(model: LlamaForCausalLM) -> None:
+    """The small-batch matmul and MLP kernels, then the fused decoder stack (which takes the
+    layers whose matmuls and MLP carry their kernels), where they apply."""
     use_small_batch_kernel(model, (*LINEAR_LAYERS, ParallelLMHead))
     use_small_batch_mlp(model, (LlamaMLP,))
-    # after the two above: it takes the layers whose matmuls and MLP carry their kernels
     use_fused_decoder_stack(model, LlamaModel, LlamaDecoderLayer, LlamaMLP)
-    return model.eval()
 
 
 def find_safetensors_files(folder: Path) -> list[Path]:
