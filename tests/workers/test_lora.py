@@ -177,7 +177,7 @@ def test_load_serve_unload(llama_lora):
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_prefix_cache_is_kept_apart_per_adapter(family):
     """The same prompt under two adapters and the base model: no block hits across them; a
-    repeat under the same adapter hits."""
+    repeat under the same adapter hits; an adapter reloaded with other weights does not."""
     path, folders, refs = family
     llm = serve(path, folders, max_loras=2)
     prompt = list(range(20, 45))  # 6 full blocks of 4
@@ -187,3 +187,9 @@ def test_prefix_cache_is_kept_apart_per_adapter(family):
     again = llm.generate([prompt], GREEDY, lora_name="attn")
     assert again[0].num_cached_tokens == 24
     assert_matches(again, ["attn"], [prompt], refs)  # the hit blocks are the adapter's KV
+    # other weights loaded under the same name: the blocks cached under the old ones never hit
+    llm.engine.adapters.unload("attn", [])
+    llm.engine.adapters.load("attn", str(folders["full"]))
+    reloaded = llm.generate([prompt], GREEDY, lora_name="attn")
+    assert reloaded[0].num_cached_tokens == 0
+    assert reloaded[0].outputs[0].token_ids == refs["full", tuple(prompt)].tokens

@@ -42,6 +42,10 @@ class NoAdapters:
     def names(self) -> list[str]:
         return []
 
+    def cache_name(self, lora_name: str | None) -> str | None:
+        """What the prefix cache keys `lora_name`'s blocks by (`Adapters.cache_name`)."""
+        return lora_name
+
     def load(self, name: str, path: str) -> None:
         raise LoraAdapterError(f"cannot load adapter {name!r}: this worker serves no LoRA "
                                "adapters (start it with enable_lora)")
@@ -57,6 +61,7 @@ class Adapters(NoAdapters):
     def __init__(self, slots: AdapterSlots) -> None:
         self.slots = slots
         self.max_loras = slots.max_loras
+        self._loads: dict[str, int] = {}  # adapter name -> times loaded (`cache_name`)
 
     def check(self, lora_name: str | None) -> None:
         if lora_name is not None and lora_name not in self.slots.paths:
@@ -66,6 +71,14 @@ class Adapters(NoAdapters):
 
     def names(self) -> list[str]:
         return self.slots.names()
+
+    def cache_name(self, lora_name: str | None) -> str | None:
+        """What the prefix cache keys `lora_name`'s blocks by: its name, and from its second
+        load on the load's number, so blocks cached under weights since unloaded never hit
+        (the router's index keys by name only: after a reload its predictions for that
+        adapter miss, never the KV)."""
+        loads = self._loads.get(lora_name, 0) if lora_name is not None else 0
+        return lora_name if loads <= 1 else f"{lora_name}#{loads}"
 
     def paths(self) -> dict[str, str]:
         """Adapter name -> the folder it was loaded from."""
@@ -77,6 +90,7 @@ class Adapters(NoAdapters):
         if not name:
             raise LoraAdapterError(f"an adapter needs a name, got {name!r}")
         self.slots.add(name, path)
+        self._loads[name] = self._loads.get(name, 0) + 1
 
     def unload(self, name: str, running: Iterable[Request]) -> None:
         """Forget adapter `name`. KeyError when it is not loaded; `LoraAdapterError` while

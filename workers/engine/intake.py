@@ -72,7 +72,8 @@ class Intake:
         self.adapters.check(req.lora_name)
         sample = Request(sample_id(req.request_id, params.n, index), list(req.prompt_token_ids),
                          sample_params(params, index), self.eos_token_ids,
-                         cache_salt=adapter_salt(req.cache_salt, req.lora_name),
+                         cache_salt=adapter_salt(req.cache_salt,
+                                                 self.adapters.cache_name(req.lora_name)),
                          hold_kv=hold_kv, lora_name=req.lora_name)
         spec = sample.params.structured
         if spec is not None:
