@@ -56,6 +56,11 @@ def cleave_logits(path: Path, prompt: list[int]) -> torch.Tensor:
     config = ModelConfig.from_pretrained(path)
     model = load_model(path, config, dtype=torch.float32, device="cpu",
                        attn_backend=WindowedPromptBackend())
+    return prompt_logits(model, prompt)
+
+
+def prompt_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """A loaded model's logits at every position of `prompt`, in one pass without a cache."""
     n = len(prompt)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
@@ -64,7 +69,7 @@ def cleave_logits(path: Path, prompt: list[int]) -> torch.Tensor:
         max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
     with torch.no_grad():
         hidden = model(torch.tensor(prompt), torch.arange(n),
-                       [torch.empty(0)] * config.num_hidden_layers, meta)
+                       [torch.empty(0)] * len(model.model.layers), meta)
         return model.compute_logits(hidden)
 
 

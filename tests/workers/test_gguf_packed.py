@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.workers.gguf_files import WindowedPromptBackend, write_gguf
+from tests.workers.gguf_files import WindowedPromptBackend, prompt_logits, write_gguf
 from tests.workers.smollm2 import smollm2_gguf
 from workers import LLM, SamplingParams
-from workers.attention.backend import AttentionMetadata
 from workers.kernels import gguf_gemm
 from workers.models.loader import load_model
 from workers.models.make_model import make_model
@@ -116,22 +115,9 @@ def test_packed_logits_follow_the_dequantized_model_in_prefill_and_decode_rows(t
     prompts = ([[3, 17, 99, 4, 250, 8, 61, 7, 12, 200, 33, 5, 90, 41, 18, 77]]  # tiles
                + [[11, 5, 300][:DECODE_ROWS]])  # rows the block kernel takes
     for prompt in prompts:
-        got, want = (_logits(m, prompt) for m in (packed, dequantized))
+        got, want = (prompt_logits(m, prompt) for m in (packed, dequantized))
         assert want.std() > 0.1
         assert (got - want).abs().max().item() <= 1e-4
-
-
-def _logits(model, prompt):
-    n = len(prompt)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32), num_decodes=0, max_query_len=n,
-        max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
-    with torch.no_grad():
-        hidden = model(torch.tensor(prompt), torch.arange(n),
-                       [torch.empty(0)] * len(model.model.layers), meta)
-        return model.compute_logits(hidden)
 
 
 def test_smollm2_served_packed_answers_as_the_dequantized_file_does():
@@ -144,7 +130,7 @@ def test_smollm2_served_packed_answers_as_the_dequantized_file_does():
               for packed in (True, False)]
     # 60 tokens: the prefill's tiles; 8: the block kernel, the output projection's Q8_0 too
     for prompt in (list(range(1000, 1060)), list(range(2000, 2000 + DECODE_ROWS))):
-        got, want = (_logits(m, prompt) for m in models)
+        got, want = (prompt_logits(m, prompt) for m in models)
         diff = (got - want).abs().max().item()
         print(f"SmolLM2 Q4_1 packed vs dequantized, {len(prompt)} rows: max |logit diff| "
               f"{diff:.2e} (std {want.std():.2f})")
