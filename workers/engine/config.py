@@ -126,8 +126,8 @@ class EngineConfig:
         "kernels; off: dequantized to the model's dtype at load. GPUs always dequantize."))
     # workers.models.lora: PEFT adapters on the base model, several in one step
     enable_lora: bool = setting(False, (
-        "Serve LoRA adapters on the base model (one rank per replica), each under its own "
-        "model name."))
+        "Load LoRA adapters on the base model (one rank per replica); requests of the "
+        "offline LLM select one by name (lora_name). The served API does not select them yet."))
     max_loras: int = setting(4, (
         "Adapters in the device's slots at once (a step runs at most this many); the least "
         "recently used is evicted to host memory."), ge=1)
