@@ -35,13 +35,6 @@ MOMENTS = ("while_it_runs", "once_it_ran")
 
 
 @pytest.fixture(scope="module")
-def run():
-    loop = asyncio.new_event_loop()
-    yield lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 60))
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def pair(tiny_model, run):
     """A worker whose prefix cache holds PROMPT's blocks, and one that pulls from it."""
     config = EngineConfig(model=tiny_model, num_blocks=NUM_BLOCKS, max_num_batched_tokens=256)

@@ -55,14 +55,6 @@ async def until_all_free(*workers: Worker, timeout_s: float = 5.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def run():
-    """Run a coroutine on the module's one event loop (the workers' agents live on it)."""
-    loop = asyncio.new_event_loop()
-    yield lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 60))
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def trio(tiny_model, run):
     """A prefill, a decode and an aggregated worker, shared by the module's tests."""
     workers = (make_worker(tiny_model, "p", "prefill", lease_s=5.0),
