@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 
+from router.adapters import ServedAdapters
 from router.config import RouterConfig
 from router.counters import RouterCounters
 from router.embedder import Embedder
@@ -45,7 +46,6 @@ from workers.tokenizer import Tokenizer
 __all__ = ["Admission", "Generation", "Router", "RouterConfig", "RouterCounters"]
 
 logger = logging.getLogger(__name__)
-
 
 TOKENIZE_INLINE_CHARS = 4096  # shorter texts are tokenized on the event loop (~0.1 ms)
 
@@ -89,6 +89,7 @@ class Router:
         self.orchestrator = Orchestrator(self.workers, config, policies, self.counters,
                                          generations)
         self.embedder = Embedder(self.workers, policies.route, config.start_retries)
+        self.adapters = ServedAdapters(self.workers, config.model_name)  # LoRA, by name
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
         self._planner: asyncio.Task[None] | None = None
@@ -104,6 +105,7 @@ class Router:
         and every `kv_poll_interval_s` re-check unreachable workers' health and rebalance
         (`router.rebalance`, when configured)."""
         await self.workers.start()
+        await self.adapters.refresh()
         loop = asyncio.get_running_loop()
         self._checker = loop.create_task(self._recheck_forever())
         if self.slo is not None:
@@ -209,21 +211,27 @@ class Router:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, frontend: str = "other",
-                       ttft_deadline_s: float | None = None) -> Generation:
+                       ttft_deadline_s: float | None = None,
+                       lora_name: str | None = None) -> Generation:
         """Route and start a request (aggregated or split between a prefill and a decode
         worker: `router.orchestrator`); returns once its first token arrived. The request id,
         the key of its blocks and leases on every worker, is made here. Raises
         `BadRequestError` (a worker refused it) or `NoHealthyWorkerError`. `frontend` (http,
         grpc) labels its metrics; errors raised here are for the caller to count
         (`metrics.count_error`). `ttft_deadline_s`: the request's own TTFT target; one no
-        worker is predicted to meet is refused at once (429, `router.deadline`)."""
+        worker is predicted to meet is refused at once (429, `router.deadline`). `lora_name`:
+        the LoRA adapter it runs under (`adapters.resolve`; None: the base model)."""
         started, tr = time.monotonic(), tracing()
         with tr.span("router.start", attributes={"prompt_tokens": len(prompt_token_ids)}):
             req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
-                                cache_salt, traceparent=tr.traceparent())
+                                cache_salt, lora_name, traceparent=tr.traceparent())
             if self.slo is not None:
                 self.slo.arrived(len(prompt_token_ids), params.max_tokens)
-            gen = await self.orchestrator.generate(req, started, frontend, ttft_deadline_s)
+            try:
+                gen = await self.orchestrator.generate(req, started, frontend, ttft_deadline_s)
+            except NotFoundError:  # no such adapter there: unloaded through another replica
+                self.adapters.forget(lora_name or "")
+                raise
             if tr.on:
                 tr.set_attributes({"request_id": req.request_id, "worker": gen.worker_id,
                                    "decode_worker": gen.decode_worker_id or "",

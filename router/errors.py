@@ -44,6 +44,12 @@ class NotFoundError(APIError):
     status, type, code, grpc_code = 404, "invalid_request_error", "model_not_found", "NOT_FOUND"
 
 
+def refused(message: str, param: str | None) -> APIError:
+    """A worker's refusal of a request (`InvalidRequestError`): 404 when it does not serve the
+    model the request names (a LoRA adapter unloaded there), else 400."""
+    return (NotFoundError if param == "model" else BadRequestError)(message, param=param)
+
+
 class ResponseNotFoundError(NotFoundError):
     code = "response_not_found"
 

@@ -36,10 +36,10 @@ from router.counters import RouterCounters
 from router.deadline import pools_within
 from router.decode_policy import DecodePick, DecodePolicy, get_decode_policy
 from router.errors import (
-    BadRequestError,
     NoHealthyWorkerError,
     OverloadedError,
     WorkerUnavailableError,
+    refused,
 )
 from router.failover import DECODE_POOL
 from router.generations import GenerationFactory
@@ -105,8 +105,8 @@ class Orchestrator:
                        ttft_deadline_s: float | None = None) -> Generation:
         """Route and start `req`; returns once its first token arrived. `started`, `frontend`:
         for its metrics (`GenerationFactory.build`); `ttft_deadline_s`: the request's own TTFT
-        target (`router.deadline`). Raises `BadRequestError` (a worker refused it),
-        `OverloadedError` or `NoHealthyWorkerError`."""
+        target (`router.deadline`). Raises `BadRequestError` (a worker refused it;
+        `NotFoundError`: the adapter it names), `OverloadedError` or `NoHealthyWorkerError`."""
         start = await self.start(req, ttft_deadline_s)
         return self.generations.build(req, start, started, frontend)
 
@@ -192,7 +192,7 @@ class Orchestrator:
                     "prefill_worker": prefill.worker_id, "decode_worker": decode_id}):
                 result: PrefillResult = await prefill.prefill(req, d_tp, prefix)
         except InvalidRequestError as exc:
-            raise BadRequestError(exc.message, param=exc.param) from None
+            raise refused(exc.message, exc.param) from None
         except Exception as exc:  # noqa: BLE001 -- any worker failure: try another one
             logger.warning("prefill of %s on %s failed: %r", req.request_id, prefill.worker_id,
                            exc)
@@ -260,7 +260,7 @@ class Orchestrator:
             return await stream.__anext__()
         except InvalidRequestError as exc:
             await stream.aclose()
-            raise BadRequestError(exc.message, param=exc.param) from None
+            raise refused(exc.message, exc.param) from None
         except WorkerUnavailableError:
             await stream.aclose()
             self.workers.mark_unhealthy(worker_id)

@@ -32,6 +32,7 @@ from router.openai.chat import create_chat_completion
 from router.openai.common import TokenStrings
 from router.openai.completions import create_completion
 from router.openai.embeddings import create_embeddings
+from router.openai.lora import load_lora_adapter, model_list, unload_lora_adapter
 from router.openai.response_items import ResponseStore
 from router.openai.responses import create_response, delete_response, get_response
 from router.openai.tokenize import detokenize, tokenize
@@ -171,11 +172,15 @@ async def version() -> dict[str, str]:
 
 
 async def models(request: Request) -> dict[str, Any]:
-    router = _router(request)
-    return {"object": "list", "data": [{
-        "id": router.model_name, "object": "model", "created": router.created,
-        "owned_by": "cleave", "root": router.config.model_path, "parent": None,
-        "max_model_len": router.max_model_len}]}
+    return model_list(_router(request))
+
+
+async def load_adapter(request: Request) -> Any:
+    return await load_lora_adapter(_router(request), request)
+
+
+async def unload_adapter(request: Request) -> Any:
+    return await unload_lora_adapter(_router(request), request)
 
 
 async def completions(request: Request) -> Any:
@@ -224,6 +229,8 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/load_lora_adapter", load_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", unload_adapter, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"])

@@ -82,7 +82,7 @@ async def create_chat_completion(router: Router, tokens: TokenStrings,
     """Validate the body, then answer it (`_answer`), JSON or streamed."""
     body = await parse_body(request, ChatCompletionRequest)
     body.check()
-    router.check_model(body.model)
+    await router.adapters.resolve(body.model)
     router.check_n(body.n)
     return await respond(_answer(router, tokens, request, body))
 
@@ -98,14 +98,15 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
         router.check_prompt(ids, param="messages")
         params, tool_format = chat_sampling(router, body, len(ids))
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": router.model_name}
+                "model": body.model or router.model_name}
         fmt = _Logprobs(tokens, body.logprobs)
         if not body.stream:
             yield await until_disconnected(request, _collect(router, body, ids, params, fmt,
                                                              meta, tool_format, deadline))
             return
         gen = await router.generate(ids, params, body.cache_salt, frontend="http",
-                                    ttft_deadline_s=deadline)
+                                    ttft_deadline_s=deadline,
+                                    lora_name=router.adapters.lora_of(body.model))
         yield STREAMING
         chunks = _Chunks(gen, body, fmt, meta, tool_format,
                          reasoning_format(router.config.reasoning_parser))
@@ -166,7 +167,8 @@ async def _collect(router: Router, body: ChatCompletionRequest, ids: list[int],
                    tool_format: ToolCallFormat | None,
                    deadline: float | None = None) -> JSONResponse:
     gen = await router.generate(ids, params, body.cache_salt, frontend="http",
-                                ttft_deadline_s=deadline)
+                                ttft_deadline_s=deadline,
+                                lora_name=router.adapters.lora_of(body.model))
     choices = [_Choice() for _ in range(body.n)]
     try:
         async for event in gen.events():

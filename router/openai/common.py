@@ -86,13 +86,14 @@ def default_max_tokens(router: Router, requested: int | None, prompt_len: int) -
 
 async def start_all(router: Router, prompts: Sequence[list[int]],
                     params: Sequence[SamplingParams],
-                    cache_salt: str | None,
-                    ttft_deadline_s: float | None = None) -> list[Generation]:
-    """Submit every prompt (each with the request's TTFT target, `router.deadline`); if any
-    is refused, abort the others and raise its error."""
+                    cache_salt: str | None, ttft_deadline_s: float | None = None,
+                    lora_name: str | None = None) -> list[Generation]:
+    """Submit every prompt (each with the request's TTFT target, `router.deadline`, and its
+    LoRA adapter, None: the base model); if any is refused, abort the others and raise its
+    error."""
     results = await asyncio.gather(
-        *(router.generate(ids, p, cache_salt, frontend="http", ttft_deadline_s=ttft_deadline_s)
-          for ids, p in zip(prompts, params)),
+        *(router.generate(ids, p, cache_salt, frontend="http", ttft_deadline_s=ttft_deadline_s,
+                          lora_name=lora_name) for ids, p in zip(prompts, params)),
         return_exceptions=True)
     gens = [r for r in results if isinstance(r, Generation)]
     errors = [r for r in results if not isinstance(r, Generation)]

@@ -66,7 +66,7 @@ async def create_completion(router: Router, tokens: TokenStrings, request: Reque
     """Validate the body, then answer it (`_answer`), JSON or streamed."""
     body = await parse_body(request, CompletionRequest)
     body.check()
-    router.check_model(body.model)
+    await router.adapters.resolve(body.model)
     router.check_n(body.n)
     return await respond(_answer(router, tokens, request, body))
 
@@ -87,13 +87,14 @@ async def _answer(router: Router, tokens: TokenStrings, request: Request,
         prompts = await prompt_token_lists(router, body.prompt)
         params = _sampling(router, body, prompts)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": router.model_name}
+                "model": body.model or router.model_name}
         fmt = _Formatter(tokens, body, _echo_texts(router, body, prompts))
         if not body.stream:
             yield await until_disconnected(
                 request, _collect(router, body, prompts, params, fmt, meta, deadline))
             return
-        gens = await start_all(router, prompts, params, body.cache_salt, deadline)
+        gens = await start_all(router, prompts, params, body.cache_salt, deadline,
+                               router.adapters.lora_of(body.model))
         yield STREAMING
         chunks = _Chunks(gens, body, fmt, meta)
         try:
@@ -135,7 +136,8 @@ def _sampling(router: Router, body: CompletionRequest,
 async def _collect(router: Router, body: CompletionRequest, prompts: list[list[int]],
                    params: list, fmt: _Formatter, meta: dict[str, Any],
                    deadline: float | None = None) -> JSONResponse:
-    gens = await start_all(router, prompts, params, body.cache_salt, deadline)
+    gens = await start_all(router, prompts, params, body.cache_salt, deadline,
+                           router.adapters.lora_of(body.model))
     choices = [_Choice() for _ in range(len(gens) * body.n)]
     prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * len(gens)
     async for i, event in merge(gens):

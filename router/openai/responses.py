@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 async def create_response(router: Router, store: ResponseStore, request: Request) -> Response:
     """Validate the body, then answer it, JSON or streamed; a 400 names the body's field."""
     body = await parse_body(request, ResponseRequest)
-    router.check_model(body.model)
+    await router.adapters.resolve(body.model)
     earlier = [] if body.previous_response_id is None else \
         store.get(body.previous_response_id, "previous_response_id").messages
     chat = body.as_chat(earlier)
@@ -70,7 +70,7 @@ class _Made:
             {"type": "text"}
         self.head = {
             "id": self.id, "object": "response", "created_at": int(time.time()),
-            "model": router.model_name, "instructions": body.instructions,
+            "model": body.model or router.model_name, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
             "top_p": body.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice or "auto",
@@ -123,11 +123,12 @@ async def _answer(router: Router, request: Request, chat: ChatCompletionRequest,
         router.check_prompt(ids, param="messages")
         params, tool_format = chat_sampling(router, chat, len(ids))
         out = OutputStream(reasoning_format(router.config.reasoning_parser), tool_format)
+        lora = router.adapters.lora_of(made.body.model)
         if not chat.stream:
-            gen = await router.generate(ids, params, None, frontend="http")
+            gen = await router.generate(ids, params, None, frontend="http", lora_name=lora)
             yield await until_disconnected(request, _collect(gen, out, made))
             return
-        gen = await router.generate(ids, params, None, frontend="http")
+        gen = await router.generate(ids, params, None, frontend="http", lora_name=lora)
         yield STREAMING
         numbered = itertools.count()
 

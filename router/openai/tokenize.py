@@ -50,7 +50,7 @@ class TokenizeRequest(RootModel[TokenizeCompletionRequest | TokenizeChatRequest]
 
 async def tokenize(router: Router, request: Request) -> JSONResponse:
     body = (await parse_body(request, TokenizeRequest)).root
-    router.check_model(body.model)
+    await router.adapters.resolve(body.model)  # an adapter tokenizes as its base
     if isinstance(body, TokenizeChatRequest):
         ids = await asyncio.to_thread(chat_prompt, router, body)
     elif len(body.prompt) >= TOKENIZE_INLINE_CHARS:
@@ -67,7 +67,7 @@ async def tokenize(router: Router, request: Request) -> JSONResponse:
 
 async def detokenize(router: Router, request: Request) -> JSONResponse:
     body = await parse_body(request, DetokenizeRequest)
-    router.check_model(body.model)
+    await router.adapters.resolve(body.model)  # an adapter tokenizes as its base
     vocab = router.tokenizer.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -36,6 +36,7 @@ def example(record: type[Call[Any]]) -> Call[Any]:
         "req": WorkerRequest("req-8", (1, 2, 3), SamplingParams(max_tokens=4)),
         "fetch": PrefixFetch(HANDOFF, (11,)), "prefix": PrefixFetch(HANDOFF, (13,)),
         "exported": {0: "handoff-0"}, "pooling": "mean", "normalize": False,
+        "lora_name": "sql", "lora_path": "/adapters/sql",
     }
     fields = [f.name for f in dataclasses.fields(record) if f.name != "version"]
     missing = [f for f in fields if f not in values]

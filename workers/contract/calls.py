@@ -156,6 +156,30 @@ class CancelMigration(Call[None]):
     request_id: str
 
 
+@dataclass(frozen=True)
+class LoadLoraAdapter(Call[tuple[str, ...]]):
+    """Read the PEFT adapter folder at `lora_path` and serve it as `lora_name` (between two
+    steps); answers the adapters loaded here after it. Raises `ValueError`
+    (`LoraAdapterError`) naming what is wrong, with nothing kept: a bad folder, a rank over
+    `max_lora_rank`, a name already loaded, or a worker started without `enable_lora`."""
+
+    lora_name: str
+    lora_path: str
+
+
+@dataclass(frozen=True)
+class UnloadLoraAdapter(Call[tuple[str, ...]]):
+    """Stop serving adapter `lora_name`; answers the adapters loaded here after it. Raises
+    `KeyError` when it is not loaded, `ValueError` while requests here still run under it."""
+
+    lora_name: str
+
+
+@dataclass(frozen=True)
+class LoraAdapters(Call[tuple[str, ...]]):
+    """The names of the LoRA adapters loaded here, sorted (none without `enable_lora`)."""
+
+
 POOLINGS = ("last", "mean")  # how `Embed` pools a prompt's final hidden states
 
 

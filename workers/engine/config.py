@@ -126,8 +126,9 @@ class EngineConfig:
         "kernels; off: dequantized to the model's dtype at load. GPUs always dequantize."))
     # workers.models.lora: PEFT adapters on the base model, several in one step
     enable_lora: bool = setting(False, (
-        "Load LoRA adapters on the base model (one rank per replica); requests of the "
-        "offline LLM select one by name (lora_name). The served API does not select them yet."))
+        "Load LoRA adapters on the base model (one rank per replica): a request selects one "
+        "by naming it as its model, and POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter load and unload them at run time."))
     max_loras: int = setting(4, (
         "Adapters in the device's slots at once (a step runs at most this many); the least "
         "recently used is evicted to host memory."), ge=1)

@@ -24,12 +24,15 @@ from workers.contract.calls import (
     HotPrefixes,
     Info,
     LandPrefix,
+    LoadLoraAdapter,
+    LoraAdapters,
     Pause,
     Prefill,
     PrepareMigration,
     SnapshotKV,
     Stats,
     Submit,
+    UnloadLoraAdapter,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +58,9 @@ HANDLERS: dict[type[Call[Any]], Callable[[Worker, Any], Any]] = {
     Pause: lambda w, c: w.migrations.pause(c.request_id, c.reader_tp_size),
     CancelMigration: lambda w, c: w.migrations.cancel(c.request_id),
     Embed: lambda w, c: w.embed(c.token_ids, c.pooling, c.normalize),
+    LoadLoraAdapter: lambda w, c: w.adapters.load(c.lora_name, c.lora_path),
+    UnloadLoraAdapter: lambda w, c: w.adapters.unload(c.lora_name),
+    LoraAdapters: lambda w, c: w.adapters.names(),
 }
 
 

@@ -41,6 +41,7 @@ from workers.contract.protocol import (
 )
 from workers.engine.outputs import OutputHub
 from workers.engine.request import Continuation
+from workers.serving.adapters import WorkerAdapters
 from workers.serving.async_connector import AsyncConnector
 from workers.serving.connector import Connector
 from workers.serving.handoff import Handoff
@@ -82,8 +83,7 @@ class Worker:
         self.worker_id = worker_id
         self.role = role
         if max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be at least 1, got "
-                             f"{max_waiting_requests}")
+            raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
         self.max_waiting_requests = max_waiting_requests
         self.async_engine = engine
         engine.watchdog.timeout_s = step_timeout_s
@@ -96,6 +96,7 @@ class Worker:
         self.prefixes = PrefixFetcher(self.async_connector, self.transfer)
         self.migrations = Migrations(self.async_connector, self.transfer)
         self.handoff = Handoff(self.async_connector, self.transfer)
+        self.adapters = WorkerAdapters(engine)  # its LoRA adapters (load, unload)
         self._broken: str | None = None  # why health checks fail (`mark_broken`)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled
         self._prefills: dict[str, asyncio.Task[object]] = {}  # prefill() calls under way

@@ -1,0 +1,107 @@
+"""The LoRA adapters a router serves as model names (a request's `model` selects one), and
+loading and unloading them on every worker at run time (`POST /v1/load_lora_adapter`,
+`/v1/unload_lora_adapter`). Torch-free.
+
+The workers own their adapters; this list is the router's copy, read from the workers at start
+and after each load or unload made through this router. With several router replicas a load or
+unload reaches every worker through the replica that took it, and the other replicas catch up
+as requests ask: a name this copy does not know is looked up on a worker before it is refused,
+and a worker's refusal of a name this copy still lists drops it here (`forget`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from router.errors import BadRequestError, NotFoundError
+from router.workers import WorkerSet
+from workers.contract.calls import LoadLoraAdapter, LoraAdapters, UnloadLoraAdapter
+
+
+class ServedAdapters:
+    """The adapter names this router routes (sorted in `names`). Event-loop thread only."""
+
+    def __init__(self, workers: WorkerSet, base: str) -> None:
+        self.workers = workers
+        self.base = base  # the base model's served name
+        self._names: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._names)
+
+    async def refresh(self) -> None:
+        """Re-read the list from the workers: the adapters every reachable worker has (a
+        request may land on any of them)."""
+        answers = await asyncio.gather(
+            *(c.call(LoraAdapters()) for c in self.workers.clients.values()),
+            return_exceptions=True)
+        lists = [set(a) for a in answers if not isinstance(a, BaseException)]
+        self._names = set.intersection(*lists) if lists else set()
+
+    async def resolve(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model, named or not at all).
+        Raises `NotFoundError` (404, param `model`) for a name no worker serves."""
+        if model is None or model == self.base:
+            return None
+        if model not in self._names:
+            await self.refresh()
+        if model not in self._names:
+            raise NotFoundError(f"The model `{model}` does not exist; this server serves "
+                                f"`{self.base}` and the LoRA adapters {self.names}", param="model")
+        return model
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The adapter a request's `model` (checked by `resolve`) runs under; None: base."""
+        return None if model is None or model == self.base else model
+
+    def forget(self, name: str) -> None:
+        """A worker refused `name` as unknown: another router replica unloaded it."""
+        self._names.discard(name)
+
+    async def load(self, name: str, path: str) -> None:
+        """Load the adapter at `path` as `name` on every worker, or on none: a worker that
+        refuses it (`BadRequestError` 400 naming why: a bad folder, a rank over
+        `max_lora_rank`, no `enable_lora`) has the others unload it again."""
+        if not name or not path:
+            raise BadRequestError(f"lora_name and lora_path must both be given, got "
+                                  f"lora_name={name!r}, lora_path={path!r}",
+                                  param="lora_name" if not name else "lora_path")
+        await self.refresh()
+        if name in self._names:
+            raise BadRequestError(f"The LoRA adapter `{name}` is already loaded; unload it "
+                                  f"first", param="lora_name")
+        clients = list(self.workers.clients.values())
+        answers = await asyncio.gather(*(c.call(LoadLoraAdapter(name, path)) for c in clients),
+                                       return_exceptions=True)
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed:
+            loaded = [c for c, a in zip(clients, answers) if not isinstance(a, BaseException)]
+            await asyncio.gather(*(c.call(UnloadLoraAdapter(name)) for c in loaded),
+                                 return_exceptions=True)
+            raise _refusal(failed[0], "lora_path")
+        self._names.add(name)
+
+    async def unload(self, name: str) -> None:
+        """Unload `name` from every worker. `NotFoundError` (404) when no worker has it;
+        `BadRequestError` (400) while requests still run under it (on the workers where they
+        run it stays loaded; the others have dropped it)."""
+        answers = await asyncio.gather(
+            *(c.call(UnloadLoraAdapter(name)) for c in self.workers.clients.values()),
+            return_exceptions=True)
+        self._names.discard(name)
+        missing = [a for a in answers if isinstance(a, KeyError)]
+        failed = [a for a in answers if isinstance(a, BaseException) and a not in missing]
+        if failed:
+            raise _refusal(failed[0], "lora_name")
+        if len(missing) == len(answers):
+            raise NotFoundError(f"The LoRA adapter `{name}` is not loaded (loaded: "
+                                f"{self.names})", param="lora_name")
+
+
+def _refusal(exc: BaseException, param: str) -> Exception:
+    """A worker's refusal as the client's error; an unreachable worker or a crash as is."""
+    if isinstance(exc, ValueError):
+        return BadRequestError(str(exc), param=param)
+    if isinstance(exc, Exception):  # `WorkerUnavailableError`, or a crash: the log has it
+        return exc
+    raise exc  # a cancel

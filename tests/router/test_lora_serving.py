@@ -1,0 +1,196 @@
+"""LoRA adapters through the served API, with the real `openai` client: a request's `model`
+naming an adapter selects it, aggregated and across the disaggregated handoff (the greedy
+output equal to the offline LLM's under that adapter); `/v1/models` lists them; run-time
+loading and unloading (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) reach every worker,
+the errors are OpenAI-shaped and name what is wrong, and every KV block is back after each; the
+prefix cache is kept apart per adapter."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from cluster.local_server import LocalServeConfig, LocalServer
+from tests.router.conftest import API_KEY, NUM_BLOCKS, wait_until
+from workers.models.lora.make_adapter import ATTENTION, MLP, make_adapter
+
+THRESHOLD = 24  # prompt tokens from which a request is split between prefill and decode
+MAX_RANK = 8
+_first = itertools.count(1)
+
+
+def fresh_prompt(n: int = 40) -> list[int]:
+    """Token ids no earlier request sent (a prefix-cache miss), `n` of them."""
+    k = next(_first)
+    return [1 + (k * 97 + i * 7) % 500 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"sql": make_adapter(tiny_model, root / "sql", rank=8, seed=1),
+            "chat": make_adapter(tiny_model, root / "chat", rank=4, targets=ATTENTION + MLP,
+                                 seed=2),
+            "big": make_adapter(tiny_model, root / "big", rank=16, seed=3),
+            "root": root}
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model, folders):
+    """One prefill and one decode worker, each with the adapter `sql` loaded at start."""
+    config = LocalServeConfig(
+        tiny_model, http_port=0, grpc_port=0, num_prefill_workers=1, num_decode_workers=1,
+        router={"api_keys": (API_KEY,), "kv_poll_interval_s": 0.2,
+                "disagg_threshold_tokens": THRESHOLD},
+        engine={"num_blocks": NUM_BLOCKS, "max_num_batched_tokens": 512, "enable_lora": True,
+                "max_loras": 2, "max_lora_rank": MAX_RANK,
+                "lora_modules": (f"sql={folders['sql']}",)},
+        worker={"lease_s": 10.0, "pull_timeout_s": 10.0})
+    srv = LocalServer(config).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model, folders):
+    """The offline LLM with both adapters: the reference."""
+    from workers import LLM
+
+    return LLM(tiny_model, enable_lora=True, max_lora_rank=MAX_RANK,
+               lora_modules=(f"sql={folders['sql']}", f"chat={folders['chat']}"))
+
+
+def client_of(srv: LocalServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1", api_key=API_KEY,
+                         timeout=60, max_retries=0)
+
+
+def post(srv: LocalServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/{path}", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+def complete(srv: LocalServer, model: str, prompt: list[int], max_tokens: int = 12):
+    return client_of(srv).completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0, extra_body={"ignore_eos": True})
+
+
+def reference(offline, prompt: list[int], lora: str | None, max_tokens: int = 12) -> str:
+    from workers import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return offline.generate([prompt], params, lora_name=lora)[0].outputs[0].text
+
+
+def settled(srv: LocalServer) -> bool:
+    """Every block of every worker free, and no lease left on any agent."""
+    def leases() -> int:
+        return sum(a.num_leases for w in srv.workers for a in w.transfer.started)
+
+    return wait_until(lambda: all(srv.call(c.stats()).num_free_blocks == NUM_BLOCKS
+                                  for c in srv.clients) and leases() == 0, 10.0)
+
+
+def test_models_lists_the_base_model_and_each_adapter_as_its_child(lora_server):
+    models = client_of(lora_server).models.list().data
+    base = lora_server.router.model_name
+    assert [m.id for m in models] == [base, "sql"]
+    assert models[0].parent is None and models[1].parent == base
+
+
+@pytest.mark.parametrize("length", [40, 8], ids=["disaggregated", "aggregated"])
+def test_an_adapter_named_in_model_runs_as_the_offline_llm_runs_it(lora_server, offline,
+                                                                   length):
+    prompt = fresh_prompt(length)
+    split = lora_server.router.counters.num_disaggregated
+    got = complete(lora_server, "sql", prompt)
+    assert got.model == "sql"
+    assert got.choices[0].text == reference(offline, prompt, "sql")
+    assert got.choices[0].text != reference(offline, prompt, None)  # the adapter tells
+    assert lora_server.router.counters.num_disaggregated == split + (length >= THRESHOLD)
+    assert settled(lora_server)
+
+
+def test_chat_selects_the_adapter_too(lora_server):
+    def chat(model: str) -> str:
+        out = client_of(lora_server).chat.completions.create(
+            model=model, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11"}])
+        assert out.model == model
+        return out.choices[0].message.content
+
+    assert chat("sql") != chat(lora_server.router.model_name)
+
+
+def test_load_serve_unload_at_run_time(lora_server, offline, folders):
+    prompt = fresh_prompt()
+    ok = post(lora_server, "load_lora_adapter", {"lora_name": "chat",
+                                                 "lora_path": str(folders["chat"])})
+    assert ok.status_code == 200, ok.text
+    assert all("chat" in w.engine.adapters.names() for w in lora_server.workers)
+    assert [m.id for m in client_of(lora_server).models.list().data][1:] == ["chat", "sql"]
+    assert complete(lora_server, "chat", prompt).choices[0].text == \
+        reference(offline, prompt, "chat")
+    gone = post(lora_server, "unload_lora_adapter", {"lora_name": "chat"})
+    assert gone.status_code == 200, gone.text
+    assert not any("chat" in w.engine.adapters.names() for w in lora_server.workers)
+    with pytest.raises(openai.NotFoundError, match="`chat` does not exist"):
+        complete(lora_server, "chat", prompt)
+    assert [m.id for m in client_of(lora_server).models.list().data][1:] == ["sql"]
+    assert settled(lora_server)
+
+
+def _broken_copy(folders, name: str, drop: str):
+    folder = folders["root"] / name
+    if not folder.exists():
+        shutil.copytree(folders["sql"], folder)
+        (folder / drop).unlink()
+    return folder
+
+
+def test_errors_are_openai_shaped_and_name_what_is_wrong(lora_server, folders):
+    with pytest.raises(openai.NotFoundError, match="`nope` does not exist"):
+        complete(lora_server, "nope", fresh_prompt(8))
+    cases = [({"lora_name": "x", "lora_path": "/no/such/folder"}, 400, "/no/such/folder"),
+             ({"lora_name": "x", "lora_path": str(_broken_copy(folders, "noweights",
+                                                               "adapter_model.safetensors"))},
+              400, "adapter_model.safetensors is missing"),
+             ({"lora_name": "x", "lora_path": str(folders["big"])}, 400,
+              f"rank r=16 is over max_lora_rank={MAX_RANK}"),
+             ({"lora_name": "sql", "lora_path": str(folders["sql"])}, 400, "already loaded")]
+    for body, status, says in cases:
+        r = post(lora_server, "load_lora_adapter", body)
+        assert r.status_code == status and says in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = post(lora_server, "unload_lora_adapter", {"lora_name": "nope"})
+    assert r.status_code == 404 and "`nope` is not loaded" in r.json()["error"]["message"]
+    # nothing half-loaded: every worker serves `sql` alone still
+    assert all(w.engine.adapters.names() == ["sql"] for w in lora_server.workers)
+    assert settled(lora_server)
+
+
+def test_loading_on_a_server_without_lora_names_enable_lora(server, folders):
+    r = post(server, "load_lora_adapter", {"lora_name": "sql",
+                                           "lora_path": str(folders["sql"])})
+    assert r.status_code == 400 and "enable_lora" in r.json()["error"]["message"], r.text
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(lora_server, folders):
+    """The same prompt under two adapters and the base model: no hit across them; a repeat
+    under the same adapter hits."""
+    assert post(lora_server, "load_lora_adapter", {"lora_name": "chat",
+                                                   "lora_path": str(folders["chat"])}).is_success
+    prompt, base = fresh_prompt(), lora_server.router.model_name
+
+    def cached(model: str) -> int:
+        usage = complete(lora_server, model, prompt, max_tokens=2).usage
+        return usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(m) for m in ("sql", "chat", base)] == [0, 0, 0]
+    assert cached("sql") == 32  # the prompt's two full blocks of 16
+    assert post(lora_server, "unload_lora_adapter", {"lora_name": "chat"}).is_success
+    assert settled(lora_server)
