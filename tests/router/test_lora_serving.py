@@ -194,3 +194,33 @@ def test_prefix_cache_is_kept_apart_per_adapter(lora_server, folders):
     assert cached("sql") == 32  # the prompt's two full blocks of 16
     assert post(lora_server, "unload_lora_adapter", {"lora_name": "chat"}).is_success
     assert settled(lora_server)
+
+
+def test_another_router_replica_sees_loads_and_unloads_made_through_the_first(lora_server,
+                                                                              folders):
+    """A second router over the same workers (another replica's view): it finds an adapter
+    loaded through the first when a request names it, and once it is unloaded through the
+    first, a request for it gets 404 there too and the name leaves its list."""
+    from router.app import Router
+    from router.channel import ChannelClient
+    from router.errors import NotFoundError
+
+    other = Router(lora_server.router.config,
+                   [ChannelClient(c.channel, "router-b") for c in lora_server.clients])
+    lora_server.call(other.start())
+    try:
+        assert other.adapters.names == ["sql"]
+        load = {"lora_name": "chat", "lora_path": str(folders["chat"])}
+        assert post(lora_server, "load_lora_adapter", load).is_success
+        assert lora_server.call(other.adapters.resolve("chat")) == "chat"
+        assert post(lora_server, "unload_lora_adapter", {"lora_name": "chat"}).is_success
+        assert "chat" in other.adapters.names  # not told: it finds out when asked
+        from workers import SamplingParams
+
+        with pytest.raises(NotFoundError, match="`chat` does not exist"):
+            lora_server.call(other.generate(fresh_prompt(8), SamplingParams(max_tokens=2),
+                                            lora_name="chat"))
+        assert other.adapters.names == ["sql"]
+    finally:
+        lora_server.call(other.stop())
+    assert settled(lora_server)
