@@ -40,9 +40,10 @@ def app(local_ray, tiny_model):
     pool = {"cpus_per_rank": 0.25, "replicas": {"min": 1, "max": 2}}
     config = CleaveConfig.parse(app_config(tiny_model, pools={
         # a small token budget keeps prompts queued long enough to be seen by the autoscaler
-        "prefill": {**pool, "engine": {"num_blocks": 256, "max_num_batched_tokens": 64},
+        "prefill": {**pool, "engine": {"num_blocks": 256, "max_num_batched_tokens": 64,
+                                       "enable_lora": True},
                     "autoscaling": autoscaling(target_waiting_tokens=256)},
-        "decode": {**pool, "engine": {"num_blocks": 512},
+        "decode": {**pool, "engine": {"num_blocks": 512, "enable_lora": True},
                    "autoscaling": autoscaling(target_running_seqs=4, target_kv_usage=0.9)}}))
     deploy(config)
     yield config
@@ -143,6 +144,36 @@ def test_structured_output_and_a_forced_tool_call_through_the_ray_app(app):
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "count"
     jsonschema.validate(json.loads(call.function.arguments), params)
+
+
+def test_a_lora_adapter_loaded_served_and_unloaded_through_the_ray_app(app, tiny_model,
+                                                                       tmp_path):
+    """Through the router replica, on the prefill and the decode worker both: the long prompt
+    is split between them and decodes under the adapter as the offline LLM does."""
+    import httpx
+
+    from workers import LLM, SamplingParams
+    from workers.models.lora.make_adapter import make_adapter
+
+    folder = make_adapter(tiny_model, tmp_path / "sql", rank=8, seed=1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = LLM(tiny_model, enable_lora=True, lora_modules=(f"sql={folder}",)).generate(
+        [PROMPTS[1]], params, lora_name="sql")[0].outputs[0].text
+    url, c = f"http://127.0.0.1:{app.router.http_port}/v1", client(app)
+    load = httpx.post(f"{url}/load_lora_adapter", timeout=60,
+                      json={"lora_name": "sql", "lora_path": str(folder)})
+    assert load.status_code == 200, load.text
+    assert [(m.id, m.parent) for m in c.models.list().data] == [("tiny", None), ("sql", "tiny")]
+    split = router_status()["num_disaggregated"]
+    got = c.completions.create(model="sql", prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                               temperature=0.0, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want
+    assert router_status()["num_disaggregated"] == split + 1
+    gone = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "sql"}, timeout=60)
+    assert gone.status_code == 200, gone.text
+    with pytest.raises(openai.NotFoundError, match="`sql` does not exist"):
+        c.completions.create(model="sql", prompt=PROMPTS[1], max_tokens=1)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
 
 
 def test_responses_and_embeddings_through_the_ray_app(app):
