@@ -115,7 +115,7 @@ def test_an_adapter_named_in_model_runs_as_the_offline_llm_runs_it(lora_server, 
     assert settled(lora_server)
 
 
-def test_chat_selects_the_adapter_too(lora_server):
+def test_chat_and_responses_select_the_adapter_too(lora_server):
     def chat(model: str) -> str:
         out = client_of(lora_server).chat.completions.create(
             model=model, max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
@@ -124,6 +124,14 @@ def test_chat_selects_the_adapter_too(lora_server):
         return out.choices[0].message.content
 
     assert chat("sql") != chat(lora_server.router.model_name)
+
+    def respond(model: str) -> str:
+        out = client_of(lora_server).responses.create(model=model, max_output_tokens=8,
+                                                      input="w1 w2 w3 w4 w5", temperature=0)
+        assert out.model == model
+        return out.output_text
+
+    assert respond("sql") != respond(lora_server.router.model_name)
 
 
 def test_load_serve_unload_at_run_time(lora_server, offline, folders):
