@@ -5,6 +5,7 @@ truncated copy of the target as the draft."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -188,11 +189,25 @@ def test_a_truncated_draft_model_is_exact_in_mixed_batches_with_preemption(tiny_
                              repetition_penalty=1.2),
               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
     want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
-    assert texts(got) == texts(want)
+    greedy = [0, 2, 3]  # the sampled request drafts too: its text is the target's, not base's
+    assert [texts(got)[i] for i in greedy] == [texts(want)[i] for i in greedy]
+    assert len(got[1].outputs[0].token_ids) == 40
     stats = spec.engine.stats()
     assert stats.speculative_method == "draft_model" and stats.num_accepted_tokens > 0
     assert spec.engine.scheduler.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_seeded_request_drafted_by_a_draft_model_is_reproducible(tiny_model):
+    """Drafts drawn and verified with randomness from (seed, position): the same text on every
+    run; another seed, another text."""
+    spec = LLM(tiny_model, num_blocks=64, speculative_config=DRAFT_MODEL)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True)
+    first = spec.generate(PROMPTS[:2], params)
+    assert texts(spec.generate(PROMPTS[:2], params)) == texts(first)
+    assert spec.engine.stats().num_accepted_tokens > 0
+    other = spec.generate(PROMPTS[:2], dataclasses.replace(params, seed=12))
+    assert texts(other) != texts(first)
 
 
 @pytest.mark.parametrize("config", [NGRAM, DRAFT_MODEL], ids=["ngram", "draft_model"])

@@ -15,6 +15,8 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.parallel.local import LocalExecutor
 from workers.engine.request import Request, RequestStatus
@@ -100,10 +102,11 @@ class Speculator:
 
 
 class DraftModelSpeculator(Speculator):
-    """Drafts with a model, batched over the drafting requests (greedy ones only: a sampled
-    request decodes without speculation, until the draft's probabilities reach the
-    verification, `workers.engine.speculative.rejection`). The slots of a request's drafted
-    positions are allocated before the draft writes them; none free: it does not draft."""
+    """Drafts with a model, batched over the drafting requests: a sampled request's draft
+    carries the draft's distributions (`Request.draft_probs`), which the verification's
+    rejection sampling needs (`workers.engine.speculative.rejection`). The slots of a request's
+    drafted positions are allocated before the draft writes them; none free: it does not
+    draft."""
 
     def __init__(self, config: SpeculativeConfig, draft: TruncatedDraft, kv: KVCacheManager,
                  max_model_len: int) -> None:
@@ -116,8 +119,8 @@ class DraftModelSpeculator(Speculator):
         reqs: list[Request] = []
         ks: list[int] = []
         for req in running:
-            req.draft_token_ids = []
-            if len(running) > self.config.disable_by_batch_size or not req.params.greedy:
+            req.draft_token_ids, req.draft_probs = [], None
+            if len(running) > self.config.disable_by_batch_size:
                 continue
             k = self._num_to_draft(req)
             if k > 0 and self._may_draft(req) and self.kv.allocate_slots(req, 1 + k):
@@ -125,7 +128,9 @@ class DraftModelSpeculator(Speculator):
                 ks.append(k)
         drafts = self.draft.propose(reqs, ks, [self.kv.block_table(r.request_id) for r in reqs])
         for req, draft in zip(reqs, drafts):
-            req.draft_token_ids = draft
+            req.draft_token_ids = draft.tokens
+            if draft.probs:
+                req.draft_probs = torch.stack(draft.probs)  # [k, V]
 
 
 def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
@@ -142,5 +147,6 @@ def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
         raise ValueError(f"a draft model needs the target in this process, got "
                          f"{type(executor).__name__}")
     draft = TruncatedDraft(executor.model, executor.caches, runner.device,
-                           runner.spec.block_size, config.draft_num_layers)
+                           runner.spec.block_size, config.draft_num_layers,
+                           runner.sampler.generator)
     return DraftModelSpeculator(config, draft, kv, max_model_len)
