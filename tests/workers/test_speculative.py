@@ -210,11 +210,20 @@ def test_a_seeded_request_drafted_by_a_draft_model_is_reproducible(tiny_model):
     assert texts(other) != texts(first)
 
 
-@pytest.mark.parametrize("config", [NGRAM, DRAFT_MODEL], ids=["ngram", "draft_model"])
-def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_model, config):
+GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+SEEDED_32 = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=32, ignore_eos=True)
+
+
+@pytest.mark.parametrize("config,params", [(NGRAM, GREEDY_32), (DRAFT_MODEL, GREEDY_32),
+                                           (DRAFT_MODEL, SEEDED_32)],
+                         ids=["ngram", "draft_model", "draft_model-seeded"])
+def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_model, config,
+                                                                          params):
+    """Greedy: the text without speculation; seeded: the text of the same speculation
+    aggregated (its draws come from (seed, position), whichever worker makes them)."""
     prompt = PROMPTS[0] * 2
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    want = LLM(tiny_model, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    want = LLM(tiny_model, num_blocks=64, speculative_config=None if params.greedy else config
+               ).generate([prompt], params)[0].outputs[0].token_ids
     prefill = LLM(tiny_model, num_blocks=64).engine
     req = WorkerRequest("x", tuple(prompt), params)
     prefill.generate(req)
