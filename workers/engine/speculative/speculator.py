@@ -11,6 +11,7 @@ doubles each time it backs off again.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from workers.engine.runner import ModelRunner
 from workers.engine.speculative.draft_model import TruncatedDraft
 from workers.engine.speculative.config import SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
+
+logger = logging.getLogger(__name__)
 
 EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
 MAX_PAUSE_STEPS = 64  # a backed-off request tries drafting again at least this often
@@ -50,6 +53,8 @@ class _Backoff:
 class Speculator:
     """Sets running requests' drafts from `drafter` (see the module docstring)."""
 
+    _said_grammar = False  # the log told why structured-output requests do not draft
+
     def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int) -> None:
         self.config = config
         self.drafter = drafter
@@ -71,7 +76,13 @@ class Speculator:
 
     def _num_to_draft(self, req: Request) -> int:
         """Tokens the request may draft now: 0 unless it is decoding and wants speculation;
-        fewer near `max_tokens` (a step appends up to k + 1) and the context's end."""
+        fewer near `max_tokens` (a step appends up to k + 1) and the context's end. A
+        structured-output request does not draft (said once in the log): drafts are not
+        checked against the grammar's mask, nor the matcher advanced over accepted tokens."""
+        if req.grammar is not None and req.params.speculative and not self._said_grammar:
+            self._said_grammar = True
+            logger.info("structured-output requests decode without speculation: drafts are "
+                        "not verified under a grammar's mask yet")
         if (req.status is not RequestStatus.RUNNING or not req.params.speculative
                 or req.grammar is not None or req.hold_kv
                 or req.num_computed_tokens != req.num_tokens - 1):
