@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from cluster.launch import APP_NAME
+from cluster.app_state import APP_NAME
 
 if TYPE_CHECKING:
     from workers.contract.protocol import EngineStats

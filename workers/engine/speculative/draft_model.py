@@ -88,7 +88,7 @@ class TruncatedDraft:
                 block_tables=tuple(tables[i] for i in live), num_decodes=n,
                 logit_rows=tuple(range(n)))
             ids, positions, meta = microbatch_tensors(msg, MicroBatch(0, n, 0, n), self.device)
-            logits = self._logits(ids, positions, meta)  # [n, V]
+            logits = self._logits(ids, positions, meta).float()  # [n, V], as the target samples
             tokens = logits.argmax(-1)
             rows = [r for r, i in enumerate(live) if not reqs[i].params.greedy]
             if rows:
