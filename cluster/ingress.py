@@ -26,6 +26,7 @@ from ray import serve
 from cluster.config import CleaveConfig
 from cluster.directory import WorkerEntry
 from cluster.settings import model_path, router_config, router_cores
+from cluster.status import speculation
 from cluster.worker_client import ray_worker_client
 from router.app import Router
 from router.channel import ChannelClient
@@ -190,7 +191,8 @@ class RouterIngress:
                             "draining": wid in r.draining,
                             "num_waiting": load.num_waiting if load else None,
                             "num_running": load.num_running if load else None,
-                            "kv_usage": load.kv_usage if load else None})
+                            "kv_usage": load.kv_usage if load else None,
+                            "speculative": speculation(r.workers.stats(wid))})
         nodes = {e.worker_id: e.node_id for e in await self._entries()}
         for w in workers:
             w["node_id"] = nodes.get(str(w["worker_id"]))

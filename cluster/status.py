@@ -1,15 +1,19 @@
 """`cleave status`: a running deployment's pools, replicas, load and routing figures.
 
-Replica counts come from Serve; each worker's queue, running sequences and KV occupancy, and the
-router's prefix-hit rates, from one router replica (`RouterIngress.status`).
+Replica counts come from Serve; each worker's queue, running sequences and KV occupancy (and,
+where it decodes speculatively, its drafted tokens and acceptance rate), and the router's
+prefix-hit rates, from one router replica (`RouterIngress.status`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cluster.launch import APP_NAME
+from cluster.app_state import APP_NAME
+
+if TYPE_CHECKING:
+    from workers.contract.protocol import EngineStats
 
 
 def cluster_status(address: str | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -36,6 +40,17 @@ def cluster_status(address: str | None = None, timeout_s: float = 30.0) -> dict[
             "prefix_hit_rate": seen["num_cached_tokens"] / prompt if prompt else None}
 
 
+def speculation(stats: EngineStats | None) -> dict[str, Any] | None:
+    """A worker's speculative decoding as `cleave status` shows it: its method, drafted tokens
+    verified and the share accepted (None: unknown, or no speculation)."""
+    if stats is None or stats.speculative_method is None:
+        return None
+    drafted = stats.num_draft_tokens
+    return {"method": stats.speculative_method, "num_draft_tokens": drafted,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "acceptance_rate": stats.num_accepted_tokens / drafted if drafted else None}
+
+
 def format_status(s: dict[str, Any]) -> str:
     lines = [f"application {APP_NAME}: {s['application'].lower()}, model {s['model']}"]
     for name, d in sorted(s["deployments"].items()):
@@ -49,6 +64,10 @@ def format_status(s: dict[str, Any]) -> str:
         kv = "-" if w["kv_usage"] is None else f"{100 * w['kv_usage']:.1f}%"
         lines.append(f"  {w['worker_id']:<24} {w['role']:<8} {state:<9} "
                      f"{_num(w['num_waiting']):>7} {_num(w['num_running']):>7} {kv:>8}")
+        spec = w.get("speculative")
+        if spec is not None:
+            lines.append(f"    speculative {spec['method']}: {spec['num_draft_tokens']} drafted "
+                         f"tokens verified, {_pct(spec['acceptance_rate'])} accepted")
     hit = s["prefix_hit_rate"]
     predicted = s["predicted_prefix_hit_rate"]
     lines.append(f"requests {s['num_requests']}, prompt tokens {s['num_prompt_tokens']}, "

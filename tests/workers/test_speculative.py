@@ -5,6 +5,7 @@ truncated copy of the target as the draft."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -188,18 +189,41 @@ def test_a_truncated_draft_model_is_exact_in_mixed_batches_with_preemption(tiny_
                              repetition_penalty=1.2),
               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
     want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
-    assert texts(got) == texts(want)
+    greedy = [0, 2, 3]  # the sampled request drafts too: its text is the target's, not base's
+    assert [texts(got)[i] for i in greedy] == [texts(want)[i] for i in greedy]
+    assert len(got[1].outputs[0].token_ids) == 40
     stats = spec.engine.stats()
     assert stats.speculative_method == "draft_model" and stats.num_accepted_tokens > 0
     assert spec.engine.scheduler.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_blocks
 
 
-@pytest.mark.parametrize("config", [NGRAM, DRAFT_MODEL], ids=["ngram", "draft_model"])
-def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_model, config):
+def test_a_seeded_request_drafted_by_a_draft_model_is_reproducible(tiny_model):
+    """Drafts drawn and verified with randomness from (seed, position): the same text on every
+    run; another seed, another text."""
+    spec = LLM(tiny_model, num_blocks=64, speculative_config=DRAFT_MODEL)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True)
+    first = spec.generate(PROMPTS[:2], params)
+    assert texts(spec.generate(PROMPTS[:2], params)) == texts(first)
+    assert spec.engine.stats().num_accepted_tokens > 0
+    other = spec.generate(PROMPTS[:2], dataclasses.replace(params, seed=12))
+    assert texts(other) != texts(first)
+
+
+GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+SEEDED_32 = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=32, ignore_eos=True)
+
+
+@pytest.mark.parametrize("config,params", [(NGRAM, GREEDY_32), (DRAFT_MODEL, GREEDY_32),
+                                           (DRAFT_MODEL, SEEDED_32)],
+                         ids=["ngram", "draft_model", "draft_model-seeded"])
+def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_model, config,
+                                                                          params):
+    """Greedy: the text without speculation; seeded: the text of the same speculation
+    aggregated (its draws come from (seed, position), whichever worker makes them)."""
     prompt = PROMPTS[0] * 2
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    want = LLM(tiny_model, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    want = LLM(tiny_model, num_blocks=64, speculative_config=None if params.greedy else config
+               ).generate([prompt], params)[0].outputs[0].token_ids
     prefill = LLM(tiny_model, num_blocks=64).engine
     req = WorkerRequest("x", tuple(prompt), params)
     prefill.generate(req)
@@ -258,3 +282,30 @@ def test_the_real_model_greedy_is_identical(tmp_path_factory):
     want, got = base.generate(prompts, params), spec.generate(prompts, params)
     assert texts(got) == texts(want)
     assert spec.engine.stats().num_accepted_tokens > 10
+
+
+def test_a_structured_output_request_decodes_without_drafting_and_says_why(llama_pair, caplog):
+    """A grammar-constrained request beside a drafting one: it drafts nothing (drafts are not
+    verified under its mask yet), its output stays valid, and the log says why once."""
+    from tests.schemas import random_schema
+    from workers.contract.structured_output import StructuredOutput
+
+    _, spec = llama_pair
+    engine = spec.engine
+    constrained = SamplingParams(temperature=0.0, max_tokens=300, structured=(
+        StructuredOutput.json_schema(random_schema(5))))
+    engine.generate(WorkerRequest("json", tuple(PROMPTS[0]), constrained))
+    engine.generate(WorkerRequest("free", tuple(PROMPTS[0]), SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True)))
+    text, last = {"json": "", "free": ""}, {}
+    with caplog.at_level("INFO", logger="workers.engine.speculative.speculator"):
+        while engine.has_unfinished():
+            for event in engine.step():
+                text[event.request_id] += event.text
+                last[event.request_id] = event
+    json.loads(text["json"])
+    assert last["json"].finish_reason.value == "stop" and last["json"].num_draft_tokens == 0
+    assert last["free"].num_accepted_tokens > 0
+    assert [r.message for r in caplog.records].count(
+        "structured-output requests decode without speculation: drafts are not verified under "
+        "a grammar's mask yet") == 1  # once: each step asks about every running request

@@ -10,8 +10,12 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workers.contract.protocol import FinishReason, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -53,8 +57,11 @@ class Request:
         self.grammar: object | None = None
         # speculative decoding (`workers.engine.speculative`): the tokens drafted for the next
         # step (set by the speculator before each step), and this sample's counts of drafted
-        # tokens verified and of those accepted
+        # tokens verified and of those accepted; `draft_probs` [k, V]: the distributions a
+        # sampled request's draft was drawn from (a draft model's; None: a deterministic draft,
+        # accepted where the target samples the same token)
         self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.block_hashes: list[int] = []  # chained hashes of the full blocks known so far

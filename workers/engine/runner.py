@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,29 +29,14 @@ from workers.engine.kv_cache.spec import KVCacheSpec
 from workers.engine.parallel.executor import LocalExecutor, ModelExecutor, SamplingExecutor
 from workers.engine.parallel.messages import PromptLogprobRows, StepMessage
 from workers.engine.parallel.sampling import SamplingSync
-from workers.contract.protocol import TokenLogprob
 from workers.engine.request import Request
 from workers.engine.sampler import DeviceSample, Sampler, SamplerOutput, top_logprobs
 from workers.engine.scheduler_records import ScheduledChunk, SchedulerOutput, prompt_logprob_rows
-from workers.engine.speculative.verify import row_spans, sampling_rows
+from workers.engine.runner_output import RunnerOutput, record_sampled
+from workers.engine.speculative.rejection import Verification
+from workers.engine.speculative.verify import sampling_rows
 from workers.engine.step_inputs import TokenFill
 from workers.models.lora import AdapterSlots
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    # a verifying request's id -> the drafted tokens accepted before its `sampled` token
-    accepted: dict[str, list[int]] = field(default_factory=dict)
-    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-
-    def new_logprobs(self, request_id: str) -> list[TokenLogprob]:
-        """The logprobs of a request's new tokens this step, in order ([] without)."""
-        last = self.logprobs.get(request_id)
-        return [*self.accepted_logprobs.get(request_id, ()), *(() if last is None else (last,))]
-    # request id -> (index of the first prompt token covered, logprobs of consecutive tokens)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +59,7 @@ class _Batch:
     msg: StepMessage
     sampling: list[Request]  # the rows that sample, in chunk order (k + 1 for a draft of k)
     drafts: dict[int, tuple[int, ...]]  # a verifying request's first row of `sampling` -> draft
+    verifications: list[Verification]  # the drafts with probabilities (rejection-sampled)
     prompt_rows: list[tuple[ScheduledChunk, int, int]]  # (chunk, first row, num rows)
 
 
@@ -128,8 +114,8 @@ class ModelRunner:
         result = RunnerOutput()
         sampling = batch.sampling
         if sampling:
-            _record_sampled(result, sampling, self.sampler(logits[:len(sampling)], sampling),
-                            batch.drafts)
+            record_sampled(result, sampling, self.sampler(
+                logits[:len(sampling)], sampling, batch.verifications), batch.drafts)
         self._prompt_logprobs(result, batch, logits)
         return result
 
@@ -163,7 +149,7 @@ class ModelRunner:
         """Wait for a launched step's tokens (the step's one host synchronisation)."""
         result = launched.result
         if launched.drawn is not None and launched.pending is not None:
-            _record_sampled(result, launched.sampling,
+            record_sampled(result, launched.sampling,
                             Sampler.read(launched.drawn, launched.pending.wait()))
         return result
 
@@ -206,7 +192,7 @@ class ModelRunner:
         executor: SamplingExecutor = self.executor  # type: ignore[assignment]  # it samples
         sampled = executor.execute_sampled(dataclasses.replace(batch.msg, sampling=record))
         result = RunnerOutput()
-        _record_sampled(result, batch.sampling,
+        record_sampled(result, batch.sampling,
                         SamplerOutput(list(sampled.token_ids), list(sampled.logprobs)))
         for (chunk, _, _), logprobs in zip(batch.prompt_rows, sampled.prompt_logprobs):
             result.prompt_logprobs[chunk.request.request_id] = (chunk.start + 1, list(logprobs))
@@ -226,6 +212,7 @@ class ModelRunner:
         prompt_rows: list[tuple[ScheduledChunk, int, int]] = []
         row = num_decodes = 0
         drafts: dict[int, tuple[int, ...]] = {}
+        verifications: list[Verification] = []
         for chunk in out.chunks:
             req, s, n, blocks, samples, draft = chunk
             end = s + n
@@ -246,6 +233,9 @@ class ModelRunner:
             seq_lens.append(end)
             if draft:  # every position samples
                 drafts[len(sampling)] = draft
+                if req.draft_probs is not None and not req.params.greedy:
+                    verifications.append(Verification(len(sampling), draft,
+                                                      req.draft_probs[:len(draft)]))
                 sample_rows.extend(range(row - n, row))
                 sampling.extend(sampling_rows(req, draft))
             elif samples:
@@ -266,23 +256,7 @@ class ModelRunner:
             block_copies=out.block_copies, lora_slots=() if self.adapters is None else
             # each chunk's adapter slot (-1: the base model), its adapters brought in
             self.adapters.seq_slots([c.request.lora_name for c in out.chunks]))
-        return _Batch(msg, sampling, drafts, prompt_rows)
-
-
-def _record_sampled(result: RunnerOutput, sampling: list[Request], sampled: SamplerOutput,
-                    drafts: dict[int, tuple[int, ...]] | None = None) -> None:
-    """Each request's new tokens from its rows (`drafts`: see `_Batch`)."""
-    tokens, logprobs = sampled.token_ids, sampled.logprobs
-    for rid, first, m, num_drafted in row_spans(sampling, drafts or {}, tokens):
-        result.sampled[rid] = tokens[first + m]
-        lp = logprobs[first + m]
-        if lp is not None:
-            result.logprobs[rid] = lp
-        if num_drafted:
-            result.accepted[rid] = tokens[first:first + m]
-            if lp is not None:
-                result.accepted_logprobs[rid] = [x for x in logprobs[first:first + m]
-                                                 if x is not None]
+        return _Batch(msg, sampling, drafts, verifications, prompt_rows)
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:

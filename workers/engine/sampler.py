@@ -16,7 +16,8 @@ and penalties keep their state on the device (`workers.engine.logit_adjust`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,12 +26,15 @@ from workers.kernels.host_transfer import download, gpu_paths, upload
 from workers.engine.logit_adjust import LogitAdjuster, adjusted
 from workers.contract.protocol import SamplingParams, TokenLogprob
 from workers.engine.request import Request
+from workers.engine.speculative.rejection import VERIFY_SALT, Verification, rejection_sample
 
 
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # a rejection-sampled verification's first row -> its drafted tokens accepted
+    num_accepted: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class DeviceSample:
     packed: torch.Tensor  # the tokens and logprobs, flat float64: what the host reads
     k: int | None  # top logprobs packed per row; None: no logprobs
     params: list[SamplingParams]
+    verified: tuple[int, ...] = ()  # first rows of the verifications (their counts packed last)
 
 
 _U64 = (1 << 64) - 1
@@ -151,13 +156,17 @@ class Sampler:
         self._masks = MaskBuffer()
         self._adjuster = LogitAdjuster()  # per-request penalty state on the device
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 verifications: Sequence[Verification] = ()) -> SamplerOutput:
         """logits: [N, V] float32, one row per request that samples this step (not modified).
-        On a GPU one host copy brings the tokens (and logprobs) back; nothing else waits."""
-        drawn = self.sample(logits, reqs)
+        On a GPU one host copy brings the tokens (and logprobs) back; nothing else waits.
+        `verifications`: drafts with probabilities whose rows are rejection-sampled (their
+        requests sample at random)."""
+        drawn = self.sample(logits, reqs, verifications)
         return self.read(drawn, download(drawn.packed))
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, reqs: list[Request],
+               verifications: Sequence[Verification] = ()) -> DeviceSample:
         """`__call__`'s device half: the tokens and what comes back, still on the device (the
         host does not wait). `read` the copied-back `packed` afterwards."""
         params = [r.params for r in reqs]
@@ -173,41 +182,88 @@ class Sampler:
 
         tokens = _greedy_tokens(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        counts = None
         if random_rows:
-            rows, sampled = self._sample_rows(logits, reqs, random_rows)
+            rows, sampled, probs = self._sample_rows(logits, reqs, random_rows)
+            if verifications:
+                counts = self._verify(probs, random_rows, sampled, reqs, verifications)
             tokens[rows] = sampled
         packed = _packed(tokens, raw_logprobs, k)
-        return DeviceSample(tokens, packed, None if raw_logprobs is None else k, params)
+        if counts is not None:
+            packed = torch.cat([packed, counts.to(torch.float64)])
+        return DeviceSample(tokens, packed, None if raw_logprobs is None else k, params,
+                            tuple(v.first_row for v in verifications) if counts is not None
+                            else ())
 
     @staticmethod
     def read(drawn: DeviceSample, flat: list) -> SamplerOutput:
         """The `SamplerOutput` of `drawn` from its `packed` tensor copied to the host."""
+        accepted = {}
+        if drawn.verified:
+            end = len(flat) - len(drawn.verified)
+            accepted = dict(zip(drawn.verified, map(int, flat[end:])))
+            flat = flat[:end]
         if drawn.k is None:
-            return SamplerOutput([int(t) for t in flat], [None] * len(drawn.params))
+            return SamplerOutput([int(t) for t in flat], [None] * len(drawn.params), accepted)
         computed = _read_logprobs(flat, len(drawn.params), drawn.k)
         logprobs = [None if p.logprobs is None else TokenLogprob(lp.token_id, lp.logprob, dict(
             list(lp.top.items())[:p.logprobs])) for lp, p in zip(computed, drawn.params)]
-        return SamplerOutput([lp.token_id for lp in computed], logprobs)
+        return SamplerOutput([lp.token_id for lp in computed], logprobs, accepted)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Request],
-                     random_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [R] int64, their sampled tokens [R]) for the non-greedy rows: temperature,
-        truncation, then a Gumbel-max draw. Parameters go up in one upload."""
+                     random_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows [R] int64, their sampled tokens [R], the distributions drawn from [R, V]) for
+        the non-greedy rows."""
         params = [reqs[i].params for i in random_rows]
-        vocab, n = logits.shape[1], len(random_rows)
-        # float32 holds every row index and k exactly (below 2**24)
-        staged = upload([*random_rows, *(min(p.top_k or vocab, vocab) for p in params),
-                         *(p.temperature for p in params), *(p.top_p for p in params),
-                         *(p.min_p for p in params)], self.device, torch.float32)
-        rows, ks, temps, top_p, min_p = staged.split(n)
-        rows, ks = rows.to(torch.int64), ks.to(torch.int64)
-        scaled = _truncate(logits[rows] / temps[:, None], params, ks, top_p, min_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for j, i in enumerate(random_rows):
-            seed = params[j].seed
-            if seed is not None:
-                self._seeded.manual_seed(position_seed(seed, reqs[i].num_output_tokens))
-                noise[j].exponential_(generator=self._seeded)
-        # Gumbel-max in exponential form: argmax p / E is a draw from p
-        return rows, _greedy_tokens(probs / noise)
+        rows, probs = sampling_probs(logits, params, random_rows)
+        seeds = [None if p.seed is None else position_seed(p.seed, reqs[i].num_output_tokens)
+                 for p, i in zip(params, random_rows)]
+        return rows, gumbel_draw(probs, seeds, self.generator, self._seeded), probs
+
+    def _verify(self, probs: torch.Tensor, random_rows: list[int], sampled: torch.Tensor,
+                reqs: list[Request], verifications: Sequence[Verification]) -> torch.Tensor:
+        """Rejection-sample each verification's rows (`probs`, `sampled`: of `random_rows`);
+        their tokens replace `sampled`'s in place. The counts of drafted tokens accepted, [M]."""
+        index = {row: j for j, row in enumerate(random_rows)}
+        counts = []
+        for v in verifications:
+            j, k = index[v.first_row], len(v.draft)
+            seed = reqs[v.first_row].params.seed
+            generator = self.generator
+            if seed is not None:  # from (seed, position): the same draw on every run
+                generator = self._seeded.manual_seed(
+                    position_seed(seed, reqs[v.first_row].num_output_tokens) ^ VERIFY_SALT)
+            verdict = rejection_sample(upload(v.draft, self.device)[None], v.draft_probs[None],
+                                       probs[None, j:j + k + 1], generator)
+            sampled[j:j + k + 1] = verdict.tokens[0]
+            counts.append(verdict.num_accepted)
+        return torch.cat(counts)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams],
+                   rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [R] int64, the distributions [R, V] rows `rows` of `logits` sample from with
+    `params`: temperature, then top-k, top-p and min-p). The parameters go up in one upload.
+    For non-greedy rows (a temperature > 0)."""
+    vocab, n = logits.shape[1], len(rows)
+    # float32 holds every row index and k exactly (below 2**24)
+    staged = upload([*rows, *(min(p.top_k or vocab, vocab) for p in params),
+                     *(p.temperature for p in params), *(p.top_p for p in params),
+                     *(p.min_p for p in params)], logits.device, torch.float32)
+    at, ks, temps, top_p, min_p = staged.split(n)
+    at, ks = at.to(torch.int64), ks.to(torch.int64)
+    scaled = _truncate(logits[at] / temps[:, None], params, ks, top_p, min_p)
+    return at, scaled.softmax(dim=-1)
+
+
+def gumbel_draw(probs: torch.Tensor, seeds: Sequence[int | None], generator: torch.Generator,
+                seeded: torch.Generator) -> torch.Tensor:
+    """A draw from each row of `probs` [R, V]: [R] int64. Row i's randomness comes from
+    `seeded` reseeded with `seeds[i]` when it has one, else from `generator`."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            seeded.manual_seed(seed)
+            noise[i].exponential_(generator=seeded)
+    # Gumbel-max in exponential form: argmax p / E is a draw from p
+    return _greedy_tokens(probs / noise)

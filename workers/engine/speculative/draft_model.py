@@ -1,5 +1,6 @@
 """A draft model in the engine: a truncated copy of the target (its first layers, then its final
-norm and output head), drafting greedily, batched over the requests that draft.
+norm and output head), batched over the requests that draft: greedily for greedy requests, by
+sampling (temperature, top-k, top-p, min-p as the target samples) for the others.
 
 It shares the target's weights and, for its layers, the target's KV cache: those layers' K/V
 at a verified position are the target's own (same weights, same inputs), so the draft needs no
@@ -12,23 +13,36 @@ sharing the tokenizer) would need a cache of its own: not served yet.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from workers.engine.parallel.messages import StepMessage
 from workers.engine.parallel.pipeline import MicroBatch, microbatch_tensors
 from workers.engine.request import Request
+from workers.engine.sampler import gumbel_draw, position_seed, sampling_probs
+from workers.engine.speculative.rejection import DRAFT_SALT
 from workers.models.llama import LlamaForCausalLM, LlamaModel
+
+
+class Draft(NamedTuple):
+    """A request's drafted tokens; for a sampled request also the distribution each was drawn
+    from ([V] each; empty for a greedy one)."""
+
+    tokens: list[int]
+    probs: list[torch.Tensor]
 
 
 class TruncatedDraft:
     """The first `num_layers` layers of `model` (a single-rank Llama-family model whose decoder
-    stack is `LlamaModel`'s), reading and writing `caches` (the target's, per layer)."""
+    stack is `LlamaModel`'s), reading and writing `caches` (the target's, per layer);
+    `generator`: the randomness of unseeded sampled requests' drafts."""
 
     name = "draft_model"
 
     def __init__(self, model: LlamaForCausalLM, caches: list[torch.Tensor],
-                 device: torch.device, block_size: int, num_layers: int) -> None:
+                 device: torch.device, block_size: int, num_layers: int,
+                 generator: torch.Generator) -> None:
         stack = model.model
         if type(stack).forward is not LlamaModel.forward or not stack.is_first:
             raise ValueError(f"a truncated draft needs a Llama-style decoder stack on one rank, "
@@ -39,6 +53,8 @@ class TruncatedDraft:
         self.model, self.device, self.block_size = model, device, block_size
         self.layers = list(stack.layers.values())[:num_layers]
         self.caches = caches[:num_layers]
+        self.generator = generator
+        self._seeded = torch.Generator(device=device)  # reseeded per seeded draw
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
         stack = self.model.model
@@ -52,10 +68,12 @@ class TruncatedDraft:
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int],
-                tables: Sequence[tuple[int, ...]]) -> list[list[int]]:
-        """Greedy drafts of `ks[i]` tokens for each decoding request (its last token not yet
-        computed), whose block table `tables[i]` has slots up to its last drafted position."""
-        drafts: list[list[int]] = [[] for _ in reqs]
+                tables: Sequence[tuple[int, ...]]) -> list[Draft]:
+        """Drafts of `ks[i]` tokens for each decoding request (its last token not yet
+        computed), whose block table `tables[i]` has slots up to its last drafted position:
+        greedy for a greedy request; a sampled one's drawn from the draft's distribution with
+        its temperature and truncation, kept for the verification's rejection sampling."""
+        drafts = [Draft([], []) for _ in reqs]
         inputs = [r.all_token_ids[-1] for r in reqs]
         size = self.block_size
         for j in range(max(ks, default=0)):
@@ -70,7 +88,25 @@ class TruncatedDraft:
                 block_tables=tuple(tables[i] for i in live), num_decodes=n,
                 logit_rows=tuple(range(n)))
             ids, positions, meta = microbatch_tensors(msg, MicroBatch(0, n, 0, n), self.device)
-            for i, token in zip(live, self._logits(ids, positions, meta).argmax(-1).tolist()):
-                drafts[i].append(token)
+            logits = self._logits(ids, positions, meta).float()  # [n, V], as the target samples
+            tokens = logits.argmax(-1)
+            rows = [r for r, i in enumerate(live) if not reqs[i].params.greedy]
+            if rows:
+                tokens[rows] = self._draw(logits, [reqs[live[r]] for r in rows], rows, j,
+                                          drafts, [live[r] for r in rows])
+            for i, token in zip(live, tokens.tolist()):
+                drafts[i].tokens.append(token)
                 inputs[i] = token
         return drafts
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], j: int,
+              drafts: list[Draft], at: list[int]) -> torch.Tensor:
+        """Draws for the sampled `reqs` at their `j`-th drafted position from `rows` of
+        `logits`; each one's distribution appended to `drafts[at[i]].probs`."""
+        _, probs = sampling_probs(logits, [r.params for r in reqs], rows)
+        seeds = [None if r.params.seed is None else
+                 position_seed(r.params.seed, r.num_output_tokens + j) ^ DRAFT_SALT
+                 for r in reqs]
+        for i, row in zip(at, probs):
+            drafts[i].probs.append(row)
+        return gumbel_draw(probs, seeds, self.generator, self._seeded)

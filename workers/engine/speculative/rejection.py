@@ -7,7 +7,10 @@ distributed exactly as the target's. A deterministic draft (n-gram) is the case 
 accept when the target's own draw equals the drafted token (`workers.engine.speculative.verify`).
 
 Batched over N requests of k drafted tokens each; the distributions are the ones the tokens are
-sampled from (after penalties, temperature and truncation), on any device.
+sampled from (after penalties, temperature and truncation), on any device. The sampler applies
+it to a step's `Verification`s (`workers.engine.sampler`); a seeded request's draws come from
+(seed, output position) salted apart from the target's own draw there (`VERIFY_SALT`) and the
+draft's (`DRAFT_SALT`), so the same seed gives the same text on every run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,20 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+
+# xor-ed into a seeded request's position seed (`workers.engine.sampler.position_seed`): the
+# draft's draw and the verification's draws at a position are streams of their own
+DRAFT_SALT = 0x5DEECE66D
+VERIFY_SALT = 0xB5297A4D3F84D5B5
+
+
+class Verification(NamedTuple):
+    """A sampled request's draft to verify by rejection sampling in a step's sampling."""
+
+    first_row: int  # the request's first row of the step's sampling rows (k + 1 rows)
+    draft: tuple[int, ...]  # the k drafted tokens
+    draft_probs: torch.Tensor  # [k, V]: the distributions the draft drew them from
 
 
 class Verdict(NamedTuple):

@@ -11,9 +11,12 @@ doubles each time it backs off again.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.parallel.local import LocalExecutor
@@ -22,6 +25,8 @@ from workers.engine.runner import ModelRunner
 from workers.engine.speculative.draft_model import TruncatedDraft
 from workers.engine.speculative.config import SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
+
+logger = logging.getLogger(__name__)
 
 EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
 MAX_PAUSE_STEPS = 64  # a backed-off request tries drafting again at least this often
@@ -48,6 +53,8 @@ class _Backoff:
 class Speculator:
     """Sets running requests' drafts from `drafter` (see the module docstring)."""
 
+    _said_grammar = False  # the log told why structured-output requests do not draft
+
     def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int) -> None:
         self.config = config
         self.drafter = drafter
@@ -69,7 +76,13 @@ class Speculator:
 
     def _num_to_draft(self, req: Request) -> int:
         """Tokens the request may draft now: 0 unless it is decoding and wants speculation;
-        fewer near `max_tokens` (a step appends up to k + 1) and the context's end."""
+        fewer near `max_tokens` (a step appends up to k + 1) and the context's end. A
+        structured-output request does not draft (said once in the log): drafts are not
+        checked against the grammar's mask, nor the matcher advanced over accepted tokens."""
+        if req.grammar is not None and req.params.speculative and not self._said_grammar:
+            self._said_grammar = True
+            logger.info("structured-output requests decode without speculation: drafts are "
+                        "not verified under a grammar's mask yet")
         if (req.status is not RequestStatus.RUNNING or not req.params.speculative
                 or req.grammar is not None or req.hold_kv
                 or req.num_computed_tokens != req.num_tokens - 1):
@@ -100,10 +113,11 @@ class Speculator:
 
 
 class DraftModelSpeculator(Speculator):
-    """Drafts with a model, batched over the drafting requests (greedy ones only: a sampled
-    request decodes without speculation, until the draft's probabilities reach the
-    verification, `workers.engine.speculative.rejection`). The slots of a request's drafted
-    positions are allocated before the draft writes them; none free: it does not draft."""
+    """Drafts with a model, batched over the drafting requests: a sampled request's draft
+    carries the draft's distributions (`Request.draft_probs`), which the verification's
+    rejection sampling needs (`workers.engine.speculative.rejection`). The slots of a request's
+    drafted positions are allocated before the draft writes them; none free: it does not
+    draft."""
 
     def __init__(self, config: SpeculativeConfig, draft: TruncatedDraft, kv: KVCacheManager,
                  max_model_len: int) -> None:
@@ -116,8 +130,8 @@ class DraftModelSpeculator(Speculator):
         reqs: list[Request] = []
         ks: list[int] = []
         for req in running:
-            req.draft_token_ids = []
-            if len(running) > self.config.disable_by_batch_size or not req.params.greedy:
+            req.draft_token_ids, req.draft_probs = [], None
+            if len(running) > self.config.disable_by_batch_size:
                 continue
             k = self._num_to_draft(req)
             if k > 0 and self._may_draft(req) and self.kv.allocate_slots(req, 1 + k):
@@ -125,7 +139,9 @@ class DraftModelSpeculator(Speculator):
                 ks.append(k)
         drafts = self.draft.propose(reqs, ks, [self.kv.block_table(r.request_id) for r in reqs])
         for req, draft in zip(reqs, drafts):
-            req.draft_token_ids = draft
+            req.draft_token_ids = draft.tokens
+            if draft.probs:
+                req.draft_probs = torch.stack(draft.probs)  # [k, V]
 
 
 def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
@@ -142,5 +158,6 @@ def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
         raise ValueError(f"a draft model needs the target in this process, got "
                          f"{type(executor).__name__}")
     draft = TruncatedDraft(executor.model, executor.caches, runner.device,
-                           runner.spec.block_size, config.draft_num_layers)
+                           runner.spec.block_size, config.draft_num_layers,
+                           runner.sampler.generator)
     return DraftModelSpeculator(config, draft, kv, max_model_len)

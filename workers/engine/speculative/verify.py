@@ -1,9 +1,15 @@
 """A verification step's sampling: each drafting request samples k + 1 rows in one step, row j
 as if its first j drafted tokens were already its output, so each row passes through exactly
 the sampling of one-at-a-time decoding (penalties over the tokens before it, min_tokens, the
-seed of its output position, logit_bias); then the drafted tokens are accepted while the
-target sampled them, and the first token it sampled otherwise (or after the last draft)
-follows them.
+seed of its output position, logit_bias). A deterministic draft (n-gram; any greedy request's):
+the drafted tokens are accepted while the target sampled them, and the first token it sampled
+otherwise (or after the last draft) follows them. That is the rejection rule with the draft's
+distribution a point mass q = one-hot(d): accepting with probability min(1, p(d) / 1) and
+otherwise drawing from max(0, p - q) renormalised (p without d) gives each token x with
+probability p(x), as the target's own draw compared with d does; the draw kept is the one
+decoding without speculation makes at that position, so a seeded request's text is the same
+with n-gram speculation as without. A draft with probabilities (a draft model's, sampled) is
+rejection-sampled in the sampler (`workers.engine.speculative.rejection`).
 """
 
 from __future__ import annotations
@@ -63,17 +69,20 @@ class RowSpan(NamedTuple):
 
 
 def row_spans(rows: Sequence[Request], drafts: dict[int, tuple[int, ...]],
-              tokens: Sequence[int]) -> list[RowSpan]:
+              tokens: Sequence[int], accepted: dict[int, int] | None = None) -> list[RowSpan]:
     """Each sampling request's span of the step's sampling `rows` and their `tokens`;
-    `drafts`: the first row of each verifying request -> its draft."""
+    `drafts`: the first row of each verifying request -> its draft; `accepted`: the first row
+    of each rejection-sampled one -> its count of accepted drafted tokens (the others accept
+    while the target sampled the drafted token)."""
     if len(tokens) != len(rows):
         raise RuntimeError(f"{len(tokens)} tokens sampled for {len(rows)} rows")
+    known = accepted or {}
     spans: list[RowSpan] = []
     i = 0
     while i < len(rows):
         draft = drafts.get(i, ())
         width = len(draft) + 1
-        spans.append(RowSpan(rows[i].request_id, i,
-                             num_accepted(draft, tokens[i:i + width]), len(draft)))
+        m = known[i] if i in known else num_accepted(draft, tokens[i:i + width])
+        spans.append(RowSpan(rows[i].request_id, i, m, len(draft)))
         i += width
     return spans
