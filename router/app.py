@@ -39,6 +39,7 @@ from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, Worker
 from router.workers import WorkerSet
 from workers.contract.calls import Embeddings
 from workers.contract.protocol import SamplingParams
+from router.stream_trace import StreamSpan
 from workers.contract.tracing import tracing
 from workers.tokenizer import Tokenizer
 
@@ -218,6 +219,7 @@ class Router:
         (`metrics.count_error`). `ttft_deadline_s`: the request's own TTFT target; one no
         worker is predicted to meet is refused at once (429, `router.deadline`)."""
         started, tr = time.monotonic(), tracing()
+        front_end = tr.traceparent()  # the stream's span is its child (`router.stream_trace`)
         with tr.span("router.start", attributes={"prompt_tokens": len(prompt_token_ids)}):
             req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
                                 cache_salt, traceparent=tr.traceparent())
@@ -228,6 +230,7 @@ class Router:
                 tr.set_attributes({"request_id": req.request_id, "worker": gen.worker_id,
                                    "decode_worker": gen.decode_worker_id or "",
                                    "predicted_cached_tokens": gen.predicted_cached_tokens})
+                gen.record = StreamSpan(gen.record, gen, front_end)
         return gen
 
     async def embed(self, token_ids: list[list[int]], pooling: str,
