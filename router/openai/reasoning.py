@@ -90,7 +90,9 @@ _HARMONY_MARKERS = tuple(f"<|{m}|>" for m in
 
 @dataclass(frozen=True)
 class HarmonyChannels:
-    """gpt-oss's Harmony messages: the `analysis` channel is reasoning, the others answer."""
+    """gpt-oss's Harmony messages: the `analysis` channel is reasoning, the others answer.
+    Never `decided` (a later message may be analysis again): a stream re-reads its whole text
+    at each piece, which costs a scan of the text per piece."""
 
     name: str
     keeps_special_tokens: bool = True
