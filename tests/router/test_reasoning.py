@@ -151,3 +151,29 @@ def test_a_grammar_read_with_a_reasoning_parser_starts_after_the_reasoning():
     harmony = answer_params(PARSERS["gpt_oss"], json_only)  # markers a grammar cannot write
     assert harmony.structured == json_only.structured and not harmony.skip_special_tokens
     assert answer_params(None, json_only) is json_only
+
+
+def test_a_harmony_reply_detokenized_as_the_engine_does_splits_by_channel(tmp_path):
+    """gpt-oss's made checkpoint (Harmony template and special tokens): a scripted reply's
+    tokens, detokenized one at a time as the engine does with the parser's params (special
+    tokens kept), stream into the reasoning and the answer; skipping them would lose both."""
+    from workers.models.make_model import make_model
+    from workers.tokenizer import Tokenizer
+    from workers.tokenizer.detokenizer import SampleText
+
+    tokenizer = Tokenizer.from_pretrained(str(make_model(tmp_path, arch="gpt_oss")))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}],
+                                           add_generation_prompt=True, tokenize=True)
+    reply = tokenizer.encode("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant"
+                             "<|channel|>final<|message|>4.<|return|>", add_special_tokens=False)
+    params = answer_params(PARSERS["gpt_oss"], SamplingParams())
+    text, stream = SampleText(tokenizer, prompt, params), ReasoningStream(PARSERS["gpt_oss"])
+    reasoning = answer = ""
+    for k, token_id in enumerate(reply):
+        text.add_token(token_id)
+        r, a = stream.feed(text.take(finished=k == len(reply) - 1))
+        reasoning, answer = reasoning + r, answer + a
+    r, a = stream.finish()
+    assert (reasoning + r, answer + a) == ("Add them.", "4.")
+    skipped = tokenizer.decode(reply, skip_special_tokens=True)
+    assert PARSERS["gpt_oss"].split(skipped)[:2] == ("", skipped)  # channels lost
