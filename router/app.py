@@ -3,8 +3,7 @@
 One `Router` per process and event loop. It tokenizes (torch-free), checks the request, makes
 its id, and hands one `WorkerRequest` to the `Orchestrator`, which routes it over the
 `WorkerSet` (membership, health, loads and the prefix index, all pushed by the workers'
-channels). The parts take narrow interfaces: none reads another's private fields.
-"""
+channels). The parts take narrow interfaces: none reads another's private fields."""
 
 from __future__ import annotations
 
@@ -35,6 +34,7 @@ from router.rebalance import rebalance
 from router.role_plan import RoleSwitch
 from router.role_switch import switch_role
 from router.slo_control import SloControl
+from router.stream_trace import StreamSpan
 from router.streams import Generation
 from router.worker_client import WorkerClient, WorkerInfo, WorkerRequest, WorkerRole
 from router.workers import WorkerSet
@@ -183,8 +183,7 @@ class Router:
         return self.tokenizer.encode(text)
 
     async def tokenize_async(self, text: str) -> list[int]:
-        """`tokenize`, on a thread for a long text (the Rust tokenizer releases the GIL), so
-        one large prompt does not stall every stream on this router's event loop."""
+        """`tokenize`, a long text on a thread (the Rust tokenizer releases the GIL)."""
         if len(text) < TOKENIZE_INLINE_CHARS:
             return self.tokenizer.encode(text)
         return await asyncio.to_thread(self.tokenizer.encode, text)
@@ -222,6 +221,7 @@ class Router:
         worker is predicted to meet is refused at once (429, `router.deadline`). `lora_name`:
         the LoRA adapter it runs under (`adapters.resolve`; None: the base model)."""
         started, tr = time.monotonic(), tracing()
+        front_end = tr.traceparent()  # the stream's span is its child (`router.stream_trace`)
         with tr.span("router.start", attributes={"prompt_tokens": len(prompt_token_ids)}):
             req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
                                 cache_salt, lora_name, traceparent=tr.traceparent())
@@ -236,12 +236,12 @@ class Router:
                 tr.set_attributes({"request_id": req.request_id, "worker": gen.worker_id,
                                    "decode_worker": gen.decode_worker_id or "",
                                    "predicted_cached_tokens": gen.predicted_cached_tokens})
+                gen.record = StreamSpan(gen.record, gen, front_end)
         return gen
 
     async def embed(self, token_ids: list[list[int]], pooling: str,
                     normalize: bool) -> Embeddings:
-        """The inputs' pooled final hidden states, from one worker of the prefill pool (or
-        the aggregated pool): `router.embedder`."""
+        """The inputs' pooled final hidden states from a prefill worker (`router.embedder`)."""
         return await self.embedder.embed(token_ids, pooling, normalize)
 
     async def drain(self, worker_id: str, with_kv: bool = True,

@@ -28,7 +28,7 @@ DEFAULT_DEADLINES = Deadlines()  # the clients' default (a frozen record, shared
 # the tool-call formats `router.openai.tool_parsers` reads (vLLM's --tool-call-parser names)
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
 # the reasoning formats `router.openai.reasoning` reads (vLLM's --reasoning-parser names)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss")
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")  # `router.policy`'s names
 # "hand off or run here" (`router.split_policy`'s names)
 SPLIT_POLICIES = ("uncached_threshold", "always", "never")
@@ -92,8 +92,9 @@ class RouterConfig:
         choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = setting(None, (
         "How the model writes its reasoning (vLLM's --reasoning-parser names): the text in "
-        "its <think> block is returned apart from the answer (chat: reasoning_content; "
-        "Responses: a reasoning item); unset: all output is the answer."),
+        "its <think> block (gpt_oss: its analysis channel) is returned apart from the answer "
+        "(chat: reasoning_content; Responses: a reasoning item), tool calls are read and "
+        "structured output applies after it; unset: all output is the answer."),
         choices=REASONING_PARSERS)
     response_store_size: int = setting(1024, (
         "Responses (/v1/responses with store) each router replica keeps for "

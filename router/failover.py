@@ -21,6 +21,7 @@ from router.workers import WorkerSet
 from workers.contract.messages import ResumedSample
 from workers.contract.prefix_cache import adapter_salt, hash_prompt_blocks
 from workers.contract.protocol import KVPullFailed, WorkerRequest, WorkerRole
+from workers.contract.tracing import tracing
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -47,6 +48,16 @@ class Failover:
         """Resume the samples on another healthy decode-pool worker, waiting up to
         `migration_wait_s` for one (a cluster's pool replaces its lost replicas); raise `exc`
         when none comes."""
+        with tracing().span("router.migration", attributes={
+                "from_worker": tried[-1] if tried else "", "reason": type(exc).__name__,
+                "samples": len(samples)}) as span:
+            worker_id, stream = await self._resume_elsewhere(req, samples, tried, exc)
+            if span is not None:
+                span.set_attributes({"to_worker": worker_id})
+        return worker_id, stream
+
+    async def _resume_elsewhere(self, req: WorkerRequest, samples: list[ResumedSample],
+                                tried: list[str], exc: Exception) -> tuple[str, TokenStream]:
         w = self.workers
         if isinstance(exc, WorkerUnavailableError) and tried:
             w.mark_unhealthy(tried[-1])

@@ -83,6 +83,14 @@ class Policies(NamedTuple):
                    get_decode_policy(config.decode_policy))
 
 
+def _routed(prefill_id: str, cached: int, reason: str | None,
+            decode: DecodePick | None) -> dict[str, str | int]:
+    """A routing span's attributes: the workers chosen, the prefix hit, why it runs here."""
+    return {"prefill_worker": prefill_id, "prefix_hit_tokens": cached,
+            "decode_worker": decode.worker_id if decode is not None else "",
+            "run_here": reason or ""}
+
+
 class Orchestrator:
     """Routes and starts requests over a `WorkerSet`; `generations` builds what it started."""
 
@@ -117,12 +125,13 @@ class Orchestrator:
                                     adapter_salt(req.cache_salt, req.lora_name))
         prefill_loads = w.pool_loads(*PREFILL_POOL)
         decode_loads = w.pool_loads(*DECODE_POOL)
-        self._admit(prefill_loads or decode_loads)
         split = bool(prefill_loads)
-        if ttft_deadline_s is not None:  # only the workers that can meet it (else 429)
-            prefill_loads, decode_loads = pools_within(
-                ttft_deadline_s, prefill_loads, decode_loads, len(req.prompt_token_ids),
-                self.config.retry_after_s, self.counters)
+        with tracing().span("router.admission", attributes={"disaggregated": split}):
+            self._admit(prefill_loads or decode_loads)
+            if ttft_deadline_s is not None:  # only the workers that can meet it (else 429)
+                prefill_loads, decode_loads = pools_within(
+                    ttft_deadline_s, prefill_loads, decode_loads, len(req.prompt_token_ids),
+                    self.config.retry_after_s, self.counters)
         if not prefill_loads:  # an aggregated deployment, or no prefill worker in time
             return await self._aggregated(req, hashes, decode_loads,
                                           "deadline" if split else None)
@@ -132,17 +141,20 @@ class Orchestrator:
         for attempt in range(1 + self.config.prefill_retries):
             decode_loads = decode_loads.without(())  # routing awaits: one may be gone
             try:
-                decision = self.policy.choose(hashes, prefill_loads.without(tried), w.index)
+                with tracing().span("router.route", attributes={"attempt": attempt}) as span:
+                    decision = self.policy.choose(hashes, prefill_loads.without(tried), w.index)
+                    cached = decision.predicted_hit_blocks * self.block_size
+                    reason = self.split.run_here(req, cached) if attempt == 0 else None
+                    decode = None if reason else self._pick_decode(hashes, decode_loads)
+                    if span is not None:
+                        span.set_attributes(_routed(decision.worker_id, cached, reason, decode))
             except NoHealthyWorker:
                 if attempt > 0:
                     break  # every healthy prefill worker failed
                 self.counters.count_fallback("no_prefill_worker")
                 return await self._aggregated(req, hashes, decode_loads, "no_prefill_worker")
-            cached = decision.predicted_hit_blocks * self.block_size
-            reason = self.split.run_here(req, cached) if attempt == 0 else None
-            if reason is not None:
+            if decode is None:
                 return await self._aggregated(req, hashes, decode_loads, reason)
-            decode = self._pick_decode(hashes, decode_loads)
             try:
                 start = await self._try_prefill(req, hashes, decision, decode.worker_id)
             finally:

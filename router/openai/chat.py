@@ -30,7 +30,8 @@ from router.openai.common import (
     usage,
 )
 from router.openai.protocol import ChatCompletionRequest, ChatMessage
-from router.openai.reasoning import ReasoningFormat, ReasoningStream, reasoning_format
+from router.openai.reasoning import ReasoningFormat, ReasoningStream, answer_params, \
+    reasoning_format
 from router.openai.sse import SSE_DONE, TextChunks, sse, sse_error
 from router.openai.tool_calls import ToolCallStream, message_with_calls, tool_call_format
 from router.openai.tool_parsers import ToolCallFormat
@@ -89,8 +90,7 @@ async def create_chat_completion(router: Router, tokens: TokenStrings,
 
 async def _answer(router: Router, tokens: TokenStrings, request: Request,
                   body: ChatCompletionRequest) -> AsyncGenerator[Response | Streaming | str, None]:
-    """A valid body's response, as `respond` reads it: admitted, built, then collected or
-    streamed. Holds the request's slot until its last event."""
+    """A valid body's response: admitted, built, collected or streamed (holds its slot)."""
     deadline = ttft_deadline_s(request.headers)
     with router.admit():  # before the template and the tokenizer run
         ids = await asyncio.to_thread(chat_prompt, router, body) if long_chat(body) else \
@@ -133,7 +133,7 @@ def chat_sampling(router: Router, body: ChatCompletionRequest,
     tool_format = _tool_format(router, body)
     if tool_format is not None:
         params = _force_call(body, tool_format, params)
-    return params, tool_format
+    return answer_params(reasoning_format(router.config.reasoning_parser), params), tool_format
 
 
 def _tool_format(router: Router, body: ChatCompletionRequest) -> ToolCallFormat | None:

@@ -28,17 +28,19 @@ class OutputStream:
 
     def __init__(self, thinking: ReasoningFormat | None, calls: ToolCallFormat | None) -> None:
         self.items: list[dict[str, Any]] = []
-        self.num_reasoning_tokens = 0
+        self.num_reasoning_tokens = 0  # tokens generated before the answer began
+        self._answered = False
         self._thoughts = ReasoningStream(thinking) if thinking is not None else None
         self._calls = ToolCallStream(calls) if calls is not None else None
         self._open: dict[str, Any] | None = None  # the item whose text is arriving
         self._call_items: list[dict[str, Any]] = []
 
     def feed(self, text: str, num_tokens: int = 0) -> list[Event]:
-        """The events of `text` (`num_tokens` generated it: counted as reasoning tokens when
-        it was all reasoning)."""
+        """The events of `text` (`num_tokens` generated it: counted as reasoning tokens while
+        no answer has begun)."""
         reasoning, answer = self._thoughts.feed(text) if self._thoughts else ("", text)
-        if reasoning and not answer:
+        self._answered = self._answered or bool(answer)
+        if self._thoughts and not self._answered:  # held-back text included
             self.num_reasoning_tokens += num_tokens
         return self._events(reasoning, answer, final=False)
 

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from router.app import Router
-from router.errors import BadRequestError
+from router.errors import INTERNAL_ERROR, APIError, BadRequestError
 from router.openai.chat import chat_prompt, chat_sampling, long_chat
 from router.openai.reasoning import reasoning_format
 from router.openai.common import STREAMING, Streaming, parse_body, respond, until_disconnected
@@ -30,7 +30,7 @@ from router.openai.response_items import (
     StoredResponse,
     renamed,
 )
-from router.openai.sse import sse, sse_error
+from router.openai.sse import sse
 from router.streams import Generation
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,16 @@ class _Made:
 
     def in_progress(self) -> dict[str, Any]:
         return {**self.head, "status": "in_progress", "output": [], "usage": None}
+
+    def failed(self, exc: Exception, out: OutputStream) -> dict[str, Any]:
+        """The response a stream ends with when its generation failed: `failed`, with the
+        output so far and OpenAI's error object (`server_error` but for a refused request)."""
+        if not isinstance(exc, APIError):
+            exc = APIError(INTERNAL_ERROR)
+        code = "invalid_prompt" if exc.status == 400 else \
+            "rate_limit_exceeded" if exc.status == 429 else "server_error"
+        return {**self.head, "status": "failed", "output": out.items, "usage": None,
+                "error": {"code": code, "message": exc.message}}
 
     def final(self, out: OutputStream, gen: Generation, num_tokens: int,
               finish: str | None) -> dict[str, Any]:
@@ -151,7 +161,7 @@ async def _answer(router: Router, request: Request, chat: ChatCompletionRequest,
             yield sse_of({"type": f"response.{response['status']}", "response": response})
         except Exception as exc:  # reported to the client in the stream
             logger.exception("a streamed response failed")
-            yield sse_error(exc)
+            yield sse_of({"type": "response.failed", "response": made.failed(exc, out)})
         finally:
             await gen.aclose()
 

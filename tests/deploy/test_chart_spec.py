@@ -138,6 +138,17 @@ def test_sets_nccl_and_ucx_environment_from_values():
     assert env["NCCL_DEBUG"]["value"] == "INFO"
 
 
+def test_points_the_router_and_every_worker_at_the_trace_collector_when_set():
+    collector = "http://otel-collector.observability:4318"
+    objects = render(_disagg(monitoring={"tracing": {"otlpEndpoint": collector}}))
+    head = only(objects, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    for group in (head, worker_group(objects, "prefill"), worker_group(objects, "decode")):
+        env = _env(group)
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == collector
+        assert env["OTEL_SERVICE_NAME"]["value"] == "cleave"
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in _env(worker_group(render(_disagg()), "decode"))
+
+
 def test_mounts_the_pvc_read_only_where_the_model_path_points():
     objects = render({"modelSource": {"type": "pvc", "pvc": {"claimName": "models"},
                                       "subPath": "llama"}})

@@ -6,6 +6,8 @@ own item, and refuses what a text model cannot do with a 400 naming the field.""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 
 import httpx
@@ -14,6 +16,7 @@ import openai
 import pytest
 
 from cluster.local_server import LocalServeConfig, LocalServer
+from router.errors import WorkerUnavailableError
 from tests.router.conftest import API_KEY, NUM_BLOCKS
 
 WEATHER = {"type": "object", "properties": {
@@ -24,8 +27,6 @@ TOOL = {"type": "function", "name": "get_weather", "description": "Weather now",
 ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
 M = "tiny"
-# what a reasoning model writes, forced on the random model by a regex
-THINKING = r"<think>[a-z]{2,6}</think>[a-z]{1,6}"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def srv(tiny_model):
     server = LocalServer(LocalServeConfig(
         tiny_model, http_port=0, grpc_port=0, num_prefill_workers=1, num_decode_workers=1,
         router={"api_keys": (API_KEY,), "disagg_threshold_tokens": 8, "served_model_name": M,
-                "reasoning_parser": "qwen3", "response_store_size": 4},
+                "response_store_size": 4},
         engine={"num_blocks": NUM_BLOCKS, "max_num_batched_tokens": 512})).start()
     yield server
     server.stop()
@@ -103,6 +104,38 @@ def test_a_forced_function_call_streams_to_the_same_call(client):
     assert deltas == streamed.arguments == call.arguments
 
 
+def test_a_stream_that_fails_midway_ends_with_response_failed(srv, client, monkeypatch):
+    """A generation lost after its first events: the stream says `response.failed`, with an
+    error object and the output so far, instead of ending silently; the client parses it."""
+    generate = srv.router.generate
+
+    async def failing(*args, **kwargs):
+        gen = await generate(*args, **kwargs)
+        events = gen.events
+
+        async def broken():
+            num_events = 0
+            async for event in events():
+                yield event
+                num_events += 1
+                if num_events == 2:
+                    raise WorkerUnavailableError("decode-0", "it was lost")
+        gen.events = broken
+        return gen
+
+    monkeypatch.setattr(srv.router, "generate", failing)
+    with client.responses.stream(model=M, input="a long story", max_output_tokens=30,
+                                 temperature=0) as stream:
+        events = list(stream)
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    failed = events[-1]
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.code == "server_error"
+    assert "it was lost" not in failed.response.error.message  # the log has it
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert said and failed.response.output[0].content[0].text == said
+
+
 def test_a_json_schema_format_gives_text_that_validates(client):
     resp = client.responses.create(
         model=M, input="is the sky blue?", temperature=0, max_output_tokens=50,
@@ -137,23 +170,38 @@ def test_previous_response_id_continues_the_stored_conversation(srv, client):
         client.responses.retrieve(first.id)
 
 
-def test_reasoning_comes_apart_from_the_answer_in_chat(client):
-    forced = {"structured_outputs": {"regex": THINKING}}
-    chat = client.chat.completions.create(
-        model=M, messages=[{"role": "user", "content": "think first"}], temperature=0,
-        max_tokens=40, extra_body=forced)
-    message = chat.choices[0].message
-    thought, answer = message.reasoning_content, message.content
-    assert thought.isalpha() and answer.isalpha()
-    streamed = client.chat.completions.create(
-        model=M, messages=[{"role": "user", "content": "think first"}], temperature=0,
-        max_tokens=40, extra_body=forced, stream=True)
-    parts = {"reasoning_content": "", "content": ""}
-    for chunk in streamed:
-        for key in parts:
-            parts[key] += getattr(chunk.choices[0].delta, key, None) or "" \
-                if chunk.choices else ""
-    assert parts == {"reasoning_content": thought, "content": answer}
+@contextlib.contextmanager
+def reading(srv, parser: str):
+    """The server's router reading reasoning with `parser` meanwhile (its setting is read per
+    request)."""
+    before = srv.router.config
+    srv.router.config = dataclasses.replace(before, reasoning_parser=parser)
+    try:
+        yield
+    finally:
+        srv.router.config = before
+
+
+def test_reasoning_comes_apart_from_the_answer(srv, client):
+    """deepseek_r1 reads an output as starting inside the thinking block: the random model
+    never closes it, so all it writes is reasoning, in chat, its stream and a response."""
+    ask = dict(model=M, messages=[{"role": "user", "content": "think first"}], temperature=0,
+               max_tokens=12)
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    assert plain and "</think>" not in plain
+    with reading(srv, "deepseek_r1"):
+        message = client.chat.completions.create(**ask).choices[0].message
+        parts = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(stream=True, **ask):
+            for key in parts:
+                parts[key] += getattr(chunk.choices[0].delta, key, None) or "" \
+                    if chunk.choices else ""
+        resp = client.responses.create(model=M, input="think first", max_output_tokens=12,
+                                       temperature=0)
+    assert (message.reasoning_content, message.content) == (plain, "")
+    assert parts == {"reasoning_content": plain, "content": ""}
+    assert resp.output[0].type == "reasoning" and resp.output[0].content[0].text == plain
+    assert resp.usage.output_tokens_details.reasoning_tokens == 12
 
 
 @pytest.mark.parametrize("body,param,words", [

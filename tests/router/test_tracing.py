@@ -1,8 +1,9 @@
 """OpenTelemetry traces: one disaggregated chat request with tracing on (the standard `OTEL_*`
 variables naming an OTLP/HTTP endpoint: a real HTTP server started here, decoding the
 protobuf the SDK's exporter sends) is one trace under the client's `traceparent`, from the
-front end through routing, the prefill call and the prefill worker to the decode worker's KV
-pull with its bytes. Off (no endpoint), no span is made."""
+front end through admission, routing (workers chosen, prefix hit), the prefill call and the
+prefill worker's KV offer to the decode worker's KV pull with its bytes, its first step and
+its stream. A migration is a span naming both workers. Off (no endpoint), no span is made."""
 
 from __future__ import annotations
 
@@ -82,22 +83,40 @@ def test_one_disaggregated_request_is_one_trace_under_the_clients_span(traced):
     assert srv.router.counters.num_disaggregated == 1
     assert tracing.tracing().provider.force_flush(10_000)
     spans = {s.name: s for s in receiver.spans}
-    assert {"POST /v1/chat/completions", "router.start", "router.prefill_call",
-            "worker.prefill", "worker.kv_pull"} <= set(spans)
+    assert {"POST /v1/chat/completions", "router.start", "router.admission", "router.route",
+            "router.prefill_call", "worker.prefill", "worker.kv_offer", "worker.kv_pull",
+            "worker.first_step", "worker.stream", "router.stream"} <= set(spans)
     assert {s.trace_id.hex() for s in receiver.spans} == {TRACE_ID}
     parent = {name: s.parent_span_id.hex() for name, s in spans.items()}
     ids = {name: s.span_id.hex() for name, s in spans.items()}
     assert parent["POST /v1/chat/completions"] == CLIENT_SPAN
     assert parent["router.start"] == ids["POST /v1/chat/completions"]
-    assert parent["router.prefill_call"] == ids["router.start"]
+    for name in ("router.admission", "router.route", "router.prefill_call"):
+        assert parent[name] == ids["router.start"], name
     # the workers' spans continue the context their WorkerRequest carried
-    assert parent["worker.prefill"] == ids["router.start"]
-    assert parent["worker.kv_pull"] == ids["router.start"]
-    attributes = {a.key: a.value for a in spans["worker.kv_pull"].attributes}
-    assert attributes["kv.bytes"].int_value > 0 and attributes["kv.transport"].string_value
-    start = {a.key: a.value for a in spans["router.start"].attributes}
-    assert start["worker"].string_value == "prefill-0"
-    assert start["decode_worker"].string_value == "decode-0"
+    for name in ("worker.prefill", "worker.kv_pull", "worker.first_step", "worker.stream"):
+        assert parent[name] == ids["router.start"], name
+    assert parent["worker.kv_offer"] == ids["worker.prefill"]
+    assert parent["router.stream"] == ids["POST /v1/chat/completions"]
+    attrs = {name: {a.key: a.value for a in s.attributes} for name, s in spans.items()}
+    for name in ("worker.kv_offer", "worker.kv_pull"):  # the transfer's bytes and transport
+        assert attrs[name]["kv.bytes"].int_value > 0 and attrs[name]["kv.transport"].string_value
+    pull = spans["worker.kv_pull"]
+    assert pull.end_time_unix_nano > pull.start_time_unix_nano  # its duration
+    assert attrs["router.route"]["prefill_worker"].string_value == "prefill-0"
+    assert attrs["router.route"]["decode_worker"].string_value == "decode-0"
+    assert attrs["router.route"]["prefix_hit_tokens"].int_value == 0  # a new prompt
+    assert attrs["router.start"]["worker"].string_value == "prefill-0"
+    assert attrs["router.start"]["decode_worker"].string_value == "decode-0"
+    assert attrs["worker.stream"]["worker"].string_value == "decode-0"
+    assert attrs["worker.stream"]["tokens"].int_value == 3  # the first came from prefill
+    assert attrs["router.stream"]["tokens"].int_value == 4
+    assert attrs["router.stream"]["streamed_by"].string_value == "decode-0"
+    # in order: routed, prefilled, transferred, then the decode worker's first step
+    assert spans["router.route"].end_time_unix_nano <= \
+        spans["worker.prefill"].start_time_unix_nano
+    assert spans["worker.kv_offer"].end_time_unix_nano <= pull.end_time_unix_nano <= \
+        spans["worker.first_step"].end_time_unix_nano
 
 
 def test_off_without_an_endpoint(monkeypatch):
@@ -109,3 +128,39 @@ def test_off_without_an_endpoint(monkeypatch):
         assert span is None
     assert not tracing.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318",
                                  "OTEL_SDK_DISABLED": "true"}).on
+
+
+def test_a_migration_is_a_span_naming_both_workers():
+    """A decode worker lost mid-stream (scripted fakes): the move is one `router.migration`
+    span, from the lost worker to the one that continued, with why."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from router.errors import WorkerUnavailableError
+    from tests.router.fakes import FakeWorker, Script, expected_tokens, orchestrator
+    from tests.router.test_orchestrator import collect, request, run
+    from workers.contract.protocol import WorkerRole
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.set_tracing(tracing.Tracing(provider))
+
+    async def go():
+        lost = WorkerUnavailableError("d0", "the process died")
+        flaky = FakeWorker("d0", WorkerRole.DECODE, Script(stream_error=lost, error_after=2))
+        other = FakeWorker("d1", WorkerRole.DECODE)
+        o = await orchestrator(flaky, other, FakeWorker("p0", WorkerRole.PREFILL),
+                               migration_retries=1)
+        o.workers.note_routed("d1")  # d0 looks idler: the request starts there
+        req = request(max_tokens=8)
+        assert await collect(await o.generate(req)) == expected_tokens(req)
+
+    try:
+        run(go())
+    finally:
+        tracing.set_tracing(None)
+    (moved,) = [s for s in exporter.get_finished_spans() if s.name == "router.migration"]
+    assert dict(moved.attributes) == {"from_worker": "d0", "to_worker": "d1", "samples": 1,
+                                      "reason": "WorkerUnavailableError"}

@@ -170,3 +170,28 @@ def test_config_only_checkpoint_with_dummy_weights_generates_like_the_written_on
     want = LLM(tiny_model, num_blocks=64).generate(["hello"], params)[0].outputs[0].token_ids
     got = LLM(str(bare), load_format="dummy", num_blocks=64).generate(["hello"], params)
     assert got[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("arch,earlier,prompt_end,stops", [
+    ("gpt_oss", {"content": "Hello", "thinking": "why"}, "<|end|><|start|>assistant",
+     ["<|return|>", "<|call|>", "<|endoftext|>"]),
+    ("deepseek_v3", {"content": "<think>why</think>Hello"},
+     "<｜User｜>2+2?<｜Assistant｜><think>\n", ["<｜end▁of▁sentence｜>"])])
+def test_reasoning_checkpoints_get_their_own_chat_templates(
+        tmp_path: Path, arch: str, earlier: dict, prompt_end: str, stops: list[str]) -> None:
+    """gpt-oss: Harmony's messages; DeepSeek: R1's turns, the thinking block opened. An earlier
+    answer's reasoning is dropped, and transformers renders the template the same way."""
+    from workers.tokenizer import Tokenizer
+
+    path = make_model(tmp_path, arch=arch)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", **earlier}, {"role": "user", "content": "2+2?"}]
+    ours = Tokenizer.from_pretrained(str(path)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    assert ours == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.endswith(prompt_end) and "Be brief." in ours and "why" not in ours
+    assert "<|im_start|>" not in ours
+    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    assert sorted(hf.convert_ids_to_tokens(eos if isinstance(eos, list) else [eos])) == \
+        sorted(stops)

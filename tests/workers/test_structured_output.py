@@ -146,3 +146,28 @@ def test_logit_bias_is_checked(llm):
     with pytest.raises(InvalidRequestError, match="outside") as err:
         llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}))
     assert err.value.param == "logit_bias"
+
+
+def test_with_a_reasoning_parser_the_grammar_constrains_only_the_answer(llm):
+    """The reasoning before `reasoning_end` is free text; the JSON must follow it. With a
+    `reasoning_start`, the block is optional: the output may be JSON from the start."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    def follows(spec: StructuredOutput, text: str) -> bool:  # the whole text, then a stop
+        ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+        try:
+            matcher = llm.engine.grammars.matcher(spec, ids)
+        except InvalidRequestError:
+            return False
+        return matcher.accept_token(llm.engine.tokenizer.eos_token_id)
+
+    inside = StructuredOutput.json_schema(schema)
+    r1 = StructuredOutput(inside.kind, inside.value, reasoning_end="</think>")
+    assert follows(r1, 'no {JSON} here, a </thi and a <</think>\n{"a": 1}')
+    assert not follows(r1, '{"a": 1}')  # the reasoning must end first
+    assert not follows(r1, 'done</think>not json')
+    qwen = StructuredOutput(inside.kind, inside.value, reasoning_start="<think>",
+                            reasoning_end="</think>")
+    assert follows(qwen, '{"a": 1}') and follows(qwen, '<think>hm</think>{"a": 1}')
+    assert not follows(qwen, 'hm</think>{"a": 1}')
+    with pytest.raises(InvalidRequestError):
+        StructuredOutput("json_object", reasoning_start="<think>")

@@ -40,11 +40,18 @@ class StructuredOutput:
     """One constraint on a request's output text. `value` is compact text (a schema's JSON, its
     properties in the order given, which the output follows; the choices as a JSON list), so
     equal constraints are equal records and a compiled grammar is cached by the record.
-    `param`: the request field it came from, named in errors."""
+    `param`: the request field it came from, named in errors.
+
+    With a reasoning parser, the constraint starts after the reasoning: `reasoning_end`
+    (e.g. "</think>") is the marker the reasoning ends with, free text before it, and
+    `reasoning_start` (e.g. "<think>"), when set, makes the block optional: the output either
+    opens with it (leading blanks aside) or is constrained from its first character."""
 
     kind: str
     value: str = ""
     param: str = "response_format"
+    reasoning_start: str = ""
+    reasoning_end: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -53,6 +60,10 @@ class StructuredOutput:
                 param=self.param)
         if len(self.value) > _MAX_SPEC_CHARS:
             raise InvalidRequestError(f"{self.param} is longer than {_MAX_SPEC_CHARS} characters",
+                                      param=self.param)
+        if self.reasoning_start and not self.reasoning_end:
+            raise InvalidRequestError(f"{self.param}: reasoning_start "
+                                      f"{self.reasoning_start!r} without a reasoning_end",
                                       param=self.param)
         if self.kind in ("regex", "grammar") and not self.value:
             raise InvalidRequestError(f"{self.param}: an empty {self.kind}", param=self.param)

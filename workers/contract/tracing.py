@@ -51,6 +51,17 @@ class Tracing:
                                                 attributes=dict(attributes or {})) as span:
             yield span
 
+    def record(self, name: str, traceparent: str | None, start_ns: int, end_ns: int,
+               attributes: Mapping[str, Any] | None = None) -> None:
+        """A span already over (`time.time_ns()` bounds), `traceparent`'s child: for what is
+        timed across awaits that a `with` block cannot hold (a stream, a first step)."""
+        if self._tracer is None:
+            return
+        context = _extract(traceparent) if traceparent else None
+        span = self._tracer.start_span(name, context=context, start_time=start_ns,
+                                       attributes=dict(attributes or {}))
+        span.end(end_time=end_ns)
+
     def traceparent(self) -> str | None:
         """The current span's context as W3C `traceparent` text (None: off, or no span)."""
         if self._tracer is None:

@@ -104,21 +104,58 @@ class Grammars:
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._xgrammar_compiler()
         try:
-            if spec.kind == "json":
-                return compiler.compile_json_schema(compilable_schema(spec.value),
-                                                    any_whitespace=False)
-            if spec.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.value)
-            if spec.kind == "choice":
-                return compiler.compile_grammar(choice_grammar(spec.choices))
-            if spec.kind == "tool_call":
-                return compiler.compile_grammar(_tool_call_grammar(spec.value))
-            return compiler.compile_grammar(spec.value)
+            if spec.reasoning_end:
+                import xgrammar as xgr
+
+                return compiler.compile_grammar(xgr.Grammar.concat(
+                    xgr.Grammar.from_ebnf(reasoning_grammar(spec.reasoning_start,
+                                                            spec.reasoning_end)),
+                    _grammar(spec)))
+            return compiler.compile_grammar(_grammar(spec))
         except RuntimeError as exc:  # xgrammar's parse and conversion errors
             message = _XGRAMMAR_LOG_PREFIX.sub("", str(exc).strip().splitlines()[0])
             raise InvalidRequestError(f"{spec.param}: {message}", param=spec.param) from None
+
+
+def _grammar(spec: StructuredOutput) -> Any:
+    """The xgrammar `Grammar` of `spec`'s constraint (its reasoning aside)."""
+    import xgrammar as xgr
+
+    if spec.kind == "json":
+        return xgr.Grammar.from_json_schema(compilable_schema(spec.value), any_whitespace=False)
+    if spec.kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.value)
+    if spec.kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_grammar(spec.choices))
+    if spec.kind == "tool_call":
+        return _tool_call_grammar(spec.value)
+    return xgr.Grammar.from_ebnf(spec.value)
+
+
+def reasoning_grammar(start: str, end: str) -> str:
+    """EBNF of the reasoning a constraint follows: any text without `end`, then `end` and
+    blanks; with `start`, an optional block that opens with it (after blanks). Built as the
+    automaton that finds `end` (one rule per matched prefix length, KMP's fallbacks)."""
+    marks = sorted(set(end))
+    other = "[^" + "".join(f"\\u{ord(c):04x}" for c in marks) + "]"
+
+    def after(k: int, c: str) -> int:  # matched prefix length after `c`, from length k
+        seen = end[:k] + c
+        return max(j for j in range(len(seen) + 1) if end.startswith(seen[len(seen) - j:]))
+
+    rules = []
+    for k in range(len(end)):
+        moves = [f"{ebnf_literal(c)}" + ("" if after(k, c) == len(end) else
+                                          f" think{after(k, c)}") for c in marks]
+        head = f"{other}* " if k == 0 else f"{other} think0 | "
+        rules.append(f"think{k} ::= " + (f"{head}(" + " | ".join(moves) + ")" if k == 0
+                                         else head + " | ".join(moves)))
+    body = "think0 [ \\t\\n]*"
+    root = (f"root ::= ([ \\t\\n]* {ebnf_literal(start)} {body})?" if start
+            else f"root ::= {body}")
+    return "\n".join([root, *rules])
 
 
 # one JSON-string character, by UTF-8 length class (ranges within one class compile to exact

@@ -17,8 +17,8 @@ ARCHITECTURES = {arch: ARCH_BY_MODEL_TYPE["gemma3_text" if arch == "gemma3" else
 # the MoE families use their dense relatives' tokenizers and chat templates (Qwen3: Qwen2's)
 TOKENIZER_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3": "qwen2",
                      "qwen3_moe": "qwen2", "phi3": "mistral",  # phi3: a Llama-2-style vocab
-                     "gemma3": "gemma", "gpt_oss": "qwen2",  # gpt-oss: ChatML, not Harmony
-                     "deepseek_v3": "qwen2"}  # ChatML, not DeepSeek's own turns
+                     "gemma3": "gemma", "gpt_oss": "harmony",  # Harmony's channels
+                     "deepseek_v3": "deepseek"}  # DeepSeek-R1's turns, thinking opened
 # Gemma 3's local layers: a window of 512 tokens on five layers of six, as Gemma-3-1B (gpt-oss:
 # 128 on every other layer); the tiny preset's window is short enough for tests to pass it
 _TINY_WINDOW = {"tiny": 16}

@@ -10,23 +10,33 @@ roles and tracks these calls (`Worker.prefill`, `Worker.start`), so an `abort` e
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from workers.contract.messages import DecodeFromHandoff, PrefillResult
 from workers.contract.protocol import FinishReason, KVCacheFull, KVPullFailed, WorkerRequest
 from workers.contract.tracing import tracing
+from workers.serving.traced_sink import traced
 
 if TYPE_CHECKING:
+    from kvtransfer.handoff import KVHandoff
     from workers.serving.async_connector import AsyncConnector
     from workers.engine.outputs import Sink
     from workers.serving.transfer import WorkerTransfer
 
 
+def _kv_attributes(handoff: KVHandoff) -> dict[str, Any]:
+    """A handoff's span attributes: its bytes, blocks and transport."""
+    return {"kv.bytes": handoff.num_bytes, "kv.blocks": handoff.num_blocks,
+            "kv.transport": handoff.ranks[0].address.partition(":")[0]}
+
+
 class Handoff:
     """Both ends of the KV handoff for one worker's engine. Event-loop thread."""
 
-    def __init__(self, connector: AsyncConnector, transfer: WorkerTransfer) -> None:
+    def __init__(self, connector: AsyncConnector, transfer: WorkerTransfer,
+                 worker_id: str = "") -> None:
         self.connector = connector
+        self.worker_id = worker_id  # named in its spans
         self.async_engine = connector.engine
         self.transfer = transfer
 
@@ -49,10 +59,13 @@ class Handoff:
                 raise RuntimeError(f"prefill of {rid!r} ended without a token")
             if first.finish_reason is FinishReason.STOP or params.max_tokens == 1:
                 return PrefillResult(first, None)  # the request is over (blocks freed below)
-            handoff = self.transfer.offer(rid, self.connector.connector.held_block_ids(rid),
-                                          decode_tp_size)
-            offered = True
-            tracing().set_attributes({"kv.offered_bytes": handoff.num_bytes})
+            with tracing().span("worker.kv_offer") as span:  # in worker.prefill
+                handoff = self.transfer.offer(rid,
+                                              self.connector.connector.held_block_ids(rid),
+                                              decode_tp_size)
+                offered = True
+                if span is not None:
+                    span.set_attributes(_kv_attributes(handoff))
             return PrefillResult(dataclasses.replace(first, finish_reason=None), handoff)
         finally:
             await stream.aclose()
@@ -68,12 +81,12 @@ class Handoff:
             raise ValueError(f"request {rid!r}: pull_and_decode needs a handoff, got None")
         handoff = cmd.handoff
         try:
-            with tracing().span("worker.kv_pull", cmd.req.traceparent, {
-                    "kv.bytes": handoff.num_bytes, "kv.blocks": handoff.num_blocks,
-                    "kv.transport": handoff.ranks[0].address.partition(":")[0]}):
+            with tracing().span("worker.kv_pull", cmd.req.traceparent,
+                                _kv_attributes(handoff)):
                 pull = await self.transfer.puller(rid, handoff)
-                await self.connector.decode_from_handoff(cmd.req, cmd.first_token_id, pull,
-                                                         sink)
+                await self.connector.decode_from_handoff(
+                    cmd.req, cmd.first_token_id, pull,
+                    traced(sink, cmd.req, self.worker_id))
         except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
             sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
             sink.flush()

@@ -95,7 +95,7 @@ class Worker:
         self.async_connector = AsyncConnector(engine, self.connector)
         self.prefixes = PrefixFetcher(self.async_connector, self.transfer)
         self.migrations = Migrations(self.async_connector, self.transfer)
-        self.handoff = Handoff(self.async_connector, self.transfer)
+        self.handoff = Handoff(self.async_connector, self.transfer, worker_id)
         self.adapters = WorkerAdapters(engine)  # its LoRA adapters (load, unload)
         self._broken: str | None = None  # why health checks fail (`mark_broken`)
         self._pulls: dict[str, asyncio.Task[None]] = {}  # requests whose KV is being pulled

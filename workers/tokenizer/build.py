@@ -10,6 +10,11 @@ loads, with the special tokens and chat template of the family named by `arch`:
 | mistral | `<s>`               | `</s>`          | none            | -                 | `[INST]` |
 | qwen2   | none                | `<|im_end|>`    | `<|endoftext|>` | `<|endoftext|>`   | ChatML   |
 | gemma   | `<bos>`             | `<end_of_turn>` | `<pad>`         | `<eos>`           | Gemma 3  |
+| deepseek| `<｜begin▁of▁sentence｜>` | `<｜end▁of▁sentence｜>` | the eos | -  | DeepSeek-R1 |
+| harmony | none                | `<|return|>`    | `<|endoftext|>` | `<|call|>`, eot   | Harmony  |
+
+(deepseek_v3 checkpoints get the deepseek family, gpt_oss the harmony one: their reasoning
+templates, `workers.tokenizer.reasoning_templates`.)
 
 bos is added by the post-processor on `encode(add_special_tokens=True)` (llama, mistral) and by the
 chat template itself, which is why chat prompts are encoded with `add_special_tokens=False`.

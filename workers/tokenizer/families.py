@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.tokenizer.reasoning_templates import DEEPSEEK_R1_TEMPLATE, HARMONY_TEMPLATE
+
 # Chat templates modelled on the real families' `tokenizer_config.json` (Meta-Llama-3-8B-Instruct,
 # Mistral-7B-Instruct-v0.2, Qwen2.5-Instruct); the Jinja string literals keep their `\n` escapes.
 # Llama 3.1's JSON tool calling: the tools ahead of the first user message, a call written as
@@ -227,6 +229,22 @@ FAMILIES: dict[str, Family] = {
         trailing_specials=("<start_of_turn>", "<end_of_turn>"),
         bos="<bos>", eos="<end_of_turn>", pad="<pad>", unk="<unk>", extra_stops=("<eos>",),
         chat_template=_GEMMA_TEMPLATE, model_max_length=32768,
+    ),
+    # DeepSeek-R1's tokens (its fullwidth bars and "▁" as written); <think> is plain text
+    "deepseek": Family(
+        leading_specials=(), trailing_specials=(
+            "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
+        bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad="<｜end▁of▁sentence｜>",
+        unk=None, extra_stops=(), chat_template=DEEPSEEK_R1_TEMPLATE, model_max_length=131072,
+    ),
+    # gpt-oss's o200k_harmony specials; a turn ends at <|return|> (an answer) or <|call|>
+    "harmony": Family(
+        leading_specials=(), trailing_specials=(
+            "<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+            "<|start|>", "<|end|>", "<|message|>", "<|call|>"),
+        bos=None, eos="<|return|>", pad="<|endoftext|>", unk=None,
+        extra_stops=("<|call|>", "<|endoftext|>"),
+        chat_template=HARMONY_TEMPLATE, model_max_length=131072,
     ),
 }
 

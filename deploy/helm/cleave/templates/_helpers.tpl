@@ -120,6 +120,10 @@ They are `cluster.config.CleaveConfig`'s; tests/deploy/test_chart_defaults.py ch
 {{- if $net.ncclIbHca }}{{ $_ := set $vars "NCCL_IB_HCA" $net.ncclIbHca }}{{ end }}
 {{- if $net.ucxTls }}{{ $_ := set $vars "UCX_TLS" $net.ucxTls }}{{ end }}
 {{- if $net.ucxNetDevices }}{{ $_ := set $vars "UCX_NET_DEVICES" $net.ucxNetDevices }}{{ end }}
+{{- with .Values.monitoring.tracing }}{{ if .otlpEndpoint }}
+{{- $_ := set $vars "OTEL_EXPORTER_OTLP_ENDPOINT" .otlpEndpoint }}
+{{- $_ := set $vars "OTEL_SERVICE_NAME" .serviceName }}
+{{- end }}{{ end }}
 {{- range $k, $v := $net.extraEnv }}{{ $_ := set $vars $k $v }}{{ end }}
 {{- range $k := keys $vars | sortAlpha }}
 - name: {{ $k }}

@@ -95,6 +95,8 @@ KUBERNETES_SCHEMA: dict[str, Any] = {
         "serviceMonitor": _obj({"enabled": {"enum": [True, False, "auto"]},
                                 "interval": _STR, "labels": _STR_MAP}),
         "dashboard": _obj({"enabled": _BOOL, "labels": _STR_MAP, "annotations": _STR_MAP}),
+        "tracing": _obj({"otlpEndpoint": _STR, "serviceName": {"type": "string",
+                                                                "minLength": 1}}),
     }),
     "networkPolicy": _obj({"enabled": _BOOL, "routerFrom": _PEERS, "metricsFrom": _PEERS,
                            "dashboardFrom": _PEERS}),
