@@ -277,14 +277,17 @@ EDGE_TEXTS = [
 ]
 
 
-def assert_same_tokenizer(path: Path, texts: list[str] = EDGE_TEXTS) -> None:
-    """Cleave's tokenizer of the GGUF file at `path` gives transformers' ids and text."""
+def assert_same_tokenizer(path: Path, texts: list[str] = EDGE_TEXTS,
+                          saved: Path | None = None) -> None:
+    """Cleave's tokenizer of the GGUF file at `path` gives transformers' ids and text.
+    `saved`: transformers' reading of that file, saved before as a folder (it reads at once)."""
     import transformers
 
     from workers.tokenizer import Tokenizer
 
     ours = Tokenizer.from_pretrained(path)
-    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    theirs = (transformers.AutoTokenizer.from_pretrained(str(saved)) if saved is not None else
+              transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name))
     for text in texts:
         ids = ours.encode(text)
         assert ids == theirs(text).input_ids, text

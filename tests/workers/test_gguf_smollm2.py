@@ -112,4 +112,4 @@ def test_embeddings_are_transformers_pooled_hidden_states(llm, reference):
 
 
 def test_tokenizer_ids_match_transformers(path):
-    assert_same_tokenizer(path, EDGE_TEXTS + REAL_TEXT)
+    assert_same_tokenizer(path, EDGE_TEXTS + REAL_TEXT, saved=smollm2_reference_folder())
