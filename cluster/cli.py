@@ -8,6 +8,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from workers.models.kit_archs import KIT_ARCHS
+
 if TYPE_CHECKING:
     from cluster.config import CleaveConfig
 
@@ -23,15 +25,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.default_model import named_model
     from cluster.flags import engine_options
-    from workers import LLM, SamplingParams
+    from workers.contract.protocol import SamplingParams
 
-    # checked before the model loads (or is made): a bad flag fails at once
+    # checked before torch loads and the model loads (or is made): a bad flag fails at once
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    from cluster.default_model import named_model
-
     model = args.model and (named_model(args.model) or args.model)
+    if model is not None:
+        _require_model_files(model)
+    from workers import LLM
+
     llm = LLM(model, **engine_options(args))
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
     start = time.perf_counter()
@@ -70,17 +75,30 @@ def _check_model(config: CleaveConfig, in_process: bool) -> None:
     run (this machine: in process or on a Ray started here; on a Ray cluster joined through
     RAY_ADDRESS the folder may live on its nodes only), or the pools' shapes do not fit it."""
     import os
-    from pathlib import Path
-
-    from workers.models.model_config import ModelConfig
-    from workers.tokenizer.gguf_file import find_gguf_file
 
     path = config.model.path
     if path is None:
         return
-    if Path(path, "config.json").is_file() or find_gguf_file(path) is not None:
-        config.check_against_model(ModelConfig.from_pretrained(path))
-    elif in_process or not os.environ.get("RAY_ADDRESS"):
+    if in_process or not os.environ.get("RAY_ADDRESS"):
+        _require_model_files(path)
+    elif not _has_model_files(path):
+        return
+    from workers.models.model_config import ModelConfig
+
+    config.check_against_model(ModelConfig.from_pretrained(path))
+
+
+def _has_model_files(path: str) -> bool:
+    from pathlib import Path
+
+    from workers.tokenizer.gguf_file import find_gguf_file
+
+    return Path(path, "config.json").is_file() or find_gguf_file(path) is not None
+
+
+def _require_model_files(path: str) -> None:
+    """Torch-free: a missing model fails before anything heavy is imported or started."""
+    if not _has_model_files(path):
         raise ValueError(f"model.path {path!r}: no config.json there; expected a Hugging Face "
                          "model folder or a GGUF file")
 
@@ -243,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drain_parser(sub)
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint (HF format)")
-    make.add_argument("--arch", default="llama",
-                      help="llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2_moe or qwen3_moe")
+    make.add_argument("--arch", default="llama", choices=KIT_ARCHS, metavar="ARCH",
+                      help=f"one of {', '.join(KIT_ARCHS)}")
     make.add_argument("--preset", default="tiny", help="tiny, small or llama-3-8b")
     make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     make.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")

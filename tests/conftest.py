@@ -7,10 +7,21 @@ from typing import Any
 
 import pytest
 
-# what a rank process imports before its first message (its module, the model definitions and
-# the loader); a forked rank finds them imported
-RANK_PRELOAD = ["workers.engine.parallel.rank", "workers.models.registry",
-                "workers.models.loader"]
+# what the test process's one forkserver imports before it forks: a rank's modules (its module,
+# the model definitions, the loader) and the KV-transfer peers' (`tests/kvtransfer/peer.py`)
+FORKSERVER_PRELOAD = ["workers.engine.parallel.rank", "workers.models.registry",
+                      "workers.models.loader", "tests.kvtransfer.peer"]
+
+
+def warm_forkserver() -> Any:
+    """The forkserver context of this test process. Python keeps one forkserver a process and
+    fixes its preloads when it starts, so every user asks for the same list. (Through
+    `torch.multiprocessing`: tensors sent over its pipes go by shared memory.)"""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +56,9 @@ def ranks_forked_from_a_warm_server() -> Iterator[None]:
     rank; the suite starts over a hundred). A rank still gets its target and setup pickled,
     as a spawned one does. `tests/workers/conftest.py` uses it for every test there (it imports
     torch: not for the torch-free router tests); `spawned_ranks` gives a test the real spawn."""
-    import torch.multiprocessing as mp
-
     from workers.engine.parallel import group
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)
+    ctx = warm_forkserver()
 
     def launch(self: group.SpawnLauncher, target: Callable[[Any, Any], None],
                setup: object) -> group.RankHandle:

@@ -8,7 +8,6 @@ JSON (the wire form). Always stop it with `SourceProcess.stop()` (kills after a 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -66,12 +65,12 @@ async def _serve_async(conn, spec: SourceSpec) -> None:
 
 
 def _context() -> Any:
-    """Processes forked from a forkserver that has imported torch and kvtransfer once: each
-    starts in a fraction of a second, where a spawned one imports them again (~3 s of CPU).
-    Still a fresh process of its own, as a peer on another host is."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.kvtransfer.peer"])
-    return ctx
+    """Processes forked from the tests' forkserver, which has imported torch and this module
+    once: each starts in a fraction of a second, where a spawned one imports them again (~3 s
+    of CPU). Still a fresh process of its own, as a peer on another host is."""
+    from tests.conftest import warm_forkserver
+
+    return warm_forkserver()
 
 
 class SourceProcess:

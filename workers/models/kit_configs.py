@@ -7,11 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.models.kit_archs import KIT_ARCHS
 from workers.models.model_config import ARCH_BY_MODEL_TYPE
 
 # make-model's architecture names; each is its model_type but Gemma 3's ("gemma3_text")
-KIT_ARCHS = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "phi3",
-             "gemma3", "gpt_oss", "deepseek_v3")
 ARCHITECTURES = {arch: ARCH_BY_MODEL_TYPE["gemma3_text" if arch == "gemma3" else arch]
                  for arch in KIT_ARCHS}
 # the MoE families use their dense relatives' tokenizers and chat templates (Qwen3: Qwen2's)
