@@ -7,56 +7,23 @@ its stream. A migration is a span naming both workers. Off (no endpoint), no spa
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import httpx
 import pytest
 
 from cluster.local_server import LocalServeConfig, LocalServer
+from tests.otlp_receiver import Receiver
 from tests.router.conftest import API_KEY, NUM_BLOCKS
 from workers.contract import tracing
 
-trace_service = pytest.importorskip(
-    "opentelemetry.proto.collector.trace.v1.trace_service_pb2")
-pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 
-class Receiver(ThreadingHTTPServer):
-    """An OTLP/HTTP trace receiver: every span posted to /v1/traces, decoded."""
-
-    def __init__(self) -> None:
-        self.spans: list = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 -- http.server's name
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = trace_service.ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                for resource in request.resource_spans:
-                    for scope in resource.scope_spans:
-                        receiver.spans.extend(scope.spans)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-                self.wfile.write(trace_service.ExportTraceServiceResponse().SerializeToString())
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
 @pytest.fixture
 def traced(tiny_model, monkeypatch):
     receiver = Receiver()
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                       f"http://127.0.0.1:{receiver.server_address[1]}/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.endpoint)
     tracing.set_tracing(None)  # made from the environment above on first use
     srv = LocalServer(LocalServeConfig(
         tiny_model, http_port=0, grpc_port=0, num_prefill_workers=1, num_decode_workers=1,

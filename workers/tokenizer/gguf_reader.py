@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -51,7 +51,8 @@ class GGUFFile:
         if bytes(self._buf[:4]) != MAGIC:
             raise ValueError(f"no GGUF magic at the start (found {bytes(self._buf[:4])!r})")
         version = struct.unpack_from("<I", self._buf, 4)[0]
-        self._order = "<" if version & 0xFFFF else ">"  # a big-endian file reads as 2**24+
+        # a big-endian file's version reads as 2**24 and more
+        self._order: Literal["<", ">"] = "<" if version & 0xFFFF else ">"
         self._pos = 4
         version = self._scalar("I")
         if version not in (2, 3):
@@ -108,6 +109,7 @@ class GGUFFile:
         n_bytes = n_elements * type_size // block_size
         shape = tuple(reversed(dims))
         plain = _PLAIN.get(ggml_type.name)
+        dtype: np.dtype[Any]
         if plain is None:
             dtype, count = np.dtype(np.uint8), n_bytes
             shape = quant_shape_to_byte_shape(shape, ggml_type)
