@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from router.config import RouterConfig
@@ -65,14 +65,16 @@ class Board(Protocol):
 class LocalBoard:
     """A `PlanBoard` in this process: a lone router (or tests sharing one between planners)."""
 
-    def __init__(self, board: PlanBoard | None = None) -> None:
+    def __init__(self, board: PlanBoard | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.board = board or PlanBoard()
+        self.clock = clock
 
     async def tick(self, replica: str, traffic: tuple[RequestClass, ...]) -> BoardView:
-        return self.board.tick(replica, traffic, time.monotonic())
+        return self.board.tick(replica, traffic, self.clock())
 
     async def publish(self, plan: SharedPlan) -> bool:
-        return self.board.publish(plan, time.monotonic())
+        return self.board.publish(plan, self.clock())
 
 
 class SloControl:
@@ -144,11 +146,13 @@ class SloControl:
         return plan
 
     def split_policy(self, current: SplitPolicy) -> SplitPolicy:
-        """`current`, with the acted-on plan's threshold when it is the threshold policy."""
-        if self.shared is None or not isinstance(current, UncachedThreshold) or \
-                current.threshold_tokens == self.shared.threshold_tokens:
+        """`current`, with the plan's threshold (this replica's, or the leader's it follows)
+        when it is the threshold policy."""
+        plan = self.plan or self.shared
+        if plan is None or not isinstance(current, UncachedThreshold) or \
+                current.threshold_tokens == plan.threshold_tokens:
             return current
-        return UncachedThreshold(self.shared.threshold_tokens)
+        return UncachedThreshold(plan.threshold_tokens)
 
     async def apply(self) -> list[str]:
         """Switch the roles the plan asks for; the workers switched."""
@@ -209,7 +213,6 @@ class SloControl:
             if plan is None:
                 return
             kind = decision_kind(before, plan) or (self.shared.kind if self.shared else "first")
-            self.shared = self._shared(plan, kind)  # the threshold, before the switches
             router.split = self.split_policy(router.split)
             await self.apply()
             self.shared = self._shared(plan, kind)

@@ -8,6 +8,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from cluster.status import planner_lines
 from router.config import RouterConfig
 from router.counters import RouterCounters
 from router.live_migration import LiveMigrations
@@ -55,7 +56,8 @@ def summarize(slo: SloControl, rate: float = 1.0, seconds: float = 10.0) -> None
 
 def test_the_lease_holder_decides_and_the_other_replica_follows_then_takes_over():
     async def run() -> None:
-        board = LocalBoard(PlanBoard(lease_s=1.0))
+        now = [0.0]
+        board = LocalBoard(PlanBoard(lease_s=5.0), clock=lambda: now[0])
         a, a_workers, a_split = await replica("router-a", board)
         b, b_workers, b_split = await replica("router-b", board)
         summarize(b)  # only b saw the traffic: a plans for it all the same
@@ -75,11 +77,14 @@ def test_the_lease_holder_decides_and_the_other_replica_follows_then_takes_over(
         assert isinstance(b_split.split, UncachedThreshold)
         assert b_split.split.threshold_tokens == plan.threshold_tokens == \
             a_split.split.threshold_tokens  # type: ignore[attr-defined]
+        shown = "\n".join(planner_lines(b.status()))  # `cleave status` on b's replica
+        assert "decided by router-a" in shown and "this replica follows" in shown
+        assert f"why: {plan.reason}" in shown
         assert b"cleave_planner_leader 1.0" in _scrape(a)
         assert b"cleave_planner_leader 0.0" in _scrape(b)
         assert b'cleave_planner_target_workers{pool="prefill"} 1.0' in _scrape(b)
         # a stops ticking (killed): b takes the lease once it lapses and decides from then on
-        await asyncio.sleep(1.05)
+        now[0] += 5.0
         await b.step(b_split)
         assert b.leader and b.shared is not None and b.shared.holder == "router-b"
         assert sum(b.decisions.values()) == 1
