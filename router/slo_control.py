@@ -190,11 +190,18 @@ class SloControl:
         return done
 
     def _shared(self, plan: Plan, kind: str) -> SharedPlan:
-        c, w = self.changes, self.workers
-        replicas = () if c is None else (("prefill", c.prefill_replicas),
-                                         ("decode", c.decode_replicas),
-                                         ("both", c.switchable_replicas))
-        prefill = tuple(wid for wid in w.clients if self._switchable(wid)
+        """`plan` as published, with the replica counts for every worker the router knows,
+        healthy or not (a worker down for a moment still tells which pools exist); none
+        while it knows none (the pools' load rule applies)."""
+        w = self.workers
+        states = [WorkerState(wid, w.role_of(wid), info.role == WorkerRole.BOTH, 0)
+                  for wid, info in w.infos.items()]
+        replicas: tuple[tuple[str, int], ...] = ()
+        if states:
+            c = role_changes(states, plan)
+            replicas = (("prefill", c.prefill_replicas), ("decode", c.decode_replicas),
+                        ("both", c.switchable_replicas))
+        prefill = tuple(wid for wid, info in w.infos.items() if info.role == WorkerRole.BOTH
                         and w.role_of(wid) == WorkerRole.PREFILL)
         return SharedPlan(self.replica, plan.prefill, plan.decode, plan.threshold_tokens,
                           plan.feasible, kind, plan.reason, replicas, prefill)
