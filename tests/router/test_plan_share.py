@@ -70,7 +70,7 @@ def test_the_lease_holder_decides_and_the_other_replica_follows_then_takes_over(
         assert plan is not None and plan.holder == "router-a" and plan.prefill == 1
         assert a.decisions == {plan.kind: 1}
         # the pool of "both" workers is asked for every worker the plan needs
-        assert plan.replicas_for("both") == plan.workers == 2
+        assert plan.replicas_for("both") == plan.prefill + plan.decode == 2
         # b routes as a does: the same worker as prefill, the same threshold
         assert b.shared == plan
         assert [w for w in ("w0", "w1") if b_workers.role_of(w) == WorkerRole.PREFILL] == \
