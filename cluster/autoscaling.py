@@ -7,8 +7,15 @@ decode or aggregated pool on KV occupancy and running sequences, whichever asks 
     up:   desired = ceil(total / target)                      when total > current × target
     down: desired = ceil(total / (target × (1 - hysteresis)))  when that is below current
 
-Serve clamps the result to [min, max] and applies the up/down delays; a replica chosen for
-removal drains first (`cluster.pool`).
+With SLO targets set (`router.slo_ttft_ms` and `slo_itl_ms`), the router replicas' leading
+planner publishes the replica count each pool should have (`router.plan_share.SharedPlan`),
+and each replica reports it with its load (`PLAN_SIGNAL`) while the plan is fresh. The plan's
+count then wins over the load rule: it is sized for the targets from the traffic and the
+measured step costs, and it keeps the fewest workers that meet them, where the load rule
+would hold a replica per `target_*` of load whatever the latency. With no fresh plan (no
+targets, no leader for `router.plan_share.FRESH_S`, a restarted directory) the load rule
+decides. Either way the result is clamped to [min, max] and Serve applies the up/down
+delays; a replica chosen for removal drains first (`cluster.pool`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Mapping
 
+PLAN_SIGNAL = "plan_replicas"  # the SLO plan's replica count for the pool
 PREFILL_SIGNALS = ("pending_prompt_tokens",)
 DECODE_SIGNALS = ("kv_usage", "running_seqs")
 
@@ -45,6 +53,14 @@ def desired_replicas(current: int, totals: Mapping[str, float], targets: Targets
     return max(wants, default=current)
 
 
+def planned_replicas(metrics: Mapping[str, Mapping[Any, float]]) -> int | None:
+    """The SLO plan's count as the pool's replicas reported it (None: none reported it: no
+    fresh plan). Averaged over Serve's look-back window, a count that changed within it
+    rounds up."""
+    values = metrics.get(PLAN_SIGNAL) or {}
+    return math.ceil(max(values.values())) if values else None
+
+
 class PoolPolicy:
     """Serve's custom autoscaling policy (`AutoscalingPolicy(policy_function=
     "cluster.autoscaling:PoolPolicy", policy_kwargs=...)`), one instance per pool."""
@@ -60,8 +76,14 @@ class PoolPolicy:
         metrics = ctx.aggregated_metrics or {}
         totals = {name: float(sum(metrics.get(name, {}).values()))
                   for name in self.targets.per_replica}
-        desired = desired_replicas(ctx.current_num_replicas, totals, self.targets)
-        return desired, {**ctx.policy_state, "cleave_totals": totals}
+        planned = planned_replicas(metrics)
+        if planned is None:
+            desired, rule = desired_replicas(ctx.current_num_replicas, totals, self.targets), "load"
+        else:
+            desired, rule = planned, "slo_plan"
+        desired = min(max(desired, ctx.capacity_adjusted_min_replicas),
+                      ctx.capacity_adjusted_max_replicas)
+        return desired, {**ctx.policy_state, "cleave_totals": totals, "cleave_rule": rule}
 
 
 def policy_kwargs(pool: str, autoscaling: Any) -> dict[str, Any]:

@@ -6,6 +6,11 @@ a heartbeat, so a restarted directory fills again within one period; entries not
 `ttl_s` expire (a replica killed without a goodbye). A replica being removed marks itself
 draining first: routers stop sending it new requests, it finishes (or fails over) what it holds,
 then it deregisters.
+
+It also hosts the router replicas' `PlanBoard` (`router.plan_share`): the SLO planner's lease,
+the replicas' traffic and the leader's plan, which the pool replicas read for autoscaling
+(`cluster.pool`). Soft too: a restarted directory has no lease and no plan until the next
+tick (the pools' load rule applies meanwhile).
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from typing import Any
+
+from router.plan_share import BoardView, PlanBoard, SharedPlan
+from router.planner import RequestClass
 
 HEARTBEAT_S = 1.0
 TTL_S = 10.0
@@ -39,6 +47,7 @@ class Directory:
     def __init__(self, ttl_s: float = TTL_S) -> None:
         self.ttl_s = ttl_s
         self._entries: dict[str, WorkerEntry] = {}
+        self._board = PlanBoard()
 
     def register(self, entry: WorkerEntry) -> None:
         """Add or refresh a worker. A draining worker stays draining."""
@@ -68,6 +77,18 @@ class Directory:
         for wid in [w for w, e in self._entries.items() if now - e.seen > self.ttl_s]:
             del self._entries[wid]
         return sorted(self._entries.values(), key=lambda e: e.worker_id)
+
+    def plan_tick(self, replica: str, traffic: tuple[RequestClass, ...]) -> BoardView:
+        """A router replica's planner tick (`PlanBoard.tick`)."""
+        return self._board.tick(replica, traffic, time.monotonic())
+
+    def publish_plan(self, plan: SharedPlan) -> bool:
+        """The leader's plan (`PlanBoard.publish`); False: not the lease's holder."""
+        return self._board.publish(plan, time.monotonic())
+
+    def plan(self) -> SharedPlan | None:
+        """The leader's plan while fresh (what the pools' autoscaling follows)."""
+        return self._board.latest(time.monotonic())
 
     def check_health(self) -> None:
         """Serve's health check: a directory that answers is healthy."""

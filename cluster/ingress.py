@@ -25,6 +25,7 @@ from ray import serve
 
 from cluster.config import CleaveConfig
 from cluster.directory import WorkerEntry
+from cluster.plan_board import DirectoryBoard, plan_bounds
 from cluster.settings import model_path, router_config, router_cores
 from cluster.status import speculation
 from cluster.worker_client import ray_worker_client
@@ -81,6 +82,9 @@ class RouterIngress:
         self.router_config = router_config(self.config, model_path(self.config))
         self.router = Router(self.router_config, [self._client(e) for e in entries])
         self.router.draining.update(e.worker_id for e in entries if e.draining)
+        if self.router.slo is not None:  # one replica's planner decides; the pools follow it
+            self.router.slo.share(DirectoryBoard(directory), self.subscriber,
+                                  plan_bounds(self.config))
         await self.router.start()
         self.grpc = GenerationService(self.router)
         self.front: FrontEnds | None = None
@@ -201,7 +205,8 @@ class RouterIngress:
                 "num_disaggregated": c.num_disaggregated,
                 "aggregated": dict(c.aggregated), "num_prompt_tokens": c.num_prompt_tokens,
                 "num_predicted_cached_tokens": c.num_predicted_cached_tokens,
-                "num_cached_tokens": c.num_cached_tokens, "fallbacks": dict(c.fallbacks)}
+                "num_cached_tokens": c.num_cached_tokens, "fallbacks": dict(c.fallbacks),
+                "planner": None if r.slo is None else r.slo.status()}
 
     async def drained(self, worker_id: str) -> bool:
         """Whether this replica has moved the draining worker's streams and handed off its

@@ -22,6 +22,7 @@ from ray import serve
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.autoscaling import PLAN_SIGNAL
 from cluster.config import POOL_ROLES, CleaveConfig, PoolSettings
 from cluster.directory import HEARTBEAT_S, WorkerEntry
 from cluster.engine_actor import ActorInfo, EngineActor, EngineSpec
@@ -106,10 +107,19 @@ class WorkerReplica:
             raise RuntimeError(f"worker {self.worker_id}: the engine is not healthy")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """This replica's load, read by `cluster.autoscaling.PoolPolicy`."""
+        """This replica's load, and the SLO plan's replica count for its pool while the
+        directory holds a fresh plan, read by `cluster.autoscaling.PoolPolicy`."""
         s: EngineStats = await asyncio.wait_for(self.actor.stats.remote(), HEALTH_TIMEOUT_S)
-        return {"pending_prompt_tokens": float(s.num_pending_prompt_tokens),
-                "kv_usage": s.kv_usage, "running_seqs": float(s.num_running + s.num_waiting)}
+        stats = {"pending_prompt_tokens": float(s.num_pending_prompt_tokens),
+                 "kv_usage": s.kv_usage, "running_seqs": float(s.num_running + s.num_waiting)}
+        try:
+            plan = await asyncio.wait_for(self.directory.plan.remote(), DIRECTORY_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 -- no directory: no plan, the load rule applies
+            plan = None
+        wanted = None if plan is None else plan.replicas_for(POOL_ROLES[self.pool])
+        if wanted is not None:
+            stats[PLAN_SIGNAL] = float(wanted)
+        return stats
 
     async def describe(self) -> dict[str, Any]:
         """The replica's worker id, pool, node and load (`cleave status`)."""

@@ -2,7 +2,8 @@
 
 Replica counts come from Serve; each worker's queue, running sequences and KV occupancy (and,
 where it decodes speculatively, its drafted tokens and acceptance rate), and the router's
-prefix-hit rates, from one router replica (`RouterIngress.status`).
+prefix-hit rates, and the SLO planner's plan (the leading replica's, as that one follows it)
+and its decisions, from one router replica (`RouterIngress.status`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,26 @@ def format_status(s: dict[str, Any]) -> str:
     lines.append(f"requests {s['num_requests']}, prompt tokens {s['num_prompt_tokens']}, "
                  f"prefix hit {_pct(hit)} (predicted {_pct(predicted)}), "
                  f"fallbacks {s['fallbacks'] or 'none'}")
+    lines.extend(planner_lines(s.get("planner")))
     return "\n".join(lines)
+
+
+def planner_lines(p: dict[str, Any] | None) -> list[str]:
+    """The SLO planner's part of `cleave status` (none without SLO targets)."""
+    if p is None:
+        return []
+    decided = ", ".join(f"{k} {n}" for k, n in sorted(p["decisions"].items())) or "none"
+    role = "decides" if p["leader"] else "follows"
+    plan = p["plan"]
+    if plan is None:
+        return [f"SLO planner: no plan yet (router {p['replica']} {role}; decisions {decided})"]
+    replicas = ", ".join(f"{r} {n}" for r, n in sorted(plan["replicas"].items())) or "-"
+    short = "" if plan["feasible"] else " (targets out of reach within the bounds)"
+    head = (f"SLO planner: {plan['prefill']} prefill + {plan['decode']} decode workers, "
+            f"threshold {plan['threshold']}, {plan['kind']}{short}; decided by {plan['holder']}")
+    return [head,
+            f"  replicas asked: {replicas}; this replica {role}, its decisions: {decided}",
+            f"  why: {plan['reason']}"]
 
 
 def _num(value: int | None) -> str:

@@ -95,7 +95,7 @@ class Router:
         self._planner: asyncio.Task[None] | None = None
         self.slo: SloControl | None = None  # the SLO planner, with both targets set
         if config.slo_ttft_ms is not None and config.slo_itl_ms is not None:
-            self.slo = SloControl(config, self.workers, self.migrations)
+            self.slo = SloControl(config, self.workers, self.migrations, self.metrics.registry)
             self.workers.observers.append(self.slo.observe)
 
     # ---- lifecycle -------------------------------------------------------------------------

@@ -7,7 +7,8 @@ changes it in place, so switchable workers are one Serve deployment whose replic
 what the plan needs beyond the dedicated pools; a role switch is faster than a replica start
 (its streams move away by live migration, its cached prefixes stay). Dedicated workers
 (started "prefill" or "decode") never switch; their pools shrink when the plan needs fewer
-than they hold, and never grow (growth goes to the switchable deployment).
+than they hold, and grow only where there is no switchable worker to grow (a deployment has
+either an aggregated pool or prefill/decode pools: `cluster.config.PoolsSettings`).
 
 `role_changes` switches the fewest workers, those with the fewest running streams first (the
 least to migrate); a worker switching to prefill must be emptied of its streams first.
@@ -62,10 +63,12 @@ def role_changes(workers: Sequence[WorkerState], plan: Plan) -> RoleChanges:
     """The switches and replica counts that turn `workers` into `plan`'s pools."""
     dedicated_p = sum(1 for w in workers if not w.switchable and in_prefill(w.role))
     dedicated_d = sum(1 for w in workers if not w.switchable and not in_prefill(w.role))
-    keep_p, keep_d = min(dedicated_p, plan.prefill), min(dedicated_d, plan.decode)
-    need_p, need_d = plan.prefill - keep_p, plan.decode - keep_d  # from switchable workers
     flexible = sorted((w for w in workers if w.switchable),
                       key=lambda w: (w.running, w.worker_id))
+    keep_p, keep_d = min(dedicated_p, plan.prefill), min(dedicated_d, plan.decode)
+    if not flexible:  # nothing switchable: the dedicated pools grow to the plan
+        keep_p, keep_d = plan.prefill, plan.decode
+    need_p, need_d = plan.prefill - keep_p, plan.decode - keep_d  # from switchable workers
     as_p = [w for w in flexible if in_prefill(w.role)]
     as_d = [w for w in flexible if not in_prefill(w.role)]
     switches: list[tuple[str, WorkerRole]] = []

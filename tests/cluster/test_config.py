@@ -184,6 +184,7 @@ def test_desired_replicas_follow_load_with_hysteresis(current, total, want):
 def test_the_decode_policy_takes_the_signal_that_asks_for_more():
     class Ctx:
         current_num_replicas = 1
+        capacity_adjusted_min_replicas, capacity_adjusted_max_replicas = 1, 4
         policy_state: dict = {}
         aggregated_metrics = {"kv_usage": {"r1": 0.9}, "running_seqs": {"r1": 1.0}}
 
