@@ -120,3 +120,19 @@ def test_a_disaggregated_request_goes_to_the_prefill_and_decode_workers_holding_
         assert (gen.worker_id, gen.decode_worker_id) == ("p0", "d0")
 
     run(go())
+
+
+def test_requests_and_tokens_are_counted_per_adapter():
+    async def go():
+        o = await orchestrator(FakeWorker("w0"))
+        for req in (under("a"), under("a"), under("b"), request()):
+            gen = await o.generate(req)
+            async for _ in gen.events():
+                pass
+        m = o.generations.metrics
+        assert m.lora_requests.labels("a", "success")._value.get() == 2
+        assert m.lora_requests.labels("b", "success")._value.get() == 1
+        assert m.lora_generation_tokens.labels("a")._value.get() == 12  # 6 tokens each
+        assert b'adapter="a"' in m.exposition() and b'adapter="None"' not in m.exposition()
+
+    run(go())
