@@ -23,7 +23,7 @@ from router.prefix_index import PrefixIndex
 from router.registry import Registry
 
 # `PrefixAwarePolicy.lora_load_blocks` by default (`RouterConfig.lora_load_cost_blocks`)
-LORA_LOAD_BLOCKS = 4.0
+LORA_LOAD_BLOCKS = 16.0
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,11 @@ class PrefixAwarePolicy(RoutingPolicy):
     a block in its host tier counting what it saves (1 - its load's `host_hit_cost`), less
     `lora_load_blocks` on a worker that would have to load the request's LoRA adapter into a
     device slot (the adapter is not among its reported `lora_adapters` nor routed there since):
-    the load is priced as that many blocks of prompt recomputed, like a fetch's fixed cost, so
-    requests for an adapter go where it is held unless another worker is lighter by more than
-    the load costs (and a short prompt, whose own recompute is small, follows its adapter more
-    strongly than a long one);
+    the load is priced as that many blocks of prompt recomputed, like a fetch's fixed cost, and
+    at most as the whole prompt (a full prefix hit's worth), so requests for an adapter go where
+    it is held unless another worker is lighter by more than the load costs, and a holder keeps
+    them no longer than a whole-prompt hit would keep them (a short prompt, whose own recompute
+    is small, follows its adapter more strongly than a long one);
     queue is waiting + running requests, normalized by the mean over the healthy workers so the
     penalty grows without bound on an overloaded worker. `queue_scale` keeps small absolute
     differences between nearly idle workers from outweighing a prefix hit. With the defaults a
@@ -141,11 +142,13 @@ class PrefixAwarePolicy(RoutingPolicy):
             if at is not None:
                 held[at], in_host[at] = blocks, host_blocks
         source, fetch = self._fetchable(block_hashes, index, table, rows, held)
-        # recompute saved, in blocks: a host hit costs its copy, an adapter load its price
-        hit = (held - in_host * table.host_hit_cost[rows] + fetch
-               - self.lora_load_blocks * table.lacks(rows, lora_name))
+        # recompute saved, in blocks: a host hit costs its copy, an adapter load its price (at
+        # most the whole prompt's recompute, so a far lighter worker still wins)
+        num_blocks = max(len(block_hashes), 1)
+        lora = min(self.lora_load_blocks, num_blocks) * table.lacks(rows, lora_name)
+        hit = held - in_host * table.host_hit_cost[rows] + fetch - lora
         queue_weight = self.w_queue / max(float(depth.sum()) / len(rows), self.queue_scale)
-        score = (self.w_hit / max(len(block_hashes), 1) * hit - queue_weight * depth
+        score = (self.w_hit / num_blocks * hit - queue_weight * depth
                  - self.w_kv * table.kv_usage[rows])
         best = rows[score == score.max()]
         row = int(best[0]) if len(best) == 1 else table.best_by_load(best)

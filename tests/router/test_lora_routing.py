@@ -36,17 +36,24 @@ def test_equal_loads_send_an_adapters_requests_where_it_is_held():
     assert choose(policy, idle, held, "a") == "w0"
     assert choose(policy, idle, held, None) == "w0"  # the base model: no adapter to load
     assert choose(policy, idle, held, "z") == "w0"  # held nowhere: every worker pays alike
-    # a little busier does not outweigh a load (4 blocks of a 4-block prompt)
+    # a little busier does not outweigh a load (16 blocks of a 4-block prompt)
     assert choose(policy, {**idle, "w2": 3}, held, "c") == "w2"
 
 
 def test_a_far_lighter_worker_wins_when_the_load_costs_less_than_its_queue():
+    long = list(range(1, 33))  # 32 blocks: the default load (16 blocks) is half its recompute
     held = {"w1": ("a",)}
-    busy = {"w0": 0, "w1": 40, "w2": 0, "w3": 0}
-    # 40 requests ahead (mean 10): 0.5 * 40 / 10 = 2 outweighs 4 blocks of 4 (1.0) ...
-    assert choose(get_policy("prefix_aware"), busy, held, "a") == "w0"
-    # ... not a load priced at 16 blocks of 4 (4.0)
-    assert choose(get_policy("prefix_aware", lora_load_blocks=16.0), busy, held, "a") == "w1"
+
+    def pick(policy, holder_depth: int) -> str:
+        depths = {"w0": 0, "w1": holder_depth, "w2": 0, "w3": 0}
+        return policy.choose(long, loads(depths, held), PrefixIndex(), "a").worker_id
+
+    default = get_policy("prefix_aware")
+    assert pick(default, 4) == "w1"  # 4 ahead: 0.5 * 4 / 8 = 0.25 < 0.5
+    assert pick(default, 12) == "w0"  # 12 ahead: 0.75 > 0.5
+    dear = get_policy("prefix_aware", lora_load_blocks=64.0)  # capped at the prompt: 1.0
+    assert pick(dear, 12) == "w1"
+    assert pick(dear, 200) == "w0"  # however dear, a far lighter worker wins (2.0 > 1.0)
     # priced at 0, adapters do not steer: one request ahead loses
     assert choose(get_policy("prefix_aware", lora_load_blocks=0.0),
                   {"w0": 1, "w1": 0}, {"w0": ("a",)}, "a") == "w1"
@@ -103,6 +110,10 @@ def test_the_orchestrator_routes_by_the_adapters_the_workers_report():
         report(workers[0])  # w0 did not load it after all: b is held nowhere again
         report(workers[1], "b")
         assert (await o.generate(under("b"))).worker_id == "w1"
+        # RouterConfig.lora_load_cost_blocks reaches the policy: priced at 0, w0 (first id)
+        o = await orchestrator(*[FakeWorker(f"v{i}") for i in range(2)], lora_load_cost_blocks=0)
+        report(o.workers.clients["v1"], "a")  # type: ignore[arg-type]
+        assert (await o.generate(under("a"))).worker_id == "v0"
 
     run(go())
 
