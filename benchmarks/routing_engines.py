@@ -140,10 +140,10 @@ class ObservedPolicy(RoutingPolicy):
         self.held_at_decision: dict[int, tuple[int, int]] = {}
 
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
-               index: PrefixIndex) -> Decision:
+               index: PrefixIndex, lora_name: str | None = None) -> Decision:
         held = {wid: cached_prefix(engine, block_hashes) for wid, engine in self.engines.items()}
         if self.inner is not None:
-            decision = self.inner.choose(block_hashes, loads, index)
+            decision = self.inner.choose(block_hashes, loads, index, lora_name)
         else:
             best = min(healthy_loads(loads), key=lambda load: (
                 -held[load.worker_id], load.queue_depth, load.worker_id))

@@ -189,14 +189,15 @@ class RouterIngress:
         c = r.counters
         workers = []
         for wid, info in sorted(r.worker_infos.items()):
-            load = loads.get(wid)
+            load, stats = loads.get(wid), r.workers.stats(wid)
             workers.append({"worker_id": wid, "role": info.role.value,
                             "healthy": bool(load and load.healthy) or wid in r.draining,
                             "draining": wid in r.draining,
                             "num_waiting": load.num_waiting if load else None,
                             "num_running": load.num_running if load else None,
                             "kv_usage": load.kv_usage if load else None,
-                            "speculative": speculation(r.workers.stats(wid))})
+                            "speculative": speculation(stats),
+                            "lora_adapters": list(stats.lora_adapters) if stats else []})
         nodes = {e.worker_id: e.node_id for e in await self._entries()}
         for w in workers:
             w["node_id"] = nodes.get(str(w["worker_id"]))

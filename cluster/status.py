@@ -1,9 +1,10 @@
 """`cleave status`: a running deployment's pools, replicas, load and routing figures.
 
 Replica counts come from Serve; each worker's queue, running sequences and KV occupancy (and,
-where it decodes speculatively, its drafted tokens and acceptance rate), and the router's
-prefix-hit rates, and the SLO planner's plan (the leading replica's, as that one follows it)
-and its decisions, from one router replica (`RouterIngress.status`).
+where it decodes speculatively, its drafted tokens and acceptance rate; where it serves LoRA
+adapters, those in its engine's device slots), the router's prefix-hit rates, and the SLO
+planner's plan (the leading replica's, as that one follows it) and its decisions, from one
+router replica (`RouterIngress.status`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def format_status(s: dict[str, Any]) -> str:
         if spec is not None:
             lines.append(f"    speculative {spec['method']}: {spec['num_draft_tokens']} drafted "
                          f"tokens verified, {_pct(spec['acceptance_rate'])} accepted")
+        if w.get("lora_adapters"):
+            lines.append(f"    lora adapters in slots: {', '.join(w['lora_adapters'])}")
     hit = s["prefix_hit_rate"]
     predicted = s["predicted_prefix_hit_rate"]
     lines.append(f"requests {s['num_requests']}, prompt tokens {s['num_prompt_tokens']}, "

@@ -28,7 +28,8 @@ from router.generations import GenerationFactory
 from router.hand_off import coldest, hand_off
 from router.live_migration import LiveMigrations
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator, Policies
+from router.orchestrator import Orchestrator
+from router.policies import Policies
 from router.policy import WorkerLoad
 from router.rebalance import rebalance
 from router.role_plan import RoleSwitch
@@ -86,8 +87,7 @@ class Router:
             Failover(self.workers, policies.route, self.counters, self.metrics, config),
             metrics=self.metrics, tracker=self.migrations,
             migration_retries=config.migration_retries, tokenizer=self.tokenizer)
-        self.orchestrator = Orchestrator(self.workers, config, policies, self.counters,
-                                         generations)
+        self.orchestrator = Orchestrator(self.workers, config, policies, self.counters, generations)
         self.embedder = Embedder(self.workers, policies.route, config.start_retries)
         self.adapters = ServedAdapters(self.workers, config.model_name)  # LoRA, by name
         self.created = int(time.time())

@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from router.policy import LORA_LOAD_BLOCKS
 from workers.contract.setting import check_settings, setting
 
 
@@ -62,6 +63,12 @@ class RouterConfig:
         "never."), choices=SPLIT_POLICIES)
     disagg_threshold_tokens: int = setting(64, (
         "Prompts with fewer uncached tokens than this prefill on the decode worker."), ge=0)
+    lora_load_cost_blocks: float = setting(LORA_LOAD_BLOCKS, (
+        "What a worker that would have to load a request's LoRA adapter into a device slot "
+        "(it is not among those its engine last reported, nor routed there since) pays in the "
+        "prefix_aware score (routing and decode_policy), in KV blocks of prompt recomputed and "
+        "at most the whole prompt: requests for an adapter go where it is held unless another "
+        "worker is lighter by more than this; 0: adapters do not steer routing."), ge=0)
     decode_policy: str = setting("least_loaded", (
         "Which decode worker takes a handoff (`router.decode_policy`): a routing policy's name; "
         "each pick counts against its worker at once."), choices=POLICIES)

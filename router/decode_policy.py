@@ -1,7 +1,9 @@
 """"Which decode worker": the worker a disaggregated request's handoff goes to. Torch-free.
 
 `RouterConfig.decode_policy` names a routing policy (`router.policy`: `least_loaded` by
-default, `round_robin`, `prefix_aware`) that chooses over the decode pool. Each choice counts
+default, `round_robin`, `prefix_aware`) that chooses over the decode pool, given the request's
+LoRA adapter as the prefill pick is: `least_loaded` prefers a worker holding it among the least
+loaded, `prefix_aware` charges the others `RouterConfig.lora_load_cost_blocks`. Each choice counts
 as a request waiting on its worker from the moment it is made (`DecodePick`) until it is
 released: when the handoff is sent there (from then on the worker set counts it, until the
 worker reports it), or when it will not be (the prefill failed, the request ran elsewhere).
@@ -48,10 +50,12 @@ class DecodePolicy:
         return self._pending.get(worker_id, 0)
 
     def pick(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
-             index: PrefixIndex) -> DecodePick:
-        """The decode worker for a prompt, chosen on `loads` plus the unreleased picks (as
-        waiting requests), and counted from now. Raises `NoHealthyWorker`."""
-        decision = self.policy.choose(block_hashes, self._counted(LoadTable.of(loads)), index)
+             index: PrefixIndex, lora_name: str | None = None) -> DecodePick:
+        """The decode worker for a prompt run under adapter `lora_name`, chosen on `loads`
+        plus the unreleased picks (as waiting requests), and counted from now. Raises
+        `NoHealthyWorker`."""
+        decision = self.policy.choose(block_hashes, self._counted(LoadTable.of(loads)), index,
+                                      lora_name)
         wid = decision.worker_id
         self._pending[wid] = self._pending.get(wid, 0) + 1
         return DecodePick(self, wid)

@@ -68,7 +68,7 @@ class Failover:
         while True:
             loads = w.pool_loads(*DECODE_POOL).without(tried)
             try:
-                decision = self.policy.choose(hashes, loads, w.index)
+                decision = self.policy.choose(hashes, loads, w.index, req.lora_name)
                 break
             except NoHealthyWorker:
                 if loop.time() >= deadline:
@@ -76,7 +76,7 @@ class Failover:
                 await asyncio.sleep(MIGRATION_POLL_S)
         self.counters.count_fallback("decode_worker_failed")
         self.counters.count_decode(decision.worker_id)
-        w.note_routed(decision.worker_id)
+        w.note_routed(decision.worker_id, req.lora_name)
         client: WorkerClient = w.clients[decision.worker_id]
         return decision.worker_id, client.resume(req, samples)
 

@@ -126,10 +126,10 @@ class LiveMigrations:
         if target is None:
             loads = w.pool_loads(*DECODE_POOL).without([source])
             try:
-                target = self.least_loaded.choose((), loads, w.index).worker_id
+                target = self.least_loaded.choose((), loads, w.index, gen.req.lora_name).worker_id
             except NoHealthyWorker:
                 return None
-        w.note_routed(target)
+        w.note_routed(target, gen.req.lora_name)
         m = Move(gen, w.clients[source], w.clients[target], with_kv)
         return m if await m.export() else None
 

@@ -3,7 +3,8 @@
 A policy looks at every candidate's load for every request. At hundreds of workers one Python
 object per worker per decision is the router's ceiling, so the loads are columns: `LoadTable`
 holds numpy arrays (waiting, running, KV usage, pending prompt tokens, healthy, present) over
-rows, one row per worker, and a set of candidate rows. The router's `WorkerSet` keeps one table
+rows, one row per worker, the LoRA adapters each holds (`router.residency`), and a set of
+candidate rows. The router's `WorkerSet` keeps one table
 and updates a worker's row when its report arrives; a pool's loads are that table with the
 pool's rows as candidates (no copy), so a decision costs a few array operations however many
 workers there are.
@@ -21,6 +22,7 @@ from typing import overload
 
 import numpy as np
 
+from router.residency import Residency
 
 class NoHealthyWorker(ValueError):
     """No candidate worker is healthy (or none was given)."""
@@ -44,6 +46,7 @@ class WorkerLoad:
     # what one prefix fetch costs here whatever its size (the export call, reserving, two step
     # boundaries), in blocks of recompute (measured; 0.0 until then)
     fetch_fixed_blocks: float = 0.0
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters in its engine's device slots
 
     def __post_init__(self) -> None:
         if self.num_waiting < 0 or self.num_running < 0:
@@ -75,8 +78,10 @@ class LoadTable(Sequence[WorkerLoad]):
                  fetch_cost: np.ndarray | None = None,
                  host_hit_cost: np.ndarray | None = None,
                  fetch_fixed: np.ndarray | None = None,
-                 prefill_rate: np.ndarray | None = None) -> None:
+                 prefill_rate: np.ndarray | None = None,
+                 residency: Residency | None = None) -> None:
         self.ids = ids
+        self.residency = Residency(len(ids)) if residency is None else residency
         # NaN: the row's worker fetches no prefixes
         self.fetch_cost = (np.full(len(waiting), np.nan) if fetch_cost is None
                            else fetch_cost)
@@ -111,7 +116,8 @@ class LoadTable(Sequence[WorkerLoad]):
                    np.array([np.nan if x.fetch_cost is None else x.fetch_cost for x in loads],
                             dtype=np.float64),
                    np.array([x.host_hit_cost for x in loads], dtype=np.float64),
-                   np.array([x.fetch_fixed_blocks for x in loads], dtype=np.float64))
+                   np.array([x.fetch_fixed_blocks for x in loads], dtype=np.float64),
+                   residency=Residency.of(x.lora_adapters for x in loads))
 
     @classmethod
     def empty(cls) -> LoadTable:
@@ -136,6 +142,7 @@ class LoadTable(Sequence[WorkerLoad]):
                 grown[:row] = getattr(self, name)[:row]
                 setattr(self, name, grown)
         self.ids.append(worker_id)
+        self.residency.add_row()
         self.row_of[worker_id] = row
         self.healthy[row] = self.present[row] = True
         self.fetch_cost[row] = np.nan
@@ -147,11 +154,12 @@ class LoadTable(Sequence[WorkerLoad]):
         row = self.row_of.pop(worker_id)
         self.ids[row] = None
         self.present[row] = self.healthy[row] = False
+        self.residency.set(row, ())
 
     def report(self, worker_id: str, waiting: int, running: int, kv_usage: float,
                pending: int, healthy: bool, fetch_cost: float | None = None,
                host_hit_cost: float = 0.0, fetch_fixed_blocks: float = 0.0,
-               prefill_s_per_token: float = 0.0) -> None:
+               prefill_s_per_token: float = 0.0, lora_adapters: Iterable[str] = ()) -> None:
         """A worker's reported load replaces its row."""
         row = self.row_of.get(worker_id)
         if row is not None:
@@ -162,6 +170,16 @@ class LoadTable(Sequence[WorkerLoad]):
             self.host_hit_cost[row] = min(1.0, max(0.0, host_hit_cost))
             self.fetch_fixed[row] = max(0.0, fetch_fixed_blocks)
             self.prefill_rate[row] = max(0.0, prefill_s_per_token)
+            self.residency.set(row, lora_adapters)
+
+    def note_routed(self, worker_id: str, lora_name: str | None = None) -> None:
+        """A request (under adapter `lora_name`, None: the base model) was just sent to
+        the worker: it counts as waiting there, and the adapter as held, until its report."""
+        row = self.row_of.get(worker_id)
+        if row is not None:
+            self.waiting[row] += 1
+            if lora_name is not None:
+                self.residency.note(row, lora_name)
 
     def rows_of(self, worker_ids: Iterable[str]) -> np.ndarray:
         """The rows of those of `worker_ids` that have one, ascending."""
@@ -190,7 +208,8 @@ class LoadTable(Sequence[WorkerLoad]):
         return WorkerLoad(self.ids[row] or "", int(self.waiting[row]), int(self.running[row]),
                           float(self.kv_usage[row]), bool(self.healthy[row]),
                           int(self.pending[row]), None if np.isnan(cost) else cost,
-                          float(self.host_hit_cost[row]), float(self.fetch_fixed[row]))
+                          float(self.host_hit_cost[row]), float(self.fetch_fixed[row]),
+                          self.residency.held(row))
 
     @property
     def worker_ids(self) -> list[str]:
@@ -202,13 +221,15 @@ class LoadTable(Sequence[WorkerLoad]):
         """The same columns with other candidate rows (ascending)."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
                          self.healthy, self.present, rows, self.row_of, self.fetch_cost,
-                         self.host_hit_cost, self.fetch_fixed, self.prefill_rate)
+                         self.host_hit_cost, self.fetch_fixed, self.prefill_rate,
+                         self.residency)
 
     def with_healthy(self, healthy: np.ndarray) -> LoadTable:
         """The same candidates read against another healthy column."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
                          healthy, self.present, self.rows, self.row_of, self.fetch_cost,
-                         self.host_hit_cost, self.fetch_fixed, self.prefill_rate)
+                         self.host_hit_cost, self.fetch_fixed, self.prefill_rate,
+                         self.residency)
 
     def without(self, worker_ids: Collection[str]) -> LoadTable:
         """The candidates that are still present (not removed since) and not in
@@ -233,6 +254,13 @@ class LoadTable(Sequence[WorkerLoad]):
     def depth(self, rows: np.ndarray) -> np.ndarray:
         """Queue depth (waiting + running) of `rows`, as floats."""
         return (self.waiting[rows] + self.running[rows]).astype(np.float64)
+
+    def lacks(self, rows: np.ndarray, lora_name: str | None) -> np.ndarray:
+        """Per row of `rows`, whether its worker would have to load adapter `lora_name` into
+        a device slot first (all False for the base model)."""
+        if lora_name is None:
+            return np.zeros(len(rows), dtype=bool)
+        return self.residency.lacks(rows, lora_name)
 
     def position(self, rows: np.ndarray, worker_id: str) -> int | None:
         """Where `worker_id`'s row is in `rows` (ascending), or None."""

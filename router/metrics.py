@@ -7,8 +7,9 @@ process). Labels: `pool` is the worker's role ("prefill", "decode", "both"), `wo
   first token arrived): requests by status (success / error with a reason / cancelled), TTFT
   (arrival at the router to the first token, by the worker that sampled it), TPOT, inter-token
   latency and end-to-end latency (by the worker that streamed the rest), prompt, prefix-cached
-  and generated tokens. Errors raised before a request reached a worker are counted by the
-  front ends (`count_error`), with empty `pool` and `worker`.
+  and generated tokens; requests and generated tokens by LoRA adapter (`adapter`: its served
+  name; the base model's requests are not in them). Errors raised before a request reached a
+  worker are counted by the front ends (`count_error`), with empty `pool` and `worker`.
 - KV handoffs (`kv_transferred`, `kv_transfer_failed`, from `router.orchestrator`): bytes (blocks x
   layers x K and V x block_size x heads x head_dim x dtype size: `KVHandoff.num_bytes`),
   and the handoff latency as the router sees it: from giving the decode worker the handoff to its
@@ -101,6 +102,12 @@ class RouterMetrics:
         self.kv_failures = Counter("cleave_kv_transfer_failures", "KV pulls that failed (the "
                                    "decode worker prefilled instead), by reason",
                                    (*worker, "reason"), registry=reg)
+        self.lora_requests = Counter("cleave_lora_requests", "Requests under a LoRA adapter by "
+                                     "how they ended (status as cleave_requests)",
+                                     ("adapter", "status"), registry=reg)
+        self.lora_generation_tokens = Counter("cleave_lora_generation_tokens", "Output tokens "
+                                              "streamed under a LoRA adapter", ("adapter",),
+                                              registry=reg)
         reg.register(_LoadCollector(workers, counters, in_flight))
 
     def pool_of(self, worker_id: str) -> str:

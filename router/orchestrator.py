@@ -29,12 +29,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
 from router.deadline import pools_within
-from router.decode_policy import DecodePick, DecodePolicy, get_decode_policy
+from router.decode_policy import DecodePick
 from router.errors import (
     NoHealthyWorkerError,
     OverloadedError,
@@ -44,9 +43,9 @@ from router.errors import (
 from router.failover import DECODE_POOL
 from router.generations import GenerationFactory
 from router.loads import LoadTable
-from router.policy import Decision, NoHealthyWorker, RoutingPolicy, get_policy
+from router.policies import Policies
+from router.policy import Decision, NoHealthyWorker
 from router.prefix_fetch import prefix_to_fetch
-from router.split_policy import SplitPolicy, get_split_policy
 from router.starts import DONE, Handover, Start
 from router.streams import Generation
 from router.worker_client import TokenStream
@@ -65,22 +64,6 @@ from workers.contract.tracing import tracing
 logger = logging.getLogger(__name__)
 
 PREFILL_POOL = (WorkerRole.PREFILL,)
-
-
-class Policies(NamedTuple):
-    """The named decisions of routing: which worker (`route`), hand off or run here
-    (`split`), which decode worker (`decode`)."""
-
-    route: RoutingPolicy
-    split: SplitPolicy
-    decode: DecodePolicy
-
-    @classmethod
-    def from_config(cls, config: RouterConfig) -> Policies:
-        return cls(get_policy(config.policy, **dict(config.policy_options)),
-                   get_split_policy(config.disagg_policy,
-                                    threshold_tokens=config.disagg_threshold_tokens),
-                   get_decode_policy(config.decode_policy))
 
 
 def _routed(prefill_id: str, cached: int, reason: str | None,
@@ -142,10 +125,11 @@ class Orchestrator:
             decode_loads = decode_loads.without(())  # routing awaits: one may be gone
             try:
                 with tracing().span("router.route", attributes={"attempt": attempt}) as span:
-                    decision = self.policy.choose(hashes, prefill_loads.without(tried), w.index)
+                    decision = self.policy.choose(hashes, prefill_loads.without(tried), w.index,
+                                                  req.lora_name)
                     cached = decision.predicted_hit_blocks * self.block_size
                     reason = self.split.run_here(req, cached) if attempt == 0 else None
-                    decode = None if reason else self._pick_decode(hashes, decode_loads)
+                    decode = None if reason else self._pick_decode(req, hashes, decode_loads)
                     if span is not None:
                         span.set_attributes(_routed(decision.worker_id, cached, reason, decode))
             except NoHealthyWorker:
@@ -183,9 +167,10 @@ class Orchestrator:
             f"prompt tokens waiting); retry after {cfg.retry_after_s} s",
             headers={"Retry-After": str(cfg.retry_after_s)})
 
-    def _pick_decode(self, hashes: Sequence[int], loads: LoadTable) -> DecodePick:
+    def _pick_decode(self, req: WorkerRequest, hashes: Sequence[int],
+                     loads: LoadTable) -> DecodePick:
         try:
-            return self.decode.pick(hashes, loads, self.workers.index)
+            return self.decode.pick(hashes, loads, self.workers.index, req.lora_name)
         except NoHealthyWorker as exc:
             raise NoHealthyWorkerError(f"no healthy worker can take the request: {exc}") from None
 
@@ -196,7 +181,7 @@ class Orchestrator:
         w = self.workers
         prefill, decode = w.clients[decision.worker_id], w.clients[decode_id]
         d_tp = w.info(decode_id).tp_size
-        w.note_routed(prefill.worker_id)
+        w.note_routed(prefill.worker_id, req.lora_name)
         prefix = (await prefix_to_fetch(w, self.counters, req, hashes, decision)
                   if decision.fetch_from is not None else None)
         try:  # each prefill rank's KV is read by as many decode ranks as share its heads
@@ -218,7 +203,7 @@ class Orchestrator:
         cached = decision.predicted_hit_blocks * self.block_size
         if result.handoff is None:  # finished at its first token
             return Start(first, DONE, prefill.worker_id, cached)
-        w.note_routed(decode_id)
+        w.note_routed(decode_id, req.lora_name)
         stream = decode.decode_from_handoff(req, first.token_ids[-1], result.handoff)
         return Start(first, stream, prefill.worker_id, cached, decode_id,
                      Handover(prefill, decode, result.handoff, time.monotonic()))
@@ -234,14 +219,15 @@ class Orchestrator:
         tried: set[str] = set()
         for _ in range(1 + self.config.start_retries):
             try:
-                decision = self.policy.choose(hashes, loads.without(tried), self.workers.index)
+                decision = self.policy.choose(hashes, loads.without(tried), self.workers.index,
+                                              req.lora_name)
             except NoHealthyWorker as exc:
                 if failed:
                     break
                 raise NoHealthyWorkerError(
                     f"no healthy worker can take the request: {exc}") from None
             wid = decision.worker_id
-            self.workers.note_routed(wid)
+            self.workers.note_routed(wid, req.lora_name)
             prefix = (await prefix_to_fetch(self.workers, self.counters, req, hashes, decision)
                       if decision.fetch_from is not None else None)
             stream = self.workers.clients[wid].generate(req, prefix)

@@ -2,7 +2,8 @@
 
 Policies are registered by name (`get_policy("prefix_aware", w_queue=0.5)`). Each takes the
 prompt's chained block hashes, the candidates' loads (a `router.loads.LoadTable`, or any
-sequence of `WorkerLoad`s) and the `PrefixIndex`, and returns a `Decision`; the work per
+sequence of `WorkerLoad`s), the `PrefixIndex` and the LoRA adapter the request runs under
+(None: the base model), and returns a `Decision`; the work per
 decision is a few array operations over the candidates, not a Python step per worker.
 Unhealthy workers are never chosen; with none healthy, `NoHealthyWorker`. Decisions are
 deterministic for the same inputs (round robin: for the same call history).
@@ -13,12 +14,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from router.loads import LoadTable, NoHealthyWorker, WorkerLoad
 from router.prefix_index import PrefixIndex
 from router.registry import Registry
+
+# `PrefixAwarePolicy.lora_load_blocks` by default (`RouterConfig.lora_load_cost_blocks`)
+LORA_LOAD_BLOCKS = 16.0
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,15 @@ class RoutingPolicy(ABC):
     """Chooses one worker per prompt. Does not modify the index."""
 
     name: str
+    # takes `lora_load_blocks` (`RouterConfig.lora_load_cost_blocks`): what loading an
+    # adapter into a worker's slot costs in its score
+    scores_adapter_loads: ClassVar[bool] = False
 
     @abstractmethod
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
-               index: PrefixIndex) -> Decision:
-        """The worker for a prompt whose full blocks hash to `block_hashes`."""
+               index: PrefixIndex, lora_name: str | None = None) -> Decision:
+        """The worker for a prompt whose full blocks hash to `block_hashes`, run under
+        adapter `lora_name`."""
 
 
 POLICY_CLASSES: Registry[type[RoutingPolicy]] = Registry("routing policy")
@@ -59,6 +68,15 @@ def get_policy(name: str, **options: float) -> RoutingPolicy:
         raise ValueError(f"bad options for routing policy {name!r}: {exc}") from None
 
 
+def configured_policy(name: str, lora_load_blocks: float,
+                      options: Sequence[tuple[str, float]] = ()) -> RoutingPolicy:
+    """The policy registered as `name` with `options`, and `lora_load_blocks` when it scores
+    adapter loads (`RoutingPolicy.scores_adapter_loads`)."""
+    if POLICY_CLASSES.get(name).scores_adapter_loads:
+        return get_policy(name, **{"lora_load_blocks": lora_load_blocks, **dict(options)})
+    return get_policy(name, **dict(options))
+
+
 def healthy_loads(loads: Sequence[WorkerLoad]) -> list[WorkerLoad]:
     """The healthy candidates as records; raises on duplicate worker ids or when none is
     healthy."""
@@ -72,7 +90,14 @@ class PrefixAwarePolicy(RoutingPolicy):
     - w_kv * kv_usage; highest wins, ties go to the lighter worker, then the smaller id.
 
     hit_fraction is the share of the prompt's full blocks the worker holds as a leading run,
-    a block in its host tier counting what it saves (1 - its load's `host_hit_cost`);
+    a block in its host tier counting what it saves (1 - its load's `host_hit_cost`), less
+    `lora_load_blocks` on a worker that would have to load the request's LoRA adapter into a
+    device slot (the adapter is not among its reported `lora_adapters` nor routed there since):
+    the load is priced as that many blocks of prompt recomputed, like a fetch's fixed cost, and
+    at most as the whole prompt (a full prefix hit's worth), so requests for an adapter go where
+    it is held unless another worker is lighter by more than the load costs, and a holder keeps
+    them no longer than a whole-prompt hit would keep them (a short prompt, whose own recompute
+    is small, follows its adapter more strongly than a long one);
     queue is waiting + running requests, normalized by the mean over the healthy workers so the
     penalty grows without bound on an overloaded worker. `queue_scale` keeps small absolute
     differences between nearly idle workers from outweighing a prefix hit. With the defaults a
@@ -86,9 +111,13 @@ class PrefixAwarePolicy(RoutingPolicy):
     request without losing its prefix hit.
     """
 
+    scores_adapter_loads = True
+
     def __init__(self, w_hit: float = 1.0, w_queue: float = 0.5, w_kv: float = 0.1,
-                 queue_scale: float = 8.0, min_fetch_blocks: int = 4) -> None:
-        for option, value in (("w_hit", w_hit), ("w_queue", w_queue), ("w_kv", w_kv)):
+                 queue_scale: float = 8.0, min_fetch_blocks: int = 4,
+                 lora_load_blocks: float = LORA_LOAD_BLOCKS) -> None:
+        for option, value in (("w_hit", w_hit), ("w_queue", w_queue), ("w_kv", w_kv),
+                              ("lora_load_blocks", lora_load_blocks)):
             if not value >= 0.0:
                 raise ValueError(f"{option} must be >= 0, got {value}")
         if not queue_scale > 0.0:
@@ -98,9 +127,10 @@ class PrefixAwarePolicy(RoutingPolicy):
         self.w_hit, self.w_queue, self.w_kv = w_hit, w_queue, w_kv
         self.queue_scale = queue_scale
         self.min_fetch_blocks = int(min_fetch_blocks)
+        self.lora_load_blocks = lora_load_blocks
 
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
-               index: PrefixIndex) -> Decision:
+               index: PrefixIndex, lora_name: str | None = None) -> Decision:
         table = LoadTable.of(loads)
         rows = table.healthy_rows()
         hits = index.match_tiers(block_hashes)
@@ -112,10 +142,13 @@ class PrefixAwarePolicy(RoutingPolicy):
             if at is not None:
                 held[at], in_host[at] = blocks, host_blocks
         source, fetch = self._fetchable(block_hashes, index, table, rows, held)
-        # recompute saved, in blocks: a host hit costs its copy
-        hit = held - in_host * table.host_hit_cost[rows] + fetch
+        # recompute saved, in blocks: a host hit costs its copy, an adapter load its price (at
+        # most the whole prompt's recompute, so a far lighter worker still wins)
+        num_blocks = max(len(block_hashes), 1)
+        lora = min(self.lora_load_blocks, num_blocks) * table.lacks(rows, lora_name)
+        hit = held - in_host * table.host_hit_cost[rows] + fetch - lora
         queue_weight = self.w_queue / max(float(depth.sum()) / len(rows), self.queue_scale)
-        score = (self.w_hit / max(len(block_hashes), 1) * hit - queue_weight * depth
+        score = (self.w_hit / num_blocks * hit - queue_weight * depth
                  - self.w_kv * table.kv_usage[rows])
         best = rows[score == score.max()]
         row = int(best[0]) if len(best) == 1 else table.best_by_load(best)
@@ -150,27 +183,34 @@ class PrefixAwarePolicy(RoutingPolicy):
 
 @register_policy("least_loaded")
 class LeastLoadedPolicy(RoutingPolicy):
-    """The worker with the fewest waiting + running requests (then fewer waiting, lower KV
-    usage, smaller id). Ignores the prefix cache when choosing."""
+    """The worker with the fewest waiting + running requests (then one holding the request's
+    LoRA adapter, fewer waiting, lower KV usage, smaller id). Ignores the prefix cache when
+    choosing."""
 
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
-               index: PrefixIndex) -> Decision:
+               index: PrefixIndex, lora_name: str | None = None) -> Decision:
         table = LoadTable.of(loads)
-        wid = table.ids[table.best_by_load(table.healthy_rows())] or ""
+        rows = table.healthy_rows()
+        if lora_name is not None:  # the least loaded, of them those holding the adapter
+            depth = table.depth(rows)
+            rows = rows[depth == depth.min()]
+            holding = rows[~table.lacks(rows, lora_name)]
+            rows = holding if len(holding) else rows
+        wid = table.ids[table.best_by_load(rows)] or ""
         return Decision(wid, index.match(block_hashes).get(wid, 0))
 
 
 @register_policy("round_robin")
 class RoundRobinPolicy(RoutingPolicy):
     """Healthy workers in id order, one after another: the next id after the last one chosen
-    (wrapping), so workers joining or leaving do not reset the cycle. Keeps that one id as state;
-    not thread-safe."""
+    (wrapping), so workers joining or leaving do not reset the cycle; blind to prefixes and
+    adapters. Keeps that one id as state; not thread-safe."""
 
     def __init__(self) -> None:
         self._last: str | None = None
 
     def choose(self, block_hashes: Sequence[int], loads: Sequence[WorkerLoad],
-               index: PrefixIndex) -> Decision:
+               index: PrefixIndex, lora_name: str | None = None) -> Decision:
         table = LoadTable.of(loads)
         ids = sorted(table.ids[r] or "" for r in table.healthy_rows().tolist())
         chosen = ids[0]
@@ -180,5 +220,6 @@ class RoundRobinPolicy(RoutingPolicy):
         return Decision(chosen, index.match(block_hashes).get(chosen, 0))
 
 
-__all__ = ["Decision", "LoadTable", "NoHealthyWorker", "RoutingPolicy", "WorkerLoad",
-           "get_policy", "healthy_loads", "register_policy", "registered_policies"]
+__all__ = ["LORA_LOAD_BLOCKS", "Decision", "LoadTable", "NoHealthyWorker", "RoutingPolicy",
+           "WorkerLoad", "configured_policy", "get_policy", "healthy_loads", "register_policy",
+           "registered_policies"]

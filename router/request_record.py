@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from workers.contract.protocol import TokenEvent
+from workers.contract.protocol import TokenEvent, WorkerRequest
 
 if TYPE_CHECKING:
     from router.metrics import RouterMetrics
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class Timed(Protocol):
     """What a request record reads of a generation (`router.streams.Generation`)."""
 
+    req: WorkerRequest
     worker_id: str  # sampled the first token
     decode_worker_id: str | None  # streams the rest, when set
     predicted_cached_tokens: int
@@ -104,6 +105,10 @@ class RequestRecord(NullRecord):
         m, labels = self._metrics, self._metrics.labels(self._streamer)
         now = time.monotonic()
         m.requests.labels(self._frontend, *labels, status, reason).inc()
+        adapter = self._gen.req.lora_name
+        if adapter is not None:
+            m.lora_requests.labels(adapter, status).inc()
+            m.lora_generation_tokens.labels(adapter).inc(sum(self._tokens.values()))
         m.e2e.labels(*labels).observe(now - self._started)
         num_tokens = max(self._tokens.values(), default=0)
         if status == "success" and num_tokens > 1:

@@ -4,7 +4,8 @@ fed from the workers' KV events. Torch-free.
 Loads and KV events are pushed: each `WorkerClient` tells the set (`on_outputs`) what arrived on
 its worker's output channel, with every engine step and on the channel's heartbeat, so routing
 reads no stats per request. Requests routed to a worker since its last report count as waiting
-there (`note_routed`), so a burst does not pile onto the worker that looked idlest a moment ago.
+there (`note_routed`), so a burst does not pile onto the worker that looked idlest a moment ago; the
+LoRA adapters in each worker's slots come with its reports (`router.residency`).
 The loads live in one `router.loads.LoadTable`, a row per worker updated in place by each
 report; a pool's loads are that table with the pool's rows as candidates, so reading them costs
 nothing per worker. Rows are never reused: a table read before a worker left still names it
@@ -225,11 +226,10 @@ class WorkerSet:
                 healthy[table.row_of[wid]] = False
         return table.with_healthy(healthy)
 
-    def note_routed(self, worker_id: str) -> None:
-        """A request was just sent to the worker (it counts as waiting until its report)."""
-        row = self._table.row_of.get(worker_id)
-        if row is not None:
-            self._table.waiting[row] += 1
+    def note_routed(self, worker_id: str, lora_name: str | None = None) -> None:
+        """A request was just sent to the worker (it counts as waiting, and its adapter as
+        held there, until the worker's next report)."""
+        self._table.note_routed(worker_id, lora_name)
 
     def mark_unhealthy(self, worker_id: str) -> None:
         self._set_healthy(worker_id, False)
@@ -265,7 +265,7 @@ class WorkerSet:
                            stats.healthy, fetch_cost(self._infos.get(worker_id), stats),
                            stats.host_hit_cost,
                            fetch_fixed_blocks(self._infos.get(worker_id), stats),
-                           stats.prefill_s_per_token)
+                           stats.prefill_s_per_token, stats.lora_adapters)
         for observe in self.observers:
             observe(worker_id, stats)
         if kv_events:

@@ -20,7 +20,8 @@ from router.errors import WorkerUnavailableError
 from router.failover import Failover
 from router.generations import GenerationFactory
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator, Policies
+from router.orchestrator import Orchestrator
+from router.policies import Policies
 from router.worker_client import TokenStream, WorkerClient, WorkerListener
 from router.workers import WorkerSet
 from workers.contract.calls import Call

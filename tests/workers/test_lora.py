@@ -166,8 +166,9 @@ def test_load_serve_unload(llama_lora):
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4),
                        lora_name="small")
     assert len(out[0].outputs[0].token_ids) == 4
+    assert "small" in llm.engine.stats().lora_adapters  # in a slot: the router routes by it
     adapters.unload("small", [])
-    assert "small" not in adapters.names()
+    assert "small" not in adapters.names() and "small" not in llm.engine.stats().lora_adapters
     with pytest.raises(ValueError, match="does not exist"):
         llm.generate([[1, 2, 3]], GREEDY, lora_name="small")
     with pytest.raises(KeyError):

@@ -191,6 +191,7 @@ class EngineStats:
     speculative_method: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters in its device slots, least recent first
     # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):
     # the router routes nothing new there and moves the streams on it
     healthy: bool = True

@@ -42,6 +42,11 @@ class NoAdapters:
     def names(self) -> list[str]:
         return []
 
+    def resident(self) -> tuple[str, ...]:
+        """The adapters in the device slots now, least recently used first (its load
+        report's `lora_adapters`: the router routes by them)."""
+        return ()
+
     def cache_name(self, lora_name: str | None) -> str | None:
         """What the prefix cache keys `lora_name`'s blocks by (`Adapters.cache_name`)."""
         return lora_name
@@ -71,6 +76,9 @@ class Adapters(NoAdapters):
 
     def names(self) -> list[str]:
         return self.slots.names()
+
+    def resident(self) -> tuple[str, ...]:
+        return tuple(self.slots.resident())
 
     def cache_name(self, lora_name: str | None) -> str | None:
         """What the prefix cache keys `lora_name`'s blocks by: its name, and from its second

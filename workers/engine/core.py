@@ -235,7 +235,8 @@ class Engine:
         """The engine's load now (`workers.engine.load`). Call it on the step thread, between
         steps: the async engine does after each step and publishes the copy for other threads."""
         return engine_stats(self.scheduler, self.kv, self.costs, self.speculator.method,
-                            self.kv_pull_bytes_per_s, self.kv_fetch_fixed_s)
+                            self.kv_pull_bytes_per_s, self.kv_fetch_fixed_s,
+                            self.adapters.resident())
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()

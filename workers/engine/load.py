@@ -11,9 +11,10 @@ from workers.engine.step_costs import StepCosts
 
 def engine_stats(sched: Scheduler, kv: KVCacheManager, costs: StepCosts,
                  speculative_method: str | None, kv_pull_bytes_per_s: float,
-                 kv_fetch_fixed_s: float) -> EngineStats:
+                 kv_fetch_fixed_s: float, lora_adapters: tuple[str, ...] = ()) -> EngineStats:
     """An engine's stats now; call on its step thread, between steps. The two rates are the
-    worker's transfer layer's measures, which the engine keeps."""
+    worker's transfer layer's measures, which the engine keeps; `lora_adapters`, those in its
+    device slots."""
     pool = kv.pool
     return EngineStats(len(sched.waiting), len(sched.running), pool.usage,
                        pool.num_free_blocks, pool.num_cached_blocks, pool.num_blocks,
@@ -25,4 +26,5 @@ def engine_stats(sched: Scheduler, kv: KVCacheManager, costs: StepCosts,
                        num_prompt_tokens_computed=costs.num_prompt_tokens_computed,
                        speculative_method=speculative_method,
                        num_draft_tokens=sched.num_draft_tokens,
-                       num_accepted_tokens=sched.num_accepted_tokens)
+                       num_accepted_tokens=sched.num_accepted_tokens,
+                       lora_adapters=lora_adapters)
