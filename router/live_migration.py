@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
 from workers.contract.messages import MigratedKV, Paused, ResumedSample
 from workers.contract.protocol import WorkerRole
+from workers.contract.tracing import tracing
 
 if TYPE_CHECKING:
     from kvtransfer.handoff import KVHandoff
@@ -117,6 +119,8 @@ class LiveMigrations:
                 self.counters.count_decode(m.target.worker_id)
             else:
                 self.counters.num_live_migrations_failed += 1
+            if m is not None:
+                m.trace(ok)
         return list(paused)
 
     async def _start(self, gen: Generation, with_kv: bool, target: str | None) -> Move | None:
@@ -174,6 +178,7 @@ class Move:
     landed: dict[int, int] = field(default_factory=dict)  # blocks the first pull landed
     paused: Paused | None = None
     moved: asyncio.Future[tuple[str, TokenStream, WorkerClient | None]] | None = None
+    started_ns: int = field(default_factory=time.time_ns)
 
     @property
     def request_id(self) -> str:
@@ -235,6 +240,14 @@ class Move:
             except Exception as exc:  # noqa: BLE001 -- gone: its leases end with it
                 logger.warning("worker %s did not cancel the move of %s: %r", client.worker_id,
                                self.request_id, exc)
+
+    def trace(self, moved: bool) -> None:
+        """The move as one span of the request's trace, export to hand-over."""
+        tracing().record("router.live_migration", self.gen.req.traceparent, self.started_ns,
+                         time.time_ns(), {"from_worker": self.source.worker_id,
+                                          "to_worker": self.target.worker_id, "moved": moved,
+                                          "with_kv": self.with_kv,
+                                          "kv_blocks": sum(self.landed.values())})
 
     def hand_over(self) -> None:
         """Open the stream on the target after exactly the tokens each sample sent; the

@@ -184,11 +184,29 @@ def test_a_request_with_several_samples_moves_whole(pair, llm, seed):
     assert wait_until(lambda: _idle(pair))
 
 
+@pytest.fixture
+def spans():
+    """Tracing on in this process for one test, its finished spans kept in memory."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from workers.contract import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.set_tracing(tracing.Tracing(provider))
+    yield exporter
+    tracing.set_tracing(None)
+
+
 @pytest.mark.parametrize("n", [1, 2])
-def test_a_drain_moves_a_served_stream_with_its_kv(pair, llm, n):
+def test_a_drain_moves_a_served_stream_with_its_kv(pair, llm, n, spans):
     """Through the router's HTTP port: a stream is running when its worker is drained; it
     finishes on the other worker with the undisturbed text of every choice, nothing
-    recomputed there."""
+    recomputed there. Traced, the move is one span of the request's trace naming both
+    workers and the KV blocks the target pulled."""
     import openai
 
     prompt = list(_prompt(11, 37))
@@ -223,6 +241,13 @@ def test_a_drain_moves_a_served_stream_with_its_kv(pair, llm, n):
     assert router.counters.num_live_migrations == moved + 1
     assert computed_on_target[0] == 0
     assert wait_until(lambda: _idle(pair))
+    (move,) = [s for s in spans.get_finished_spans() if s.name == "router.live_migration"]
+    (front,) = [s for s in spans.get_finished_spans() if s.name == "router.start"]
+    assert move.context.trace_id == front.context.trace_id
+    attrs = dict(move.attributes)
+    assert (attrs["from_worker"], attrs["to_worker"], attrs["moved"], attrs["with_kv"]) == (
+        source, target.worker_id, True, True)
+    assert attrs["kv_blocks"] > 0
 
 
 def test_a_moved_stream_still_stops_at_its_stop_string(pair, llm):
