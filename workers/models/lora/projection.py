@@ -38,6 +38,8 @@ class LoraBatch:
         self.active = False
         self.rows = torch.empty(0, dtype=torch.int64)  # [N] adapter rows, grouped by slot
         self.segments: list[tuple[int, int, int]] = []  # (slot, first, end) into `rows`
+        # the same on the host, int64 [num_segments, 3] (the fused CPU stack reads it)
+        self.segment_table = torch.empty(0, 3, dtype=torch.int64)
 
     def begin(self, query_start_loc: Sequence[int], seq_slots: Sequence[int],
               device: torch.device) -> None:
@@ -57,8 +59,8 @@ class LoraBatch:
         rows, kept = order[keep], sorted_slots[keep]
         ids, sizes = torch.unique_consecutive(kept, return_counts=True)
         ends = torch.cumsum(sizes, 0)
-        self.segments = [(s, e - n, e) for s, n, e in
-                         zip(ids.tolist(), sizes.tolist(), ends.tolist(), strict=True)]
+        self.segment_table = torch.stack((ids, ends - sizes, ends), 1).contiguous()
+        self.segments = [(s, f, e) for s, f, e in self.segment_table.tolist()]
         self.rows = rows.to(device, non_blocking=True)
         self.active = True
 
@@ -113,7 +115,9 @@ class LoraProjection:
         for slot, first, end in batch.segments:  # at most max_loras segments
             shrunk = torch.mm(xs[first:end], self.a[slot].t())  # [n, width]
             torch.mm(shrunk, self.b[slot].t(), out=delta[first:end])
-        return out.index_add_(0, batch.rows, delta)
+        # the rows are distinct: gathered, added, written back (index_add_ took ~40 ms a call
+        # on CPU here, against well under 1 ms for these three)
+        return out.index_copy_(0, batch.rows, out.index_select(0, batch.rows).add_(delta))
 
 
 def lora_active(batch: LoraBatch | None) -> bool:
