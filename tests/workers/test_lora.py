@@ -102,6 +102,28 @@ def test_fewer_slots_than_adapters_evicts_and_stays_exact(family):
     assert llm.engine.adapters.slots.num_loads >= len(ADAPTERS)
 
 
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_adapter_decode_steps_keep_the_fused_cpu_stack(family, monkeypatch):
+    """The tiny Llama's decode steps run in the fused CPU decoder stack (one C call for every
+    layer) with the LoRA products added inside it, adapter rows or not, and stay exact."""
+    path, folders, refs = family
+    llm = serve(path, folders, max_loras=2)
+    stack = llm.engine.runner.executor.model.model.fused_stack
+    assert stack is not None, "the fused stack is not built here: nothing to check"
+    with_adapters: list[bool] = []
+    fn = stack.fn
+
+    def counted(*args):
+        with_adapters.append(args[16] is not None)  # the step's adapter rows, or NULL
+        return fn(*args)
+
+    monkeypatch.setattr(stack, "fn", counted)
+    loras = [lora for _ in PROMPTS for lora in (None, *ADAPTERS)]
+    prompts = [p for p in PROMPTS for _ in (None, *ADAPTERS)]
+    assert_matches(llm.generate(prompts, GREEDY, lora_name=loras), loras, prompts, refs)
+    assert with_adapters.count(True) >= STEPS - 1  # every decode step of the mixed batch
+
+
 @pytest.fixture(scope="module")
 def llama_lora(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-errors")

@@ -41,6 +41,7 @@ from workers.attention import cpu_backend
 from workers.attention.backend import AttentionMetadata
 from workers.models.attention import LlamaAttention
 from workers.models.layers import RMSNorm
+from workers.models.lora.projection import LoraBatch
 from workers.kernels.native import build_library, loads
 from workers.kernels import gguf_gemm as gguf_kernels
 from workers.kernels import int_gemm as int_kernels
@@ -72,6 +73,20 @@ class Proj(ctypes.Structure):
                 ("kind", ctypes.c_int32), ("scales_bf16", ctypes.c_int32)]
 
 
+class LoraProj(ctypes.Structure):
+    """`lora_t`: one projection's LoRA stacks (`LoraProjection` a, b), a NULL: none."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("width", ctypes.c_int64)]
+
+
+class LoraStep(ctypes.Structure):
+    """`lora_step_t`: a step's adapter rows grouped by slot and their segments (`LoraBatch`)."""
+
+    _fields_ = [("rows", ctypes.c_void_p), ("segments", ctypes.c_void_p),
+                ("num_segments", ctypes.c_int64), ("num_rows", ctypes.c_int64),
+                ("scratch", ctypes.c_void_p)]  # the kernel's own
+
+
 class Layer(ctypes.Structure):
     """`layer_t` of decoder_layer.c: one layer's weights and settings."""
 
@@ -83,7 +98,8 @@ class Layer(ctypes.Structure):
             "cos_sin_stride", "max_position", "hidden", "heads", "kv_heads", "head_dim",
             "inter")] + [
         (name, ctypes.c_float) for name in ("input_eps", "post_eps", "scale")] + [
-        ("window", ctypes.c_int32), ("gelu", ctypes.c_int32)]
+        ("window", ctypes.c_int32), ("gelu", ctypes.c_int32)] + [
+        (f"{name}_lora", LoraProj) for name in PROJECTIONS]
 
 
 @functools.cache
@@ -91,7 +107,7 @@ def load_kernel() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(SOURCE, sources=LINKED)))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.decoder_stack_f32.argtypes = [ptr, i32, ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64,
-                                      ptr, ptr, ptr, i64, ptr, i32]
+                                      ptr, ptr, ptr, i64, ptr, ctypes.POINTER(LoraStep), i32]
     lib.decoder_stack_f32.restype = i32
     return lib
 
@@ -138,6 +154,14 @@ def _proj(layer: Any) -> Proj:
                 int(layer.scales.dtype == torch.bfloat16))
 
 
+def _lora(layer: Any) -> LoraProj:
+    """The C struct of a projection's LoRA stacks (workers.models.lora), zeros when it has none."""
+    hook = getattr(layer, "lora", None)
+    if hook is None:
+        return LoraProj(None, None, 0)
+    return LoraProj(hook.a.data_ptr(), hook.b.data_ptr(), hook.a.shape[1])
+
+
 def refusal(layer: Any, layer_type: type[Any], mlp_type: type[Any]
             ) -> str | None:
     """Why `layer` cannot run fused; None when it can. `layer_type`, `mlp_type`: the plain
@@ -177,7 +201,8 @@ def _layer_struct(layer: Any) -> Layer:
         layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
         mlp.down_proj.input_size // mlp.down_proj.tp_size,
         layer.input_layernorm.eps, layer.post_attention_layernorm.eps, attn.scale,
-        attn.window or 0, int(mlp.gelu))
+        attn.window or 0, int(mlp.gelu), _lora(attn.qkv_proj), _lora(attn.o_proj),
+        _lora(mlp.gate_up_proj), _lora(mlp.down_proj))
 
 
 class FusedDecoderStack:
@@ -187,7 +212,7 @@ class FusedDecoderStack:
 
     def __init__(self, layers: list[Any]) -> None:
         self.layers = layers  # keeps the weights the structs point at alive
-        self.structs = (Layer * len(layers))(*(_layer_struct(layer) for layer in layers))
+        self.structs = self.link()
         attn = layers[0].self_attn
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.kv_pointers = ctypes.c_void_p * len(layers)
@@ -195,6 +220,12 @@ class FusedDecoderStack:
         packed = any(getattr(s, p).kind != DENSE for s in self.structs
                      for p in Layer.PROJECTIONS)
         self.max_rows = MAX_PACKED_ROWS if packed else MAX_ROWS
+
+    def link(self) -> ctypes.Array[Layer]:
+        """The layers' structs, their LoRA stacks included: called again (`structs`) when
+        workers.models.lora hooks the projections after load."""
+        self.structs = (Layer * len(self.layers))(*(_layer_struct(x) for x in self.layers))
+        return self.structs
 
     def takes(self, hidden: torch.Tensor, meta: AttentionMetadata,
               kv_caches: list[torch.Tensor]) -> bool:
@@ -212,10 +243,11 @@ class FusedDecoderStack:
                         for c in kv_caches))
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
-                 kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                 lora: LoraBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the stack, as the layers one by one return them, from the
-        stack's input `hidden` [rows, H] (not written). K/V land in `kv_caches`."""
+        stack's input `hidden` [rows, H] (not written). K/V land in `kv_caches`. `lora`: the
+        step's adapter rows (their products added in the kernel), or None / inactive."""
         hidden = hidden.contiguous()
         out, residual = torch.empty_like(hidden), torch.empty_like(hidden)
         first = kv_caches[0]
@@ -231,11 +263,20 @@ class FusedDecoderStack:
                      first.shape[2], hidden.data_ptr(), None, out.data_ptr(),
                      residual.data_ptr(), hidden.shape[0], positions.data_ptr(),
                      slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                     torch.get_num_threads())
+                     _step(lora), torch.get_num_threads())
         if rc != 0:
             error, what = _ERRORS.get(rc, (RuntimeError, f"the fused layers failed ({rc})"))
             raise error(what)
         return out, residual
+
+
+def _step(lora: LoraBatch | None) -> Any:
+    """A pointer to the step's adapter rows for the kernel; None (NULL) without any."""
+    if lora is None or not lora.active:
+        return None
+    rows, table = lora.rows, lora.segment_table
+    return ctypes.byref(LoraStep(rows.data_ptr(), table.data_ptr(), table.shape[0],
+                                 rows.shape[0], None))
 
 
 def use_fused_decoder_stack(model: nn.Module, stack_type: type[nn.Module],

@@ -146,7 +146,7 @@ class LlamaModel(nn.Module):
 
     # set at load where every layer takes it: a few CPU decode rows in one C call (fused_layer)
     fused_stack: FusedDecoderStack | None = None
-    lora_batch: LoraBatch | None = None  # the step's adapter rows: they skip `fused_stack`
+    lora_batch: LoraBatch | None = None  # the step's adapter rows: `fused_stack` adds their LoRA
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -157,9 +157,8 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)  # [T, hidden]
             if self.embed_scale is not None:  # rounded to the weights' dtype first, as HF does
                 hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        if (self.fused_stack is not None and not lora_active(self.lora_batch)
-                and self.fused_stack.takes(hidden, meta, kv_caches)):
-            hidden, residual = self.fused_stack(positions, hidden, kv_caches, meta)
+        if self.fused_stack is not None and self.fused_stack.takes(hidden, meta, kv_caches):
+            hidden, residual = self.fused_stack(positions, hidden, kv_caches, meta, self.lora_batch)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):

@@ -19,6 +19,23 @@ int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, f
                   int64_t M, int64_t H, int64_t I, int gelu, int num_threads);
 int act_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int gelu,
                 int num_threads);
+/* One projection's LoRA for a step (small_gemm.c): A [slots, width, K], B [slots, N, width]
+ * scaled; rows [num_rows] grouped by slot, segments [num_segments, 3] (slot, first, end) into
+ * them; scratch: num_rows * (K + width + N) floats. */
+typedef struct {
+    const float *a, *b;
+    int64_t width;
+    const int64_t *rows, *segments;
+    int64_t num_segments, num_rows;
+    float *scratch;
+} lora_args_t;
+int small_gemm_lora_f32(const float *x, const float *w, float *y, int64_t M, int64_t N,
+                        int64_t K, const lora_args_t *l, int num_threads);
+int small_mlp_lora_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
+                       int64_t M, int64_t H, int64_t I, int gelu, const lora_args_t *gu_lora,
+                       const lora_args_t *down_lora, int num_threads);
+int lora_add_f32(const float *x, float *y, int64_t N, int64_t K, const lora_args_t *l,
+                 int num_threads);
 
 /* int_gemm.c */
 int int8_gemm(const void *x, int x_bf16, const uint8_t *w, const float *scales, void *y,

@@ -204,6 +204,65 @@ int small_gemm_bf16_dot(const uint16_t *x, const uint16_t *w, float *y, int64_t 
 #endif
 }
 
+/* LoRA (workers/models/lora/projection.py), for a projection's output y [M, N] from x [M, K]:
+ * for each segment (slot, first, end) of `l->rows` (the step's adapter rows grouped by slot),
+ * y[r] += (x[r] A[slot]^T) B[slot]^T for r in rows[first:end], A [slots, width, K] and B
+ * [slots, N, width] (already scaled). `lora_shrink`: the rows gathered and shrunk to `width` (a
+ * few dozen columns) on the calling thread; `lora_expand`, inside a parallel region, for output
+ * columns [start, end): each segment's expansion (each weight tile read once for the segment's
+ * rows, as above) added into y's rows by the thread that computes those columns. The base
+ * matmul of the same columns runs first in the same chunk (`small_gemm_lora_f32`,
+ * `small_mlp_lora_f32`), so a projection with adapters opens no parallel region or barrier more
+ * than without: on this shared 2-core machine each one could wait out a time slice of a
+ * preempted thread (a separate region per projection doubled a `small` decode step there). */
+static void lora_shrink(const float *x, int64_t K, const lora_args_t *l) {
+    float *xs = l->scratch, *sh = xs + l->num_rows * K;
+    for (int64_t i = 0; i < l->num_rows; i++)
+        memcpy(xs + i * K, x + l->rows[i] * K, sizeof(float) * (size_t)K);
+    for (int64_t s = 0; s < l->num_segments; s++) {
+        const int64_t slot = l->segments[3 * s], lo = l->segments[3 * s + 1];
+        rows_f32(xs + lo * K, l->a + slot * l->width * K, sh + lo * l->width,
+                 l->segments[3 * s + 2] - lo, l->width, K, 0, l->width);
+    }
+}
+
+static void lora_expand(float *y, int64_t N, int64_t K, const lora_args_t *l, int64_t start,
+                        int64_t end) {
+    const int64_t W = l->width;
+    const float *sh = l->scratch + l->num_rows * K;
+    float *d = (float *)sh + l->num_rows * W;
+    for (int64_t s = 0; s < l->num_segments; s++) {
+        const int64_t slot = l->segments[3 * s], lo = l->segments[3 * s + 1];
+        const int64_t n = l->segments[3 * s + 2] - lo;
+        rows_f32(sh + lo * W, l->b + slot * N * W, d + lo * N, n, N, W, start, end);
+        for (int64_t i = lo; i < lo + n; i++)
+            for (int64_t j = start; j < end; j++) y[l->rows[i] * N + j] += d[i * N + j];
+    }
+}
+
+/* small_gemm_f32 with `l`'s products added (l NULL: none). */
+int small_gemm_lora_f32(const float *x, const float *w, float *y, int64_t M, int64_t N,
+                        int64_t K, const lora_args_t *l, int num_threads) {
+    if (l != NULL) lora_shrink(x, K, l);
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    FOR_EACH_CHUNK(N, ROWS, num_threads, {
+        rows_f32(x, w, y, M, N, K, start, end);
+        if (l != NULL) lora_expand(y, N, K, l, start, end);
+    });
+    return 0;
+}
+
+/* `l`'s products added to y, after a base matmul of another kind (int8, int4, GGUF). */
+int lora_add_f32(const float *x, float *y, int64_t N, int64_t K, const lora_args_t *l,
+                 int num_threads) {
+    lora_shrink(x, K, l);
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads)
+    FOR_EACH_CHUNK(N, ROWS, num_threads, lora_expand(y, N, K, l, start, end));
+    return 0;
+}
+
 /* A gated MLP's few rows in one parallel region (`small_mlp_f32`): y = down(act(x gate^T) *
  * (x up^T)), w_gate_up [2I, H] (the gate's I rows, then the up's), w_down [H, I], all fp32;
  * act: SiLU, or GELU's tanh form (`gelu`). The threads take chunks of gate/up rows, then
@@ -231,18 +290,37 @@ static inline void act_run(const float *gu, float *a, int64_t M, int64_t I, int 
 
 int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
                   int64_t M, int64_t H, int64_t I, int gelu, int num_threads) {
+    return small_mlp_lora_f32(x, w_gate_up, w_down, y, M, H, I, gelu, NULL, NULL, num_threads);
+}
+
+/* small_mlp_f32 with LoRA products added to gate/up (`gu_lora`) and down (`down_lora`; NULL:
+ * none): down's shrink (of the activation) by one thread between the barriers. */
+int small_mlp_lora_f32(const float *x, const float *w_gate_up, const float *w_down, float *y,
+                       int64_t M, int64_t H, int64_t I, int gelu, const lora_args_t *gu_lora,
+                       const lora_args_t *down_lora, int num_threads) {
     float *gu = malloc(sizeof(float) * (size_t)(M * 3 * I)); /* [M, 2I] then act [M, I] */
     if (gu == NULL) return -1;
     float *a = gu + M * 2 * I;
+    if (gu_lora != NULL) lora_shrink(x, H, gu_lora);
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        FOR_EACH_CHUNK(2 * I, ROWS, nt, rows_f32(x, w_gate_up, gu, M, 2 * I, H, start, end));
+        FOR_EACH_CHUNK(2 * I, ROWS, nt, {
+            rows_f32(x, w_gate_up, gu, M, 2 * I, H, start, end);
+            if (gu_lora != NULL) lora_expand(gu, 2 * I, H, gu_lora, start, end);
+        });
 #pragma omp barrier
         act_run(gu, a, M, I, gelu, t, nt);
 #pragma omp barrier
-        FOR_EACH_CHUNK(H, ROWS, nt, rows_f32(a, w_down, y, M, H, I, start, end));
+        if (down_lora != NULL) {
+#pragma omp single
+            lora_shrink(a, I, down_lora);
+        }
+        FOR_EACH_CHUNK(H, ROWS, nt, {
+            rows_f32(a, w_down, y, M, H, I, start, end);
+            if (down_lora != NULL) lora_expand(y, H, I, down_lora, start, end);
+        });
     }
     free(gu);
     return 0;

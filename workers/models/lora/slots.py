@@ -76,9 +76,12 @@ class AdapterSlots:
                 self._where[f"{prefix}.{sub.name}"] = (path, sub.name)
         if not self.projections:
             raise ValueError(f"{type(model).__name__} has no projection that takes LoRA")
-        for module in model.modules():  # fused fast paths skip steps with adapter rows
+        for module in model.modules():  # the fused fast paths: see the step's adapter rows
             if hasattr(module, "lora_batch"):
                 setattr(module, "lora_batch", self.batch)  # noqa: B010 -- any module
+            stack = getattr(module, "fused_stack", None)
+            if stack is not None:  # the CPU decoder stack adds the products itself
+                stack.link()
         # name -> per projection path, its host (A, B) stacks
         self._host: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.paths: dict[str, str] = {}  # name -> its folder
