@@ -107,11 +107,15 @@ class WorkerReplica:
             raise RuntimeError(f"worker {self.worker_id}: the engine is not healthy")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """This replica's load, and the SLO plan's replica count for its pool while the
-        directory holds a fresh plan, read by `cluster.autoscaling.PoolPolicy`."""
+        """This replica's load, and (with SLO targets set) the SLO plan's replica count for
+        its pool while the directory holds a fresh plan, read by
+        `cluster.autoscaling.PoolPolicy`."""
         s: EngineStats = await asyncio.wait_for(self.actor.stats.remote(), HEALTH_TIMEOUT_S)
         stats = {"pending_prompt_tokens": float(s.num_pending_prompt_tokens),
                  "kv_usage": s.kv_usage, "running_seqs": float(s.num_running + s.num_waiting)}
+        router = self.config.router
+        if router.slo_ttft_ms is None or router.slo_itl_ms is None:
+            return stats  # no SLO targets: no planner, the load rule applies
         try:
             plan = await asyncio.wait_for(self.directory.plan.remote(), DIRECTORY_TIMEOUT_S)
         except Exception:  # noqa: BLE001 -- no directory: no plan, the load rule applies

@@ -48,10 +48,13 @@ class Ctx:
     policy_state: dict[str, Any] = field(default_factory=dict)
 
 
-def replica_of(pool: str, directory: Directory) -> WorkerReplica:
+SLO = {"router": {"slo_ttft_ms": 500.0, "slo_itl_ms": 50.0}}
+
+
+def replica_of(pool: str, directory: Any, config: dict[str, Any] = SLO) -> WorkerReplica:
     """A pool replica with its engine and directory as local objects (no Serve)."""
     r = WorkerReplica.__new__(WorkerReplica)
-    r.pool, r.directory = pool, Remote(directory)
+    r.pool, r.directory, r.config = pool, Remote(directory), CleaveConfig.parse(config)
 
     class Engine:
         def stats(self) -> EngineStats:
@@ -125,3 +128,15 @@ def test_status_shows_the_plan_who_decided_it_and_why():
     assert "why: threshold 512: 1 prefill for 3/s" in text
     report["planner"] = None  # no SLO targets: no planner line
     assert "SLO planner" not in format_status(report)
+
+
+def test_without_slo_targets_a_replica_reports_its_load_and_never_asks_for_a_plan():
+    asked: list[str] = []
+
+    class Watched:
+        def plan(self) -> None:
+            asked.append("plan")
+
+    reported = asyncio.run(replica_of("decode", Watched(), {}).record_autoscaling_stats())
+    assert PLAN_SIGNAL not in reported and reported["running_seqs"] == 30.0
+    assert asked == []  # not a directory call a metrics interval where no planner runs
