@@ -78,12 +78,21 @@ class PoolPolicy:
                   for name in self.targets.per_replica}
         planned = planned_replicas(metrics)
         if planned is None:
-            desired, rule = desired_replicas(ctx.current_num_replicas, totals, self.targets), "load"
+            desired, rule = desired_replicas(pool_size(ctx), totals, self.targets), "load"
         else:
             desired, rule = planned, "slo_plan"
         desired = min(max(desired, ctx.capacity_adjusted_min_replicas),
                       ctx.capacity_adjusted_max_replicas)
         return desired, {**ctx.policy_state, "cleave_totals": totals, "cleave_rule": rule}
+
+
+def pool_size(ctx: Any) -> int:
+    """The pool's size as last decided: Serve's target count, which counts the replicas still
+    starting. (`current_num_replicas` counts only running ones: measured against it, a load
+    that just asked for a second replica reads as one replica's worth while that replica
+    starts, and the pool scales down again, stopping the replica before it runs.)"""
+    target = getattr(ctx, "target_num_replicas", None)
+    return ctx.current_num_replicas if target is None else int(target)
 
 
 def policy_kwargs(pool: str, autoscaling: Any) -> dict[str, Any]:

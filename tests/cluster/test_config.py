@@ -194,6 +194,23 @@ def test_the_decode_policy_takes_the_signal_that_asks_for_more():
         PoolPolicy({"gpu_temperature": 80.0})
 
 
+def test_a_replica_still_starting_is_not_stopped_by_the_load_that_asked_for_it():
+    """Serve's target is 2 while the second replica starts (1 running): 3.5 sequences against
+    4 per replica sit inside the 2-replica hysteresis band, so the pool stays at 2. Sized from
+    the running count instead, the policy answered 1 and Serve stopped the starting replica,
+    again and again under a steady burst."""
+    class Ctx:
+        current_num_replicas, target_num_replicas = 1, 2
+        capacity_adjusted_min_replicas, capacity_adjusted_max_replicas = 1, 2
+        policy_state: dict = {}
+        aggregated_metrics = {"kv_usage": {"r1": 0.1}, "running_seqs": {"r1": 3.5}}
+
+    policy = PoolPolicy({"kv_usage": 0.9, "running_seqs": 4.0})
+    assert policy(Ctx())[0] == 2
+    Ctx.aggregated_metrics = {"kv_usage": {"r1": 0.1}, "running_seqs": {"r1": 1.0}}
+    assert policy(Ctx())[0] == 1  # the load really fell: the start is called off
+
+
 def test_a_pool_refuses_an_autoscaling_target_it_does_not_scale_on():
     with pytest.raises(ConfigError, match="prefill.autoscaling.target_kv_usage=0.5: the prefill "
                                           "pool scales on target_waiting_tokens"):

@@ -37,7 +37,8 @@ def app(local_ray, tiny_model):
     yield deploy_autoscaled_app(tiny_model)
 
 
-def deploy_autoscaled_app(tiny_model: str, enable_lora: bool = True):
+def deploy_autoscaled_app(tiny_model: str, enable_lora: bool = True, waiting_tokens: int = 256,
+                          running_seqs: int = 4):
     """1 prefill + 1 decode replica of the tiny model, each pool autoscaled up to 2."""
     from cluster.config import CleaveConfig
     from cluster.launch import deploy
@@ -47,9 +48,10 @@ def deploy_autoscaled_app(tiny_model: str, enable_lora: bool = True):
         # a small token budget keeps prompts queued long enough to be seen by the autoscaler
         "prefill": {**pool, "engine": {"num_blocks": 256, "max_num_batched_tokens": 64,
                                        "enable_lora": enable_lora},
-                    "autoscaling": autoscaling(target_waiting_tokens=256)},
+                    "autoscaling": autoscaling(target_waiting_tokens=waiting_tokens)},
         "decode": {**pool, "engine": {"num_blocks": 512, "enable_lora": enable_lora},
-                   "autoscaling": autoscaling(target_running_seqs=4, target_kv_usage=0.9)}}))
+                   "autoscaling": autoscaling(target_running_seqs=running_seqs,
+                                               target_kv_usage=0.9)}}))
     deploy(config)
     return config
 
