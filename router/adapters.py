@@ -6,15 +6,23 @@ The workers own their adapters; this list is the router's copy, read from the wo
 and after each load or unload made through this router. With several router replicas a load or
 unload reaches every worker through the replica that took it, and the other replicas catch up
 as requests ask: a name this copy does not know is looked up on a worker before it is refused,
-and a worker's refusal of a name this copy still lists drops it here (`forget`).
+and a worker's refusal of a name this copy still lists drops it here (`forget`). A worker that
+joins later (a replica the autoscaler started) is given the adapters the others serve before it
+is routed to (`join`): the adapters named in the configuration it loads itself, the ones loaded
+at run time it would not have.
 """
 
 from __future__ import annotations
 
 import asyncio
-from router.errors import BadRequestError, NotFoundError
+import logging
+
+from router.errors import BadRequestError, NotFoundError, WorkerUnavailableError
 from router.workers import WorkerSet
+from router.worker_client import WorkerClient
 from workers.contract.calls import LoadLoraAdapter, LoraAdapters, UnloadLoraAdapter
+
+log = logging.getLogger(__name__)
 
 
 class ServedAdapters:
@@ -37,6 +45,31 @@ class ServedAdapters:
             return_exceptions=True)
         lists = [set(a) for a in answers if not isinstance(a, BaseException)]
         self._names = set.intersection(*lists) if lists else set()
+
+    async def join(self, client: WorkerClient) -> None:
+        """Load onto a worker about to be routed to the adapters every routed worker serves
+        and it lacks, from the folders they were read from. One it cannot load (no
+        `enable_lora`, a folder it cannot reach) is logged; requests naming that adapter then
+        keep to the workers that have it (`refresh` lists only what all of them serve)."""
+        answers = await asyncio.gather(
+            *(c.call(LoraAdapters()) for c in self.workers.clients.values()),
+            return_exceptions=True)
+        held = [a for a in answers if isinstance(a, dict)]
+        if not held:
+            return
+        served = {name: held[0][name] for name in set.intersection(*(set(h) for h in held))}
+        try:
+            have = await client.call(LoraAdapters())
+        except WorkerUnavailableError:  # adding it marks it unhealthy
+            return
+        for name, path in sorted(served.items()):
+            if name in have:
+                continue
+            try:
+                await client.call(LoadLoraAdapter(name, path))
+            except ValueError as exc:
+                log.warning("worker %s joins without LoRA adapter %r: %s", client.worker_id,
+                            name, exc)
 
     async def resolve(self, model: str | None) -> str | None:
         """The adapter a request's `model` names (None: the base model, named or not at all).

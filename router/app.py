@@ -282,8 +282,7 @@ class Router:
     def pool(self, *roles: WorkerRole) -> list[str]:
         return self.workers.pool(*roles)
 
-    def loads(self) -> list[WorkerLoad]:
-        """Every worker's load as last reported (draining and unreachable ones unhealthy)."""
+    def loads(self) -> list[WorkerLoad]:  # draining and unreachable workers unhealthy
         return list(self.workers.loads())
 
     def healthy_workers(self) -> list[str]:
@@ -293,7 +292,8 @@ class Router:
         """Ask every worker now; returns the healthy ones' ids."""
         return await self.workers.check_health()
 
-    async def add_worker(self, client: WorkerClient) -> None:
+    async def add_worker(self, client: WorkerClient) -> None:  # its adapters first
+        await self.adapters.join(client)
         await self.workers.add(client)
 
     async def remove_worker(self, worker_id: str) -> None:

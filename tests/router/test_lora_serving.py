@@ -232,3 +232,30 @@ def test_another_router_replica_sees_loads_and_unloads_made_through_the_first(lo
     finally:
         lora_server.call(other.stop())
     assert settled(lora_server)
+
+
+def test_a_worker_joining_later_is_given_the_adapters_loaded_at_run_time(lora_server, folders):
+    """A router replica over the prefill worker loads `chat` at run time (only that worker
+    has it); the decode worker then joins it, as an autoscaled replica would: it is given
+    `chat` from the folder the other read it from before it is routed to, so the adapter is
+    still served by every worker and stays listed."""
+    from router.app import Router
+    from router.channel import ChannelClient
+    from workers.contract.calls import LoraAdapters
+
+    first, joining_worker = lora_server.clients
+    other = Router(lora_server.router.config, [ChannelClient(first.channel, "router-c")])
+    joining = ChannelClient(joining_worker.channel, "router-c")
+    lora_server.call(other.start())
+    try:
+        lora_server.call(other.adapters.load("chat", str(folders["chat"])))
+        assert "chat" not in lora_server.call(joining.call(LoraAdapters()))
+        lora_server.call(other.add_worker(joining))
+        assert lora_server.call(joining.call(LoraAdapters())) == {
+            "sql": str(folders["sql"]), "chat": str(folders["chat"])}
+        lora_server.call(other.adapters.refresh())
+        assert other.adapters.names == ["chat", "sql"]  # served by both: still listed
+    finally:
+        lora_server.call(other.stop())
+    assert post(lora_server, "unload_lora_adapter", {"lora_name": "chat"}).is_success
+    assert settled(lora_server)

@@ -176,8 +176,9 @@ class UnloadLoraAdapter(Call[tuple[str, ...]]):
 
 
 @dataclass(frozen=True)
-class LoraAdapters(Call[tuple[str, ...]]):
-    """The names of the LoRA adapters loaded here, sorted (none without `enable_lora`)."""
+class LoraAdapters(Call[dict[str, str]]):
+    """The LoRA adapters loaded here: name -> the folder each was read from (none without
+    `enable_lora`)."""
 
 
 POOLINGS = ("last", "mean")  # how `Embed` pools a prompt's final hidden states

@@ -42,6 +42,9 @@ class NoAdapters:
     def names(self) -> list[str]:
         return []
 
+    def paths(self) -> dict[str, str]:
+        return {}
+
     def resident(self) -> tuple[str, ...]:
         """The adapters in the device slots now, least recently used first (its load
         report's `lora_adapters`: the router routes by them)."""

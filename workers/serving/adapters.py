@@ -40,5 +40,6 @@ class WorkerAdapters:
             return tuple(engine.adapters.names())
         return await self.async_engine.apply(unload)
 
-    def names(self) -> tuple[str, ...]:
-        return tuple(self.async_engine.engine.adapters.names())
+    def paths(self) -> dict[str, str]:
+        """Each loaded adapter's name -> the folder it was read from."""
+        return self.async_engine.engine.adapters.paths()

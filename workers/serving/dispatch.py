@@ -60,7 +60,7 @@ HANDLERS: dict[type[Call[Any]], Callable[[Worker, Any], Any]] = {
     Embed: lambda w, c: w.embed(c.token_ids, c.pooling, c.normalize),
     LoadLoraAdapter: lambda w, c: w.adapters.load(c.lora_name, c.lora_path),
     UnloadLoraAdapter: lambda w, c: w.adapters.unload(c.lora_name),
-    LoraAdapters: lambda w, c: w.adapters.names(),
+    LoraAdapters: lambda w, c: w.adapters.paths(),
 }
 
 
