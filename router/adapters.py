@@ -115,17 +115,24 @@ class ServedAdapters:
         self._names.add(name)
 
     async def unload(self, name: str) -> None:
-        """Unload `name` from every worker. `NotFoundError` (404) when no worker has it;
-        `BadRequestError` (400) while requests still run under it (on the workers where they
-        run it stays loaded; the others have dropped it)."""
-        answers = await asyncio.gather(
-            *(c.call(UnloadLoraAdapter(name)) for c in self.workers.clients.values()),
-            return_exceptions=True)
-        self._names.discard(name)
+        """Unload `name` from every worker, or from none. `NotFoundError` (404) when no worker
+        has it; `BadRequestError` (400) while requests still run under it on some worker (the
+        workers that had dropped it load it again from its folder)."""
+        clients = list(self.workers.clients.values())
+        held = await asyncio.gather(*(c.call(LoraAdapters()) for c in clients),
+                                    return_exceptions=True)
+        path = next((h[name] for h in held if isinstance(h, dict) and name in h), None)
+        answers = await asyncio.gather(*(c.call(UnloadLoraAdapter(name)) for c in clients),
+                                       return_exceptions=True)
         missing = [a for a in answers if isinstance(a, KeyError)]
         failed = [a for a in answers if isinstance(a, BaseException) and a not in missing]
         if failed:
+            dropped = [c for c, a in zip(clients, answers) if not isinstance(a, BaseException)]
+            if path is not None:
+                await asyncio.gather(*(c.call(LoadLoraAdapter(name, path)) for c in dropped),
+                                     return_exceptions=True)
             raise _refusal(failed[0], "lora_name")
+        self._names.discard(name)
         if len(missing) == len(answers):
             raise NotFoundError(f"The LoRA adapter `{name}` is not loaded (loaded: "
                                 f"{self.names})", param="lora_name")

@@ -259,3 +259,26 @@ def test_a_worker_joining_later_is_given_the_adapters_loaded_at_run_time(lora_se
         lora_server.call(other.stop())
     assert post(lora_server, "unload_lora_adapter", {"lora_name": "chat"}).is_success
     assert settled(lora_server)
+
+
+def test_an_unload_refused_on_one_worker_leaves_the_adapter_on_every_worker(lora_server,
+                                                                           folders):
+    """While a stream runs under `chat` on one worker, its unload is refused there (400): the
+    worker that had dropped it loads it again, so `chat` stays served everywhere and a request
+    for it still answers; once the stream is gone the unload goes through."""
+    from workers.contract.calls import LoraAdapters
+
+    load = {"lora_name": "chat", "lora_path": str(folders["chat"])}
+    assert post(lora_server, "load_lora_adapter", load).is_success
+    stream = client_of(lora_server).completions.create(
+        model="chat", prompt=fresh_prompt(8), max_tokens=1500, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    next(iter(stream))  # running on one worker now
+    r = post(lora_server, "unload_lora_adapter", {"lora_name": "chat"})
+    stream.close()
+    assert r.status_code == 400 and "chat" in r.json()["error"]["message"], r.text
+    assert all("chat" in lora_server.call(c.call(LoraAdapters())) for c in lora_server.clients)
+    assert complete(lora_server, "chat", fresh_prompt(8)).usage.completion_tokens == 12
+    assert wait_until(lambda: post(lora_server, "unload_lora_adapter",
+                                   {"lora_name": "chat"}).is_success, 10.0)
+    assert settled(lora_server)
