@@ -1,8 +1,10 @@
 """LoRA adapters against PEFT itself: adapters made with `get_peft_model` + `save_pretrained` on
 checkpoints transformers wrote, served by the engine alone and mixed in one batch with the base
 model and each other; logprobs of 32 greedy tokens within 1e-4 (fp32) and the tokens identical
-to PEFT recomputing the whole sequence each step. Then the adapters a user gets wrong, refused
-with what is wrong, and the prefix cache kept apart per adapter."""
+to PEFT recomputing the whole sequence each step (dense families, and an MoE's attention; its
+experts, which PEFT reaches only by `target_parameters`, are refused). Then the adapters a user
+gets wrong, refused with what is wrong, and the prefix cache kept apart per adapter. Under
+TP=2: `tests/workers/test_parallel_engine.py`."""
 
 from __future__ import annotations
 

@@ -148,8 +148,9 @@ def test_lora_adapters_sharded_over_tp2_match_peft(lora_family):
             llm.generate([PROMPTS[0]], GREEDY, lora_name=last)
         adapters.load(last, str(folders[last]))  # the ranks forgot it: the name is free again
         assert adapters.names() == sorted(folders)
-        assert_lora_matches(llm.generate([PROMPTS[1]], GREEDY, lora_name=last), [last], refs,
-                            [PROMPTS[1]])
+        again = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=4),
+                             lora_name=last)
+        assert again[0].outputs[0].token_ids == refs[last, tuple(PROMPTS[1])].tokens[:4]
     finally:
         llm.engine.close()
 
