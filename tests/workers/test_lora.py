@@ -207,3 +207,15 @@ def test_lora_on_an_moe_s_experts_is_refused_naming_what_peft_targeted(family, t
     with pytest.raises(LoraAdapterError, match=r"target_parameters \['mlp.experts.gate_up_proj'"):
         llm.engine.adapters.load("experts", str(tmp_path / "experts"))
     assert llm.engine.adapters.names() == ["attn"]
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"pipeline_parallel_size": 2}, "one pipeline stage"),
+    ({"pipeline_microbatches": 2}, "one micro-batch"),
+])
+def test_lora_with_a_split_step_is_refused_at_start(options, expected):
+    """Tensor parallelism shards adapters; pipeline stages and micro-batches are refused."""
+    from workers.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=expected):
+        EngineConfig(model="unused", enable_lora=True, **options)

@@ -22,6 +22,9 @@ def _check_lora(config: EngineConfig) -> None:
     _require(not config.enable_lora or config.pipeline_parallel_size == 1,
              f"LoRA adapters run on one pipeline stage (tensor parallelism shards them), got "
              f"pipeline_parallel_size={config.pipeline_parallel_size}")
+    _require(not config.enable_lora or (config.pipeline_microbatches or 1) == 1,
+             f"LoRA steps run whole (one micro-batch), got pipeline_microbatches="
+             f"{config.pipeline_microbatches}")
     names = [m.split("=", 1)[0] for m in config.lora_modules]
     bad = [m for m in config.lora_modules
            if "=" not in m or not m.split("=", 1)[0] or not m.split("=", 1)[1]]
