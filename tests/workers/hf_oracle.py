@@ -124,3 +124,53 @@ def greedy_reference(model: torch.nn.Module, prompt: list[int], steps: int) -> R
         ids.append(token)
         last = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
     return Reference(tokens, logprobs, prompt_lp)
+
+
+def peft_adapter(base: torch.nn.Module, folder: Path, targets: list[str], rank: int,
+                 alpha: float, rslora: bool, seed: int) -> torch.nn.Module:
+    """A PEFT LoRA (`get_peft_model`) on a copy of `base`, its A and B drawn at random (PEFT
+    starts B at zero: the adapter would change nothing), saved by `save_pretrained`; returns
+    the PEFT model (the oracle). Needs PEFT (the test extras)."""
+    import copy
+
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                             lora_dropout=0.0, use_rslora=rslora)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+# PEFT's module names on every family's attention and dense MLP
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# adapter name -> (targets, rank, alpha, rsLoRA): attention-only and attention + MLP, two ranks
+DENSE_ADAPTERS = {"attn": (ATTENTION, 4, 8, False), "full": (ATTENTION + MLP, 8, 16, True)}
+# an MoE's experts have no MLP modules PEFT's target_modules reaches as such: two attention ones
+MOE_ADAPTERS = {"attn": (ATTENTION, 4, 8, False), "qvo": (["q_proj", "v_proj", "o_proj"], 8,
+                                                          16, True)}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
+
+
+def peft_family(arch: str, root: Path, prompts: list[list[int]], steps: int
+                ) -> tuple[str, dict[str, Path], dict[tuple[str | None, tuple[int, ...]],
+                                                      Reference]]:
+    """A checkpoint of `arch` under `root`, PEFT adapters on it (`DENSE_ADAPTERS`, or
+    `MOE_ADAPTERS` for an MoE), and the greedy references of each prompt under each adapter
+    and the base model (None): (checkpoint, adapter folders, references)."""
+    base = save_hf_model(arch, root / "base")
+    specs = MOE_ADAPTERS if arch in MOE_FAMILIES else DENSE_ADAPTERS
+    folders: dict[str, Path] = {}
+    refs = {(None, tuple(p)): greedy_reference(base, p, steps) for p in prompts}
+    for seed, (name, spec) in enumerate(specs.items()):
+        folders[name] = root / name
+        model = peft_adapter(base, folders[name], *spec, seed=seed)
+        for prompt in prompts:
+            refs[name, tuple(prompt)] = greedy_reference(model, prompt, steps)
+    return str(root / "base"), folders, refs

@@ -1,18 +1,20 @@
 """LoRA adapters against PEFT itself: adapters made with `get_peft_model` + `save_pretrained` on
 checkpoints transformers wrote, served by the engine alone and mixed in one batch with the base
 model and each other; logprobs of 32 greedy tokens within 1e-4 (fp32) and the tokens identical
-to PEFT recomputing the whole sequence each step. Then the adapters a user gets wrong, refused
-with what is wrong, and the prefix cache kept apart per adapter."""
+to PEFT recomputing the whole sequence each step (dense families, and an MoE's attention; its
+experts, which PEFT reaches only by `target_parameters`, are refused). Then the adapters a user
+gets wrong, refused with what is wrong, and the prefix cache kept apart per adapter. Under
+TP=2: `tests/workers/test_parallel_engine.py`."""
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 
 import pytest
 
-from tests.workers.hf_oracle import greedy_reference, save_hf_model
+from tests.workers.hf_oracle import (ATTENTION, DENSE_ADAPTERS, peft_adapter, peft_family,
+                                     save_hf_model)
 from workers import LLM, SamplingParams
 from workers.models.lora import LoraAdapterError
 
@@ -21,44 +23,16 @@ peft = pytest.importorskip("peft", reason="PEFT is the oracle (the test extras i
 STEPS = 32
 TOL = 1e-4
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(20, 45))]
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
-# name -> (targets, rank, alpha, rsLoRA)
-ADAPTERS = {"attn": (ATTENTION, 4, 8, False), "full": (ATTENTION + MLP, 8, 16, True)}
+ADAPTERS = DENSE_ADAPTERS  # name -> (targets, rank, alpha, rsLoRA)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
 
 
-def make_adapter(base, folder, targets, rank, alpha, rslora, seed):
-    """A PEFT LoRA on a copy of `base`, its A and B drawn at random (PEFT starts B at zero: the
-    adapter would change nothing), saved as PEFT saves it; returns the PEFT model."""
-    import torch
-
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                             lora_dropout=0.0, use_rslora=rslora)
-    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    model.save_pretrained(folder)
-    return model
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
 def family(request, tmp_path_factory):
-    """(checkpoint, adapter folders, references by (adapter or None, prompt))."""
+    """(checkpoint, adapter folders, references by (adapter or None, prompt)); an MoE's
+    adapters target its attention (`MOE_ADAPTERS`)."""
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
-    base = save_hf_model(request.param, root / "base")
-    folders, refs = {}, {}
-    for prompt in PROMPTS:
-        refs[None, tuple(prompt)] = greedy_reference(base, prompt, STEPS)
-    for seed, (name, spec) in enumerate(ADAPTERS.items()):
-        folders[name] = root / name
-        model = make_adapter(base, folders[name], *spec, seed=seed)
-        for prompt in PROMPTS:
-            refs[name, tuple(prompt)] = greedy_reference(model, prompt, STEPS)
-    return str(root / "base"), folders, refs
+    return peft_family(request.param, root, PROMPTS, STEPS)
 
 
 def serve(path, folders, **options):
@@ -78,15 +52,15 @@ def assert_matches(outputs, loras, prompts, refs):
 
 def test_each_adapter_alone_and_all_mixed_in_one_batch_match_peft(family):
     path, folders, refs = family
-    for name in ADAPTERS:  # each adapter changes the output: the test can tell them apart
+    for name in folders:  # each adapter changes the output: the test can tell them apart
         assert any(refs[name, tuple(p)].tokens != refs[None, tuple(p)].tokens for p in PROMPTS)
     llm = serve(path, folders, max_loras=2)
-    for name in ADAPTERS:
+    for name in folders:
         assert_matches(llm.generate(PROMPTS, GREEDY, lora_name=name), [name] * len(PROMPTS),
                        PROMPTS, refs)
     # every prompt under the base model and each adapter, interleaved, in one batch
-    loras = [lora for _ in PROMPTS for lora in (None, *ADAPTERS)]
-    prompts = [p for p in PROMPTS for _ in (None, *ADAPTERS)]
+    loras = [lora for _ in PROMPTS for lora in (None, *folders)]
+    prompts = [p for p in PROMPTS for _ in (None, *folders)]
     assert_matches(llm.generate(prompts, GREEDY, lora_name=loras), loras, prompts, refs)
 
 
@@ -129,10 +103,10 @@ def llama_lora(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-errors")
     base = save_hf_model("llama", root / "base")
     good = root / "good"
-    make_adapter(base, good, ATTENTION, 4, 8, False, seed=0)
-    make_adapter(base, root / "big", ATTENTION, 8, 16, False, seed=2)
+    peft_adapter(base, good, ATTENTION, 4, 8, False, seed=0)
+    peft_adapter(base, root / "big", ATTENTION, 8, 16, False, seed=2)
     other = save_hf_model("llama", root / "other", hidden_size=32)
-    make_adapter(other, root / "other-base", ATTENTION, 4, 8, False, seed=1)
+    peft_adapter(other, root / "other-base", ATTENTION, 4, 8, False, seed=1)
     llm = LLM(str(root / "base"), block_size=4, num_blocks=64, enable_lora=True,
               max_lora_rank=4, max_loras=2)
     return llm, root
@@ -216,3 +190,32 @@ def test_prefix_cache_is_kept_apart_per_adapter(family):
     reloaded = llm.generate([prompt], GREEDY, lora_name="attn")
     assert reloaded[0].num_cached_tokens == 0
     assert reloaded[0].outputs[0].token_ids == refs["full", tuple(prompt)].tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_lora_on_an_moe_s_experts_is_refused_naming_what_peft_targeted(family, tmp_path):
+    """PEFT reaches an MoE's experts (3D parameters in transformers, no Linear modules) only
+    through `target_parameters`; the engine takes LoRA on the attention and refuses those."""
+    import transformers
+
+    path, folders, _ = family
+    base = transformers.AutoModelForCausalLM.from_pretrained(path)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj"])
+    peft.get_peft_model(base, config).save_pretrained(tmp_path / "experts")
+    llm = serve(path, {"attn": folders["attn"]}, max_loras=1)
+    with pytest.raises(LoraAdapterError, match=r"target_parameters \['mlp.experts.gate_up_proj'"):
+        llm.engine.adapters.load("experts", str(tmp_path / "experts"))
+    assert llm.engine.adapters.names() == ["attn"]
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({"pipeline_parallel_size": 2}, "one pipeline stage"),
+    ({"pipeline_microbatches": 2}, "one micro-batch"),
+])
+def test_lora_with_a_split_step_is_refused_at_start(options, expected):
+    """Tensor parallelism shards adapters; pipeline stages and micro-batches are refused."""
+    from workers.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=expected):
+        EngineConfig(model="unused", enable_lora=True, **options)

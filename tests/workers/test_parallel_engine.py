@@ -2,17 +2,21 @@
 
 Each layout runs in real rank processes (gloo, one torch thread each) on checkpoints written by
 transformers' `save_pretrained`: the logits of a prefill equal the single-process run and
-transformers' within fp32 tolerance, and 32 greedy tokens are identical.
+transformers' within fp32 tolerance, and 32 greedy tokens are identical. LoRA adapters under
+TP=2 likewise against PEFT.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from tests.workers.hf_oracle import greedy_reference, save_hf_model
+from tests.workers.hf_oracle import greedy_reference, peft_family, save_hf_model
 from workers import LLM, SamplingParams
 from workers.engine.parallel.messages import StepMessage
+from workers.models.lora import LoraAdapterError
 
 STEPS = 32
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [5, 6, 7], list(range(20, 45))]
@@ -88,3 +92,72 @@ def test_parallel_layout_matches_single_process_and_transformers(checkpoint, lay
     finally:
         llm.engine.close()
     assert llm.engine.runner.executor.group.closed
+
+
+# LoRA under TP=2: PEFT adapters (made by `get_peft_model` + `save_pretrained`) sharded as their
+# projections, on the dense family and an MoE's attention
+LORA_PROMPTS = PROMPTS[:2]
+
+
+@pytest.fixture(scope="module")
+def lora_family(request, tmp_path_factory):
+    """(checkpoint, adapter folders, greedy references, the last adapter's PEFT logits of a
+    prefill of PROMPTS[2])."""
+    peft = pytest.importorskip("peft", reason="PEFT is the oracle (the test extras install it)")
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp(f"tp-lora-{request.param}")
+    path, folders, refs = peft_family(request.param, root, LORA_PROMPTS, STEPS)
+    last = list(folders)[-1]
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path),
+                                           folders[last]).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[2]])).logits[0].float()
+    return path, folders, refs, logits
+
+
+@pytest.mark.parametrize("lora_family", ["llama", "qwen3_moe"], indirect=True)
+def test_lora_adapters_sharded_over_tp2_match_peft(lora_family):
+    """One adapter from the start, one loaded at run time (every rank reads its shard): the
+    prefill logits equal PEFT's, each adapter alone and all with the base model in one batch
+    give PEFT's 32 greedy tokens; a bad adapter is refused with the group serving on, and an
+    unload reaches every rank (the name loads again)."""
+    path, folders, refs, peft_logits = lora_family
+    first, last = list(folders)
+    llm = LLM(path, block_size=BLOCK, num_blocks=128, tensor_parallel_size=2, enable_lora=True,
+              max_lora_rank=8, max_loras=2, lora_modules=(f"{first}={folders[first]}",))
+    adapters = llm.engine.adapters
+    try:
+        adapters.load(last, str(folders[last]))
+        # the prefill alone, the adapter copied into slot 1 on every rank by the step itself
+        msg = dataclasses.replace(prefill_message(PROMPTS[2]), lora_slots=(1,),
+                                  lora_writes=((1, last),))
+        logits = llm.engine.runner.executor.execute(msg)
+        torch.testing.assert_close(logits, peft_logits, rtol=0, atol=TOL)
+        for name in folders:
+            assert_lora_matches(llm.generate(LORA_PROMPTS, GREEDY, lora_name=name),
+                                [name] * len(LORA_PROMPTS), refs)
+        loras = [lora for _ in LORA_PROMPTS for lora in (None, first, last)]
+        prompts = [p for p in LORA_PROMPTS for _ in (None, first, last)]
+        assert_lora_matches(llm.generate(prompts, GREEDY, lora_name=loras), loras, refs,
+                            prompts)
+        with pytest.raises(LoraAdapterError, match="no folder at"):
+            adapters.load("missing", str(folders[last]) + "-nowhere")
+        adapters.unload(last, [])
+        with pytest.raises(ValueError, match="does not exist"):
+            llm.generate([PROMPTS[0]], GREEDY, lora_name=last)
+        adapters.load(last, str(folders[last]))  # the ranks forgot it: the name is free again
+        assert adapters.names() == sorted(folders)
+        again = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=4),
+                             lora_name=last)
+        assert again[0].outputs[0].token_ids == refs[last, tuple(PROMPTS[1])].tokens[:4]
+    finally:
+        llm.engine.close()
+
+
+def assert_lora_matches(outputs, loras, refs, prompts=LORA_PROMPTS):
+    for lora, prompt, out in zip(loras, prompts, outputs, strict=True):
+        ref, sample = refs[lora, tuple(prompt)], out.outputs[0]
+        assert sample.token_ids == ref.tokens, f"adapter {lora}, prompt {prompt[:4]}..."
+        got = [lp.logprob for lp in sample.logprobs]
+        assert max(abs(a - b) for a, b in zip(got, ref.logprobs, strict=True)) <= TOL, lora

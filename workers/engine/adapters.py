@@ -2,21 +2,24 @@
 unloading them between steps, and refusing requests for adapters it does not have.
 
 The model's side (PEFT folders, the device slots, the per-segment products) is
-`workers.models.lora`; the scheduler keeps each step within `max_loras` adapters
-(`scheduler_records.adapter_fits`), and the runner asks the slots for each step's
-(`ModelRunner._prepare`). An engine without adapters has `NoAdapters`, which refuses any
-request naming one.
+`workers.models.lora`, held by the executor (`AdapterStore`: the model in this process, or
+every tensor-parallel rank its shard, loaded and unloaded by a message to each); the scheduler
+keeps each step within `max_loras` adapters (`scheduler_records.adapter_fits`), and the runner
+asks the slot table for each step's slots and the copies it needs (`ModelRunner._prepare`).
+An engine without adapters has `NoAdapters`, which refuses any request naming one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from workers.contract.protocol import InvalidRequestError
+from workers.engine.parallel.executor import GroupExecutor
 from workers.engine.parallel.local import LocalExecutor
-from workers.models.lora import AdapterSlots, LoraAdapterError
+from workers.models.lora import AdapterSlots, LoraAdapterError, SlotTable
 
 if TYPE_CHECKING:
     from workers.engine.config import EngineConfig
@@ -62,23 +65,37 @@ class NoAdapters:
         raise KeyError(f"adapter {name!r} is not loaded (this worker serves none)")
 
 
-class Adapters(NoAdapters):
-    """The adapters of an engine with LoRA: kept on the host, up to `max_loras` of them in the
-    model's device slots (`AdapterSlots`). Call between steps, on the step's thread."""
+class AdapterStore(Protocol):
+    """Where the adapters' weights are kept and copied into slots: the engine's executor
+    (`LocalExecutor`: the model here; `GroupExecutor`: each rank its shard)."""
 
-    def __init__(self, slots: AdapterSlots) -> None:
-        self.slots = slots
-        self.max_loras = slots.max_loras
+    def load_adapter(self, name: str, path: str) -> None:
+        """Keeps the PEFT adapter at `path` as `name`; `LoraAdapterError`, nothing kept."""
+
+    def unload_adapter(self, name: str) -> None:
+        """Forgets adapter `name`."""
+
+
+class Adapters(NoAdapters):
+    """The adapters of an engine with LoRA: their weights kept by `store` (on the host of
+    whatever holds the model), up to `max_loras` of them in the model's device slots, which
+    `table` assigns (the runner sends each step's copies). Call between steps, on the step's
+    thread."""
+
+    def __init__(self, store: AdapterStore, table: SlotTable) -> None:
+        self.store, self.slots = store, table
+        self.max_loras = table.max_loras
+        self._paths: dict[str, str] = {}  # adapter name -> the folder it was loaded from
         self._loads: dict[str, int] = {}  # adapter name -> times loaded (`cache_name`)
 
     def check(self, lora_name: str | None) -> None:
-        if lora_name is not None and lora_name not in self.slots.paths:
+        if lora_name is not None and lora_name not in self._paths:
             raise InvalidRequestError(
                 f"The model `{lora_name}` does not exist: no LoRA adapter of that name is "
-                f"loaded (loaded: {self.slots.names()})", param="model")
+                f"loaded (loaded: {self.names()})", param="model")
 
     def names(self) -> list[str]:
-        return self.slots.names()
+        return sorted(self._paths)
 
     def resident(self) -> tuple[str, ...]:
         return tuple(self.slots.resident())
@@ -93,42 +110,56 @@ class Adapters(NoAdapters):
 
     def paths(self) -> dict[str, str]:
         """Adapter name -> the folder it was loaded from."""
-        return dict(self.slots.paths)
+        return dict(self._paths)
 
     def load(self, name: str, path: str) -> None:
         """Read and keep the PEFT adapter at `path` as `name`. `LoraAdapterError` naming what is
         wrong (and nothing kept) for a bad one or a name already loaded."""
         if not name:
             raise LoraAdapterError(f"an adapter needs a name, got {name!r}")
-        self.slots.add(name, path)
+        if name in self._paths:
+            raise LoraAdapterError(f"adapter {name!r} is already loaded (from "
+                                   f"{self._paths[name]}); unload it first")
+        self.store.load_adapter(name, path)
+        self._paths[name] = str(Path(path))
         self._loads[name] = self._loads.get(name, 0) + 1
 
     def unload(self, name: str, running: Iterable[Request]) -> None:
         """Forget adapter `name`. KeyError when it is not loaded; `LoraAdapterError` while
         requests of `running` (the engine's unfinished ones) still use it."""
-        if name not in self.slots.paths:
+        if name not in self._paths:
             raise KeyError(f"adapter {name!r} is not loaded")
         users = [r.request_id for r in running if r.lora_name == name]
         if users:
             raise LoraAdapterError(f"adapter {name!r} is in use by {len(users)} request(s) "
                                    f"({users[:3]}); unload it once they finish")
-        self.slots.remove(name)
+        self.store.unload_adapter(name)
+        self.slots.drop(name)
+        del self._paths[name]
 
 
 def attach_adapters(config: EngineConfig, model: LlamaForCausalLM | None,
                     runner: ModelRunner, scheduler: Scheduler) -> NoAdapters:
-    """The engine's adapters: `NoAdapters` unless `config.enable_lora`; else `model`'s
-    projections hooked, the runner and its executor given the slots and the step's rows, the
-    scheduler its bound on a step's adapters, and `config.lora_modules` loaded (a bad one
-    fails the start)."""
+    """The engine's adapters: `NoAdapters` unless `config.enable_lora`; else the model's
+    projections hooked (here, or on each rank of a group, which hooked its shard at start),
+    the runner given the slot table, the scheduler its bound on a step's adapters, and
+    `config.lora_modules` loaded (a bad one fails the start)."""
     if not config.enable_lora:
         return NoAdapters()
-    if model is None or not isinstance(runner.executor, LocalExecutor):
-        raise ValueError("LoRA adapters need the model in the engine's process (one rank)")
-    slots = AdapterSlots(model, config.max_loras, config.max_lora_rank)
-    runner.adapters, runner.executor.lora = slots, slots.batch
-    scheduler.config = dataclasses.replace(scheduler.config, max_loras=slots.max_loras)
-    adapters = Adapters(slots)
+    executor = runner.executor
+    store: AdapterStore
+    if isinstance(executor, LocalExecutor):
+        if model is None:
+            raise ValueError("LoRA adapters need the engine's model (or a worker group)")
+        executor.lora = AdapterSlots(model, config.max_loras, config.max_lora_rank)
+        store = executor
+    elif isinstance(executor, GroupExecutor):
+        store = executor
+    else:
+        raise ValueError(f"LoRA adapters are not served by a {type(executor).__name__}")
+    runner.adapters = SlotTable(config.max_loras)
+    scheduler.config = dataclasses.replace(scheduler.config, max_loras=config.max_loras)
+    adapters = Adapters(store, runner.adapters)
     for name, path in config.lora_paths.items():
         adapters.load(name, path)
     return adapters

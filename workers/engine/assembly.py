@@ -122,10 +122,10 @@ def group_graph_batch_size(config: EngineConfig, kind: str) -> int:
     """The largest decode batch a group's ranks capture as CUDA graphs (0: eager): GPU ranks
     of one pipeline stage, unless `enforce_eager` or `max_cuda_graph_batch_size=0`. Pipeline
     stages run eagerly: a captured stage would have to capture its point-to-point transfers
-    paired with its neighbours' and a ladder per micro-batch. Whether the model can be captured
-    at all (not an MoE) the ranks decide: they hold it."""
+    paired with its neighbours' and a ladder per micro-batch. LoRA steps run eagerly. Whether
+    the model can be captured at all (not an MoE) the ranks decide: they hold it."""
     if (kind != "cuda" or config.pipeline_parallel_size > 1 or config.enforce_eager
-            or config.max_cuda_graph_batch_size == 0):
+            or config.max_cuda_graph_batch_size == 0 or config.enable_lora):
         return 0
     return min(config.max_cuda_graph_batch_size, config.max_num_seqs)
 
@@ -171,7 +171,7 @@ def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLaunch
         config.expert_parallel_size > 1, config.model, str(dtype).removeprefix("torch."),
         config.load_format, config.seed, config.resolved_attention_backend,
         config.rank_timeout_s, kind, host_blocks, group_graph_batch_size(config, kind),
-        max_model_len)
+        max_model_len, config.max_loras if config.enable_lora else 0, config.max_lora_rank)
     sizing = None
     if kind == "cuda" and config.num_blocks is None and config.kv_cache_memory_bytes is None:
         step, num_blocks = memory_profile.profile_step(

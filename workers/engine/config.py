@@ -19,9 +19,12 @@ def _check_lora(config: EngineConfig) -> None:
              f"max_lora_rank must be at least 1, got {config.max_lora_rank}")
     _require(not config.lora_modules or config.enable_lora,
              f"lora_modules {list(config.lora_modules)} need enable_lora")
-    _require(not config.enable_lora or config.world_size == 1,
-             f"LoRA adapters run on one rank per replica (a sharded adapter is not supported "
-             f"yet), got world_size={config.world_size}")
+    _require(not config.enable_lora or config.pipeline_parallel_size == 1,
+             f"LoRA adapters run on one pipeline stage (tensor parallelism shards them), got "
+             f"pipeline_parallel_size={config.pipeline_parallel_size}")
+    _require(not config.enable_lora or (config.pipeline_microbatches or 1) == 1,
+             f"LoRA steps run whole (one micro-batch), got pipeline_microbatches="
+             f"{config.pipeline_microbatches}")
     names = [m.split("=", 1)[0] for m in config.lora_modules]
     bad = [m for m in config.lora_modules
            if "=" not in m or not m.split("=", 1)[0] or not m.split("=", 1)[1]]
@@ -126,7 +129,8 @@ class EngineConfig:
         "kernels; off: dequantized to the model's dtype at load. GPUs always dequantize."))
     # workers.models.lora: PEFT adapters on the base model, several in one step
     enable_lora: bool = setting(False, (
-        "Load LoRA adapters on the base model (one rank per replica): a request selects one "
+        "Load LoRA adapters on the base model (one pipeline stage; tensor-parallel ranks "
+        "shard them as their projections): a request selects one "
         "by naming it as its model, and POST /v1/load_lora_adapter and "
         "/v1/unload_lora_adapter load and unload them at run time."))
     max_loras: int = setting(4, (

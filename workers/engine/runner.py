@@ -36,7 +36,7 @@ from workers.engine.runner_output import RunnerOutput, record_sampled
 from workers.engine.speculative.rejection import Verification
 from workers.engine.speculative.verify import sampling_rows
 from workers.engine.step_inputs import TokenFill
-from workers.models.lora import AdapterSlots
+from workers.models.lora import SlotTable, SlotWrite
 
 
 @dataclass
@@ -88,8 +88,9 @@ class ModelRunner:
         self.sync = (SamplingSync(vocab_size) if isinstance(executor, SamplingExecutor)
                      else None)
         self._step_id = 0
-        # the model's LoRA slots, set by the engine when it serves adapters (one rank only)
-        self.adapters: AdapterSlots | None = None
+        # which adapter is in which of the model's LoRA slots, set by the engine when it
+        # serves adapters
+        self.adapters: SlotTable | None = None
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -248,14 +249,18 @@ class ModelRunner:
         for _, first, count in prompt_rows:
             sample_rows.extend(range(first, first + count))
         self._step_id += 1
+        lora_slots: tuple[int, ...] = ()
+        lora_writes: tuple[SlotWrite, ...] = ()
+        if self.adapters is not None:
+            # each chunk's adapter slot (-1: the base model), and the copies bringing them in
+            lora_slots = self.adapters.seq_slots([c.request.lora_name for c in out.chunks])
+            lora_writes = self.adapters.take_writes()
         msg = StepMessage(
             step_id=self._step_id, input_ids=tuple(input_ids), positions=tuple(positions),
             slot_mapping=tuple(slots), query_start_loc=tuple(starts), seq_lens=tuple(seq_lens),
             block_tables=tuple(c.block_ids for c in out.chunks), num_decodes=num_decodes,
             logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches,
-            block_copies=out.block_copies, lora_slots=() if self.adapters is None else
-            # each chunk's adapter slot (-1: the base model), its adapters brought in
-            self.adapters.seq_slots([c.request.lora_name for c in out.chunks]))
+            block_copies=out.block_copies, lora_slots=lora_slots, lora_writes=lora_writes)
         return _Batch(msg, sampling, drafts, verifications, prompt_rows)
 
 

@@ -87,6 +87,11 @@ def _linear(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     """x W^T (+ b) with the layer's weight, full-precision or quantized, (+ its LoRA deltas)."""
     out = F.linear(x, layer.weight, bias) if layer.matmul is None else layer.matmul(layer, x)
     out = out if layer.matmul is None or bias is None else out + bias
+    return _add_lora(layer, x, out)
+
+
+def _add_lora(layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` with the layer's LoRA deltas of the step's adapter rows added in place."""
     lora = getattr(layer, "lora", None)  # the linear layers' (vocab layers have none)
     return out if lora is None or not lora.batch.active else lora.add(x, out)
 
@@ -242,16 +247,18 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, input_size / tp_size] -> [num_tokens, output_size]
+        # with LoRA, this rank's share of each adapter row's product (its A columns, B whole)
+        # joins the partial sums: the one all-reduce sums both
         if self.comm is None or self.tp_size == 1:
             out = _linear(self, x, None)
         elif self.matmul is not None:
             # a kernel's fp32 partial sums are summed in fp32, then rounded once, as one rank's
             # are (bf16 partials rounded before the sum change greedy tokens of a small model)
-            out = self.matmul(self, x, torch.float32)
+            out = _add_lora(self, x, self.matmul(self, x, torch.float32))
             self.comm.all_reduce(out, self.site)
             out = out.to(x.dtype)
         else:
-            out = self.comm.all_reduce(F.linear(x, self.weight), self.site)
+            out = self.comm.all_reduce(_add_lora(self, x, F.linear(x, self.weight)), self.site)
         if self.bias is not None:
             out = out + self.bias
         return out

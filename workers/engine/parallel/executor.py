@@ -19,17 +19,21 @@ from workers.engine.parallel.graph_ladder import capture_sizes, padded_size
 from workers.engine.parallel.group import RankGroup, RankLauncher, SpawnLauncher
 from workers.engine.parallel.local import LocalExecutor, ModelExecutor, SamplingExecutor
 from workers.engine.parallel.messages import (
+    AdapterReply,
     AllocateCaches,
     CaptureGraphs,
     GraphsCaptured,
+    LoadAdapter,
     RankTiming,
     SampledTokens,
     StepMessage,
+    UnloadAdapter,
 )
 from workers.engine.parallel.pipeline import stage_layers
 from workers.engine.parallel.rank import DeviceCacheSpec, RankCaches, RankSetup, rank_main
 from workers.engine.parallel.rank_memory import KVSizing, group_num_blocks
 from workers.engine.parallel.shared_cache import SharedCaches
+from workers.models.lora import LoraAdapterError
 
 __all__ = ["GroupExecutor", "GroupOptions", "KVCacheNotShared", "LocalExecutor",
            "ModelExecutor", "SamplingExecutor", "rank_setups"]
@@ -54,6 +58,8 @@ class GroupOptions:
     # graphs on the ranks (on the CPU: their static buffers, eagerly); 0: eager
     graph_batch_size: int = 0
     max_model_len: int = 0  # tokens: the longest context a graph attends over (with graphs)
+    max_loras: int = 0  # > 0: LoRA adapters on every rank's shard, this many slots; 0: none
+    max_lora_rank: int = 0
 
 
 GPU_GROUP_KV_ERROR = (
@@ -207,6 +213,21 @@ class GroupExecutor(SamplingExecutor):
         known = [h for h in hosts if h is not None]
         return known if len(known) == len(hosts) else None
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """Every rank reads the PEFT adapter at `path` and keeps its shard as `name`. A bad
+        one raises `LoraAdapterError` (the first rank's reason) and no rank keeps it."""
+        replies = self.group.broadcast(LoadAdapter(name, path), AdapterReply,
+                                       f"loading adapter {name!r}", self.group.timeout_s)
+        errors = [r.error for r in replies if r.error is not None]
+        if errors:  # the ranks that took it forget it: nothing half-loaded
+            self.unload_adapter(name)
+            raise LoraAdapterError(errors[0])
+
+    def unload_adapter(self, name: str) -> None:
+        """Every rank forgets adapter `name` (a rank without it does nothing)."""
+        self.group.broadcast(UnloadAdapter(name), AdapterReply, f"unloading adapter {name!r}",
+                             self.group.timeout_s)
+
     def close(self) -> None:
         self._finalizer()
 
@@ -241,7 +262,8 @@ def rank_setups(options: GroupOptions, num_layers: int, cache_shape: tuple[int, 
                       attention_backend=options.attention_backend,
                       kv_caches=caches(t, stages[stage]), timeout_s=options.timeout_s,
                       device=options.device, host_blocks=options.host_blocks,
-                      serves_kv=pp == 1, graph_batch_size=options.graph_batch_size)
+                      serves_kv=pp == 1, graph_batch_size=options.graph_batch_size,
+                      max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
             for stage in range(pp) for t in range(tp)]
 
 

@@ -22,7 +22,7 @@ from workers.engine.step_inputs import TokenFill, fill_input_ids
 
 if TYPE_CHECKING:
     from workers.models.llama import LlamaForCausalLM
-    from workers.models.lora import LoraBatch
+    from workers.models.lora import AdapterSlots
 
 
 class ModelExecutor(abc.ABC):
@@ -67,9 +67,9 @@ class LocalExecutor(ModelExecutor):
     `token_fill`, set by the runner for one `execute`: input ids taken on the device."""
 
     token_fill: TokenFill | None = None
-    # the model's LoRA rows of each step, set where the engine serves adapters (the CUDA-graph
-    # executor never does: `workers.engine.assembly.graph_batch_size`)
-    lora: LoraBatch | None = None
+    # the model's LoRA adapters and each step's rows, set where the engine serves adapters
+    # (the CUDA-graph executor never does: `workers.engine.assembly.graph_batch_size`)
+    lora: AdapterSlots | None = None
 
     def __init__(self, model: LlamaForCausalLM, caches: list[torch.Tensor],
                  device: torch.device, host_blocks: int = 0) -> None:
@@ -98,9 +98,23 @@ class LocalExecutor(ModelExecutor):
         ids, positions, meta = microbatch_tensors(msg, whole, self.device)
         fill_input_ids(ids, self.token_fill)
         if self.lora is not None:
-            self.lora.begin(msg.query_start_loc, msg.lora_slots, self.device)
+            self.lora.write(msg.lora_writes)
+            self.lora.batch.begin(msg.query_start_loc, msg.lora_slots, self.device)
         hidden = self.model(ids, positions, self.caches, meta)  # [T, hidden]
         return self.model.compute_logits(hidden[list(msg.logit_rows)])
 
     def kv_caches_by_rank(self) -> list[list[torch.Tensor]]:
         return [self.caches]
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Keeps the PEFT adapter at `path` as `name` (`AdapterSlots.add`): `LoraAdapterError`
+        and nothing kept for a bad one."""
+        if self.lora is None:
+            raise RuntimeError("this executor's model serves no LoRA adapters")
+        self.lora.add(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forgets adapter `name`; KeyError when it is not loaded."""
+        if self.lora is None:
+            raise KeyError(f"adapter {name!r} is not loaded (no LoRA adapters here)")
+        self.lora.remove(name)

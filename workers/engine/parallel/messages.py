@@ -88,6 +88,9 @@ class StepMessage:
     # [num_seqs]: each sequence's LoRA adapter slot, -1 for the base model; (): none has one
     # (workers.models.lora)
     lora_slots: tuple[int, ...] = ()
+    # (device slot, adapter name): adapters the driver's slot table brought in for this step,
+    # copied from each holder's host copy into its slot before the forward pass, in order
+    lora_writes: tuple[tuple[int, str], ...] = ()
     # > 0: a pure decode that every rank pads to this many rows and replays from its CUDA
     # graph of that size (one of `GraphsCaptured.sizes`; the driver chose it, so every rank's
     # captured collectives pair up); 0: run eagerly
@@ -100,6 +103,33 @@ class StepMessage:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Read the PEFT adapter folder at `path` and keep this rank's shard of it on the host as
+    `name` (each rank reads the folder itself: they share the driver's node). Answered by an
+    `AdapterReply`."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """Forget adapter `name` if this rank has it (a load that failed on another rank is
+    undone with one). Answered by an `AdapterReply`."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class AdapterReply:
+    """A rank's answer to `LoadAdapter` / `UnloadAdapter`. A bad adapter is no rank failure:
+    the rank keeps nothing of it, says why, and serves on."""
+
+    rank: int
+    error: str | None = None  # the `LoraAdapterError`'s message; None: done
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,12 @@ from workers.attention import get_backend
 from workers.engine.kv_cache.host_caches import HostCaches
 from workers.models.comm import CommStats, Communicator, StageLink
 from workers.engine.parallel.messages import (
+    AdapterReply,
     AllocateCaches,
     CaptureGraphs,
     DeviceCacheSpec,
     GraphsCaptured,
+    LoadAdapter,
     MemoryReport,
     RankConn,
     RankFailed,
@@ -42,12 +44,14 @@ from workers.engine.parallel.messages import (
     Shutdown,
     StepMessage,
     StepReply,
+    UnloadAdapter,
 )
 from workers.engine.parallel.pipeline import microbatch_tensors, split_microbatches, stage_layers
 from workers.engine.parallel.rank_graphs import RankGraphs
 from workers.engine.parallel.rank_memory import KVProfile, measure_rank_memory
 from workers.engine.parallel.sampling import RankSampler
 from workers.engine.parallel.shared_cache import SharedTensor, map_tensors
+from workers.models.lora import AdapterSlots, LoraAdapterError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device kind -> torch.distributed backend
 AGENT_HOST = "127.0.0.1"  # a rank's agent host listens here: its driver is on the same node
@@ -84,6 +88,10 @@ class RankSetup:
     # CPU the static buffers run eagerly); its caches get one block more than `kv_caches`
     # says, the sink of padded rows. 0: every step eager (enforce_eager, pipeline stages)
     graph_batch_size: int = 0
+    # > 0: LoRA adapters on its shard, this many device slots of rank up to `max_lora_rank`
+    # (`LoadAdapter`, `StepMessage.lora_writes`); 0: none
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     @property
     def stage(self) -> int:
@@ -146,6 +154,9 @@ def rank_main(setup: RankSetup, conn: RankConn) -> None:
             if isinstance(msg, CaptureGraphs):
                 conn.send(runner.capture_graphs(msg))
                 continue
+            if isinstance(msg, LoadAdapter | UnloadAdapter):
+                conn.send(runner.adapter(msg))
+                continue
             conn.send(runner.step(msg))
     except BaseException:  # noqa: BLE001 - reported to the driver, then the process exits
         conn.send(RankFailed(setup.rank, traceback.format_exc()))
@@ -188,6 +199,8 @@ class _StageRunner:
                                 attn_backend=get_backend(setup.attention_backend),
                                 load_format=setup.load_format, seed=setup.seed, shard=shard)
         self.hidden_size = config.hidden_size
+        self.adapters = (AdapterSlots(self.model, setup.max_loras, setup.max_lora_rank)
+                         if setup.max_loras else None)  # before a measure: its stacks count
         self.is_first, self.is_last = setup.stage == 0, setup.stage == pp - 1
         self.kv_caches: list[torch.Tensor] = []
         self.host: HostCaches | None = None
@@ -237,6 +250,21 @@ class _StageRunner:
                                  self.sink_block, msg)
         return self.graphs.reply
 
+    def adapter(self, msg: LoadAdapter | UnloadAdapter) -> AdapterReply:
+        """Loads or forgets an adapter on this rank; a bad one is refused in the reply."""
+        rank = self.setup.rank
+        if self.adapters is None:
+            raise RuntimeError(f"rank {rank} was started without LoRA adapters (max_loras=0)")
+        if isinstance(msg, UnloadAdapter):
+            if msg.name in self.adapters.paths:
+                self.adapters.remove(msg.name)
+            return AdapterReply(rank)
+        try:
+            self.adapters.add(msg.name, msg.path)
+        except LoraAdapterError as e:
+            return AdapterReply(rank, str(e))
+        return AdapterReply(rank)
+
     @torch.inference_mode()
     def step(self, msg: StepMessage) -> StepReply:
         start = time.perf_counter()
@@ -275,6 +303,9 @@ class _StageRunner:
         """The eager forward, micro-batch by micro-batch: the logits of `msg.logit_rows` on
         the last stage (else None) and each micro-batch's compute seconds."""
         tp, rank = self.setup.tp_size, self.setup.rank
+        if self.adapters is not None:  # one stage: one micro-batch, the step's rows whole
+            self.adapters.write(msg.lora_writes)
+            self.adapters.batch.begin(msg.query_start_loc, msg.lora_slots, self.device)
         outputs, busy, pending = [], [], []
         for mb in split_microbatches(msg):
             hidden = None

@@ -64,6 +64,11 @@ def _config(folder: Path, name: str) -> dict:
                    "alpha_pattern": bool(config.get("alpha_pattern")),
                    "bias": config.get("bias", "none") != "none"}
     bad = [k for k, v in unsupported.items() if v]
+    if config.get("target_parameters"):  # PEFT's LoRA on bare parameters: an MoE's experts
+        raise LoraAdapterError(f"adapter {name!r}: target_parameters "
+                               f"{config['target_parameters']} in {CONFIG_FILE} not supported "
+                               "(LoRA on an MoE's experts; attention and dense MLP projections "
+                               "only)")
     if bad:
         raise LoraAdapterError(f"adapter {name!r}: {', '.join(bad)} in {CONFIG_FILE} "
                                "not supported (plain LoRA on linear projections only)")

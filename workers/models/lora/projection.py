@@ -11,6 +11,12 @@ num_subs * max_rank]`, B already scaled (alpha / r, or alpha / sqrt(r) for rsLoR
 diagonal over the subs, so one pair of matmuls gives every sub's product; the zero padding adds
 exact zeros. The base projection runs as before (its own kernel, quantized or small-batch); the
 hook only adds. Rows of the base model are in no segment.
+
+On a tensor-parallel rank each pair is sharded as its base projection is: a column-parallel
+projection's (q/k/v, gate/up) B keeps this rank's output rows of each sub (`Sub.first`), A
+whole; a row-parallel one's (o_proj, down_proj) A keeps this rank's input columns
+(`LoraProjection.in_slice`), B whole, and its product joins the base's partial sums before
+the one all-reduce that sums them (`workers.models.layers.RowParallelLinear`).
 """
 
 from __future__ import annotations
@@ -26,8 +32,15 @@ class Sub:
     """One PEFT module inside a (possibly fused) projection: its name and output columns."""
 
     name: str  # PEFT's module name, e.g. "q_proj"
-    offset: int  # first output column of the fused projection it fills
-    size: int  # its output columns
+    offset: int  # first output column of the fused projection (this rank's) it fills
+    size: int  # its output columns on this rank
+    full: int = 0  # the PEFT module's output features, all ranks (0: `size`, one rank)
+    first: int = 0  # the first of them this rank holds (the row of PEFT's B it starts at)
+
+    @property
+    def out_features(self) -> int:
+        """What PEFT's B of this module has as rows."""
+        return self.full or self.size
 
 
 class LoraBatch:
@@ -83,8 +96,10 @@ class LoraProjection:
 
     def __init__(self, batch: LoraBatch, subs: tuple[Sub, ...], in_features: int,
                  out_features: int, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.batch, self.subs, self.max_rank = batch, subs, max_rank
+                 device: torch.device, in_slice: tuple[int, int] | None = None) -> None:
+        """`in_features`, `out_features`: this rank's; `in_slice`: (first, count) of PEFT's A
+        columns this rank holds (a row-parallel projection's), None: all."""
+        self.batch, self.subs, self.max_rank, self.in_slice = batch, subs, max_rank, in_slice
         self.in_features, self.out_features = in_features, out_features
         width = len(subs) * max_rank
         self.a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
@@ -92,8 +107,8 @@ class LoraProjection:
 
     def host_stacks(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One adapter's padded (A, B) of this projection on the host, from its subs' (A [r,
-        in], B scaled [size, r]); subs it does not target stay zero."""
+        """One adapter's padded (A, B) of this projection on the host, this rank's shard, from
+        its subs' whole (A [r, in], B scaled [out, r]); subs it does not target stay zero."""
         width = len(self.subs) * self.max_rank
         a = torch.zeros(width, self.in_features, dtype=self.a.dtype)
         b = torch.zeros(self.out_features, width, dtype=self.b.dtype)
@@ -101,6 +116,9 @@ class LoraProjection:
             if sub.name not in weights:
                 continue
             lora_a, lora_b = weights[sub.name]
+            if self.in_slice is not None:
+                lora_a = lora_a.narrow(1, *self.in_slice)
+            lora_b = lora_b.narrow(0, sub.first, sub.size)
             rank, col = lora_a.shape[0], j * self.max_rank
             a[col:col + rank] = lora_a
             b[sub.offset:sub.offset + sub.size, col:col + rank] = lora_b
