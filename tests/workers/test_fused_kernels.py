@@ -26,7 +26,7 @@ from workers.kernels.fused_norm import rms_norm  # noqa: E402
 from workers.kernels.rope_kv import rope_and_store  # noqa: E402
 from workers.models.model_config import RopeScaling  # noqa: E402
 from workers.models.gemma3 import GemmaRMSNorm  # noqa: E402
-from workers.models.layers import RMSNorm  # noqa: E402
+from workers.models.norm import RMSNorm  # noqa: E402
 from workers.models.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

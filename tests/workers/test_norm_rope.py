@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.kernels import norm_rope
-from workers.models.layers import RMSNorm
+from workers.models.norm import RMSNorm
 from workers.models.rotary import RotaryEmbedding, _rotate_half
 
 pytestmark = pytest.mark.skipif(not norm_rope.available(),

@@ -45,7 +45,8 @@ from workers.engine.parallel.messages import (
     StepMessage,
     StepReply,
 )
-from workers.engine.parallel.rank import DeviceCacheSpec, RankSetup, rank_device
+from workers.engine.parallel.rank import DeviceCacheSpec
+from workers.engine.parallel.rank_setup import RankSetup, rank_device
 from workers.engine.parallel.shared_cache import FILE_PREFIX, SHM_DIR, SharedCaches, SharedTensor
 from workers.contract.protocol import WorkerRequest
 from workers.serving.transfer import kv_layouts

@@ -10,7 +10,8 @@ import pytest
 
 from workers.engine.parallel.group import RankGroup, RankGroupError, SpawnLauncher
 from workers.engine.parallel.messages import Ready, StepMessage
-from workers.engine.parallel.rank import RankSetup, rank_main
+from workers.engine.parallel.rank import rank_main
+from workers.engine.parallel.rank_setup import RankSetup
 
 pytestmark = pytest.mark.usefixtures("spawned_ranks")  # the real spawn, as users get it
 

@@ -249,12 +249,7 @@ class ModelRunner:
         for _, first, count in prompt_rows:
             sample_rows.extend(range(first, first + count))
         self._step_id += 1
-        lora_slots: tuple[int, ...] = ()
-        lora_writes: tuple[SlotWrite, ...] = ()
-        if self.adapters is not None:
-            # each chunk's adapter slot (-1: the base model), and the copies bringing them in
-            lora_slots = self.adapters.seq_slots([c.request.lora_name for c in out.chunks])
-            lora_writes = self.adapters.take_writes()
+        lora_slots, lora_writes = self._lora_slots(out)
         msg = StepMessage(
             step_id=self._step_id, input_ids=tuple(input_ids), positions=tuple(positions),
             slot_mapping=tuple(slots), query_start_loc=tuple(starts), seq_lens=tuple(seq_lens),
@@ -262,6 +257,14 @@ class ModelRunner:
             logit_rows=tuple(sample_rows), num_microbatches=self.num_microbatches,
             block_copies=out.block_copies, lora_slots=lora_slots, lora_writes=lora_writes)
         return _Batch(msg, sampling, drafts, verifications, prompt_rows)
+
+
+    def _lora_slots(self, out: SchedulerOutput) -> tuple[tuple[int, ...], tuple[SlotWrite, ...]]:
+        """Each chunk's adapter slot (-1: the base model), and the copies bringing them in."""
+        if self.adapters is None:
+            return (), ()
+        return (self.adapters.seq_slots([c.request.lora_name for c in out.chunks]),
+                self.adapters.take_writes())
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:

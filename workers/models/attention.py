@@ -18,7 +18,6 @@ from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.models.model_config import ModelConfig
 from workers.models.layers import (
     QKVParallelLinear,
-    RMSNorm,
     RowParallelLinear,
     Shard,
     _check_shape,
@@ -26,6 +25,7 @@ from workers.models.layers import (
     _sharded_copy,
 )
 from workers.models.rotary import RotaryEmbedding
+from workers.models.norm import RMSNorm
 
 
 class LlamaAttention(nn.Module):

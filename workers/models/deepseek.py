@@ -30,7 +30,6 @@ from workers.models.moe_config import MoEConfig
 from workers.models.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
-    RMSNorm,
     RowParallelLinear,
     Shard,
     _check_divisible,
@@ -38,6 +37,7 @@ from workers.models.layers import (
 )
 from workers.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from workers.models.mixtral import MixtralForCausalLM
+from workers.models.norm import RMSNorm
 from workers.models.moe import FusedExperts
 from workers.models.rotary import RotaryEmbedding
 

@@ -40,7 +40,7 @@ from workers.kernels import norm_rope, small_gemm
 from workers.attention import cpu_backend
 from workers.attention.backend import AttentionMetadata
 from workers.models.attention import LlamaAttention
-from workers.models.layers import RMSNorm
+from workers.models.norm import RMSNorm
 from workers.models.lora.projection import LoraBatch
 from workers.kernels.native import build_library, loads
 from workers.kernels import gguf_gemm as gguf_kernels

@@ -20,7 +20,8 @@ from torch import nn
 from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.models.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
-from workers.models.layers import RMSNorm, Shard
+from workers.models.layers import Shard
+from workers.models.norm import RMSNorm
 from workers.models.llama import LlamaForCausalLM, LlamaModel
 
 

@@ -19,9 +19,10 @@ from workers.attention.backend import AttentionBackend, AttentionMetadata
 from workers.kernels import use_triton
 from workers.models.model_config import ModelConfig
 from workers.models.attention import LlamaAttention
-from workers.models.layers import (MergedColumnParallelLinear, RMSNorm, RowParallelLinear,
-                                   Shard, WeightShapeError, _comm_for, kv_heads_per_rank)
+from workers.models.layers import (MergedColumnParallelLinear, RowParallelLinear, Shard,
+                                   WeightShapeError, _comm_for, kv_heads_per_rank)
 from workers.models.lora.projection import LoraBatch, lora_active
+from workers.models.norm import RMSNorm
 from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:

@@ -30,7 +30,8 @@ from workers.engine.parallel.messages import (
     UnloadAdapter,
 )
 from workers.engine.parallel.pipeline import stage_layers
-from workers.engine.parallel.rank import DeviceCacheSpec, RankCaches, RankSetup, rank_main
+from workers.engine.parallel.rank import DeviceCacheSpec, rank_main
+from workers.engine.parallel.rank_setup import RankCaches, RankSetup
 from workers.engine.parallel.rank_memory import KVSizing, group_num_blocks
 from workers.engine.parallel.shared_cache import SharedCaches
 from workers.models.lora import LoraAdapterError
