@@ -224,7 +224,8 @@ class Router:
         front_end = tr.traceparent()  # the stream's span is its child (`router.stream_trace`)
         with tr.span("router.start", attributes={"prompt_tokens": len(prompt_token_ids)}):
             req = WorkerRequest(f"cmpl-{uuid.uuid4().hex}", tuple(prompt_token_ids), params,
-                                cache_salt, lora_name, traceparent=tr.traceparent())
+                                cache_salt, lora_name, traceparent=tr.traceparent(),
+                                ttft_deadline_s=ttft_deadline_s)
             if self.slo is not None:
                 self.slo.arrived(len(prompt_token_ids), params.max_tokens)
             try:
@@ -275,8 +276,7 @@ class Router:
         return self.workers.draining
 
     @property
-    def worker_infos(self) -> dict[str, WorkerInfo]:
-        """What each routed worker serves, by id."""
+    def worker_infos(self) -> dict[str, WorkerInfo]:  # what each routed worker serves, by id
         return self.workers.infos
 
     def pool(self, *roles: WorkerRole) -> list[str]:

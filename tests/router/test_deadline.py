@@ -148,3 +148,46 @@ def test_the_live_planner_fits_a_profile_from_pushed_steps_then_moves_the_thresh
         assert sorted(o.workers.pool(*PREFILL_POOL)) == sorted(switched)
 
     run(go())
+
+
+def test_a_request_with_a_deadline_is_served_ahead_of_the_queue_it_joins(tiny_model):
+    """Through the HTTP API on one worker running one sequence at a time: four requests without
+    a deadline are sent (one runs, three queue), then one with `x-slo-ttft-ms`: the engine
+    queues it first (`scheduling_policy=deadline`), so it finishes second, not last."""
+    import threading
+
+    import httpx
+
+    from cluster.local_server import LocalServeConfig, LocalServer
+    from tests.router.conftest import API_KEY, NUM_BLOCKS, slow_steps, wait_until
+
+    config = LocalServeConfig(tiny_model, num_workers=1, http_port=0, grpc_port=0,
+                              router={"api_keys": (API_KEY,), "kv_poll_interval_s": 0.2},
+                              engine={"num_blocks": NUM_BLOCKS, "max_num_seqs": 1})
+    srv = slow_steps(LocalServer(config).start(), 0.05)
+    finished: list[str] = []
+    errors: list[str] = []
+
+    def send(name: str, headers: dict[str, str]) -> None:
+        r = httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {API_KEY}", **headers},
+                       json={"model": srv.router.model_name, "prompt": [5, 6, 7, 8],
+                             "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        (finished if r.status_code == 200 else errors).append(f"{name} {r.status_code}")
+
+    def waiting() -> int:
+        return srv.call(srv.clients[0].stats()).num_waiting
+
+    try:
+        threads = [threading.Thread(target=send, args=(f"plain{i}", {})) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: waiting() == 3, 10.0), waiting()
+        due = threading.Thread(target=send, args=("due", {"x-slo-ttft-ms": "60000"}))
+        due.start()
+        for t in [*threads, due]:
+            t.join(60)
+        assert not errors, errors
+        assert [f.split()[0] for f in finished].index("due") == 1, finished
+    finally:
+        srv.stop()

@@ -11,14 +11,15 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from workers.contract.errors import InvalidRequestError  # re-exported too: every layer's refusal
+# re-exported: every layer's refusal, and the errors a request can end with on a worker
+from workers.contract.errors import EngineOverloaded as EngineOverloaded
+from workers.contract.errors import EngineShutDown as EngineShutDown
+from workers.contract.errors import InvalidRequestError
+from workers.contract.errors import KVCacheFull as KVCacheFull
+from workers.contract.errors import KVPullFailed as KVPullFailed
 
 if TYPE_CHECKING:
     from workers.contract.structured_output import StructuredOutput
-
-
-class KVCacheFull(RuntimeError):
-    """No free KV blocks now for KV arriving from another worker (nothing was allocated)."""
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -135,6 +136,10 @@ class WorkerRequest:
     lora_name: str | None = None  # the LoRA adapter it runs under (its served name); None: base
     # the W3C trace context its spans continue (`workers.contract.tracing`; None: untraced)
     traceparent: str | None = None
+    # its own TTFT target (the `x-slo-ttft-ms` header), seconds from its arrival at a worker:
+    # the engine's waiting queue puts it ahead of requests due later or never
+    # (`workers.engine.waiting_order`); None: none, queued first come first served
+    ttft_deadline_s: float | None = None
 
 
 class WorkerRole(str, enum.Enum):
@@ -261,40 +266,3 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
     num_cached_tokens: int = 0
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors a request can end with on a worker (the channel's messages: `workers.contract.messages`).
-
-
-class EngineShutDown(RuntimeError):
-    """Raised into the requests in flight when their engine stops (the worker is going away:
-    the router treats it as the worker failing)."""
-
-
-class EngineOverloaded(RuntimeError):
-    """A worker refused a request because its waiting queue is full (before its first event;
-    nothing of it is held). The router tries another worker, or answers 429."""
-
-    def __init__(self, request_id: str, reason: str) -> None:
-        super().__init__(f"request {request_id!r} refused: {reason}")
-        self.request_id = request_id
-        self.reason = reason
-
-    def __reduce__(self) -> tuple:  # pickled across processes with its own arguments
-        return type(self), (self.request_id, self.reason)
-
-
-class KVPullFailed(RuntimeError):
-    """A decode worker could not land a handoff's KV. Raised before the request's first event;
-    the request left nothing behind. `kind` names the cause for metrics and fallbacks (a
-    `kvtransfer` error class name such as "LeaseExpired", "KVCacheFull", or "BadHandoff")."""
-
-    def __init__(self, request_id: str, kind: str, reason: str) -> None:
-        super().__init__(f"KV pull for request {request_id!r} failed ({kind}): {reason}")
-        self.request_id = request_id
-        self.kind = kind
-        self.reason = reason
-
-    def __reduce__(self) -> tuple:  # pickled across processes with its own arguments
-        return type(self), (self.request_id, self.kind, self.reason)

@@ -36,6 +36,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the checkpoint's own
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # dummy: seeded random weights
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SCHEDULING_POLICIES = ("deadline", "fcfs")  # the waiting queue's order (engine.waiting_order)
 # full precision (auto: the model's dtype) or 8 bits with a scale per token and head
 # (workers.kernels.kv_quant)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
@@ -85,6 +86,10 @@ class EngineConfig:
     max_num_seqs: int = setting(128, "Running sequences at most.", ge=1)
     max_num_batched_tokens: int = setting(2048, (
         "New tokens per engine step at most (the chunked-prefill budget)."), ge=1)
+    scheduling_policy: str = setting("deadline", (
+        "The waiting queue's order. deadline: requests with a TTFT target (the x-slo-ttft-ms "
+        "header) earliest-due first, ahead of those without; fcfs: arrival order."),
+        choices=SCHEDULING_POLICIES)
     enable_prefix_caching: bool = setting(True, "Reuse cached KV blocks of prefixes.",
                                           flag=("--enable-prefix-caching", "--prefix-caching"))
     attention_backend: str = setting("auto", (

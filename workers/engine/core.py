@@ -92,8 +92,7 @@ class Engine:
         self.kv_fetch_fixed_s = 0.0  # a prefix fetch's cost beyond its bytes (`PrefixFetcher`)
         self.kv = KVCacheManager(spec.num_blocks, config.block_size, config.enable_prefix_caching,
                                  window=mc.uniform_window, host_blocks=host_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.max_model_len), self.kv)
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
                                   or config.pipeline_parallel_size,

@@ -5,6 +5,7 @@ matcher. Builds; registers nothing (the engine tracks and queues what it builds 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -74,11 +75,20 @@ class Intake:
                          sample_params(params, index), self.eos_token_ids,
                          cache_salt=adapter_salt(req.cache_salt,
                                                  self.adapters.cache_name(req.lora_name)),
-                         hold_kv=hold_kv, lora_name=req.lora_name)
+                         hold_kv=hold_kv, lora_name=req.lora_name,
+                         deadline=first_token_due(req, sent_token_ids))
         spec = sample.params.structured
         if spec is not None:
             sample.grammar = self.grammars.matcher(spec, sent_token_ids)
         return sample
+
+
+def first_token_due(req: WorkerRequest, sent_token_ids: Sequence[int]) -> float | None:
+    """When the request's first token is due on this worker's clock (None: no target, or its
+    first token already went out: a resumed or handed-off request)."""
+    if req.ttft_deadline_s is None or sent_token_ids:
+        return None
+    return time.monotonic() + req.ttft_deadline_s
 
 
 def sample_id(request_id: str, n: int, index: int) -> str:

@@ -33,7 +33,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int], *, cache_salt: str | None = None,
                  arrival_time: float | None = None, hold_kv: bool = False,
-                 lora_name: str | None = None) -> None:
+                 lora_name: str | None = None, deadline: float | None = None) -> None:
         self.request_id = request_id
         self.lora_name = lora_name  # its LoRA adapter; None: the base model
         # a prefill-only request: on finishing (not on abort) its blocks are held for a KV
@@ -44,6 +44,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.deadline = deadline  # monotonic time its first token is due; None: no target
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -2,16 +2,15 @@
 
 Each step: running requests first (oldest first), each gets the tokens it still lacks up to the
 remaining budget; when blocks run out the newest running request is preempted (its blocks freed,
-its tokens recomputed later). Then waiting requests are admitted, reusing prefix-cache hits, as
-long as budget, sequence slots and blocks allow.
-
-The scheduler owns every unfinished request's place: waiting, running, or waiting for its KV to
-arrive from another worker (`add_waiting_for_kv` until `kv_landed`); the engine asks it.
+its tokens recomputed later). Then waiting requests are admitted in the queue's order (FIFO;
+TTFT deadlines earliest first: `waiting_order`), reusing prefix-cache hits, as long as budget,
+sequence slots and blocks allow. The scheduler owns every unfinished request's place: waiting,
+running, or waiting for its KV from another worker (`add_waiting_for_kv` until `kv_landed`).
 
 Async scheduling (`workers.engine.async_step`) splits `update` in two: `commit` at a step's launch
 (computed tokens advance, and each request that samples gets a placeholder for its coming token)
 and `record` once its tokens are on the host. `schedule(lookahead=True)` plans the next step in
-between (a placeholder: a token the device supplies). Records: `workers.engine.scheduler_records`.
+between (a placeholder: a token the device supplies). Records: `scheduler_records`.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from workers.engine.kv_cache import KVCacheManager
 from workers.contract.protocol import FinishReason
 from workers.engine.request import Request, RequestStatus
 from workers.engine.stops import append_checked, check_stop
+from workers.engine.waiting_order import due_position
 from workers.engine.scheduler_records import (
     PROMPT_LOGPROB_TOKENS_PER_STEP, ScheduledChunk, SchedulerConfig, SchedulerOutput,
     adapter_fits, prompt_left, takes_logprob_rows)
@@ -39,9 +39,8 @@ class Scheduler:
         self.num_preemptions = 0  # since start, for metrics and tests
         self.num_draft_tokens = 0  # drafted tokens verified since start (speculative decoding)
         self.num_accepted_tokens = 0  # of those, accepted
-        # prompt tokens of waiting and running requests not computed yet; kept as
-        # `num_computed_tokens` moves (`_set_computed`), so reading it costs nothing
-        self.num_pending_prompt_tokens = 0
+        # prompt tokens of waiting and running requests not computed yet, kept as they move
+        self.num_pending_prompt_tokens = 0  # (`_set_computed`), so reading it costs nothing
         # request id -> tokens sampled by launched steps but not recorded yet (async scheduling)
         self.placeholders: dict[str, int] = {}
 
@@ -57,7 +56,8 @@ class Scheduler:
         """Queue a request to be scheduled (its prompt, and any output tokens it already has,
         computed from scratch)."""
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.insert(due_position(self.waiting, req) if self.config.order_by_deadline
+                            else len(self.waiting), req)
         self.num_pending_prompt_tokens += prompt_left(req, req.num_computed_tokens)
 
     def add_waiting_for_kv(self, req: Request, num_kv_tokens: int | None = None) -> bool:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from workers.engine.kv_cache.host_tier import NO_COPIES, BlockCopies
 from workers.engine.request import Request
+
+if TYPE_CHECKING:
+    from workers.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # new tokens per step at most (the chunked-prefill budget)
     max_model_len: int  # tokens per sequence at most (prompt + output)
     max_loras: int = 0  # LoRA adapters among the running requests at most; 0: no adapters
+    order_by_deadline: bool = True  # the waiting queue: earliest deadline first, else FIFO
+
+    @classmethod
+    def of(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """The limits an engine's configuration sets (adapters are counted once attached)."""
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+                   order_by_deadline=config.scheduling_policy == "deadline")
 
 
 class ScheduledChunk(NamedTuple):
