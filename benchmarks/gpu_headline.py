@@ -20,7 +20,6 @@ SOURCES = {
     "tests_gpu_failed": ("tests_gpu", "failed"),
     "tests_gpu_errors": ("tests_gpu", "errors"),
     "tests_gpu_skipped": ("tests_gpu", "skipped"),
-    "greedy_equal_cpu_graphs": ("roofline_bf16", "greedy_equal_cpu_graphs"),
     "decode_b1_ms": ("roofline_bf16", "decode_b1_ms"),
     "decode_b1_bound_ratio": ("roofline_bf16", "decode_b1_bound_ratio"),
     "decode_b256_bound_ratio": ("roofline_bf16", "decode_b{b_big}_bound_ratio"),

@@ -7,7 +7,7 @@ the same requests (`serving_layers.py`'s sweep)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from gpu_parts import Shape
 from gpu_roofline import sig

@@ -14,7 +14,7 @@ from tests.benchmarks.conftest import import_benchmark
 
 # figures only a GPU host makes: tests/gpu skip here, and the TP part needs 2 GPUs
 GPU_ONLY = {"tests_gpu_passed", "tests_gpu_failed", "tests_gpu_errors", "tests_gpu_skipped",
-            "greedy_equal_cpu_graphs", "tp2_decode_b1_vs_tp1_ratio",
+            "tp2_decode_b1_vs_tp1_ratio",
             "disagg_tp2_tp1_greedy_equal"}
 # the CPU runs no GPU kernels, so the batch-1 timeline's kernel figures are 0 here
 NO_KERNELS = {"profile_b1_kernels_per_step", "profile_b1_outside_graph_kernels_per_step",
@@ -50,6 +50,11 @@ def test_a_small_run_writes_every_headline_figure(gpu_all, tmp_path, capsys):
     sweep = result["detail"]["attention"]["attention_b2_c64_variants"]
     assert len(sweep) == 2 and all(v["max_abs_diff"] < 1e-5 for v in sweep)
     assert result["detail"]["tp2"] == {"skipped": "needs 2 GPUs, found 0"}
+    # one decode step's projections: each layer's shapes (one twice) summed over the layers
+    quant = result["detail"]["quant_gemm"]
+    per = {key: figures["bf16_us"] for key, figures in quant["shapes"].items()}
+    assert quant["bf16_step_linears_m1_us"] == pytest.approx(
+        quant["layers"] * (2 * per["n48_k128_m1"] + per["n32_k128_m1"]), rel=1e-3)
     # the timeline was taken: the engine's host ops of each profiled step
     assert result["detail"]["decode_profile"]["host_ops_per_step"] > 0
 
@@ -62,12 +67,14 @@ def test_the_trace_summary_tells_graph_kernels_from_the_rest(gpu_all):
                 "args": {"correlation": corr}}
 
     events = [op("cuda_runtime", 0, 5, 1, "cudaGraphLaunch"),
+              op("cuda_runtime", 30, 5, 9, "cudaGraphLaunch"),  # its kernels not traced
               op("cuda_runtime", 40, 3, 2, "cudaLaunchKernel"),
               op("kernel", 10, 10, 1, "gemm"), op("kernel", 22, 8, 1, "attn"),
               op("kernel", 25, 10, 1, "gemm"),  # overlaps the one before: busy counts it once
               op("kernel", 50, 4, 2, "argmax"), op("gpu_memcpy", 60, 2, 3),
               {"cat": "cpu_op", "ph": "X", "ts": 0, "dur": 1, "name": "aten::mm"}]
     got = summarize_trace(events, steps=2, wall_s=100e-6)
+    assert got["graph_launches_per_step"] == 1
     assert got["kernels_per_step"] == 2 and got["graph_kernels_per_step"] == 1.5
     assert got["outside_graph_kernels_per_step"] == 0.5
     assert got["outside_graph_us_per_step"] == 2 and got["copies_per_step"] == 0.5
