@@ -28,16 +28,21 @@ others still run; the whole run stops starting parts at `--budget-s` (470).
 Headline keys (top level; `_ratio` keys are the issue's targets, `targets` and `met` say
 which are reached) come from the parts; `detail` holds every part's own figures.
 
-On an H200 (nothing to download there: torch, triton, transformers, aiohttp are installed; the
-server's FastAPI stack is not, so carry it as wheels). Here, once, in the repository root:
+On an H200 (nothing can be downloaded there; torch, triton, transformers, aiohttp and pytest are
+installed, Ray is not and is not needed, the server's FastAPI stack is not, so it travels as
+wheels). Here, once, in the repository root:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
       --platform manylinux2014_x86_64 -d .whl fastapi==0.165.0 starlette==1.10.0 \\
       pydantic==2.14.4 pydantic_core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0 \\
-      uvicorn==0.54.0 opentelemetry-api==1.45.2 importlib-metadata sniffio==1.3.1 \\
+      uvicorn==0.54.0 opentelemetry-api==1.45.2 typing_extensions==4.16.0 sniffio==1.3.1 \\
       grpcio==1.85.3 protobuf==7.36.2
+
+(11 MB; the versions this repository's environment runs; grpcio and protobuf because the
+committed gRPC code checks their versions at import; the rest the router's HTTP stack needs:
+fastapi imports opentelemetry-api, pydantic needs typing_extensions 4.16),
 
 then one device call, carry [".whl"], timeout_s 560:
 
