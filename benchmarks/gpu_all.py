@@ -17,8 +17,8 @@ others still run; the whole run stops starting parts at `--budget-s` (470).
   per step (replayed by the graph, launched outside it), GPU busy time, the gaps between GPU
   operations, copies (`gpu_parts.decode_profile`).
 - `attention` (40): the Triton decode kernel at 64 x 1,024 at 1/2/4 splits x 32/64/128-key
-  tiles (and 8 warps instead of 4 for two of them) against copy bandwidth; the attention alone at 256 x 8,192 over an int8
-  and a bf16 cache, alternated (`gpu_parts.attention`).
+  tiles (and 8 warps instead of 4 for two of them) against copy bandwidth; the attention
+  alone at 256 x 8,192 over an int8 and a bf16 cache, alternated (`gpu_parts.attention`).
 - `quant_gemm` (40): `gpu_quant_gemm.py`'s int4 and FP8 kernels on one decode step's
   projections at 1/16/128 rows against bf16 (`gpu_parts.quant_step`).
 - `tests_gpu` (55): `pytest tests/gpu`: greedy on the GPU equal to the CPU's with and without
@@ -95,20 +95,16 @@ def log(msg: str) -> None:
 
 def junit_summary(path: Path) -> dict:
     """Counts of a pytest JUnit XML report, and the ids of the tests that failed."""
-    root = ET.parse(path).getroot()
-    cases = root.iter("testcase")
-    out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
-    for case in cases:
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures: list[str] = []
+    for case in ET.parse(path).getroot().iter("testcase"):
         kinds = {child.tag for child in case}
-        name = f"{case.get('classname')}::{case.get('name')}"
         if "failure" in kinds or "error" in kinds:
-            out["failed" if "failure" in kinds else "errors"] += 1
-            out["failures"].append(name)
-        elif "skipped" in kinds:
-            out["skipped"] += 1
+            counts["failed" if "failure" in kinds else "errors"] += 1
+            failures.append(f"{case.get('classname')}::{case.get('name')}")
         else:
-            out["passed"] += 1
-    return out
+            counts["skipped" if "skipped" in kinds else "passed"] += 1
+    return {**counts, "failures": failures}
 
 
 def tests_gpu(small: bool, tmp: str) -> dict:
@@ -197,11 +193,13 @@ def run_all(names: list[str], small: bool, budget_s: float) -> tuple[dict, dict]
     """({part: status, seconds, budget_s}, {part: figures}); each part in a process of its
     own on a GPU, in this one with `small`."""
     start = time.monotonic()
-    parts, detail = {}, {}
+    parts: dict[str, dict] = {}
+    detail: dict[str, dict] = {}
     for name in names:
         left = budget_s - (time.monotonic() - start)
         budget = min(PARTS[name], left)
         t0 = time.monotonic()
+        figures: dict
         if budget < 10 and not small:
             status, figures = f"skipped: {left:.0f} s of the run's budget left", {}
         else:
@@ -236,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             status, figures = run_in_process(args.part, small, tmp)
         Path(args.part_out).write_text(json.dumps(figures if status == "ok" else
-                                                  {"error": status}))
+                                                  {"error": status.removeprefix("failed: ")}))
         if status != "ok":
             sys.exit(1)
         return figures

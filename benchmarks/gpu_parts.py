@@ -115,18 +115,21 @@ def summarize_trace(events: list[dict], steps: int, wall_s: float) -> dict:
 
 def decode_profile(shape: Shape) -> dict:
     """Batch-1 decode at 1,024 tokens of context (64 on the CPU) through the engine (CUDA
-    graphs on a GPU): unprofiled step time, then `summarize_trace` of a profiled window."""
-    from torch.profiler import ProfilerActivity, profile
+    graphs on a GPU): unprofiled step time, then `summarize_trace` of `steps` profiled steps
+    (after two of the profiler's warm-up)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     from workers import Engine, EngineConfig, SamplingParams
 
     context, steps = (64, 3) if shape.small else (1024, 16)
+    # roofline_bf16's engine's longest context (4,096-token prefill + 512), which its CUDA
+    # graphs plan their attention splits for: the timeline of the step that figure measured
+    max_model_len = context + 64 if shape.small else 4096 + 512
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(EngineConfig(model=shape.model(tmp), max_num_seqs=1,
-                                     max_model_len=context + 64,
-                                     **shape.engine_options()))
+                                     max_model_len=max_model_len, **shape.engine_options()))
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=3 * steps + 8, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 16, ignore_eos=True)
             gpu_roofline._fill(engine, 1, context, min(engine.model_config.vocab_size, 32000),
                                random.Random(0), params)
             plain = []
@@ -137,11 +140,16 @@ def decode_profile(shape: Shape) -> dict:
             activities = [ProfilerActivity.CPU]
             if shape.device == "cuda":
                 activities.append(ProfilerActivity.CUDA)
-            with profile(activities=activities) as prof:
-                t0 = time.perf_counter()
-                for _ in range(steps):
+            # two steps' warm-up (the profiler's own start-up), then `steps` traced
+            with profile(activities=activities,
+                         schedule=schedule(wait=0, warmup=2, active=steps, repeat=1)) as prof:
+                for i in range(steps + 2):
+                    if i == 2:
+                        t0 = time.perf_counter()
                     engine.step()
-                wall = time.perf_counter() - t0
+                    if i == steps + 1:
+                        wall = time.perf_counter() - t0
+                    prof.step()
             trace = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(trace))
             events = json.loads(trace.read_text()).get("traceEvents", [])

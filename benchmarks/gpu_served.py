@@ -7,8 +7,10 @@ the same requests (`serving_layers.py`'s sweep)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 
+import torch
 from gpu_parts import Shape
 from gpu_roofline import sig
 
@@ -50,6 +52,9 @@ def served(shape: Shape, model: str) -> dict:
         server = layers.inprocess_server
     vocab = layers.vocab_of(model)
     levels = {"offline": layers.run_offline(model, sweep, vocab, options)}
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the offline engine's memory, before the servers' engines
     for name, layer in LAYOUTS.items():
         with server(model, layers.INPROCESS_LAYOUTS[layer], sweep.disagg_threshold, 0,
                     options) as (base_url, model_name):
