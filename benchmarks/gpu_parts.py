@@ -183,10 +183,12 @@ def model_config(shape: Shape):  # -> ModelConfig
 
 
 def launch_sweep(shape: Shape, mc, copy_bw: float) -> dict:
-    """The Triton decode kernel over one layer's bf16 cache at 64 sequences x 1,024 tokens
-    (the 0.36 of issue 52), at each split count, tile and warp count: KV bytes read per second
-    against the copy bandwidth, and the largest difference from the default launch's output."""
+    """The Triton decode kernel alone (no KV write, no allocation) over one layer's bf16 cache
+    at 64 sequences x 1,024 tokens (the 0.36 of issue 52, measured through the backend), at
+    each split count, tile and warp count: KV bytes read per second against the copy
+    bandwidth, and the largest difference from the default launch's output."""
     from workers.attention.decode_splits import (
+        DecodeScratch,
         choose_num_splits,
         decode_launches,
         device_num_sms,
@@ -200,12 +202,16 @@ def launch_sweep(shape: Shape, mc, copy_bw: float) -> dict:
     q, _, _, cache, meta, kv_bytes = gpu_roofline.attention_inputs(
         mc, batch, context, 16, shape.torch_dtype, device)
     scale = q.shape[-1] ** -0.5
+    # the output and the splits' scratch allocated once, as the engine's graphs hold them
+    out = torch.empty_like(q)
+    scratch = DecodeScratch.allocate(batch * max(s for s, _, _ in grid), q.shape[1], q.shape[2],
+                                     device)
 
     def run(splits: int, tile: int, warps: int) -> torch.Tensor:
         return paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale, splits,
-                                      tile=tile, num_warps=warps)
+                                      out=out, scratch=scratch, tile=tile, num_warps=warps)
 
-    want = run(1, TILE_N, 4)
+    want = run(1, TILE_N, 4).clone()
     variants = []
     for splits, tile, warps in grid:
         err = (run(splits, tile, warps).float() - want.float()).abs().max().item()
