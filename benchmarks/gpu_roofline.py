@@ -174,17 +174,26 @@ def prefill_time(engine, num_tokens: int, repeats: int) -> float:
 
 # ---- 3. the attention backend alone ----------------------------------------------------------
 
-def attention_bandwidth(backend_name: str, mc, batch: int, context: int, block_size: int,
-                        dtype: torch.dtype, device: torch.device) -> float:
-    """KV bytes per second the decode attention reads: `batch` sequences of `context` tokens
-    in shuffled blocks of one layer's cache."""
-    from workers.attention import AttentionMetadata, get_backend
+def attention_inputs(mc, batch: int, context: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device, kv_dtype: torch.dtype | None = None):
+    """(q, k, v, one layer's cache, metadata, KV bytes a decode reads): `batch` sequences of
+    `context` tokens in shuffled blocks. `kv_dtype`: the cache's (default `dtype`); an 8-bit one
+    holds random values and a scale per row (`workers.kernels.kv_quant`), its bytes counted."""
+    from workers.attention import AttentionMetadata
+    from workers.kernels.kv_quant import SCALE_ELEMS, is_quantized, storage_head_dim
 
-    backend = get_backend(backend_name)
+    kv_dtype = kv_dtype or dtype
     hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     per_seq = -(-context // block_size)
     num_blocks = batch * per_seq + 1
-    cache = torch.randn(2, num_blocks, block_size, hkv, d, dtype=dtype, device=device)
+    shape = (2, num_blocks, block_size, hkv, storage_head_dim(d, kv_dtype))
+    if is_quantized(kv_dtype):  # bytes 0-63 (no fp8 NaN among them), each row's scale 1/64
+        cache = torch.randint(0, 64, shape, dtype=torch.int8, device=device)
+        cache[..., d:] = 0
+        cache[..., d:d + SCALE_ELEMS] = torch.tensor([1 / 64], device=device).view(torch.int8)
+        cache = cache.view(kv_dtype)
+    else:
+        cache = torch.randn(shape, dtype=kv_dtype, device=device)
     order = torch.randperm(num_blocks - 1, device=device).to(torch.int32)
     tables = order.view(batch, per_seq)
     lens = [context] * batch
@@ -199,8 +208,30 @@ def attention_bandwidth(backend_name: str, mc, batch: int, context: int, block_s
     q = torch.randn(batch, hq, d, dtype=dtype, device=device)
     k = torch.randn(batch, hkv, d, dtype=dtype, device=device)
     v = torch.randn_like(k)
-    kv_bytes = 2 * batch * context * hkv * d * cache.element_size()
+    kv_bytes = 2 * batch * context * hkv * shape[-1] * cache.element_size()
+    return q, k, v, cache, meta, kv_bytes
+
+
+def attention_seconds(backend_name: str, mc, batch: int, context: int, block_size: int,
+                      dtype: torch.dtype, device: torch.device,
+                      kv_dtype: torch.dtype | None = None) -> tuple[float, int]:
+    """(median seconds of the backend's decode attention, KV bytes it reads) on one layer's
+    cache (`attention_inputs`)."""
+    from workers.attention import get_backend
+
+    backend = get_backend(backend_name)
+    q, k, v, cache, meta, kv_bytes = attention_inputs(mc, batch, context, block_size, dtype,
+                                                      device, kv_dtype)
+    d = q.shape[-1]
     seconds = timed(lambda: backend.forward(q, k, v, cache, meta, d ** -0.5), device, repeats=10)
+    return seconds, kv_bytes
+
+
+def attention_bandwidth(backend_name: str, mc, batch: int, context: int, block_size: int,
+                        dtype: torch.dtype, device: torch.device) -> float:
+    """KV bytes per second the decode attention reads over a cache of `dtype`."""
+    seconds, kv_bytes = attention_seconds(backend_name, mc, batch, context, block_size, dtype,
+                                          device)
     return kv_bytes / seconds
 
 
@@ -302,7 +333,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-requests", type=int, default=256 if cuda else 8)
     parser.add_argument("--hf-prompt-len", default="128,512" if cuda else "32,64")
     parser.add_argument("--hf-output-len", default="64,256" if cuda else "8,32")
+    parser.add_argument("--copy-mb", type=int, default=1024 if cuda else 256,
+                        help="bytes of the copy that measures the bandwidth, in MiB")
+    parser.add_argument("--matmul-n", type=int, default=8192 if cuda else 1024,
+                        help="n of the n x n x n matmul that measures FLOP/s")
+    parser.add_argument("--kv-cache-mb", type=int, default=None if cuda else 2048,
+                        help="the engine's KV cache in MiB (default: profiled on a GPU)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-faithfulness", action="store_true",
+                        help="leave out section 6 (greedy on the GPU against the CPU)")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, int8 or fp8, ...")
     parser.add_argument("--out", default=str(RESULTS / "gpu_roofline.json"))
@@ -325,8 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                     "dtype": args.dtype, "model": args.model or f"make-model {args.preset}"}
 
-    copy_bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (256 << 20))
-    flops = matmul_flops(device, dtype, 8192 if device.type == "cuda" else 1024)
+    copy_bw = copy_bandwidth(device, args.copy_mb << 20)
+    flops = matmul_flops(device, dtype, args.matmul_n)
     result.update(copy_bandwidth_gb_s=sig(copy_bw / 1e9),
                   matmul_tflop_s=sig(flops / 1e12))
     log(f"copy {copy_bw / 1e9:.1f} GB/s, matmul {flops / 1e12:.2f} TFLOP/s")
@@ -338,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_num_seqs=max(max(batches), args.hf_requests),
         max_num_batched_tokens=max(args.prefill_tokens, 2048),
         max_model_len=max(args.context, args.prefill_tokens, 1024) + 512,
-        kv_cache_memory_bytes=None if device.type == "cuda" else 2 << 30))
+        kv_cache_memory_bytes=None if args.kv_cache_mb is None else args.kv_cache_mb << 20))
     mc = engine.model_config
     backend = engine.config.resolved_attention_backend
     result.update(attention_backend=backend, kv_cache_dtype=args.kv_cache_dtype,
@@ -403,7 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"attention batch {batch} context {context}: {achieved / 1e9:.1f} GB/s")
 
     # 6. faithfulness
-    if device.type == "cuda":
+    if device.type == "cuda" and not args.skip_faithfulness:
         tiny = str(make_model(Path(tmp.name) / "tiny", arch="llama", preset="tiny"))
         result.update(gpu_matches_cpu(tiny, device))
     return emit(result, args.out)

@@ -79,12 +79,14 @@ class Sweep:
                         max_concurrency=concurrency, warmup=warmup, seed=self.seed + concurrency)
 
 
-def run_offline(model: str, sweep: Sweep, vocab_size: int) -> dict[int, dict]:
-    """The bare engine at each concurrency: {c: figures}."""
+def run_offline(model: str, sweep: Sweep, vocab_size: int,
+                engine_options: dict | None = None) -> dict[int, dict]:
+    """The bare engine at each concurrency: {c: figures}. `engine_options`: EngineConfig's
+    (device, dtype, load_format, ...), as the servers get them."""
     from workers.engine.config import EngineConfig
     from workers.engine.core import Engine
 
-    engine = Engine(EngineConfig(model=model))
+    engine = Engine(EngineConfig(model=model, **(engine_options or {})))
     try:
         warm = sweep.workload(1, warmup=2)
         _step_engine(engine, warm.warmup_specs(vocab_size), 2, "warm")
@@ -188,9 +190,9 @@ def run_server(base_url: str, model_name: str, sweep: Sweep, vocab_size: int,
 
 
 def run_inprocess(model: str, sweep: Sweep, vocab_size: int, layer: str,
-                  torch_threads: int) -> dict[int, dict]:
+                  torch_threads: int, engine_options: dict | None = None) -> dict[int, dict]:
     with inprocess_server(model, INPROCESS_LAYOUTS[layer], sweep.disagg_threshold,
-                          torch_threads) as (base_url, model_name):
+                          torch_threads, engine_options) as (base_url, model_name):
         return run_server(base_url, model_name, sweep, vocab_size, {"server": ""})
 
 

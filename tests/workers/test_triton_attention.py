@@ -112,6 +112,34 @@ def test_decode_matches_softmax_attention_for_any_split_count(seq_lens, block_si
     assert_close(outs[4], outs[1], dtype)
 
 
+@pytest.mark.parametrize("tile,num_warps", [(16, 2), (128, 8)])
+def test_decode_launch_shapes_match_softmax_attention_at_short_contexts(tile, num_warps):
+    """The tiles and warps `benchmarks/gpu_all.py` sweeps at short contexts (issue 52) compute
+    the same attention as the default launch: contexts of one to a few tiles, a tile past a
+    sequence's end, unsplit and split (an empty split at 16-token tiles)."""
+    seq_lens = [1, 33, 70]
+    paged = make_paged(seq_lens, 16, torch.float32)
+    q = random_queries(len(seq_lens), KV_HEADS * 2, torch.float32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = torch.cat([reference(q[i:i + 1], *paged.context(i, n), n - 1)
+                      for i, n in enumerate(seq_lens)])
+    for num_splits in (1, 2):
+        got = paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, num_splits,
+                                     tile=tile, num_warps=num_warps)
+        assert_close(got, want, torch.float32)
+
+
+def test_decode_rejects_a_tile_tl_dot_cannot_take():
+    paged = make_paged([20], 16, torch.float32)
+    q = random_queries(1, KV_HEADS, torch.float32)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    for tile in (8, 48):
+        with pytest.raises(ValueError, match=f"got {tile}"):
+            paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, tile=tile)
+    with pytest.raises(ValueError, match="num_warps"):
+        paged_decode_attention(q, paged.cache, paged.tables, lens, SCALE, num_warps=3)
+
+
 @pytest.mark.parametrize("window", [1, 16, 70])  # one token; a block; across tiles and splits
 def test_decode_over_a_sliding_window_for_any_split_count(window):
     seq_lens = [1, 16, 17, 70, 200]

@@ -68,6 +68,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
     return 1 << (max(splits, 1).bit_length() - 1)
 
 
+def decode_launches(num_splits: int) -> int:
+    """Kernels one paged decode attention launches per layer and step: the split kernel, and the
+    merge of the splits' partials when there is more than one (a CUDA graph replays both)."""
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    return 1 if num_splits == 1 else 2
+
+
 def max_split_rows(num_kv_heads: int, num_sms: int) -> int:
     """The most batch x num_splits rows `choose_num_splits` asks for at any batch and length:
     a scratch of this many rows never has to grow (under 2 * num_sms / num_kv_heads, since

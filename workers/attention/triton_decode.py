@@ -154,10 +154,16 @@ def paged_decode_attention(
     scratch: DecodeScratch | None = None,  # needed when num_splits > 1; allocated if None
     window: int | None = None,  # attend only the last `window` tokens (sliding window)
     sinks: torch.Tensor | None = None,  # [Hq] fp32 attention-sink logits
+    tile: int = TILE_N,  # keys per inner-loop step: a power of two >= 16
+    num_warps: int = 4,  # of the split kernel's programs
 ) -> torch.Tensor:  # [B, Hq, D]
     """Attend each sequence's one query token over its first seq_lens[b] cached tokens (already
-    holding the new token's K/V), or the last `window` of them; zeros where seq_len is 0."""
+    holding the new token's K/V), or the last `window` of them; zeros where seq_len is 0.
+    `tile` and `num_warps` are the split kernel's launch shape (each value compiles a variant
+    of its own): the defaults are what the engine runs; `benchmarks/gpu_all.py` sweeps others
+    at short contexts, where the GPU has to decide."""
     _check_decode_inputs(q, kv_cache, block_tables, seq_lens, num_splits)
+    check_launch_shape(tile, num_warps)
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     out = output_buffer(q, out)
@@ -188,9 +194,9 @@ def paged_decode_attention(
         lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_ROWS=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=triton.next_power_of_2(head_dim), DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE=TILE_N,
+        TILE=tile,
         UPCAST_DOT=upcast, DOT_PRECISION=precision, WRITE_LSE=num_splits > 1,
-        HAS_SINKS=sinks is not None, SCALED=is_quantized(kv_cache.dtype), num_warps=4,
+        HAS_SINKS=sinks is not None, SCALED=is_quantized(kv_cache.dtype), num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
@@ -203,6 +209,14 @@ def paged_decode_attention(
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out
+
+
+def check_launch_shape(tile: int, num_warps: int) -> None:
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two of at least 16 (tl.dot's smallest), "
+                         f"got {tile}")
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
 
 
 def merge_width(num_splits: int) -> int:
