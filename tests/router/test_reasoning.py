@@ -281,3 +281,76 @@ def test_a_harmony_tool_call_detokenized_as_the_engine_does_is_a_call(gpt_oss_to
     assert tool_call_format(None, tokenizer) is TOOL_PARSERS["gpt_oss"]
     assert _chat_stream(_detokenized(tokenizer, prompt, GPT_OSS_CALL))[1:] == (
         *GPT_OSS_MESSAGE[1:], True)
+
+
+class _Scripted:
+    """A generation that writes `text` a few characters per event (what `Router.generate`
+    returns, as far as the front ends read it)."""
+
+    def __init__(self, prompt: list[int], text: str, size: int = 3) -> None:
+        self.prompt_token_ids, self.text, self.size = prompt, text, size
+        self.speculated, self.num_cached_tokens, self.predicted_cached_tokens = (0, 0), 0, 0
+
+    async def events(self):
+        from workers.contract.protocol import FinishReason, TokenEvent
+
+        pieces = [self.text[i:i + self.size] for i in range(0, len(self.text), self.size)]
+        for k, piece in enumerate(pieces):
+            yield TokenEvent("r", 0, [k], piece, finish_reason=(
+                FinishReason.STOP if k == len(pieces) - 1 else None))
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_a_harmony_tool_call_through_the_server(tmp_path):
+    """A gpt-oss checkpoint served with the gpt_oss reasoning parser, its output scripted: the
+    `openai` client gets the call as chat `tool_calls` (whole, and from streamed deltas) and
+    as a Responses `function_call` item, the reasoning apart, the preamble as content."""
+    import openai
+
+    from cluster.local_server import LocalServeConfig, LocalServer
+    from tests.router.conftest import API_KEY
+    from workers.models.make_model import make_model
+
+    srv = LocalServer(LocalServeConfig(
+        str(make_model(tmp_path, arch="gpt_oss")), num_workers=1, http_port=0, grpc_port=0,
+        router={"api_keys": (API_KEY,), "reasoning_parser": "gpt_oss"},
+        engine={"num_blocks": 32})).start()
+    try:
+        asked = []
+
+        async def scripted(ids, params, *args, **kwargs):
+            asked.append(params)
+            return _Scripted(ids, GPT_OSS_CALL)
+
+        srv.router.generate = scripted
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1",
+                               api_key=API_KEY, max_retries=0, timeout=60)
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        ask = dict(model=srv.router.model_name, tools=tools, max_tokens=32,
+                   messages=[{"role": "user", "content": "Weather in Oslo?"}])
+        choice = client.chat.completions.create(**ask).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert (choice.message.reasoning_content, choice.message.content) == \
+            GPT_OSS_MESSAGE[:2]
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+            GPT_OSS_MESSAGE[2]
+        reasoning = content = arguments = ""
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **ask):
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+            arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or ())
+            finish = chunk.choices[0].finish_reason or finish
+        assert (reasoning, content, arguments, finish) == (
+            *GPT_OSS_MESSAGE[:2], GPT_OSS_MESSAGE[2][0][1], "tool_calls")
+        resp = client.responses.create(model=srv.router.model_name, input="Weather in Oslo?",
+                                       tools=[{"type": "function", **tools[0]["function"]}])
+        assert [item.type for item in resp.output] == ["reasoning", "message", "function_call"]
+        assert (resp.output[2].name, resp.output[2].arguments) == GPT_OSS_MESSAGE[2][0]
+        assert not any(p.skip_special_tokens for p in asked)  # the markers stay in the text
+    finally:
+        srv.stop()

@@ -29,9 +29,9 @@ CASES = {
     # the answer part the gpt_oss reasoning parser leaves: the calls in Harmony markup, the
     # recipient in the channel (as the model writes it) or in the role (as templates render it)
     "gpt_oss": (
-        'Checking. <|start|>assistant<|channel|>commentary to=functions.get_weather '
-        '<|constrain|>json<|message|>{"city": "Oslo", "q": "<|x"}<|call|><|start|>assistant '
-        'to=functions.get_time<|channel|>commentary json<|message|>{"zone": 1}<|call|>',
+        ('Checking. <|start|>assistant<|channel|>commentary to=functions.get_weather '
+         '<|constrain|>json<|message|>{"city": "Oslo", "q": "<|x"}<|call|><|start|>assistant '
+         'to=functions.get_time<|channel|>commentary json<|message|>{"zone": 1}<|call|>'),
         "Checking.",
         [("get_weather", '{"city": "Oslo", "q": "<|x"}'), ("get_time", '{"zone": 1}')]),
 }
