@@ -89,7 +89,8 @@ class HarmonyChannels:
     """gpt-oss's Harmony messages (`router.openai.harmony`): the `analysis` channel is
     reasoning, the others answer; a function call (a message to `functions.NAME` on another
     channel) stays in the answer as Harmony markup (`harmony.call_opening`, its arguments,
-    `<|call|>`) for the `gpt_oss` tool-call parser to read. Never `decided` (a later message
+    `<|call|>`) for the `gpt_oss` tool-call parser to read (a request that reads no calls gets
+    that markup in its content). Never `decided` (a later message
     may be analysis again): a stream re-reads its whole text at each piece, which costs a scan
     of the text per piece."""
 
