@@ -27,7 +27,7 @@ class Deadlines:
 DEFAULT_DEADLINES = Deadlines()  # the clients' default (a frozen record, shared safely)
 
 # the tool-call formats `router.openai.tool_parsers` reads (vLLM's --tool-call-parser names)
-TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral", "gpt_oss")
 # the reasoning formats `router.openai.reasoning` reads (vLLM's --reasoning-parser names)
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss")
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")  # `router.policy`'s names

@@ -71,7 +71,14 @@ def _routed(prefill_id: str, cached: int, reason: str | None,
     """A routing span's attributes: the workers chosen, the prefix hit, why it runs here."""
     return {"prefill_worker": prefill_id, "prefix_hit_tokens": cached,
             "decode_worker": decode.worker_id if decode is not None else "",
-            "run_here": reason or ""}
+            "run_here": reason or "", "aggregated": False}
+
+
+def _routed_whole(worker_id: str, cached: int, reason: str | None) -> dict[str, str | int]:
+    """An aggregated routing span's attributes: the one worker chosen for the whole request
+    (prefill and decode), the prefix hit, why it runs whole in a disaggregated deployment."""
+    return {"prefill_worker": worker_id, "decode_worker": worker_id,
+            "prefix_hit_tokens": cached, "run_here": reason or "", "aggregated": True}
 
 
 class Orchestrator:
@@ -217,10 +224,15 @@ class Orchestrator:
             self.counters.count_aggregated(reason)
         failed: list[Exception] = []
         tried: set[str] = set()
-        for _ in range(1 + self.config.start_retries):
+        for attempt in range(1 + self.config.start_retries):
             try:
-                decision = self.policy.choose(hashes, loads.without(tried), self.workers.index,
-                                              req.lora_name)
+                with tracing().span("router.route", attributes={"attempt": attempt}) as span:
+                    decision = self.policy.choose(hashes, loads.without(tried),
+                                                  self.workers.index, req.lora_name)
+                    if span is not None:
+                        span.set_attributes(_routed_whole(
+                            decision.worker_id, decision.predicted_hit_blocks * self.block_size,
+                            reason))
             except NoHealthyWorker as exc:
                 if failed:
                     break

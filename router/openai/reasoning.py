@@ -10,9 +10,11 @@ apart (chat: `reasoning_content`; Responses: a `reasoning` item). Registered by 
 - `gpt_oss` (gpt-oss's Harmony channels): the output is a run of messages,
   `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...
   <|return|>`; the `analysis` channel's text is reasoning, every other channel's (`final`,
-  `commentary`) is answer, and the markers are dropped. Its markers are special tokens, so
-  requests read with it keep special tokens in their text (`keeps_special_tokens`). Text
-  before any channel marker is answer.
+  `commentary`) is answer, and the markers are dropped, but for a function call (a message
+  to `functions.NAME`, not on `analysis`), which stays in the answer as Harmony markup for
+  the `gpt_oss` tool-call parser. Its markers are special tokens, so requests read with it
+  keep special tokens in their text (`keeps_special_tokens`). Text before any channel marker
+  is answer.
 
 The answer is the text after the reasoning as the model wrote it. Tool calls are read, and a
 client's answer is shown, from the answer part only; structured output constrains only the
@@ -23,10 +25,10 @@ that may still be a marker, so its pieces add up to exactly `split` of the whole
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from router.openai import harmony
 from workers.contract.protocol import SamplingParams
 
 START, END = "<think>", "</think>"
@@ -82,42 +84,53 @@ class ThinkTags:
         return ("" if self.starts_inside else START), END
 
 
-# Harmony's markers (gpt-oss's special tokens), as the text keeps them
-_HARMONY = re.compile(r"<\|(start|channel|message|end|return|call|constrain)\|>")
-_HARMONY_MARKERS = tuple(f"<|{m}|>" for m in
-                         ("start", "channel", "message", "end", "return", "call", "constrain"))
-
-
 @dataclass(frozen=True)
 class HarmonyChannels:
-    """gpt-oss's Harmony messages: the `analysis` channel is reasoning, the others answer.
-    Never `decided` (a later message may be analysis again): a stream re-reads its whole text
-    at each piece, which costs a scan of the text per piece."""
+    """gpt-oss's Harmony messages (`router.openai.harmony`): the `analysis` channel is
+    reasoning, the others answer; a function call (a message to `functions.NAME` on another
+    channel) stays in the answer as Harmony markup (`harmony.call_opening`, its arguments,
+    `<|call|>`) for the `gpt_oss` tool-call parser to read (a request that reads no calls gets
+    that markup in its content). Never `decided` (a later message
+    may be analysis again): a stream re-reads its whole text at each piece, which costs a scan
+    of the text per piece."""
 
     name: str
     keeps_special_tokens: bool = True
 
     def split(self, text: str, final: bool = True) -> tuple[str, str, bool]:
-        end = len(text) if final else len(text) - _overlap(text, _HARMONY_MARKERS)
+        end = len(text) if final else len(text) - _overlap(text, harmony.MARKERS)
         reasoning: list[str] = []
         answer: list[str] = []
-        state, channel, header, pos = "body", "final", "", 0  # before any marker: answer
-        for m in _HARMONY.finditer(text, 0, end):
+        body = answer  # where the current message's text goes; before any marker: answer
+        state, channel, role, header, pos = "body", "final", "", "", 0
+        in_call = False
+        for m in harmony.MARKER.finditer(text, 0, end):
             chunk = text[pos:m.start()]
             if state == "body":
-                (reasoning if channel == "analysis" else answer).append(chunk)
+                body.append(chunk)
+            elif state == "role":
+                role += chunk
             elif state == "header":
                 header += chunk
             kind, pos = m.group(1), m.end()
-            if kind == "channel":
+            if kind == "start":
+                state, role, header = "role", "", ""
+            elif kind == "channel":
                 state, header = "header", ""
             elif kind == "message":
                 channel = (header.split() or [channel])[0] if state == "header" else channel
+                called = harmony.function_called(f"{role} {header}")
+                in_call = called is not None and channel != "analysis"
+                if in_call:
+                    answer.append(harmony.call_opening(called or ""))
+                body = reasoning if channel == "analysis" and not in_call else answer
                 state = "body"
-            elif kind != "constrain":  # start (a role follows), end, return, call
-                state = "between"
+            elif kind != "constrain":  # end, return, call: the message ends
+                if state == "body" and in_call:
+                    answer.append(harmony.CALL_END)
+                state, in_call = "between", False
         if state == "body":
-            (reasoning if channel == "analysis" else answer).append(text[pos:end])
+            body.append(text[pos:end])
         return "".join(reasoning), "".join(answer), False
 
     def grammar_bounds(self) -> tuple[str, str] | None:

@@ -152,10 +152,7 @@ class ToolCallStream:
         if self._calls_at < 0:
             at = self.fmt.opens(self.text)
             if at < 0:
-                end = len(self.text)
-                if self.fmt.may_open(self.text):
-                    end = len(self.text) - _marker_overlap(self.text, self.fmt)
-                return self._content(end)
+                return self._content(len(self.text) - self.fmt.held_back(self.text))
             self._calls_at = at
             deltas = self._content(at)
         else:
@@ -194,10 +191,3 @@ class ToolCallStream:
                 self._args_sent[i] = len(args)
         return deltas
 
-
-def _marker_overlap(text: str, fmt: ToolCallFormat) -> int:
-    """How many of `text`'s last characters could begin the opening marker."""
-    if fmt.bare:
-        return len(text)  # blank so far: a call may still open with "{"
-    return max((k for k in range(1, len(fmt.start)) if text.endswith(fmt.start[:k])),
-               default=0)

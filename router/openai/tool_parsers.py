@@ -5,7 +5,11 @@ vLLM's `--tool-call-parser`; by default from the chat template's own wording.
 
 - `llama3_json` (Llama 3.1-3.3): a bare JSON object `{"name": ..., "parameters": {...}}`;
 - `hermes` (Hermes, Qwen2.5): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`;
+- `gpt_oss` (gpt-oss's Harmony): a message to the function on the commentary channel,
+  `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
+  <|call|>` (`router.openai.harmony`); read with the `gpt_oss` reasoning parser, which keeps
+  the calls, and only the calls, of the answer part in this markup.
 
 A call's `arguments` are the model's JSON text as written (not re-serialized), so the pieces a
 stream sends add up to exactly the non-streamed call.
@@ -15,8 +19,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from router.errors import BadRequestError
+from router.openai import harmony
 from workers.contract.structured_output import StructuredOutput
 
 _DECODER = json.JSONDecoder()
@@ -28,8 +34,43 @@ class ToolCall:
     arguments: str  # JSON text
 
 
+class ToolCallFormat(Protocol):
+    """How one model family writes its calls; `ToolCallStream` and `message_with_calls` read
+    them through this."""
+
+    @property
+    def name(self) -> str: ...
+
+    def forced(self, tools: list[dict[str, Any]]) -> StructuredOutput:
+        """The constraint of one call to one of `tools` (OpenAI function specs: name,
+        parameters): what a forced call must be. Raises `BadRequestError` where the format
+        cannot be forced."""
+        ...
+
+    def opens(self, text: str) -> int:
+        """Where the tool calls start in `text` (-1: not there, or not yet)."""
+        ...
+
+    def held_back(self, text: str) -> int:
+        """How many of `text`'s last characters (no call open in it) may still begin the
+        calls: a stream holds them back from the content."""
+        ...
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content before the calls, the calls); no calls: (text, [])."""
+        ...
+
+    def read_calls(self, body: str, final: bool) -> tuple[list[tuple[str, str]] | None, bool]:
+        """The calls written so far in `body` (from where `opens` found them), each (name,
+        arguments text, possibly partial unless `final`), and whether the last is complete.
+        None: `body` is not this format's calls."""
+        ...
+
+
 @dataclass(frozen=True)
-class ToolCallFormat:
+class JsonCalls:
+    """Calls written as JSON objects `{"name": ..., ARGS_KEY: {...}}` after a marker."""
+
     name: str
     start: str  # what opens the calls ("{" for llama3_json: the object itself)
     args_key: str  # "arguments" or "parameters"
@@ -56,11 +97,10 @@ class ToolCallFormat:
             return len(text) - len(stripped) if stripped.startswith("{") else -1
         return text.find(self.start)
 
-    def may_open(self, text: str) -> bool:
-        """Whether `text`'s end could be the start of the opening marker still arriving."""
-        if self.bare:
-            return not text.strip()
-        return any(text.endswith(self.start[:k]) for k in range(1, len(self.start)))
+    def held_back(self, text: str) -> int:
+        if self.bare:  # blank so far: a call may still open with "{"
+            return len(text) if not text.strip() else 0
+        return _tail_overlap(text, self.start)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content before the calls, the calls); no calls: (text, []). Calls that do not
@@ -74,9 +114,6 @@ class ToolCallFormat:
         return text[:at], [ToolCall(name, args) for name, args in calls]
 
     def read_calls(self, body: str, final: bool) -> tuple[list[tuple[str, str]] | None, bool]:
-        """The calls written so far in `body` (from the opening marker on), each (name,
-        arguments text, possibly partial unless `final`), and whether the last is complete.
-        None: `body` is not this format's calls."""
         calls: list[tuple[str, str]] = []
         pos = 0 if self.bare else len(self.start)
         if self.in_list:
@@ -150,12 +187,80 @@ def _held_back(partial: str) -> str:
     return partial.rstrip("} \t\r\n")
 
 
+def _tail_overlap(text: str, marker: str) -> int:
+    """How many of `text`'s last characters could begin `marker`."""
+    return max((k for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
+
+
+@dataclass(frozen=True)
+class HarmonyCalls:
+    """gpt-oss's calls: Harmony messages to `functions.NAME`, each body the arguments' JSON
+    text up to `<|call|>` (an output cut before it still makes a call once its arguments are
+    whole JSON). Text after the calls that is no call is dropped, as the JSON formats do."""
+
+    name: str = "gpt_oss"
+
+    def forced(self, tools: list[dict[str, Any]]) -> StructuredOutput:
+        raise BadRequestError(
+            "tool_choice 'required' or a named function cannot be forced on gpt_oss tool calls "
+            "(their markers are special tokens a grammar cannot write); use 'auto'",
+            param="tool_choice")
+
+    def opens(self, text: str) -> int:
+        for head in harmony.HEADER.finditer(text):
+            if self._called(head) is not None:
+                return head.start()
+        return -1
+
+    def held_back(self, text: str) -> int:
+        at = text.rfind("<|start|>")  # a header still arriving may be a call's
+        if at >= 0 and "<|message|>" not in text[at:]:
+            return len(text) - at
+        return _tail_overlap(text, "<|start|>")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        at = self.opens(text)
+        calls = None if at < 0 else self.read_calls(text[at:], final=True)[0]
+        if not calls:
+            return text, []
+        return text[:at], [ToolCall(name, args) for name, args in calls]
+
+    def read_calls(self, body: str, final: bool) -> tuple[list[tuple[str, str]] | None, bool]:
+        calls: list[tuple[str, str]] = []
+        pos = 0
+        while True:
+            head = harmony.HEADER.match(body, _skip(body, pos))
+            name = None if head is None else self._called(head)
+            if head is None or name is None:  # the next header not whole yet, or no call
+                return (calls or None) if final else calls, True
+            end = body.find(harmony.CALL_END, head.end())
+            if end >= 0:
+                calls.append((name, body[head.end():end]))
+                pos = end + len(harmony.CALL_END)
+                continue
+            args = body[head.end():]
+            if not final:  # what may be the closing marker still arriving is held back
+                calls.append((name, args[:len(args) - _tail_overlap(args, harmony.CALL_END)]))
+                return calls, False
+            try:  # cut before <|call|> (a stop token the text left out): whole JSON only
+                json.loads(args)
+            except ValueError:
+                return None, False
+            calls.append((name, args))
+            return calls, True
+
+    @staticmethod
+    def _called(head: Any) -> str | None:
+        return harmony.function_called(f"{head.group(1)} {head.group(2)}")
+
+
 PARSERS: dict[str, ToolCallFormat] = {
-    "llama3_json": ToolCallFormat("llama3_json", "{", "parameters", "", "", bare=True),
-    "hermes": ToolCallFormat("hermes", "<tool_call>", "arguments", "<tool_call>\n",
-                             "\n</tool_call>", marker_per_call=True),
-    "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", "arguments", "[TOOL_CALLS][", "]",
-                              in_list=True),
+    "llama3_json": JsonCalls("llama3_json", "{", "parameters", "", "", bare=True),
+    "hermes": JsonCalls("hermes", "<tool_call>", "arguments", "<tool_call>\n",
+                        "\n</tool_call>", marker_per_call=True),
+    "mistral": JsonCalls("mistral", "[TOOL_CALLS]", "arguments", "[TOOL_CALLS][", "]",
+                         in_list=True),
+    "gpt_oss": HarmonyCalls(),
 }
 
 
@@ -163,6 +268,8 @@ def parser_for_template(template: str | None) -> str | None:
     """The format a chat template's wording asks for (None: it renders no tools)."""
     if not template:
         return None
+    if "to=functions." in template:
+        return "gpt_oss"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:

@@ -48,14 +48,21 @@ def _streamed(name: str, pieces: list[str]) -> tuple[str, str]:
     return reasoning + r, answer + a
 
 
+CALL_F = "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>"
 HARMONY = {
     # gpt-oss's output after the template's "<|start|>assistant": (reasoning, answer)
     "<|channel|>analysis<|message|>User asks: 2+2. Easy.<|end|><|start|>assistant"
     "<|channel|>final<|message|>4.<|return|>": ("User asks: 2+2. Easy.", "4."),
     "<|channel|>final<|message|>Just <|the> answer.": ("", "Just <|the> answer."),
     "<|channel|>analysis<|message|>cut short <|en": ("cut short <|en", ""),
+    # a function call stays in the answer as Harmony markup, for the gpt_oss tool-call parser
     "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary "
-    "to=functions.f <|constrain|>json<|message|>{}<|call|>": ("a", "{}"),
+    "to=functions.f <|constrain|>json<|message|>{}<|call|>": ("a", CALL_F + "{}<|call|>"),
+    "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\":": (
+        "", CALL_F + '{"a":'),
+    # ... only off the analysis channel; the recipient may be in the role
+    "<|channel|>analysis to=functions.f<|message|>{}<|end|><|start|>assistant to=functions.f"
+    "<|channel|>commentary json<|message|>{}<|call|>": ("{}", CALL_F + "{}<|call|>"),
     "No channels at all.": ("", "No channels at all."),
     "": ("", ""),
 }
@@ -153,27 +160,197 @@ def test_a_grammar_read_with_a_reasoning_parser_starts_after_the_reasoning():
     assert answer_params(None, json_only) is json_only
 
 
-def test_a_harmony_reply_detokenized_as_the_engine_does_splits_by_channel(tmp_path):
-    """gpt-oss's made checkpoint (Harmony template and special tokens): a scripted reply's
-    tokens, detokenized one at a time as the engine does with the parser's params (special
-    tokens kept), stream into the reasoning and the answer; skipping them would lose both."""
+GPT_OSS_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+    "commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo <|x"}<|call|>')
+GPT_OSS_MESSAGE = ("Need the weather.", "Checking.", [("get_weather", '{"city": "Oslo <|x"}')])
+
+
+def _chat_stream(pieces: list[str]) -> tuple[str, str, list[tuple[str, str]], bool]:
+    """What a streamed chat choice read with gpt_oss's parsers sends, as chat.py composes them
+    (the reasoning split first, its answer pieces into the tool-call stream): reasoning,
+    content, calls (name and arguments from their deltas), whether the choice made calls."""
+    from router.openai.tool_calls import ToolCallStream
+
+    thoughts, calls = ReasoningStream(PARSERS["gpt_oss"]), ToolCallStream(TOOL_PARSERS["gpt_oss"])
+    reasoning, deltas = "", []
+    for piece in pieces:
+        r, a = thoughts.feed(piece)
+        reasoning += r
+        deltas += calls.feed(a)
+    r, a = thoughts.finish()
+    deltas += calls.feed(a) + calls.finish()
+    got: dict[int, list[str]] = {}
+    for d in deltas:
+        for call in d.get("tool_calls", ()):
+            entry = got.setdefault(call["index"], ["", ""])
+            if "id" in call:
+                assert entry == ["", ""]  # the id and name come first
+                entry[0] = call["function"]["name"]
+            entry[1] += call["function"]["arguments"]
+    return (reasoning + r, "".join(d.get("content", "") for d in deltas),
+            [(name, args) for name, args in (got[i] for i in sorted(got))], calls.made_calls)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, len(GPT_OSS_CALL)])
+def test_a_harmony_tool_call_is_a_tool_call_streamed_or_whole(size):
+    from router.openai.tool_calls import message_with_calls
+
+    reasoning, answer, _ = PARSERS["gpt_oss"].split(GPT_OSS_CALL)  # as _collect reads it
+    message, finish = message_with_calls(TOOL_PARSERS["gpt_oss"], answer, "stop")
+    assert finish == "tool_calls" and reasoning == GPT_OSS_MESSAGE[0]
+    assert message["content"] == GPT_OSS_MESSAGE[1]
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in message["tool_calls"]] == GPT_OSS_MESSAGE[2]
+    pieces = [GPT_OSS_CALL[i:i + size] for i in range(0, len(GPT_OSS_CALL), size)]
+    reasoning, content, calls, made = _chat_stream(pieces)
+    assert (reasoning, content.strip(), calls) == GPT_OSS_MESSAGE and made
+
+
+@pytest.mark.parametrize("size", [1, 4, len(GPT_OSS_CALL)])
+def test_a_harmony_tool_call_is_a_responses_function_call_item(size):
+    out = OutputStream(PARSERS["gpt_oss"], TOOL_PARSERS["gpt_oss"])
+    pieces = [GPT_OSS_CALL[i:i + size] for i in range(0, len(GPT_OSS_CALL), size)]
+    events = [e for piece in pieces for e in out.feed(piece)] + out.finish()
+    assert [i["type"] for i in out.items] == ["reasoning", "message", "function_call"]
+    assert out.items[0]["content"][0]["text"] == "Need the weather."
+    assert out.items[1]["content"][0]["text"].strip() == "Checking."
+    assert (out.items[2]["name"], out.items[2]["arguments"]) == GPT_OSS_MESSAGE[2][0]
+    assert "".join(e["delta"] for e in events
+                   if e["type"] == "response.function_call_arguments.delta") == \
+        GPT_OSS_MESSAGE[2][0][1]
+
+
+def test_a_harmony_call_on_the_analysis_channel_is_reasoning_not_a_call():
+    text = ("<|channel|>analysis to=functions.f <|constrain|>json<|message|>{}<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Done.<|return|>")
+    assert _chat_stream([text]) == ("{}", "Done.", [], False)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_tokenizer(tmp_path_factory):
+    """gpt-oss's made checkpoint's tokenizer: Harmony template and special tokens."""
     from workers.models.make_model import make_model
     from workers.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(str(make_model(tmp_path_factory.mktemp("gpt-oss"),
+                                                    arch="gpt_oss")))
+
+
+def _detokenized(tokenizer, prompt: list[int], reply: str) -> list[str]:
+    """`reply`'s tokens detokenized one at a time as the engine does with the gpt_oss
+    parser's params (special tokens kept): the pieces a stream gets."""
     from workers.tokenizer.detokenizer import SampleText
 
-    tokenizer = Tokenizer.from_pretrained(str(make_model(tmp_path, arch="gpt_oss")))
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    text = SampleText(tokenizer, prompt, answer_params(PARSERS["gpt_oss"], SamplingParams()))
+    pieces = []
+    for k, token_id in enumerate(ids):
+        text.add_token(token_id)
+        pieces.append(text.take(finished=k == len(ids) - 1))
+    return pieces
+
+
+def test_a_harmony_reply_detokenized_as_the_engine_does_splits_by_channel(gpt_oss_tokenizer):
+    """gpt-oss's made checkpoint: a scripted reply's tokens stream into the reasoning and the
+    answer; skipping special tokens would lose both."""
+    tokenizer = gpt_oss_tokenizer
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}],
                                            add_generation_prompt=True, tokenize=True)
-    reply = tokenizer.encode("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant"
-                             "<|channel|>final<|message|>4.<|return|>", add_special_tokens=False)
-    params = answer_params(PARSERS["gpt_oss"], SamplingParams())
-    text, stream = SampleText(tokenizer, prompt, params), ReasoningStream(PARSERS["gpt_oss"])
-    reasoning = answer = ""
-    for k, token_id in enumerate(reply):
-        text.add_token(token_id)
-        r, a = stream.feed(text.take(finished=k == len(reply) - 1))
-        reasoning, answer = reasoning + r, answer + a
-    r, a = stream.finish()
-    assert (reasoning + r, answer + a) == ("Add them.", "4.")
-    skipped = tokenizer.decode(reply, skip_special_tokens=True)
+    reply = ("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final"
+             "<|message|>4.<|return|>")
+    assert _streamed("gpt_oss", _detokenized(tokenizer, prompt, reply)) == ("Add them.", "4.")
+    skipped = tokenizer.decode(tokenizer.encode(reply, add_special_tokens=False),
+                               skip_special_tokens=True)
     assert PARSERS["gpt_oss"].split(skipped)[:2] == ("", skipped)  # channels lost
+
+
+def test_a_harmony_tool_call_detokenized_as_the_engine_does_is_a_call(gpt_oss_tokenizer):
+    """The template renders the tools (so its wording names the gpt_oss format); a scripted
+    call's tokens, detokenized as the engine does, stream to the same call as the whole."""
+    from router.openai.tool_calls import tool_call_format
+
+    tokenizer = gpt_oss_tokenizer
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Weather in Oslo?"}],
+                                           tools=tools, add_generation_prompt=True,
+                                           tokenize=True)
+    assert "type get_weather = (_: {\ncity: string,\n}) => any;" in tokenizer.decode(prompt)
+    assert tool_call_format(None, tokenizer) is TOOL_PARSERS["gpt_oss"]
+    assert _chat_stream(_detokenized(tokenizer, prompt, GPT_OSS_CALL))[1:] == (
+        *GPT_OSS_MESSAGE[1:], True)
+
+
+class _Scripted:
+    """A generation that writes `text` a few characters per event (what `Router.generate`
+    returns, as far as the front ends read it)."""
+
+    def __init__(self, prompt: list[int], text: str, size: int = 3) -> None:
+        self.prompt_token_ids, self.text, self.size = prompt, text, size
+        self.speculated, self.num_cached_tokens, self.predicted_cached_tokens = (0, 0), 0, 0
+
+    async def events(self):
+        from workers.contract.protocol import FinishReason, TokenEvent
+
+        pieces = [self.text[i:i + self.size] for i in range(0, len(self.text), self.size)]
+        for k, piece in enumerate(pieces):
+            yield TokenEvent("r", 0, [k], piece, finish_reason=(
+                FinishReason.STOP if k == len(pieces) - 1 else None))
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_a_harmony_tool_call_through_the_server(tmp_path):
+    """A gpt-oss checkpoint served with the gpt_oss reasoning parser, its output scripted: the
+    `openai` client gets the call as chat `tool_calls` (whole, and from streamed deltas) and
+    as a Responses `function_call` item, the reasoning apart, the preamble as content."""
+    import openai
+
+    from cluster.local_server import LocalServeConfig, LocalServer
+    from tests.router.conftest import API_KEY
+    from workers.models.make_model import make_model
+
+    srv = LocalServer(LocalServeConfig(
+        str(make_model(tmp_path, arch="gpt_oss")), num_workers=1, http_port=0, grpc_port=0,
+        router={"api_keys": (API_KEY,), "reasoning_parser": "gpt_oss"},
+        engine={"num_blocks": 32})).start()
+    try:
+        asked = []
+
+        async def scripted(ids, params, *args, **kwargs):
+            asked.append(params)
+            return _Scripted(ids, GPT_OSS_CALL)
+
+        srv.router.generate = scripted
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1",
+                               api_key=API_KEY, max_retries=0, timeout=60)
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+        ask = dict(model=srv.router.model_name, tools=tools, max_tokens=32,
+                   messages=[{"role": "user", "content": "Weather in Oslo?"}])
+        choice = client.chat.completions.create(**ask).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert (choice.message.reasoning_content, choice.message.content) == \
+            GPT_OSS_MESSAGE[:2]
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+            GPT_OSS_MESSAGE[2]
+        reasoning = content = arguments = ""
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **ask):
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+            arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or ())
+            finish = chunk.choices[0].finish_reason or finish
+        assert (reasoning, content, arguments, finish) == (
+            *GPT_OSS_MESSAGE[:2], GPT_OSS_MESSAGE[2][0][1], "tool_calls")
+        resp = client.responses.create(model=srv.router.model_name, input="Weather in Oslo?",
+                                       tools=[{"type": "function", **tools[0]["function"]}])
+        assert [item.type for item in resp.output] == ["reasoning", "message", "function_call"]
+        assert (resp.output[2].name, resp.output[2].arguments) == GPT_OSS_MESSAGE[2][0]
+        assert not any(p.skip_special_tokens for p in asked)  # the markers stay in the text
+    finally:
+        srv.stop()

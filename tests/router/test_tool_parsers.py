@@ -26,6 +26,14 @@ CASES = {
         '{"name": "get_time", "arguments": {"zone": 1}}]',
         "sure ",
         [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": 1}')]),
+    # the answer part the gpt_oss reasoning parser leaves: the calls in Harmony markup, the
+    # recipient in the channel (as the model writes it) or in the role (as templates render it)
+    "gpt_oss": (
+        ('Checking. <|start|>assistant<|channel|>commentary to=functions.get_weather '
+         '<|constrain|>json<|message|>{"city": "Oslo", "q": "<|x"}<|call|><|start|>assistant '
+         'to=functions.get_time<|channel|>commentary json<|message|>{"zone": 1}<|call|>'),
+        "Checking.",
+        [("get_weather", '{"city": "Oslo", "q": "<|x"}'), ("get_time", '{"zone": 1}')]),
 }
 
 
@@ -62,8 +70,23 @@ def test_streamed_pieces_add_up_to_the_whole_reading(name, step):
 
 
 def test_text_without_calls_is_all_content_even_when_it_looks_like_a_start():
-    for name, text in (("hermes", "a <tool_ b"), ("mistral", "[TOOL_"), ("llama3_json", "{oops")):
+    for name, text in (("hermes", "a <tool_ b"), ("mistral", "[TOOL_"), ("llama3_json", "{oops"),
+                       ("gpt_oss", "a <|start|>assistant<|channel|>final<|message|>b <|sta")):
         stream = ToolCallStream(PARSERS[name])
         deltas = stream.feed(text) + stream.finish()
         assert "".join(d.get("content", "") for d in deltas) == text
         assert PARSERS[name].parse(text) == (text, [])
+
+
+def test_a_harmony_call_cut_before_its_end_marker_is_a_call_once_its_arguments_are_whole():
+    head = "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>"
+    assert PARSERS["gpt_oss"].parse(head + '{"a": 1}')[1][0].arguments == '{"a": 1}'
+    assert PARSERS["gpt_oss"].parse(head + '{"a": ') == (head + '{"a": ', [])
+
+
+def test_a_harmony_call_cannot_be_forced():
+    from router.errors import BadRequestError
+
+    with pytest.raises(BadRequestError) as err:
+        PARSERS["gpt_oss"].forced([{"name": "f", "parameters": None}])
+    assert err.value.param == "tool_choice" and "gpt_oss" in str(err.value)

@@ -97,22 +97,66 @@ def test_off_without_an_endpoint(monkeypatch):
                                  "OTEL_SDK_DISABLED": "true"}).on
 
 
-def test_a_migration_is_a_span_naming_both_workers():
-    """A decode worker lost mid-stream (scripted fakes): the move is one `router.migration`
-    span, from the lost worker to the one that continued, with why."""
+@pytest.fixture
+def in_memory():
+    """Tracing on, its finished spans kept in memory (`exporter.get_finished_spans()`)."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from router.errors import WorkerUnavailableError
-    from tests.router.fakes import FakeWorker, Script, expected_tokens, orchestrator
-    from tests.router.test_orchestrator import collect, request, run
-    from workers.contract.protocol import WorkerRole
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracing.set_tracing(tracing.Tracing(provider))
+    try:
+        yield exporter
+    finally:
+        tracing.set_tracing(None)
+
+
+def _routes(exporter) -> list[dict]:
+    return [dict(s.attributes) for s in exporter.get_finished_spans() if s.name == "router.route"]
+
+
+@pytest.mark.parametrize("num_tokens,split", [(40, True), (4, False)])
+def test_routing_is_a_span_on_the_aggregated_path_as_on_the_disaggregated(in_memory, num_tokens,
+                                                                          split):
+    """Scripted fakes, one prefill and one decode-pool worker: a long prompt is split (one
+    `router.route` naming both workers), a short one runs whole on the decode-pool worker (the
+    split policy's `router.route`, then the aggregated path's own naming that worker); an
+    aggregated deployment routes with one span naming its one worker."""
+    from tests.router.fakes import FakeWorker, expected_tokens, orchestrator
+    from tests.router.test_orchestrator import collect, request, run
+    from workers.contract.protocol import WorkerRole
+
+    async def go(*workers):
+        o = await orchestrator(*workers)
+        req = request(num_tokens=num_tokens)
+        assert await collect(await o.generate(req)) == expected_tokens(req)
+
+    run(go(FakeWorker("p0", WorkerRole.PREFILL), FakeWorker("d0", WorkerRole.DECODE)))
+    routes = _routes(in_memory)
+    if split:
+        assert routes == [{"attempt": 0, "prefill_worker": "p0", "decode_worker": "d0",
+                           "prefix_hit_tokens": 0, "run_here": "", "aggregated": False}]
+    else:
+        assert routes[-1] == {"attempt": 0, "prefill_worker": "d0", "decode_worker": "d0",
+                              "prefix_hit_tokens": 0, "run_here": routes[0]["run_here"],
+                              "aggregated": True}
+        assert len(routes) == 2 and routes[0]["run_here"]
+    in_memory.clear()
+    run(go(FakeWorker("w0")))  # an aggregated deployment: no split decision at all
+    assert _routes(in_memory) == [{"attempt": 0, "prefill_worker": "w0", "decode_worker": "w0",
+                                   "prefix_hit_tokens": 0, "run_here": "", "aggregated": True}]
+
+
+def test_a_migration_is_a_span_naming_both_workers(in_memory):
+    """A decode worker lost mid-stream (scripted fakes): the move is one `router.migration`
+    span, from the lost worker to the one that continued, with why."""
+    from router.errors import WorkerUnavailableError
+    from tests.router.fakes import FakeWorker, Script, expected_tokens, orchestrator
+    from tests.router.test_orchestrator import collect, request, run
+    from workers.contract.protocol import WorkerRole
 
     async def go():
         lost = WorkerUnavailableError("d0", "the process died")
@@ -124,10 +168,7 @@ def test_a_migration_is_a_span_naming_both_workers():
         req = request(max_tokens=8)
         assert await collect(await o.generate(req)) == expected_tokens(req)
 
-    try:
-        run(go())
-    finally:
-        tracing.set_tracing(None)
-    (moved,) = [s for s in exporter.get_finished_spans() if s.name == "router.migration"]
+    run(go())
+    (moved,) = [s for s in in_memory.get_finished_spans() if s.name == "router.migration"]
     assert dict(moved.attributes) == {"from_worker": "d0", "to_worker": "d1", "samples": 1,
                                       "reason": "WorkerUnavailableError"}

@@ -195,3 +195,45 @@ def test_reasoning_checkpoints_get_their_own_chat_templates(
     eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
     assert sorted(hf.convert_ids_to_tokens(eos if isinstance(eos, list) else [eos])) == \
         sorted(stops)
+
+
+def test_the_harmony_template_renders_tools_calls_and_results_as_gpt_oss_does(tmp_path: Path):
+    """gpt-oss's published template's rendering: the functions namespace (parameters as
+    TypeScript types) in the developer message, an earlier call addressed to its function on
+    the commentary channel (its reasoning kept while no answer followed), the tool's result
+    from that function; transformers renders it the same way."""
+    from workers.tokenizer import Tokenizer
+
+    path = make_model(tmp_path, arch="gpt_oss")
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather now", "parameters": {
+            "type": "object", "required": ["city"], "properties": {
+                "city": {"type": "string", "description": "A city"},
+                "unit": {"enum": ["c", "f"]}, "days": {"type": "array",
+                                                     "items": {"type": "integer"}}}}}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": "", "thinking": "Look it up.", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    ours = Tokenizer.from_pretrained(str(path)).apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    assert ours == hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                          tokenize=False)
+    assert "Calls to these tools must go to the commentary channel: 'functions'.<|end|>" in ours
+    assert ("<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n"
+            "## functions\n\nnamespace functions {\n\n// Weather now\ntype get_weather = (_: {\n"
+            "// A city\ncity: string,\nunit?: \"c\" | \"f\",\ndays?: number[],\n}) => any;\n\n"
+            "type get_time = () => any;\n\n} // namespace functions<|end|>") in ours
+    assert ours.endswith(
+        "<|start|>user<|message|>Oslo?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Look it up.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Oslo"}<|call|>'
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
+        "<|start|>assistant")
+    without = Tokenizer.from_pretrained(str(path)).apply_chat_template(
+        messages[:2], add_generation_prompt=True, tokenize=False)
+    assert "namespace functions" not in without and "Calls to these tools" not in without
