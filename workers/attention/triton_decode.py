@@ -169,17 +169,7 @@ def paged_decode_attention(
     out = output_buffer(q, out)
     if batch == 0:
         return out
-    if num_splits == 1:
-        target, lse = out, out  # lse unused: WRITE_LSE is off
-        target_strides: tuple[int, ...] = (out.stride(0), out.stride(1), 0)
-    else:
-        if scratch is None:
-            scratch = DecodeScratch.allocate(batch * num_splits, num_heads, head_dim, q.device)
-        elif not scratch.fits(batch, num_heads, head_dim, num_splits):
-            raise ValueError(f"scratch {tuple(scratch.partial_out.shape)} does not fit batch "
-                             f"{batch} x {num_splits} splits of {num_heads} heads x {head_dim}")
-        target, lse = scratch.views(batch, num_splits)
-        target_strides = target.stride()[:3]
+    target, lse, target_strides = _split_targets(out, scratch, num_splits)
     upcast, precision = dot_config(q.dtype)
     k_cache, v_cache = kv_cache[0], kv_cache[-1]  # a latent cache: both
     group = num_heads // num_kv_heads
@@ -209,6 +199,22 @@ def paged_decode_attention(
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out
+
+
+def _split_targets(out: torch.Tensor, scratch: DecodeScratch | None, num_splits: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Where the split kernel writes: `out` itself when unsplit (no LSE), else the scratch's
+    partial outputs and LSEs (allocated when not given), with the output's strides."""
+    if num_splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 0)  # lse unused: WRITE_LSE is off
+    batch, num_heads, head_dim = out.shape
+    if scratch is None:
+        scratch = DecodeScratch.allocate(batch * num_splits, num_heads, head_dim, out.device)
+    elif not scratch.fits(batch, num_heads, head_dim, num_splits):
+        raise ValueError(f"scratch {tuple(scratch.partial_out.shape)} does not fit batch "
+                         f"{batch} x {num_splits} splits of {num_heads} heads x {head_dim}")
+    target, lse = scratch.views(batch, num_splits)
+    return target, lse, target.stride()[:3]
 
 
 def check_launch_shape(tile: int, num_warps: int) -> None:
