@@ -184,8 +184,8 @@ def test_a_lora_adapter_loaded_served_and_unloaded_through_the_ray_app(app, tiny
 
 
 def test_responses_and_embeddings_through_the_ray_app(app):
-    """`/v1/responses` handed off prefill -> decode, streamed as typed events and continued
-    by `previous_response_id`; `/v1/embeddings` answered by an engine actor (the `Embed` record
+    """`/v1/responses` handed off prefill -> decode, streamed as typed events, continued by
+    `previous_response_id`, with a forced function call and a JSON schema format; `/v1/embeddings` answered by an engine actor (the `Embed` record
     and its vectors cross the actor's socket)."""
     c = client(app)
     before = router_status()["num_disaggregated"]
@@ -201,6 +201,25 @@ def test_responses_and_embeddings_through_the_ray_app(app):
                                 previous_response_id=first.id)
     assert second.usage.input_tokens > first.usage.input_tokens
     assert c.responses.retrieve(first.id).output_text == first.output_text
+    import json
+
+    import jsonschema
+
+    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}}, "required": ["n"]}
+    before = router_status()["num_disaggregated"]
+    called = c.responses.create(
+        model="tiny", input=LONG * 3 + "count", max_output_tokens=60, temperature=0,
+        tools=[{"type": "function", "name": "count", "parameters": params}],
+        tool_choice={"type": "function", "name": "count"})
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "count"
+    jsonschema.validate(json.loads(call.arguments), params)
+    shaped = c.responses.create(
+        model="tiny", input=LONG * 3 + "as json", max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "n", "schema": params}})
+    jsonschema.validate(json.loads(shaped.output_text), params)
+    assert router_status()["num_disaggregated"] == before + 2  # both handed off
     out = c.embeddings.create(model="tiny", input=["hello", LONG])
     norms = [sum(x * x for x in d.embedding) for d in out.data]
     assert len(out.data) == 2 and norms == pytest.approx([1.0, 1.0], abs=1e-4)
