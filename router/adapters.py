@@ -10,6 +10,16 @@ and a worker's refusal of a name this copy still lists drops it here (`forget`).
 joins later (a replica the autoscaler started) is given the adapters the others serve before it
 is routed to (`join`): the adapters named in the configuration it loads itself, the ones loaded
 at run time it would not have.
+
+On demand: a request naming an adapter no worker serves has every worker load it from its
+`lora_dir` (`EngineConfig.lora_dir`, a folder of adapter folders by name) before it runs
+(`resolve`), all or none as a run-time load; concurrent requests for the same name share one
+load. Every worker, not only the one the request lands on: the host copy is small (a rank's
+rows per projection) and the scarce device slots are still filled only where requests under it
+run (`router.residency`), while "a served adapter is on every worker" keeps the handoff's decode
+worker, a migration's or failover's target and a drain's receivers able to continue it. A decode
+worker found without the adapter anyway (restarted, or joined while another router replica
+loaded it) is given it before its handoff (`supply`).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ class ServedAdapters:
         self.workers = workers
         self.base = base  # the base model's served name
         self._names: set[str] = set()
+        self._loading: dict[str, asyncio.Future[None]] = {}  # name -> its load on demand
 
     @property
     def names(self) -> list[str]:
@@ -72,16 +83,54 @@ class ServedAdapters:
                             name, exc)
 
     async def resolve(self, model: str | None) -> str | None:
-        """The adapter a request's `model` names (None: the base model, named or not at all).
-        Raises `NotFoundError` (404, param `model`) for a name no worker serves."""
+        """The adapter a request's `model` names (None: the base model, named or not at all),
+        loaded on demand from the workers' `lora_dir` when none serves it yet (one load for
+        concurrent requests). Raises `NotFoundError` (404, param `model`) for a name no worker
+        serves nor finds there, `BadRequestError` (400) naming what is wrong with its folder."""
         if model is None or model == self.base:
             return None
         if model not in self._names:
             await self.refresh()
         if model not in self._names:
-            raise NotFoundError(f"The model `{model}` does not exist; this server serves "
-                                f"`{self.base}` and the LoRA adapters {self.names}", param="model")
+            loading = self._loading.get(model)
+            if loading is None:
+                loading = self._loading[model] = asyncio.ensure_future(self._load_on_demand(model))
+                loading.add_done_callback(self._loaded)
+            await asyncio.shield(loading)
         return model
+
+    def _loaded(self, loading: asyncio.Future[None]) -> None:
+        """A load on demand ended: the next request for a name it failed on tries again."""
+        for name in [n for n, f in self._loading.items() if f is loading]:
+            del self._loading[name]
+        if not loading.cancelled():
+            loading.exception()  # retrieved: its requests (if still waiting) raise it
+
+    async def _load_on_demand(self, name: str) -> None:
+        try:
+            await self._load_everywhere(LoadLoraAdapter(name), "model")
+        except KeyError:  # no folder of that name on some worker (or no `lora_dir`)
+            raise NotFoundError(f"The model `{name}` does not exist; this server serves "
+                                f"`{self.base}` and the LoRA adapters {self.names}",
+                                param="model") from None
+
+    async def supply(self, client: WorkerClient, name: str) -> None:
+        """Make sure worker `client` has adapter `name` before a request under it is sent
+        there (a handoff's decode worker): asked, and when it lacks it, given it from the
+        folder the other workers read it from (else its own `lora_dir`). Never raises for a
+        worker that cannot: logged, and the worker refuses the request as it would have."""
+        try:
+            if name in await client.call(LoraAdapters()):
+                return
+            held = await asyncio.gather(
+                *(c.call(LoraAdapters()) for c in self.workers.clients.values()),
+                return_exceptions=True)
+            path = next((h[name] for h in held if isinstance(h, dict) and name in h), None)
+            await client.call(LoadLoraAdapter(name, path))
+            log.info("worker %s lacked LoRA adapter %r; loaded it from %s", client.worker_id,
+                     name, path or "its lora_dir")
+        except (KeyError, ValueError, WorkerUnavailableError) as exc:
+            log.warning("worker %s is without LoRA adapter %r: %s", client.worker_id, name, exc)
 
     def lora_of(self, model: str | None) -> str | None:
         """The adapter a request's `model` (checked by `resolve`) runs under; None: base."""
@@ -103,16 +152,20 @@ class ServedAdapters:
         if name in self._names:
             raise BadRequestError(f"The LoRA adapter `{name}` is already loaded; unload it "
                                   f"first", param="lora_name")
+        await self._load_everywhere(LoadLoraAdapter(name, path), "lora_path")
+
+    async def _load_everywhere(self, load: LoadLoraAdapter, param: str) -> None:
+        """`load` on every worker, or on none (the others unload it again): a refusal raised
+        as the client's error on `param` (`_refusal`; a missing folder's `KeyError` as is)."""
         clients = list(self.workers.clients.values())
-        answers = await asyncio.gather(*(c.call(LoadLoraAdapter(name, path)) for c in clients),
-                                       return_exceptions=True)
+        answers = await asyncio.gather(*(c.call(load) for c in clients), return_exceptions=True)
         failed = [a for a in answers if isinstance(a, BaseException)]
         if failed:
             loaded = [c for c, a in zip(clients, answers) if not isinstance(a, BaseException)]
-            await asyncio.gather(*(c.call(UnloadLoraAdapter(name)) for c in loaded),
+            await asyncio.gather(*(c.call(UnloadLoraAdapter(load.lora_name)) for c in loaded),
                                  return_exceptions=True)
-            raise _refusal(failed[0], "lora_path")
-        self._names.add(name)
+            raise _refusal(failed[0], param)
+        self._names.add(load.lora_name)
 
     async def unload(self, name: str) -> None:
         """Unload `name` from every worker, or from none. `NotFoundError` (404) when no worker
@@ -142,6 +195,7 @@ def _refusal(exc: BaseException, param: str) -> Exception:
     """A worker's refusal as the client's error; an unreachable worker or a crash as is."""
     if isinstance(exc, ValueError):
         return BadRequestError(str(exc), param=param)
-    if isinstance(exc, Exception):  # `WorkerUnavailableError`, or a crash: the log has it
+    if isinstance(exc, Exception):  # `WorkerUnavailableError`, a missing folder's `KeyError`,
+        # or a crash: the log has it
         return exc
     raise exc  # a cancel

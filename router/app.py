@@ -17,12 +17,7 @@ from router.adapters import ServedAdapters
 from router.config import RouterConfig
 from router.counters import RouterCounters
 from router.embedder import Embedder
-from router.errors import (
-    AuthenticationError,
-    BadRequestError,
-    NotFoundError,
-    OverloadedError,
-)
+from router.errors import AuthenticationError, BadRequestError, NotFoundError, OverloadedError
 from router.failover import Failover
 from router.generations import GenerationFactory
 from router.hand_off import coldest, hand_off
@@ -87,9 +82,10 @@ class Router:
             Failover(self.workers, policies.route, self.counters, self.metrics, config),
             metrics=self.metrics, tracker=self.migrations,
             migration_retries=config.migration_retries, tokenizer=self.tokenizer)
-        self.orchestrator = Orchestrator(self.workers, config, policies, self.counters, generations)
-        self.embedder = Embedder(self.workers, policies.route, config.start_retries)
         self.adapters = ServedAdapters(self.workers, config.model_name)  # LoRA, by name
+        self.orchestrator = Orchestrator(self.workers, config, policies, self.counters, generations,
+                                         self.adapters.supply)
+        self.embedder = Embedder(self.workers, policies.route, config.start_retries)
         self.created = int(time.time())
         self._checker: asyncio.Task[None] | None = None
         self._planner: asyncio.Task[None] | None = None

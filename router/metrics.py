@@ -7,9 +7,10 @@ process). Labels: `pool` is the worker's role ("prefill", "decode", "both"), `wo
   first token arrived): requests by status (success / error with a reason / cancelled), TTFT
   (arrival at the router to the first token, by the worker that sampled it), TPOT, inter-token
   latency and end-to-end latency (by the worker that streamed the rest), prompt, prefix-cached
-  and generated tokens; requests and generated tokens by LoRA adapter (`adapter`: its served
-  name; the base model's requests are not in them). Errors raised before a request reached a
-  worker are counted by the front ends (`count_error`), with empty `pool` and `worker`.
+  and generated tokens; requests, generated tokens, TTFT and end-to-end latency by LoRA adapter
+  (`cleave_lora_*`, `adapter`: its served name; the base model's requests are not in them).
+  Errors raised before a request reached a worker are counted by the front ends
+  (`count_error`), with empty `pool` and `worker`.
 - KV handoffs (`kv_transferred`, `kv_transfer_failed`, from `router.orchestrator`): bytes (blocks x
   layers x K and V x block_size x heads x head_dim x dtype size: `KVHandoff.num_bytes`),
   and the handoff latency as the router sees it: from giving the decode worker the handoff to its
@@ -108,6 +109,14 @@ class RouterMetrics:
         self.lora_generation_tokens = Counter("cleave_lora_generation_tokens", "Output tokens "
                                               "streamed under a LoRA adapter", ("adapter",),
                                               registry=reg)
+        self.lora_ttft = Histogram("cleave_lora_time_to_first_token_seconds", "TTFT (as "
+                                   "cleave_time_to_first_token_seconds) of requests under a "
+                                   "LoRA adapter", ("adapter",), buckets=TTFT_BUCKETS,
+                                   registry=reg)
+        self.lora_e2e = Histogram("cleave_lora_e2e_request_latency_seconds", "End-to-end "
+                                  "latency (as cleave_e2e_request_latency_seconds) of requests "
+                                  "under a LoRA adapter", ("adapter",), buckets=E2E_BUCKETS,
+                                  registry=reg)
         reg.register(_LoadCollector(workers, counters, in_flight))
 
     def pool_of(self, worker_id: str) -> str:

@@ -15,7 +15,9 @@ The disaggregated path (docs/architecture.md, "One request, step by step"):
    logprobs).
 3. The prefill worker returns the first token (streamed to the client at once) and a typed
    `KVHandoff`; a prefill that fails before its first token is retried on another prefill worker
-   (`RouterConfig.prefill_retries` times), then the request runs aggregated.
+   (`RouterConfig.prefill_retries` times), then the request runs aggregated. Meanwhile a
+   request under a LoRA adapter has the decode worker checked for it (`supply`: given it when
+   it lacks it), so the handoff's decode runs under the same adapter.
 4. The decode worker pulls the KV and streams the rest (`router.streams.Generation`, built by
    `router.generations.GenerationFactory` from the `Start` made here): a failed pull makes it
    compute the prompt itself; a worker failing mid-stream moves the stream to another
@@ -26,9 +28,10 @@ a disaggregated deployment by reason in `RouterCounters.aggregated`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from router.config import RouterConfig
 from router.counters import RouterCounters
@@ -48,7 +51,7 @@ from router.policy import Decision, NoHealthyWorker
 from router.prefix_fetch import prefix_to_fetch
 from router.starts import DONE, Handover, Start
 from router.streams import Generation
-from router.worker_client import TokenStream
+from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
 from workers.contract.messages import PrefillResult, PrefixFetch
 from workers.contract.protocol import (
@@ -64,6 +67,8 @@ from workers.contract.tracing import tracing
 logger = logging.getLogger(__name__)
 
 PREFILL_POOL = (WorkerRole.PREFILL,)
+# gives a worker a LoRA adapter it lacks before a request under it goes there
+Supply = Callable[[WorkerClient, str], Awaitable[None]]
 
 
 def _routed(prefill_id: str, cached: int, reason: str | None,
@@ -85,8 +90,12 @@ class Orchestrator:
     """Routes and starts requests over a `WorkerSet`; `generations` builds what it started."""
 
     def __init__(self, workers: WorkerSet, config: RouterConfig, policies: Policies,
-                 counters: RouterCounters, generations: GenerationFactory) -> None:
+                 counters: RouterCounters, generations: GenerationFactory,
+                 supply: Supply | None = None) -> None:
+        """`supply`: makes a handoff's decode worker hold the request's LoRA adapter
+        (`router.adapters.ServedAdapters.supply`); None: not checked."""
         self.workers = workers
+        self.supply = supply
         self.config = config
         self.policy = policies.route
         self.split = policies.split
@@ -189,6 +198,8 @@ class Orchestrator:
         prefill, decode = w.clients[decision.worker_id], w.clients[decode_id]
         d_tp = w.info(decode_id).tp_size
         w.note_routed(prefill.worker_id, req.lora_name)
+        supplied = (asyncio.ensure_future(self.supply(decode, req.lora_name))  # beside prefill
+                    if self.supply is not None and req.lora_name is not None else None)
         prefix = (await prefix_to_fetch(w, self.counters, req, hashes, decision)
                   if decision.fetch_from is not None else None)
         try:  # each prefill rank's KV is read by as many decode ranks as share its heads
@@ -211,6 +222,8 @@ class Orchestrator:
         if result.handoff is None:  # finished at its first token
             return Start(first, DONE, prefill.worker_id, cached)
         w.note_routed(decode_id, req.lora_name)
+        if supplied is not None:
+            await supplied
         stream = decode.decode_from_handoff(req, first.token_ids[-1], result.handoff)
         return Start(first, stream, prefill.worker_id, cached, decode_id,
                      Handover(prefill, decode, result.handoff, time.monotonic()))

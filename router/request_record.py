@@ -56,6 +56,8 @@ class RequestRecord(NullRecord):
         self._series: tuple[Any, Any] = (None, None)
         m, labels = metrics, metrics.labels(gen.worker_id)
         m.ttft.labels(*labels).observe(now - started)
+        if gen.req.lora_name is not None:
+            m.lora_ttft.labels(gen.req.lora_name).observe(now - started)
         m.prompt_tokens.labels(*labels).inc(len(gen.prompt_token_ids))
         m.predicted_cached.labels(*labels).inc(gen.predicted_cached_tokens)
         m.cached.labels(*labels).inc(gen.num_cached_tokens)
@@ -109,6 +111,7 @@ class RequestRecord(NullRecord):
         if adapter is not None:
             m.lora_requests.labels(adapter, status).inc()
             m.lora_generation_tokens.labels(adapter).inc(sum(self._tokens.values()))
+            m.lora_e2e.labels(adapter).observe(now - self._started)
         m.e2e.labels(*labels).observe(now - self._started)
         num_tokens = max(self._tokens.values(), default=0)
         if status == "success" and num_tokens > 1:

@@ -38,7 +38,7 @@ VALUES = {"policy_options": {"w_hit": 2.0}, "api_keys": ["test-key"],
           "lora_modules": ["adapter-a=/adapters/a"],
           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'}
 # settings another must come with (lora_modules needs enable_lora): setting -> (key, value)
-COMPANIONS = {"lora_modules": ("enable_lora", True)}
+COMPANIONS = {"lora_modules": ("enable_lora", True), "lora_dir": ("enable_lora", True)}
 
 
 def _optional(kind: Any) -> Any:

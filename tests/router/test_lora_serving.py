@@ -3,7 +3,9 @@ naming an adapter selects it, aggregated and across the disaggregated handoff (t
 output equal to the offline LLM's under that adapter); `/v1/models` lists them; run-time
 loading and unloading (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) reach every worker,
 the errors are OpenAI-shaped and name what is wrong, and every KV block is back after each; the
-prefix cache is kept apart per adapter."""
+prefix cache is kept apart per adapter; a name found in `lora_dir` is loaded on demand, once; a
+decode worker without the adapter is given it before the handoff; latency per adapter is in
+`/metrics`."""
 
 from __future__ import annotations
 
@@ -36,19 +38,24 @@ def folders(tiny_model, tmp_path_factory):
             "chat": make_adapter(tiny_model, root / "chat", rank=4, targets=ATTENTION + MLP,
                                  seed=2),
             "big": make_adapter(tiny_model, root / "big", rank=16, seed=3),
+            # the `lora_dir`: adapters loaded on demand by name
+            "tenant": make_adapter(tiny_model, root / "library" / "tenant", rank=8,
+                                   targets=ATTENTION + MLP, seed=4),
             "root": root}
 
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_model, folders):
-    """One prefill and one decode worker, each with the adapter `sql` loaded at start."""
+    """One prefill and one decode worker, each with the adapter `sql` loaded at start, and the
+    folder `library` as `lora_dir` (`tenant` there is loaded on demand)."""
     config = LocalServeConfig(
         tiny_model, http_port=0, grpc_port=0, num_prefill_workers=1, num_decode_workers=1,
         router={"api_keys": (API_KEY,), "kv_poll_interval_s": 0.2,
                 "disagg_threshold_tokens": THRESHOLD},
         engine={"num_blocks": NUM_BLOCKS, "max_num_batched_tokens": 512, "enable_lora": True,
                 "max_loras": 2, "max_lora_rank": MAX_RANK,
-                "lora_modules": (f"sql={folders['sql']}",)},
+                "lora_modules": (f"sql={folders['sql']}",),
+                "lora_dir": str(folders["root"] / "library")},
         worker={"lease_s": 10.0, "pull_timeout_s": 10.0})
     srv = LocalServer(config).start()
     yield srv
@@ -57,11 +64,12 @@ def lora_server(tiny_model, folders):
 
 @pytest.fixture(scope="module")
 def offline(tiny_model, folders):
-    """The offline LLM with both adapters: the reference."""
+    """The offline LLM with the adapters: the reference."""
     from workers import LLM
 
     return LLM(tiny_model, enable_lora=True, max_lora_rank=MAX_RANK,
-               lora_modules=(f"sql={folders['sql']}", f"chat={folders['chat']}"))
+               lora_modules=(f"sql={folders['sql']}", f"chat={folders['chat']}",
+                             f"tenant={folders['tenant']}"))
 
 
 def client_of(srv: LocalServer) -> openai.OpenAI:
@@ -281,4 +289,81 @@ def test_an_unload_refused_on_one_worker_leaves_the_adapter_on_every_worker(lora
     assert complete(lora_server, "chat", fresh_prompt(8)).usage.completion_tokens == 12
     assert wait_until(lambda: post(lora_server, "unload_lora_adapter",
                                    {"lora_name": "chat"}).is_success, 10.0)
+    assert settled(lora_server)
+
+
+def test_a_decode_worker_without_the_adapter_loads_it_before_continuing(lora_server, offline):
+    """The decode worker lost `sql` (unloaded around the router, as a restart would): a request
+    split between the workers still runs under `sql` after the handoff, its KV pulled (no
+    fallback), because the decode worker is given `sql` from the prefill worker's folder
+    before the handoff reaches it."""
+    from workers.contract.calls import LoraAdapters, UnloadLoraAdapter
+    from workers.contract.protocol import WorkerRole
+
+    router = lora_server.router
+    decode = next(c for c in lora_server.clients
+                  if router.worker_infos[c.worker_id].role == WorkerRole.DECODE)
+    lora_server.call(decode.call(UnloadLoraAdapter("sql")))
+    prompt, split = fresh_prompt(), router.counters.num_disaggregated
+    fallbacks = dict(router.counters.fallbacks)
+    assert complete(lora_server, "sql", prompt).choices[0].text == \
+        reference(offline, prompt, "sql")
+    assert router.counters.num_disaggregated == split + 1
+    assert router.counters.fallbacks == fallbacks  # the handoff's KV was used
+    assert "sql" in lora_server.call(decode.call(LoraAdapters()))
+    assert settled(lora_server)
+
+
+def test_a_name_in_lora_dir_is_loaded_on_demand_once(lora_server, offline, folders,
+                                                      monkeypatch):
+    """Four requests at once naming `tenant`, a folder in `lora_dir` no worker has loaded: each
+    worker reads it once, and the output is the offline LLM's under `tenant`; a folder that is
+    not an adapter is a 400 naming it, loaded nowhere; a name with no folder stays a 404."""
+    reads: list[str] = []
+    for w in lora_server.workers:
+        store = w.engine.adapters.store
+        monkeypatch.setattr(store, "load_adapter", lambda name, path, real=store.load_adapter:
+                            (reads.append(name), real(name, path))[1])
+
+    async def at_once() -> list[str | None]:
+        import asyncio
+
+        return await asyncio.gather(*(lora_server.router.adapters.resolve("tenant")
+                                      for _ in range(4)))
+
+    assert lora_server.call(at_once()) == ["tenant"] * 4
+    assert reads == ["tenant", "tenant"]  # once per worker
+    prompt = fresh_prompt()
+    assert complete(lora_server, "tenant", prompt).choices[0].text == \
+        reference(offline, prompt, "tenant")
+    assert "tenant" in [m.id for m in client_of(lora_server).models.list().data]
+    broken = _broken_copy(folders, "library/noweights", "adapter_model.safetensors")
+    with pytest.raises(openai.BadRequestError, match=f"on demand from {broken}"):
+        complete(lora_server, "noweights", fresh_prompt(8))
+    for name in ("nowhere", ".."):
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            complete(lora_server, name, fresh_prompt(8))
+    assert all(w.engine.adapters.names() == ["sql", "tenant"] for w in lora_server.workers)
+    assert post(lora_server, "unload_lora_adapter", {"lora_name": "tenant"}).is_success
+    assert settled(lora_server)
+
+
+def test_latency_per_adapter_is_scraped_from_metrics(lora_server):
+    """TTFT and end-to-end latency histograms by adapter: a request under `sql` and one under
+    `tenant` (loaded on demand) each add one observation to their own adapter's series."""
+    from tests.router.test_metrics import scrape, total
+
+    names = ("cleave_lora_time_to_first_token_seconds_count",
+             "cleave_lora_e2e_request_latency_seconds_count")
+    before = scrape(lora_server)
+    for model in ("sql", "tenant", lora_server.router.model_name):
+        complete(lora_server, model, fresh_prompt(8), max_tokens=3)
+    after = scrape(lora_server)
+    for name in names:
+        for adapter in ("sql", "tenant"):
+            assert total(after, name, adapter=adapter) == \
+                total(before, name, adapter=adapter) + 1, (name, adapter)
+        assert total(after, name) == total(before, name) + 2  # the base model's not counted
+    assert total(after, "cleave_lora_time_to_first_token_seconds_sum", adapter="tenant") > 0
+    assert post(lora_server, "unload_lora_adapter", {"lora_name": "tenant"}).is_success
     assert settled(lora_server)

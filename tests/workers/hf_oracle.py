@@ -158,14 +158,16 @@ MOE_ADAPTERS = {"attn": (ATTENTION, 4, 8, False), "qvo": (["q_proj", "v_proj", "
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 
-def peft_family(arch: str, root: Path, prompts: list[list[int]], steps: int
+def peft_family(arch: str, root: Path, prompts: list[list[int]], steps: int,
+                extra: dict[str, tuple] | None = None
                 ) -> tuple[str, dict[str, Path], dict[tuple[str | None, tuple[int, ...]],
                                                       Reference]]:
     """A checkpoint of `arch` under `root`, PEFT adapters on it (`DENSE_ADAPTERS`, or
-    `MOE_ADAPTERS` for an MoE), and the greedy references of each prompt under each adapter
-    and the base model (None): (checkpoint, adapter folders, references)."""
+    `MOE_ADAPTERS` for an MoE, then `extra`'s, specs as theirs), and the greedy references of
+    each prompt under each adapter and the base model (None): (checkpoint, adapter folders,
+    references)."""
     base = save_hf_model(arch, root / "base")
-    specs = MOE_ADAPTERS if arch in MOE_FAMILIES else DENSE_ADAPTERS
+    specs = {**(MOE_ADAPTERS if arch in MOE_FAMILIES else DENSE_ADAPTERS), **(extra or {})}
     folders: dict[str, Path] = {}
     refs = {(None, tuple(p)): greedy_reference(base, p, steps) for p in prompts}
     for seed, (name, spec) in enumerate(specs.items()):

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.workers.hf_oracle import greedy_reference, peft_family, save_hf_model
+from tests.workers.hf_oracle import MLP, greedy_reference, peft_family, save_hf_model
 from workers import LLM, SamplingParams
 from workers.engine.parallel.messages import StepMessage
 from workers.models.lora import LoraAdapterError
@@ -95,20 +95,24 @@ def test_parallel_layout_matches_single_process_and_transformers(checkpoint, lay
 
 
 # LoRA under TP=2: PEFT adapters (made by `get_peft_model` + `save_pretrained`) sharded as their
-# projections, on the dense family and an MoE's attention
+# projections, on the dense family and an MoE's attention; a third adapter each (MLP only on
+# the dense family, two attention projections on the MoE) so a batch mixes the base and three
 LORA_PROMPTS = PROMPTS[:2]
+THIRD_ADAPTER = {"llama": {"mlp": (MLP, 2, 4, False)},
+                 "qwen3_moe": {"ko": (["k_proj", "o_proj"], 2, 4, False)}}
 
 
 @pytest.fixture(scope="module")
 def lora_family(request, tmp_path_factory):
-    """(checkpoint, adapter folders, greedy references, the last adapter's PEFT logits of a
+    """(checkpoint, adapter folders, greedy references, the second adapter's PEFT logits of a
     prefill of PROMPTS[2])."""
     peft = pytest.importorskip("peft", reason="PEFT is the oracle (the test extras install it)")
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp(f"tp-lora-{request.param}")
-    path, folders, refs = peft_family(request.param, root, LORA_PROMPTS, STEPS)
-    last = list(folders)[-1]
+    path, folders, refs = peft_family(request.param, root, LORA_PROMPTS, STEPS,
+                                      THIRD_ADAPTER[request.param])
+    last = list(folders)[1]
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path),
                                            folders[last]).eval()
     with torch.no_grad():
@@ -118,17 +122,18 @@ def lora_family(request, tmp_path_factory):
 
 @pytest.mark.parametrize("lora_family", ["llama", "qwen3_moe"], indirect=True)
 def test_lora_adapters_sharded_over_tp2_match_peft(lora_family):
-    """One adapter from the start, one loaded at run time (every rank reads its shard): the
-    prefill logits equal PEFT's, each adapter alone and all with the base model in one batch
-    give PEFT's 32 greedy tokens; a bad adapter is refused with the group serving on, and an
+    """One adapter from the start, two loaded at run time (every rank reads its shard): the
+    prefill logits equal PEFT's, each adapter alone and all three with the base model in one
+    batch give PEFT's 32 greedy tokens; a bad adapter is refused with the group serving on, and an
     unload reaches every rank (the name loads again)."""
     path, folders, refs, peft_logits = lora_family
-    first, last = list(folders)
+    first, last, third = list(folders)
     llm = LLM(path, block_size=BLOCK, num_blocks=128, tensor_parallel_size=2, enable_lora=True,
-              max_lora_rank=8, max_loras=2, lora_modules=(f"{first}={folders[first]}",))
+              max_lora_rank=8, max_loras=3, lora_modules=(f"{first}={folders[first]}",))
     adapters = llm.engine.adapters
     try:
         adapters.load(last, str(folders[last]))
+        adapters.load(third, str(folders[third]))
         # the prefill alone, the adapter copied into slot 1 on every rank by the step itself
         msg = dataclasses.replace(prefill_message(PROMPTS[2]), lora_slots=(1,),
                                   lora_writes=((1, last),))
@@ -137,8 +142,8 @@ def test_lora_adapters_sharded_over_tp2_match_peft(lora_family):
         for name in folders:
             assert_lora_matches(llm.generate(LORA_PROMPTS, GREEDY, lora_name=name),
                                 [name] * len(LORA_PROMPTS), refs)
-        loras = [lora for _ in LORA_PROMPTS for lora in (None, first, last)]
-        prompts = [p for p in LORA_PROMPTS for _ in (None, first, last)]
+        loras = [lora for _ in LORA_PROMPTS for lora in (None, first, last, third)]
+        prompts = [p for p in LORA_PROMPTS for _ in (None, first, last, third)]
         assert_lora_matches(llm.generate(prompts, GREEDY, lora_name=loras), loras, refs,
                             prompts)
         with pytest.raises(LoraAdapterError, match="no folder at"):

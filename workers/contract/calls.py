@@ -161,10 +161,14 @@ class LoadLoraAdapter(Call[tuple[str, ...]]):
     """Read the PEFT adapter folder at `lora_path` and serve it as `lora_name` (between two
     steps); answers the adapters loaded here after it. Raises `ValueError`
     (`LoraAdapterError`) naming what is wrong, with nothing kept: a bad folder, a rank over
-    `max_lora_rank`, a name already loaded, or a worker started without `enable_lora`."""
+    `max_lora_rank`, a name already loaded, or a worker started without `enable_lora`.
+
+    Without `lora_path` (a load on demand: a request named it): the folder `lora_name` in the
+    worker's `EngineConfig.lora_dir`; a name already loaded is kept as is (two routers may ask
+    at once), and `KeyError` when there is no such folder (or no `lora_dir`)."""
 
     lora_name: str
-    lora_path: str
+    lora_path: str | None = None
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,13 @@ class NoAdapters:
         """What the prefix cache keys `lora_name`'s blocks by (`Adapters.cache_name`)."""
         return lora_name
 
+    def folder_of(self, name: str) -> str:
+        """The folder a load on demand reads adapter `name` from: `<lora_dir>/<name>`.
+        KeyError when there is none (no `lora_dir`, no such sub-folder, or a name that is not
+        one folder's name)."""
+        raise KeyError(f"adapter {name!r} is not loaded and this worker loads none on demand "
+                       "(enable_lora, lora_dir)")
+
     def load(self, name: str, path: str) -> None:
         raise LoraAdapterError(f"cannot load adapter {name!r}: this worker serves no LoRA "
                                "adapters (start it with enable_lora)")
@@ -82,8 +89,10 @@ class Adapters(NoAdapters):
     `table` assigns (the runner sends each step's copies). Call between steps, on the step's
     thread."""
 
-    def __init__(self, store: AdapterStore, table: SlotTable) -> None:
-        self.store, self.slots = store, table
+    def __init__(self, store: AdapterStore, table: SlotTable,
+                 lora_dir: str | None = None) -> None:
+        """`lora_dir`: the folder of adapter folders loads on demand read (`folder_of`)."""
+        self.store, self.slots, self.lora_dir = store, table, lora_dir
         self.max_loras = table.max_loras
         self._paths: dict[str, str] = {}  # adapter name -> the folder it was loaded from
         self._loads: dict[str, int] = {}  # adapter name -> times loaded (`cache_name`)
@@ -111,6 +120,15 @@ class Adapters(NoAdapters):
     def paths(self) -> dict[str, str]:
         """Adapter name -> the folder it was loaded from."""
         return dict(self._paths)
+
+    def folder_of(self, name: str) -> str:
+        if self.lora_dir is None:
+            return super().folder_of(name)
+        folder = Path(self.lora_dir) / name
+        if name in ("", ".", "..") or Path(name).name != name or not folder.is_dir():
+            raise KeyError(f"adapter {name!r} is not loaded and {self.lora_dir} (lora_dir) "
+                           "has no folder of that name")
+        return str(folder)
 
     def load(self, name: str, path: str) -> None:
         """Read and keep the PEFT adapter at `path` as `name`. `LoraAdapterError` naming what is
@@ -159,7 +177,7 @@ def attach_adapters(config: EngineConfig, model: LlamaForCausalLM | None,
         raise ValueError(f"LoRA adapters are not served by a {type(executor).__name__}")
     runner.adapters = SlotTable(config.max_loras)
     scheduler.config = dataclasses.replace(scheduler.config, max_loras=config.max_loras)
-    adapters = Adapters(store, runner.adapters)
+    adapters = Adapters(store, runner.adapters, config.lora_dir)
     for name, path in config.lora_paths.items():
         adapters.load(name, path)
     return adapters

@@ -19,6 +19,8 @@ def _check_lora(config: EngineConfig) -> None:
              f"max_lora_rank must be at least 1, got {config.max_lora_rank}")
     _require(not config.lora_modules or config.enable_lora,
              f"lora_modules {list(config.lora_modules)} need enable_lora")
+    _require(config.lora_dir is None or config.enable_lora,
+             f"lora_dir {config.lora_dir!r} needs enable_lora")
     _require(not config.enable_lora or config.pipeline_parallel_size == 1,
              f"LoRA adapters run on one pipeline stage (tensor parallelism shards them), got "
              f"pipeline_parallel_size={config.pipeline_parallel_size}")
@@ -145,6 +147,11 @@ class EngineConfig:
     lora_modules: tuple[str, ...] = setting((), (
         "Adapters loaded at start, each NAME=PATH (a PEFT adapter folder); NAME is the model "
         "name requests select it by. Needs enable_lora."))
+    lora_dir: str | None = setting(None, (
+        "A folder of PEFT adapter folders, each named for its adapter: a request whose model "
+        "names no loaded adapter but a sub-folder here has it loaded first, on every worker "
+        "(as vLLM's filesystem LoRA resolver, VLLM_LORA_RESOLVER_CACHE_DIR). Unset: such a "
+        "request is a 404. Needs enable_lora."))
 
     # workers.engine.speculative; parsed and checked by `speculative`
     speculative_config: str | None = setting(None, (

@@ -19,13 +19,23 @@ class WorkerAdapters:
     def __init__(self, engine: AsyncEngine) -> None:
         self.async_engine = engine
 
-    async def load(self, lora_name: str, lora_path: str) -> tuple[str, ...]:
-        """Raises `LoraAdapterError` (a `ValueError`) naming what is wrong; nothing kept."""
+    async def load(self, lora_name: str, lora_path: str | None) -> tuple[str, ...]:
+        """Raises `LoraAdapterError` (a `ValueError`) naming what is wrong; nothing kept.
+        `lora_path` None: on demand, from `lora_dir` (`LoadLoraAdapter`): a name already
+        loaded is kept, `KeyError` when `lora_dir` has no such folder."""
         engine = self.async_engine.engine
 
         def load() -> tuple[str, ...]:
-            engine.adapters.load(lora_name, lora_path)
-            return tuple(engine.adapters.names())
+            adapters = engine.adapters
+            if lora_path is not None:
+                adapters.load(lora_name, lora_path)
+            elif lora_name not in adapters.names():
+                folder = adapters.folder_of(lora_name)
+                try:
+                    adapters.load(lora_name, folder)
+                except ValueError as exc:  # named with the folder the request led to
+                    raise type(exc)(f"{exc} (loading it on demand from {folder})") from None
+            return tuple(adapters.names())
         return await self.async_engine.apply(load)
 
     async def unload(self, lora_name: str) -> tuple[str, ...]:

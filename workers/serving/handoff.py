@@ -13,7 +13,13 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from workers.contract.messages import DecodeFromHandoff, PrefillResult
-from workers.contract.protocol import FinishReason, KVCacheFull, KVPullFailed, WorkerRequest
+from workers.contract.protocol import (
+    FinishReason,
+    InvalidRequestError,
+    KVCacheFull,
+    KVPullFailed,
+    WorkerRequest,
+)
 from workers.contract.tracing import tracing
 from workers.serving.traced_sink import traced
 
@@ -90,6 +96,6 @@ class Handoff:
         except KVCacheFull as exc:  # no room to land it now: the router prefills here instead,
             sink.fail(rid, KVPullFailed(rid, "KVCacheFull", str(exc)))  # queued for blocks
             sink.flush()
-        except KVPullFailed as exc:
-            sink.fail(rid, exc)
+        except (KVPullFailed, InvalidRequestError) as exc:  # or refused here (an adapter
+            sink.fail(rid, exc)  # not loaded): nothing held, the router is told
             sink.flush()
