@@ -50,6 +50,7 @@ from router.policies import Policies
 from router.policy import Decision, NoHealthyWorker
 from router.prefix_fetch import prefix_to_fetch
 from router.starts import DONE, Handover, Start
+from router.stream_trace import routed, routed_whole
 from router.streams import Generation
 from router.worker_client import TokenStream, WorkerClient
 from router.workers import WorkerSet
@@ -69,21 +70,6 @@ logger = logging.getLogger(__name__)
 PREFILL_POOL = (WorkerRole.PREFILL,)
 # gives a worker a LoRA adapter it lacks before a request under it goes there
 Supply = Callable[[WorkerClient, str], Awaitable[None]]
-
-
-def _routed(prefill_id: str, cached: int, reason: str | None,
-            decode: DecodePick | None) -> dict[str, str | int]:
-    """A routing span's attributes: the workers chosen, the prefix hit, why it runs here."""
-    return {"prefill_worker": prefill_id, "prefix_hit_tokens": cached,
-            "decode_worker": decode.worker_id if decode is not None else "",
-            "run_here": reason or "", "aggregated": False}
-
-
-def _routed_whole(worker_id: str, cached: int, reason: str | None) -> dict[str, str | int]:
-    """An aggregated routing span's attributes: the one worker chosen for the whole request
-    (prefill and decode), the prefix hit, why it runs whole in a disaggregated deployment."""
-    return {"prefill_worker": worker_id, "decode_worker": worker_id,
-            "prefix_hit_tokens": cached, "run_here": reason or "", "aggregated": True}
 
 
 class Orchestrator:
@@ -147,7 +133,7 @@ class Orchestrator:
                     reason = self.split.run_here(req, cached) if attempt == 0 else None
                     decode = None if reason else self._pick_decode(req, hashes, decode_loads)
                     if span is not None:
-                        span.set_attributes(_routed(decision.worker_id, cached, reason, decode))
+                        span.set_attributes(routed(decision.worker_id, cached, reason, decode))
             except NoHealthyWorker:
                 if attempt > 0:
                     break  # every healthy prefill worker failed
@@ -243,7 +229,7 @@ class Orchestrator:
                     decision = self.policy.choose(hashes, loads.without(tried),
                                                   self.workers.index, req.lora_name)
                     if span is not None:
-                        span.set_attributes(_routed_whole(
+                        span.set_attributes(routed_whole(
                             decision.worker_id, decision.predicted_hit_blocks * self.block_size,
                             reason))
             except NoHealthyWorker as exc:
