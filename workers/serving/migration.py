@@ -83,8 +83,13 @@ class Migrations:
         1."""
         await self.transfer.agents()
         connector, block_size = self.connector, self.connector.engine.config.block_size
-        paused = await self.commands.pause(
-            request_id, RequestMoved(f"request {request_id!r} moved to another worker"))
+        try:
+            paused = await self.commands.pause(
+                request_id, RequestMoved(f"request {request_id!r} moved to another worker"))
+        except BaseException:  # not paused (gone, or the caller gave up): step 1's offers end
+            for index in self._exported.pop(request_id, {}):
+                self.transfer.cancel(hold_id(request_id, index))
+            raise
         exported = self._exported.pop(request_id, {})
         samples = []
         for p in paused:
@@ -137,8 +142,9 @@ class Migrations:
             raise
         mine = self._prepared[request_id] = list(holds)
 
-        def expire() -> None:  # not when a later prepare of the request holds the same ids
-            if self._prepared.get(request_id, mine) is mine:
+        def expire() -> None:  # only if still waiting: not taken by a continuation (whose
+            # blocks a later prepare's continuation may still be adopting under the same ids)
+            if self._prepared.get(request_id) is mine:
                 self._prepared.pop(request_id, None)
                 self.engine.apply_soon(free_all)
 
@@ -149,10 +155,10 @@ class Migrations:
         """Step 4: take each sample's prepared blocks, pull the rest, decode on after the sent
         tokens; a failed pull (or no room) computes the KV instead."""
         rid = cmd.req.request_id
-        self._prepared.pop(rid, None)  # taken (or freed) by the continuation
         migrated = [(s, s.kv) for s in cmd.samples if s.kv is not None]
-        if len(migrated) < len(cmd.samples):
+        if len(migrated) < len(cmd.samples):  # refused: what was prepared expires
             raise ValueError(f"resume of {rid!r}: each sample of a live migration carries its KV")
+        self._prepared.pop(rid, None)  # taken (or freed) by the continuation
         handoffs = {s.index: kv.handoff for s, kv in migrated}
         samples = [Continuation(s.index, s.sent_token_ids, kv.num_kv_tokens,
                                 hold_id(rid, s.index) if kv.num_landed_blocks else None)
