@@ -12,8 +12,10 @@ before any prefill work is checked on each server's `/metrics`: the prompt token
 the refusals' latency is reported beside the unloaded TTFT (the in-process router shares its
 process with the busy worker, so it is no proof by itself).
 
-The tight target is `--tight-x` times the unloaded TTFT of a tight request's prompt, and the
-background rate `--overload` times the capacity, both measured first on the fcfs server.
+The capacity (requests a second with every background request sent at once) is measured first
+on the fcfs server; the arrival rate is `--overload` times it, and the tight target `--tight-x`
+times the mean time between completions at capacity (a request queued first waits for a running
+sequence to finish, then its own prefill step; one queued last, for the whole queue).
 
     python benchmarks/deadlines.py [--preset tiny] [--rounds 2] [--seconds 12]
 """
@@ -122,14 +124,25 @@ async def _request(client: httpx.AsyncClient, url: str, prompt: list[int], max_t
     return 200, ttft, time.perf_counter() - start
 
 
-async def _round(url: str, load: Load) -> Outcome:
+def arrivals(load: Load) -> list[tuple[float, bool, list[int]]]:
+    """The round's requests, the same for every server: (seconds from the start, tight?,
+    prompt), Poisson at `load.rate`."""
     rng = random.Random(load.seed)
+    out, t = [], rng.expovariate(load.rate)
+    while t < load.seconds:
+        tight = rng.random() < load.tight_fraction
+        n = load.tight_prompt_len if tight else load.prompt_len
+        out.append((t, tight, [rng.randrange(10, 500) for _ in range(n)]))
+        t += rng.expovariate(load.rate)
+    return out
+
+
+async def _round(url: str, load: Load) -> Outcome:
     out = Outcome()
     tight_headers = {"x-slo-ttft-ms": f"{load.tight_ms:.0f}"}
 
-    async def one(tight: bool) -> None:
-        n = load.tight_prompt_len if tight else load.prompt_len
-        prompt = [rng.randrange(10, 500) for _ in range(n)]
+    async def one(at: float, tight: bool, prompt: list[int]) -> None:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         try:
             status, ttft, total = await _request(client, url, prompt, load.output_len,
                                                  tight_headers if tight else {}, load.model)
@@ -138,7 +151,7 @@ async def _round(url: str, load: Load) -> Outcome:
                 out.tight_failed += 1
             return
         if status == 200:
-            out.admitted_prompt_tokens += n
+            out.admitted_prompt_tokens += len(prompt)
             if ttft is not None:
                 out.admitted_ttft_s.append(ttft)
         if tight:
@@ -156,17 +169,13 @@ async def _round(url: str, load: Load) -> Outcome:
         elif status != 200:
             out.background_failed += 1
 
+    schedule = arrivals(load)
+    out.tight_sent = sum(tight for _, tight, _ in schedule)
+    out.background_sent = len(schedule) - out.tight_sent
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        tasks = []
-        end = time.perf_counter() + load.seconds
-        while time.perf_counter() < end:
-            tight = rng.random() < load.tight_fraction
-            out.tight_sent += tight
-            out.background_sent += not tight
-            tasks.append(asyncio.create_task(one(tight)))
-            await asyncio.sleep(rng.expovariate(load.rate))
-        await asyncio.gather(*tasks)
+        start = time.perf_counter()
+        await asyncio.gather(*(one(*a) for a in schedule))
     return out
 
 
@@ -253,7 +262,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lens = (args.prompt_len, args.tight_prompt_len, args.output_len)
         ttft_s, capacity = calibrate(servers["fcfs"].base_url, *lens)
         calibrate(servers["deadline"].base_url, *lens)  # warm
-        tight_ms = max(1.0, args.tight_x * ttft_s * 1000)
+        # a request queued first waits for a running sequence to finish (one every
+        # 1/capacity seconds at full load) and its own prefill step
+        tight_ms = args.tight_x * 1000 / capacity
         runs: dict[str, list[Outcome]] = {p: [] for p in POLICIES}
         for r in range(args.rounds):
             load = Load(args.overload * capacity, args.seconds, args.tight_fraction, tight_ms,
@@ -287,8 +298,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=12.0, help="arrivals per round")
     parser.add_argument("--overload", type=float, default=1.5, help="x the measured capacity")
     parser.add_argument("--tight-fraction", type=float, default=0.2)
-    parser.add_argument("--tight-x", type=float, default=4.0,
-                        help="the tight target, x a tight prompt's unloaded TTFT")
+    parser.add_argument("--tight-x", type=float, default=3.0,
+                        help="the tight target, x the mean time between completions at capacity")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--tight-prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=16)

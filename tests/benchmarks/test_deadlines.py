@@ -41,6 +41,7 @@ def test_a_short_round_on_each_policy_is_summarized_with_counts_that_add_up(dead
         assert r["tight_failed"] == r["background_failed"] == r["background_refused"] == 0, r
         assert r["met_rate"] == round(r["tight_met"] / r["tight_sent"], 4)
         assert r["admitted_prompt_tokens"] > 0 and r["refused_before_prefill"], r
+    assert result["fcfs"]["tight_sent"] == result["deadline"]["tight_sent"]  # same arrivals
     # a 1 ms target is refused (once the worker has measured its prefill rate) or late
     assert sum(result[p]["tight_met"] for p in deadlines.POLICIES) == 0
     assert "deadline_vs_fcfs_met_ratio" in result
