@@ -3,7 +3,9 @@ header) and cannot meet it under the current load is refused at once, with 429 a
 Retry-After, before any worker does any work for it, rather than served late (Mooncake's early
 rejection). Torch-free.
 
-A worker's prediction is the prompt tokens already waiting there (as pushed with its load) and
+A worker's prediction is the prompt tokens this request would wait behind there (as pushed with
+its load: under the worker's earliest-deadline-first queue, those running and those queued
+with a deadline, not the ones without behind them; under `fcfs`, every one queued) and
 this prompt's, at its measured prefill rate (`EngineStats.prefill_s_per_token`), plus `step_s`
 for the step that returns the first token. A worker that has not measured its rate yet is
 predicted at its measured peers' median (they serve the same model), and promises 0 when none
@@ -51,7 +53,7 @@ def predicted_ttft_s(loads: LoadTable, prompt_tokens: int, step_s: float = 0.0) 
     measured = rate[rate > 0]
     if len(measured) < len(rate) and len(measured):  # the same model: its peers' rate
         rate = np.where(rate > 0, rate, np.median(measured))
-    return (loads.pending[rows] + prompt_tokens) * rate + step_s
+    return (loads.pending_due[rows] + prompt_tokens) * rate + step_s
 
 
 def within_deadline(deadline_s: float, loads: LoadTable, prompt_tokens: int,

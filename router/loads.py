@@ -79,7 +79,8 @@ class LoadTable(Sequence[WorkerLoad]):
                  host_hit_cost: np.ndarray | None = None,
                  fetch_fixed: np.ndarray | None = None,
                  prefill_rate: np.ndarray | None = None,
-                 residency: Residency | None = None) -> None:
+                 residency: Residency | None = None,
+                 pending_due: np.ndarray | None = None) -> None:
         self.ids = ids
         self.residency = Residency(len(ids)) if residency is None else residency
         # NaN: the row's worker fetches no prefixes
@@ -92,6 +93,9 @@ class LoadTable(Sequence[WorkerLoad]):
         self.prefill_rate = np.zeros(len(waiting)) if prefill_rate is None else prefill_rate
         self.waiting, self.running, self.kv_usage = waiting, running, kv_usage
         self.pending, self.healthy, self.present = pending, healthy, present
+        # the prompt tokens a request with a deadline would wait behind there (`pending` when
+        # the worker queues in arrival order)
+        self.pending_due = pending.copy() if pending_due is None else pending_due
         self.rows = rows
         self.row_of = index  # worker id -> row (not `index`: that is Sequence.index)
 
@@ -130,7 +134,7 @@ class LoadTable(Sequence[WorkerLoad]):
     # ---- kept by the router's worker set (one table, rows updated in place) -----------------
 
     _COLUMNS = ("waiting", "running", "kv_usage", "pending", "healthy", "present", "fetch_cost",
-                "host_hit_cost", "fetch_fixed", "prefill_rate")
+                "host_hit_cost", "fetch_fixed", "prefill_rate", "pending_due")
 
     def add(self, worker_id: str) -> int:
         """A new row for `worker_id` (idle, healthy, present; the columns grow by doubling).
@@ -159,13 +163,15 @@ class LoadTable(Sequence[WorkerLoad]):
     def report(self, worker_id: str, waiting: int, running: int, kv_usage: float,
                pending: int, healthy: bool, fetch_cost: float | None = None,
                host_hit_cost: float = 0.0, fetch_fixed_blocks: float = 0.0,
-               prefill_s_per_token: float = 0.0, lora_adapters: Iterable[str] = ()) -> None:
+               prefill_s_per_token: float = 0.0, lora_adapters: Iterable[str] = (),
+               pending_due: int | None = None) -> None:
         """A worker's reported load replaces its row."""
         row = self.row_of.get(worker_id)
         if row is not None:
             self.waiting[row], self.running[row] = waiting, running
             self.kv_usage[row] = min(1.0, max(0.0, kv_usage))
             self.pending[row], self.healthy[row] = pending, healthy
+            self.pending_due[row] = pending if pending_due is None else pending_due
             self.fetch_cost[row] = np.nan if fetch_cost is None else fetch_cost
             self.host_hit_cost[row] = min(1.0, max(0.0, host_hit_cost))
             self.fetch_fixed[row] = max(0.0, fetch_fixed_blocks)
@@ -222,14 +228,14 @@ class LoadTable(Sequence[WorkerLoad]):
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
                          self.healthy, self.present, rows, self.row_of, self.fetch_cost,
                          self.host_hit_cost, self.fetch_fixed, self.prefill_rate,
-                         self.residency)
+                         self.residency, self.pending_due)
 
     def with_healthy(self, healthy: np.ndarray) -> LoadTable:
         """The same candidates read against another healthy column."""
         return LoadTable(self.ids, self.waiting, self.running, self.kv_usage, self.pending,
                          healthy, self.present, self.rows, self.row_of, self.fetch_cost,
                          self.host_hit_cost, self.fetch_fixed, self.prefill_rate,
-                         self.residency)
+                         self.residency, self.pending_due)
 
     def without(self, worker_ids: Collection[str]) -> LoadTable:
         """The candidates that are still present (not removed since) and not in

@@ -260,12 +260,12 @@ class WorkerSet:
         self._stats[worker_id] = stats
         # requests routed there since the last report are in this one; a worker whose engine
         # reports a stalled step or a dead rank takes no new requests
+        info = self._infos.get(worker_id)
         self._table.report(worker_id, stats.num_waiting + stats.num_waiting_for_kv,
                            stats.num_running, stats.kv_usage, stats.num_pending_prompt_tokens,
-                           stats.healthy, fetch_cost(self._infos.get(worker_id), stats),
-                           stats.host_hit_cost,
-                           fetch_fixed_blocks(self._infos.get(worker_id), stats),
-                           stats.prefill_s_per_token, stats.lora_adapters)
+                           stats.healthy, fetch_cost(info, stats), stats.host_hit_cost,
+                           fetch_fixed_blocks(info, stats), stats.prefill_s_per_token,
+                           stats.lora_adapters, stats.num_due_prompt_tokens)
         for observe in self.observers:
             observe(worker_id, stats)
         if kv_events:

@@ -5,6 +5,7 @@ any worker is asked anything; a switchable worker is routed under its new role a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -65,6 +66,27 @@ def test_a_deadline_no_worker_can_meet_is_refused_before_any_work():
         assert [t async for e in gen.events() for t in e.token_ids] == expected_tokens(req)
         assert b.calls.streams == [("generate", req.request_id)]
         await (await o.generate(request(42))).aclose()
+
+    run(go())
+
+
+def test_a_deadline_is_predicted_from_the_prompts_queued_ahead_of_it_not_behind():
+    """A worker queueing earliest deadline first reports the prompt tokens a deadline request
+    would wait behind (`num_due_prompt_tokens`): a long queue without deadlines behind it
+    does not get the request refused; the same queue in arrival order does."""
+    async def go():
+        a = FakeWorker("a")
+        o = await orchestrator(a)
+        stats = EngineStats(1, 0, 0.0, 256, 0, 256, num_pending_prompt_tokens=20_000,
+                            prefill_s_per_token=S_PER_TOKEN)
+        a.listener.on_outputs("a", (), stats)  # fcfs: all 2 s of it ahead
+        with pytest.raises(OverloadedError):
+            await o.generate(request(), ttft_deadline_s=0.2)
+        a.listener.on_outputs("a", (), dataclasses.replace(stats, num_due_prompt_tokens=500))
+        req = request(43)
+        gen = await o.generate(req, ttft_deadline_s=0.2)  # 54 ms ahead of it: admitted
+        assert [t async for e in gen.events() for t in e.token_ids] == expected_tokens(req)
+        assert o.counters.num_refused_deadline == 1
 
     run(go())
 

@@ -49,3 +49,34 @@ def test_a_preempted_request_stays_ahead_of_a_new_request_due_sooner():
     due.deadline = 1.0
     scheduler.add(due)
     assert [r.request_id for r in scheduler.waiting] == ["preempted", "due"]
+
+
+def test_the_prompt_tokens_a_deadline_waits_behind_leave_out_the_queue_without_one():
+    """What the engine reports for the router's deadline admission: the running requests'
+    prompt left and the queued requests with a deadline, not those without (under fcfs, every
+    pending token: the field is left None)."""
+    from workers.engine.load import engine_stats
+    from workers.engine.waiting_order import prompt_tokens_before_due
+
+    scheduler = create_scheduler(max_num_seqs=1, num_blocks=64)
+    scheduler.add(create_request("running", list(range(1, 9)), max_tokens=4, ignore_eos=True))
+    fake_step(scheduler)  # its 8 prompt tokens computed
+    for name, n, deadline in (("plain", 40, None), ("due", 7, 5.0), ("plain2", 30, None)):
+        req = create_request(name, list(range(1, n + 1)))
+        req.deadline = deadline
+        scheduler.add(req)
+    assert [r.request_id for r in scheduler.waiting] == ["due", "plain", "plain2"]
+    assert scheduler.num_pending_prompt_tokens == 77
+    assert prompt_tokens_before_due(scheduler.running, scheduler.waiting) == 7
+    stats = engine_stats(scheduler, scheduler.kv, _NoCosts(), None, 0.0, 0.0)
+    assert (stats.num_pending_prompt_tokens, stats.num_due_prompt_tokens) == (77, 7)
+    scheduler.config = dataclasses.replace(scheduler.config, order_by_deadline=False)
+    assert engine_stats(scheduler, scheduler.kv, _NoCosts(), None, 0.0, 0.0
+                        ).num_due_prompt_tokens is None
+
+
+class _NoCosts:
+    """`StepCosts` before any step was measured."""
+
+    host_hit_cost = prefill_s_per_token = 0.0
+    num_prompt_tokens_computed = 0

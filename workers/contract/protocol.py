@@ -200,6 +200,9 @@ class EngineStats:
     # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):
     # the router routes nothing new there and moves the streams on it
     healthy: bool = True
+    # prompt tokens a request with a deadline arriving now would wait behind (the waiting
+    # queue's order puts it ahead of those without); None: all pending ones (fcfs)
+    num_due_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)

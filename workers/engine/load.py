@@ -7,6 +7,7 @@ from workers.contract.protocol import EngineStats
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.scheduler import Scheduler
 from workers.engine.step_costs import StepCosts
+from workers.engine.waiting_order import prompt_tokens_before_due
 
 
 def engine_stats(sched: Scheduler, kv: KVCacheManager, costs: StepCosts,
@@ -27,4 +28,6 @@ def engine_stats(sched: Scheduler, kv: KVCacheManager, costs: StepCosts,
                        speculative_method=speculative_method,
                        num_draft_tokens=sched.num_draft_tokens,
                        num_accepted_tokens=sched.num_accepted_tokens,
-                       lora_adapters=lora_adapters)
+                       lora_adapters=lora_adapters,
+                       num_due_prompt_tokens=(prompt_tokens_before_due(sched.running, sched.waiting)
+                                              if sched.config.order_by_deadline else None))

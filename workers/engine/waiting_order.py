@@ -10,8 +10,10 @@ EDF queue as SGLang and vLLM's priority scheduling keep one)."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from workers.engine.request import Request
+from workers.engine.scheduler_records import prompt_left
 
 
 def due_position(waiting: deque[Request], req: Request) -> int:
@@ -22,3 +24,18 @@ def due_position(waiting: deque[Request], req: Request) -> int:
         if other.num_preemptions == 0 and (other.deadline is None or other.deadline > req.deadline):
             return i
     return len(waiting)
+
+
+def prompt_tokens_before_due(running: Iterable[Request], waiting: deque[Request]) -> int:
+    """The prompt tokens a request with a deadline arriving now waits behind, under this order:
+    those of the running requests still to compute and of the waiting queue's front that goes
+    ahead of it (preempted requests and those with a deadline, all of them: an upper bound
+    when some are due after it), not those of the requests without a deadline behind them.
+    What the router's deadline admission predicts from (`EngineStats.num_due_prompt_tokens`).
+    O(running + the queued requests with a deadline)."""
+    total = sum(prompt_left(r, r.num_computed_tokens) for r in running)
+    for req in waiting:
+        if req.deadline is None and req.num_preemptions == 0:
+            break
+        total += prompt_left(req, req.num_computed_tokens)
+    return total
