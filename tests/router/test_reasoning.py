@@ -9,6 +9,7 @@ from router.config import REASONING_PARSERS
 from router.openai.reasoning import PARSERS, ReasoningStream, answer_params
 from router.openai.response_events import OutputStream
 from router.openai.tool_parsers import PARSERS as TOOL_PARSERS
+from tests.router.test_tool_parsers import calls_of
 from workers.contract.protocol import SamplingParams
 from workers.contract.structured_output import StructuredOutput
 
@@ -181,16 +182,8 @@ def _chat_stream(pieces: list[str]) -> tuple[str, str, list[tuple[str, str]], bo
         deltas += calls.feed(a)
     r, a = thoughts.finish()
     deltas += calls.feed(a) + calls.finish()
-    got: dict[int, list[str]] = {}
-    for d in deltas:
-        for call in d.get("tool_calls", ()):
-            entry = got.setdefault(call["index"], ["", ""])
-            if "id" in call:
-                assert entry == ["", ""]  # the id and name come first
-                entry[0] = call["function"]["name"]
-            entry[1] += call["function"]["arguments"]
-    return (reasoning + r, "".join(d.get("content", "") for d in deltas),
-            [(name, args) for name, args in (got[i] for i in sorted(got))], calls.made_calls)
+    return (reasoning + r, "".join(d.get("content", "") for d in deltas), calls_of(deltas),
+            calls.made_calls)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, len(GPT_OSS_CALL)])

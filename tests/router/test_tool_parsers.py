@@ -57,6 +57,13 @@ def test_streamed_pieces_add_up_to_the_whole_reading(name, step):
         deltas += stream.feed(text[i:i + step])
     deltas += stream.finish()
     got_content = "".join(d.get("content", "") for d in deltas)
+    assert got_content.strip() == content.strip()
+    assert calls_of(deltas) == calls
+
+
+def calls_of(deltas: list[dict]) -> list[tuple[str, str]]:
+    """The calls streamed tool-call deltas add up to, in index order: (name, arguments), the
+    id and name coming first in each call's deltas."""
     got: dict[int, list[str]] = {}
     for d in deltas:
         for call in d.get("tool_calls", ()):
@@ -65,8 +72,7 @@ def test_streamed_pieces_add_up_to_the_whole_reading(name, step):
                 assert entry == ["", ""]  # the id and name come first
                 entry[0] = call["function"]["name"]
             entry[1] += call["function"]["arguments"]
-    assert got_content.strip() == content.strip()
-    assert [tuple(got[i]) for i in sorted(got)] == calls
+    return [(got[i][0], got[i][1]) for i in sorted(got)]
 
 
 def test_text_without_calls_is_all_content_even_when_it_looks_like_a_start():
