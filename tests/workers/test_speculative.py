@@ -214,9 +214,13 @@ GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 SEEDED_32 = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=32, ignore_eos=True)
 
 
+INT4_SELF = json.dumps({"method": "quantized_self", "num_speculative_tokens": 3,
+                        "min_acceptance_rate": 0.0, "disable_by_batch_size": 8})
+
+
 @pytest.mark.parametrize("config,params", [(NGRAM, GREEDY_32), (DRAFT_MODEL, GREEDY_32),
-                                           (DRAFT_MODEL, SEEDED_32)],
-                         ids=["ngram", "draft_model", "draft_model-seeded"])
+                                           (DRAFT_MODEL, SEEDED_32), (INT4_SELF, GREEDY_32)],
+                         ids=["ngram", "draft_model", "draft_model-seeded", "quantized_self"])
 def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_model, config,
                                                                           params):
     """Greedy: the text without speculation; seeded: the text of the same speculation
@@ -228,7 +232,8 @@ def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_mo
     req = WorkerRequest("x", tuple(prompt), params)
     prefill.generate(req)
     first = prefill.step()[0].token_ids[0]
-    # the draft model's KV for the prompt is the target's first layers': it came with the pull
+    # the draft model's KV for the prompt is the target's first layers': it came with the pull;
+    # a quantized self-draft's cache of its own is recomputed on the decode worker
     decode = LLM(tiny_model, num_blocks=64, speculative_config=config).engine
     dst_blocks = Connector(decode).decode_from_handoff(req, first)
     src_blocks = prefill.block_ids("x")[:len(dst_blocks)]

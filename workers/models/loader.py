@@ -97,11 +97,11 @@ def load_model(
         raise WeightLoadError(error)
     if kept:
         prepare_layers(model)
-    _use_cpu_kernels(model)
+    use_cpu_kernels(model)
     return model.eval()
 
 
-def _use_cpu_kernels(model: LlamaForCausalLM) -> None:
+def use_cpu_kernels(model: LlamaForCausalLM) -> None:
     """The small-batch matmul and MLP kernels, then the fused decoder stack (which takes the
     layers whose matmuls and MLP carry their kernels), where they apply."""
     use_small_batch_kernel(model, (*LINEAR_LAYERS, ParallelLMHead))

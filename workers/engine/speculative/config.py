@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "quantized_self")
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,9 @@ class SpeculativeConfig:
     """How a server drafts. Keys as vLLM's `--speculative-config` spells them; the back-off's
     two keys are Cleave's (vLLM's `disable_by_batch_size` kept its name)."""
 
-    method: str  # "ngram": prompt lookup; "draft_model": a truncated copy of the target
+    # "ngram": prompt lookup; "draft_model": a truncated copy of the target; "quantized_self":
+    # the target's own weights quantized to int4 at start, all layers, with a cache of its own
+    method: str
     num_speculative_tokens: int  # tokens drafted per request per step at most
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the request's tokens
     prompt_lookup_min: int = 2  # ngram: the shortest suffix that counts as a match

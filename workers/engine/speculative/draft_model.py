@@ -56,7 +56,8 @@ class TruncatedDraft:
         self.generator = generator
         self._seeded = torch.Generator(device=device)  # reseeded per seeded draw
 
-    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
+        """The draft's final-normed hidden states of a step's tokens [T, hidden]."""
         stack = self.model.model
         hidden = stack.embed_tokens(ids)  # [T, hidden]
         if stack.embed_scale is not None:
@@ -64,31 +65,26 @@ class TruncatedDraft:
         residual = None
         for layer, cache in zip(self.layers, self.caches):
             hidden, residual = layer(positions, hidden, residual, cache, meta)
-        return self.model.compute_logits(stack.norm(hidden, residual)[0])
+        return stack.norm(hidden, residual)[0]
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int],
-                tables: Sequence[tuple[int, ...]]) -> list[Draft]:
+                tables: Sequence[tuple[int, ...]], starts: Sequence[int] = ()) -> list[Draft]:
         """Drafts of `ks[i]` tokens for each decoding request (its last token not yet
         computed), whose block table `tables[i]` has slots up to its last drafted position:
         greedy for a greedy request; a sampled one's drawn from the draft's distribution with
-        its temperature and truncation, kept for the verification's rejection sampling."""
+        its temperature and truncation, kept for the verification's rejection sampling.
+        `starts[i]`: where the first step's input begins (a draft with a cache of its own
+        catches up from there; `workers.engine.speculative.quantized_self`)."""
         drafts = [Draft([], []) for _ in reqs]
         inputs = [r.all_token_ids[-1] for r in reqs]
-        size = self.block_size
         for j in range(max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > j]
-            pos = [reqs[i].num_tokens - 1 + j for i in live]
-            n = len(live)
-            msg = StepMessage(
-                step_id=0, input_ids=tuple(inputs[i] for i in live), positions=tuple(pos),
-                slot_mapping=tuple(tables[i][p // size] * size + p % size
-                                   for i, p in zip(live, pos)),
-                query_start_loc=tuple(range(n + 1)), seq_lens=tuple(p + 1 for p in pos),
-                block_tables=tuple(tables[i] for i in live), num_decodes=n,
-                logit_rows=tuple(range(n)))
-            ids, positions, meta = microbatch_tensors(msg, MicroBatch(0, n, 0, n), self.device)
-            logits = self._logits(ids, positions, meta).float()  # [n, V], as the target samples
+            if j == 0 and starts:
+                logits = self._first_step(reqs, live, tables, starts)
+            else:
+                logits = self._decode_step(reqs, live, j, inputs, tables)
+            logits = logits.float()  # [n, V], as the target samples
             tokens = logits.argmax(-1)
             rows = [r for r, i in enumerate(live) if not reqs[i].params.greedy]
             if rows:
@@ -98,6 +94,28 @@ class TruncatedDraft:
                 drafts[i].tokens.append(token)
                 inputs[i] = token
         return drafts
+
+    def _decode_step(self, reqs: Sequence[Request], live: list[int], j: int,
+                     inputs: list[int], tables: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """The logits [n, V] after the `live` requests' `j`-th drafted position (input
+        `inputs[i]`), one token each."""
+        size = self.block_size
+        pos = [reqs[i].num_tokens - 1 + j for i in live]
+        n = len(live)
+        msg = StepMessage(
+            step_id=0, input_ids=tuple(inputs[i] for i in live), positions=tuple(pos),
+            slot_mapping=tuple(tables[i][p // size] * size + p % size
+                               for i, p in zip(live, pos)),
+            query_start_loc=tuple(range(n + 1)), seq_lens=tuple(p + 1 for p in pos),
+            block_tables=tuple(tables[i] for i in live), num_decodes=n,
+            logit_rows=tuple(range(n)))
+        ids, positions, meta = microbatch_tensors(msg, MicroBatch(0, n, 0, n), self.device)
+        return self.model.compute_logits(self._hidden(ids, positions, meta))
+
+    def _first_step(self, reqs: Sequence[Request], live: list[int],
+                    tables: Sequence[tuple[int, ...]], starts: Sequence[int]) -> torch.Tensor:
+        """The first step when `starts` are given (a draft with a cache of its own)."""
+        raise NotImplementedError(f"{type(self).__name__} shares the target's cache")
 
     def _draw(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], j: int,
               drafts: list[Draft], at: list[int]) -> torch.Tensor:

@@ -21,10 +21,11 @@ import torch
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.parallel.local import LocalExecutor
 from workers.engine.request import Request, RequestStatus
-from workers.engine.runner import ModelRunner
+from workers.engine.runner import ModelRunner, allocate_kv_caches
 from workers.engine.speculative.draft_model import TruncatedDraft
 from workers.engine.speculative.config import SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
+from workers.engine.speculative.quantized_self import SelfDraft, quantized_copy
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ class DraftModelSpeculator(Speculator):
 def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
                      runner: ModelRunner, kv: KVCacheManager) -> Speculator | NoSpeculation:
     """The speculator `config` asks for (`NoSpeculation` for None); a draft model drafts on
-    `runner`'s model and KV cache (one rank in this process)."""
+    `runner`'s model (one rank in this process): a truncated copy on its KV cache, a quantized
+    self-draft on a cache of its own shaped as the target's."""
     if config is None:
         return NoSpeculation()
     if config.method == "ngram":
@@ -157,7 +159,13 @@ def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
     if not isinstance(executor, LocalExecutor):
         raise ValueError(f"a draft model needs the target in this process, got "
                          f"{type(executor).__name__}")
-    draft = TruncatedDraft(executor.model, executor.caches, runner.device,
-                           runner.spec.block_size, config.draft_num_layers,
-                           runner.sampler.generator)
+    draft: TruncatedDraft
+    if config.method == "quantized_self":
+        draft = SelfDraft(quantized_copy(executor.model),
+                          allocate_kv_caches(runner.spec, runner.device), runner.device,
+                          runner.spec.block_size, runner.sampler.generator)
+    else:
+        draft = TruncatedDraft(executor.model, executor.caches, runner.device,
+                               runner.spec.block_size, config.draft_num_layers,
+                               runner.sampler.generator)
     return DraftModelSpeculator(config, draft, kv, max_model_len)

@@ -1,0 +1,192 @@
+"""Quantized self-drafting: the target's own weights, quantized to int4 in memory at start, draft
+for the full-precision target (issue 48's method 3; vLLM has no counterpart: its draft models
+are checkpoints of their own).
+
+`quantized_copy` builds a second model of the target's class whose linear layers and output
+projection (untied from the input embedding, which stays shared) hold int4 weights in groups
+of 32 input columns with zero points (`min_max_int4`), packed for the CPU's VNNI kernels and
+the fused decoder stack in fp32; every other parameter (norms, embeddings, rotary tables) is
+the target's own tensor, not a copy. All layers draft, reading about 1/7 of the fp32 target's
+bytes per token.
+
+Its K/V differ from the target's (other weights), so it keeps a cache of its own: one tensor per
+layer shaped as the target's, addressed by the same block tables (a request's draft K/V sit in
+the same block ids of the draft's cache). `SelfDraft` remembers per request how many leading
+positions of its draft cache are valid (written by the draft with the tokens the request now
+has) and, before drafting, runs the missing ones in one prefill-style chunk: the whole prompt
+the first time (also after a KV handoff or a preemption), else the last verified token (and the
+last drafted one when all of a draft was accepted).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from workers.engine.parallel.messages import StepMessage
+from workers.engine.parallel.pipeline import MicroBatch, microbatch_tensors
+from workers.engine.request import Request
+from workers.engine.speculative.draft_model import Draft, TruncatedDraft
+from workers.models.layers import LINEAR_LAYERS, Shard
+from workers.models.llama import LlamaForCausalLM
+from workers.models.loader import use_cpu_kernels
+from workers.models.vocab import ParallelLMHead
+from workers.quant.linear import prepare_layers, quantize_layers
+from workers.quant.scheme import QuantScheme
+
+GROUP_SIZE = 32
+_LINEAR = QuantScheme(method="quantized_self", kind="int", layout="ct-packed", bits=4,
+                      group_size=GROUP_SIZE, symmetric=False)
+INT4 = replace(_LINEAR, lm_head=_LINEAR)  # the output projection too: on a small model its
+# bytes are a large share of a step's (SmolLM2-135M: 28M of 135M parameters)
+
+
+def quantized_copy(target: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The target's int4 copy (see the module docstring). ValueError for a target on several
+    ranks or one whose linear weights are not held in full precision."""
+    if target.shard.tp_size != 1 or not target.model.is_first:
+        raise ValueError(f"a quantized self-draft needs the whole target on one rank, got "
+                         f"tp_size={target.shard.tp_size}")
+    norm = target.model.norm.weight  # in the model's dtype however its linears are held
+    device, dtype = norm.device, norm.dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            draft = type(target)(target.config, target.attn_backend, shard=Shard(0, 1))
+            draft.lm_head = ParallelLMHead(target.config.vocab_size, target.config.hidden_size)
+    finally:
+        torch.set_default_dtype(previous)
+    kept = quantize_layers(draft, INT4, dtype, device, (*LINEAR_LAYERS, ParallelLMHead),
+                           fp32=True)
+    modules = dict(target.named_modules())
+    with torch.no_grad():
+        for name, module in draft.named_modules():
+            if not hasattr(module, "qweight"):
+                continue
+            source = getattr(modules[name], "weight", None)
+            if source is None or not source.dtype.is_floating_point:
+                raise ValueError(f"a quantized self-draft quantizes the target's full-precision "
+                                 f"weights; {name} is held packed (a GGUF file's weights: load "
+                                 f"it with gguf_packed=False)")
+            for part, value in zip(("qweight", "scales", "zeros"), min_max_int4(source.data)):
+                getattr(module, part).data.copy_(value)
+        _share_the_rest(draft, target)
+    if kept:
+        prepare_layers(draft)
+    use_cpu_kernels(draft)
+    return draft.eval()
+
+
+def _share_the_rest(draft: LlamaForCausalLM, target: LlamaForCausalLM) -> None:
+    """Every draft parameter and buffer not quantized points at the target's tensor of that
+    name; one the target lacks (a dense layer where the target holds a packed one) is refused."""
+    params: dict[str, Any] = dict(target.named_parameters(remove_duplicate=False))
+    params.update(dict(target.named_buffers(remove_duplicate=False)))
+    for name, tensor in [*draft.named_parameters(), *draft.named_buffers()]:
+        leaf = name.rpartition(".")[2]
+        if leaf in ("qweight", "scales", "zeros"):
+            continue
+        source = params.get(name)
+        if source is None or source.shape != tensor.shape:
+            raise ValueError(f"a quantized self-draft needs the target's {name!r} in full "
+                             f"precision; the target holds "
+                             f"{'none' if source is None else tuple(source.shape)}")
+        tensor.data = source.data
+
+
+def min_max_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K] in [-8, 7], scales, zeros fp32 [N, K / 32]) with
+    w ~ (q - zero) * scale, each group's minimum at q = -8 and maximum at 7, the zero point not
+    rounded (as GGUF's Q4_1 keeps a minimum; the VNNI kernels take any zero): a weight that
+    came from a Q4_1 file (SmolLM2's, dequantized to fp32) is held again exactly. The
+    symmetric-range, integer-zero rounding of `cleave quantize` (`quant.weights.quantize_int`)
+    agrees with the fp32 SmolLM2 on the next token about 60% of the time, this one (measured
+    in `benchmarks/speculative.py`) far more."""
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"input size {k} is not a multiple of {GROUP_SIZE}")
+    groups = w.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = (high - low) / 15.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    zeros = -8.0 - low / scales
+    q = torch.round(groups / scales[..., None] + zeros[..., None]).clamp(-8, 7)
+    return q.reshape(n, k).to(torch.int8), scales, zeros
+
+
+@dataclass
+class _Written:
+    positions: int  # leading positions of the request's draft cache written with its tokens
+    preemptions: int  # the request's preemption count then (a preemption frees its blocks)
+
+
+class SelfDraft(TruncatedDraft):
+    """Drafts with `model` (the target's quantized copy) over `caches` (its own, per layer,
+    shaped as the target's); see the module docstring."""
+
+    name = "quantized_self"
+
+    def __init__(self, model: LlamaForCausalLM, caches: list[torch.Tensor],
+                 device: torch.device, block_size: int, generator: torch.Generator) -> None:
+        self.model, self.caches, self.device = model, caches, device
+        self.block_size, self.generator = block_size, generator
+        self._seeded = torch.Generator(device=device)
+        self._written: weakref.WeakKeyDictionary[Request, _Written] = (
+            weakref.WeakKeyDictionary())
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
+        return self.model(ids, positions, self.caches, meta)
+
+    def _start(self, req: Request) -> int:
+        """The first position of `req` whose draft K/V is not valid."""
+        state = self._written.get(req)
+        if state is None or state.preemptions != req.num_preemptions:
+            return 0
+        return min(state.positions, req.num_computed_tokens)
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int],
+                tables: Sequence[tuple[int, ...]], starts: Sequence[int] = ()) -> list[Draft]:
+        """As `TruncatedDraft.propose`, each request's draft cache first caught up (`starts`:
+        where from; by default from what this draft remembers writing)."""
+        starts = starts or [self._start(r) for r in reqs]
+        drafts = super().propose(reqs, ks, tables, starts)
+        for req, k in zip(reqs, ks):
+            self._written[req] = _Written(req.num_tokens - 1 + k, req.num_preemptions)
+        return drafts
+
+    def _first_step(self, reqs: Sequence[Request], live: list[int],
+                    tables: Sequence[tuple[int, ...]], starts: Sequence[int]) -> torch.Tensor:
+        """The logits after each live request's last token [n, V], its draft cache first
+        filled from `starts[i]` (decodes first in the batch, as the attention expects)."""
+        order = sorted(live, key=lambda i: reqs[i].num_tokens - starts[i] > 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        loc = [0]
+        size = self.block_size
+        for i in order:
+            first, end = starts[i], reqs[i].num_tokens
+            ids += reqs[i].all_token_ids[first:end]
+            pos += range(first, end)
+            loc.append(len(ids))
+        slots = []
+        for i in order:
+            slots += [tables[i][p // size] * size + p % size
+                      for p in range(starts[i], reqs[i].num_tokens)]
+        n = len(order)
+        msg = StepMessage(
+            step_id=0, input_ids=tuple(ids), positions=tuple(pos), slot_mapping=tuple(slots),
+            query_start_loc=tuple(loc), seq_lens=tuple(reqs[i].num_tokens for i in order),
+            block_tables=tuple(tables[i] for i in order),
+            num_decodes=sum(reqs[i].num_tokens - starts[i] == 1 for i in order),
+            logit_rows=tuple(end - 1 for end in loc[1:]))
+        t_ids, t_pos, meta = microbatch_tensors(msg, MicroBatch(0, n, 0, len(ids)), self.device)
+        hidden = self._hidden(t_ids, t_pos, meta)
+        logits = self.model.compute_logits(hidden[list(msg.logit_rows)])
+        back = {i: r for r, i in enumerate(order)}
+        return logits[[back[i] for i in live]]
