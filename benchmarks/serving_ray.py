@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 CLEAVE = str(Path(sys.executable).parent / "cleave")
 RAY_PROCESS_NAMES = ("raylet", "gcs_server", "ray::", "default_worker.py", "dashboard/agent.py",
                      "log_monitor.py", "runtime_env/agent", "monitor.py")
@@ -88,6 +90,21 @@ class ServerProcess:
 
     def stderr_tail(self, chars: int = 2000) -> str:
         return "".join(self._stderr)[-chars:]
+
+    def _wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Until `/health` lists a healthy worker. Raises `RuntimeError` (with the server's
+        last stderr) when it exits first, `TimeoutError` after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"cleave serve exited: {self.stderr_tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).json().get("healthy_workers"):
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(poll_s)
+        raise TimeoutError(f"cleave serve not ready within {timeout_s:.0f}s")
 
     def _terminate(self, timeout_s: float) -> int | None:
         """SIGTERM, wait up to `timeout_s`, then kill; the exit code (None: never started)."""

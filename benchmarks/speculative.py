@@ -78,17 +78,8 @@ class Server(ServerProcess):
 
     def start(self, timeout_s: float = 600.0) -> Server:
         self._spawn()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise RuntimeError(f"cleave serve exited: {self.stderr_tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).json().get("healthy_workers"):
-                    return self
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"cleave serve not ready within {timeout_s:.0f}s")
+        self._wait_healthy(timeout_s, 1.0)
+        return self
 
     def stop(self) -> None:
         self._terminate(60.0)
