@@ -69,22 +69,16 @@ class TruncatedDraft:
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int],
-                tables: Sequence[tuple[int, ...]], starts: Sequence[int] = ()) -> list[Draft]:
+                tables: Sequence[tuple[int, ...]]) -> list[Draft]:
         """Drafts of `ks[i]` tokens for each decoding request (its last token not yet
         computed), whose block table `tables[i]` has slots up to its last drafted position:
         greedy for a greedy request; a sampled one's drawn from the draft's distribution with
-        its temperature and truncation, kept for the verification's rejection sampling.
-        `starts[i]`: where the first step's input begins (a draft with a cache of its own
-        catches up from there; `workers.engine.speculative.quantized_self`)."""
+        its temperature and truncation, kept for the verification's rejection sampling."""
         drafts = [Draft([], []) for _ in reqs]
         inputs = [r.all_token_ids[-1] for r in reqs]
         for j in range(max(ks, default=0)):
             live = [i for i, k in enumerate(ks) if k > j]
-            if j == 0 and starts:
-                logits = self._first_step(reqs, live, tables, starts)
-            else:
-                logits = self._decode_step(reqs, live, j, inputs, tables)
-            logits = logits.float()  # [n, V], as the target samples
+            logits = self._step(reqs, live, j, inputs, tables).float()  # [n, V], as sampled
             tokens = logits.argmax(-1)
             rows = [r for r, i in enumerate(live) if not reqs[i].params.greedy]
             if rows:
@@ -95,10 +89,11 @@ class TruncatedDraft:
                 inputs[i] = token
         return drafts
 
-    def _decode_step(self, reqs: Sequence[Request], live: list[int], j: int,
-                     inputs: list[int], tables: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    def _step(self, reqs: Sequence[Request], live: list[int], j: int,
+              inputs: list[int], tables: Sequence[tuple[int, ...]]) -> torch.Tensor:
         """The logits [n, V] after the `live` requests' `j`-th drafted position (input
-        `inputs[i]`), one token each."""
+        `inputs[i]`), one token each (a draft with a cache of its own first catches it up:
+        `workers.engine.speculative.quantized_self`)."""
         size = self.block_size
         pos = [reqs[i].num_tokens - 1 + j for i in live]
         n = len(live)
@@ -111,11 +106,6 @@ class TruncatedDraft:
             logit_rows=tuple(range(n)))
         ids, positions, meta = microbatch_tensors(msg, MicroBatch(0, n, 0, n), self.device)
         return self.model.compute_logits(self._hidden(ids, positions, meta))
-
-    def _first_step(self, reqs: Sequence[Request], live: list[int],
-                    tables: Sequence[tuple[int, ...]], starts: Sequence[int]) -> torch.Tensor:
-        """The first step when `starts` are given (a draft with a cache of its own)."""
-        raise NotImplementedError(f"{type(self).__name__} shares the target's cache")
 
     def _draw(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], j: int,
               drafts: list[Draft], at: list[int]) -> torch.Tensor:

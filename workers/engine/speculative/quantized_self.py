@@ -138,6 +138,7 @@ class SelfDraft(TruncatedDraft):
         self._seeded = torch.Generator(device=device)
         self._written: weakref.WeakKeyDictionary[Request, _Written] = (
             weakref.WeakKeyDictionary())
+        self._starts: list[int] = []  # this proposal's: where each request's cache is stale
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
         return self.model(ids, positions, self.caches, meta)
@@ -151,33 +152,35 @@ class SelfDraft(TruncatedDraft):
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int],
-                tables: Sequence[tuple[int, ...]], starts: Sequence[int] = ()) -> list[Draft]:
-        """As `TruncatedDraft.propose`, each request's draft cache first caught up (`starts`:
-        where from; by default from what this draft remembers writing)."""
-        starts = starts or [self._start(r) for r in reqs]
-        drafts = super().propose(reqs, ks, tables, starts)
+                tables: Sequence[tuple[int, ...]]) -> list[Draft]:
+        """As `TruncatedDraft.propose`, each request's draft cache first caught up from what
+        this draft remembers writing (`_starts`, read by the first step)."""
+        self._starts = [self._start(r) for r in reqs]
+        drafts = super().propose(reqs, ks, tables)
         for req, k in zip(reqs, ks):
             self._written[req] = _Written(req.num_tokens - 1 + k, req.num_preemptions)
         return drafts
 
-    def _first_step(self, reqs: Sequence[Request], live: list[int],
-                    tables: Sequence[tuple[int, ...]], starts: Sequence[int]) -> torch.Tensor:
-        """The logits after each live request's last token [n, V], its draft cache first
-        filled from `starts[i]` (decodes first in the batch, as the attention expects)."""
+    def _step(self, reqs: Sequence[Request], live: list[int], j: int,
+              inputs: list[int], tables: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """After the first step, as the truncated draft's; the first: the logits after each
+        live request's last token [n, V], its draft cache first filled from `_starts[i]`
+        (decodes first in the batch, as the attention expects)."""
+        if j > 0:
+            return super()._step(reqs, live, j, inputs, tables)
+        starts = self._starts
         order = sorted(live, key=lambda i: reqs[i].num_tokens - starts[i] > 1)
         ids: list[int] = []
         pos: list[int] = []
+        slots: list[int] = []
         loc = [0]
         size = self.block_size
         for i in order:
             first, end = starts[i], reqs[i].num_tokens
             ids += reqs[i].all_token_ids[first:end]
             pos += range(first, end)
+            slots += [tables[i][p // size] * size + p % size for p in range(first, end)]
             loc.append(len(ids))
-        slots = []
-        for i in order:
-            slots += [tables[i][p // size] * size + p % size
-                      for p in range(starts[i], reqs[i].num_tokens)]
         n = len(order)
         msg = StepMessage(
             step_id=0, input_ids=tuple(ids), positions=tuple(pos), slot_mapping=tuple(slots),
