@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -53,12 +54,12 @@ from serving_layers import Sweep, inprocess_server
 from serving_ray import ServerProcess, free_ports
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist (its vendored llama.cpp)
-# int8 / int4 in float32 with the weights kept packed (`fp32_int_kernels`): a decode step then
-# runs every layer in one C call (workers/models/fused_layer.py), where bf16 activations run them one
-# kernel at a time; measured (benchmarks/small_gemm.py, engine section, paired in the same
-# minutes on this 2-core machine, one run, quiet): int8 1.67 / 4.23 / 6.98 ms a decode step at
-# 1 / 4 / 8 streams against bf16's 3.60 / 6.82 / 9.07, int4 1.40 / 4.75 / 8.71 against 3.18 /
-# 6.59 / 10.94 (2.1x / 1.5x / 1.3x)
+# int8 / int4 in float32 with the weights kept packed (`fp32_int_kernels`): a decode step then runs
+# every layer in one C call (workers/models/fused_layer.py), where bf16 activations run them one
+# kernel at a time; measured (benchmarks/small_gemm.py, engine section, paired in the same minutes
+# on this 2-core machine, one run, quiet): int8 1.67 / 4.23 / 6.98 ms a decode step at 1 / 4 / 8
+# streams against bf16's 3.60 / 6.82 / 9.07, int4 1.40 / 4.75 / 8.71 against 3.18 / 6.59 / 10.94
+# (2.1x / 1.5x / 1.3x)
 PAIRS = {  # name: (cleave checkpoint, cleave engine options, llama.cpp GGUF type)
     "fp32": ("fp32", {"dtype": "float32"}, "f32"),
     "int8": ("int8", {"dtype": "float32", "fp32_int_kernels": True}, "q8_0"),
@@ -204,37 +205,37 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_pair(pair: str, tree: Path, ggufs: dict[str, Path], cleave_ckpts: dict[str, Path],
-                 sweep: Sweep, vocab: int, slots: int, args: argparse.Namespace) -> dict:
-    """Every round of a pair, both servers up at once and measured in turn at each concurrency
-    (who goes first alternating by round), so that each ratio pairs two runs seconds apart on
-    this machine, whose speed changes within minutes. Returns per round and concurrency each
-    side's figures, and the CPU seconds each server used while the other was measured."""
-    ckpt, engine, kind = PAIRS[pair]
-    server = LlamaServer(tree, ggufs[kind], slots, args.threads,
-                         slots * (args.input_len + args.output_len + 16)).start()
+def measure_pair(gguf: Path, cleave_model: str, engine: dict, level_of: Callable[..., dict],
+                 concurrencies: tuple[int, ...], ctx: int, tree: Path,
+                 args: argparse.Namespace) -> dict:
+    """Every round of a pair (llama-server on `gguf`, Cleave on `cleave_model` with `engine`
+    options), both servers up at once and measured in turn at each concurrency (who goes first
+    alternating by round), so that each ratio pairs two runs seconds apart on this machine,
+    whose speed changes within minutes. `level_of(base_url, model, c, warmup, round_)` measures
+    one server at one concurrency. Returns per round and concurrency each side's figures, and
+    the CPU seconds each server used while the other was measured."""
+    server = LlamaServer(tree, gguf, max(concurrencies), args.threads, ctx).start()
     try:
-        with inprocess_server(str(cleave_ckpts[ckpt]), {"num_workers": 1}, 64, args.threads,
+        with inprocess_server(cleave_model, {"num_workers": 1}, 64, args.threads,
                               engine) as (base_url, model_name):
             (child,) = [p for p in multiprocessing.active_children()
                         if p.name == "cleave-inprocess"]
-            sides = {"llama_cpp": (server.base_url, ggufs[kind].name, server.pid),
+            sides = {"llama_cpp": (server.base_url, gguf.name, server.pid),
                      "cleave": (base_url, model_name, child.pid)}
             rounds: list[dict] = []
-            idle_cpu = {side: 0.0 for side in sides}
+            idle_cpu = dict.fromkeys(sides, 0.0)
             for r in range(args.rounds):
                 figures: dict = {side: {} for side in sides}
-                for c in sweep.concurrencies:
+                for c in concurrencies:
                     for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                         url, model, _ = sides[side]
                         (other,) = (s for s in sides if s != side)
                         before = cpu_seconds(sides[other][2])
-                        figures[side][c] = level(url, model, sweep, c, vocab,
-                                                 warmup=2 if r == 0 else 0, round_=r)
+                        figures[side][c] = level_of(url, model, c, 2 if r == 0 else 0, r)
                         idle_cpu[other] += cpu_seconds(sides[other][2]) - before
                 rounds.append(figures)
     except RuntimeError as e:
-        raise RuntimeError(f"{pair}: {e}; llama-server's log ends: "
+        raise RuntimeError(f"{gguf.name}: {e}; llama-server's log ends: "
                            f"{server.stderr_tail(1500)}") from None
     finally:
         server.stop()
@@ -310,7 +311,11 @@ def main(argv: list[str] | None = None) -> dict:
                     "rounds": args.rounds,
                     "pairs": {}}
     for pair in args.pairs.split(","):
-        measured = measure_pair(pair, tree, ggufs, cleave_ckpts, sweep, vocab, slots, args)
+        ckpt, engine, kind = PAIRS[pair]
+        measured = measure_pair(
+            ggufs[kind], str(cleave_ckpts[ckpt]), engine,
+            lambda url, model, c, warmup, r: level(url, model, sweep, c, vocab, warmup, r),
+            concurrencies, slots * (args.input_len + args.output_len + 16), tree, args)
         result["pairs"][pair] = summarize_pair(pair, measured, result)
     return emit(result, args.out)
 

@@ -96,6 +96,42 @@ def test_logits_and_greedy_tokens_match_transformers_on_the_same_file(
                        zip(sample.logprobs, ref.logprobs)) <= TOL
 
 
+# llama.cpp's own quantizer, as `benchmarks/peer_llamacpp.py` builds it (cached; not built here:
+# that takes most of an hour on two cores)
+LLAMA_QUANTIZE = (Path.home() / ".cache/cleave/peer_llamacpp/llama_cpp_python-0.3.36/vendor"
+                  / "llama.cpp/build/bin/llama-quantize")
+# llama-quantize's mixes: Q4_K_M and Q5_K_M put some tensors in Q6_K, the rest in Q4_K / Q5_K
+LLAMA_CPP_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}, "Q6_K": {"Q6_K"}}
+
+
+@pytest.mark.skipif(not LLAMA_QUANTIZE.exists(),
+                    reason=f"llama.cpp's llama-quantize is not built at {LLAMA_QUANTIZE} "
+                           "(python benchmarks/peer_llamacpp.py builds it)")
+@pytest.mark.parametrize("mix", sorted(LLAMA_CPP_TYPES))
+def test_k_quant_files_made_by_llama_quantize_match_transformers(checkpoints, tmp_path, mix):
+    """K-quant files as llama.cpp writes them (its own block search and type mix), not only as
+    the gguf package's reference quantizer does: Cleave's logits equal transformers' on the
+    same file, and its greedy tokens too."""
+    import subprocess
+
+    import gguf
+
+    f32 = write_gguf(checkpoints("llama", True), tmp_path / "f32.gguf", "F32")
+    path = tmp_path / f"{mix}.gguf"
+    subprocess.run([str(LLAMA_QUANTIZE), str(f32), str(path), mix], check=True,
+                   capture_output=True, timeout=120)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert LLAMA_CPP_TYPES[mix] <= types, types  # the file holds the mix's K-quant types
+    reference = transformers_gguf(path)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPTS[0]])).logits[0].float()
+    assert (cleave_logits(path, PROMPTS[0]) - expected).abs().max().item() <= TOL
+    llm = LLM(str(path), dtype="float32", block_size=4, num_blocks=128)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    (out,) = llm.generate(PROMPTS[:1], params)
+    assert out.outputs[0].token_ids == greedy_reference(reference, PROMPTS[0], STEPS).tokens
+
+
 def test_llama3_rope_scaling_from_the_rope_freqs_tensor(checkpoints, tmp_path):
     """llama.cpp writes Llama 3's RoPE scaling as per-frequency divisors, which transformers'
     GGUF loading ignores: Cleave reading them gives the logits of the checkpoint the file
