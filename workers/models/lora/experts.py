@@ -107,11 +107,13 @@ class ExpertLora:
         self.b13: torch.Tensor | None = None  # [E, 2 * I_local, L * R]
         self.a2: torch.Tensor | None = None  # [E, L * R, I_local]
         self.b2: torch.Tensor | None = None  # [E, H, L * R]
+        self.filled: set[int] = set()  # the slots holding an adapter with expert weights
 
     @property
     def active(self) -> bool:
-        """Whether this step's rows may have expert products to add."""
-        return self.batch.active and self.a13 is not None
+        """Whether this step has rows of an adapter with expert products to add (else the
+        experts run their usual paths)."""
+        return self.batch.active and any(s in self.filled for s, _, _ in self.batch.segments)
 
     def host_stacks(self, pairs: Mapping[str, ExpertPair]) -> tuple[torch.Tensor, ...]:
         """One adapter's (A13, B13, A2, B2) for a slot, this rank's shard, padded to max_rank;
@@ -137,13 +139,29 @@ class ExpertLora:
         return tuple(torch.zeros(shape, dtype=self.dtype, device=device) for shape in (
             (e, width, h), (e, 2 * i, width), (e, width, i), (e, h, width)))
 
+    def allocate(self) -> None:
+        """The device stacks, once (the first adapter on experts: `AdapterSlots.add`, which
+        turns a device out of memory into a refusal)."""
+        if self.a13 is None:
+            self.a13, self.b13, self.a2, self.b2 = self._zeros(
+                self.max_loras * self.max_rank, self.device)
+
+    def nbytes(self) -> int:
+        """What `allocate` takes on the device."""
+        e, h, i = self.shape.num_experts, self.shape.hidden_size, self.inter_local
+        width = self.max_loras * self.max_rank
+        return e * width * (2 * h + 3 * i) * self.dtype.itemsize
+
     def write_slot(self, slot: int, stacks: Sequence[torch.Tensor] | None) -> None:
         """Puts an adapter's host stacks into `slot` (None: zeros, it has no expert weights)."""
         if self.a13 is None:
             if stacks is None:
                 return  # nothing allocated, nothing to clear
-            self.a13, self.b13, self.a2, self.b2 = self._zeros(
-                self.max_loras * self.max_rank, self.device)
+            self.allocate()
+        if stacks is None:
+            self.filled.discard(slot)
+        else:
+            self.filled.add(slot)
         cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         views = (self.a13[:, cols], self.b13[:, :, cols],  # type: ignore[index]
                  self.a2[:, cols], self.b2[:, :, cols])  # type: ignore[index]

@@ -223,9 +223,24 @@ class AdapterSlots:
             p: self.projections[p].host_stacks(w) for p, w in grouped.items()}
         for module, pairs in weights.experts.items():
             host[module] = self.experts[module].host_stacks(pairs)
+        if weights.experts:
+            self._allocate_experts(name)
         self._host[name] = host
         self.paths[name] = weights.path
         return weights
+
+    def _allocate_experts(self, name: str) -> None:
+        """Every layer's expert slots on the device (the first adapter on experts); a device
+        out of memory refuses `name`."""
+        try:
+            for hook in self.experts.values():
+                hook.allocate()
+        except torch.OutOfMemoryError:
+            size = sum(h.nbytes() for h in self.experts.values()) / 2**30
+            raise LoraAdapterError(
+                f"adapter {name!r}: the experts' adapter slots need {size:.2f} GiB on "
+                f"{self.device}, which is out of memory (fewer max_loras or a smaller "
+                "max_lora_rank)") from None
 
     def remove(self, name: str) -> None:
         """Forget `name` (its slot's stale copy is overwritten by the next adapter written
