@@ -127,16 +127,19 @@ def greedy_reference(model: torch.nn.Module, prompt: list[int], steps: int) -> R
 
 
 def peft_adapter(base: torch.nn.Module, folder: Path, targets: list[str], rank: int,
-                 alpha: float, rslora: bool, seed: int) -> torch.nn.Module:
+                 alpha: float, rslora: bool, seed: int,
+                 parameters: list[str] | None = None) -> torch.nn.Module:
     """A PEFT LoRA (`get_peft_model`) on a copy of `base`, its A and B drawn at random (PEFT
     starts B at zero: the adapter would change nothing), saved by `save_pretrained`; returns
-    the PEFT model (the oracle). Needs PEFT (the test extras)."""
+    the PEFT model (the oracle). `parameters`: PEFT's `target_parameters` (an MoE's experts).
+    Needs PEFT (the test extras)."""
     import copy
 
     import peft
 
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                             lora_dropout=0.0, use_rslora=rslora)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or None,
+                             target_parameters=parameters, lora_dropout=0.0,
+                             use_rslora=rslora)
     model = peft.get_peft_model(copy.deepcopy(base), config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -150,11 +153,16 @@ def peft_adapter(base: torch.nn.Module, folder: Path, targets: list[str], rank: 
 # PEFT's module names on every family's attention and dense MLP
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-# adapter name -> (targets, rank, alpha, rsLoRA): attention-only and attention + MLP, two ranks
+# adapter name -> (targets, rank, alpha, rsLoRA[, target_parameters]): attention-only and
+# attention + MLP, two ranks
 DENSE_ADAPTERS = {"attn": (ATTENTION, 4, 8, False), "full": (ATTENTION + MLP, 8, 16, True)}
-# an MoE's experts have no MLP modules PEFT's target_modules reaches as such: two attention ones
-MOE_ADAPTERS = {"attn": (ATTENTION, 4, 8, False), "qvo": (["q_proj", "v_proj", "o_proj"], 8,
-                                                          16, True)}
+# an MoE's experts are 3-D parameters in transformers, which PEFT reaches by target_parameters
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# an MoE's: attention only, and attention + its experts (the families whose experts take LoRA:
+# Qwen2/3-MoE's; the others' `MOE_ADAPTERS` stay on the attention)
+MOE_ADAPTERS = {"attn": (ATTENTION, 4, 8, False),
+                "qvo": (["q_proj", "v_proj", "o_proj"], 8, 16, True, EXPERTS)}
+EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 
@@ -168,11 +176,14 @@ def peft_family(arch: str, root: Path, prompts: list[list[int]], steps: int,
     references)."""
     base = save_hf_model(arch, root / "base")
     specs = {**(MOE_ADAPTERS if arch in MOE_FAMILIES else DENSE_ADAPTERS), **(extra or {})}
+    if arch not in EXPERT_FAMILIES:  # an MoE whose experts are refused: its attention only
+        specs = {n: spec[:4] for n, spec in specs.items()}
     folders: dict[str, Path] = {}
     refs = {(None, tuple(p)): greedy_reference(base, p, steps) for p in prompts}
     for seed, (name, spec) in enumerate(specs.items()):
         folders[name] = root / name
-        model = peft_adapter(base, folders[name], *spec, seed=seed)
+        model = peft_adapter(base, folders[name], *spec[:4], seed=seed,
+                             parameters=spec[4] if len(spec) > 4 else None)
         for prompt in prompts:
             refs[name, tuple(prompt)] = greedy_reference(model, prompt, steps)
     return str(root / "base"), folders, refs

@@ -1,10 +1,10 @@
 """LoRA adapters against PEFT itself: adapters made with `get_peft_model` + `save_pretrained` on
 checkpoints transformers wrote, served by the engine alone and mixed in one batch with the base
 model and each other; logprobs of 32 greedy tokens within 1e-4 (fp32) and the tokens identical
-to PEFT recomputing the whole sequence each step (dense families, and an MoE's attention; its
-experts, which PEFT reaches only by `target_parameters`, are refused). Then the adapters a user
-gets wrong, refused with what is wrong, and the prefix cache kept apart per adapter. Under
-TP=2: `tests/workers/test_parallel_engine.py`."""
+to PEFT recomputing the whole sequence each step (dense families, and an MoE's attention and
+experts, which PEFT reaches by `target_parameters`; a mixed prefill's logits too). Then the
+adapters a user gets wrong, refused with what is wrong (Mixtral's experts among them), and the
+prefix cache kept apart per adapter. Under TP=2: `tests/workers/test_parallel_engine.py`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ import shutil
 
 import pytest
 
-from tests.workers.hf_oracle import (ATTENTION, DENSE_ADAPTERS, peft_adapter, peft_family,
-                                     save_hf_model)
+import torch
+
+from tests.workers.hf_oracle import (ATTENTION, DENSE_ADAPTERS, EXPERTS, peft_adapter,
+                                     peft_family, save_hf_model)
 from workers import LLM, SamplingParams
+from workers.engine.parallel.messages import StepMessage
 from workers.models.lora import LoraAdapterError
 
 peft = pytest.importorskip("peft", reason="PEFT is the oracle (the test extras install it)")
@@ -30,9 +33,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logp
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
 def family(request, tmp_path_factory):
     """(checkpoint, adapter folders, references by (adapter or None, prompt)); an MoE's
-    adapters target its attention (`MOE_ADAPTERS`)."""
+    adapters target its attention, and its experts (`MOE_ADAPTERS`), one its experts only."""
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
-    return peft_family(request.param, root, PROMPTS, STEPS)
+    extra = {"experts": ([], 4, 8, False, EXPERTS)} if request.param == "qwen3_moe" else None
+    return peft_family(request.param, root, PROMPTS, STEPS, extra)
 
 
 def serve(path, folders, **options):
@@ -54,7 +58,7 @@ def test_each_adapter_alone_and_all_mixed_in_one_batch_match_peft(family):
     path, folders, refs = family
     for name in folders:  # each adapter changes the output: the test can tell them apart
         assert any(refs[name, tuple(p)].tokens != refs[None, tuple(p)].tokens for p in PROMPTS)
-    llm = serve(path, folders, max_loras=2)
+    llm = serve(path, folders, max_loras=len(folders))
     for name in folders:
         assert_matches(llm.generate(PROMPTS, GREEDY, lora_name=name), [name] * len(PROMPTS),
                        PROMPTS, refs)
@@ -192,19 +196,77 @@ def test_prefix_cache_is_kept_apart_per_adapter(family):
     assert reloaded[0].outputs[0].token_ids == refs["full", tuple(prompt)].tokens
 
 
+def mixed_prefill(prompts, slots, writes):
+    """One step prefilling each of `prompts` (its own blocks of 4) under its adapter slot (-1:
+    the base model), every row's logits wanted."""
+    starts, blocks, first = [0], [], 0
+    for p in prompts:
+        starts.append(starts[-1] + len(p))
+        count = -(-len(p) // 4)
+        blocks.append(tuple(range(first, first + count)))
+        first += count
+    slot_mapping = [b[i // 4] * 4 + i % 4 for p, b in zip(prompts, blocks) for i in range(len(p))]
+    return StepMessage(step_id=0, input_ids=tuple(t for p in prompts for t in p),
+                       positions=tuple(i for p in prompts for i in range(len(p))),
+                       slot_mapping=tuple(slot_mapping), query_start_loc=tuple(starts),
+                       seq_lens=tuple(len(p) for p in prompts), block_tables=tuple(blocks),
+                       num_decodes=0, logit_rows=tuple(range(starts[-1])),
+                       lora_slots=tuple(slots), lora_writes=tuple(writes))
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
-def test_lora_on_an_moe_s_experts_is_refused_naming_what_peft_targeted(family, tmp_path):
-    """PEFT reaches an MoE's experts (3D parameters in transformers, no Linear modules) only
-    through `target_parameters`; the engine takes LoRA on the attention and refuses those."""
+def test_lora_on_an_moe_s_experts_prefill_logits_match_peft_in_a_mixed_step(family):
+    """PEFT's `target_parameters` LoRA on the experts (gate_up_proj and down_proj, PEFT's
+    interleaved per-expert rank blocks): one prefill step of the base model, the experts-only
+    adapter and the attention + experts one gives each sequence PEFT's logits within 1e-4, and
+    each adapter's expert products are what moves them (the base model's are far off)."""
     import transformers
 
     path, folders, _ = family
-    base = transformers.AutoModelForCausalLM.from_pretrained(path)
-    config = peft.LoraConfig(r=4, target_modules=["q_proj"],
-                             target_parameters=["mlp.experts.gate_up_proj"])
-    peft.get_peft_model(base, config).save_pretrained(tmp_path / "experts")
+    llm = serve(path, folders, max_loras=2)
+    prompts = [PROMPTS[1][:13], PROMPTS[0], PROMPTS[1][5:]]
+    loras = [None, "experts", "qvo"]
+    msg = mixed_prefill(prompts, (-1, 0, 1), ((0, "experts"), (1, "qvo")))
+    logits = llm.engine.runner.executor.execute(msg)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    first = 0
+    for prompt, lora in zip(prompts, loras, strict=True):
+        model = base if lora is None else peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(path), folders[lora]).eval()
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0].float()
+            plain = base(torch.tensor([prompt])).logits[0].float()
+        got = logits[first:first + len(prompt)]
+        first += len(prompt)
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL, msg=f"adapter {lora}")
+        if lora is not None:
+            assert (want - plain).abs().max() > 100 * TOL  # the adapter moves the logits
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
+def test_an_expert_target_this_model_lacks_is_refused_naming_it(family, tmp_path):
+    path, folders, _ = family
+    broken = tmp_path / "broken"
+    shutil.copytree(folders["experts"], broken)
+    config = json.loads((broken / "adapter_config.json").read_text())
+    config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.w1"]
+    (broken / "adapter_config.json").write_text(json.dumps(config))
     llm = serve(path, {"attn": folders["attn"]}, max_loras=1)
-    with pytest.raises(LoraAdapterError, match=r"target_parameters \['mlp.experts.gate_up_proj'"):
+    with pytest.raises(LoraAdapterError, match=r"target_parameters \['mlp.experts.w1'\] match no"):
+        llm.engine.adapters.load("broken", str(broken))
+    assert llm.engine.adapters.names() == ["attn"]
+
+
+def test_lora_on_mixtral_s_experts_is_refused_naming_the_layout(tmp_path):
+    """Mixtral's experts sit under `block_sparse_moe` here, transformers' `mlp`: PEFT's
+    `target_parameters` on them are refused by name; its attention takes LoRA."""
+    base = save_hf_model("mixtral", tmp_path / "base")
+    peft_adapter(base, tmp_path / "experts", ["q_proj"], 4, 8, False, seed=0,
+                 parameters=EXPERTS)
+    peft_adapter(base, tmp_path / "attn", ["q_proj"], 4, 8, False, seed=1)
+    llm = serve(str(tmp_path / "base"), {"attn": tmp_path / "attn"}, max_loras=1)
+    with pytest.raises(LoraAdapterError, match=r"MixtralForCausalLM's experts at "
+                       r"model\.layers\.0\.block_sparse_moe\.experts"):
         llm.engine.adapters.load("experts", str(tmp_path / "experts"))
     assert llm.engine.adapters.names() == ["attn"]
 

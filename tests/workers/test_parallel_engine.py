@@ -13,7 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.workers.hf_oracle import MLP, greedy_reference, peft_family, save_hf_model
+from tests.workers.hf_oracle import (EXPERTS, MLP, greedy_reference, peft_family,
+                                     save_hf_model)
 from workers import LLM, SamplingParams
 from workers.engine.parallel.messages import StepMessage
 from workers.models.lora import LoraAdapterError
@@ -95,11 +96,12 @@ def test_parallel_layout_matches_single_process_and_transformers(checkpoint, lay
 
 
 # LoRA under TP=2: PEFT adapters (made by `get_peft_model` + `save_pretrained`) sharded as their
-# projections, on the dense family and an MoE's attention; a third adapter each (MLP only on
-# the dense family, two attention projections on the MoE) so a batch mixes the base and three
+# projections, on the dense family and an MoE's attention and experts (`MOE_ADAPTERS`); a third
+# adapter each (MLP only on the dense family, two attention projections and the experts on the
+# MoE) so a batch mixes the base and three
 LORA_PROMPTS = PROMPTS[:2]
 THIRD_ADAPTER = {"llama": {"mlp": (MLP, 2, 4, False)},
-                 "qwen3_moe": {"ko": (["k_proj", "o_proj"], 2, 4, False)}}
+                 "qwen3_moe": {"ko": (["k_proj", "o_proj"], 2, 4, False, EXPERTS)}}
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,15 @@ serve decodes: each block reads only its own expert's weights, where the dense f
 expert's and computes E_local / k times the FLOPs. Without Triton (a GPU without the package),
 steps of up to DENSE_MAX_TOKENS tokens run every local expert over every token, weighted by the
 routing (0 where not picked), and larger ones the loop (one `unique` read per layer plus one per
-expert present). Expert parallelism exchanges row counts on the host by design.
+expert present). Expert parallelism exchanges row counts on the host by design. A step with
+LoRA rows on experts (`workers.models.lora.experts`) runs the loop on any device, each row's
+adapter products added inside its experts.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,9 @@ from workers.kernels import use_triton
 from workers.models.layers import ReplicatedLinear, Shard, WeightShapeError, _make_param
 from workers.models.moe_config import MoEConfig
 from workers.models.comm import Communicator
+
+if TYPE_CHECKING:  # the hook's type only: workers.models.lora imports this module
+    from workers.models.lora.experts import ExpertLora
 
 GATE, UP, DOWN = 0, 1, 2  # shard ids of an expert's w1/gate_proj, w3/up_proj, w2/down_proj
 DENSE_MAX_TOKENS = 64  # on a GPU without Triton, steps up to this many tokens run every expert
@@ -72,7 +78,10 @@ class FusedExperts(nn.Module):
     w2 [E_local, H, I_local] (and with `bias`, w13_bias [E_local, 2 * I_local] and w2_bias
     [E_local, H]). Loaded from HF's per-expert tensors with shard id (expert, GATE | UP |
     DOWN); experts another EP rank owns are skipped. `clamped_swiglu`: (alpha, limit) of
-    gpt-oss's activation, else silu(gate) * up."""
+    gpt-oss's activation, else silu(gate) * up. `lora`: its adapters' expert products
+    (`workers.models.lora.experts`), installed by the adapter slots where supported."""
+
+    lora: ExpertLora | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  shard: Shard, comm: Communicator | None, bias: bool = False,
@@ -134,6 +143,11 @@ class FusedExperts(nn.Module):
                   weights: torch.Tensor | None) -> torch.Tensor:
         """x: [N, H]; ids: [N, k] local expert ids; weights [N, k] or None (k == 1, unweighted).
         Returns sum_k weight * expert(x) [N, H], this rank's partial sum under TP."""
+        lora = self.lora
+        if lora is not None and lora.active:  # adapter rows: the loop, their products inside
+            if self.expert_parallel:
+                raise RuntimeError("LoRA on experts under expert parallelism is not supported")
+            return self._run_loop(x, ids, weights, lora)
         if gpu_paths(x.device) and use_triton(x):
             from workers.kernels.fused_moe import fused_moe
 
@@ -141,10 +155,17 @@ class FusedExperts(nn.Module):
                              self.w2_bias if self.add_w2_bias else None, self.clamped_swiglu)
         if gpu_paths(x.device) and x.shape[0] <= DENSE_MAX_TOKENS:
             return self._run_dense(x, ids, weights)
+        return self._run_loop(x, ids, weights)
+
+    def _run_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None,
+                  lora: ExpertLora | None = None) -> torch.Tensor:
+        """`run_local` expert by expert (those present, read on the host); with `lora`, each
+        row's adapter products added inside its experts (x's rows are the step's tokens)."""
+        mask = None if lora is None else lora.row_mask()  # [N, L * R]
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)
-            y = self._expert(x[rows], e)
+            y = self._expert(x[rows], e, lora, None if mask is None else mask[rows])
             if weights is not None:
                 y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
@@ -164,16 +185,24 @@ class FusedExperts(nn.Module):
             out += (self._expert(x, e) * routing[:, e, None]).to(out.dtype)
         return out
 
-    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """Local expert e's output for rows x [N, H] (its bias on w2 only where added here)."""
+    def _expert(self, x: torch.Tensor, e: int, lora: ExpertLora | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Local expert e's output for rows x [N, H] (its bias on w2 only where added here),
+        with `lora` each row's adapter products (`mask` [N, L * R] its slot's columns)."""
         b13 = self.w13_bias
         b2 = self.w2_bias if self.add_w2_bias else None
-        gate, up = F.linear(x, self.w13_weight[e], None if b13 is None else b13[e]).chunk(2, -1)
+        gate_up = F.linear(x, self.w13_weight[e], None if b13 is None else b13[e])
+        if lora is not None and mask is not None:
+            gate_up = gate_up + lora.gate_up(x, mask, e)
+        gate, up = gate_up.chunk(2, -1)
         if self.clamped_swiglu is not None:
             hidden = clamped_swiglu(gate, up, *self.clamped_swiglu)
         else:
             hidden = F.silu(gate) * up
-        return F.linear(hidden, self.w2_weight[e], None if b2 is None else b2[e])
+        out = F.linear(hidden, self.w2_weight[e], None if b2 is None else b2[e])
+        if lora is not None and mask is not None:
+            out = out + lora.down(hidden, mask, e)
+        return out
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H] (replicated over the group); ids, weights: [T, k] -> [T, H] replicated

@@ -4,7 +4,8 @@
 Everything is read and validated before anything is kept: a bad adapter raises
 `LoraAdapterError` naming what is wrong (a missing file, an unknown target module, a rank over
 the limit, a tensor whose shape does not fit the base model, a PEFT feature not supported) and
-leaves nothing behind.
+leaves nothing behind. LoRA on an MoE's experts (PEFT's `target_parameters`) is read by
+`workers.models.lora.experts`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from workers.models.lora.experts import (ExpertLoraError, ExpertPair, ExpertShape,
+                                         expert_keys, expert_pair)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -45,6 +49,9 @@ class AdapterWeights:
     rank: int
     scaling: float
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # per HF experts module path ("model.layers.0.mlp.experts"), per parameter ("gate_up_proj",
+    # "down_proj"): its experts' A [E, r, in] and scaled B [E, out, r] (`lora.experts`)
+    experts: dict[str, dict[str, ExpertPair]] = field(default_factory=dict)
 
 
 def _config(folder: Path, name: str) -> dict:
@@ -64,11 +71,6 @@ def _config(folder: Path, name: str) -> dict:
                    "alpha_pattern": bool(config.get("alpha_pattern")),
                    "bias": config.get("bias", "none") != "none"}
     bad = [k for k, v in unsupported.items() if v]
-    if config.get("target_parameters"):  # PEFT's LoRA on bare parameters: an MoE's experts
-        raise LoraAdapterError(f"adapter {name!r}: target_parameters "
-                               f"{config['target_parameters']} in {CONFIG_FILE} not supported "
-                               "(LoRA on an MoE's experts; attention and dense MLP projections "
-                               "only)")
     if bad:
         raise LoraAdapterError(f"adapter {name!r}: {', '.join(bad)} in {CONFIG_FILE} "
                                "not supported (plain LoRA on linear projections only)")
@@ -77,6 +79,8 @@ def _config(folder: Path, name: str) -> dict:
 
 def _check_targets(config: dict, name: str, known: set[str]) -> None:
     targets = config.get("target_modules")
+    if not targets and config.get("target_parameters"):
+        return  # experts only
     if isinstance(targets, str) or not targets:
         raise LoraAdapterError(f"adapter {name!r}: target_modules must be a list of module "
                                f"names, got {targets!r}")
@@ -87,15 +91,20 @@ def _check_targets(config: dict, name: str, known: set[str]) -> None:
 
 
 def read_adapter(name: str, path: str | Path, targets: Mapping[str, TargetShape],
-                 max_rank: int, dtype: torch.dtype) -> AdapterWeights:
+                 max_rank: int, dtype: torch.dtype,
+                 experts: Mapping[str, ExpertShape] | None = None,
+                 experts_refused: str = "this model has no experts") -> AdapterWeights:
     """The adapter at `path`, checked against `targets` (HF module path -> shape of each
-    projection this model hooks; their last dotted part is the PEFT target name) and
-    `max_rank`. Raises `LoraAdapterError`."""
+    projection this model hooks; their last dotted part is the PEFT target name), `experts`
+    (HF experts module path -> its sizes, the experts that take PEFT's `target_parameters`;
+    none: such an adapter is refused saying `experts_refused`) and `max_rank`. Raises
+    `LoraAdapterError`."""
     folder = Path(path)
     if not folder.is_dir():
         raise LoraAdapterError(f"adapter {name!r}: no folder at {folder}")
     config = _config(folder, name)
     _check_targets(config, name, {t.rsplit(".", 1)[-1] for t in targets})
+    keys = _expert_keys(config, name, experts or {}, experts_refused)
     rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
     if not 1 <= rank <= max_rank:
         raise LoraAdapterError(f"adapter {name!r}: rank r={rank} is over max_lora_rank="
@@ -118,15 +127,45 @@ def read_adapter(name: str, path: str | Path, targets: Mapping[str, TargetShape]
         if match is None:
             raise LoraAdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight")
         module, which = match.groups()
-        if module not in targets:
+        if module not in targets and module not in keys:
             raise LoraAdapterError(f"adapter {name!r}: tensor {key!r} targets {module!r}, "
                                    "which this model has no LoRA-capable projection for")
         pairs.setdefault(module, {})[which] = tensor
     modules = {m: _checked_pair(name, m, p, targets[m], rank, scaling, dtype)
-               for m, p in pairs.items()}
-    if not modules:
+               for m, p in pairs.items() if m in targets}
+    on_experts: dict[str, dict[str, ExpertPair]] = {}
+    for key, (module, param) in keys.items():
+        pair = pairs.get(key, {})
+        if set(pair) != {"A", "B"}:
+            raise LoraAdapterError(f"adapter {name!r}: {module}.{param} (target_parameters) "
+                                   f"has no lora_A and lora_B under {key!r}")
+        try:
+            on_experts.setdefault(module, {})[param] = expert_pair(
+                module, param, pair["A"], pair["B"], experts[module],  # type: ignore[index]
+                rank, scaling, dtype)
+        except ExpertLoraError as e:
+            raise LoraAdapterError(f"adapter {name!r}: {e}") from None
+    if not modules and not on_experts:
         raise LoraAdapterError(f"adapter {name!r}: {weights} holds no LoRA weights")
-    return AdapterWeights(name, str(folder), rank, scaling, modules)
+    return AdapterWeights(name, str(folder), rank, scaling, modules, on_experts)
+
+
+def _expert_keys(config: dict, name: str, experts: Mapping[str, ExpertShape],
+                 refused: str) -> dict[str, tuple[str, str]]:
+    """Where the adapter's `target_parameters` pairs are saved -> (experts module, param)."""
+    wanted = config.get("target_parameters") or []
+    if not wanted:
+        return {}
+    if isinstance(wanted, str):
+        raise LoraAdapterError(f"adapter {name!r}: target_parameters must be a list, got "
+                               f"{wanted!r}")
+    if not experts:
+        raise LoraAdapterError(f"adapter {name!r}: target_parameters {wanted} in {CONFIG_FILE} "
+                               f"(LoRA on an MoE's experts) not supported: {refused}")
+    try:
+        return expert_keys(wanted, experts)
+    except ExpertLoraError as e:
+        raise LoraAdapterError(f"adapter {name!r}: {e}") from None
 
 
 def _checked_pair(name: str, module: str, pair: dict[str, torch.Tensor], shape: TargetShape,

@@ -55,6 +55,9 @@ class LoraBatch:
         self.segments: list[tuple[int, int, int]] = []  # (slot, first, end) into `rows`
         # the same on the host, int64 [num_segments, 3] (the fused CPU stack reads it)
         self.segment_table = torch.empty(0, 3, dtype=torch.int64)
+        # each token row's slot (-1: the base model), on the device: an MoE's experts see
+        # their rows in routing order, not grouped (`workers.models.lora.experts`)
+        self.token_slots = torch.empty(0, dtype=torch.int64)
 
     def begin(self, query_start_loc: Sequence[int], seq_slots: Sequence[int],
               device: torch.device) -> None:
@@ -77,6 +80,7 @@ class LoraBatch:
         self.segment_table = torch.stack((ids, ends - sizes, ends), 1).contiguous()
         self.segments = [(s, f, e) for s, f, e in self.segment_table.tolist()]
         self.rows = rows.to(device, non_blocking=True)
+        self.token_slots = token_slots.to(device, non_blocking=True)
         # the segments padded to the longest, for one batched matmul: [S, longest] indices into
         # the grouped rows (padding: one past them, a zero row), and where the real ones sit
         span = torch.arange(int(sizes.max()))

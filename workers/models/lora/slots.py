@@ -9,7 +9,10 @@ hold the same adapters.
 
 Which projections take LoRA: the attention's fused q/k/v (`q_proj`, `k_proj`, `v_proj`) and
 `o_proj`, and a dense MLP's fused gate/up (`gate_proj`, `up_proj`) and `down_proj`, each
-sharded as its base projection on a tensor-parallel rank. An MoE's experts take none.
+sharded as its base projection on a tensor-parallel rank. An MoE's routed experts take PEFT's
+`target_parameters` (`workers.models.lora.experts`) where their layout is transformers' own
+(`_experts_refused`: Qwen2-MoE's and Qwen3-MoE's; not Mixtral's, gpt-oss's or DeepSeek's, nor
+under expert parallelism).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from torch import nn
 
 from workers.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear,
                                    QKVParallelLinear, RowParallelLinear)
+from workers.models.moe import FusedExperts, SparseMoeBlock
+from workers.models.lora.experts import ExpertLora, ExpertShape
 from workers.models.lora.peft_folder import (AdapterWeights, LoraAdapterError, TargetShape,
                                              read_adapter)
 from workers.models.lora.projection import LoraBatch, LoraProjection, Sub
@@ -61,6 +66,41 @@ def _in_slice(layer: nn.Module) -> tuple[int, int] | None:
         size = layer.input_size_per_rank
         return layer.tp_rank * size, size
     return None
+
+
+def _experts_refused(model: nn.Module) -> str | None:
+    """Why `model`'s experts take no LoRA (None: they do, or it has none to refuse)."""
+    moe_blocks = {p for p, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    for path, layer in model.named_modules():
+        if not isinstance(layer, FusedExperts):
+            continue
+        kind = type(model).__name__
+        parent = path.rsplit(".", 1)[0]
+        if layer.expert_parallel:
+            return "experts split over ranks by expert parallelism (use tensor parallelism)"
+        if layer.w13_bias is not None or layer.clamped_swiglu is not None:
+            return f"{kind}'s experts (biased, clamped SwiGLU, transposed in transformers)"
+        if parent not in moe_blocks:
+            return f"{kind}'s experts (routing outside the sparse MoE block)"
+        if not parent.endswith(".mlp"):  # Mixtral: ours `block_sparse_moe`, transformers' `mlp`
+            return f"{kind}'s experts at {path} (a layout other than transformers' mlp.experts)"
+    return None
+
+
+def _expert_hooks(model: nn.Module, batch: LoraBatch, max_loras: int, max_rank: int,
+                  dtype: torch.dtype, device: torch.device) -> dict[str, ExpertLora]:
+    """HF experts module path -> the hook installed on it (none where `_experts_refused`)."""
+    if _experts_refused(model) is not None:
+        return {}
+    hooks: dict[str, ExpertLora] = {}
+    for path, layer in model.named_modules():
+        if isinstance(layer, FusedExperts):
+            shape = ExpertShape(layer.num_experts, layer.hidden_size, layer.intermediate_size)
+            hook = ExpertLora(batch, shape, layer.inter_local, layer.tp_rank, max_loras,
+                              max_rank, dtype, device)
+            layer.lora = hook
+            hooks[path] = hook
+    return hooks
 
 
 class SlotTable:
@@ -153,14 +193,17 @@ class AdapterSlots:
                 self._where[f"{prefix}.{sub.name}"] = (path, sub.name)
         if not self.projections:
             raise ValueError(f"{type(model).__name__} has no projection that takes LoRA")
+        self.experts = _expert_hooks(model, self.batch, max_loras, max_rank, self.dtype,
+                                     self.device)  # HF experts module path -> its hook
+        self.experts_refused = _experts_refused(model) or "this model has no experts"
         for module in model.modules():  # the fused fast paths: see the step's adapter rows
             if hasattr(module, "lora_batch"):
                 setattr(module, "lora_batch", self.batch)  # noqa: B010 -- any module
             stack = getattr(module, "fused_stack", None)
             if stack is not None:  # the CPU decoder stack adds the products itself
                 stack.link()
-        # name -> per projection path, its host (A, B) stacks
-        self._host: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # name -> per projection (or experts) path, its host stacks
+        self._host: dict[str, dict[str, tuple[torch.Tensor, ...]]] = {}
         self.paths: dict[str, str] = {}  # name -> its folder
 
     def add(self, name: str, path: str | Path) -> AdapterWeights:
@@ -169,14 +212,35 @@ class AdapterSlots:
         if name in self._host:
             raise LoraAdapterError(f"adapter {name!r} is already loaded (from "
                                    f"{self.paths[name]}); unload it first")
-        weights = read_adapter(name, path, self.targets, self.max_rank, self.dtype)
+        weights = read_adapter(name, path, self.targets, self.max_rank, self.dtype,
+                               {p: h.shape for p, h in self.experts.items()},
+                               self.experts_refused)
         grouped: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, pair in weights.modules.items():
             ours, sub = self._where[module]
             grouped.setdefault(ours, {})[sub] = pair
-        self._host[name] = {p: self.projections[p].host_stacks(w) for p, w in grouped.items()}
+        host: dict[str, tuple[torch.Tensor, ...]] = {
+            p: self.projections[p].host_stacks(w) for p, w in grouped.items()}
+        for module, pairs in weights.experts.items():
+            host[module] = self.experts[module].host_stacks(pairs)
+        if weights.experts:
+            self._allocate_experts(name)
+        self._host[name] = host
         self.paths[name] = weights.path
         return weights
+
+    def _allocate_experts(self, name: str) -> None:
+        """Every layer's expert slots on the device (the first adapter on experts); a device
+        out of memory refuses `name`."""
+        try:
+            for hook in self.experts.values():
+                hook.allocate()
+        except torch.OutOfMemoryError:
+            size = sum(h.nbytes() for h in self.experts.values()) / 2**30
+            raise LoraAdapterError(
+                f"adapter {name!r}: the experts' adapter slots need {size:.2f} GiB on "
+                f"{self.device}, which is out of memory (fewer max_loras or a smaller "
+                "max_lora_rank)") from None
 
     def remove(self, name: str) -> None:
         """Forget `name` (its slot's stale copy is overwritten by the next adapter written
@@ -196,4 +260,6 @@ class AdapterSlots:
                 raise KeyError(f"adapter {name!r} is not loaded")
             stacks = self._host[name]
             for path, hook in self.projections.items():
-                hook.write_slot(slot, stacks.get(path))
+                hook.write_slot(slot, stacks.get(path))  # type: ignore[arg-type]
+            for path, experts in self.experts.items():
+                experts.write_slot(slot, stacks.get(path))
