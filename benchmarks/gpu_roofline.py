@@ -178,7 +178,7 @@ def attention_inputs(mc, batch: int, context: int, block_size: int, dtype: torch
                      device: torch.device, kv_dtype: torch.dtype | None = None):
     """(q, k, v, one layer's cache, metadata, KV bytes a decode reads): `batch` sequences of
     `context` tokens in shuffled blocks. `kv_dtype`: the cache's (default `dtype`); an 8-bit one
-    holds random values and a scale per row (`workers.kernels.kv_quant`), its bytes counted."""
+    holds random values and four scales per row (`workers.kernels.kv_quant`), its bytes counted."""
     from workers.attention import AttentionMetadata
     from workers.kernels.kv_quant import SCALE_ELEMS, is_quantized, storage_head_dim
 
@@ -187,10 +187,11 @@ def attention_inputs(mc, batch: int, context: int, block_size: int, dtype: torch
     per_seq = -(-context // block_size)
     num_blocks = batch * per_seq + 1
     shape = (2, num_blocks, block_size, hkv, storage_head_dim(d, kv_dtype))
-    if is_quantized(kv_dtype):  # bytes 0-63 (no fp8 NaN among them), each row's scale 1/64
+    if is_quantized(kv_dtype):  # bytes 0-63 (no fp8 NaN among them), each row's scales 1/64
         cache = torch.randint(0, 64, shape, dtype=torch.int8, device=device)
         cache[..., d:] = 0
-        cache[..., d:d + SCALE_ELEMS] = torch.tensor([1 / 64], device=device).view(torch.int8)
+        cache[..., d:d + SCALE_ELEMS] = torch.full((SCALE_ELEMS // 4,), 1 / 64,
+                                                   device=device).view(torch.int8)
         cache = cache.view(kv_dtype)
     else:
         cache = torch.randn(shape, dtype=kv_dtype, device=device)

@@ -4,8 +4,8 @@ budget holds.
 For each family's tiny checkpoint (`cleave make-model --preset tiny`, fp32), the same prompts
 (random token ids, 5-60 tokens, block size 16 so decodes read back many quantized blocks) decode
 32 greedy tokens with the cache in the model's dtype and with `kv_cache_dtype` int8 and fp8
-(e4m3), each value scaled per token and head. Reported per family and dtype: the fraction of
-continuations identical to the full-precision cache's, the largest difference in the
+(e4m3), each value scaled per quarter of a token's head. Reported per family and dtype: the
+fraction of continuations identical to the full-precision cache's, the largest difference in the
 log-probability of a chosen token over the continuations that stayed identical, and for each
 continuation that did not, how close the full-precision cache's own choice was at the step
 where the two first differ (its top-1 minus top-2 log-probability, `divergence_gaps`): the

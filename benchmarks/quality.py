@@ -16,8 +16,8 @@ Per variant, against the reference (Cleave fp32):
   continuations, the first differing step and the reference's margin there.
 
 Variants: `bf16` (weights and activations), `kv_int8` / `kv_fp8` (`--kv-cache-dtype`: 8 bits, a
-scale per token and head), `w_int8` / `w_int4` (`cleave quantize` of the dequantized fp32
-checkpoint, compressed-tensors: int8 a scale per output channel, int4 groups of 32 with zero
+scale per quarter of a token's head), `w_int8` / `w_int4` (`cleave quantize` of the dequantized
+fp32 checkpoint, compressed-tensors: int8 a scale per output channel, int4 groups of 32 with zero
 points; run dequantized in fp32, so the figure is the weights' rounding alone), and
 `w_int8_kernels` (the int8 copy in Cleave's int kernels, activations quantized to int8 too).
 

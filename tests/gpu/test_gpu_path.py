@@ -47,7 +47,7 @@ def test_gpu_greedy_equals_cpu_with_and_without_graphs(tiny_model):
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_an_8_bit_cache_on_the_gpu_decodes_as_the_torch_backend(tiny_model, kv_cache_dtype):
     """The Triton kernels compiled (the CPU tests run them in the interpreter): quantized in the
-    RoPE-and-store kernel, scaled per key in the attention tiles, under CUDA graphs, against the
+    RoPE-and-store kernel, scaled per quarter row in the attention tiles, under CUDA graphs, against the
     torch backend on the same device and cache dtype."""
     graphed = LLM(tiny_model, device="cuda", num_blocks=256, kv_cache_dtype=kv_cache_dtype)
     assert graphed.engine.config.resolved_attention_backend == "triton"

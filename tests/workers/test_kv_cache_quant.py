@@ -1,6 +1,6 @@
-"""8-bit KV caches (`kv_cache_dtype` int8 / fp8): values and their scale in each block, the same
-greedy tokens as the full-precision cache, 1.78x the blocks of bf16 in the same bytes, and blocks
-that move between workers and ranks with their scales."""
+"""8-bit KV caches (`kv_cache_dtype` int8 / fp8): values and their scales (one per quarter of a
+head's row) in each block, the same greedy tokens as the full-precision cache, 1.78x the blocks
+of bf16 in the same bytes, and blocks that move between workers and ranks with their scales."""
 
 from __future__ import annotations
 
@@ -22,13 +22,32 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprob
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.int8, 1 / 254), (torch.float8_e4m3fn, 1 / 16)])
-def test_each_head_is_stored_with_its_scale(dtype, bound):
+def test_each_quarter_of_a_head_is_stored_with_its_scale(dtype, bound):
     x = torch.randn(5, 3, 16) * torch.tensor([0.01, 1.0, 100.0])[None, :, None]
     stored = quantize_kv(x, dtype)
     assert stored.dtype == dtype and stored.shape == (5, 3, 32)
     back = dequantize_kv(stored, torch.float32)
-    amax = x.abs().amax(-1, keepdim=True)
-    assert ((back - x).abs() <= amax * bound + 1e-12).all()  # relative to each head's max
+    amax = x.reshape(5, 3, 4, 4).abs().amax(-1, keepdim=True)
+    error = (back - x).reshape(5, 3, 4, 4).abs()
+    assert (error <= amax * bound + 1e-12).all()  # relative to each group's max
+
+
+def test_a_keys_outlier_channel_coarsens_only_its_own_quarter():
+    """Keys carry outlier channels (SmolLM2's: an order of magnitude above the rest). With one
+    scale per row (the first format), every value of the row was rounded on the outlier's grid
+    (here 0.4 steps for values near 1); with a scale per quarter, only the outlier's quarter."""
+    x = torch.randn(64, 2, 64, generator=torch.Generator().manual_seed(0))
+    x[..., 5] = 50.0
+    back = dequantize_kv(quantize_kv(x, torch.int8), torch.float32)
+    rest = (back - x)[..., 16:].abs()  # the three quarters without the outlier
+    assert rest.max() <= x[..., 16:].abs().amax() / 254 + 1e-6
+    assert rest.mean() < 0.01  # one scale per row: about 50 / 127 / 4 = 0.1
+    assert (back - x)[..., :16].abs().max() <= 50 / 254 + 1e-6
+
+
+def test_a_head_size_the_scales_do_not_divide_is_refused():
+    with pytest.raises(ValueError, match="head_dim 18 is not a multiple of 4"):
+        quantize_kv(torch.zeros(3, 18), torch.int8)
 
 
 def test_the_same_bytes_hold_1_78x_the_blocks():
@@ -46,7 +65,7 @@ def test_int8_keeps_greedy_tokens_and_fp8_decodes(tiny_model):
     base = [o.outputs[0] for o in LLM(tiny_model, num_blocks=256).generate(prompts, GREEDY)]
     int8 = LLM(tiny_model, num_blocks=256, kv_cache_dtype="int8")
     cache = int8.engine.runner.kv_caches[0]
-    assert cache.dtype == torch.int8 and cache.shape[-1] == 16 + 16  # head_dim 16, the scale slot
+    assert cache.dtype == torch.int8 and cache.shape[-1] == 16 + 16  # head_dim 16, 4 scales
     outs = [o.outputs[0] for o in int8.generate(prompts, GREEDY)]
     same = [a.token_ids == b.token_ids for a, b in zip(base, outs)]
     assert sum(same) >= 0.95 * len(prompts)  # measured on this model: all 20

@@ -382,8 +382,9 @@ def test_backend_forward_over_a_latent_cache_matches_the_torch_backend():
     assert_close(got, want, torch.float32)
 
 
-@pytest.mark.parametrize("head_dim", [24, 40])  # DeepSeek's latent is 576: no power of two
-def test_head_sizes_that_are_no_power_of_two_match_the_torch_backend(head_dim):
+@pytest.mark.parametrize("head_dim,cache_dtype", [  # DeepSeek's latent is 576: no power of two
+    (24, torch.float32), (40, torch.float32), (40, torch.int8)])  # int8: scales per 10 values
+def test_head_sizes_that_are_no_power_of_two_match_the_torch_backend(head_dim, cache_dtype):
     gen = torch.Generator().manual_seed(5)
     seqs, block_size, num_heads = [(70, 1), (3, 1), (0, 9), (21, 30)], 16, 4
     lens = [c + n for c, n in seqs]
@@ -411,6 +412,7 @@ def test_head_sizes_that_are_no_power_of_two_match_the_torch_backend(head_dim):
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(DEVICE)
     k = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen).to(DEVICE)
     v = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen).to(DEVICE)
+    cache = quantize_kv(cache, cache_dtype) if cache_dtype == torch.int8 else cache
     cache = cache.to(DEVICE)
     torch_cache = cache.clone()
     got = get_backend("triton").forward(q, k, v, cache, meta, head_dim ** -0.5)

@@ -1,5 +1,5 @@
 """What the Triton decode and prefill attention kernels share: the online-softmax step over a
-tile of keys (`attend_tile`; an 8-bit cache's scales, `row_scales`, applied per key), where its
+tile of keys (`attend_tile`; an 8-bit cache's rows scaled back, `dequantized`), where its
 key and value rows are (`cached_rows`: through a sequence's block table; or a fresh chunk's own
 k/v), and the host-side checks of the inputs both take."""
 
@@ -26,10 +26,13 @@ def cached_rows(table, pos, pos_ok, kv_head, stride_cache_block, stride_cache_to
 
 
 @triton.jit
-def row_scales(rows_ptr, pos_ok, DIM: tl.constexpr):
-    """The fp32 scale stored after each row's DIM values in an 8-bit cache
-    (`workers.kernels.kv_quant`), one per key; 0 for keys that do not exist."""
-    return tl.load((rows_ptr + DIM).to(tl.pointer_type(tl.float32)), mask=pos_ok, other=0.0)
+def dequantized(rows_ptr, values, kv_ok, dims, DIM: tl.constexpr):
+    """An 8-bit cache's rows [keys, dims] (`values`, as loaded from `rows_ptr`) times their
+    scales: the fp32 scale of each group of DIM / 4 values, stored after the row's DIM values
+    (`workers.kernels.kv_quant`); 0 where a key or dim does not exist."""
+    scales_ptr = (rows_ptr + DIM).to(tl.pointer_type(tl.float32))
+    scales = tl.load(scales_ptr[:, None] + (dims // (DIM // 4))[None, :], mask=kv_ok, other=0.0)
+    return values.to(tl.float32) * scales
 
 
 @triton.jit
@@ -39,16 +42,14 @@ def attend_tile(q, m, l, acc, k_rows, v_rows, pos_ok, visible, dims, dim_ok, qk_
     new running max `m` (base-2 logits), sum `l` and output accumulator `acc`. `k_rows`,
     `v_rows`: a pointer per key to its key and value row (in the cache, `cached_rows`, or in
     a fresh chunk's k/v); `visible`: which (row, key) pairs count, broadcastable to [rows,
-    keys]; `pos_ok`: which keys exist; `SCALED`: rows of an 8-bit cache. Their values enter the
-    dots as they are stored (int8 and e4m3 convert exactly to bf16 and fp32) and each key's
-    scale multiplies its column of the logits, and of the probabilities before they weigh the
-    values: one scale per key and tile instead of one multiply per value. Shared by the decode
-    and prefill kernels."""
+    keys]; `pos_ok`: which keys exist; `SCALED`: rows of an 8-bit cache, each value times its
+    group's scale before the dots (a scale per quarter row does not factor out of a key's dot
+    as one per row did). Shared by the decode and prefill kernels."""
     kv_ok = pos_ok[:, None] & dim_ok[None, :]  # dims past a head size that is no power of 2
     k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     if SCALED:
-        s = s * row_scales(k_rows, pos_ok, DIM)[None, :]
+        k = dequantized(k_rows, k, kv_ok, dims, DIM)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))  # [rows, keys]
     # a row with no visible key yet keeps m = -inf only until its first one; rows that have
     # one get exp2(-inf - m) = 0 for the masked keys
@@ -57,10 +58,9 @@ def attend_tile(q, m, l, acc, k_rows, v_rows, pos_ok, visible, dims, dim_ok, qk_
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
-    weights = p
     if SCALED:
-        weights = p * row_scales(v_rows, pos_ok, DIM)[None, :]
-    acc = acc * alpha[:, None] + tl.dot(weights.to(q.dtype), v.to(q.dtype),
+        v = dequantized(v_rows, v, kv_ok, dims, DIM)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                         input_precision=DOT_PRECISION)
     return m_new, l, acc
 
@@ -92,7 +92,7 @@ def check_layout(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
         raise ValueError(f"q has {num_heads} heads of {head_dim}; the {kv_cache.dtype} cache "
                          f"has {num_kv_heads} KV heads of {cache_dim}; expected "
                          f"{storage_head_dim(head_dim, kv_cache.dtype)} (the head's values, "
-                         f"and an 8-bit cache's scale) and Hq divisible by Hkv")
+                         f"and an 8-bit cache's scales) and Hq divisible by Hkv")
     if head_dim < 16 or block_size & (block_size - 1):
         raise ValueError(f"head_dim must be at least 16 (any size: tiles round it up to a power "
                          f"of two) and block_size a power of two, got head_dim {head_dim}, "

@@ -39,7 +39,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the checkpoint's ow
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # dummy: seeded random weights
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SCHEDULING_POLICIES = ("deadline", "fcfs")  # the waiting queue's order (engine.waiting_order)
-# full precision (auto: the model's dtype) or 8 bits with a scale per token and head
+# full precision (auto: the model's dtype) or 8 bits with a scale per quarter of each token's head
 # (workers.kernels.kv_quant)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3")
@@ -83,8 +83,8 @@ class EngineConfig:
         "0: no host tier. Needs enable_prefix_caching."), ge=0, flag=None)
     kv_cache_dtype: str = setting("auto", (
         "KV-cache element type; the same in every pool. auto: the model's dtype. int8 / fp8 "
-        "(e4m3): 8 bits with a scale per token and head, 1.78x the blocks of bf16 in the same "
-        "bytes; every attention backend reads it."), choices=KV_CACHE_DTYPES)
+        "(e4m3): 8 bits with a scale per quarter of each token's head, 1.78x the blocks of bf16 "
+        "in the same bytes; every attention backend reads it."), choices=KV_CACHE_DTYPES)
     max_num_seqs: int = setting(128, "Running sequences at most.", ge=1)
     max_num_batched_tokens: int = setting(2048, (
         "New tokens per engine step at most (the chunked-prefill budget)."), ge=1)

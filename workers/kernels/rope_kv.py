@@ -64,14 +64,30 @@ def _e4m3_rounded(x):
 
 @triton.jit
 def _quantized(x, scale, cache_ptr, QMAX: tl.constexpr, INT8: tl.constexpr):
-    """x [heads, n] (fp32) divided by each head's `scale` [heads] into the 8-bit cache's dtype,
-    as `workers.kernels.kv_quant.quantize_kv` does (int8 rounded half to even)."""
-    scaled = x / scale[:, None]
+    """x [heads, n] (fp32) divided by its `scale` (per value) into the 8-bit cache's dtype, as
+    `workers.kernels.kv_quant.quantize_kv` does (int8 rounded half to even)."""
+    scaled = x / scale
     if INT8:
         scaled = tl.minimum(tl.maximum(_round_half_even(scaled), -QMAX), QMAX)
     else:
         scaled = _e4m3_rounded(scaled)
     return scaled.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _store_groups(x, cols, ok, heads_ok, row_ptr, scales_ptr, FIRST: tl.constexpr,
+                  GROUPS: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
+                  INT8: tl.constexpr):
+    """Stores x [heads, n] (fp32; columns `cols` of their rows) in an 8-bit cache: groups FIRST..
+    FIRST + GROUPS - 1 of GROUP values each by its absolute maximum, and their fp32 scales at
+    `scales_ptr` + group (`workers.kernels.kv_quant`: four groups a row)."""
+    scale = x * 0.0 + 1.0
+    for g in tl.static_range(GROUPS):
+        in_group = (cols >= (FIRST + g) * GROUP) & (cols < (FIRST + g + 1) * GROUP)
+        group_scale = tl.maximum(tl.max(tl.where(in_group, tl.abs(x), 0.0), 1), 1e-12) / QMAX
+        tl.store(scales_ptr + FIRST + g, group_scale[:, None], mask=heads_ok)
+        scale = tl.where(in_group, group_scale[:, None], scale)
+    tl.store(row_ptr + cols, _quantized(x, scale, row_ptr, QMAX, INT8), mask=ok)
 
 
 @triton.jit
@@ -104,23 +120,19 @@ def _rope_store_kernel(
         v_ok = (h < num_kv_heads) & (dims < DIM)
         v = tl.load(v_ptr + token * stride_v_token + h * stride_v_head + dims, mask=v_ok,
                     other=0.0)
-        if QMAX > 0:  # an 8-bit cache: each head's values by its absolute maximum, then the scale
+        if QMAX > 0:  # an 8-bit cache: each quarter row by its absolute maximum, the scales
             # the rotated k as stored in k (the activations' dtype), as the torch path reads it
             k1 = k1.to(k_ptr.dtype.element_ty).to(tl.float32)
             k2 = k2.to(k_ptr.dtype.element_ty).to(tl.float32)
-            v = v.to(tl.float32)
-            k_scale = tl.maximum(tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)),
-                                 1e-12) / QMAX
-            v_scale = tl.maximum(tl.max(tl.abs(v), 1), 1e-12) / QMAX
             heads_ok = h < num_kv_heads
-            tl.store(k_dst, _quantized(k1, k_scale, k_cache_ptr, QMAX, INT8), mask=ok)
-            tl.store(k_dst + HALF, _quantized(k2, k_scale, k_cache_ptr, QMAX, INT8), mask=ok)
-            v_q = _quantized(v, v_scale, v_cache_ptr, QMAX, INT8)
-            tl.store(v_cache_ptr + at + dims, v_q, mask=v_ok)
-            tl.store((k_cache_ptr + at + DIM).to(tl.pointer_type(tl.float32)),
-                     k_scale[:, None], mask=heads_ok)
-            tl.store((v_cache_ptr + at + DIM).to(tl.pointer_type(tl.float32)),
-                     v_scale[:, None], mask=heads_ok)
+            f32 = tl.pointer_type(tl.float32)
+            k_row, v_row = k_cache_ptr + at, v_cache_ptr + at
+            _store_groups(k1, d, ok, heads_ok, k_row, (k_row + DIM).to(f32), 0, 2, DIM // 4,
+                          QMAX, INT8)
+            _store_groups(k2, d + HALF, ok, heads_ok, k_row, (k_row + DIM).to(f32), 2, 2,
+                          DIM // 4, QMAX, INT8)
+            _store_groups(v.to(tl.float32), dims, v_ok, heads_ok, v_row, (v_row + DIM).to(f32),
+                          0, 4, DIM // 4, QMAX, INT8)
         else:
             tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=ok)
             tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=ok)
