@@ -15,9 +15,10 @@ Per step (`FusedDecoderStack.takes`): at most `MAX_ROWS` rows (`MAX_PACKED_ROWS`
 int8/int4/GGUF projections) over fp32 or bf16 caches; else the layers run one by one, unchanged.
 Rows need not be one per sequence: a speculative verification's k + 1 rows (or a short prefill
 chunk) are each attended as a decode row over its own prefix (`row_attention`), so a step of a
-few rows reads the weights once, as a decode step does (SmolLM2's Q4_1 file, 1 thread: 5 rows
-of one sequence ~2.4x a 1-row step fused, against ~5x layer by layer; the GGUF kernel's wide
-passes, csrc/gguf_gemm.c, bring that lower).
+few rows reads the weights once, as a decode step does. SmolLM2's Q4_1 file served packed, one
+sequence at 300 tokens, 1 thread, forward and logits, paired with a 1-row step in the same
+loop on a loaded 2-core machine: 5 rows 1.7-1.9x a 1-row step (with csrc/gguf_gemm.c's wide
+passes), against 3.6-4.2x layer by layer before (SDPA's prefill attention, 2 passes per block).
 
 Measured on this 2-core machine (`benchmarks/small_gemm.py`, the engine on the `small` preset,
 2 threads, fused and unfused steps alternating in the same engine, five runs while other tests
