@@ -127,12 +127,79 @@ def test_a_sliding_window_is_attended_as_the_layers_do(tiny_model):
     assert torch.equal(got, want) and all(map(torch.equal, got_caches, want_caches))
 
 
-def test_prefill_mixed_batches_and_more_than_max_rows_run_layer_by_layer(model):
+def chunk_batch(model, query_lens: list[int], seed: int = 0, block_size: int = 4):
+    """A step in which sequence s has `query_lens[s]` new tokens (decodes first, as the runner
+    orders them) after 3-30 cached ones, over caches of noise: (ids, positions, caches, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [n + 3 + (11 * i + 5 * seed) % 28 for i, n in enumerate(query_lens)]
+    first, tables = noise_paged_cache(seq_lens, block_size, model.num_kv_heads, model.head_dim,
+                                      gen)
+    caches = [first] + [torch.randn(first.shape, generator=gen)
+                        for _ in range(model.num_layers - 1)]
+    positions = [p for n, length in zip(query_lens, seq_lens) for p in range(length - n, length)]
+    owners = [s for s, n in enumerate(query_lens) for _ in range(n)]
+    slots = [int(tables[s, p // block_size]) * block_size + p % block_size
+             for s, p in zip(owners, positions)]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        num_decodes=next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens)),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens)
+    ids = torch.randint(model.config.vocab_size, (len(positions),), generator=gen)
+    return ids, torch.tensor(positions), caches, meta
+
+
+def one_at_a_time(model, batch):
+    """The rows of `batch` as decode steps, fused: step t decodes each sequence's t-th new token
+    (its K/V and those of its earlier rows written by the steps before). Returns (hidden states
+    in the batch's row order, caches)."""
+    ids, positions, caches, meta = batch
+    caches = [c.clone() for c in caches]
+    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    out = torch.empty(len(ids), model.config.hidden_size)
+    for t in range(meta.max_query_len):
+        seqs = [s for s in range(len(lens)) if starts[s] + t < starts[s + 1]]
+        rows = [starts[s] + t for s in seqs]
+        step = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[rows], query_start_loc=torch.arange(len(rows) + 1).int(),
+            seq_lens=torch.tensor([lens[s] - (starts[s + 1] - starts[s]) + 1 + t for s in seqs],
+                                  dtype=torch.int32),
+            block_tables=meta.block_tables[seqs], num_decodes=len(rows), max_query_len=1,
+            max_seq_len=max(lens), query_start_loc_cpu=list(range(len(rows) + 1)),
+            seq_lens_cpu=[lens[s] - (starts[s + 1] - starts[s]) + 1 + t for s in seqs])
+        with torch.no_grad():
+            out[rows] = model(ids[rows], positions[rows], caches, step)
+    return out, caches
+
+
+@pytest.mark.parametrize("query_lens", [[5], [1, 1, 5, 3], [2, 8]])
+def test_several_rows_of_a_sequence_fuse_as_decoding_them_one_at_a_time(model, query_lens):
+    """A speculative verification's k + 1 rows (or a short prefill chunk) in one fused call:
+    each row attended as a decode row over its own prefix, so the hidden states and K/V are
+    those of decoding the rows one step at a time, bit for bit (greedy tokens then cannot
+    change with speculation), and the layers one by one's (SDPA's prefill) to fp32 rounding."""
+    batch = chunk_batch(model, query_lens, seed=len(query_lens))
+    assert model.model.fused_stack.takes(torch.empty(len(batch[0]), 1), batch[3], batch[2])
+    got, got_caches = forward(model, batch, fused=True)
+    want, want_caches = one_at_a_time(model, batch)
+    assert torch.equal(got, want)
+    assert all(map(torch.equal, got_caches, want_caches))
+    plain, plain_caches = forward(model, batch, fused=False)
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_caches, plain_caches, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_more_than_max_rows_bf16_rows_or_other_caches_run_layer_by_layer(model):
     stack = model.model.fused_stack
     assert stack.max_rows == fused_module.MAX_ROWS  # dense fp32 projections
-    _, _, caches, meta = decode_batch(model, 4, torch.float32, num_decodes=3)  # one prefill
-    assert not stack.takes(torch.empty(4, 1), meta, caches)
     rows = stack.max_rows
+    _, _, caches, meta = chunk_batch(model, [1, rows])  # one row too many
+    assert not stack.takes(torch.empty(rows + 1, 1), meta, caches)
     _, _, caches, meta = decode_batch(model, rows + 1, torch.float32)
     assert not stack.takes(torch.empty(rows + 1, 1), meta, caches)
     _, _, caches, meta = decode_batch(model, rows, torch.float32)
@@ -141,7 +208,7 @@ def test_prefill_mixed_batches_and_more_than_max_rows_run_layer_by_layer(model):
     assert not stack.takes(torch.empty(rows, 1), meta, [c.to(torch.int8) for c in caches])
 
 
-def test_engine_tokens_are_the_unfused_ones_and_only_decodes_of_up_to_max_rows_fuse(
+def test_engine_tokens_are_the_unfused_ones_and_only_steps_of_up_to_max_rows_fuse(
         tiny_model, monkeypatch):
     prompts = [[3 + i, 5, 7 + 2 * i] * (1 + i % 3) for i in range(10)]
     params = [SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True)
@@ -155,7 +222,8 @@ def test_engine_tokens_are_the_unfused_ones_and_only_decodes_of_up_to_max_rows_f
     plain = LLM(tiny_model, num_blocks=64, block_size=4)
     plain.engine.runner.executor.model.model.fused_stack = None
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    # 10 prefills, then decodes of 10 rows (layer by layer) shrinking to 8 and below (fused)
+    # 10 prefills of 3-27 rows, then decodes of 10 rows (layer by layer, as the prefills),
+    # shrinking to 8 and below (fused)
     assert rows and max(rows) == 8 and min(rows) == 1
 
 

@@ -62,6 +62,22 @@ def test_the_kernels_equal_dequantize_then_matmul(ggml_type):
     assert_within_summation_bound(gguf_gemm.tiled_mm(x, blocks, ggml_type, n), x, values)
 
 
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ggml_type):
+    """A speculative verification's k + 1 rows (more than 4: the wide passes over weight pairs)
+    must come out as decoding them one at a time does, bit for bit, on any thread count, or a
+    greedy output could change with speculation."""
+    n, k = 303, 256  # quads of weight rows and a tail of 3
+    blocks, _ = quantized(ggml_type, n, k, seed=5)
+    x = torch.randn(DECODE_ROWS, k, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([gguf_gemm.gguf_gemm(x[i:i + 1], blocks, ggml_type, n, num_threads=1)
+                       for i in range(DECODE_ROWS)])
+    for rows in range(2, DECODE_ROWS + 1):
+        for threads in (1, 3):
+            got = gguf_gemm.gguf_gemm(x[:rows], blocks, ggml_type, n, num_threads=threads)
+            assert torch.equal(got, alone[:rows]), (rows, threads)
+
+
 def test_a_tiled_prefill_spans_several_tiles(monkeypatch):
     monkeypatch.setattr(gguf_gemm, "TILE_BYTES", 64 * 128 * 4)  # 64-row tiles of 100 rows
     blocks, values = quantized("Q4_1", 100, 128, seed=3)

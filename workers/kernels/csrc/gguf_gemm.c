@@ -34,7 +34,8 @@
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 }; /* decoder_layer.c's kinds GGUF_* follow this order */
 #define QK 32 /* columns per block */
-#define MB 4  /* rows of x per pass over a weight row */
+#define MB 4  /* rows of x per pass over a quad of weight rows */
+#define WIDE_MB 8 /* over a pair of them, when x has more than MB rows */
 
 static const int64_t BLOCK_BYTES[3] = {34, 18, 20};
 
@@ -129,7 +130,7 @@ static inline __attribute__((always_inline)) void tile_dot(
     const int64_t blocks = K / QK, bb = BLOCK_BYTES[type], row_bytes = blocks * bb;
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 iota8 = _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
-    __m512 acc[MB][4];
+    __m512 acc[WIDE_MB][4];
     /* widened 16 at a time: whole vectors, within CHUNK */
     float d[4][CHUNK], m[4][CHUNK];
     for (int i = 0; i < mr; i++)
@@ -172,6 +173,11 @@ static inline __attribute__((always_inline)) void tile_dot(
     for (int i = 0; i < mr; i++) {
         if (nr == 4) {
             _mm_storeu_ps(y + (m0 + i) * N + n, sums4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+        } else if (nr == 2) { /* a quad's lanes 0 and 1: the same sums as a quad's, bit for bit */
+            float s[4];
+            _mm_storeu_ps(s, sums4(acc[i][0], acc[i][1], acc[i][0], acc[i][1]));
+            y[(m0 + i) * N + n] = s[0];
+            y[(m0 + i) * N + n + 1] = s[1];
         } else {
             for (int r = 0; r < nr; r++) y[(m0 + i) * N + n + r] = _mm512_reduce_add_ps(acc[i][r]);
         }
@@ -179,32 +185,63 @@ static inline __attribute__((always_inline)) void tile_dot(
 }
 
 /* Rows [start, end) of y: the weight's rows 4 at a time (then one by one) against every row of
- * x, MB at a time. */
+ * x, MB at a time; with more than MB rows of x (a speculative verification's k + 1, a short
+ * prefill), each quad as two pairs against up to WIDE_MB rows at a time, so each block is
+ * widened once for all of them (dequantizing, not reading, bounds this kernel at a few rows).
+ * A row of y is the same bits whatever M: each sum runs over the blocks in order, and a
+ * pair's is reduced as its quad's (`tile_dot`). */
 static void rows_dot(const float *x, const uint8_t *w, int type, float *y, int64_t M, int64_t N,
                      int64_t K, int64_t start, int64_t end) {
     const int64_t row_bytes = K / QK * BLOCK_BYTES[type];
+    const int wide = M > MB;
+    const int mb = wide ? WIDE_MB : MB;
     for (int64_t n = start; n < end;) {
-        const int nr = end - n >= 4 ? 4 : 1;
-        const uint8_t *wr = w + n * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int mr = M - m0 < MB ? (int)(M - m0) : MB;
-#define DOT(T, NR, MR) tile_dot(x, wr, T, y, N, K, n, NR, m0, MR)
-#define DOT_ROWS(T, NR)                   \
-    switch (mr) {                         \
-        case 1: DOT(T, NR, 1); break;     \
-        case 2: DOT(T, NR, 2); break;     \
-        case 3: DOT(T, NR, 3); break;     \
-        default: DOT(T, NR, MB);          \
+        const int quad = end - n >= 4;
+        const int nr = !quad ? 1 : wide ? 2 : 4;
+        const int64_t step = quad ? 4 : 1;
+        for (int64_t n1 = n; n1 < n + step; n1 += nr) {
+            const uint8_t *wr = w + n1 * row_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += mb) {
+                const int mr = M - m0 < mb ? (int)(M - m0) : mb;
+#define DOT(T, NR, MR) tile_dot(x, wr, T, y, N, K, n1, NR, m0, MR)
+#define DOT_ROWS(T)                                                                           \
+    if (nr == 4) {                                                                            \
+        switch (mr) {                                                                         \
+            case 1: DOT(T, 4, 1); break;                                                      \
+            case 2: DOT(T, 4, 2); break;                                                      \
+            case 3: DOT(T, 4, 3); break;                                                      \
+            default: DOT(T, 4, MB);                                                           \
+        }                                                                                     \
+    } else if (nr == 2) {                                                                     \
+        switch (mr) {                                                                         \
+            case 1: DOT(T, 2, 1); break;                                                      \
+            case 2: DOT(T, 2, 2); break;                                                      \
+            case 3: DOT(T, 2, 3); break;                                                      \
+            case 4: DOT(T, 2, 4); break;                                                      \
+            case 5: DOT(T, 2, 5); break;                                                      \
+            case 6: DOT(T, 2, 6); break;                                                      \
+            case 7: DOT(T, 2, 7); break;                                                      \
+            default: DOT(T, 2, WIDE_MB);                                                      \
+        }                                                                                     \
+    } else {                                                                                  \
+        switch (mr) {                                                                         \
+            case 1: DOT(T, 1, 1); break;                                                      \
+            case 2: DOT(T, 1, 2); break;                                                      \
+            case 3: DOT(T, 1, 3); break;                                                      \
+            case 4: DOT(T, 1, 4); break;                                                      \
+            case 5: DOT(T, 1, 5); break;                                                      \
+            case 6: DOT(T, 1, 6); break;                                                      \
+            case 7: DOT(T, 1, 7); break;                                                      \
+            default: DOT(T, 1, WIDE_MB);                                                      \
+        }                                                                                     \
     }
-#define DOT_TYPE(NR)                                                                          \
-    if (type == Q8_0) DOT_ROWS(Q8_0, NR) else if (type == Q4_0) DOT_ROWS(Q4_0, NR)            \
-    else DOT_ROWS(Q4_1, NR)
-            if (nr == 4) { DOT_TYPE(4) } else { DOT_TYPE(1) }
-#undef DOT_TYPE
+                if (type == Q8_0) { DOT_ROWS(Q8_0) } else if (type == Q4_0) { DOT_ROWS(Q4_0) }
+                else { DOT_ROWS(Q4_1) }
 #undef DOT_ROWS
 #undef DOT
+            }
         }
-        n += nr;
+        n += step;
     }
 }
 #else
