@@ -11,6 +11,7 @@ import torch
 from tests.workers.factories import noise_paged_cache
 from workers import LLM, SamplingParams
 from workers.models import fused_layer as fused_module
+from workers.models import fused_abi
 from workers.attention.backend import AttentionMetadata
 from workers.attention.registry import get_backend
 from workers.models.loader import load_model
@@ -285,7 +286,7 @@ def packed(request, tiny_model, tmp_path_factory):
 @vnni
 def test_packed_int8_int4_layers_fuse_and_equal_the_layers_one_by_one(packed):
     name, _, model = packed
-    kinds = {fused_module.INT8 if name == "int8" else fused_module.INT4}
+    kinds = {fused_abi.INT8 if name == "int8" else fused_abi.INT4}
     structs = model.model.fused_stack.structs
     assert {getattr(s, p).kind for s in structs for p in ("qkv", "o", "gate_up", "down")} == kinds
     assert all(bool(s.qkv.offsets) == (name == "int4-asym") for s in structs)
@@ -319,7 +320,7 @@ def test_what_quantized_takes_without_the_packed_fused_path(tiny_model, tmp_path
     bf16: packed, over bf16 activations the stack does not take."""
     path = _quantized(tiny_model, tmp_path, "int4")
     kinds = {s.qkv.kind for s in _model(path).model.fused_stack.structs}
-    assert kinds == {fused_module.DENSE}
+    assert kinds == {fused_abi.DENSE}
     bf16 = _model(path, dtype="bfloat16")
     assert bf16.model.fused_stack is None
     assert "bfloat16 activations" in fused_module.refusal(bf16.model.layers[0], *PLAIN[1:])
@@ -333,4 +334,4 @@ def test_what_quantized_takes_without_the_packed_fused_path(tiny_model, tmp_path
         assert "zero points" in fused_module.refusal(model.model.layers[0], *PLAIN[1:])
     monkeypatch.setattr(int_kernels, "available", lambda: False)
     model = _model(path, dtype="float32", fp32_int_kernels=True)
-    assert {s.qkv.kind for s in model.model.fused_stack.structs} == {fused_module.DENSE}
+    assert {s.qkv.kind for s in model.model.fused_stack.structs} == {fused_abi.DENSE}
