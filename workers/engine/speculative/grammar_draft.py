@@ -15,6 +15,8 @@ its last: cutting where the draft drew a refused token would replace the residua
 max(0, p - q) with a draw from p there, which is no longer the target's distribution; the
 masked target gives the refused token p = 0, so it is rejected with certainty and the residual
 (of the masked p) is drawn. The draft's own probability of a refused token does not matter.
+A draft model drafts under the mask itself (`DraftWalk`), so its drafts hold only tokens the
+grammar allows, up to one that completes it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from workers.engine.grammar import MaskBuffer
 
 
 def cut_draft(matcher: Any, draft: Sequence[int], keep_refused: bool) -> list[int]:
@@ -84,3 +88,39 @@ def advance(matcher: Any, tokens: Sequence[int]) -> bool:
     """Feed a step's new `tokens` (accepted drafted ones, then the one sampled after them) to
     `matcher`; False at the first it refuses (the mask forbids it: only a bug gets there)."""
     return all(not matcher.is_terminated() and matcher.accept_token(token) for token in tokens)
+
+
+class DraftWalk:
+    """A draft model's walk of its constrained requests' matchers while it drafts: each drafted
+    position's logits masked at the state after the tokens drafted before it, so it drafts
+    only tokens the grammar allows (the distributions it draws from are the masked ones: the
+    rejection sampling's q). `close` rolls every matcher back to where it began."""
+
+    def __init__(self, reqs: Sequence[Any]) -> None:
+        self.matchers = {i: r.grammar for i, r in enumerate(reqs) if r.grammar is not None}
+        self.accepted = dict.fromkeys(self.matchers, 0)
+        self._ended: set[int] = set()  # refused or completed: drafts past it are cut anyway
+        self._masks = MaskBuffer()
+
+    def mask(self, logits: torch.Tensor, live: Sequence[int]) -> None:
+        """Mask, in place, the rows of `logits` [len(live), V] of the `live` requests."""
+        rows = [r for r, i in enumerate(live) if i in self.matchers and i not in self._ended]
+        if rows:
+            self._masks.apply(logits, rows, [self.matchers[live[r]] for r in rows])
+
+    def accept(self, live: Sequence[int], tokens: Sequence[int]) -> None:
+        """The `live` requests drafted `tokens`."""
+        for i, token in zip(live, tokens):
+            matcher = self.matchers.get(i)
+            if matcher is None or i in self._ended:
+                continue
+            if matcher.accept_token(token):
+                self.accepted[i] += 1
+                if not matcher.is_terminated():
+                    continue
+            self._ended.add(i)
+
+    def close(self) -> None:
+        for i, matcher in self.matchers.items():
+            if self.accepted[i]:
+                matcher.rollback(self.accepted[i])
