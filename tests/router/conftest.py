@@ -23,13 +23,15 @@ def start_server(model: str, num_workers: int = 2, **router: object) -> LocalSer
 
 
 def start_pools(model: str, *, threshold: int, worker: dict | None = None,
-                **serve: object) -> LocalServer:
+                engine: dict | None = None, **serve: object) -> LocalServer:
     """A server whose layout (aggregated and/or prefill and decode pools) `serve` gives, with
-    prompts shorter than `threshold` uncached tokens kept off the prefill pool."""
+    prompts shorter than `threshold` uncached tokens kept off the prefill pool; `engine`:
+    engine settings beside the cache's size."""
     config = LocalServeConfig(model, http_port=0, grpc_port=0,
                               router={"api_keys": (API_KEY,), "kv_poll_interval_s": 0.2,
                                       "disagg_threshold_tokens": threshold},
-                              engine={"num_blocks": NUM_BLOCKS, "max_num_batched_tokens": 512},
+                              engine={"num_blocks": NUM_BLOCKS, "max_num_batched_tokens": 512,
+                                      **(engine or {})},
                               worker=worker or {}, **serve)
     return LocalServer(config).start()
 

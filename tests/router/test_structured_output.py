@@ -1,7 +1,8 @@
 """Structured output through the real HTTP and gRPC servers with the `openai` client: JSON
 schemas, regexes, choices and grammars constrain what a random-weight model writes, on the
-aggregated path, through the prefill->decode handoff and after a migration; bad constraints are
-400s naming the field, with nothing allocated."""
+aggregated path, through the prefill->decode handoff and after a migration, with n-gram
+speculation on (drafts verified under the grammar's mask); bad constraints are 400s naming the
+field, with nothing allocated."""
 
 from __future__ import annotations
 
@@ -33,12 +34,18 @@ def long_prompt() -> str:
     return " ".join(f"s{next(_words)}" for _ in range(30))
 
 
+# every worker drafts by prompt lookup: constrained requests verify drafts under their mask
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                    "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+                    "disable_by_batch_size": 64})
+
+
 @pytest.fixture(scope="module")
 def srv(tiny_model):
-    """One prefill and two decode workers: short prompts run aggregated on a decode worker,
-    long ones are handed off."""
+    """One prefill and two decode workers, n-gram speculation on: short prompts run aggregated
+    on a decode worker, long ones are handed off."""
     server = start_pools(tiny_model, threshold=THRESHOLD, num_prefill_workers=1,
-                         num_decode_workers=2)
+                         num_decode_workers=2, engine={"speculative_config": NGRAM})
     yield server
     server.stop()
 
@@ -100,6 +107,9 @@ def test_fifty_random_schemas_each_constrain_a_request_that_validates(srv):
     # the long prompts of n=1 requests (n>1 always runs aggregated): 9 of the 50
     assert srv.router.counters.num_disaggregated >= disagg + 8
     assert settled(srv)
+    # with speculation: drafts were verified under the grammars' masks, and accepted
+    stats = [srv.call(c.stats()) for c in srv.clients]
+    assert sum(s.num_accepted_tokens for s in stats) > 0, stats
 
 
 class Pet(pydantic.BaseModel):

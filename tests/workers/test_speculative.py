@@ -287,30 +287,3 @@ def test_the_real_model_greedy_is_identical(tmp_path_factory):
     want, got = base.generate(prompts, params), spec.generate(prompts, params)
     assert texts(got) == texts(want)
     assert spec.engine.stats().num_accepted_tokens > 10
-
-
-def test_a_structured_output_request_decodes_without_drafting_and_says_why(llama_pair, caplog):
-    """A grammar-constrained request beside a drafting one: it drafts nothing (drafts are not
-    verified under its mask yet), its output stays valid, and the log says why once."""
-    from tests.schemas import random_schema
-    from workers.contract.structured_output import StructuredOutput
-
-    _, spec = llama_pair
-    engine = spec.engine
-    constrained = SamplingParams(temperature=0.0, max_tokens=300, structured=(
-        StructuredOutput.json_schema(random_schema(5))))
-    engine.generate(WorkerRequest("json", tuple(PROMPTS[0]), constrained))
-    engine.generate(WorkerRequest("free", tuple(PROMPTS[0]), SamplingParams(
-        temperature=0.0, max_tokens=24, ignore_eos=True)))
-    text, last = {"json": "", "free": ""}, {}
-    with caplog.at_level("INFO", logger="workers.engine.speculative.speculator"):
-        while engine.has_unfinished():
-            for event in engine.step():
-                text[event.request_id] += event.text
-                last[event.request_id] = event
-    json.loads(text["json"])
-    assert last["json"].finish_reason.value == "stop" and last["json"].num_draft_tokens == 0
-    assert last["free"].num_accepted_tokens > 0
-    assert [r.message for r in caplog.records].count(
-        "structured-output requests decode without speculation: drafts are not verified under "
-        "a grammar's mask yet") == 1  # once: each step asks about every running request

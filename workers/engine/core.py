@@ -42,6 +42,7 @@ from workers.engine.request import Request
 from workers.engine.runner import KVCacheSpec, ModelRunner, RunnerOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_records import SchedulerConfig, SchedulerOutput
+from workers.engine.speculative.grammar_draft import advance
 from workers.engine.speculative.speculator import build_speculator
 from workers.engine.step_costs import StepCosts
 
@@ -196,7 +197,7 @@ class Engine:
         events: list[TokenEvent] = []
         for req in record(out, result.sampled):
             if req.grammar is not None:
-                self._advance_grammar(req)
+                self._advance_grammar(req, 1 + len(result.accepted.get(req.request_id, ())))
             stop = self.outputs.find_stop_string(req)
             if stop is not None and not req.is_finished:
                 req.stop_reason = stop
@@ -210,16 +211,17 @@ class Engine:
                 self.scheduler.add(sibling)
         return events
 
-    def _advance_grammar(self, req: Request) -> None:
-        """Feed a constrained sample's new token to its matcher; a grammar that is complete
-        (its stop token accepted, even under ignore_eos) ends the request."""
+    def _advance_grammar(self, req: Request, num_new: int) -> None:
+        """Feed a constrained sample's `num_new` new tokens (a verified draft's accepted ones,
+        then the one sampled after them) to its matcher; a grammar that is complete (its stop
+        token accepted, even under ignore_eos) ends the request."""
         if req.is_finished:
             return  # its matcher is not used again (a continuation rebuilds its own)
         matcher: Any = req.grammar  # xgrammar's matcher (held as an object: not imported here)
-        accepted = matcher.accept_token(req.output_token_ids[-1])
+        accepted = advance(matcher, req.output_token_ids[-num_new:])
         if not accepted:  # the mask forbids it: only a bug gets here
-            logger.error("request %s sampled token %d outside its grammar", req.request_id,
-                         req.output_token_ids[-1])
+            logger.error("request %s sampled tokens %s outside its grammar", req.request_id,
+                         req.output_token_ids[-num_new:])
         if not accepted or matcher.is_terminated():
             self.scheduler.finish(req.request_id, FinishReason.STOP)
 

@@ -82,6 +82,7 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         self.num_microbatches = num_microbatches
+        self.vocab_size = vocab_size
         self.sampler = Sampler(seed, device)
         # the ranks' mirrors of the requests where the executor samples (a group); None: the
         # logits come here and `sampler` samples them (a group can do either: tests compare)
@@ -238,7 +239,7 @@ class ModelRunner:
                     verifications.append(Verification(len(sampling), draft,
                                                       req.draft_probs[:len(draft)]))
                 sample_rows.extend(range(row - n, row))
-                sampling.extend(sampling_rows(req, draft))
+                sampling.extend(sampling_rows(req, draft, self.vocab_size))
             elif samples:
                 sample_rows.append(row - 1)
                 sampling.append(req)

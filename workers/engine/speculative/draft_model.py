@@ -21,6 +21,7 @@ from workers.engine.parallel.messages import StepMessage
 from workers.engine.parallel.pipeline import MicroBatch, microbatch_tensors
 from workers.engine.request import Request
 from workers.engine.sampler import gumbel_draw, position_seed, sampling_probs
+from workers.engine.speculative.grammar_draft import DraftWalk
 from workers.engine.speculative.rejection import DRAFT_SALT
 from workers.models.llama import LlamaForCausalLM, LlamaModel
 
@@ -73,20 +74,28 @@ class TruncatedDraft:
         """Drafts of `ks[i]` tokens for each decoding request (its last token not yet
         computed), whose block table `tables[i]` has slots up to its last drafted position:
         greedy for a greedy request; a sampled one's drawn from the draft's distribution with
-        its temperature and truncation, kept for the verification's rejection sampling."""
+        its temperature and truncation, kept for the verification's rejection sampling; a
+        constrained one's under its grammar's mask (`DraftWalk`)."""
         drafts = [Draft([], []) for _ in reqs]
         inputs = [r.all_token_ids[-1] for r in reqs]
-        for j in range(max(ks, default=0)):
-            live = [i for i, k in enumerate(ks) if k > j]
-            logits = self._step(reqs, live, j, inputs, tables).float()  # [n, V], as sampled
-            tokens = logits.argmax(-1)
-            rows = [r for r, i in enumerate(live) if not reqs[i].params.greedy]
-            if rows:
-                tokens[rows] = self._draw(logits, [reqs[live[r]] for r in rows], rows, j,
-                                          drafts, [live[r] for r in rows])
-            for i, token in zip(live, tokens.tolist()):
-                drafts[i].tokens.append(token)
-                inputs[i] = token
+        walk = DraftWalk(reqs)  # constrained requests draft under their grammar's mask
+        try:
+            for j in range(max(ks, default=0)):
+                live = [i for i, k in enumerate(ks) if k > j]
+                logits = self._step(reqs, live, j, inputs, tables).float()  # [n, V]
+                walk.mask(logits, live)
+                tokens = logits.argmax(-1)
+                rows = [r for r, i in enumerate(live) if not reqs[i].params.greedy]
+                if rows:
+                    tokens[rows] = self._draw(logits, [reqs[live[r]] for r in rows], rows, j,
+                                              drafts, [live[r] for r in rows])
+                drawn = tokens.tolist()
+                walk.accept(live, drawn)
+                for i, token in zip(live, drawn):
+                    drafts[i].tokens.append(token)
+                    inputs[i] = token
+        finally:
+            walk.close()
         return drafts
 
     def _step(self, reqs: Sequence[Request], live: list[int], j: int,

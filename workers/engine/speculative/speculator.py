@@ -2,8 +2,9 @@
 
 Before each step the engine asks the speculator to `propose`: every running request gets its
 `draft_token_ids` for the step (empty: it decodes one token as without speculation). A request
-drafts when it is decoding (its prompt computed), asked for speculation, is not constrained by
-a grammar and is not a prefill-only request. Back-off, measured per request and per step:
+drafts when it is decoding (its prompt computed), asked for speculation and is not a
+prefill-only request; a structured-output request's draft is cut where its grammar refuses a
+token (`workers.engine.speculative.grammar_draft`). Back-off, measured per request and per step:
 no request drafts while more than `disable_by_batch_size` run, and a request whose recent
 acceptance rate fell below `min_acceptance_rate` pauses drafting for a number of its steps that
 doubles each time it backs off again.
@@ -11,7 +12,6 @@ doubles each time it backs off again.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,9 +25,8 @@ from workers.engine.runner import ModelRunner, allocate_kv_caches
 from workers.engine.speculative.draft_model import TruncatedDraft
 from workers.engine.speculative.config import SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
+from workers.engine.speculative.grammar_draft import cut_draft
 from workers.engine.speculative.quantized_self import SelfDraft, quantized_copy
-
-logger = logging.getLogger(__name__)
 
 EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
 MAX_PAUSE_STEPS = 64  # a backed-off request tries drafting again at least this often
@@ -54,8 +53,6 @@ class _Backoff:
 class Speculator:
     """Sets running requests' drafts from `drafter` (see the module docstring)."""
 
-    _said_grammar = False  # the log told why structured-output requests do not draft
-
     def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int) -> None:
         self.config = config
         self.drafter = drafter
@@ -72,25 +69,30 @@ class Speculator:
             return
         for req in running:
             k = self._num_to_draft(req)
-            req.draft_token_ids = (self.drafter.propose(req.all_token_ids, k)
-                                   if k > 0 and self._may_draft(req) else [])
+            draft = (self.drafter.propose(req.all_token_ids, k)
+                     if k > 0 and self._may_draft(req) else [])
+            req.draft_token_ids = (cut_draft(req.grammar, draft, keep_refused=False)
+                                   if draft and req.grammar is not None else draft)
 
     def _num_to_draft(self, req: Request) -> int:
         """Tokens the request may draft now: 0 unless it is decoding and wants speculation;
         fewer near `max_tokens` (a step appends up to k + 1) and the context's end. A
-        structured-output request does not draft (said once in the log): drafts are not
-        checked against the grammar's mask, nor the matcher advanced over accepted tokens."""
-        if req.grammar is not None and req.params.speculative and not self._said_grammar:
-            self._said_grammar = True
-            logger.info("structured-output requests decode without speculation: drafts are "
-                        "not verified under a grammar's mask yet")
+        structured-output request ignoring EOS whose draft is rejection-sampled does not draft:
+        its draft would keep a drafted token that completes the grammar, and tokens after it
+        (`workers.engine.speculative.grammar_draft`)."""
         if (req.status is not RequestStatus.RUNNING or not req.params.speculative
-                or req.grammar is not None or req.hold_kv
-                or req.num_computed_tokens != req.num_tokens - 1):
+                or req.hold_kv or req.num_computed_tokens != req.num_tokens - 1
+                or (req.grammar is not None and req.params.ignore_eos
+                    and self._keeps_refused(req))):
             return 0
         return min(self.config.num_speculative_tokens,
                    req.params.max_tokens - req.num_output_tokens - 1,
                    self.max_model_len - req.num_tokens)
+
+    def _keeps_refused(self, req: Request) -> bool:
+        """Whether `req`'s draft is rejection-sampled: cut after the first token its grammar
+        refuses rather than before (`workers.engine.speculative.grammar_draft`)."""
+        return False
 
     def _may_draft(self, req: Request) -> bool:
         """The acceptance back-off: folds the request's last verified step into its average,
@@ -140,9 +142,14 @@ class DraftModelSpeculator(Speculator):
                 ks.append(k)
         drafts = self.draft.propose(reqs, ks, [self.kv.block_table(r.request_id) for r in reqs])
         for req, draft in zip(reqs, drafts):
-            req.draft_token_ids = draft.tokens
+            req.draft_token_ids = (draft.tokens if req.grammar is None else
+                                   cut_draft(req.grammar, draft.tokens, self._keeps_refused(req)))
             if draft.probs:
                 req.draft_probs = torch.stack(draft.probs)  # [k, V]
+
+
+    def _keeps_refused(self, req: Request) -> bool:
+        return not req.params.greedy  # a sampled request's draft carries probabilities
 
 
 def build_speculator(config: SpeculativeConfig | None, max_model_len: int,

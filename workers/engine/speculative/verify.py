@@ -9,7 +9,9 @@ otherwise drawing from max(0, p - q) renormalised (p without d) gives each token
 probability p(x), as the target's own draw compared with d does; the draw kept is the one
 decoding without speculation makes at that position, so a seeded request's text is the same
 with n-gram speculation as without. A draft with probabilities (a draft model's, sampled) is
-rejection-sampled in the sampler (`workers.engine.speculative.rejection`).
+rejection-sampled in the sampler (`workers.engine.speculative.rejection`). A constrained
+request's rows are masked by its grammar at the state after their drafted prefix
+(`workers.engine.speculative.grammar_draft`).
 """
 
 from __future__ import annotations
@@ -18,19 +20,21 @@ from collections.abc import Sequence
 from typing import NamedTuple, cast
 
 from workers.engine.request import Request
+from workers.engine.speculative.grammar_draft import FilledMask, draft_masks
 
 
 class DraftRow:
     """Request `base` seen after its first `j` drafted tokens (`draft[:j]`), as the sampler and
     the logit adjuster read a request (its token lists are built only when read)."""
 
-    def __init__(self, base: Request, draft: Sequence[int], j: int) -> None:
+    def __init__(self, base: Request, draft: Sequence[int], j: int,
+                 grammar: FilledMask | None = None) -> None:
         self.base = base
         self._extra = list(draft[:j])
         self.request_id = base.request_id
         self.params = base.params
         self.eos_token_ids = base.eos_token_ids
-        self.grammar = None  # constrained requests do not draft
+        self.grammar = grammar  # a constrained request's mask after draft[:j]
         self.num_output_tokens = base.num_output_tokens + j
 
     @property
@@ -42,11 +46,18 @@ class DraftRow:
         return self.base.all_token_ids + self._extra
 
 
-def sampling_rows(req: Request, draft: Sequence[int]) -> list[Request]:
+def sampling_rows(req: Request, draft: Sequence[int], vocab_size: int = 0) -> list[Request]:
     """The k + 1 rows request `req` samples to verify `draft` (k tokens): itself, then itself
-    after each drafted prefix."""
+    after each drafted prefix; a constrained request's rows carry the grammar's mask after
+    that prefix (`workers.engine.speculative.grammar_draft`; `vocab_size`: the logits'
+    width)."""
+    masks: list[FilledMask | None] = [None] * len(draft)
+    if req.grammar is not None and draft:
+        if vocab_size < 1:
+            raise ValueError(f"a constrained draft's masks need the vocab size, got {vocab_size}")
+        masks = [FilledMask(m) for m in draft_masks(req.grammar, draft, vocab_size)]
     # a DraftRow has every attribute the sampler and the logit adjuster read of a Request
-    return [req, *cast(list[Request], [DraftRow(req, draft, j)
+    return [req, *cast(list[Request], [DraftRow(req, draft, j, masks[j - 1])
                                        for j in range(1, len(draft) + 1)])]
 
 
