@@ -204,6 +204,18 @@ static void rows_dot(const float *x, const uint8_t *w, int type, float *y, int64
             for (int64_t m0 = 0; m0 < M; m0 += mb) {
                 const int mr = M - m0 < mb ? (int)(M - m0) : mb;
 #define DOT(T, NR, MR) tile_dot(x, wr, T, y, N, K, n1, NR, m0, MR)
+/* 1-7 input rows, or a wide pass (up to WIDE_MB), against NR weight rows */
+#define DOT_WIDE(T, NR)                                                                       \
+    switch (mr) {                                                                             \
+        case 1: DOT(T, NR, 1); break;                                                         \
+        case 2: DOT(T, NR, 2); break;                                                         \
+        case 3: DOT(T, NR, 3); break;                                                         \
+        case 4: DOT(T, NR, 4); break;                                                         \
+        case 5: DOT(T, NR, 5); break;                                                         \
+        case 6: DOT(T, NR, 6); break;                                                         \
+        case 7: DOT(T, NR, 7); break;                                                         \
+        default: DOT(T, NR, WIDE_MB);                                                         \
+    }
 #define DOT_ROWS(T)                                                                           \
     if (nr == 4) {                                                                            \
         switch (mr) {                                                                         \
@@ -213,31 +225,14 @@ static void rows_dot(const float *x, const uint8_t *w, int type, float *y, int64
             default: DOT(T, 4, MB);                                                           \
         }                                                                                     \
     } else if (nr == 2) {                                                                     \
-        switch (mr) {                                                                         \
-            case 1: DOT(T, 2, 1); break;                                                      \
-            case 2: DOT(T, 2, 2); break;                                                      \
-            case 3: DOT(T, 2, 3); break;                                                      \
-            case 4: DOT(T, 2, 4); break;                                                      \
-            case 5: DOT(T, 2, 5); break;                                                      \
-            case 6: DOT(T, 2, 6); break;                                                      \
-            case 7: DOT(T, 2, 7); break;                                                      \
-            default: DOT(T, 2, WIDE_MB);                                                      \
-        }                                                                                     \
+        DOT_WIDE(T, 2)                                                                        \
     } else {                                                                                  \
-        switch (mr) {                                                                         \
-            case 1: DOT(T, 1, 1); break;                                                      \
-            case 2: DOT(T, 1, 2); break;                                                      \
-            case 3: DOT(T, 1, 3); break;                                                      \
-            case 4: DOT(T, 1, 4); break;                                                      \
-            case 5: DOT(T, 1, 5); break;                                                      \
-            case 6: DOT(T, 1, 6); break;                                                      \
-            case 7: DOT(T, 1, 7); break;                                                      \
-            default: DOT(T, 1, WIDE_MB);                                                      \
-        }                                                                                     \
+        DOT_WIDE(T, 1)                                                                        \
     }
                 if (type == Q8_0) { DOT_ROWS(Q8_0) } else if (type == Q4_0) { DOT_ROWS(Q4_0) }
                 else { DOT_ROWS(Q4_1) }
 #undef DOT_ROWS
+#undef DOT_WIDE
 #undef DOT
             }
         }
