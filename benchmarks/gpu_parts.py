@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton reads it at @jit
 
 import gpu_roofline
-from gpu_roofline import sig
+from results_io import sig
 
 
 @dataclass(frozen=True)

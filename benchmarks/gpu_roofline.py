@@ -38,16 +38,11 @@ from pathlib import Path
 
 import roofline_tp
 import torch
-from results_io import RESULTS, command_line, emit
+from results_io import RESULTS, command_line, emit, sig
 
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
-
-
-def sig(x: float, digits: int = 4) -> float:
-    """`x` to `digits` significant digits (figures span microseconds to seconds)."""
-    return float(f"{x:.{digits}g}")
 
 
 def log(msg: str) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 from gpu_parts import Shape
-from gpu_roofline import sig
+from results_io import sig
 
 LAYOUTS = {"agg": "inprocess_agg", "1p1d": "inprocess"}
 

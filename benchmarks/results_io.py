@@ -9,6 +9,12 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
+def sig(x: float, digits: int = 4) -> float:
+    """`x` to `digits` significant digits: figures span microseconds to seconds, and a small
+    rate measured on a CPU must not round to zero."""
+    return float(f"{x:.{digits}g}")
+
+
 def command_line(argv: list[str] | None) -> str:
     """The command that reproduces this run."""
     return "python " + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])

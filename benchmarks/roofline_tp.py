@@ -22,6 +22,7 @@ import asyncio
 import statistics
 
 import torch
+from results_io import sig
 
 
 def sizes(text: str) -> list[int]:
@@ -110,10 +111,10 @@ def run_section(args, result: dict, model: str, load_format: str, device: torch.
                                         decode_step_times).items():
             bound = (weights + batch * args.context * kv_per_token) / tp / copy_bw
             key = f"tp{tp}_decode_b{batch}"
-            result[f"{key}_ms"] = round(seconds * 1e3, 4)
-            result[f"{key}_bound_ratio"] = round(bound / seconds, 4)
+            result[f"{key}_ms"] = sig(seconds * 1e3)
+            result[f"{key}_bound_ratio"] = sig(bound / seconds)
             if batch in tp1:
-                result[f"{key}_vs_tp1_ratio"] = round(tp1[batch] / seconds, 4)
+                result[f"{key}_vs_tp1_ratio"] = sig(tp1[batch] / seconds)
             log(f"TP={tp} decode batch {batch}: {seconds * 1e3:.2f} ms/step")
     vocab = min(vocab_size, 32000)
     prompt = [3 + (i * 7919) % (vocab - 3) for i in range(args.disagg_prompt)]
@@ -135,9 +136,9 @@ def run_section(args, result: dict, model: str, load_format: str, device: torch.
             rates.append(rate)
         rate = statistics.median(rates)
         result[f"{key}_greedy_equal"] = tokens == reference
-        result[f"{key}_kv_mb"] = round(moved / 1e6, 4)
-        result[f"{key}_pull_gb_s"] = round(rate / 1e9, 4)
-        result[f"{key}_pull_copy_bw_ratio"] = round(rate / copy_bw, 4)
+        result[f"{key}_kv_mb"] = sig(moved / 1e6)
+        result[f"{key}_pull_gb_s"] = sig(rate / 1e9)
+        result[f"{key}_pull_copy_bw_ratio"] = sig(rate / copy_bw)
         log(f"TP={p} -> TP={d}: {moved / 1e6:.1f} MB pulled at {rate / 1e9:.2f} GB/s, greedy "
             f"{'equal' if tokens == reference else 'DIFFERENT'}")
 

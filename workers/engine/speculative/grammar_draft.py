@@ -36,11 +36,9 @@ def cut_draft(matcher: Any, draft: Sequence[int], keep_refused: bool) -> list[in
     accepted = 0
     cut = len(draft)
     for j, token in enumerate(draft):
-        if not matcher.accept_token(token):
-            cut = j + 1 if keep_refused else j
-            break
-        accepted += 1
-        if matcher.is_terminated():
+        ok = matcher.accept_token(token)
+        accepted += ok
+        if not ok or matcher.is_terminated():
             cut = j + 1 if keep_refused else j
             break
     if accepted:
