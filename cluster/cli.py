@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_drain_parser(sub)
 
+    from cluster.role import add_role_parser
+
+    add_role_parser(sub)
+
     make = sub.add_parser("make-model", help="write a random-weight checkpoint (HF format)")
     make.add_argument("--arch", default="llama", choices=KIT_ARCHS, metavar="ARCH",
                       help=f"one of {', '.join(KIT_ARCHS)}")

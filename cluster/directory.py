@@ -39,6 +39,9 @@ class WorkerEntry:
     # baseline `benchmarks/drain_ray.py` measures against)
     drain_with_kv: bool = True
     seen: float = 0.0  # time.monotonic() of the last heartbeat, set by the directory
+    # the role routers route it under when an operator switched it (`cleave role`: "prefill",
+    # "decode" or "both"); None: its own. Only a worker started as "both" is switched.
+    assigned_role: str | None = None
 
 
 class Directory:
@@ -50,10 +53,13 @@ class Directory:
         self._board = PlanBoard()
 
     def register(self, entry: WorkerEntry) -> None:
-        """Add or refresh a worker. A draining worker stays draining."""
+        """Add or refresh a worker. A draining worker stays draining, a switched one keeps
+        its assigned role."""
         old = self._entries.get(entry.worker_id)
         if old is not None and old.draining:
             entry = replace(entry, draining=True, drain_with_kv=old.drain_with_kv)
+        if old is not None:
+            entry = replace(entry, assigned_role=old.assigned_role)
         self._entries[entry.worker_id] = replace(entry, seen=time.monotonic())
 
     def set_draining(self, worker_id: str, with_kv: bool = True) -> None:
@@ -67,6 +73,13 @@ class Directory:
         entry = self._entries.get(worker_id)
         if entry is not None:
             self._entries[worker_id] = replace(entry, draining=False, drain_with_kv=True)
+
+    def assign_role(self, worker_id: str, role: str) -> None:
+        """Route the worker under `role` in every router replica (`cleave role`: the replica
+        that switched it already does; the others follow at their next sync)."""
+        entry = self._entries.get(worker_id)
+        if entry is not None:
+            self._entries[worker_id] = replace(entry, assigned_role=role)
 
     def deregister(self, worker_id: str) -> None:
         self._entries.pop(worker_id, None)

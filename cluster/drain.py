@@ -30,7 +30,7 @@ def _check_time(worker_id: str, started: float, timeout_s: float, waiting_for: s
                            f"{timeout_s:.0f}s")
 
 
-def _handles(address: str | None) -> tuple[Any, Any]:
+def app_handles(address: str | None) -> tuple[Any, Any]:
     """The directory's and the router's deployment handles."""
     import ray
     from ray import serve
@@ -87,7 +87,7 @@ def drain_worker(worker_id: str | None = None, pool: str = "decode",
     `restart` False: the worker stays, drained, routed nothing (benchmarks)."""
     import ray
 
-    directory, router = _handles(address)
+    directory, router = app_handles(address)
     entries = directory.entries.remote().result(timeout_s=30)
     entry, before = _choose(entries, worker_id, pool)
     say = progress or (lambda line: None)

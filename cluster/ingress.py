@@ -8,9 +8,10 @@ forward to the replica's ASGI app and gRPC methods below (what KubeRay's serve S
 
 Each replica keeps its worker set in step with the `Directory` (every `kv_poll_interval_s`):
 new workers are added (their prefix-cache snapshot seeds the index), draining ones get no new
-requests, gone ones are removed (their streams fail over). Requests go from here straight to the
-engine actors over one output channel per worker (`cluster.worker_client.RayChannel`), which
-also pushes each worker's load and KV events.
+requests, gone ones are removed (their streams fail over), and a worker an operator switched to
+another role (`cleave role`: `switch_role` below, on one replica) is switched by the others too.
+Requests go from here straight to the engine actors over one output channel per worker
+(`cluster.worker_client.RayChannel`), which also pushes each worker's load and KV events.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from router.channel import ChannelClient
 from router.grpc_server import GenerationService
 from router.openai.api import create_app
 from router.proto.cleave.v1 import generate_pb2 as pb
+from router.role_plan import RoleSwitch
 from router.server import FrontEnds
+from workers.contract.protocol import WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ class RouterIngress:
                                    reuse_port=True)
             await self.front.start()
         self._drained: set[str] = set()  # workers whose streams and hot prefixes moved off
+        self._switching: set[str] = set()  # workers `switch_role` is switching (sync skips them)
         self._sync = asyncio.get_running_loop().create_task(self._sync_forever())
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -159,6 +163,13 @@ class RouterIngress:
             elif not entry.draining and wid in r.draining:  # back in rotation
                 r.draining.discard(wid)
                 self._drained.discard(wid)
+            if entry.assigned_role is not None and wid in r.clients and \
+                    wid not in self._switching and \
+                    r.workers.role_of(wid).value != entry.assigned_role:
+                # another replica switched it (`cleave role`): move this replica's streams off
+                switch = await r.switch_role(wid, WorkerRole(entry.assigned_role))
+                logger.info("router %s: %s routed as %s, %d streams moved", self.subscriber,
+                            wid, switch.after.value, switch.moved)
         self._drained &= set(entries)
 
     # ---- gRPC (`cleave.v1.Generation`, through Serve's gRPC proxy) -------------------------
@@ -191,6 +202,7 @@ class RouterIngress:
         for wid, info in sorted(r.worker_infos.items()):
             load, stats = loads.get(wid), r.workers.stats(wid)
             workers.append({"worker_id": wid, "role": info.role.value,
+                            "routed_as": r.workers.role_of(wid).value,
                             "healthy": bool(load and load.healthy) or wid in r.draining,
                             "draining": wid in r.draining,
                             "num_waiting": load.num_waiting if load else None,
@@ -207,12 +219,38 @@ class RouterIngress:
                 "aggregated": dict(c.aggregated), "num_prompt_tokens": c.num_prompt_tokens,
                 "num_predicted_cached_tokens": c.num_predicted_cached_tokens,
                 "num_cached_tokens": c.num_cached_tokens, "fallbacks": dict(c.fallbacks),
+                "num_live_migrations": c.num_live_migrations,
+                "num_live_migrations_failed": c.num_live_migrations_failed,
                 "planner": None if r.slo is None else r.slo.status()}
 
     async def drained(self, worker_id: str) -> bool:
         """Whether this replica has moved the draining worker's streams and handed off its
         hot prefixes (`Router.drain`); True for a worker it does not route to."""
         return worker_id in self._drained or worker_id not in self.router.clients
+
+    async def switch_role(self, worker_id: str, role: str) -> RoleSwitch:
+        """Route a worker started as "both" under `role` ("prefill", "decode" or "both") from
+        now on (`cleave role`): this replica moves its streams away with their KV and switches
+        it (`Router.switch_role`), then records the role in the directory, where the other
+        replicas read it. Refused (`ValueError`) while the SLO planner runs: it owns the roles
+        of the switchable workers and would switch them back at its next tick."""
+        r = self.router
+        if r.slo is not None:
+            raise ValueError(f"the SLO planner (slo_ttft_ms / slo_itl_ms set) owns the roles of "
+                             f"the workers started as 'both'; it would undo switching "
+                             f"{worker_id!r} to {role!r} at its next tick")
+        if worker_id not in r.clients:
+            raise ValueError(f"no worker {worker_id!r} in router {self.subscriber}; expected one "
+                             f"of {sorted(r.clients)}")
+        want = WorkerRole(role)
+        self._switching.add(worker_id)
+        try:
+            switch = await r.switch_role(worker_id, want)
+            await asyncio.wait_for(self.directory.assign_role.remote(worker_id, want.value),
+                                   DIRECTORY_TIMEOUT_S)
+        finally:
+            self._switching.discard(worker_id)
+        return switch
 
     async def check_health(self) -> None:
         """Serve restarts a router replica whose directory sync died. No healthy worker is not

@@ -64,7 +64,9 @@ def format_status(s: dict[str, Any]) -> str:
     for w in s["workers"]:
         state = "draining" if w["draining"] else ("ok" if w["healthy"] else "down")
         kv = "-" if w["kv_usage"] is None else f"{100 * w['kv_usage']:.1f}%"
-        lines.append(f"  {w['worker_id']:<24} {w['role']:<8} {state:<9} "
+        role = w["role"] if w.get("routed_as", w["role"]) == w["role"] else \
+            f"{w['role']}>{w['routed_as']}"  # a "both" worker switched (`cleave role`)
+        lines.append(f"  {w['worker_id']:<24} {role:<8} {state:<9} "
                      f"{_num(w['num_waiting']):>7} {_num(w['num_running']):>7} {kv:>8}")
         spec = w.get("speculative")
         if spec is not None:

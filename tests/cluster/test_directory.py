@@ -28,3 +28,14 @@ def test_draining_or_undraining_an_unknown_worker_changes_nothing():
     d.set_draining("nope")
     d.undrain("nope")
     assert d.entries() == []
+
+
+def test_a_switched_workers_role_survives_its_heartbeats():
+    d = Directory()
+    d.register(WorkerEntry("agg-a", "aggregated", "both", actor=None, node_id="n1"))
+    d.assign_role("agg-a", "prefill")
+    d.register(WorkerEntry("agg-a", "aggregated", "both", actor=None, node_id="n1"))
+    (entry,) = d.entries()
+    assert entry.assigned_role == "prefill"
+    d.assign_role("nope", "prefill")
+    assert [e.worker_id for e in d.entries()] == ["agg-a"]
