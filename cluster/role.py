@@ -45,7 +45,7 @@ def switch_worker_role(worker_id: str, role: str, address: str | None = None,
         raise ValueError(str(getattr(exc, "cause", exc))) from None
     return {"worker_id": switch.worker_id, "before": _name(switch.before.value),
             "after": _name(switch.after.value), "streams_moved": switch.moved,
-            "seconds": round(switch.seconds, 4)}
+            "seconds": round(switch.seconds, 6)}
 
 
 def _name(role: str) -> str:
