@@ -242,6 +242,8 @@ class RouterIngress:
         if worker_id not in r.clients:
             raise ValueError(f"no worker {worker_id!r} in router {self.subscriber}; expected one "
                              f"of {sorted(r.clients)}")
+        if worker_id in self._switching:
+            raise ValueError(f"worker {worker_id!r} is switching role already")
         want = WorkerRole(role)
         self._switching.add(worker_id)
         try:

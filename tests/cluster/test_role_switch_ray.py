@@ -113,6 +113,12 @@ def test_a_worker_switches_to_prefill_and_back_under_streams_losing_and_recomput
     entries = {e.worker_id: e for e in directory_entries()}
     assert main(["role", "no-such-worker", "prefill"]) == 2
     assert "no worker 'no-such-worker'" in capsys.readouterr().err
+    # what the router replica refuses reaches the caller as a ValueError (the CLI's one line)
+    from ray import serve
+
+    with pytest.raises(ValueError, match="'nope' is not a valid WorkerRole"):
+        serve.get_deployment_handle("router", app_name="cleave").switch_role.remote(
+            next(iter(entries)), "nope").result(timeout_s=30)
     results: dict[int, str] = {}
     errors: list[str] = []
     started = threading.Barrier(len(STREAMED) + 1)  # every stream has its first token
