@@ -176,6 +176,6 @@ def test_a_checkpoint_without_an_mtp_layer_and_a_decode_worker_are_refused(tiny_
     with pytest.raises(ValueError, match=r"method 'mtp'.*num_nextn_predict_layers=0"):
         LLM(tiny_model, num_blocks=16, speculative_config=MTP)
     llm = LLM(mtp_model, num_blocks=16, speculative_config=MTP)
-    with pytest.raises(ValueError, match="role 'decode'.*hidden states of the prompt"):
+    with pytest.raises(ValueError, match=r"role 'decode'.*hidden states of the prompt"):
         check_role_fits_engine("decode", llm.engine)
     check_role_fits_engine("prefill", llm.engine)

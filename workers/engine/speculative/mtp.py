@@ -1,6 +1,6 @@
-"""Multi-token-prediction drafts (issue 48's method 4): the checkpoint's own MTP layer (DeepSeek-V3's
-`model.layers.{num_hidden_layers}`, `workers.models.deepseek.DeepseekMTPLayer`) drafts for the
-target, as vLLM's `deepseek_mtp` / `mtp` methods do.
+"""Multi-token-prediction drafts (issue 48's method 4): the checkpoint's own MTP layer
+(DeepSeek-V3's `model.layers.{num_hidden_layers}`, `workers.models.deepseek.DeepseekMTPLayer`)
+drafts for the target, as vLLM's `deepseek_mtp` / `mtp` methods do.
 
 The layer at position i reads the target's hidden state there before its final norm, h[i], and
 token i + 1, and predicts token i + 2. So the draft needs the target's hidden states of every
