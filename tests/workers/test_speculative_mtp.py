@@ -20,6 +20,8 @@ from workers.engine.parallel.messages import StepMessage
 from workers.engine.parallel.pipeline import MicroBatch, microbatch_tensors
 from workers.engine.runner import allocate_kv_caches
 from workers.engine.speculative.mtp import MTPDraft
+from workers.contract.protocol import WorkerRequest
+from workers.serving.connector import Connector
 
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
                   "disable_by_batch_size": 8})
@@ -75,6 +77,7 @@ def test_greedy_is_identical_in_mixed_batches_with_chunked_prefill_and_preemptio
     assert outputs(spec, params) == outputs(base, params)
     stats = spec.engine.stats()
     assert stats.speculative_method == "mtp" and stats.num_draft_tokens > 0
+    assert base.engine.runner.executor.model.mtp is None  # loaded only where it drafts
     assert spec.engine.scheduler.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_blocks
 
@@ -179,3 +182,28 @@ def test_a_checkpoint_without_an_mtp_layer_and_a_decode_worker_are_refused(tiny_
     with pytest.raises(ValueError, match=r"role 'decode'.*hidden states of the prompt"):
         check_role_fits_engine("decode", llm.engine)
     check_role_fits_engine("prefill", llm.engine)
+
+
+def test_a_request_handed_off_to_an_mtp_engine_decodes_as_without_speculation(mtp_model):
+    """The prompt's hidden states stay with the prefill engine: the MTP layer drafts from the
+    positions decoded here (its cache holds nothing for the prompt): the same output."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompt = PROMPTS[0] * 2
+    want = LLM(mtp_model, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    prefill = LLM(mtp_model, num_blocks=64).engine
+    req = WorkerRequest("x", tuple(prompt), params)
+    prefill.generate(req)
+    first = prefill.step()[0].token_ids[0]
+    decode = LLM(mtp_model, num_blocks=64, speculative_config=MTP).engine
+    dst_blocks = Connector(decode).decode_from_handoff(req, first)
+    src_blocks = prefill.block_ids("x")[:len(dst_blocks)]
+    for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
+        dst_cache[:, dst_blocks] = src_cache[:, src_blocks]
+    prefill.abort("x")
+    Connector(decode).kv_landed("x")
+    tokens = [first]
+    while decode.has_unfinished():
+        for event in decode.step():
+            tokens += event.token_ids
+    assert tokens == want
+    assert decode.stats().num_draft_tokens > 0
