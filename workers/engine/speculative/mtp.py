@@ -31,12 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine.parallel.messages import StepMessage
-from workers.engine.parallel.pipeline import MicroBatch, microbatch_tensors
 from workers.engine.request import Request
 from workers.engine.scheduler_records import SchedulerOutput
 from workers.engine.speculative.config import MTP_METHODS, SpeculativeConfig
-from workers.engine.speculative.draft_model import Draft, TruncatedDraft
+from workers.engine.speculative.draft_model import Draft, TruncatedDraft, chunk_batch
 from workers.models.llama import LlamaForCausalLM
 from workers.models.model_config import ModelConfig
 
@@ -169,32 +167,13 @@ class MTPDraft(TruncatedDraft):
     def _run(self, chunks: list[tuple[list[int], list[int], torch.Tensor]],
              tables: list[tuple[int, ...]]) -> tuple[torch.Tensor, list[int]]:
         """The layer over `chunks` (tokens t[i + 1], positions i, target rows h[i] each) in one
-        batch, single-row chunks first as the attention expects -> (h' of every row, each
-        chunk's last row)."""
-        order = sorted(range(len(chunks)), key=lambda c: len(chunks[c][0]) > 1)
-        size = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        loc = [0]
-        for c in order:
-            tokens, positions, _ = chunks[c]
-            ids += tokens
-            pos += positions
-            slots += [tables[c][p // size] * size + p % size for p in positions]
-            loc.append(len(ids))
-        msg = StepMessage(
-            step_id=0, input_ids=tuple(ids), positions=tuple(pos), slot_mapping=tuple(slots),
-            query_start_loc=tuple(loc), seq_lens=tuple(chunks[c][1][-1] + 1 for c in order),
-            block_tables=tuple(tables[c] for c in order),
-            num_decodes=sum(len(chunks[c][0]) == 1 for c in order), logit_rows=())
-        t_ids, t_pos, meta = microbatch_tensors(msg, MicroBatch(0, len(order), 0, len(ids)),
-                                                self.device)
+        batch -> (h' of every row, each chunk's last row)."""
+        batch = chunk_batch([(tokens, positions) for tokens, positions, _ in chunks], tables,
+                            self.block_size, self.device)
         stack = self.model.model
-        embeds = stack.embed_tokens(t_ids)
+        embeds = stack.embed_tokens(batch.ids)
         if stack.embed_scale is not None:
             embeds = embeds * torch.tensor(stack.embed_scale, dtype=embeds.dtype)
-        previous = torch.cat([chunks[c][2] for c in order]).to(embeds.dtype)
-        hidden = self.mtp.predict(t_pos, embeds, previous, self.cache, meta)
-        back = {c: loc[r + 1] - 1 for r, c in enumerate(order)}
-        return hidden, [back[c] for c in range(len(chunks))]
+        previous = torch.cat([chunks[c][2] for c in batch.order]).to(embeds.dtype)
+        return (self.mtp.predict(batch.positions, embeds, previous, self.cache, batch.meta),
+                batch.ends)
