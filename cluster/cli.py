@@ -151,8 +151,12 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from workers.models.make_model import make_model
 
+    if args.mtp_layers and args.arch != "deepseek_v3":
+        raise ValueError(f"--mtp-layers is DeepSeek-V3's (--arch deepseek_v3), got --arch "
+                         f"{args.arch}")
+    overrides = ({"num_nextn_predict_layers": args.mtp_layers} if args.mtp_layers else None)
     out = make_model(args.out, arch=args.arch, preset=args.preset, seed=args.seed,
-                     dtype=args.dtype, weights=not args.no_weights)
+                     dtype=args.dtype, weights=not args.no_weights, overrides=overrides)
     print(out)
     return 0
 
@@ -271,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     make.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     make.add_argument("--out", required=True, help="output folder")
+    make.add_argument("--mtp-layers", type=int, default=0,
+                      help="deepseek_v3: multi-token-prediction layers to write "
+                           "(num_nextn_predict_layers; they draft with --speculative-config "
+                           "'{\"method\": \"mtp\", ...}')")
     make.add_argument("--no-weights", action="store_true",
                       help="write config and tokenizer only; serve with --load-format dummy")
     make.set_defaults(func=_cmd_make_model)

@@ -22,6 +22,7 @@ from workers.engine.parallel.executor import (GroupExecutor, GroupOptions, Local
 from workers.engine.parallel.group import SpawnLauncher
 from workers.engine.parallel.rank_memory import KVProfile, KVSizing
 from workers.engine.runner import KVCacheSpec, allocate_kv_caches
+from workers.engine.speculative.mtp import mtp_model_config
 
 if TYPE_CHECKING:
     from workers.models.llama import LlamaForCausalLM
@@ -52,6 +53,8 @@ def load_tokenizer(model_path: str) -> Tokenizer | None:
 
 def load_local_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                      device: torch.device) -> LlamaForCausalLM:
+    # the checkpoint's multi-token-prediction layer too where it drafts
+    model_config = mtp_model_config(config.speculative, model_config, config.model)
     return load_model(config.model, model_config, dtype=dtype, device=device,
                       attn_backend=get_backend(config.resolved_attention_backend),
                       load_format=config.load_format, seed=config.seed,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,9 @@ class ModelRunner:
         # which adapter is in which of the model's LoRA slots, set by the engine when it
         # serves adapters
         self.adapters: SlotTable | None = None
+        # called with each step after its forward, before sampling (a draft reading the
+        # target's hidden states: workers.engine.speculative.mtp)
+        self.after_forward: Callable[[SchedulerOutput], None] | None = None
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -113,6 +117,8 @@ class ModelRunner:
         if self.sync is not None:
             return self._execute_sampled(batch)
         logits = self.executor.execute(batch.msg).to(self.device)  # [len(logit_rows), vocab]
+        if self.after_forward is not None:
+            self.after_forward(out)
         result = RunnerOutput()
         sampling = batch.sampling
         if sampling:

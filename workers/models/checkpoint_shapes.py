@@ -13,34 +13,54 @@ from workers.models.model_config import ModelConfig
 
 def hf_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor of the HF checkpoint for `config`, in HF names and layer order."""
-    h, inter = config.hidden_size, config.intermediate_size
-    fused = config.model_type == "phi3"  # one qkv_proj and one gate_up_proj tensor
+    h = config.hidden_size
     shapes: list[tuple[str, tuple[int, ...]]] = [
         ("model.embed_tokens.weight", (config.vocab_size, h))
     ]
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (h,))]
-        shapes += _mla_shapes(config, p) if config.mla else _attention_shapes(config, p)
-        shapes.append((p + "post_attention_layernorm.weight", (h,)))
-        if config.model_type == "gemma3_text":  # norms around the MLP too
-            shapes += [(p + "pre_feedforward_layernorm.weight", (h,)),
-                       (p + "post_feedforward_layernorm.weight", (h,))]
-        if config.is_moe_layer(i):
-            shapes += _moe_shapes(config, p)
-            continue
-        mlp: tuple[tuple[str, tuple[int, int]], ...] = (
-            (("gate_up_proj", (2 * inter, h)),) if fused
-            else (("gate_proj", (inter, h)), ("up_proj", (inter, h))))
-        mlp += (("down_proj", (h, inter)),)
-        for proj, shape in mlp:
-            shapes.append((f"{p}mlp.{proj}.weight", shape))
-            if config.mlp_bias:
-                shapes.append((f"{p}mlp.{proj}.bias", (shape[0],)))
+        shapes += _layer_shapes(config, i)
+    for i in range(config.num_hidden_layers,
+                   config.num_hidden_layers + config.num_nextn_predict_layers):
+        shapes += _mtp_shapes(config, i)
     shapes.append(("model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
         shapes.append(("lm_head.weight", (config.vocab_size, h)))
     return shapes
+
+
+def _layer_shapes(config: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Decoder layer `i`'s tensors: its norms, attention and MLP (or experts)."""
+    h, inter = config.hidden_size, config.intermediate_size
+    fused = config.model_type == "phi3"  # one qkv_proj and one gate_up_proj tensor
+    p = f"model.layers.{i}."
+    shapes: list[tuple[str, tuple[int, ...]]] = [(p + "input_layernorm.weight", (h,))]
+    shapes += _mla_shapes(config, p) if config.mla else _attention_shapes(config, p)
+    shapes.append((p + "post_attention_layernorm.weight", (h,)))
+    if config.model_type == "gemma3_text":  # norms around the MLP too
+        shapes += [(p + "pre_feedforward_layernorm.weight", (h,)),
+                   (p + "post_feedforward_layernorm.weight", (h,))]
+    if config.is_moe_layer(i):
+        return shapes + _moe_shapes(config, p)
+    mlp: tuple[tuple[str, tuple[int, int]], ...] = (
+        (("gate_up_proj", (2 * inter, h)),) if fused
+        else (("gate_proj", (inter, h)), ("up_proj", (inter, h))))
+    mlp += (("down_proj", (h, inter)),)
+    for proj, shape in mlp:
+        shapes.append((f"{p}mlp.{proj}.weight", shape))
+        if config.mlp_bias:
+            shapes.append((f"{p}mlp.{proj}.bias", (shape[0],)))
+    return shapes
+
+
+def _mtp_shapes(config: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V3's multi-token-prediction layer `i` (past the decoder stack): its own copy
+    of the embedding, the norms of the embedding and of the hidden state it takes, their
+    projection, a decoder layer, and its output head's norm and projection."""
+    h, v, p = config.hidden_size, config.vocab_size, f"model.layers.{i}."
+    return [(p + "embed_tokens.weight", (v, h)), (p + "enorm.weight", (h,)),
+            (p + "hnorm.weight", (h,)), (p + "eh_proj.weight", (h, 2 * h)),
+            *_layer_shapes(config, i), (p + "shared_head.norm.weight", (h,)),
+            (p + "shared_head.head.weight", (v, h))]
 
 
 def _attention_shapes(config: ModelConfig, p: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -132,7 +152,8 @@ def random_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     if name.endswith("bias"):  # ".bias", gpt-oss's "_proj_bias", DeepSeek's correction bias
         return torch.randn(shape, generator=generator) * 0.1
     fan_in = shape[-1]
-    std = 4.0 / fan_in**0.5 if ("lm_head" in name or "embed_tokens" in name) else fan_in**-0.5
+    head = any(part in name for part in ("lm_head", "embed_tokens", "shared_head.head"))
+    std = 4.0 / fan_in**0.5 if head else fan_in**-0.5
     return torch.randn(shape, generator=generator) * std
 
 

@@ -20,6 +20,9 @@ replicated on every rank.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +43,7 @@ from workers.models.mixtral import MixtralForCausalLM
 from workers.models.norm import RMSNorm
 from workers.models.moe import FusedExperts
 from workers.models.rotary import RotaryEmbedding
+from workers.models.vocab import ParallelLMHead
 
 _LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default
 
@@ -112,6 +116,49 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     attention_cls = MLAttention
 
 
+class _SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=shard.tp_rank,
+                                   tp_size=shard.tp_size, comm=shard.comm)
+
+
+class DeepseekMTPLayer(DeepseekV3DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction module (one depth; checkpoint keys
+    `model.layers.{num_hidden_layers}.*`): from the target's hidden state at position i
+    before its final norm, h[i], and the embedding of token i + 1, a decoder layer of its own
+    (with its own KV cache) predicts token i + 2:
+
+        x[i] = eh_proj([enorm(embed(t[i + 1])); hnorm(h[i])]),   h'[i] = layer(x[i]) at i,
+        logits[i] = shared_head.head(shared_head.norm(h'[i])).
+
+    h'[i] (un-normed) can take h[i]'s place for a further depth: drafting more tokens runs
+    this one module again on its own output, as vLLM does past a checkpoint's MTP layers. The
+    embedding is the target's, which DeepSeek-V3 shares (the checkpoint's copy is not read)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: AttentionBackend,
+                 shard: Shard, mlp_name: str, mlp: nn.Module) -> None:
+        super().__init__(config, layer_idx, attn_backend, shard, mlp_name, mlp)
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = ReplicatedLinear(2 * h, h)
+        self.shared_head = _SharedHead(config, shard)
+
+    def predict(self, positions: torch.Tensor, embeds: torch.Tensor, previous: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """embeds: the embeddings of tokens i + 1, previous: h[i] (both [T, hidden]), at
+        `positions` i -> h'[i] [T, hidden], writing the layer's K/V at i."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous)], dim=-1))
+        hidden, residual = self(positions, x, None, kv_cache, meta)
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """h' [N, hidden] -> the next-next token's logits [N, vocab_size] float32."""
+        return self.shared_head.head.compute_logits(self.shared_head.norm(hidden)).float()
+
+
 def route_deepseek(logits: torch.Tensor, correction: torch.Tensor | None, moe: MoEConfig,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek's routers, as transformers': logits [T, E] fp32 -> (ids [T, k], weights [T, k]
@@ -176,18 +223,57 @@ class DeepseekMoE(nn.Module):
         return out
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
 class DeepseekV3ForCausalLM(MixtralForCausalLM):
-    """The first `first_k_dense_replace` layers have a dense MLP, the rest DeepseekMoE; the
-    multi-token-prediction layers some checkpoints carry (indices past num_hidden_layers) are
-    skipped by the loader as another stage's."""
+    """The first `first_k_dense_replace` layers have a dense MLP, the rest DeepseekMoE. The
+    multi-token-prediction layer a checkpoint may carry (the index past num_hidden_layers) is
+    built as `mtp` and loaded where `config.mtp_layers` asks for it (it drafts:
+    `workers.engine.speculative.mtp`), else skipped by the loader."""
 
     # read as a matrix by the latent attention, never multiplied as a layer: a quantized
     # checkpoint's copy is dequantized on load (workers.quant.linear)
     dense_after_load = ("kv_b_proj",)
 
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp_rank: int = 0,
+                 tp_size: int = 1, *, shard: Shard | None = None) -> None:
+        super().__init__(config, attn_backend, tp_rank, tp_size, shard=shard)
+        self.mtp: DeepseekMTPLayer | None = None
+        if not config.mtp_layers:
+            return
+        if config.mtp_layers != 1 or config.num_nextn_predict_layers < 1:
+            raise ValueError(f"one multi-token-prediction layer is built, of the checkpoint's "
+                             f"num_nextn_predict_layers={config.num_nextn_predict_layers}; got "
+                             f"mtp_layers={config.mtp_layers}")
+        if not self.model.is_last:
+            raise ValueError("a multi-token-prediction layer needs the decoder stack's last "
+                             "layers on this rank (no pipeline parallelism)")
+        index = config.num_hidden_layers
+        self.mtp = DeepseekMTPLayer(config, index, attn_backend, self.shard,
+                                    *self.make_mlp(index))
+
     def make_model(self, config: ModelConfig, attn_backend: AttentionBackend) -> LlamaModel:
         return LlamaModel(config, attn_backend, self.shard, self.make_mlp,
                           layer_cls=DeepseekV3DecoderLayer)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As the Llama loader's, the first multi-token-prediction layer's tensors into `mtp`
+        (named `mtp.*`) when it is built; the others past the decoder stack skipped."""
+        return super().load_weights(self._mtp_names(weights))
+
+    def _mtp_names(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        first = self.config.num_hidden_layers
+        for name, tensor in weights:
+            layer = _LAYER.match(name)
+            if layer is not None and int(layer.group(1)) >= first:
+                rest = name[layer.end():]
+                if (self.mtp is None or int(layer.group(1)) != first
+                        or rest == "embed_tokens.weight"):  # the target's, shared
+                    continue
+                name = "mtp." + rest
+            yield name, tensor
 
     def map_name(self, hf_name: str) -> tuple[str, object]:
         if ".self_attn." in hf_name:  # MLA's projections are not Llama's fused q/k/v

@@ -148,6 +148,10 @@ class LlamaModel(nn.Module):
     # set at load where every layer takes it: a few CPU decode rows in one C call (fused_layer)
     fused_stack: FusedDecoderStack | None = None
     lora_batch: LoraBatch | None = None  # the step's adapter rows: `fused_stack` adds their LoRA
+    # set where a draft reads the last layer's output before the final norm (DeepSeek's
+    # multi-token prediction: workers.engine.speculative.mtp): each forward keeps it [T, hidden]
+    keep_prenorm = False
+    prenorm: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -165,7 +169,10 @@ class LlamaModel(nn.Module):
             for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if self.is_last:
-            return self.norm(hidden, residual)[0]
+            normed, summed = self.norm(hidden, residual)
+            if self.keep_prenorm:
+                self.prenorm = summed
+            return normed
         return hidden if residual is None else hidden.add_(residual)  # the next stage's input
 
 

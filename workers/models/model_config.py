@@ -82,6 +82,11 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned sink logit per head (gpt-oss)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3)
     quantization: QuantScheme | None = None  # how the checkpoint stores its weights
+    # multi-token-prediction layers the checkpoint carries past its decoder stack (DeepSeek-V3's
+    # num_nextn_predict_layers: keys `model.layers.{num_hidden_layers + i}.*`); of them, the
+    # ones built and loaded (`mtp_layers`, set where they draft: workers.engine.speculative.mtp)
+    num_nextn_predict_layers: int = 0
+    mtp_layers: int = 0
 
     @property
     def kv_cache_heads(self) -> int:
@@ -210,6 +215,8 @@ class ModelConfig:
             **(_gpt_oss(raw, num_layers) if model_type == "gpt_oss" else {}),
             mla=parse_mla(raw, model_type) if model_type.startswith("deepseek") else None,
             quantization=parse_quantization(raw),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0)
+            if model_type == "deepseek_v3" else 0,
         )
 
 

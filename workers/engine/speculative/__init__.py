@@ -3,6 +3,7 @@
 `config` (torch-free) parses `--speculative-config`; `drafter` holds the methods that propose
 tokens from a token history (`Drafter`); `draft_model` and `quantized_self` the draft models
 (a truncated copy of the target on its cache; the target's int4 copy on a cache of its own);
+`mtp` the checkpoint's multi-token-prediction layer (DeepSeek-V3's) on a cache of its own;
 `speculator` is the per-step policy that decides which requests draft and
 how many tokens (the back-off); `verify` turns a verification step's sampled rows into the
 accepted tokens; `rejection` is the acceptance rule for a draft with probabilities.

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft_model", "quantized_self")
+# "mtp" and "deepseek_mtp" (vLLM's two names) draft with the checkpoint's own
+# multi-token-prediction layer (DeepSeek-V3's)
+MTP_METHODS = ("mtp", "deepseek_mtp")
+METHODS = ("ngram", "draft_model", "quantized_self", *MTP_METHODS)
 
 
 @dataclass(frozen=True)
@@ -15,7 +18,8 @@ class SpeculativeConfig:
     two keys are Cleave's (vLLM's `disable_by_batch_size` kept its name)."""
 
     # "ngram": prompt lookup; "draft_model": a truncated copy of the target; "quantized_self":
-    # the target's own weights quantized to int4 at start, all layers, with a cache of its own
+    # the target's own weights quantized to int4 at start, all layers, with a cache of its own;
+    # "mtp" / "deepseek_mtp": the checkpoint's multi-token-prediction layer, with a cache of its own
     method: str
     num_speculative_tokens: int  # tokens drafted per request per step at most
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the request's tokens

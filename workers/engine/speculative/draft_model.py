@@ -26,6 +26,44 @@ from workers.engine.speculative.rejection import DRAFT_SALT
 from workers.models.llama import LlamaForCausalLM, LlamaModel
 
 
+class ChunkBatch(NamedTuple):
+    """A draft's forward over several requests' chunks of positions in one batch."""
+
+    ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: object  # the attention's metadata
+    order: list[int]  # the chunks in batch order (single-position ones first)
+    ends: list[int]  # each chunk's last row, by chunk index
+
+
+def chunk_batch(chunks: Sequence[tuple[Sequence[int], Sequence[int]]],
+                tables: Sequence[tuple[int, ...]], block_size: int,
+                device: torch.device) -> ChunkBatch:
+    """The batch of `chunks` ((token ids, their consecutive positions) each, the K/V of those
+    positions written through block table `tables[c]`), single-position chunks first as the
+    attention expects of decodes (drafts with a cache of their own catch it up this way:
+    `quantized_self`, `mtp`)."""
+    order = sorted(range(len(chunks)), key=lambda c: len(chunks[c][1]) > 1)
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    loc = [0]
+    for c in order:
+        tokens, positions = chunks[c]
+        ids += tokens
+        pos += positions
+        slots += [tables[c][p // block_size] * block_size + p % block_size for p in positions]
+        loc.append(len(ids))
+    msg = StepMessage(
+        step_id=0, input_ids=tuple(ids), positions=tuple(pos), slot_mapping=tuple(slots),
+        query_start_loc=tuple(loc), seq_lens=tuple(chunks[c][1][-1] + 1 for c in order),
+        block_tables=tuple(tables[c] for c in order),
+        num_decodes=sum(len(chunks[c][1]) == 1 for c in order), logit_rows=())
+    t_ids, t_pos, meta = microbatch_tensors(msg, MicroBatch(0, len(order), 0, len(ids)), device)
+    back = {c: loc[r + 1] - 1 for r, c in enumerate(order)}
+    return ChunkBatch(t_ids, t_pos, meta, order, [back[c] for c in range(len(chunks))])
+
+
 class Draft(NamedTuple):
     """A request's drafted tokens; for a sampled request also the distribution each was drawn
     from ([V] each; empty for a greedy one)."""

@@ -27,10 +27,8 @@ from typing import Any
 
 import torch
 
-from workers.engine.parallel.messages import StepMessage
-from workers.engine.parallel.pipeline import MicroBatch, microbatch_tensors
 from workers.engine.request import Request
-from workers.engine.speculative.draft_model import Draft, TruncatedDraft
+from workers.engine.speculative.draft_model import Draft, TruncatedDraft, chunk_batch
 from workers.models.layers import LINEAR_LAYERS, Shard
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import use_cpu_kernels
@@ -168,28 +166,8 @@ class SelfDraft(TruncatedDraft):
         (decodes first in the batch, as the attention expects)."""
         if j > 0:
             return super()._step(reqs, live, j, inputs, tables)
-        starts = self._starts
-        order = sorted(live, key=lambda i: reqs[i].num_tokens - starts[i] > 1)
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        loc = [0]
-        size = self.block_size
-        for i in order:
-            first, end = starts[i], reqs[i].num_tokens
-            ids += reqs[i].all_token_ids[first:end]
-            pos += range(first, end)
-            slots += [tables[i][p // size] * size + p % size for p in range(first, end)]
-            loc.append(len(ids))
-        n = len(order)
-        msg = StepMessage(
-            step_id=0, input_ids=tuple(ids), positions=tuple(pos), slot_mapping=tuple(slots),
-            query_start_loc=tuple(loc), seq_lens=tuple(reqs[i].num_tokens for i in order),
-            block_tables=tuple(tables[i] for i in order),
-            num_decodes=sum(reqs[i].num_tokens - starts[i] == 1 for i in order),
-            logit_rows=tuple(end - 1 for end in loc[1:]))
-        t_ids, t_pos, meta = microbatch_tensors(msg, MicroBatch(0, n, 0, len(ids)), self.device)
-        hidden = self._hidden(t_ids, t_pos, meta)
-        logits = self.model.compute_logits(hidden[list(msg.logit_rows)])
-        back = {i: r for r, i in enumerate(order)}
-        return logits[[back[i] for i in live]]
+        batch = chunk_batch([(reqs[i].all_token_ids[self._starts[i]:reqs[i].num_tokens],
+                              range(self._starts[i], reqs[i].num_tokens)) for i in live],
+                            [tables[i] for i in live], self.block_size, self.device)
+        hidden = self._hidden(batch.ids, batch.positions, batch.meta)
+        return self.model.compute_logits(hidden[batch.ends])

@@ -12,6 +12,7 @@ doubles each time it backs off again.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from workers.engine.parallel.local import LocalExecutor
 from workers.engine.request import Request, RequestStatus
 from workers.engine.runner import ModelRunner, allocate_kv_caches
 from workers.engine.speculative.draft_model import TruncatedDraft
-from workers.engine.speculative.config import SpeculativeConfig
+from workers.engine.speculative.config import MTP_METHODS, SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
 from workers.engine.speculative.grammar_draft import cut_draft
+from workers.engine.speculative.mtp import MTPDraft
 from workers.engine.speculative.quantized_self import SelfDraft, quantized_copy
 
 EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
@@ -156,7 +158,8 @@ def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
                      runner: ModelRunner, kv: KVCacheManager) -> Speculator | NoSpeculation:
     """The speculator `config` asks for (`NoSpeculation` for None); a draft model drafts on
     `runner`'s model (one rank in this process): a truncated copy on its KV cache, a quantized
-    self-draft on a cache of its own shaped as the target's."""
+    self-draft on a cache of its own shaped as the target's, the checkpoint's MTP layer on a
+    cache of its own of one layer, fed the target's hidden states after each forward."""
     if config is None:
         return NoSpeculation()
     if config.method == "ngram":
@@ -167,7 +170,13 @@ def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
         raise ValueError(f"a draft model needs the target in this process, got "
                          f"{type(executor).__name__}")
     draft: TruncatedDraft
-    if config.method == "quantized_self":
+    if config.method in MTP_METHODS:
+        spec = dataclasses.replace(runner.spec, num_layers=1)
+        mtp = MTPDraft(executor.model, allocate_kv_caches(spec, runner.device)[0],
+                       runner.device, spec.block_size, runner.sampler.generator, config.method)
+        runner.after_forward = mtp.record
+        draft = mtp
+    elif config.method == "quantized_self":
         draft = SelfDraft(quantized_copy(executor.model),
                           allocate_kv_caches(runner.spec, runner.device), runner.device,
                           runner.spec.block_size, runner.sampler.generator)
