@@ -148,9 +148,7 @@ class LlamaModel(nn.Module):
     # set at load where every layer takes it: a few CPU decode rows in one C call (fused_layer)
     fused_stack: FusedDecoderStack | None = None
     lora_batch: LoraBatch | None = None  # the step's adapter rows: `fused_stack` adds their LoRA
-    # set where a draft reads the last layer's output before the final norm (DeepSeek's
-    # multi-token prediction: workers.engine.speculative.mtp): each forward keeps it [T, hidden]
-    keep_prenorm = False
+    keep_prenorm = False  # keep the output before the final norm in `prenorm` (an MTP draft)
     prenorm: torch.Tensor | None = None
 
     def forward(
@@ -170,8 +168,7 @@ class LlamaModel(nn.Module):
                 hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         if self.is_last:
             normed, summed = self.norm(hidden, residual)
-            if self.keep_prenorm:
-                self.prenorm = summed
+            self.prenorm = summed if self.keep_prenorm else None
             return normed
         return hidden if residual is None else hidden.add_(residual)  # the next stage's input
 
@@ -249,13 +246,10 @@ class LlamaForCausalLM(nn.Module):
         return _SHARDS_PER_PARAM[name.split(".")[-2]]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies HF-named tensors into the parameters (this rank's shard of each).
-
-        Returns the names of parameters fully loaded (fused ones only once every shard came).
-        Tensors of layers outside this pipeline stage are skipped. Raises WeightShapeError
-        naming the tensor on a shape mismatch, KeyError listing the names that match no
-        parameter.
-        """
+        """Copies HF-named tensors into the parameters (this rank's shard of each); the names of
+        parameters fully loaded (fused ones once every shard came). Other stages' layers are
+        skipped; WeightShapeError names the tensor on a shape mismatch, KeyError lists the
+        names that match no parameter."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         shards_seen: dict[str, set[object]] = {}
@@ -283,9 +277,8 @@ class LlamaForCausalLM(nn.Module):
             if shard_id is None:
                 loaded.add(name)
                 continue
-            shards = shards_seen.setdefault(name, set())
-            shards.add(shard_id)
-            if len(shards) == self.num_shards(name):
+            shards_seen.setdefault(name, set()).add(shard_id)
+            if len(shards_seen[name]) == self.num_shards(name):
                 loaded.add(name)
         if unknown:
             raise KeyError(f"checkpoint tensors match no model parameter: {unknown}")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 from workers.models.dtypes import resolve_dtype
 from workers.models.mla_config import MLAConfig, parse_mla
@@ -21,11 +21,6 @@ from workers.models.rope_config import RopeScaling, layer_types, parse_local_rop
 from workers.models.gguf_config import read_gguf_config
 from workers.tokenizer.gguf_file import GGUFError, find_gguf_file
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM",
-                           "GptOssForCausalLM", "DeepseekV2ForCausalLM",
-                           "DeepseekV3ForCausalLM")
 # configs written by `XConfig.save_pretrained` (no model) have no `architectures` key
 ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -41,6 +36,7 @@ ARCH_BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+SUPPORTED_ARCHITECTURES = tuple(ARCH_BY_MODEL_TYPE.values())
 _DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "gpt_oss": 150_000.0}
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -82,9 +78,7 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned sink logit per head (gpt-oss)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3)
     quantization: QuantScheme | None = None  # how the checkpoint stores its weights
-    # multi-token-prediction layers the checkpoint carries past its decoder stack (DeepSeek-V3's
-    # num_nextn_predict_layers: keys `model.layers.{num_hidden_layers + i}.*`); of them, the
-    # ones built and loaded (`mtp_layers`, set where they draft: workers.engine.speculative.mtp)
+    # DeepSeek-V3's MTP layers (`model.layers.{num_hidden_layers + i}.*`); those built: mtp_layers
     num_nextn_predict_layers: int = 0
     mtp_layers: int = 0
 
