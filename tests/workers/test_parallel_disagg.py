@@ -1,7 +1,8 @@
 """A TP=2 prefill engine hands its KV to a TP=1 decode engine (and the reverse) through the
 transfer layer, one agent per TP rank, and the greedy output equals the aggregated TP=1 run
 (Llama; Qwen3-MoE with its experts split over the TP=2 group; DeepSeek-V3, whose latent cache
-every rank holds whole).
+every rank holds whole). A LoRA request crosses it too: a PEFT adapter's request and a base
+model's, handed off together between TP sizes, give PEFT's and transformers' greedy tokens.
 
 The TP=2 engine's cache lives in its rank processes, and each rank's own transfer agent serves
 and pulls its shard (`Engine.kv_agent_hosts()`), driven from the engine's process through
@@ -14,7 +15,7 @@ import asyncio
 
 import pytest
 
-from tests.workers.hf_oracle import save_hf_model
+from tests.workers.hf_oracle import peft_family, save_hf_model
 from workers import LLM, SamplingParams
 from workers.contract.messages import DecodeFromHandoff
 from workers.contract.protocol import WorkerRequest
@@ -54,32 +55,41 @@ def transfer(engine, name: str) -> WorkerTransfer:
 async def handoff(prefill, decode, request_id: str, moved: list | None = None) -> list[int]:
     """The request prefilled on `prefill`, its KV pulled by `decode`'s ranks, decoded there.
     `moved` collects the handoff records offered (their bytes)."""
+    req = WorkerRequest(request_id, tuple(PROMPT), PARAMS)
+    return (await handoff_all(prefill, decode, [req], moved))[request_id]
+
+
+async def handoff_all(prefill, decode, reqs: list[WorkerRequest],
+                      moved: list | None = None) -> dict[str, list[int]]:
+    """`reqs` prefilled together on `prefill`, each one's KV pulled by `decode`'s ranks, then
+    decoded there in one batch: each request's tokens by id."""
     source, sink = transfer(prefill, "p"), transfer(decode, "d")
     await source.agents()
     await sink.agents()
-    req = WorkerRequest(request_id, tuple(PROMPT), PARAMS)
     prefilling, decoding = Connector(prefill), Connector(decode)
-    prefilling.prefill(req)
-    events = []
+    for req in reqs:
+        prefilling.prefill(req)
+    tokens: dict[str, list[int]] = {req.request_id: [] for req in reqs}
     while prefill.has_unfinished():
-        events += prefill.step()
-    first = events[-1].token_ids[0]
+        for event in prefill.step():
+            tokens[event.request_id] += event.token_ids
     decode_tp = len(await sink.agents())
-    offered = source.offer(request_id, prefilling.held_block_ids(request_id), decode_tp)
-    if moved is not None:
-        moved += offered.ranks
-    dst_blocks = decoding.decode_from_handoff(req, first)
-    await (await sink.puller(request_id, offered))(dst_blocks)
-    decoding.kv_landed(request_id)
+    for req in reqs:
+        rid = req.request_id
+        offered = source.offer(rid, prefilling.held_block_ids(rid), decode_tp)
+        if moved is not None:
+            moved += offered.ranks
+        dst_blocks = decoding.decode_from_handoff(req, tokens[rid][0])
+        await (await sink.puller(rid, offered))(dst_blocks)
+        decoding.kv_landed(rid)
     for _ in range(200):  # every rank's lease ended (each pulled by its readers): freed
         if prefill.kv.ledger.num_held == 0:
             break
         await asyncio.sleep(0.01)
     assert prefill.kv.ledger.num_held == 0 and source.num_leases == 0
-    tokens = [first]
     while decode.has_unfinished():
         for event in decode.step():
-            tokens += event.token_ids
+            tokens[event.request_id] += event.token_ids
     await source.close()
     await sink.close()
     return tokens
@@ -90,6 +100,46 @@ def test_prefill_and_decode_pools_of_different_tp_sizes_agree(engines, prefill_t
     by_tp, want = engines
     tokens = asyncio.run(handoff(by_tp[prefill_tp], by_tp[decode_tp], f"r{prefill_tp}"))
     assert tokens == want
+
+
+# A PEFT adapter across the TP handoff: the same prompt under the adapter and the base model in
+# one batch, 32 greedy tokens against transformers + PEFT
+LORA_PARAMS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lora_engines(tmp_path_factory):
+    """A single-rank and a TP=2 engine with LoRA on a Llama checkpoint, the PEFT adapter `full`
+    (attention + MLP, rsLoRA) given to the single rank at start and loaded on the TP=2 group at
+    run time (every rank reads its shard), and the PEFT references of PROMPT."""
+    pytest.importorskip("peft", reason="PEFT is the oracle (the test extras install it)")
+    path, folders, refs = peft_family("llama", tmp_path_factory.mktemp("lora"), [PROMPT], 32)
+    options = dict(block_size=4, num_blocks=64, enable_lora=True, max_lora_rank=8, max_loras=2)
+    single = LLM(path, lora_modules=(f"full={folders['full']}",), **options)
+    tp2 = LLM(path, tensor_parallel_size=2, **options)
+    try:
+        tp2.engine.adapters.load("full", str(folders["full"]))
+        yield {1: single.engine, 2: tp2.engine}, refs
+    finally:
+        tp2.engine.close()
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_an_adapter_request_hands_off_between_tp_sizes_beside_the_base_model(
+        lora_engines, prefill_tp, decode_tp):
+    """A request under `full` and one for the base model on the same prompt, prefilled in one
+    step on one TP size and decoded in one batch on the other, each rank pulling its heads: each
+    gives PEFT's (or transformers') 32 greedy tokens, and every block and lease is back."""
+    by_tp, refs = lora_engines
+    key = f"{prefill_tp}{decode_tp}"
+    reqs = [WorkerRequest(f"lora{key}", tuple(PROMPT), LORA_PARAMS, lora_name="full"),
+            WorkerRequest(f"base{key}", tuple(PROMPT), LORA_PARAMS)]
+    tokens = asyncio.run(handoff_all(by_tp[prefill_tp], by_tp[decode_tp], reqs))
+    want = refs["full", tuple(PROMPT)].tokens
+    assert want != refs[None, tuple(PROMPT)].tokens  # the adapter changes the output
+    assert tokens == {f"lora{key}": want, f"base{key}": refs[None, tuple(PROMPT)].tokens}
+    for engine in by_tp.values():
+        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
 @pytest.fixture(scope="module")
