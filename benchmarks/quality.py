@@ -16,9 +16,11 @@ Per variant, against the reference (Cleave fp32):
   continuations, the first differing step and the reference's margin there.
 
 Variants: `bf16` (weights and activations), `kv_int8` / `kv_fp8` (`--kv-cache-dtype`: 8 bits, a
-scale per quarter of a token's head), `w_int8` / `w_int4` (`cleave quantize` of the dequantized
-fp32 checkpoint, compressed-tensors: int8 a scale per output channel, int4 groups of 32 with zero
-points; run dequantized in fp32, so the figure is the weights' rounding alone), and
+scale per quarter of a token's head; int8's rows Hadamard-rotated first; `kv_int8_unrotated`: the
+int8 format before that rotation, for comparison in the same run), `w_int8` / `w_int4` (`cleave
+quantize` of the dequantized fp32 checkpoint, compressed-tensors: int8 a scale per output
+channel, int4 groups of 32 with zero points; run dequantized in fp32, so the figure is the
+weights' rounding alone), and
 `w_int8_kernels` (the int8 copy in Cleave's int kernels, activations quantized to int8 too).
 
     .venv/bin/python benchmarks/quality.py
@@ -27,10 +29,12 @@ points; run dequantized in fp32, so the figure is the weights' rounding alone), 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,6 +43,7 @@ import quality_metrics as qm
 from quality_corpus import load as load_corpus
 from results_io import RESULTS, command_line, emit
 from workers import LLM, SamplingParams
+from workers.kernels import kv_quant
 from workers.models.trained_default import gguf_cache_dir, smollm2_gguf
 
 # name -> (checkpoint: gguf / fp32 / int8 / int4, engine options)
@@ -46,6 +51,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "fp32": ("gguf", {"dtype": "float32"}),  # the reference
     "bf16": ("gguf", {"dtype": "bfloat16"}),
     "kv_int8": ("gguf", {"dtype": "float32", "kv_cache_dtype": "int8"}),
+    "kv_int8_unrotated": ("gguf", {"dtype": "float32", "kv_cache_dtype": "int8"}),
     "kv_fp8": ("gguf", {"dtype": "float32", "kv_cache_dtype": "fp8"}),
     "w_int8": ("int8", {"dtype": "float32"}),
     "w_int4": ("int4", {"dtype": "float32"}),
@@ -53,6 +59,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "hf_fp32": ("fp32", {"dtype": "float32"}),  # the dequantized folder: equal to fp32
 }
 DEFAULT_VARIANTS = "bf16,kv_int8,kv_fp8,w_int8,w_int4"
+UNROTATED = {"kv_int8_unrotated"}  # run with no cache dtype rotated (`kv_quant.ROTATED_DTYPES`)
 QUANTIZE = {"int8": {"bits": 8, "group_size": None, "symmetric": True},
             "int4": {"bits": 4, "group_size": 32, "symmetric": False}}
 
@@ -215,11 +222,25 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"fp32 against transformers: {cmp}", flush=True)
     for name in names:
         source, options = VARIANTS[name]
-        cmp = compare(ref, run_cleave(paths[source], options, passages, args, ref["rows"]), args)
+        with _unrotated(name in UNROTATED):
+            run = run_cleave(paths[source], options, passages, args, ref["rows"])
+        cmp = compare(ref, run, args)
         result["variants"][name] = cmp
         result[f"{name}_perplexity_ratio"] = cmp["perplexity_ratio"]
         print(f"{name}: {cmp}", flush=True)
     return emit(result, args.out)
+
+
+@contextlib.contextmanager
+def _unrotated(active: bool) -> Iterator[None]:
+    """No 8-bit cache rotated while active (the engine runs in this process)."""
+    saved = kv_quant.ROTATED_DTYPES
+    if active:
+        kv_quant.ROTATED_DTYPES = frozenset()
+    try:
+        yield
+    finally:
+        kv_quant.ROTATED_DTYPES = saved
 
 
 def _tokenize(gguf: Path, corpus: list[dict], tokens: int) -> list[list[int]]:

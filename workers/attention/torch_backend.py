@@ -2,7 +2,9 @@
 
 Decodes are batched into one SDPA call over the gathered context; prefill chunks run one
 sequence at a time (they are long, so the loop costs little), reading cached tokens from the
-paged cache only when the chunk starts after some.
+paged cache only when the chunk starts after some. Over a rotated (int8) cache, attention runs
+in the cache's basis: q (and a fresh prompt's own k/v) rotated before, the output rotated back
+after (`workers.kernels.kv_quant.rotate`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention.backend import AttentionBackend, AttentionMetadata
-from workers.kernels.kv_quant import as_copyable, read_kv, to_cache
+from workers.kernels.kv_quant import as_copyable, read_kv, rotate, rotates, to_cache
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -76,10 +78,14 @@ class TorchAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float, *, window: int | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        self._kv_dtype = kv_cache.dtype
+        self._kv_dtype = cache_dtype = kv_cache.dtype
         kv_cache = as_copyable(kv_cache)  # 8-bit caches are read through read_kv
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if rotates(cache_dtype):  # attend in the cache's basis; the output rotated back
+            q = rotate(q, cache_dtype)
+            if nd < meta.num_seqs:  # a fresh prompt attends its own k/v
+                k, v = rotate(k, cache_dtype), rotate(v, cache_dtype)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, window, sinks)
         starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -87,7 +93,7 @@ class TorchAttentionBackend(AttentionBackend):
             s, e = starts[i], starts[i + 1]
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, meta.block_tables[i],
                                      lens[i], scale, window, sinks)
-        return out
+        return rotate(out, cache_dtype)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:

@@ -4,7 +4,9 @@ A step's K/V are written by `forward_rotary` in the same kernel that rotates q a
 (`workers.kernels.rope_kv`), or by `write_kv` (one index_copy per cache half) when `forward` is
 given rotated ones (a latent cache). The leading `num_decodes` sequences go to the split-K
 decode kernel in one launch (plus a merge); the rest go to the varlen prefill kernel in one
-launch.
+launch. Over a rotated (int8) cache the kernels attend in the cache's basis: q (and a fresh
+prompt's own k/v) rotated before them, the output rotated back after
+(`workers.kernels.kv_quant.rotate`; two small matmuls a step, outside the kernels).
 
 On CPU tensors the kernels run in Triton's interpreter, which needs TRITON_INTERPRET=1 set before
 this module is imported; that is how the tests run it.
@@ -24,6 +26,7 @@ from workers.attention.decode_splits import (
 from workers.attention.torch_backend import write_kv
 from workers.attention.triton_decode import paged_decode_attention
 from workers.attention.triton_prefill import paged_prefill_attention
+from workers.kernels.kv_quant import rotate, rotates
 from workers.kernels.rope_kv import rope_and_store
 
 
@@ -66,19 +69,23 @@ class TritonAttentionBackend(AttentionBackend):
                 sinks: torch.Tensor | None) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the cache, whose new K/V (`k`, `v`, rotated) are
         written."""
+        nd, cache_dtype = meta.num_decodes, kv_cache.dtype
+        if rotates(cache_dtype):  # attend in the cache's basis; the output rotated back
+            q = rotate(q, cache_dtype)
+            if nd < meta.num_seqs:  # a fresh prompt attends its own k/v
+                k, v = rotate(k, cache_dtype), rotate(v, cache_dtype)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
         if nd:
             num_splits = choose_num_splits(nd, kv_cache.shape[3], max(meta.seq_lens_cpu[:nd]),
                                            device_num_sms(q.device))
-            self.decode(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                        out[:nd], num_splits, window=window, sinks=sinks)
+            self._decode(q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                         out[:nd], num_splits, None, window, sinks)
         if nd < meta.num_seqs:
             paged_prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, scale, meta.query_start_loc_cpu,
                                     first_seq=nd, out=out, window=window, sinks=sinks, k=k,
                                     v=v)
-        return out
+        return rotate(out, cache_dtype)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
@@ -92,9 +99,23 @@ class TritonAttentionBackend(AttentionBackend):
         length the graph may replay with); pass a `scratch` from `DecodeScratch.allocate(
         max_split_rows(num_kv_heads, num_sms), num_heads, head_dim, device)` (or rows = the
         largest batch x num_splits used), or leave it None to use the backend's own; and run
-        once before capture so the kernels are compiled. Nothing is then allocated and nothing
-        syncs; block_tables [B, max_blocks] and seq_lens [B] are read on the device only, and
-        padding rows may carry seq_len 0 (they get zeros)."""
+        once before capture so the kernels are compiled. Nothing then syncs, and nothing is
+        allocated but a rotated cache's two rotations (from the graph's pool when captured);
+        block_tables [B, max_blocks] and seq_lens [B] are read on the device only, and padding
+        rows may carry seq_len 0 (they get zeros). Over a rotated cache q is rotated
+        first and `out` rotated back in place (`workers.kernels.kv_quant.rotate`)."""
+        rotated = rotates(kv_cache.dtype)
+        self._decode(rotate(q, kv_cache.dtype), kv_cache, block_tables, seq_lens, scale, out,
+                     num_splits, scratch, window, sinks)
+        if rotated:
+            out.copy_(rotate(out, kv_cache.dtype))
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
+                scratch: DecodeScratch | None, window: int | None,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        """`decode` in the cache's basis (q rotated already where the cache is)."""
         if scratch is None and num_splits > 1:
             scratch = self._scratch_for(q, kv_cache.shape[3], num_splits)
         return paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, num_splits,

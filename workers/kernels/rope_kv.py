@@ -8,7 +8,10 @@ value heads at its slot of the cache. In 16-bit dtypes each product is rounded t
 before the sum, as torch's ops do one by one, so the result is the torch path's bit for bit.
 
 The torch fallback is the composition this replaces: `RotaryEmbedding.forward` then
-`workers.attention.torch_backend.write_kv`.
+`workers.attention.torch_backend.write_kv`. An int8 cache's rows are Hadamard-rotated after
+RoPE, before their scales (`workers.kernels.kv_quant.rotate`): the matrix's entries are made in
+the kernel from their indices and each row multiplied by it, summed in fp32 (in another order
+than torch's matmul, so a stored value may differ from the torch path's by one rounding).
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.kernels.kv_quant import is_quantized, qmax, storage_head_dim
+from workers.kernels.kv_quant import (
+    is_quantized,
+    qmax,
+    rotates,
+    rotation_block,
+    storage_head_dim,
+)
 
 
 @triton.jit
@@ -91,6 +100,31 @@ def _store_groups(x, cols, ok, heads_ok, row_ptr, scales_ptr, FIRST: tl.constexp
 
 
 @triton.jit
+def _hadamard(rows, cols, n, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    """Entries (rows, cols) of the block-diagonal orthonormal Hadamard matrix of `n` x `n`
+    (blocks of BLOCK: (-1)^popcount(i & j) / sqrt(BLOCK) within a block, 0 across blocks and
+    outside n), as `workers.kernels.kv_quant.hadamard` builds it."""
+    both = rows & cols & (BLOCK - 1)
+    parity = both * 0
+    for bit in tl.static_range(LOG2_BLOCK):
+        parity = parity ^ ((both >> bit) & 1)
+    inside = ((rows // BLOCK) == (cols // BLOCK)) & (rows < n) & (cols < n)
+    sign = tl.where(parity == 1, -1.0, 1.0) / tl.sqrt(BLOCK * 1.0)
+    return tl.where(inside, sign, 0.0)
+
+
+@triton.jit
+def _rotated(x, first, n, ROWS: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+             LOG2_BLOCK: tl.constexpr):
+    """x [heads, ROWS] (columns first.. of rows of n values) times rows first..first + ROWS of
+    the Hadamard matrix: their share of the rotated rows [heads, DIM_BLOCK] (fp32)."""
+    i = first + tl.arange(0, ROWS)[:, None]
+    j = tl.arange(0, DIM_BLOCK)[None, :]
+    h = _hadamard(i, j, n, BLOCK, LOG2_BLOCK)
+    return tl.sum(x[:, :, None] * h[None, :, :], 1)
+
+
+@triton.jit
 def _rope_store_kernel(
     positions_ptr, slots_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
     num_heads, num_kv_heads,
@@ -99,6 +133,7 @@ def _rope_store_kernel(
     BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, DIM: tl.constexpr,
     Q_HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
     DIM_BLOCK: tl.constexpr, ROUND: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
+    ROT_BLOCK: tl.constexpr, LOG2_ROT_BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -127,12 +162,20 @@ def _rope_store_kernel(
             heads_ok = h < num_kv_heads
             f32 = tl.pointer_type(tl.float32)
             k_row, v_row = k_cache_ptr + at, v_cache_ptr + at
-            _store_groups(k1, d, ok, heads_ok, k_row, (k_row + DIM).to(f32), 0, 2, DIM // 4,
-                          QMAX, INT8)
-            _store_groups(k2, d + HALF, ok, heads_ok, k_row, (k_row + DIM).to(f32), 2, 2,
+            v = v.to(tl.float32)
+            if ROT_BLOCK > 0:  # rows rotated (after RoPE), then stored whole
+                k = (_rotated(k1, 0, DIM, HALF_BLOCK, DIM_BLOCK, ROT_BLOCK, LOG2_ROT_BLOCK)
+                     + _rotated(k2, HALF, DIM, HALF_BLOCK, DIM_BLOCK, ROT_BLOCK, LOG2_ROT_BLOCK))
+                v = _rotated(v, 0, DIM, DIM_BLOCK, DIM_BLOCK, ROT_BLOCK, LOG2_ROT_BLOCK)
+                _store_groups(k, dims, v_ok, heads_ok, k_row, (k_row + DIM).to(f32), 0, 4,
+                              DIM // 4, QMAX, INT8)
+            else:
+                _store_groups(k1, d, ok, heads_ok, k_row, (k_row + DIM).to(f32), 0, 2,
+                              DIM // 4, QMAX, INT8)
+                _store_groups(k2, d + HALF, ok, heads_ok, k_row, (k_row + DIM).to(f32), 2, 2,
+                              DIM // 4, QMAX, INT8)
+            _store_groups(v, dims, v_ok, heads_ok, v_row, (v_row + DIM).to(f32), 0, 4,
                           DIM // 4, QMAX, INT8)
-            _store_groups(v.to(tl.float32), dims, v_ok, heads_ok, v_row, (v_row + DIM).to(f32),
-                          0, 4, DIM // 4, QMAX, INT8)
         else:
             tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=ok)
             tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=ok)
@@ -173,6 +216,7 @@ def rope_and_store(
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     half = dim // 2
+    rot_block = rotation_block(dim) if rotates(kv_cache.dtype) else 0
     _rope_store_kernel[(tokens,)](
         positions, slot_mapping, cos_sin_cache, q, k, v, k_cache, v_cache,
         num_heads, num_kv_heads,
@@ -184,5 +228,6 @@ def rope_and_store(
         HALF_BLOCK=triton.next_power_of_2(half), DIM_BLOCK=triton.next_power_of_2(dim),
         ROUND=q.dtype != torch.float32,
         QMAX=qmax(kv_cache.dtype) if is_quantized(kv_cache.dtype) else 0.0,
-        INT8=kv_cache.dtype == torch.int8, num_warps=4,
+        INT8=kv_cache.dtype == torch.int8, ROT_BLOCK=rot_block,
+        LOG2_ROT_BLOCK=max(rot_block.bit_length() - 1, 0), num_warps=4,
     )
