@@ -31,11 +31,13 @@ def _kind(exc: BaseException) -> str | None:
 class AgentHost:
     """Serves one rank's caches to one driver at a time. Thread-safe `start`/`stop`."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], *, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, caches: Sequence[torch.Tensor], *, tp_rank: int, tp_size: int,
+                 encoding: str = "") -> None:
         """`caches`: per layer `[planes, num_blocks, block_size, heads, head_dim]`, this
-        rank's heads (a latent: whole)."""
+        rank's heads (a latent: whole); `encoding`: `KVLayout.encoding`."""
         self.caches = list(caches)
-        self.layout = KVLayout.from_caches(self.caches, tp_rank=tp_rank, tp_size=tp_size)
+        self.layout = KVLayout.from_caches(self.caches, tp_rank=tp_rank, tp_size=tp_size,
+                                           encoding=encoding)
         self.num_blocks = self.layout.check_caches(self.caches)
         self._token = secrets.token_bytes(16)
         self._loop: asyncio.AbstractEventLoop | None = None

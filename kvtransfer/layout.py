@@ -70,6 +70,9 @@ class KVLayout:
     tp_size: int = 1
     memory_order: MemoryOrder = MemoryOrder.KV_BLOCK_TOKEN_HEAD_DIM
     kind: str = "kv"  # "kv": keys and values, heads split over TP; "latent": see the module doc
+    # how values are encoded beyond `dtype` ("": as stored; "hadamard": each head rotated before
+    # quantization, workers.kernels.kv_quant): blocks of two encodings never mix
+    encoding: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
@@ -95,13 +98,13 @@ class KVLayout:
 
     @classmethod
     def from_caches(cls, caches: Sequence[CacheTensor], *, tp_rank: int = 0,
-                    tp_size: int = 1) -> KVLayout:
+                    tp_size: int = 1, encoding: str = "") -> KVLayout:
         """The layout of per-layer tensors `[2, num_blocks, block_size, heads, head_dim]`."""
         if not caches:
             raise InvalidDescriptor("no KV cache tensors given; expected one per layer")
         planes, _, block_size, heads, head_dim = _shape5(caches[0])
         return cls(len(caches), heads, head_dim, block_size, _dtype_name(caches[0].dtype),
-                   tp_rank, tp_size, kind=LAYOUT_KINDS[planes - 1])
+                   tp_rank, tp_size, kind=LAYOUT_KINDS[planes - 1], encoding=encoding)
 
     @property
     def planes(self) -> int:
@@ -161,7 +164,7 @@ def check_transferable(src: KVLayout, dst: KVLayout) -> None:
     `dst` blocks (tensor-parallel sizes may differ: heads are resharded)."""
     diffs = [f"{name} {getattr(src, name)!r} vs {getattr(dst, name)!r}"
              for name in ("kind", "num_layers", "head_dim", "block_size", "dtype",
-                          "total_kv_heads", "memory_order")
+                          "encoding", "total_kv_heads", "memory_order")
              if getattr(src, name) != getattr(dst, name)]
     if diffs:
         raise LayoutMismatch("source and destination KV layouts differ (source vs destination): "

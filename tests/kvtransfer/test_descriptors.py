@@ -59,6 +59,18 @@ def test_layouts_differing_only_in_tp_are_transferable_others_are_not() -> None:
         check_transferable(make_layout(), make_layout(head_dim=16, block_size=8))
 
 
+def test_a_rotated_int8_cache_never_lands_in_an_unrotated_one() -> None:
+    """A rolling upgrade's old worker (int8 stored unrotated) and a new one (Hadamard-rotated):
+    the same dtype and shape, different values; the handoff is refused naming the encoding."""
+    from workers.kernels.kv_quant import encoding
+
+    old, new = make_layout(dtype="int8"), make_layout(dtype="int8", encoding=encoding(torch.int8))
+    check_transferable(new, KVLayout.from_dict(new.to_dict()))
+    with pytest.raises(LayoutMismatch, match="encoding '' vs 'hadamard'"):
+        check_transferable(old, new)
+    assert encoding(torch.bfloat16) == ""
+
+
 def test_layout_from_caches_and_cache_check() -> None:
     layout = make_layout()
     caches = zero_caches(layout, 5)

@@ -78,6 +78,12 @@ def rotates(dtype: torch.dtype) -> bool:
     return dtype in ROTATED_DTYPES
 
 
+def encoding(dtype: torch.dtype) -> str:
+    """The transfer layer's name for how a cache of `dtype` encodes its values
+    (`kvtransfer.KVLayout.encoding`): a rotated cache's blocks never land in an unrotated one."""
+    return "hadamard" if rotates(dtype) else ""
+
+
 def rotation_block(head_dim: int) -> int:
     """The Hadamard blocks' size for `head_dim`: its largest power-of-two divisor."""
     if head_dim <= 0:

@@ -37,8 +37,11 @@ def kv_layouts(engine: Engine) -> list[KVLayout]:
     rank)."""
     from kvtransfer import KVLayout
 
+    from workers.kernels.kv_quant import encoding
+
     by_rank = engine.kv_caches_by_rank()
-    return [KVLayout.from_caches(caches, tp_rank=r, tp_size=len(by_rank))
+    return [KVLayout.from_caches(caches, tp_rank=r, tp_size=len(by_rank),
+                                 encoding=encoding(caches[0].dtype))
             for r, caches in enumerate(by_rank)]
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from kvtransfer.agent_host import AgentHost
 from workers.attention import get_backend
 from workers.engine.kv_cache.host_caches import HostCaches
+from workers.kernels.kv_quant import encoding as kv_encoding
 from workers.models.comm import CommStats, Communicator, StageLink
 from workers.engine.parallel.messages import (
     AdapterReply,
@@ -73,7 +74,8 @@ def rank_main(setup: RankSetup, conn: RankConn) -> None:
             runner.allocate(msg.kv_caches)
         address = None
         if setup.serves_kv:
-            host = AgentHost(runner.kv_caches, tp_rank=setup.tp_rank, tp_size=setup.tp_size)
+            host = AgentHost(runner.kv_caches, tp_rank=setup.tp_rank, tp_size=setup.tp_size,
+                             encoding=kv_encoding(runner.kv_caches[0].dtype))
             address = host.start(AGENT_HOST)
         conn.send(Ready(setup.rank, address))
         while True:
