@@ -18,7 +18,9 @@ from router.planner import (
     SloTargets,
     best_plan,
     layout,
+    overshoot,
 )
+from router.planner import prefill_pool
 from router.profiles import ProfileFitter, StepProfile
 from router.queueing import fewest, queue_wait_s
 from router.role_plan import WorkerState, role_changes
@@ -119,6 +121,51 @@ def test_the_layout_changes_only_for_one_that_saves_workers():
         assert kept.threshold_tokens == split.threshold_tokens
     else:
         assert kept.threshold_tokens == best_plan(chat).threshold_tokens
+
+
+# one CPU core running the small preset (a 2,048-token prompt ~2.3 s, decode ~15 ms a step),
+# two workers, an ITL target whose gap bound (5 ITLs) is 0.3 s: `benchmarks/planner.py`'s case
+CPU = StepProfile(prefill_fixed_s=0.005, prefill_s_per_token=1.1e-3, decode_fixed_s=0.015,
+                  decode_s_per_seq=0.003, chunk_tokens=2048)
+CPU_TARGETS = SloTargets(ttft_s=11.3, itl_s=0.06)
+TWO = PoolBounds(0, 2, 1, 2, 2)
+
+
+def cpu(*classes: RequestClass) -> PlanInput:
+    return PlanInput(classes, CPU, CPU_TARGETS, TWO)
+
+
+def test_when_nothing_meets_the_targets_a_stalling_layout_is_not_the_smallest_miss():
+    long = cpu(RequestClass(0.3, 2048, 64))
+    aggregated = layout(long, AGGREGATED)
+    # aggregated meets TTFT and ITL on average but a 2,048-token prefill stalls its streams
+    assert aggregated.ttft_s < CPU_TARGETS.ttft_s and aggregated.itl_s < CPU_TARGETS.itl_s
+    assert aggregated.gap_s > 5 * CPU_TARGETS.itl_s and not aggregated.feasible
+    chosen = best_plan(long)
+    assert not chosen.feasible and chosen.prefill == 1 and chosen.decode == 1
+    assert overshoot(chosen, CPU_TARGETS) < overshoot(aggregated, CPU_TARGETS)
+
+
+def test_a_layout_past_the_bounds_keeps_a_prefill_worker_and_is_predicted_at_its_size():
+    long = cpu(RequestClass(0.4, 2048, 64))  # one prefill worker at 90% load
+    split = layout(long, 0)
+    assert (split.prefill, split.decode, split.feasible) == (1, 1, False)
+    # the TTFT predicted is one prefill worker's, past the target, not two workers' within it
+    at_one = prefill_pool([RequestClass(0.4, 2048, 64)], long, 0.0, at=1)[1]
+    assert split.ttft_s > CPU_TARGETS.ttft_s
+    assert split.ttft_s == pytest.approx(at_one, abs=0.1)
+
+
+def test_between_layouts_that_both_miss_the_layout_changes_only_for_a_clearly_smaller_miss():
+    planner = SloPlanner(down_ticks=1)
+    assert planner.decide(cpu(RequestClass(1.0, 128, 128))).threshold_tokens == AGGREGATED
+    near = cpu(RequestClass(2.0, 300, 128))  # handing off misses by a little less
+    assert best_plan(near).threshold_tokens == 0
+    assert overshoot(layout(near, 0), CPU_TARGETS) > 0.8 * overshoot(layout(near, AGGREGATED),
+                                                                       CPU_TARGETS)
+    assert planner.decide(near).threshold_tokens == AGGREGATED  # kept: no switch for that
+    far = cpu(RequestClass(2.0, 400, 128))  # aggregated misses by much more
+    assert planner.decide(far).threshold_tokens == 0
 
 
 def test_a_fitted_profile_recovers_the_step_costs_it_saw():
