@@ -196,7 +196,7 @@ def run_layout(layout: str, model: str, args: argparse.Namespace, vocab: int, tm
     replay the trace. Returns {"single", "results", "decisions", "log"}."""
     path = Path(tmp, f"{layout}.yaml")
     path.write_text(yaml.safe_dump(config_for(layout, args, slo)))
-    app = RayApp(model, "model", config=str(path), num_cpus=len(args.cores) + 2).start()
+    app = start_app(model, str(path), len(args.cores) + 2)
     try:
         warm = [RequestSpec(a.spec.prompt, 2, a.spec.kind) for a in arrivals[:2]]
         run(app.base_url, warm, math.inf, None, 0)
@@ -222,6 +222,17 @@ def run_layout(layout: str, model: str, args: argparse.Namespace, vocab: int, tm
                 "status": statuses or None}
     finally:
         app.stop()
+
+
+def start_app(model: str, config: str, num_cpus: int, tries: int = 2) -> RayApp:
+    """`cleave serve` of the layout; a start that fails (Ray's node start timing out on a
+    loaded machine) is tried again."""
+    for _ in range(tries - 1):
+        try:
+            return RayApp(model, "model", config=config, num_cpus=num_cpus).start()
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"cleave serve did not start ({str(exc)[:200]}); again", file=sys.stderr)
+    return RayApp(model, "model", config=config, num_cpus=num_cpus).start()
 
 
 def slo_of(single: dict, args: argparse.Namespace) -> dict:
@@ -307,6 +318,7 @@ def main() -> dict:
         raw[name] = run_layout(name, model, args, vocab, tmp, arrivals, slo)
         slo = slo or slo_of(raw[name]["single"], args)
         layouts[name] = layout_report(raw[name]["results"], arrivals, slo, args.phase_s, 3)
+        Path(args.out).with_suffix(".partial.json").write_text(json.dumps(layouts))
     planner = raw.get("planner", {})
     report = {"benchmark": "planner", "command": command_line(None),
               "setup": {k: v for k, v in vars(args).items() if k != "out"} | {
