@@ -198,6 +198,20 @@ def test_the_traffic_window_gives_the_mix_and_plans_for_a_burst_at_once():
     assert chat.rate == pytest.approx(80 / 10.0, rel=0.05)  # what the window holds of it
 
 
+def test_a_rare_class_bunching_in_the_burst_window_is_not_planned_as_a_burst():
+    window = TrafficWindow(window_s=15.0, burst_s=5.0)
+    for i in range(3):  # a 0.2/s class: one arrival at 0 s, then two close together
+        window.arrived((0.0, 13.0, 14.5)[i], 2048, 64)
+    (long,) = window.classes(15.0)
+    assert long.rate == pytest.approx(3 / 15.0)  # the window's rate, not 2 in 5 s
+    for i in range(5):  # five in the last 2 s: a burst
+        window.arrived(15.0 + i * 0.4, 2048, 64)
+    (long,) = window.classes(17.0)
+    assert long.rate == pytest.approx(7 / 5.0)
+    with pytest.raises(ValueError, match="min_burst"):
+        TrafficWindow(min_burst=0)
+
+
 def workers(*spec: tuple[str, WorkerRole, bool, int]) -> list[WorkerState]:
     return [WorkerState(*s) for s in spec]
 
