@@ -6,7 +6,13 @@ TTFT p50/p90 and ITL p50/p90 per phase, aggregated and 1P+1D.
 
     python benchmarks/planner_calibrate.py --report benchmarks/results/planner.json
 
-The profile: a 128- and a 2,048-token prompt's prefill (the per-token cost and the fixed
+The simulator draws its own Poisson arrivals (same phases, rates and seed; not the same
+times).
+
+The profile (`--anchor`, the default): the Ray app's own single-request figures (prefill per
+token and fixed cost from the two classes' TTFTs, a batch-1 decode step its ITL), with the
+decode cost's growth per sequence from a measurement here; `--no-anchor`: the measurement
+alone. The measurement: a 128- and a 2,048-token prompt's prefill (the per-token cost and the fixed
 cost; fresh random prompts, no prefix-cache hits), and decode steps at batch 1 and 8 (the
 per-sequence cost), each the median of three.
 KV transfers cost nothing in the simulator (both workers on one machine). The simulator's ITL
@@ -69,6 +75,23 @@ def measure_profile(model: str, chunk_tokens: int = 2048) -> StepProfile:
                                                          "torch thread")
 
 
+def anchored(measured: StepProfile, single: dict, setup: dict) -> StepProfile:
+    """`measured` scaled to the Ray app's own single-request figures: the prefill per token and
+    its fixed cost from the two classes' TTFT p50s, a decode step at batch 1 the ITL p50; of
+    the measurement only the decode cost's growth with the batch (per sequence over a batch-1
+    step) is kept (a loaded machine slows both alike)."""
+    short, long = setup["short_input"], setup["long_input"]
+    ttft = single["ttft_p50_ms"]
+    per_token = (ttft["long"] - ttft["short"]) / 1e3 / (long - short)
+    itl = single["itl_p50_ms"] / 1e3
+    grow = measured.decode_s_per_seq / (measured.decode_fixed_s + measured.decode_s_per_seq)
+    return StepProfile(prefill_fixed_s=max(0.0, ttft["short"] / 1e3 - short * per_token - itl),
+                       prefill_s_per_token=per_token, decode_fixed_s=itl * (1 - grow),
+                       decode_s_per_seq=itl * grow, chunk_tokens=measured.chunk_tokens,
+                       source="the Ray app's single-request TTFT and ITL, the batch slope "
+                              "measured here")
+
+
 def pcts(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50_ms": None, "p90_ms": None}
@@ -100,14 +123,22 @@ def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--report", default=str(RESULTS / "planner.json"))
     p.add_argument("--out", default=str(RESULTS / "planner_calibrate.json"))
+    p.add_argument("--anchor", action=argparse.BooleanOptionalAction, default=True,
+                   help="scale the profile to the Ray app's single-request figures")
+    p.add_argument("--measured", default=None,
+                   help="a planner_calibrate.json whose measured profile to use (no measuring)")
     args = p.parse_args()
     report = json.loads(Path(args.report).read_text())
     setup = report["setup"]
-    from workers.models.make_model import make_model
+    if args.measured:  # an earlier run's measurement
+        earlier = json.loads(Path(args.measured).read_text())
+        measured = StepProfile(**(earlier.get("measured") or earlier["profile"]))
+    else:
+        from workers.models.make_model import make_model
 
-    model = str(make_model(Path(tempfile.mkdtemp(prefix="calib-")) / "small", arch="llama",
-                           preset="small"))
-    profile = measure_profile(model)
+        measured = measure_profile(str(make_model(
+            Path(tempfile.mkdtemp(prefix="calib-")) / "small", arch="llama", preset="small")))
+    profile = anchored(measured, report["single_request"], setup) if args.anchor else measured
     rows, ratios = {}, {}
     for ray_name, sim_name in SIM_LAYOUT.items():
         if ray_name not in report["layouts"]:
@@ -127,7 +158,7 @@ def main() -> dict:
     within = [v for v in ratios.values() if 0.8 <= v <= 1.2]
     return emit({"benchmark": "planner_calibrate", "command": command_line(None),
                  "ray_report": args.report, "ray_report_command": report["command"],
-                 "profile": dict(vars(profile)), "layouts": rows,
+                 "measured": dict(vars(measured)), "profile": dict(vars(profile)), "layouts": rows,
                  "within_20_percent": f"{len(within)} of {len(ratios)}", **ratios},
                 Path(args.out))
 
