@@ -39,6 +39,9 @@ from router.profiles import StepProfile
 from router.queueing import fewest, queue_wait_s
 
 AGGREGATED = 1 << 30  # a threshold past any prompt: every request runs whole
+# with no layout meeting the targets, a layout change must cut the predicted overshoot to
+# below this fraction of the current layout's
+INFEASIBLE_MARGIN = 0.8
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class Plan:
     ttft_s: float  # predicted, at the percentile, for the worst class
     itl_s: float  # predicted mean inter-token latency
     reason: str
+    gap_s: float = 0.0  # predicted slowest gap: a decode step with a prompt run whole in it
 
     @property
     def workers(self) -> int:
@@ -142,9 +146,10 @@ def _mean(classes: Sequence[RequestClass],
     return rate, sum(c.rate * value(c) for c in classes) / rate
 
 
-def prefill_pool(classes: Sequence[RequestClass], inp: PlanInput,
-                 decode_step_s: float) -> tuple[int, float]:
-    """Fewest prefill workers (within bounds) for `classes`, and the worst class's TTFT."""
+def prefill_pool(classes: Sequence[RequestClass], inp: PlanInput, decode_step_s: float,
+                 at: int | None = None) -> tuple[int, float]:
+    """Fewest prefill workers (within bounds) for `classes`, and the worst class's TTFT
+    (`at`: that many workers, and the TTFT at it)."""
     p, t = inp.profile, inp.targets
     rate, service = _mean(classes, lambda c: p.prefill_s(c.prompt_tokens))
     lo, hi = inp.bounds.min_prefill, inp.bounds.max_prefill
@@ -155,17 +160,19 @@ def prefill_pool(classes: Sequence[RequestClass], inp: PlanInput,
                 for c in classes if c.rate > 0) + decode_step_s
 
     def ttft(n: int) -> float:
-        return alone + queue_wait_s(rate, service, t.percentile, n)
+        return alone + queue_wait_s(rate, service, t.percentile, n) if n else math.inf
 
+    if at is not None:
+        return at, ttft(at)
     n = fewest(min(max(lo, 1, math.ceil(rate * service)), hi), hi,
                lambda n: ttft(n) <= t.ttft_s)
     return n, ttft(n)
 
 
 def decode_pool(classes: Sequence[RequestClass], short: Sequence[RequestClass],
-                inp: PlanInput) -> tuple[int, float, float, float]:
+                inp: PlanInput, at: int | None = None) -> tuple[int, float, float, float]:
     """Fewest decode-pool workers for every class's decode and `short`'s prefills: (m, ITL,
-    the short classes' worst TTFT, one step's time)."""
+    the short classes' worst TTFT, one step's time); `at`: at that many workers."""
     p, t, b = inp.profile, inp.targets, inp.bounds
     rate, out = _mean(classes, lambda c: c.output_tokens)
     ctx = _mean(classes, lambda c: c.prompt_tokens + c.output_tokens / 2)[1]
@@ -195,17 +202,32 @@ def decode_pool(classes: Sequence[RequestClass], short: Sequence[RequestClass],
         itl, short_ttft, _ = predict(m)
         return itl <= t.itl_s * t.itl_headroom and short_ttft <= t.ttft_s
 
+    if at is not None:
+        return (at, *predict(at))
     lo = min(max(b.min_decode, math.ceil(rate * out * k + s_rate * s_service)), b.max_decode)
     m = fewest(lo, b.max_decode, meets)
     return (m, *predict(m))
 
 
+def gap_s(prompt_tokens: float, inp: PlanInput, step_s: float) -> float:
+    """The slowest gap of a decode-pool worker's streams while it prefills `prompt_tokens`
+    (one chunk of them) in a decode step."""
+    p = inp.profile
+    return step_s + p.prefill_s_per_token * min(prompt_tokens, p.chunk_tokens)
+
+
 def gap_fits(prompt_tokens: float, inp: PlanInput, step_s: float) -> bool:
     """Whether prefilling `prompt_tokens` on a decode-pool worker keeps its streams' slowest
     gap within `max_gap_itl` ITL targets."""
-    p, t = inp.profile, inp.targets
-    return (step_s + p.prefill_s_per_token * min(prompt_tokens, p.chunk_tokens)
-            <= t.max_gap_itl * t.itl_s)
+    t = inp.targets
+    return gap_s(prompt_tokens, inp, step_s) <= t.max_gap_itl * t.itl_s
+
+
+def overshoot(plan: Plan, targets: SloTargets) -> float:
+    """How far past its targets a plan is predicted to be: the largest of TTFT, ITL and the
+    slowest gap over their bounds (<= 1: within all three)."""
+    return max(plan.ttft_s / targets.ttft_s, plan.itl_s / targets.itl_s,
+               plan.gap_s / (targets.max_gap_itl * targets.itl_s))
 
 
 def layout(inp: PlanInput, threshold: int) -> Plan:
@@ -215,21 +237,28 @@ def layout(inp: PlanInput, threshold: int) -> Plan:
     long = [c for c in live if c.prompt_tokens >= threshold]
     m, itl, short_ttft, step = decode_pool(live, short, inp)
     n, long_ttft = prefill_pool(long, inp, step)
-    gaps = all(gap_fits(c.prompt_tokens, inp, step) for c in short)
-    ttft = max(short_ttft, long_ttft)
-    feasible = gaps and ttft <= inp.targets.ttft_s and itl <= inp.targets.itl_s
     over = n + m - inp.bounds.max_workers
-    if over > 0:  # more than the bounds allow: both pools cut in proportion
-        feasible = False
-        cut_n = max(inp.bounds.min_prefill, n - math.ceil(over * n / (n + m)))
-        n, m = cut_n, max(inp.bounds.min_decode, inp.bounds.max_workers - cut_n)
+    if over > 0:  # more than the bounds allow: both pools cut in proportion, predicted there
+        b = inp.bounds
+        # prompts handed off keep a prefill worker where the bounds leave room for one (none
+        # would make this layout the aggregated one)
+        floor = 1 if long and b.max_prefill >= 1 and b.max_workers > b.min_decode else 0
+        n = max(b.min_prefill, floor, n - math.ceil(over * n / (n + m)))
+        m, itl, short_ttft, step = decode_pool(live, short, inp,
+                                               at=max(b.min_decode, b.max_workers - n))
+        n, long_ttft = prefill_pool(long, inp, step, at=n)
+    gaps = all(gap_fits(c.prompt_tokens, inp, step) for c in short)
+    gap = max((gap_s(c.prompt_tokens, inp, step) for c in short), default=step)
+    ttft = max(short_ttft, long_ttft)
+    feasible = (over <= 0 and gaps and ttft <= inp.targets.ttft_s
+                and itl <= inp.targets.itl_s)
     where = "aggregated" if not long else f"threshold {threshold}"
     reason = (f"{where}: {n} prefill for {sum(c.rate for c in long):.3g}/s, {m} decode for "
               f"{sum(c.rate for c in live):.3g}/s; TTFT p{inp.targets.percentile * 100:g} "
               f"{ttft:.3g}s (target {inp.targets.ttft_s:g}), ITL {itl:.3g}s (target "
               f"{inp.targets.itl_s:g})" + ("" if gaps else "; a short prefill stalls decode "
                                                            "past the gap bound"))
-    return Plan(n, m, threshold, feasible, ttft, itl, reason)
+    return Plan(n, m, threshold, feasible, ttft, itl, reason, gap)
 
 
 def thresholds(classes: Sequence[RequestClass]) -> list[int]:
@@ -241,15 +270,13 @@ def thresholds(classes: Sequence[RequestClass]) -> list[int]:
 
 def best_plan(inp: PlanInput) -> Plan:
     """The feasible layout of fewest workers (ties: fewer prefill workers, then the higher
-    threshold: fewer handoffs); when none is
-    feasible within the bounds, the one predicting the least TTFT and ITL overshoot."""
+    threshold: fewer handoffs); when none is feasible within the bounds, the one predicting
+    the least overshoot of its TTFT, ITL and gap bounds (`overshoot`)."""
     plans = [layout(inp, t) for t in thresholds(inp.classes)]
-    t = inp.targets
 
     def key(p: Plan) -> tuple[bool, float, int, int, int]:
-        over = max(p.ttft_s / t.ttft_s, p.itl_s / t.itl_s)
-        return (not p.feasible, 0.0 if p.feasible else over, p.workers, p.prefill,
-                -p.threshold_tokens)
+        return (not p.feasible, 0.0 if p.feasible else overshoot(p, inp.targets), p.workers,
+                p.prefill, -p.threshold_tokens)
 
     return min(plans, key=key)
 
@@ -258,9 +285,11 @@ class SloPlanner:
     """`best_plan` with hysteresis: the number of workers grows at once and shrinks only to
     the largest total the last `down_ticks` ticks asked for (a dip shorter than that removes
     nothing); the layout (the threshold) changes only for one that needs fewer workers than
-    the current one does. The split between the pools follows the plan at once (a role
-    switch is cheap); workers held beyond it stay in the decode pool, which runs both
-    halves."""
+    the current one does, or, while the bounds meet the targets with neither, for one whose
+    overshoot is below `INFEASIBLE_MARGIN` times the current one's (no role switch back and
+    forth between two layouts that both miss by about as much). The split between the pools
+    follows the plan at once (a role switch is cheap); workers held beyond it stay in the
+    decode pool, which runs both halves."""
 
     def __init__(self, down_ticks: int = 3) -> None:
         if down_ticks < 1:
@@ -275,6 +304,10 @@ class SloPlanner:
             kept = layout(inp, self.last.threshold_tokens)  # a layout change must save workers
             if kept.feasible and kept.workers <= want.workers:
                 want = kept
+            elif not (kept.feasible or want.feasible) and not (
+                    overshoot(want, inp.targets)
+                    < INFEASIBLE_MARGIN * overshoot(kept, inp.targets)):
+                want = kept  # both miss: change only for a clearly smaller miss
         self._wanted.append(want.workers)
         total = min(max(self._wanted), inp.bounds.max_workers)
         decode = min(inp.bounds.max_decode, total - want.prefill)
@@ -283,10 +316,10 @@ class SloPlanner:
             held = (f"; {decode - want.decode} more decode held (the total shrinks after "
                     f"{self._wanted.maxlen} ticks)")
         plan = Plan(want.prefill, decode, want.threshold_tokens, want.feasible, want.ttft_s,
-                    want.itl_s, want.reason + held)
+                    want.itl_s, want.reason + held, want.gap_s)
         self.last = plan
         return plan
 
 
 __all__ = ["AGGREGATED", "Plan", "PlanInput", "PoolBounds", "RequestClass", "SloPlanner",
-           "SloTargets", "best_plan", "layout"]
+           "SloTargets", "best_plan", "layout", "overshoot"]

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 TICK_S = 1.0
 MAX_STEP_S = 10.0  # a longer interval between two reports is idleness, not a step
+# the traffic window the planner reads: a class the mix moved away from is planned for this
+# long after its last arrival (a role switch back waits for it)
+WINDOW_S = 15.0
 
 
 class Splits(Protocol):
@@ -89,7 +92,7 @@ class SloControl:
         self.targets = SloTargets(config.slo_ttft_ms / 1000, config.slo_itl_ms / 1000,
                                   config.slo_percentile)
         self.workers, self.migrations = workers, migrations
-        self.traffic = TrafficWindow()
+        self.traffic = TrafficWindow(window_s=WINDOW_S)
         self.fitter = ProfileFitter()
         self.planner = SloPlanner()
         self.plan: Plan | None = None

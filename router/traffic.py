@@ -6,7 +6,9 @@ and output tokens (the request's `max_tokens`, an upper bound: the planner errs 
 workers) for `window_s` seconds. `classes(now)` buckets them by prompt length at `edges` into
 `planner.RequestClass`es; each class's forecast rate is the larger of its whole window's and
 its last `burst_s` seconds' (a burst, or a class the mix moves to, is planned for as soon as it
-shows; a lull only once the window has seen it).
+shows; a lull only once the window has seen it). A burst counts from `min_burst` arrivals: a
+rare class's few arrivals bunching in `burst_s` (three of a 0.2/s class in 5 s: 0.6/s) are
+Poisson noise, not a burst.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ class TrafficWindow:
     """Arrivals of the last `window_s` seconds. Times are the caller's clock (seconds)."""
 
     def __init__(self, window_s: float = 30.0, burst_s: float = 5.0,
-                 edges: Sequence[int] = DEFAULT_EDGES) -> None:
+                 edges: Sequence[int] = DEFAULT_EDGES, min_burst: int = 5) -> None:
         if not 0 < burst_s <= window_s:
             raise ValueError(f"need 0 < burst_s <= window_s, got {burst_s} and {window_s}")
+        if min_burst < 1:
+            raise ValueError(f"min_burst must be >= 1, got {min_burst}")
+        self.min_burst = min_burst
         if list(edges) != sorted(set(edges)) or not edges:
             raise ValueError(f"edges must be ascending and distinct, got {edges}")
         self.window_s, self.burst_s, self.edges = window_s, burst_s, tuple(edges)
@@ -58,7 +63,9 @@ class TrafficWindow:
             a[1] += t >= recent_from
             a[2] += prompt
             a[3] += output
-        return tuple(RequestClass(max(a[0] / seen_s, a[1] / burst_s), a[2] / a[0], a[3] / a[0])
+        return tuple(RequestClass(max(a[0] / seen_s,
+                                      a[1] / burst_s if a[1] >= self.min_burst else 0.0),
+                                  a[2] / a[0], a[3] / a[0])
                      for _, a in sorted(acc.items()))
 
 

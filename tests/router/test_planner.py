@@ -18,7 +18,9 @@ from router.planner import (
     SloTargets,
     best_plan,
     layout,
+    overshoot,
 )
+from router.planner import prefill_pool
 from router.profiles import ProfileFitter, StepProfile
 from router.queueing import fewest, queue_wait_s
 from router.role_plan import WorkerState, role_changes
@@ -121,6 +123,51 @@ def test_the_layout_changes_only_for_one_that_saves_workers():
         assert kept.threshold_tokens == best_plan(chat).threshold_tokens
 
 
+# one CPU core running the small preset (a 2,048-token prompt ~2.3 s, decode ~15 ms a step),
+# two workers, an ITL target whose gap bound (5 ITLs) is 0.3 s: `benchmarks/planner.py`'s case
+CPU = StepProfile(prefill_fixed_s=0.005, prefill_s_per_token=1.1e-3, decode_fixed_s=0.015,
+                  decode_s_per_seq=0.003, chunk_tokens=2048)
+CPU_TARGETS = SloTargets(ttft_s=11.3, itl_s=0.06)
+TWO = PoolBounds(0, 2, 1, 2, 2)
+
+
+def cpu(*classes: RequestClass) -> PlanInput:
+    return PlanInput(classes, CPU, CPU_TARGETS, TWO)
+
+
+def test_when_nothing_meets_the_targets_a_stalling_layout_is_not_the_smallest_miss():
+    long = cpu(RequestClass(0.3, 2048, 64))
+    aggregated = layout(long, AGGREGATED)
+    # aggregated meets TTFT and ITL on average but a 2,048-token prefill stalls its streams
+    assert aggregated.ttft_s < CPU_TARGETS.ttft_s and aggregated.itl_s < CPU_TARGETS.itl_s
+    assert aggregated.gap_s > 5 * CPU_TARGETS.itl_s and not aggregated.feasible
+    chosen = best_plan(long)
+    assert not chosen.feasible and chosen.prefill == 1 and chosen.decode == 1
+    assert overshoot(chosen, CPU_TARGETS) < overshoot(aggregated, CPU_TARGETS)
+
+
+def test_a_layout_past_the_bounds_keeps_a_prefill_worker_and_is_predicted_at_its_size():
+    long = cpu(RequestClass(0.4, 2048, 64))  # one prefill worker at 90% load
+    split = layout(long, 0)
+    assert (split.prefill, split.decode, split.feasible) == (1, 1, False)
+    # the TTFT predicted is one prefill worker's, past the target, not two workers' within it
+    at_one = prefill_pool([RequestClass(0.4, 2048, 64)], long, 0.0, at=1)[1]
+    assert split.ttft_s > CPU_TARGETS.ttft_s
+    assert split.ttft_s == pytest.approx(at_one, abs=0.1)
+
+
+def test_between_layouts_that_both_miss_the_layout_changes_only_for_a_clearly_smaller_miss():
+    planner = SloPlanner(down_ticks=1)
+    assert planner.decide(cpu(RequestClass(1.0, 128, 128))).threshold_tokens == AGGREGATED
+    near = cpu(RequestClass(2.0, 300, 128))  # handing off misses by a little less
+    assert best_plan(near).threshold_tokens == 0
+    assert overshoot(layout(near, 0), CPU_TARGETS) > 0.8 * overshoot(layout(near, AGGREGATED),
+                                                                       CPU_TARGETS)
+    assert planner.decide(near).threshold_tokens == AGGREGATED  # kept: no switch for that
+    far = cpu(RequestClass(2.0, 400, 128))  # aggregated misses by much more
+    assert planner.decide(far).threshold_tokens == 0
+
+
 def test_a_fitted_profile_recovers_the_step_costs_it_saw():
     prior = StepProfile(0.0, 1e-3, 0.05, 0.01)
     fitter = ProfileFitter(prior, min_samples=8)
@@ -149,6 +196,20 @@ def test_the_traffic_window_gives_the_mix_and_plans_for_a_burst_at_once():
     # the long prompts ran at 50/s in the last 2 s, not 10/s over the window: planned at once
     assert long.rate == pytest.approx(50.0, rel=0.05)
     assert chat.rate == pytest.approx(80 / 10.0, rel=0.05)  # what the window holds of it
+
+
+def test_a_rare_class_bunching_in_the_burst_window_is_not_planned_as_a_burst():
+    window = TrafficWindow(window_s=15.0, burst_s=5.0)
+    for i in range(3):  # a 0.2/s class: one arrival at 0 s, then two close together
+        window.arrived((0.0, 13.0, 14.5)[i], 2048, 64)
+    (long,) = window.classes(15.0)
+    assert long.rate == pytest.approx(3 / 15.0)  # the window's rate, not 2 in 5 s
+    for i in range(5):  # five in the last 2 s: a burst
+        window.arrived(15.0 + i * 0.4, 2048, 64)
+    (long,) = window.classes(17.0)
+    assert long.rate == pytest.approx(7 / 5.0)
+    with pytest.raises(ValueError, match="min_burst"):
+        TrafficWindow(min_burst=0)
 
 
 def workers(*spec: tuple[str, WorkerRole, bool, int]) -> list[WorkerState]:
