@@ -84,14 +84,17 @@ class SloControl:
     """The planner's inputs, its plan, and what the router applies of it. Event-loop thread."""
 
     def __init__(self, config: RouterConfig, workers: WorkerSet, migrations: LiveMigrations,
-                 registry: CollectorRegistry | None = None) -> None:
-        """`registry`: where the planner's metrics are exported (`router.plan_metrics`)."""
+                 registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`registry`: where the planner's metrics are exported (`router.plan_metrics`);
+        `clock`: the time arrivals and pushed steps are stamped with."""
         if config.slo_ttft_ms is None or config.slo_itl_ms is None:
             raise ValueError(f"the SLO planner needs slo_ttft_ms and slo_itl_ms, got "
                              f"{config.slo_ttft_ms} and {config.slo_itl_ms}")
         self.targets = SloTargets(config.slo_ttft_ms / 1000, config.slo_itl_ms / 1000,
                                   config.slo_percentile)
         self.workers, self.migrations = workers, migrations
+        self.clock = clock
         self.traffic = TrafficWindow(window_s=WINDOW_S)
         self.fitter = ProfileFitter()
         self.planner = SloPlanner()
@@ -113,11 +116,11 @@ class SloControl:
         self.board, self.replica, self.bounds = board, replica, bounds
 
     def arrived(self, prompt_tokens: int, output_tokens: int) -> None:
-        self.traffic.arrived(time.monotonic(), prompt_tokens, output_tokens)
+        self.traffic.arrived(self.clock(), prompt_tokens, output_tokens)
 
     def observe(self, worker_id: str, stats: EngineStats) -> None:
         """A worker's pushed load (`WorkerSet.observers`)."""
-        now = time.monotonic()
+        now = self.clock()
         pure = (stats.num_running > 0 and stats.num_waiting == 0
                 and stats.num_pending_prompt_tokens == 0)
         last = self._last.get(worker_id)
@@ -131,7 +134,7 @@ class SloControl:
         there is no traffic or no profile yet. A plan that changes the workers or the
         threshold is a decision: logged and counted by kind."""
         if classes is None:
-            classes = self.traffic.classes(time.monotonic())
+            classes = self.traffic.classes(self.clock())
         profile = self.fitter.profile()
         if not classes or profile is None:
             return None
@@ -212,7 +215,7 @@ class SloControl:
     async def step(self, router: Splits) -> None:
         """One tick: lead (plan for every replica's traffic, switch roles, publish) or follow
         the leader's fresh plan; either way the plan's threshold goes to `router.split`."""
-        view = await self.board.tick(self.replica, self.traffic.classes(time.monotonic()))
+        view = await self.board.tick(self.replica, self.traffic.classes(self.clock()))
         if view.leader != self.leader:
             logger.info("router %s %s the SLO planner's lease (holder: %s)", self.replica,
                         "took" if view.leader else "lost", view.holder)

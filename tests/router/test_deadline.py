@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import pytest
 
@@ -145,17 +144,18 @@ def test_the_live_planner_fits_a_profile_from_pushed_steps_then_moves_the_thresh
     async def go():
         workers = [FakeWorker(f"w{i}") for i in range(4)]
         o = await orchestrator(*workers)
+        clock = [1000.0]  # the steps' times as pushed, not this machine's sleeps
         control = SloControl(RouterConfig("fake-model", slo_ttft_ms=2000, slo_itl_ms=30),
-                             o.workers, LiveMigrations(o.workers, o.counters))
+                             o.workers, LiveMigrations(o.workers, o.counters),
+                             clock=lambda: clock[0])
         o.workers.observers.append(control.observe)
-        now = time.monotonic()
         for i in range(20):  # the last 10 s: 2/s of 4,096-token prompts, 2/s of chat
-            control.traffic.arrived(now - 10 + i / 2, 4096, 64)
-            control.traffic.arrived(now - 10 + i / 2, 100, 100)
+            control.traffic.arrived(clock[0] - 10 + i / 2, 4096, 64)
+            control.traffic.arrived(clock[0] - 10 + i / 2, 100, 100)
         assert control.decide() is None  # no profile yet
         for step in range(40):  # pure decode steps, 10 ms + 0.1 ms a sequence
             running = 1 + step % 20
-            time.sleep(0.01 + running * 1e-4)
+            clock[0] += 0.01 + running * 1e-4
             workers[0].listener.on_outputs("w0", (), EngineStats(
                 0, running, 0.1, 256, 0, 256, prefill_s_per_token=1e-4))
         plan = control.decide()
