@@ -3,7 +3,7 @@ checkpoints transformers wrote, served by the engine alone and mixed in one batc
 model and each other; logprobs of 32 greedy tokens within 1e-4 (fp32) and the tokens identical
 to PEFT recomputing the whole sequence each step (dense families, and an MoE's attention and
 experts, which PEFT reaches by `target_parameters`; a mixed prefill's logits too). Then the
-adapters a user gets wrong, refused with what is wrong (Mixtral's experts among them), and the
+adapters a user gets wrong, refused with what is wrong (gpt-oss's experts among them), and the
 prefix cache kept apart per adapter. Under TP=2: `tests/workers/test_parallel_engine.py`."""
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ ADAPTERS = DENSE_ADAPTERS  # name -> (targets, rank, alpha, rsLoRA)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def family(request, tmp_path_factory):
     """(checkpoint, adapter folders, references by (adapter or None, prompt)); an MoE's
-    adapters target its attention, and its experts (`MOE_ADAPTERS`), one its experts only."""
+    adapters target its attention, and its experts (`MOE_ADAPTERS`), one its experts only
+    (Mixtral's: under `block_sparse_moe` here, transformers 5's `mlp`)."""
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
-    extra = {"experts": ([], 4, 8, False, EXPERTS)} if request.param == "qwen3_moe" else None
+    moe = request.param in ("qwen3_moe", "mixtral")
+    extra = {"experts": ([], 4, 8, False, EXPERTS)} if moe else None
     return peft_family(request.param, root, PROMPTS, STEPS, extra)
 
 
@@ -257,16 +259,16 @@ def test_an_expert_target_this_model_lacks_is_refused_naming_it(family, tmp_path
     assert llm.engine.adapters.names() == ["attn"]
 
 
-def test_lora_on_mixtral_s_experts_is_refused_naming_the_layout(tmp_path):
-    """Mixtral's experts sit under `block_sparse_moe` here, transformers' `mlp`: PEFT's
-    `target_parameters` on them are refused by name; its attention takes LoRA."""
-    base = save_hf_model("mixtral", tmp_path / "base")
+def test_lora_on_gpt_oss_s_experts_is_refused_naming_the_layout(tmp_path):
+    """gpt-oss's experts (biased, clamped SwiGLU, [E, in, out] in transformers): PEFT's
+    `target_parameters` on them are refused by name, nothing kept; its attention takes LoRA."""
+    base = save_hf_model("gpt_oss", tmp_path / "base")
     peft_adapter(base, tmp_path / "experts", ["q_proj"], 4, 8, False, seed=0,
                  parameters=EXPERTS)
     peft_adapter(base, tmp_path / "attn", ["q_proj"], 4, 8, False, seed=1)
     llm = serve(str(tmp_path / "base"), {"attn": tmp_path / "attn"}, max_loras=1)
-    with pytest.raises(LoraAdapterError, match=r"MixtralForCausalLM's experts at "
-                       r"model\.layers\.0\.block_sparse_moe\.experts"):
+    with pytest.raises(LoraAdapterError, match=r"GptOssForCausalLM's experts \(biased, "
+                       r"clamped SwiGLU"):
         llm.engine.adapters.load("experts", str(tmp_path / "experts"))
     assert llm.engine.adapters.names() == ["attn"]
 

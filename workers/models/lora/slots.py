@@ -11,8 +11,8 @@ Which projections take LoRA: the attention's fused q/k/v (`q_proj`, `k_proj`, `v
 `o_proj`, and a dense MLP's fused gate/up (`gate_proj`, `up_proj`) and `down_proj`, each
 sharded as its base projection on a tensor-parallel rank. An MoE's routed experts take PEFT's
 `target_parameters` (`workers.models.lora.experts`) where their layout is transformers' own
-(`_experts_refused`: Qwen2-MoE's and Qwen3-MoE's; not Mixtral's, gpt-oss's or DeepSeek's, nor
-under expert parallelism).
+(`_experts_refused`: Qwen2-MoE's, Qwen3-MoE's and Mixtral's, whose `block_sparse_moe` is
+transformers 5's `mlp`; not gpt-oss's or DeepSeek's, nor under expert parallelism).
 """
 
 from __future__ import annotations
@@ -82,14 +82,24 @@ def _experts_refused(model: nn.Module) -> str | None:
             return f"{kind}'s experts (biased, clamped SwiGLU, transposed in transformers)"
         if parent not in moe_blocks:
             return f"{kind}'s experts (routing outside the sparse MoE block)"
-        if not parent.endswith(".mlp"):  # Mixtral: ours `block_sparse_moe`, transformers' `mlp`
+        if not _hf_experts_path(path).endswith(".mlp.experts"):
             return f"{kind}'s experts at {path} (a layout other than transformers' mlp.experts)"
     return None
 
 
+def _hf_experts_path(path: str) -> str:
+    """transformers 5's path of our experts module `path`, where PEFT saves its pairs: Mixtral's
+    MoE block is `block_sparse_moe` in its checkpoints and here, `mlp` in transformers 5 (its
+    conversion mapping renames it on load; w1 | w3 become gate_up_proj's halves, our w13's)."""
+    block, _, name = path.rpartition(".")
+    prefix, _, block_name = block.rpartition(".")
+    return f"{prefix}.mlp.{name}" if block_name == "block_sparse_moe" else path
+
+
 def _expert_hooks(model: nn.Module, batch: LoraBatch, max_loras: int, max_rank: int,
                   dtype: torch.dtype, device: torch.device) -> dict[str, ExpertLora]:
-    """HF experts module path -> the hook installed on it (none where `_experts_refused`)."""
+    """HF experts module path (`_hf_experts_path`) -> the hook installed on it (none where
+    `_experts_refused`)."""
     if _experts_refused(model) is not None:
         return {}
     hooks: dict[str, ExpertLora] = {}
@@ -99,7 +109,7 @@ def _expert_hooks(model: nn.Module, batch: LoraBatch, max_loras: int, max_rank: 
             hook = ExpertLora(batch, shape, layer.inter_local, layer.tp_rank, max_loras,
                               max_rank, dtype, device)
             layer.lora = hook
-            hooks[path] = hook
+            hooks[_hf_experts_path(path)] = hook
     return hooks
 
 
