@@ -159,10 +159,11 @@ DENSE_ADAPTERS = {"attn": (ATTENTION, 4, 8, False), "full": (ATTENTION + MLP, 8,
 # an MoE's experts are 3-D parameters in transformers, which PEFT reaches by target_parameters
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # an MoE's: attention only, and attention + its experts (the families whose experts take LoRA:
-# Qwen2/3-MoE's; the others' `MOE_ADAPTERS` stay on the attention)
+# Qwen2/3-MoE's and Mixtral's here, DeepSeek's too but its MLA has none of `ATTENTION`; the
+# others' `MOE_ADAPTERS` stay on the attention)
 MOE_ADAPTERS = {"attn": (ATTENTION, 4, 8, False),
                 "qvo": (["q_proj", "v_proj", "o_proj"], 8, 16, True, EXPERTS)}
-EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe")
+EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 

@@ -2,8 +2,9 @@
 checkpoints transformers wrote, served by the engine alone and mixed in one batch with the base
 model and each other; logprobs of 32 greedy tokens within 1e-4 (fp32) and the tokens identical
 to PEFT recomputing the whole sequence each step (dense families, and an MoE's attention and
-experts, which PEFT reaches by `target_parameters`; a mixed prefill's logits too). Then the
-adapters a user gets wrong, refused with what is wrong (Mixtral's experts among them), and the
+experts, which PEFT reaches by `target_parameters`: Qwen3-MoE's, Mixtral's, DeepSeek's; a mixed
+prefill's logits too). Then the
+adapters a user gets wrong, refused with what is wrong (gpt-oss's experts among them), and the
 prefix cache kept apart per adapter. Under TP=2: `tests/workers/test_parallel_engine.py`."""
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import pytest
 
 import torch
 
-from tests.workers.hf_oracle import (ATTENTION, DENSE_ADAPTERS, EXPERTS, peft_adapter,
-                                     peft_family, save_hf_model)
+from tests.workers.hf_oracle import (ATTENTION, DENSE_ADAPTERS, EXPERTS, greedy_reference,
+                                     peft_adapter, peft_family, save_hf_model)
 from workers import LLM, SamplingParams
 from workers.engine.parallel.messages import StepMessage
 from workers.models.lora import LoraAdapterError
@@ -30,12 +31,14 @@ ADAPTERS = DENSE_ADAPTERS  # name -> (targets, rank, alpha, rsLoRA)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def family(request, tmp_path_factory):
     """(checkpoint, adapter folders, references by (adapter or None, prompt)); an MoE's
-    adapters target its attention, and its experts (`MOE_ADAPTERS`), one its experts only."""
+    adapters target its attention, and its experts (`MOE_ADAPTERS`), one its experts only
+    (Mixtral's: under `block_sparse_moe` here, transformers 5's `mlp`)."""
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
-    extra = {"experts": ([], 4, 8, False, EXPERTS)} if request.param == "qwen3_moe" else None
+    moe = request.param in ("qwen3_moe", "mixtral")
+    extra = {"experts": ([], 4, 8, False, EXPERTS)} if moe else None
     return peft_family(request.param, root, PROMPTS, STEPS, extra)
 
 
@@ -257,18 +260,34 @@ def test_an_expert_target_this_model_lacks_is_refused_naming_it(family, tmp_path
     assert llm.engine.adapters.names() == ["attn"]
 
 
-def test_lora_on_mixtral_s_experts_is_refused_naming_the_layout(tmp_path):
-    """Mixtral's experts sit under `block_sparse_moe` here, transformers' `mlp`: PEFT's
-    `target_parameters` on them are refused by name; its attention takes LoRA."""
-    base = save_hf_model("mixtral", tmp_path / "base")
+def test_lora_on_gpt_oss_s_experts_is_refused_naming_the_layout(tmp_path):
+    """gpt-oss's experts (biased, clamped SwiGLU, [E, in, out] in transformers): PEFT's
+    `target_parameters` on them are refused by name, nothing kept; its attention takes LoRA."""
+    base = save_hf_model("gpt_oss", tmp_path / "base")
     peft_adapter(base, tmp_path / "experts", ["q_proj"], 4, 8, False, seed=0,
                  parameters=EXPERTS)
     peft_adapter(base, tmp_path / "attn", ["q_proj"], 4, 8, False, seed=1)
     llm = serve(str(tmp_path / "base"), {"attn": tmp_path / "attn"}, max_loras=1)
-    with pytest.raises(LoraAdapterError, match=r"MixtralForCausalLM's experts at "
-                       r"model\.layers\.0\.block_sparse_moe\.experts"):
+    with pytest.raises(LoraAdapterError, match=r"GptOssForCausalLM's experts \(biased, "
+                       r"clamped SwiGLU"):
         llm.engine.adapters.load("experts", str(tmp_path / "experts"))
     assert llm.engine.adapters.names() == ["attn"]
+
+
+def test_lora_on_deepseek_s_experts_alone_and_mixed_with_the_base_matches_peft(tmp_path):
+    """DeepSeek's experts (its own grouped routing, a shared expert beside them; MLA, which
+    PEFT's attention names do not reach): an experts-only adapter, each prompt under it and
+    the base model in one batch, gives PEFT's 32 greedy tokens, logprobs within 1e-4."""
+    base = save_hf_model("deepseek_v3", tmp_path / "base")
+    model = peft_adapter(base, tmp_path / "experts", [], 4, 8, False, seed=0,
+                         parameters=EXPERTS)
+    refs = {(lora, tuple(p)): greedy_reference(m, p, STEPS) for p in PROMPTS
+            for lora, m in ((None, base), ("experts", model))}
+    assert all(refs["experts", tuple(p)].tokens != refs[None, tuple(p)].tokens for p in PROMPTS)
+    llm = serve(str(tmp_path / "base"), {"experts": tmp_path / "experts"}, max_loras=1)
+    loras = [lora for _ in PROMPTS for lora in (None, "experts")]
+    prompts = [p for p in PROMPTS for _ in (None, "experts")]
+    assert_matches(llm.generate(prompts, GREEDY, lora_name=loras), loras, prompts, refs)
 
 
 @pytest.mark.parametrize("options, expected", [

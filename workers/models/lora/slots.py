@@ -11,8 +11,8 @@ Which projections take LoRA: the attention's fused q/k/v (`q_proj`, `k_proj`, `v
 `o_proj`, and a dense MLP's fused gate/up (`gate_proj`, `up_proj`) and `down_proj`, each
 sharded as its base projection on a tensor-parallel rank. An MoE's routed experts take PEFT's
 `target_parameters` (`workers.models.lora.experts`) where their layout is transformers' own
-(`_experts_refused`: Qwen2-MoE's and Qwen3-MoE's; not Mixtral's, gpt-oss's or DeepSeek's, nor
-under expert parallelism).
+(`_experts_refused`: Qwen2-MoE's, Qwen3-MoE's, DeepSeek's and Mixtral's, whose
+`block_sparse_moe` is transformers 5's `mlp`; not gpt-oss's, nor under expert parallelism).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 from workers.models.layers import (ColumnParallelLinear, MergedColumnParallelLinear,
                                    QKVParallelLinear, RowParallelLinear)
-from workers.models.moe import FusedExperts, SparseMoeBlock
+from workers.models.moe import FusedExperts
 from workers.models.lora.experts import ExpertLora, ExpertShape
 from workers.models.lora.peft_folder import (AdapterWeights, LoraAdapterError, TargetShape,
                                              read_adapter)
@@ -70,26 +70,32 @@ def _in_slice(layer: nn.Module) -> tuple[int, int] | None:
 
 def _experts_refused(model: nn.Module) -> str | None:
     """Why `model`'s experts take no LoRA (None: they do, or it has none to refuse)."""
-    moe_blocks = {p for p, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
     for path, layer in model.named_modules():
         if not isinstance(layer, FusedExperts):
             continue
         kind = type(model).__name__
-        parent = path.rsplit(".", 1)[0]
         if layer.expert_parallel:
             return "experts split over ranks by expert parallelism (use tensor parallelism)"
         if layer.w13_bias is not None or layer.clamped_swiglu is not None:
             return f"{kind}'s experts (biased, clamped SwiGLU, transposed in transformers)"
-        if parent not in moe_blocks:
-            return f"{kind}'s experts (routing outside the sparse MoE block)"
-        if not parent.endswith(".mlp"):  # Mixtral: ours `block_sparse_moe`, transformers' `mlp`
+        if not _hf_experts_path(path).endswith(".mlp.experts"):
             return f"{kind}'s experts at {path} (a layout other than transformers' mlp.experts)"
     return None
 
 
+def _hf_experts_path(path: str) -> str:
+    """transformers 5's path of our experts module `path`, where PEFT saves its pairs: Mixtral's
+    MoE block is `block_sparse_moe` in its checkpoints and here, `mlp` in transformers 5 (its
+    conversion mapping renames it on load; w1 | w3 become gate_up_proj's halves, our w13's)."""
+    block, _, name = path.rpartition(".")
+    prefix, _, block_name = block.rpartition(".")
+    return f"{prefix}.mlp.{name}" if block_name == "block_sparse_moe" else path
+
+
 def _expert_hooks(model: nn.Module, batch: LoraBatch, max_loras: int, max_rank: int,
                   dtype: torch.dtype, device: torch.device) -> dict[str, ExpertLora]:
-    """HF experts module path -> the hook installed on it (none where `_experts_refused`)."""
+    """HF experts module path (`_hf_experts_path`) -> the hook installed on it (none where
+    `_experts_refused`)."""
     if _experts_refused(model) is not None:
         return {}
     hooks: dict[str, ExpertLora] = {}
@@ -99,7 +105,7 @@ def _expert_hooks(model: nn.Module, batch: LoraBatch, max_loras: int, max_rank: 
             hook = ExpertLora(batch, shape, layer.inter_local, layer.tp_rank, max_loras,
                               max_rank, dtype, device)
             layer.lora = hook
-            hooks[path] = hook
+            hooks[_hf_experts_path(path)] = hook
     return hooks
 
 
