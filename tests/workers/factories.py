@@ -1,5 +1,5 @@
 """Small factories for engine tests: a scheduler without a model, requests, a fake step, a paged
-KV cache of noise."""
+KV cache of noise, a handoff between two engines in this process."""
 
 from __future__ import annotations
 
@@ -65,3 +65,24 @@ def noise_paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, h
         rows.append(order[used:used + count] + [0] * (max(counts) - count))
         used += count
     return cache, torch.tensor(rows, dtype=torch.int32)
+
+
+def hand_off(prefill, decode, req) -> list[int]:  # noqa: ANN001 - two Engines, a WorkerRequest
+    """`req` prefilled on engine `prefill` (its first token), its KV copied into the blocks
+    engine `decode` gives it as a pull would copy them, then decoded there: every token."""
+    from workers.serving.connector import Connector
+
+    prefill.generate(req)
+    first = prefill.step()[0].token_ids[0]  # the whole prompt fits one step
+    src_blocks = prefill.block_ids(req.request_id)
+    dst_blocks = Connector(decode).decode_from_handoff(req, first)
+    assert len(dst_blocks) == len(src_blocks[:len(dst_blocks)])
+    for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
+        dst_cache[:, dst_blocks] = src_cache[:, src_blocks[:len(dst_blocks)]]
+    prefill.abort(req.request_id)
+    Connector(decode).kv_landed(req.request_id)
+    tokens = [first]
+    while decode.has_unfinished():
+        for event in decode.step():
+            tokens += event.token_ids
+    return tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workers.factories import replay_events
+from tests.workers.factories import hand_off, replay_events
 from workers import LLM, FinishReason, InvalidRequestError, SamplingParams
 from workers.contract.protocol import WorkerRequest
 from workers.engine.request import Continuation
@@ -158,24 +158,8 @@ def test_kv_handed_off_to_another_engine_continues_identically(tiny_model):
     source = LLM(tiny_model, num_blocks=64)
     want = source.generate([prompt], params)[0].outputs[0].token_ids
 
-    prefill = source.engine
-    req = WorkerRequest("x", tuple(prompt), params)
-    prefill.generate(req)
-    first = prefill.step()[0].token_ids[0]  # the whole prompt fits one step
-    src_blocks = prefill.block_ids("x")
-
     decode = LLM(tiny_model, num_blocks=64).engine
-    dst_blocks = Connector(decode).decode_from_handoff(req, first)
-    assert len(dst_blocks) == len(src_blocks[:len(dst_blocks)])
-    for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
-        dst_cache[:, dst_blocks] = src_cache[:, src_blocks[:len(dst_blocks)]]
-    prefill.abort("x")
-    Connector(decode).kv_landed("x")
-    tokens = [first]
-    while decode.has_unfinished():
-        for event in decode.step():
-            tokens += event.token_ids
-    assert tokens == want
+    assert hand_off(source.engine, decode, WorkerRequest("x", tuple(prompt), params)) == want
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [("bfloat16", "auto"), ("float16", "auto"),

@@ -10,12 +10,11 @@ import json
 
 import pytest
 
-from tests.workers.factories import create_request, create_scheduler
+from tests.workers.factories import create_request, create_scheduler, hand_off
 from workers import LLM, SamplingParams
 from workers.contract.protocol import WorkerRequest
 from workers.engine.speculative.config import parse_speculative_config
 from workers.engine.speculative.drafter import NgramDrafter
-from workers.serving.connector import Connector
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                     "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
@@ -228,24 +227,11 @@ def test_a_request_handed_off_decodes_speculatively_on_the_decode_worker(tiny_mo
     prompt = PROMPTS[0] * 2
     want = LLM(tiny_model, num_blocks=64, speculative_config=None if params.greedy else config
                ).generate([prompt], params)[0].outputs[0].token_ids
-    prefill = LLM(tiny_model, num_blocks=64).engine
-    req = WorkerRequest("x", tuple(prompt), params)
-    prefill.generate(req)
-    first = prefill.step()[0].token_ids[0]
     # the draft model's KV for the prompt is the target's first layers': it came with the pull;
     # a quantized self-draft's cache of its own is recomputed on the decode worker
     decode = LLM(tiny_model, num_blocks=64, speculative_config=config).engine
-    dst_blocks = Connector(decode).decode_from_handoff(req, first)
-    src_blocks = prefill.block_ids("x")[:len(dst_blocks)]
-    for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
-        dst_cache[:, dst_blocks] = src_cache[:, src_blocks]
-    prefill.abort("x")
-    Connector(decode).kv_landed("x")
-    tokens = [first]
-    while decode.has_unfinished():
-        for event in decode.step():
-            tokens += event.token_ids
-    assert tokens == want
+    prefill = LLM(tiny_model, num_blocks=64).engine
+    assert hand_off(prefill, decode, WorkerRequest("x", tuple(prompt), params)) == want
     assert decode.stats().num_accepted_tokens > 0
 
 

@@ -21,7 +21,7 @@ from workers.engine.parallel.pipeline import MicroBatch, microbatch_tensors
 from workers.engine.runner import allocate_kv_caches
 from workers.engine.speculative.mtp import MTPDraft
 from workers.contract.protocol import WorkerRequest
-from workers.serving.connector import Connector
+from tests.workers.factories import hand_off
 
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
                   "disable_by_batch_size": 8})
@@ -191,19 +191,6 @@ def test_a_request_handed_off_to_an_mtp_engine_decodes_as_without_speculation(mt
     prompt = PROMPTS[0] * 2
     want = LLM(mtp_model, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
     prefill = LLM(mtp_model, num_blocks=64).engine
-    req = WorkerRequest("x", tuple(prompt), params)
-    prefill.generate(req)
-    first = prefill.step()[0].token_ids[0]
     decode = LLM(mtp_model, num_blocks=64, speculative_config=MTP).engine
-    dst_blocks = Connector(decode).decode_from_handoff(req, first)
-    src_blocks = prefill.block_ids("x")[:len(dst_blocks)]
-    for src_cache, dst_cache in zip(prefill.kv_caches, decode.kv_caches):
-        dst_cache[:, dst_blocks] = src_cache[:, src_blocks]
-    prefill.abort("x")
-    Connector(decode).kv_landed("x")
-    tokens = [first]
-    while decode.has_unfinished():
-        for event in decode.step():
-            tokens += event.token_ids
-    assert tokens == want
+    assert hand_off(prefill, decode, WorkerRequest("x", tuple(prompt), params)) == want
     assert decode.stats().num_draft_tokens > 0
