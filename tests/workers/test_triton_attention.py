@@ -297,24 +297,13 @@ def mixed_batch(seqs: list[tuple[int, int]], block_size: int, num_heads: int,
     """(q, k, v, cache, meta): K/V already cached for each (cached, new) sequence, the new
     tokens' q/k/v, and metadata; list one-token sequences first, as the runner orders them."""
     gen = torch.Generator().manual_seed(seed)
-    seq_lens = [cached + new for cached, new in seqs]
-    paged = make_paged(seq_lens, block_size, torch.float32, seed)
-    starts, slots, k_new, v_new = [0], [], [], []
-    for i, (cached, new) in enumerate(seqs):
-        starts.append(starts[-1] + new)
-        blocks = paged.tables[i].tolist()
-        slots += [blocks[p // block_size] * block_size + p % block_size
-                  for p in range(cached, cached + new)]
+    paged = make_paged([cached + new for cached, new in seqs], block_size, torch.float32, seed)
+    k_new, v_new = [], []
+    for _, new in seqs:
         k_new.append(torch.randn(new, KV_HEADS, DIM, generator=gen))
         v_new.append(torch.randn(new, KV_HEADS, DIM, generator=gen))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEVICE),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=paged.tables, num_decodes=sum(1 for _, new in seqs if new == 1),
-        max_query_len=max(new for _, new in seqs), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
-    q = torch.randn(starts[-1], num_heads, DIM, generator=gen).to(DEVICE)
+    meta = _mixed_meta(seqs, paged.tables.tolist(), block_size, paged.tables)
+    q = torch.randn(meta.query_start_loc_cpu[-1], num_heads, DIM, generator=gen).to(DEVICE)
     return q, torch.cat(k_new).to(DEVICE), torch.cat(v_new).to(DEVICE), paged.cache, meta
 
 
@@ -398,19 +387,9 @@ def test_head_sizes_that_are_no_power_of_two_match_the_torch_backend(head_dim, c
         start += count
     width = max(len(r) for r in rows)
     cache = torch.randn(2, len(tables) + 1, block_size, KV_HEADS, head_dim, generator=gen)
-    starts, slots = [0], []
-    for (cached, new), row in zip(seqs, rows):
-        starts.append(starts[-1] + new)
-        slots += [row[p // block_size] * block_size + p % block_size
-                  for p in range(cached, cached + new)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEVICE),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor([r + [0] * (width - len(r)) for r in rows],
-                                  dtype=torch.int32, device=DEVICE),
-        num_decodes=2, max_query_len=30, max_seq_len=max(lens), query_start_loc_cpu=starts,
-        seq_lens_cpu=lens)
+    meta = _mixed_meta(seqs, rows, block_size, torch.tensor(
+        [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32))
+    starts = meta.query_start_loc_cpu
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(DEVICE)
     k = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen).to(DEVICE)
     v = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen).to(DEVICE)
@@ -426,6 +405,25 @@ def test_head_sizes_that_are_no_power_of_two_match_the_torch_backend(head_dim, c
     assert_close(split, want[:2], torch.float32)
 
 
+def _mixed_meta(seqs: list[tuple[int, int]], rows: list[list[int]], block_size: int,
+                tables: torch.Tensor) -> AttentionMetadata:
+    """Metadata of a step over `seqs` ((cached, new) tokens each; the decodes first) whose
+    blocks are `rows` (`tables`: the same, padded into a tensor)."""
+    lens = [c + n for c, n in seqs]
+    starts, slots = [0], []
+    for (cached, new), row in zip(seqs, rows):
+        starts.append(starts[-1] + new)
+        slots += [row[p // block_size] * block_size + p % block_size
+                  for p in range(cached, cached + new)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE), num_decodes=sum(n == 1 for _, n in seqs),
+        max_query_len=max(n for _, n in seqs), max_seq_len=max(lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=lens)
+
+
 def _outlier_batch(head_dim: int) -> tuple:
     """Two decodes and a chunk after cached tokens (every one reads the cache) over keys with
     outlier channels: two dims about 25x the rest, of one sign at every token, as trained
@@ -437,17 +435,8 @@ def _outlier_batch(head_dim: int) -> tuple:
     outliers = torch.zeros(head_dim)
     outliers[5] = 40.0
     cache[0] += outliers
-    starts, slots = [0], []
-    for (cached, new), row in zip(seqs, tables.tolist()):
-        starts.append(starts[-1] + new)
-        slots += [row[p // block_size] * block_size + p % block_size
-                  for p in range(cached, cached + new)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEVICE),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE), num_decodes=2, max_query_len=6, max_seq_len=max(lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=lens)
+    meta = _mixed_meta(seqs, tables.tolist(), block_size, tables)
+    starts = meta.query_start_loc_cpu
     q = torch.randn(starts[-1], 2 * KV_HEADS, head_dim, generator=gen)
     k = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen) + outliers
     v = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen)
