@@ -116,19 +116,21 @@ def builtin_calibration() -> list[str]:
 
 
 def checkpoint_hessians(src: str, texts: Sequence[str], tokens: int = 256,
-                        max_sequences: int = 64) -> dict[str, torch.Tensor]:
+                        max_sequences: int = 16) -> dict[str, torch.Tensor]:
     """H of every linear of the decoder layers (and `lm_head`) of the full-precision checkpoint
     `src`, run by transformers in fp32 on `texts` (each tokenized and cut into windows of
     `tokens`), keyed by module name (the checkpoint's weight name less `.weight`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src)
-    windows: list[list[int]] = []
+    per_text = []
     for text in texts:
         ids = tokenizer(text)["input_ids"]
-        windows += [ids[i:i + tokens] for i in range(0, max(len(ids) - tokens, 0) + 1, tokens)
-                    if len(ids[i:i + tokens]) >= min(tokens, 16)]
-    windows = windows[:max_sequences]
+        per_text.append([ids[i:i + tokens] for i in range(0, len(ids), tokens)
+                         if len(ids[i:i + tokens]) >= min(tokens, 16)])
+    # every text's first window, then every text's second, ...: varied text first
+    windows = [w for rank in range(max(map(len, per_text), default=0))
+               for text in per_text if rank < len(text) for w in [text[rank]]][:max_sequences]
     if not windows:
         raise ValueError("the calibration text gave no window of 16 tokens or more")
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
