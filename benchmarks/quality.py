@@ -20,7 +20,9 @@ scale per quarter of a token's head; int8's rows Hadamard-rotated first; `kv_int
 int8 format before that rotation, for comparison in the same run), `w_int8` / `w_int4` (`cleave
 quantize` of the dequantized fp32 checkpoint, compressed-tensors: int8 a scale per output
 channel, int4 groups of 32 with zero points; run dequantized in fp32, so the figure is the
-weights' rounding alone), and
+weights' rounding alone), `w_int8_gptq` (`cleave quantize --calibrate`: the same int8 layout,
+integers chosen by GPTQ on the built-in calibration text, which none of the corpus's passages
+is), and
 `w_int8_kernels` (the int8 copy in Cleave's int kernels, activations quantized to int8 too).
 
     .venv/bin/python benchmarks/quality.py
@@ -54,6 +56,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "kv_int8_unrotated": ("gguf", {"dtype": "float32", "kv_cache_dtype": "int8"}),
     "kv_fp8": ("gguf", {"dtype": "float32", "kv_cache_dtype": "fp8"}),
     "w_int8": ("int8", {"dtype": "float32"}),
+    "w_int8_gptq": ("int8_gptq", {"dtype": "float32"}),
     "w_int4": ("int4", {"dtype": "float32"}),
     "w_int8_kernels": ("int8", {"dtype": "float32", "fp32_int_kernels": True}),
     "hf_fp32": ("fp32", {"dtype": "float32"}),  # the dequantized folder: equal to fp32
@@ -61,6 +64,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 DEFAULT_VARIANTS = "bf16,kv_int8,kv_fp8,w_int8,w_int4"
 UNROTATED = {"kv_int8_unrotated"}  # run with no cache dtype rotated (`kv_quant.ROTATED_DTYPES`)
 QUANTIZE = {"int8": {"bits": 8, "group_size": None, "symmetric": True},
+            "int8_gptq": {"bits": 8, "group_size": None, "symmetric": True, "calibrate": True},
             "int4": {"bits": 4, "group_size": 32, "symmetric": False}}
 
 
@@ -77,10 +81,15 @@ def checkpoints(gguf: Path, needed: set[str]) -> dict[str, Path]:
         _dequantized_folder(gguf, paths["fp32"])
     from workers.quant.writer import quantize_checkpoint
 
+    from workers.quant.gptq import builtin_calibration
+
     for kind, options in QUANTIZE.items():
         paths[kind] = root / kind
         if kind in needed and not (paths[kind] / "config.json").is_file():
-            quantize_checkpoint(paths["fp32"], paths[kind], "compressed-tensors", **options)
+            options = dict(options)
+            calibration = builtin_calibration() if options.pop("calibrate", False) else None
+            quantize_checkpoint(paths["fp32"], paths[kind], "compressed-tensors",
+                                calibration=calibration, **options)
     return paths
 
 

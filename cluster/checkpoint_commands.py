@@ -21,10 +21,15 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from workers.quant.gptq import builtin_calibration
     from workers.quant.writer import quantize_checkpoint
 
+    calibration = ([Path(args.calibration_file).read_text()] if args.calibration_file
+                   else builtin_calibration() if args.calibrate else None)
     out = quantize_checkpoint(
-        args.model, args.out, args.format, bits=args.bits,
+        args.model, args.out, args.format, calibration=calibration, bits=args.bits,
         group_size=None if args.group_size <= 0 else args.group_size,
         symmetric=not args.asymmetric, act_order=args.act_order,
         block=None if args.block <= 0 else args.block, lm_head=args.quantize_lm_head)
@@ -51,7 +56,8 @@ def add_make_model_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     quantize = sub.add_parser("quantize", help=(
-        "write a full-precision checkpoint in a quantized format (round-to-nearest): GPTQ, "
+        "write a full-precision checkpoint in a quantized format (round-to-nearest, or GPTQ "
+        "with --calibrate): GPTQ, "
         "AWQ, compressed-tensors or FP8"))
     quantize.add_argument("--model", required=True, help="the full-precision checkpoint folder")
     quantize.add_argument("--out", required=True, help="output folder")
@@ -68,6 +74,12 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     quantize.add_argument("--quantize-lm-head", action="store_true", help=(
         "quantize the output projection too (gptq: as the layers, lm_head=true; "
         "compressed-tensors: int8 per output channel); refused for tied embeddings"))
+    quantize.add_argument("--calibrate", action="store_true", help=(
+        "GPTQ instead of round-to-nearest: run the model on built-in calibration text (Python's "
+        "reference manual) and fold each column's rounding error into the columns not yet "
+        "quantized; symmetric, one scale per output channel (--group-size -1)"))
+    quantize.add_argument("--calibration-file", default=None, help=(
+        "as --calibrate, on this text file instead of the built-in text"))
     quantize.set_defaults(func=_cmd_quantize)
 
 

@@ -49,6 +49,19 @@ def test_quantize_then_generate_from_it(tmp_path, tiny_model):
     assert bad.returncode == 2 and "not a multiple of group_size 100" in bad.stderr
 
 
+def test_quantize_calibrate_writes_gptq_int8_and_generate_reads_it(tmp_path, tiny_model):
+    out = tmp_path / "gptq8"
+    made = run("quantize", "--model", tiny_model, "--out", str(out), "--format", "gptq",
+               "--bits", "8", "--group-size", "-1", "--calibrate", env_dir=tmp_path)
+    assert made.returncode == 0, made.stderr
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["bits"] == 8 and config["group_size"] == -1
+    gen = run("generate", "--model", str(out), "--prompt", "hi", "--max-tokens", "5",
+              "--ignore-eos", env_dir=tmp_path)
+    assert gen.returncode == 0, gen.stderr
+    assert len(json.loads(gen.stdout.splitlines()[0])["token_ids"]) == 5
+
+
 def test_quantize_lm_head_writes_it_and_generate_reads_it(tmp_path, tiny_model):
     out = tmp_path / "ct"
     made = run("quantize", "--model", tiny_model, "--out", str(out), "--format",

@@ -17,6 +17,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from workers.quant.formats import encode
+from workers.quant.gptq import checkpoint_hessians, gptq_quantize
 from workers.quant.scheme import QuantScheme, parse_quantization
 from workers.quant.weights import quantize_fp8, quantize_int
 
@@ -85,8 +87,11 @@ def _ct_group(targets: list[str], weights: dict[str, Any], layout: str) -> dict[
             "output_activations": None, "format": layout}
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, **options: Any) -> Path:
-    """Writes `src` quantized in `fmt` to `out` (see `quantization_config` for the options)."""
+def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str,
+                        calibration: Sequence[str] | None = None, **options: Any) -> Path:
+    """Writes `src` quantized in `fmt` to `out` (see `quantization_config` for the options).
+    `calibration`: texts to run `src` on, and GPTQ instead of round-to-nearest
+    (`workers.quant.gptq`; symmetric integer weights with one scale per output channel)."""
     src, out = Path(src), Path(out)
     raw = json.loads((src / "config.json").read_text())
     if raw.get("quantization_config"):
@@ -99,6 +104,12 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str, **options: A
     raw["quantization_config"] = quantization_config(fmt, **options)
     scheme = parse_quantization(raw)
     assert scheme is not None
+    if calibration is not None:
+        if scheme.kind != "int" or not scheme.symmetric or scheme.group_size:
+            raise ValueError(f"calibrated (GPTQ) weights are symmetric integers with one scale "
+                             f"per output channel; got {scheme.describe()}: pass an integer "
+                             f"format, group_size None and symmetric=True")
+        options = {**options, "hessians": checkpoint_hessians(str(src), calibration)}
     out.mkdir(parents=True, exist_ok=True)
     files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -145,8 +156,15 @@ def _convert(scheme: QuantScheme, name: str, tensor: torch.Tensor, options: dict
         if scheme.group_size and k % scheme.group_size:
             raise ValueError(f"{name}: input size {k} is not a multiple of group_size "
                              f"{scheme.group_size}; pass a group size that divides it")
-        g_idx = _act_order_groups(k, scheme.group_size or k) if scheme.act_order else None
-        weight = quantize_int(tensor, scheme.bits, scheme.group_size, scheme.symmetric, g_idx)
+        hessians = options.get("hessians")
+        if hessians is not None:  # per channel: act-order changes the pass, not the layout
+            scale_dtype = torch.bfloat16 if scheme.layout.startswith("ct") else torch.float16
+            weight = gptq_quantize(tensor, hessians[prefix], scheme.bits,
+                                   act_order=scheme.act_order, scale_dtype=scale_dtype)
+        else:
+            g_idx = _act_order_groups(k, scheme.group_size or k) if scheme.act_order else None
+            weight = quantize_int(tensor, scheme.bits, scheme.group_size, scheme.symmetric,
+                                  g_idx)
         parts = encode(scheme, weight)
     for suffix_out, value in parts.items():
         yield f"{prefix}.{suffix_out}", value
