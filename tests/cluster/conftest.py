@@ -4,7 +4,9 @@ deployed on it, and helpers to watch Serve."""
 
 from __future__ import annotations
 
+import glob
 import os
+import pathlib
 import socket
 import time
 from typing import Any, Callable
@@ -91,3 +93,19 @@ def local_ray():
 
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed Ray-app test shows the Serve replicas' warnings and errors (their logs live in
+    the Ray session's folder, gone with a CI machine): the cause of a 500 is there."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or "local_ray" not in item.fixturenames:
+        return
+    logs = sorted(glob.glob("/tmp/ray/session_latest/logs/serve/replica_*.log"))
+    lines = [f"{os.path.basename(path)}: {line[:400]}" for path in logs
+             for line in pathlib.Path(path).read_text(errors="replace").splitlines()
+             if line.startswith(("WARNING", "ERROR")) or "Error" in line]
+    if lines:
+        report.sections.append(("Serve replicas' warnings and errors", "\n".join(lines[-80:])))

@@ -180,3 +180,27 @@ def test_shutdown_stops_a_running_request_at_once(tiny_model):
     tokens = asyncio.run(run())
     assert tokens is not None and tokens < 1500
     assert steps < 100  # not the 1,500 the request had left (a step or two after shutdown)
+
+
+def test_a_request_after_shutdown_fails_as_the_engine_gone(tiny_model):
+    """A worker being removed shuts its engine down while routers may still send it a request
+    (they see it draining within a poll): the request fails with EngineShutDown, which the
+    router retries elsewhere, never as an engine error (a 500), and `apply` is refused the
+    same way rather than restarting the step loop on a closed engine."""
+    from workers.contract.protocol import EngineShutDown
+
+    llm = LLM(tiny_model, num_blocks=64)
+
+    async def run():
+        engine = AsyncEngine(llm.engine)
+        async for _ in engine.generate_stream("warm", PARAMS):
+            pass
+        await engine.shutdown()
+        with pytest.raises(EngineShutDown, match="shut down"):
+            async for _ in engine.generate_stream("too late", PARAMS):
+                pass
+        with pytest.raises(EngineShutDown, match="shut down"):
+            await asyncio.wait_for(engine.apply(lambda: 1), 10)
+        assert not engine.is_healthy
+
+    asyncio.run(run())

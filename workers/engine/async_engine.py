@@ -116,9 +116,15 @@ class AsyncEngine:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def _gone(self) -> EngineShutDown:
+        return EngineShutDown("the engine was shut down (its worker is going away)")
+
     def apply_soon(self, op: Callable[[], object]) -> None:
         """Queue `op` to run on the event loop between two steps; fire and forget (its result
-        is dropped)."""
+        is dropped). Once shut down, dropped: the step loop is not restarted on a closed
+        engine."""
+        if self._stopping:
+            return
         self._ensure_running()
         self._ops.append(op)
         assert self._wakeup is not None
@@ -129,6 +135,8 @@ class AsyncEngine:
         engine at rest (the KV event log, the prefix cache). If the caller is cancelled (a
         deadline, an abort, a lost connection), `fn` still runs and `undo(result)` after it,
         between steps: an `fn` that holds blocks for its caller to hand on needs one."""
+        if self._stopping:
+            raise self._gone()
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def op() -> None:
@@ -156,7 +164,12 @@ class AsyncEngine:
               sink: Sink, params: SamplingParams | None = None) -> None:
         """Between steps: `add` the request to the engine and route its events to `sink`; an
         error of `add` (a bad request) fails it there, leaving nothing behind. With `params`
-        asking for a grammar not compiled yet, it is compiled first, off the step thread."""
+        asking for a grammar not compiled yet, it is compiled first, off the step thread. Once
+        shut down, it fails with `EngineShutDown` (the router retries it elsewhere)."""
+        if self._stopping:
+            sink.fail(request_id, self._gone())
+            sink.flush()
+            return
         if params is not None and self.compile_queue.needed(params):
             def failed(exc: Exception) -> None:
                 sink.fail(request_id, exc)
