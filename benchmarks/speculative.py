@@ -7,11 +7,15 @@ and `chat` (open questions). Greedy, so the two servers' texts must match exactl
 
 The bound it is compared against is the same server without speculation, in the same run:
 `<workload>_<streams>_ratio` = tokens/s with speculation / without (the median rounds'), and
-`..._paired_ratios` each round's own ratio. Targets (issue 48): n-gram >= 1.8x at one stream on
+`..._paired_ratios` each round's own ratio. `--layer ray` serves both through the Ray app
+(`cleave serve`, one decode-pool replica each, on a local Ray of their own) instead.
+Targets (issue 48): n-gram >= 1.8x at one stream on
 `repeat`; `quantized_self` (the target is then the GGUF file dequantized to fp32 on both
 servers, `--no-gguf-packed`) >= 1.2x at one stream on `chat`; >= 0.95x at 32 streams.
 
     python benchmarks/speculative.py [--rounds 2] [--streams 1 8 32]
+    python benchmarks/speculative.py --layer ray --streams 1 --workloads repeat \
+        --out benchmarks/results/speculative_ray.json
     python benchmarks/speculative.py --method quantized_self --workloads chat --streams 1 \
         --rounds 6 --out benchmarks/results/speculative_int4_self.json
 """
@@ -27,7 +31,7 @@ from typing import Any
 
 import httpx
 from results_io import RESULTS, command_line, emit
-from serving_ray import CLEAVE, ServerProcess, free_ports
+from serving_ray import CLEAVE, RayApp, ServerProcess, free_ports
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
@@ -85,6 +89,21 @@ class Server(ServerProcess):
         self._terminate(60.0)
 
 
+def ray_app(speculative: dict | None, fp32: bool = False) -> RayApp:
+    """`cleave serve` (the Ray app) of SmolLM2: one decode-pool replica and no prefill pool
+    (every request whole on it, as `--in-process` serves them), with `speculative` or none."""
+    extra = ["--max-num-seqs", "64"]
+    if speculative is not None:
+        extra += ["--speculative-config", json.dumps(speculative)]
+    if fp32:
+        extra += ["--no-gguf-packed"]
+    return RayApp("smollm2", "smollm2", prefill=0, decode=1, num_cpus=2,
+                  extra_args=tuple(extra))
+
+
+LAYERS = {"inprocess": Server, "ray": ray_app}
+
+
 async def _load(url: str, prompts: list[str], max_tokens: int, streams: int,
                 num_requests: int) -> dict[str, Any]:
     """`num_requests` greedy chat requests over `streams` concurrent streams; tokens/s and the
@@ -120,9 +139,10 @@ def _requests_for(streams: int) -> int:
 
 
 def run(rounds: int, stream_counts: list[int], method: str = "ngram",
-        workloads: list[str] | None = None) -> dict[str, Any]:
+        workloads: list[str] | None = None, layer: str = "inprocess") -> dict[str, Any]:
     fp32 = method == "quantized_self"
-    servers = {"none": Server(None, fp32), method: Server(METHODS[method], fp32)}
+    make = LAYERS[layer]
+    servers = {"none": make(None, fp32), method: make(METHODS[method], fp32)}
     for server in servers.values():
         server.start()
     try:
@@ -186,9 +206,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--method", choices=sorted(METHODS), default="ngram")
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
                         default=list(WORKLOADS))
+    parser.add_argument("--layer", choices=sorted(LAYERS), default="inprocess",
+                        help="inprocess: cleave serve --in-process; ray: the Ray app")
     parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
     args = parser.parse_args(argv)
-    result = run(args.rounds, args.streams, args.method, args.workloads)
+    result = run(args.rounds, args.streams, args.method, args.workloads, args.layer)
+    result["layer"] = args.layer
     result["speculative_config"] = METHODS[args.method]
     result["command"] = command_line(argv)
     result["targets"] = ({"chat_1_ratio": ">= 1.2 (fp32 target)"}
