@@ -16,8 +16,8 @@ What the simulator is given:
   measured batch-1 step at a short request's context;
 - `--corun`: a step's slowdown while the other worker steps (`sim_cluster.Cluster.corun`: the
   running steps' work advances at 1/corun while both run). `benchmarks/planner_corun.py`
-  measures it here: 1.0 in CPU time (the two cores do not slow each other's steps), 1.7 to
-  1.9 in wall time (median; single rounds 0.95 to 14), that is, how much of the cores other
+  measures it here: 1.0 in CPU time (the two cores do not slow each other's steps), 1.4 to
+  2.0 in wall time (medians of runs minutes apart), that is, how much of the cores other
   processes take while both workers are busy: the machine's load, which the Ray report does
   not record. The default is the CPU time's 1.0; `--sweep` adds the count at other factors.
 KV transfers cost nothing (both workers on one machine).

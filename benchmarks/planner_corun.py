@@ -7,7 +7,9 @@ A neighbour process pinned to one core runs an aggregated worker's mix without p
 fresh 128-token prompts, 32 tokens out each, over and over); this process, pinned to the
 other core, times a decode step at batch 1 and 4 and a 128-token prefill with the neighbour
 stopped (SIGSTOP) and running (SIGCONT), alternated `rounds` times so that both sides see the
-same background load. Each figure: the median of the rounds' ratios.
+same background load. Each figure: the median of the rounds' ratios. Then how single engine
+steps spread on the machine, alone and beside the running neighbour (`step_spread`): what
+the steps' own jitter adds to the gaps between tokens.
 """
 
 from __future__ import annotations
@@ -84,12 +86,60 @@ def corun_slowdown(model: str, cores: tuple[int, int] = (0, 1),
             both = figures()
             for k in alone:
                 ratios.setdefault(k, []).append(both[k] / alone[k])
-        return {k: {"median": round(statistics.median(v), 3), "rounds": [round(x, 3) for x in v]}
-                for k, v in ratios.items()}
+        out: dict[str, dict] = {
+            k: {"median": round(statistics.median(v), 3), "rounds": [round(x, 3) for x in v]}
+            for k, v in ratios.items()}
+        out["step_spread"] = step_spread(model, neighbour.pid)
+        return out
     finally:
         os.kill(neighbour.pid, signal.SIGCONT)
         neighbour.kill()
         neighbour.wait()
 
 
-__all__ = ["corun_slowdown"]
+def step_spread(model: str, neighbour: int, rounds: int = 2) -> dict[str, dict]:
+    """How single engine steps spread on this machine: 4 streams decoding 128 steps, each step
+    timed (wall), with the neighbour process stopped ("alone") and running ("both"),
+    alternated `rounds` times; {state: {"median_ms", "over_median": {quantile: step over the
+    median}}}."""
+    import random
+
+    from workers.contract.protocol import SamplingParams, WorkerRequest
+    from workers.engine.config import EngineConfig
+    from workers.engine.core import Engine
+
+    engine = Engine(EngineConfig(model=model, max_num_seqs=16))
+    rng, ids = random.Random(1), iter(range(1 << 30))
+
+    def steps(n: int) -> list[float]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        for _ in range(4):
+            engine.generate(WorkerRequest(f"spread-{next(ids)}", tuple(
+                rng.randrange(10, 1000) for _ in range(16)), params))
+        out = []
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            out.append(time.perf_counter() - start)
+        return out[2:]  # the prefill step and the first decode step
+
+    try:
+        steps(8)  # warm-up
+        times: dict[str, list[float]] = {"alone": [], "both": []}
+        for _ in range(rounds):
+            for state in times:
+                os.kill(neighbour, signal.SIGSTOP if state == "alone" else signal.SIGCONT)
+                time.sleep(0.5 if state == "both" else 0.0)
+                times[state] += steps(129)
+    finally:
+        engine.close()
+    spread = {}
+    for state, xs in times.items():
+        xs, med = sorted(xs), statistics.median(xs)
+        spread[state] = {"median_ms": round(med * 1e3, 2), "over_median": {
+            str(q): round(xs[int(q * (len(xs) - 1))] / med, 2)
+            for q in (0.1, 0.25, 0.75, 0.9, 0.95, 0.99)}}
+    return spread
+
+
+__all__ = ["corun_slowdown", "step_spread"]
