@@ -88,6 +88,10 @@ class Cluster:
         # a step's slowdown while another worker steps on the same machine (shared memory bus
         # and cache; `benchmarks/planner_corun.py`); 1: each worker on its own machine
         self.corun = 1.0
+        # a step's time over its profile's, drawn per step: (quantile, ratio) points of a
+        # measured spread (`planner_corun.step_spread`), linear between them; None: exact
+        self.spread: tuple[tuple[float, float], ...] | None = None
+        self._rng = np.random.default_rng(0)
         self._running: dict[str, list] = {}  # worker id -> [work left (s), step, its end's token]
         self._mark = 0.0  # when `_running`'s work was last advanced
 
@@ -180,6 +184,9 @@ class Cluster:
             dur = p.decode_step_s(batch, ctx) + p.prefill_s_per_token * tokens
         else:
             dur = p.prefill_s(tokens)
+        if self.spread:
+            q, ratio = zip(*self.spread)
+            dur *= float(np.interp(self._rng.random(), q, ratio))
         if batch and not tokens:
             self.fitter.observe_decode(batch, ctx, dur)
         if self.corun == 1.0:
