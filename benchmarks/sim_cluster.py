@@ -14,7 +14,10 @@ The orchestrator's async plumbing and the channels are not run.
 A worker steps while it has work: a decode-pool worker decodes every running stream and
 prefills up to `chunk_tokens` of its queue in one step (chunked prefill); a prefill worker
 prefills only, and hands each finished prompt to the decode worker the decode policy picks,
-where it joins after the KV transfer.
+where it joins after the KV transfer. Workers on one machine (`Cluster.corun` > 1, the
+calibration's two workers on two shared cores) slow each other: while more than one steps,
+each step's work advances at 1/corun. `Cluster.keep_gaps` keeps every gap between a request's
+tokens (the Ray benchmark's ITL is over those).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Req:
     done: float = math.nan
     max_gap: float = 0.0
     refused: bool = False
+    gaps: list[float] | None = None  # every gap between its tokens, where the run keeps them
 
 
 @dataclass
@@ -80,6 +84,16 @@ class Cluster:
         self.fitter = ProfileFitter(profile)
         self.messages = 0  # load reports (one per engine step)
         self.finished: list[Req] = []
+        self.keep_gaps = False  # each request's every gap between tokens (`Req.gaps`)
+        # a step's slowdown while another worker steps on the same machine (shared memory bus
+        # and cache; `benchmarks/planner_corun.py`); 1: each worker on its own machine
+        self.corun = 1.0
+        # a step's time over its profile's, drawn per step: (quantile, ratio) points of a
+        # measured spread (`planner_corun.step_spread`), linear between them; None: exact
+        self.spread: tuple[tuple[float, float], ...] | None = None
+        self._rng = np.random.default_rng(0)
+        self._running: dict[str, list] = {}  # worker id -> [work left (s), step, its end's token]
+        self._mark = 0.0  # when `_running`'s work was last advanced
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -170,13 +184,55 @@ class Cluster:
             dur = p.decode_step_s(batch, ctx) + p.prefill_s_per_token * tokens
         else:
             dur = p.prefill_s(tokens)
+        if self.spread:
+            q, ratio = zip(*self.spread)
+            dur *= float(np.interp(self._rng.random(), q, ratio))
         if batch and not tokens:
             self.fitter.observe_decode(batch, ctx, dur)
-        self.at(now + dur, "stepped", (w, chunks, batch))
+        if self.corun == 1.0:
+            self.at(now + dur, "stepped", (w, chunks, batch, None))
+            return
+        self._share(now)
+        self._running[w.wid] = [dur, (w, chunks, batch), None]
+        self._reschedule(now)
 
-    def stepped(self, w: SimWorker, chunks: list, batch: int, now: float) -> None:
+    # ---- steps that share one machine (`corun` > 1) -----------------------------------------
+
+    def _rate(self) -> float:
+        """Alone-seconds of work a running step does per second: slower while another worker
+        of the machine steps too."""
+        return 1.0 / self.corun if len(self._running) > 1 else 1.0
+
+    def _share(self, now: float) -> None:
+        """The running steps' work left, advanced to `now` at the rate they ran at."""
+        rate = self._rate()
+        for entry in self._running.values():
+            entry[0] -= (now - self._mark) * rate
+        self._mark = now
+
+    def _reschedule(self, now: float) -> None:
+        """Each running step's end at the rate from `now` (earlier end events go stale)."""
+        rate = self._rate()
+        for entry in self._running.values():
+            entry[2] = token = next(self._seq)
+            self.at(now + max(0.0, entry[0]) / rate, "stepped", (*entry[1], token))
+
+    def stepped(self, what: tuple, now: float) -> None:
+        """A step's end: `what` is (worker, its prompt chunks, its batch, the end's token: None
+        for a step alone on its machine, else stale unless its running entry's latest)."""
+        w, chunks, batch, token = what
+        if token is not None:
+            entry = self._running.get(w.wid)
+            if entry is None or entry[2] != token:
+                return
+            self._share(now)
+            del self._running[w.wid]
+            self._reschedule(now)
         if batch:
             n = batch
+            if self.keep_gaps:
+                for req, gap in zip(w.streams[:n], (now - w.last[:n]).tolist()):
+                    req.gaps.append(gap)
             w.gap[:n] = np.maximum(w.gap[:n], now - w.last[:n])
             w.last[:n] = now
             w.left[:n] -= 1
@@ -212,6 +268,8 @@ class Cluster:
 
     def first_token(self, w: SimWorker, req: Req, hand_off: bool, now: float) -> None:
         req.first = now
+        if self.keep_gaps:
+            req.gaps = []
         if req.output <= 1:
             req.done = now
             self.finished.append(req)

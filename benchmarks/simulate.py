@@ -59,8 +59,11 @@ def met(r: Req) -> bool:
 class Run:
     """One layout over the trace."""
 
-    def __init__(self, layout: str, workers: int, phase_s: float, seed: int) -> None:
-        self.layout, self.n, self.phase_s = layout, workers, phase_s
+    def __init__(self, layout: str, workers: int, phase_s: float, seed: int,
+                 trace: list[Req] | None = None) -> None:
+        """`trace`: arrivals to replay (another run's, e.g. the Ray app's seeded trace) instead
+        of drawing Poisson arrivals from PHASES' rates."""
+        self.layout, self.n, self.phase_s, self.trace = layout, workers, phase_s, trace
         self.c = Cluster(PROFILE, get_policy("prefix_aware"), get_decode_policy("least_loaded"))
         prefill = {"aggregated": 0, "disagg_1to1": workers // 2, "disagg_1to3": workers // 4,
                    "conditional_1to3": workers // 4, "planner": 0}[layout]
@@ -86,8 +89,11 @@ class Run:
         return self._wreq[prompt]
 
     def arrivals(self, scale: float) -> None:
+        for r in self.trace or ():
+            self.requests.append(r)
+            self.c.at(r.arrival, "arrive", r)
         t = 0.0
-        for phase, (prompt, output, rate) in enumerate(PHASES):
+        for phase, (prompt, output, rate) in enumerate(() if self.trace else PHASES):
             end = (phase + 1) * self.phase_s
             while True:
                 t += self.rng.expovariate(rate * scale)
@@ -213,7 +219,7 @@ class Run:
         handlers = {"arrive": self.arrive, "tick": lambda _, now: self.tick(now),
                     "ready": c.ready,
                     "step": lambda w, now: c.step(w, now),
-                    "stepped": lambda a, now: c.stepped(*a, now),
+                    "stepped": c.stepped,
                     "joined": self.joined,
                     "switched": self.switched}
         wall = time.perf_counter()

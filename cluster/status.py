@@ -56,7 +56,8 @@ def speculation(stats: EngineStats | None) -> dict[str, Any] | None:
 def format_status(s: dict[str, Any]) -> str:
     lines = [f"application {APP_NAME}: {s['application'].lower()}, model {s['model']}"]
     for name, d in sorted(s["deployments"].items()):
-        counts = ", ".join(f"{n} {state}" for state, n in sorted(d["replicas"].items()))
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(d["replicas"].items())
+                           if n) or "0 replicas"  # a pool scaled to zero
         lines.append(f"  {name:<16} {d['status'].lower():<10} {counts}")
     lines.append("workers (as router replica " + s["router"] + " sees them):")
     lines.append(f"  {'worker':<24} {'role':<8} {'state':<9} {'waiting':>7} {'running':>7} "
@@ -91,14 +92,21 @@ def planner_lines(p: dict[str, Any] | None) -> list[str]:
     role = "decides" if p["leader"] else "follows"
     plan = p["plan"]
     if plan is None:
-        return [f"SLO planner: no plan yet (router {p['replica']} {role}; decisions {decided})"]
-    replicas = ", ".join(f"{r} {n}" for r, n in sorted(plan["replicas"].items())) or "-"
+        why = p.get("waiting") or "none made yet"
+        return [(f"SLO planner: no plan: {why} (router {p['replica']} {role}; decisions "
+                 f"{decided})")]
+    asked = plan["replicas"]  # every role's pool, one the plan empties at 0
+    replicas = ", ".join(f"{r} {asked[r]}" for r in ROLES if r in asked) or \
+        "none (no workers known: the pools' load rule applies)"
     short = "" if plan["feasible"] else " (targets out of reach within the bounds)"
     head = (f"SLO planner: {plan['prefill']} prefill + {plan['decode']} decode workers, "
             f"threshold {plan['threshold']}, {plan['kind']}{short}; decided by {plan['holder']}")
     return [head,
             f"  replicas asked: {replicas}; this replica {role}, its decisions: {decided}",
             f"  why: {plan['reason']}"]
+
+
+ROLES = ("prefill", "decode", "both")  # the plan's replica counts, in the order shown
 
 
 def _num(value: int | None) -> str:

@@ -9,7 +9,10 @@ from its `SloControl`:
 - `cleave_planner_threshold_tokens`: its disaggregation threshold (+Inf: aggregated);
 - `cleave_planner_feasible`: 0 when the pools' bounds cannot meet the targets;
 - `cleave_planner_decisions_total{reason}`: this replica's decisions, by kind
-  (`router.plan_share.decision_kind`).
+  (`router.plan_share.decision_kind`);
+- `cleave_planner_plan_info{holder, kind, threshold, feasible, reason}`: the acted-on plan
+  with the planner's words for it (its predicted TTFT and ITL against the targets);
+- `cleave_planner_waiting_info{reason}`: while there is no plan to act on, why.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily,
+                                   Metric)
 from prometheus_client.registry import Collector
 
 from router.plan_share import SharedPlan
@@ -37,6 +41,9 @@ class PlanState(Protocol):
     @property
     def decisions(self) -> Mapping[str, int]: ...
 
+    @property
+    def waiting(self) -> str | None: ...
+
 
 class PlanCollector(Collector):
     def __init__(self, slo: PlanState) -> None:
@@ -53,7 +60,15 @@ class PlanCollector(Collector):
             decisions.add_metric([kind], n)
         yield decisions
         if plan is None:
+            yield InfoMetricFamily("cleave_planner_waiting", "Why the SLO planner has no plan "
+                                   "to act on", value={"reason": slo.waiting or "unknown"})
             return
+        yield InfoMetricFamily("cleave_planner_plan", "The SLO plan acted on and the "
+                               "planner's reason for it", value={
+                                   "holder": plan.holder, "kind": plan.kind,
+                                   "threshold": plan.threshold,
+                                   "feasible": str(plan.feasible).lower(),
+                                   "reason": plan.reason})
         workers = GaugeMetricFamily("cleave_planner_target_workers", "Workers the SLO plan "
                                     "asks for, per pool", labels=["pool"])
         workers.add_metric(["prefill"], plan.prefill)

@@ -53,8 +53,13 @@ class SharedPlan:
     @property
     def threshold(self) -> str:
         """The threshold as people read it."""
-        return "aggregated" if self.threshold_tokens >= AGGREGATED else \
-            f"{self.threshold_tokens} tokens"
+        return threshold_words(self.threshold_tokens)
+
+
+def threshold_words(tokens: int) -> str:
+    """A disaggregation threshold as people read it: "aggregated" (no prompt handed off) or
+    "N tokens"."""
+    return "aggregated" if tokens >= AGGREGATED else f"{tokens} tokens"
 
 
 @dataclass(frozen=True)
@@ -121,4 +126,5 @@ class PlanBoard:
         return self._plan[1]
 
 
-__all__ = ["FRESH_S", "LEASE_S", "BoardView", "PlanBoard", "SharedPlan", "decision_kind"]
+__all__ = ["FRESH_S", "LEASE_S", "BoardView", "PlanBoard", "SharedPlan", "decision_kind",
+           "threshold_words"]

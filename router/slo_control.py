@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from router.config import RouterConfig
 from router.live_migration import LiveMigrations
 from router.plan_metrics import PlanCollector
-from router.plan_share import BoardView, PlanBoard, SharedPlan, decision_kind
+from router.plan_share import BoardView, PlanBoard, SharedPlan, decision_kind, threshold_words
 from router.planner import Plan, PlanInput, PoolBounds, RequestClass, SloPlanner, SloTargets
 from router.profiles import ProfileFitter
 from router.role_plan import RoleChanges, WorkerState, role_changes
@@ -107,6 +107,8 @@ class SloControl:
         self.leader = False
         self.shared: SharedPlan | None = None  # the plan acted on: this replica's or the leader's
         self.decisions: dict[str, int] = {}  # decisions by kind (`decision_kind`)
+        # why there is no plan to act on (None: there is one), as status and metrics show it
+        self.waiting: str | None = "no planning tick yet"
         if registry is not None:
             registry.register(PlanCollector(self))
 
@@ -131,12 +133,15 @@ class SloControl:
 
     def decide(self, classes: tuple[RequestClass, ...] | None = None) -> Plan | None:
         """This tick's plan for `classes` (default: this replica's traffic), or None while
-        there is no traffic or no profile yet. A plan that changes the workers or the
-        threshold is a decision: logged and counted by kind."""
+        there is no traffic or no profile yet (`waiting` says which). A plan that changes the
+        workers or the threshold is a decision: logged with its reason and counted by kind."""
         if classes is None:
             classes = self.traffic.classes(self.clock())
         profile = self.fitter.profile()
         if not classes or profile is None:
+            self._wait(f"no requests in the last {WINDOW_S:g} s" if not classes else
+                       "no step profile yet (a worker's pushed decode steps at two batch "
+                       "sizes and its prefill rate)")
             return None
         table = self.workers.loads()
         backlog = float(table.pending[table.rows].sum())
@@ -145,11 +150,19 @@ class SloControl:
         kind = decision_kind(self.plan, plan)
         if kind is not None:
             self.decisions[kind] = self.decisions.get(kind, 0) + 1
-            logger.info("SLO plan (%s, router %s): %d prefill, %d decode, threshold %s; %s",
-                        kind, self.replica, plan.prefill, plan.decode, plan.threshold_tokens,
+            logger.info("SLO plan (%s, router %s): %d prefill, %d decode, threshold %s%s; why: %s",
+                        kind, self.replica, plan.prefill, plan.decode,
+                        threshold_words(plan.threshold_tokens),
+                        "" if plan.feasible else " (targets out of reach within the bounds)",
                         plan.reason)
-        self.plan = plan
+        self.plan, self.waiting = plan, None
         return plan
+
+    def _wait(self, why: str) -> None:
+        """No plan to act on, because `why` (logged when it changes)."""
+        if why != self.waiting:
+            logger.info("SLO planner (router %s) has no plan: %s", self.replica, why)
+        self.waiting = why
 
     def split_policy(self, current: SplitPolicy) -> SplitPolicy:
         """`current`, with the plan's threshold (this replica's, or the leader's it follows)
@@ -231,15 +244,17 @@ class SloControl:
             self.shared = self._shared(plan, kind)
             await self.board.publish(self.shared)
         elif view.plan is not None:
-            self.shared, self.plan = view.plan, None
+            self.shared, self.plan, self.waiting = view.plan, None, None
             router.split = self.split_policy(router.split)
             await self.follow(view.plan)
+        elif self.shared is None:
+            self._wait(f"no fresh plan from the deciding replica ({view.holder})")
 
     def status(self) -> dict[str, object]:
         """The plan acted on, as `cleave status` shows it."""
         s = self.shared
         return {"leader": self.leader, "replica": self.replica,
-                "decisions": dict(self.decisions),
+                "decisions": dict(self.decisions), "waiting": self.waiting,
                 "plan": None if s is None else {
                     "holder": s.holder, "prefill": s.prefill, "decode": s.decode,
                     "threshold": s.threshold, "feasible": s.feasible, "kind": s.kind,

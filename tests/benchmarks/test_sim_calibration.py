@@ -1,0 +1,59 @@
+"""The simulator as `benchmarks/planner_calibrate.py` runs it against the Ray app: a given trace
+replayed at its own times, every gap between tokens kept, two workers on one machine whose
+steps slow each other by the co-run factor while both run (and only then), and steps drawn
+from a measured spread. No timing."""
+
+from __future__ import annotations
+
+import pytest
+
+import benchmarks.simulate as simulate
+from benchmarks.sim_cluster import Req
+from router.profiles import StepProfile
+
+# a 100-token prompt: 0.1 s alone; a decode step 10 ms
+PROFILE = StepProfile(0.0, 1e-3, 0.01, 0.0, chunk_tokens=2048)
+
+
+def replay(trace: list[Req], corun: float, spread: tuple | None = None) -> list[Req]:
+    simulate.PROFILE = PROFILE
+    run = simulate.Run("aggregated", 2, 10.0, 0, trace=trace)
+    run.c.keep_gaps, run.c.corun, run.c.spread = True, corun, spread
+    run.run(1.0)
+    return run.requests
+
+
+@pytest.fixture(autouse=True)
+def _profile_back():
+    before = simulate.PROFILE
+    yield
+    simulate.PROFILE = before
+
+
+def test_a_trace_is_replayed_at_its_times_with_every_gap_kept() -> None:
+    (r,) = replay([Req(2.5, 100, 4, 0)], corun=1.0)
+    assert r.first == pytest.approx(2.6)  # its arrival plus its prefill, nothing drawn
+    assert r.gaps == pytest.approx([0.01, 0.01, 0.01])  # each token after the first
+    assert r.done == pytest.approx(2.63)
+
+
+def test_two_workers_slow_each_other_only_while_both_step() -> None:
+    alone = replay([Req(0.0, 100, 1, 0)], corun=2.0)
+    assert alone[0].first == pytest.approx(0.1)  # the other worker idle: no slowdown
+    both = replay([Req(0.0, 100, 1, 0), Req(0.0, 100, 1, 0)], corun=2.0)
+    assert [r.first for r in both] == pytest.approx([0.2, 0.2])  # one on each, all along
+    # the second arrives when the first is half done: 0.05 s alone, then both at half speed
+    # until the first ends (0.05 s of work: 0.1 s), then the second alone for its rest
+    staggered = replay([Req(0.0, 100, 1, 0), Req(0.05, 100, 1, 0)], corun=2.0)
+    assert staggered[0].first == pytest.approx(0.15)
+    assert staggered[1].first == pytest.approx(0.2)  # 0.05 s done at half speed, 0.05 alone
+    apart = replay([Req(0.0, 100, 1, 0), Req(0.05, 100, 1, 0)], corun=1.0)
+    assert [r.first for r in apart] == pytest.approx([0.1, 0.15])
+
+
+def test_a_measured_spread_stretches_every_step_by_its_draw() -> None:
+    (r,) = replay([Req(0.0, 100, 3, 0)], corun=1.0, spread=((0.0, 1.5), (1.0, 1.5)))
+    assert r.first == pytest.approx(0.15) and r.gaps == pytest.approx([0.015, 0.015])
+    (r,) = replay([Req(0.0, 100, 200, 0)], corun=1.0, spread=((0.0, 1.0), (1.0, 3.0)))
+    assert min(r.gaps) >= 0.01 and max(r.gaps) <= 0.03
+    assert max(r.gaps) > 0.025 and min(r.gaps) < 0.015  # drawn across the whole range
