@@ -5,16 +5,11 @@ whatever a caller `start`s or `apply`s, as the worker's connector does for the K
 live migration: `workers.serving.async_connector`) are queued and applied between steps, so the
 engine is only ever touched by one thread at a time. Each request is routed
 (`workers.engine.outputs.Routes`) to a `Sink` chosen by the caller: a router's output channel
-(`workers.engine.outputs.Outbox`, one message per step for all of that router's requests) or
-one request's own stream (`RequestStream`, for in-process callers).
-After every step the sinks that received something are flushed once, the engine's stats are
-published (`stats`, computed on the step thread, or between steps when the engine is at rest)
-and `on_publish` is told, with the step's KV events.
-
-A structured-output request whose grammar is not compiled yet is compiled on a thread of its
-own first (milliseconds per new schema), so neither the step nor the event loop waits on it; a
-grammar that does not compile fails the request before anything is allocated
-(`workers.engine.grammar.CompileQueue`).
+(`workers.engine.outputs.Outbox`) or one request's own stream (`RequestStream`). After every
+step the sinks that received something are flushed once, the engine's stats are published
+(`stats`) and `on_publish` is told, with the step's KV events. A grammar not compiled yet is
+compiled on a thread of its own first (`workers.engine.grammar.CompileQueue`). Once shut down,
+a new request fails with `EngineShutDown` (its router retries it on another worker).
 """
 
 from __future__ import annotations
@@ -33,13 +28,8 @@ from workers.engine.core import Engine
 from workers.engine.grammar import CompileQueue
 from workers.engine.outputs import RequestStream, Routes, Sink
 from workers.engine.parallel.group import RankGroupError
-from workers.contract.protocol import (
-    EngineShutDown,
-    EngineStats,
-    SamplingParams,
-    TokenEvent,
-    WorkerRequest,
-)
+from workers.contract.protocol import (EngineShutDown, EngineStats, SamplingParams, TokenEvent,
+                                       WorkerRequest)
 from workers.contract.prefix_cache import KVEvent
 from workers.engine.step_thread import build_on_step_thread, step_thread as new_step_thread
 from workers.engine.watchdog import StepWatchdog
@@ -50,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncEngine", "EngineShutDown", "RequestStream", "Sink"]
 
 T = TypeVar("T")
+GONE = "the engine was shut down (its worker is going away)"
 
 
 class AsyncEngine:
@@ -116,13 +107,9 @@ class AsyncEngine:
             self._wakeup = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def _gone(self) -> EngineShutDown:
-        return EngineShutDown("the engine was shut down (its worker is going away)")
-
     def apply_soon(self, op: Callable[[], object]) -> None:
         """Queue `op` to run on the event loop between two steps; fire and forget (its result
-        is dropped). Once shut down, dropped: the step loop is not restarted on a closed
-        engine."""
+        is dropped); dropped once shut down (the engine is closed)."""
         if self._stopping:
             return
         self._ensure_running()
@@ -136,7 +123,7 @@ class AsyncEngine:
         deadline, an abort, a lost connection), `fn` still runs and `undo(result)` after it,
         between steps: an `fn` that holds blocks for its caller to hand on needs one."""
         if self._stopping:
-            raise self._gone()
+            raise EngineShutDown(GONE)
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def op() -> None:
@@ -164,10 +151,9 @@ class AsyncEngine:
               sink: Sink, params: SamplingParams | None = None) -> None:
         """Between steps: `add` the request to the engine and route its events to `sink`; an
         error of `add` (a bad request) fails it there, leaving nothing behind. With `params`
-        asking for a grammar not compiled yet, it is compiled first, off the step thread. Once
-        shut down, it fails with `EngineShutDown` (the router retries it elsewhere)."""
+        asking for a grammar not compiled yet, it is compiled first, off the step thread."""
         if self._stopping:
-            sink.fail(request_id, self._gone())
+            sink.fail(request_id, EngineShutDown(GONE))
             sink.flush()
             return
         if params is not None and self.compile_queue.needed(params):
