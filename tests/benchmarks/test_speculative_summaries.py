@@ -1,0 +1,56 @@
+"""What `speculative.py` and `speculative_llamacpp.py` report from their rounds: each method's
+speedup over the same system without speculation, acceptance, and whether a greedy
+speculative text differs from the plain one (the servers themselves: `--layer`, llama-server,
+run by hand; their figures are in `benchmarks/results/`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.benchmarks.conftest import import_benchmark
+
+
+@pytest.fixture(scope="module")
+def side_by_side():
+    yield from import_benchmark("speculative_llamacpp")
+
+
+@pytest.fixture(scope="module")
+def speculative():
+    yield from import_benchmark("speculative")
+
+
+def measured(tokens_per_s, drafted=0, accepted=0, texts=("a", "b")):
+    return {"tokens_per_s": tokens_per_s, "drafted": drafted, "accepted": accepted,
+            "texts": list(texts)}
+
+
+def test_side_by_side_ratios_are_per_system_and_against_the_matching_method(side_by_side):
+    runs = {"chat": {
+        "cleave_none": [measured(20), measured(22)],
+        "cleave_ngram": [measured(30, 40, 20), measured(34, 40, 30)],
+        "cleave_quantized_self": [measured(25, 40, 36), measured(27, 40, 36, ("a", "x"))],
+        "llamacpp_none": [measured(10), measured(10)],
+        "llamacpp_ngram": [measured(12, 10, 5), measured(12, 10, 5)],
+        "llamacpp_ngramdefault": [measured(11), measured(11)],
+        "llamacpp_draft_q4_1": [measured(13, 8, 8), measured(13, 8, 8)]}}
+    out = side_by_side.summary(runs)
+    assert out["cleave_ngram_chat_ratio"] == round(32 / 21, 3)  # medians over the same system
+    assert out["llamacpp_draft_q4_1_chat_ratio"] == 1.3
+    assert out["cleave_over_llamacpp_quantized_self_chat_ratio"] == round(26 / 13, 3)
+    assert out["cleave_over_llamacpp_none_chat_ratio"] == 2.1
+    assert out["chat"]["cleave_ngram"]["acceptance_rate"] == round(50 / 80, 3)
+    assert out["chat"]["llamacpp_ngramdefault"]["acceptance_rate"] is None  # nothing drafted
+    assert out["chat"]["cleave_ngram"]["same_texts_as_plain"]
+    assert not out["chat"]["cleave_quantized_self"]["same_texts_as_plain"]  # greedy: a defect
+
+
+def test_speculative_reports_mean_accepted_length_and_paired_ratios(speculative):
+    runs = {"repeat_1": {"none": [measured(10) | {"tokens": 100}, measured(20) | {"tokens": 100}],
+                         "ngram": [measured(15, 40, 30) | {"tokens": 100},
+                                   measured(40, 40, 30) | {"tokens": 100}]}}
+    out = speculative._summary(runs, "ngram")
+    assert out["repeat_1"]["paired_ratios"] == [1.5, 2.0]
+    assert out["repeat_1_ratio"] == round(27.5 / 15, 3)
+    assert out["repeat_1"]["mean_accepted_length"] == 1 + 60 * 4 / 80  # k = 4 drafted a step
+    assert out["repeat_1"]["same_texts"]
