@@ -192,28 +192,43 @@ class SloPlanner:
     the largest total the last `down_ticks` ticks asked for (a dip shorter than that removes
     nothing); the layout (the threshold) changes only for one that needs fewer workers than
     the current one does, or, while the bounds meet the targets with neither, for one whose
-    overshoot is below `INFEASIBLE_MARGIN` times the current one's (no role switch back and
-    forth between two layouts that both miss by about as much). The split between the pools
-    follows the plan at once (a role switch is cheap); workers held beyond it stay in the
-    decode pool, which runs both halves."""
+    overshoot is below `INFEASIBLE_MARGIN` times the current one's for `down_ticks` ticks in a
+    row (no role switch back and forth between two layouts that both miss by about as much).
+    The split between the pools follows the plan at once (a role switch is cheap); workers held
+    beyond it stay in the decode pool, which runs both halves."""
 
     def __init__(self, down_ticks: int = 3) -> None:
         if down_ticks < 1:
             raise ValueError(f"down_ticks must be >= 1, got {down_ticks}")
         self._wanted: deque[int] = deque(maxlen=down_ticks)
+        self._candidate: tuple[int, int] | None = None  # (threshold, ticks it was the better)
         self.last: Plan | None = None
+
+    def _persists(self, threshold: int, better: bool) -> bool:
+        """Whether the layout at `threshold`, `better` (clearly smaller miss) this tick, has
+        been so for `down_ticks` ticks in a row: a miss estimated from a few arrivals of a
+        slow phase swings from tick to tick (0.2 requests/s: 3 in a 15 s window)."""
+        if not better:
+            self._candidate = None
+            return False
+        same = self._candidate is not None and self._candidate[0] == threshold
+        ticks = self._candidate[1] + 1 if same and self._candidate else 1
+        self._candidate = (threshold, ticks)
+        return ticks >= (self._wanted.maxlen or 1)
 
     def decide(self, inp: PlanInput) -> Plan:
         """This tick's plan (kept as `last`)."""
         want = best_plan(inp)
-        if self.last is not None and self.last.threshold_tokens != want.threshold_tokens:
+        if self.last is None or self.last.threshold_tokens == want.threshold_tokens:
+            self._candidate = None
+        else:
             kept = layout(inp, self.last.threshold_tokens)  # a layout change must save workers
             if kept.feasible and kept.workers <= want.workers:
-                want = kept
-            elif not (kept.feasible or want.feasible) and not (
-                    overshoot(want, inp.targets)
+                want, self._candidate = kept, None
+            elif not (kept.feasible or want.feasible) and not self._persists(
+                    want.threshold_tokens, overshoot(want, inp.targets)
                     < INFEASIBLE_MARGIN * overshoot(kept, inp.targets)):
-                want = kept  # both miss: change only for a clearly smaller miss
+                want = kept  # both miss: change only for a clearly and lastingly smaller miss
         self._wanted.append(want.workers)
         total = min(max(self._wanted), inp.bounds.max_workers)
         decode = min(inp.bounds.max_decode, total - want.prefill)

@@ -236,3 +236,17 @@ def test_switches_go_back_when_prefill_pressure_ends_and_dedicated_workers_never
     changes = role_changes(ws, chat)
     assert changes.switches == (("f1", WorkerRole.BOTH),)
     assert changes.prefill_replicas == 0  # the dedicated prefill pool shrinks to the plan
+
+
+def test_between_layouts_that_both_miss_a_switch_waits_until_the_smaller_miss_lasts():
+    planner = SloPlanner(down_ticks=3)
+    chat = cpu(RequestClass(1.0, 128, 128))
+    far = cpu(RequestClass(2.0, 400, 128))  # handing off misses by much less (test above)
+    assert planner.decide(chat).threshold_tokens == AGGREGATED
+    # a slow phase's estimate swinging: the smaller miss for one tick, then not, never switches
+    for _ in range(4):
+        assert planner.decide(far).threshold_tokens == AGGREGATED
+        assert planner.decide(chat).threshold_tokens == AGGREGATED
+    # three ticks in a row: it switches on the third
+    assert [planner.decide(far).threshold_tokens for _ in range(3)] == [AGGREGATED,
+                                                                        AGGREGATED, 0]
