@@ -16,8 +16,10 @@ Per variant, against the reference (Cleave fp32):
   continuations, the first differing step and the reference's margin there.
 
 Variants: `bf16` (weights and activations), `kv_int8` / `kv_fp8` (`--kv-cache-dtype`: 8 bits, a
-scale per quarter of a token's head; int8's rows Hadamard-rotated first; `kv_int8_unrotated`: the
-int8 format before that rotation, for comparison in the same run), `w_int8` / `w_int4` (`cleave
+scale per quarter of a token's head, rows Hadamard-rotated first; fp8's values in e4m3 and its
+keys in int8; `kv_int8_unrotated`: the int8 format before that rotation, `kv_fp8_e4m3`: the fp8
+format before, e4m3 keys and values unrotated, for comparison in the same run; figures in
+`benchmarks/results/quality_kv_int8.json` and `quality_kv_fp8.json`), `w_int8` / `w_int4` (`cleave
 quantize` of the dequantized fp32 checkpoint, compressed-tensors: int8 a scale per output
 channel, int4 groups of 32 with zero points; run dequantized in fp32, so the figure is the
 weights' rounding alone), `w_int8_gptq` (`cleave quantize --calibrate`: the same int8 layout,
@@ -55,6 +57,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "kv_int8": ("gguf", {"dtype": "float32", "kv_cache_dtype": "int8"}),
     "kv_int8_unrotated": ("gguf", {"dtype": "float32", "kv_cache_dtype": "int8"}),
     "kv_fp8": ("gguf", {"dtype": "float32", "kv_cache_dtype": "fp8"}),
+    "kv_fp8_e4m3": ("gguf", {"dtype": "float32", "kv_cache_dtype": "fp8"}),
     "w_int8": ("int8", {"dtype": "float32"}),
     "w_int8_gptq": ("int8_gptq", {"dtype": "float32"}),
     "w_int4": ("int4", {"dtype": "float32"}),
@@ -62,7 +65,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "hf_fp32": ("fp32", {"dtype": "float32"}),  # the dequantized folder: equal to fp32
 }
 DEFAULT_VARIANTS = "bf16,kv_int8,kv_fp8,w_int8,w_int4"
-UNROTATED = {"kv_int8_unrotated"}  # run with no cache dtype rotated (`kv_quant.ROTATED_DTYPES`)
+# earlier cache formats, run with `kv_quant`'s switches (read at call time) set as they were:
+# no dtype rotated, an fp8 cache's keys in e4m3
+EARLIER_FORMATS: dict[str, dict] = {
+    "kv_int8_unrotated": {"ROTATED_DTYPES": frozenset()},
+    "kv_fp8_e4m3": {"ROTATED_DTYPES": frozenset(), "KEY_DTYPES": {}}}
 QUANTIZE = {"int8": {"bits": 8, "group_size": None, "symmetric": True},
             "int8_gptq": {"bits": 8, "group_size": None, "symmetric": True, "calibrate": True},
             "int4": {"bits": 4, "group_size": 32, "symmetric": False}}
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"fp32 against transformers: {cmp}", flush=True)
     for name in names:
         source, options = VARIANTS[name]
-        with _unrotated(name in UNROTATED):
+        with _cache_format(EARLIER_FORMATS.get(name, {})):
             run = run_cleave(paths[source], options, passages, args, ref["rows"])
         cmp = compare(ref, run, args)
         result["variants"][name] = cmp
@@ -241,15 +248,17 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 @contextlib.contextmanager
-def _unrotated(active: bool) -> Iterator[None]:
-    """No 8-bit cache rotated while active (the engine runs in this process)."""
-    saved = kv_quant.ROTATED_DTYPES
-    if active:
-        kv_quant.ROTATED_DTYPES = frozenset()
+def _cache_format(switches: dict) -> Iterator[None]:
+    """`kv_quant`'s format switches set to `switches` while active (the engine runs in this
+    process)."""
+    saved = {name: getattr(kv_quant, name) for name in switches}
+    for name, value in switches.items():
+        setattr(kv_quant, name, value)
     try:
         yield
     finally:
-        kv_quant.ROTATED_DTYPES = saved
+        for name, value in saved.items():
+            setattr(kv_quant, name, value)
 
 
 def _tokenize(gguf: Path, corpus: list[dict], tokens: int) -> list[list[int]]:

@@ -59,7 +59,7 @@ def test_layouts_differing_only_in_tp_are_transferable_others_are_not() -> None:
         check_transferable(make_layout(), make_layout(head_dim=16, block_size=8))
 
 
-def test_a_rotated_int8_cache_never_lands_in_an_unrotated_one() -> None:
+def test_a_rotated_8_bit_cache_never_lands_in_an_unrotated_one() -> None:
     """A rolling upgrade's old worker (int8 stored unrotated) and a new one (Hadamard-rotated):
     the same dtype and shape, different values; the handoff is refused naming the encoding."""
     from workers.kernels.kv_quant import encoding
@@ -69,6 +69,11 @@ def test_a_rotated_int8_cache_never_lands_in_an_unrotated_one() -> None:
     with pytest.raises(LayoutMismatch, match="encoding '' vs 'hadamard'"):
         check_transferable(old, new)
     assert encoding(torch.bfloat16) == ""
+    # fp8: e4m3 keys and values before; rotated int8 keys and e4m3 values now
+    old = make_layout(dtype="float8_e4m3fn")
+    new = make_layout(dtype="float8_e4m3fn", encoding=encoding(torch.float8_e4m3fn))
+    with pytest.raises(LayoutMismatch, match="encoding '' vs 'hadamard,int8-keys'"):
+        check_transferable(old, new)
 
 
 def test_layout_from_caches_and_cache_check() -> None:

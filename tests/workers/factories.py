@@ -67,6 +67,24 @@ def noise_paged_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, h
     return cache, torch.tensor(rows, dtype=torch.int32)
 
 
+def quantized_cache(cache: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """A full-precision cache `[planes, ..., D]` as an 8-bit cache of `cache_dtype` stores it
+    (`workers.kernels.kv_quant`: keys, plane 0, in `key_dtype`, their bytes in the cache)."""
+    from workers.kernels.kv_quant import key_dtype, quantize_kv
+
+    keys = quantize_kv(cache[0], key_dtype(cache_dtype)).view(cache_dtype)
+    return torch.stack([keys, *(quantize_kv(plane, cache_dtype) for plane in cache[1:])])
+
+
+def dequantized_cache(stored: torch.Tensor) -> torch.Tensor:
+    """An 8-bit cache's planes as fp32, in its basis (`quantized_cache`'s inverse, up to the
+    rounding)."""
+    from workers.kernels.kv_quant import dequantize_kv, plane_views
+
+    planes = plane_views(stored)[:stored.shape[0]]
+    return torch.stack([dequantize_kv(plane, torch.float32) for plane in planes])
+
+
 def hand_off(prefill, decode, req) -> list[int]:  # noqa: ANN001 - two Engines, a WorkerRequest
     """`req` prefilled on engine `prefill` (its first token), its KV copied into the blocks
     engine `decode` gives it as a pull would copy them, then decoded there: every token."""

@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="the fused kernels need the triton package"
 from tests.workers.interpreter_rounding import rounding_bf16_as_gpus_do  # noqa: E402,F401
 from workers import kernels
 from workers.kernels import norm_rope  # noqa: E402
+from workers.kernels import kv_quant  # noqa: E402
 from workers.kernels.kv_quant import dequantize_kv, qmax, rotates  # noqa: E402
 from workers.attention.torch_backend import write_kv  # noqa: E402
 from workers.kernels.act_mul import act_and_mul  # noqa: E402
@@ -142,13 +143,19 @@ def test_rope_and_store_is_rotary_then_write_kv(torch_only, dtype, head_dim, sca
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cache_dtype,head_dim", [
-    (torch.int8, 32), (torch.int8, 40), (torch.float8_e4m3fn, 32)])  # 40: rotated by 8s
-def test_rope_and_store_quantizes_into_an_8_bit_cache_as_write_kv_does(torch_only, dtype,
-                                                                        cache_dtype, head_dim):
+@pytest.mark.parametrize("cache_dtype,head_dim,rotated", [
+    (torch.int8, 32, True), (torch.int8, 40, True),  # 40: rotated by 8s
+    (torch.float8_e4m3fn, 32, True),  # int8 keys, e4m3 values
+    (torch.int8, 32, False), (torch.float8_e4m3fn, 32, False)])  # the earlier formats
+def test_rope_and_store_quantizes_into_an_8_bit_cache_as_write_kv_does(
+        torch_only, monkeypatch, dtype, cache_dtype, head_dim, rotated):
     """Each head's values by its absolute maximum and the fp32 scale after them
-    (`workers.kernels.kv_quant`; int8 rows Hadamard-rotated first), what the torch path
-    stores: byte for byte, or a rounding apart where sums may run in another order."""
+    (`workers.kernels.kv_quant`: rows Hadamard-rotated first, an fp8 cache's keys in int8), what
+    the torch path stores: byte for byte, or a rounding apart where sums may run in another
+    order. Unrotated (all-e4m3 for fp8): the formats `benchmarks/quality.py` compares against."""
+    if not rotated:
+        monkeypatch.setattr(kv_quant, "ROTATED_DTYPES", frozenset())
+        monkeypatch.setattr(kv_quant, "KEY_DTYPES", {})
     gen = torch.Generator().manual_seed(3)
     tokens, hq, hkv, block_size = 5, 4, 2, 4
     rot = _on_device(RotaryEmbedding(head_dim, 64, 10000.0, None, dtype=dtype))
@@ -166,18 +173,21 @@ def test_rope_and_store_quantizes_into_an_8_bit_cache_as_write_kv_does(torch_onl
     keep = slots >= 0
     write_kv(want_cache, want_k[keep], v[keep], slots[keep])
     rope_and_store(positions, q, k, v, rot.cos_sin_cache, cache, slots)
+    assert kv_quant.plane_views(cache)[0].dtype == kv_quant.key_dtype(cache_dtype)
     if dtype == torch.bfloat16 and DEVICE == "cpu" and not rotates(cache_dtype):
-        # RoPE rounds as torch's: bit for bit (an int8 row's Hadamard rotation sums in another
-        # order than torch's matmul: a rounding apart, below)
+        # RoPE rounds as torch's: bit for bit (a row's Hadamard rotation sums in another order
+        # than torch's matmul: a rounding apart, below)
         assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
     else:  # rotations may differ in a last bit (fp32; bf16 compiled), and so may a scale and a
         # quantized value: at most a rounding apart
-        got, want = (dequantize_kv(c, torch.float32) for c in (cache, want_cache))
-        scale = want.abs().amax(-1, keepdim=True) / qmax(cache_dtype)
-        # one step of the format: int8's is the scale; e4m3's an eighth of the value (2^-9
-        # scales below 2^-6)
-        step = scale if cache_dtype == torch.int8 else want.abs() / 8 + scale * 2 ** -9
-        assert ((got - want).abs() <= step * 1.01).all()
+        for got_plane, want_plane in zip(kv_quant.plane_views(cache),
+                                         kv_quant.plane_views(want_cache)):
+            got, want = (dequantize_kv(c, torch.float32) for c in (got_plane, want_plane))
+            scale = want.abs().amax(-1, keepdim=True) / qmax(want_plane.dtype)
+            # one step of the format: int8's is the scale; e4m3's an eighth of the value (2^-9
+            # scales below 2^-6)
+            step = scale if want_plane.dtype == torch.int8 else want.abs() / 8 + scale * 2 ** -9
+            assert ((got - want).abs() <= step * 1.01).all()
     with pytest.raises(ValueError, match=r"D \+ 16 when 8-bit"):  # the scale's room is missing
         rope_and_store(positions, q, k, v, rot.cos_sin_cache, cache[..., :head_dim], slots)
 

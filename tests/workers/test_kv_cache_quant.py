@@ -12,7 +12,14 @@ import torch
 
 from workers import LLM, SamplingParams
 from workers.kernels import kv_quant
-from workers.kernels.kv_quant import dequantize_kv, hadamard, quantize_kv, rotate
+from workers.kernels.kv_quant import (
+    dequantize_kv,
+    hadamard,
+    quantize_kv,
+    read_kv,
+    rotate,
+    to_cache,
+)
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache.spec import KVCacheSpec
 from workers.contract.messages import DecodeFromHandoff, Generate
@@ -37,7 +44,7 @@ def test_each_quarter_of_a_head_is_stored_with_its_scale(dtype, bound):
                           rtol=1e-3, atol=1e-5)
 
 
-def test_int8_rows_are_rotated_by_a_blockwise_hadamard_matrix():
+def test_8_bit_rows_are_rotated_by_a_blockwise_hadamard_matrix():
     """Orthonormal, symmetric, its own inverse; head_dim 64 in one block, 40 in blocks of 8."""
     h = hadamard(64, torch.device("cpu"))
     assert torch.allclose(h @ h, torch.eye(64), atol=1e-6) and torch.equal(h, h.t())
@@ -45,7 +52,29 @@ def test_int8_rows_are_rotated_by_a_blockwise_hadamard_matrix():
     blocks = torch.block_diag(*[hadamard(8, torch.device("cpu"))] * 5)
     assert torch.allclose(rotate(x, torch.int8), x @ blocks, atol=1e-6)
     assert torch.allclose(rotate(rotate(x, torch.int8), torch.int8), x, atol=1e-6)
-    assert rotate(x, torch.float8_e4m3fn) is x  # fp8 rows are stored as they are
+    assert torch.equal(rotate(x, torch.float8_e4m3fn), rotate(x, torch.int8))
+    assert rotate(x, torch.bfloat16) is x  # a full-precision cache's rows as they are
+
+
+def test_an_fp8_cache_stores_keys_in_int8_and_values_in_e4m3():
+    """Keys cost what an int8 cache's do (e4m3's 3 mantissa bits cost SmolLM2 a tenth of its
+    argmax agreement through the softmax, `kv_quant`'s docstring), values e4m3's relative
+    rounding; the same bytes a row, and an encoding that refuses the earlier all-e4m3 blocks."""
+    fp8 = torch.float8_e4m3fn
+    x = torch.randn(6, 3, 64, generator=torch.Generator().manual_seed(1))
+    x[..., 7] = 30.0  # an outlier channel, as keys have
+    rows = rotate(x, fp8).reshape(6, 3, 4, 16)
+    amax = rows.abs().amax(-1, keepdim=True)
+    keys = read_kv(to_cache(x, fp8, keys=True), torch.float32, fp8, keys=True)
+    values = read_kv(to_cache(x, fp8), torch.float32, fp8)
+    assert to_cache(x, fp8, keys=True).shape == to_cache(x, fp8).shape == (6, 3, 80)
+    key_error = (keys.reshape(rows.shape) - rows).abs()
+    value_error = (values.reshape(rows.shape) - rows).abs()
+    assert (key_error <= amax / 254 + 1e-6).all()  # int8: half a step of the group's max / 127
+    assert (value_error <= rows.abs() / 16 + amax * 2 ** -10).all()  # e4m3: relative
+    assert key_error.square().mean() * 4 < value_error.square().mean()
+    assert kv_quant.encoding(fp8) == "hadamard,int8-keys"
+    assert kv_quant.encoding(torch.int8) == "hadamard"
 
 
 def test_a_keys_outlier_channel_costs_a_rotated_row_least(monkeypatch):
@@ -105,7 +134,10 @@ def test_int8_keeps_greedy_tokens_and_fp8_decodes(tiny_model):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     fp8 = LLM(tiny_model, num_blocks=256, kv_cache_dtype="fp8")
     assert fp8.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
-    assert all(len(o.outputs[0].token_ids) == 32 for o in fp8.generate(prompts[:4], GREEDY))
+    outs = [o.outputs[0] for o in fp8.generate(prompts, GREEDY)]
+    # e4m3 values cost more than int8's on this random model's near-ties: measured 13 of 20
+    # (the earlier all-e4m3 format: 9)
+    assert sum(a.token_ids == b.token_ids for a, b in zip(base, outs)) >= 10
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_by_name(tiny_model):

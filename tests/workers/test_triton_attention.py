@@ -15,11 +15,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the Triton attention kernels need the triton package")
 
-from tests.workers.factories import noise_paged_cache
+from tests.workers.factories import dequantized_cache, noise_paged_cache, quantized_cache
 from workers.attention import AttentionMetadata, get_backend
 from workers.attention.decode_splits import DecodeScratch
 from workers.kernels import kv_quant
-from workers.kernels.kv_quant import dequantize_kv, quantize_kv, rotate
+from workers.kernels.kv_quant import quantize_kv, rotate
 from workers.attention.triton_backend import TritonAttentionBackend
 from workers.attention.triton_decode import paged_decode_attention
 from workers.attention.triton_prefill import paged_prefill_attention
@@ -189,8 +189,8 @@ def test_decode_reads_an_8_bit_cache_dequantized(cache_dtype, dtype):
     over every split count: softmax attention over the dequantized cache."""
     seq_lens = [1, 17, 70, 200]
     paged = make_paged(seq_lens, 16, torch.float32)
-    stored = Paged(quantize_kv(paged.cache, cache_dtype), paged.tables)
-    values = Paged(dequantize_kv(stored.cache, torch.float32), paged.tables)
+    stored = Paged(quantized_cache(paged.cache, cache_dtype), paged.tables)  # fp8: int8 keys
+    values = Paged(dequantized_cache(stored.cache), paged.tables)
     q = random_queries(len(seq_lens), KV_HEADS * 2, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     want = torch.cat([reference(q[i:i + 1], *values.context(i, n), n - 1)
@@ -209,7 +209,7 @@ def test_backend_forward_over_an_8_bit_cache_matches_the_torch_backend(cache_dty
     """Decodes and prefill chunks (cached and new keys all read through the block tables) over
     an int8 or fp8 cache: what the torch backend computes from the same bytes."""
     q, k, v, cache, meta = mixed_batch([(30, 1), (4, 1), (0, 12), (21, 9)], 16, num_heads=4)
-    cache = quantize_kv(cache, cache_dtype)
+    cache = quantized_cache(cache, cache_dtype)
     torch_cache = cache.clone()
     got = get_backend("triton").forward(q, k, v, cache, meta, SCALE, window=window)
     want = get_backend("torch").forward(q, k, v, torch_cache, meta, SCALE, window=window)
@@ -340,7 +340,8 @@ def test_get_backend_says_triton_is_missing(monkeypatch):
 def test_llm_greedy_tokens_match_the_torch_backend(tiny_model, kv_cache_dtype):
     """Chunked prefill beside decodes and a prefix hit, over a full-precision cache and an int8
     one (the Triton path rotates and quantizes in its RoPE-and-store kernel and attends between
-    two rotations in its backend, the torch path does all of it in torch)."""
+    two rotations in its backend, the torch path does all of it in torch; an fp8 cache's int8
+    keys are covered kernel by kernel above and in test_fused_kernels)."""
     from workers.engine.llm import LLM
     from workers.contract.protocol import SamplingParams
 
@@ -374,7 +375,8 @@ def test_backend_forward_over_a_latent_cache_matches_the_torch_backend():
 
 
 @pytest.mark.parametrize("head_dim,cache_dtype", [  # DeepSeek's latent is 576: no power of two
-    (24, torch.float32), (40, torch.float32), (40, torch.int8)])  # int8: scales per 10 values
+    (24, torch.float32), (40, torch.float32), (40, torch.int8),  # 8-bit: scales per 10 values
+    (40, torch.float8_e4m3fn)])
 def test_head_sizes_that_are_no_power_of_two_match_the_torch_backend(head_dim, cache_dtype):
     gen = torch.Generator().manual_seed(5)
     seqs, block_size, num_heads = [(70, 1), (3, 1), (0, 9), (21, 30)], 16, 4
@@ -393,7 +395,7 @@ def test_head_sizes_that_are_no_power_of_two_match_the_torch_backend(head_dim, c
     q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(DEVICE)
     k = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen).to(DEVICE)
     v = torch.randn(starts[-1], KV_HEADS, head_dim, generator=gen).to(DEVICE)
-    cache = quantize_kv(cache, cache_dtype) if cache_dtype == torch.int8 else cache
+    cache = quantized_cache(cache, cache_dtype) if cache_dtype != torch.float32 else cache
     cache = cache.to(DEVICE)
     torch_cache = cache.clone()
     got = get_backend("triton").forward(q, k, v, cache, meta, head_dim ** -0.5)

@@ -2,7 +2,7 @@
 
 Decodes are batched into one SDPA call over the gathered context; prefill chunks run one
 sequence at a time (they are long, so the loop costs little), reading cached tokens from the
-paged cache only when the chunk starts after some. Over a rotated (int8) cache, attention runs
+paged cache only when the chunk starts after some. Over a rotated (8-bit) cache, attention runs
 in the cache's basis: q (and a fresh prompt's own k/v) rotated before, the output rotated back
 after (`workers.kernels.kv_quant.rotate`).
 """
@@ -23,7 +23,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     each head's values and scale, `workers.kernels.kv_quant`)."""
     planes, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = as_copyable(kv_cache).view(planes, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, to_cache(k, kv_cache.dtype))
+    flat[0].index_copy_(0, slot_mapping, to_cache(k, kv_cache.dtype, keys=True))
     if planes == 2:
         flat[1].index_copy_(0, slot_mapping, to_cache(v, kv_cache.dtype))
 
@@ -122,7 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
             torch.index_select(blocks[plane], 0, tables, out=gathered[plane])
         # keys/values: [B, Hkv, L, D], L = max_blocks * block_size (a latent's are the same)
         shape = (batch, max_blocks * block_size, num_kv_heads, stored_dim)
-        keys = read_kv(gathered[0].view(shape), q.dtype, self._kv_dtype).transpose(1, 2)
+        keys = read_kv(gathered[0].view(shape), q.dtype, self._kv_dtype,
+                       keys=True).transpose(1, 2)
         values = (keys if planes == 1
                   else read_kv(gathered[-1].view(shape), q.dtype, self._kv_dtype).transpose(1, 2))
         positions = torch.arange(keys.shape[2], device=q.device)
@@ -155,7 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
             key_start = skip * block_size
             length = seq_len - key_start
             keys = read_kv(gather_context(kv_cache[0], block_table[skip:], length), q.dtype,
-                           self._kv_dtype)
+                           self._kv_dtype, keys=True)
             values = keys if kv_cache.shape[0] == 1 else read_kv(
                 gather_context(kv_cache[-1], block_table[skip:], length), q.dtype,
                 self._kv_dtype)

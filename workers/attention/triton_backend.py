@@ -4,7 +4,7 @@ A step's K/V are written by `forward_rotary` in the same kernel that rotates q a
 (`workers.kernels.rope_kv`), or by `write_kv` (one index_copy per cache half) when `forward` is
 given rotated ones (a latent cache). The leading `num_decodes` sequences go to the split-K
 decode kernel in one launch (plus a merge); the rest go to the varlen prefill kernel in one
-launch. Over a rotated (int8) cache the kernels attend in the cache's basis: q (and a fresh
+launch. Over a rotated (8-bit) cache the kernels attend in the cache's basis: q (and a fresh
 prompt's own k/v) rotated before them, the output rotated back after
 (`workers.kernels.kv_quant.rotate`; two small matmuls a step, outside the kernels).
 

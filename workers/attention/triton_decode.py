@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from workers.attention.decode_splits import MAX_SPLITS, DecodeScratch
-from workers.kernels.kv_quant import is_quantized
+from workers.kernels.kv_quant import is_quantized, plane_views
 from workers.attention.triton_tiles import (
     LOG2E,
     attend_tile,
@@ -171,7 +171,7 @@ def paged_decode_attention(
         return out
     target, lse, target_strides = _split_targets(out, scratch, num_splits)
     upcast, precision = dot_config(q.dtype)
-    k_cache, v_cache = kv_cache[0], kv_cache[-1]  # a latent cache: both
+    k_cache, v_cache = plane_views(kv_cache)  # a latent cache: both; fp8's keys int8
     group = num_heads // num_kv_heads
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, target, lse,

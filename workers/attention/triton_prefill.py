@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.kernels.kv_quant import is_quantized
+from workers.kernels.kv_quant import is_quantized, plane_views
 from workers.attention.triton_tiles import (
     LOG2E,
     attend_tile,
@@ -174,7 +174,7 @@ def paged_prefill_attention(
     if tiles.shape[0] == 0:
         return out
     upcast, precision = dot_config(q.dtype)
-    k_cache, v_cache = kv_cache[0], kv_cache[-1]  # a latent cache: both
+    k_cache, v_cache = plane_views(kv_cache)  # a latent cache: both; fp8's keys int8
     _prefill_kernel[(tiles.shape[0], num_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles,
         q if sinks is None else sinks, k, v,

@@ -83,8 +83,9 @@ class EngineConfig:
         "0: no host tier. Needs enable_prefix_caching."), ge=0, flag=None)
     kv_cache_dtype: str = setting("auto", (
         "KV-cache element type; the same in every pool. auto: the model's dtype. int8 / fp8 "
-        "(e4m3): 8 bits with a scale per quarter of each token's head, 1.78x the blocks of bf16 "
-        "in the same bytes; every attention backend reads it."), choices=KV_CACHE_DTYPES)
+        "(e4m3 values, int8 keys): 8 bits with a scale per quarter of each token's head, 1.78x "
+        "the blocks of bf16 in the same bytes; every attention backend reads it."),
+        choices=KV_CACHE_DTYPES)
     max_num_seqs: int = setting(128, "Running sequences at most.", ge=1)
     max_num_batched_tokens: int = setting(2048, (
         "New tokens per engine step at most (the chunked-prefill budget)."), ge=1)

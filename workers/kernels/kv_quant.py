@@ -1,15 +1,15 @@
 """8-bit KV caches: each token's key (and value) of each head in 8 bits, a scale per quarter row.
 
-`--kv-cache-dtype int8` or `fp8` (e4m3) stores a head's `head_dim` values in four groups of
-`head_dim / 4` consecutive values, each quantized by its own absolute maximum, followed by a
-16-byte slot holding the four groups' fp32 scales, in a cache of the 8-bit dtype:
-`[planes, num_blocks, block_size, num_kv_heads, head_dim + 16]`. The scales travel inside the
-block, so prefix caching, block copies and KV transfers move them with the values, and the layout
-(dtype and last dimension) tells an 8-bit cache from a full-precision one. The slot is 16 bytes
-so that every row starts 16-byte aligned when head_dim is a multiple of 16: the GPU kernels'
-loads then vectorize (with 4-byte slots, rows of 132 bytes, the compiled Triton decode read byte
-by byte: a Llama-3-8B step at 256 x 1024 tokens took 92 ms against bf16's 19 on an H200). A
-block takes (head_dim + 16) / (2 head_dim) of a bf16 block's bytes: 1.78x the blocks at
+`--kv-cache-dtype int8` or `fp8` (e4m3 values, int8 keys: below) stores a head's `head_dim` values,
+Hadamard-rotated (below), in four groups of `head_dim / 4` consecutive values, each quantized by
+its own absolute maximum, followed by a 16-byte slot holding the four groups' fp32 scales, in a
+cache of the 8-bit dtype: `[planes, num_blocks, block_size, num_kv_heads, head_dim + 16]`. The
+scales travel inside the block, so prefix caching, block copies and KV transfers move them with the
+values, and the layout (dtype and last dimension) tells an 8-bit cache from a full-precision one.
+The slot is 16 bytes so that every row starts 16-byte aligned when head_dim is a multiple of 16:
+the GPU kernels' loads then vectorize (with 4-byte slots, rows of 132 bytes, the compiled Triton
+decode read byte by byte: a Llama-3-8B step at 256 x 1024 tokens took 92 ms against bf16's 19 on an
+H200). A block takes (head_dim + 16) / (2 head_dim) of a bf16 block's bytes: 1.78x the blocks at
 head_dim 128.
 
 Why four scales, not one per row (the slot's first format, its other twelve bytes padding): keys
@@ -19,9 +19,9 @@ per row rounds every other value of the row on the outlier's coarse grid. On Smo
 with one scale per row kept 97.9% of the fp32 cache's next-token argmaxes (1,140 positions);
 with a scale per 16 values, 98.96% (3,670 positions, most of the rest near-ties).
 
-Why int8 rows are rotated: an orthonormal Hadamard rotation of each head's key and value spreads
+Why rows are rotated: an orthonormal Hadamard rotation of each head's key and value spreads
 an outlier channel over every value of the row, so the quarter scales no longer follow it. An
-int8 cache stores `quantize(H x)` (`rotate`, before the scales), and what it reads back is in
+8-bit cache stores `quantize(H x)` (`rotate`, before the scales), and what it reads back is in
 the rotated basis: attention over it takes a rotated query (q . k = (H q) . (H k)) and rotates
 its output back once per row (sum p (H v) = H sum p v; H is symmetric and its own inverse).
 `workers.attention`'s torch and triton backends do both; `workers.kernels.rope_kv` rotates
@@ -29,9 +29,22 @@ after RoPE, in the write it fuses. H is block-diagonal over blocks of the larges
 dividing head_dim (head_dim 64 or 128: the whole row; 96: blocks of 32; 80: of 16). On
 SmolLM2-135M over real text the rotated int8 cache keeps 99.29% of the fp32 cache's argmaxes
 where unrotated quarter scales kept 98.96%, measured in one run
-(`benchmarks/results/quality_kv_int8.json`). fp8 is not rotated: its error is relative to each
-value (3 mantissa bits), which a rotation does not shrink (simulated: 95.88% rotated, 95.70%
-not).
+(`benchmarks/results/quality_kv_int8.json`).
+
+Why an fp8 cache keeps its keys in int8 (`key_dtype`): e4m3's error is relative to each value
+(3 mantissa bits: up to 1/16 of it), several times int8's on a group of similar values, and a
+key's error passes through the softmax's exponential. With e4m3 keys and values the cache kept
+96.08% of SmolLM2's argmaxes over real text; the 98% the quality criterion asks is out of its
+reach. Simulated on 10 passages (1,259 positions; keys and values quantized and dequantized as
+they are written; the all-e4m3 format 95.95% there, as the engine's own): e4m3 keys alone
+96.51%, e4m3 values alone 99.21%; rotated 96.27%; one scale a row 95.23%, no scale at all
+95.31% (the range is not the limit), a scale per 4 values 97.93% (a group's maximum is stored
+exactly: more scales, more exact values, at 4x the scales' bytes); e5m2 92.69%. Rotated int8
+keys alone 99.52%, with e4m3 values 98.57% (values rotated or not), int8 for both 99.36%. An fp8
+cache therefore stores its keys as rotated int8 (their bytes in the fp8 tensor, the same row
+layout and scales) and its values as rotated e4m3 (`benchmarks/results/quality_kv_fp8.json`).
+Its blocks carry the encoding "hadamard,int8-keys": they never land in a cache of the earlier
+all-e4m3 format.
 """
 
 from __future__ import annotations
@@ -49,9 +62,11 @@ SLOT_ELEMS = 16  # the slot after a row's values: the scales (exactly 16 bytes)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
-# 8-bit cache dtypes whose rows are stored Hadamard-rotated (read at call time: a benchmark may
-# patch it to measure the unrotated format)
-ROTATED_DTYPES: frozenset[torch.dtype] = frozenset({torch.int8})
+# 8-bit cache dtypes whose rows are stored Hadamard-rotated, and the dtype a cache stores its
+# keys in where not its own (both read at call time: a benchmark patches them to measure the
+# earlier formats, `benchmarks/quality.py`)
+ROTATED_DTYPES: frozenset[torch.dtype] = frozenset({torch.int8, torch.float8_e4m3fn})
+KEY_DTYPES: dict[torch.dtype, torch.dtype] = {torch.float8_e4m3fn: torch.int8}
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
@@ -78,10 +93,27 @@ def rotates(dtype: torch.dtype) -> bool:
     return dtype in ROTATED_DTYPES
 
 
+def key_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a cache of `cache_dtype` stores its keys in (an fp8 cache's: int8, in the same
+    bytes); its values are of its own dtype."""
+    return KEY_DTYPES.get(cache_dtype, cache_dtype)
+
+
+def plane_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's key and value planes [num_blocks, block_size, Hkv, D'] viewed in the dtypes
+    they hold (`key_dtype`; a latent cache's one plane is keys, read as both)."""
+    keys = kv_cache[0].view(key_dtype(kv_cache.dtype))
+    return keys, keys if kv_cache.shape[0] == 1 else kv_cache[1]
+
+
 def encoding(dtype: torch.dtype) -> str:
-    """The transfer layer's name for how a cache of `dtype` encodes its values
-    (`kvtransfer.KVLayout.encoding`): a rotated cache's blocks never land in an unrotated one."""
-    return "hadamard" if rotates(dtype) else ""
+    """The transfer layer's name for how a cache of `dtype` encodes its values beyond the dtype
+    (`kvtransfer.KVLayout.encoding`): a rotated cache's blocks never land in an unrotated one,
+    nor int8 keys in an fp8 cache of e4m3 keys."""
+    parts = ["hadamard"] if rotates(dtype) else []
+    if key_dtype(dtype) != dtype:
+        parts.append(f"{str(key_dtype(dtype)).removeprefix('torch.')}-keys")
+    return ",".join(parts)
 
 
 def rotation_block(head_dim: int) -> int:
@@ -142,19 +174,21 @@ def as_copyable(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
-def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """New keys or values [..., D] as a cache of `cache_dtype` stores them, in `as_copyable`'s
-    dtype (8-bit: values and scale; else converted): the inverse of `read_kv`."""
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, *, keys: bool = False) -> torch.Tensor:
+    """New keys (`keys`) or values [..., D] as a cache of `cache_dtype` stores them, in
+    `as_copyable`'s dtype (8-bit: values and scale, keys in `key_dtype`; else converted): the
+    inverse of `read_kv`."""
     if not is_quantized(cache_dtype):
         return x.to(cache_dtype)
-    stored = quantize_kv(x, cache_dtype)
+    stored = quantize_kv(x, key_dtype(cache_dtype) if keys else cache_dtype)
     return stored.view(torch.uint8) if cache_dtype == torch.float8_e4m3fn else stored
 
 
-def read_kv(stored: torch.Tensor, dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Cache contents (of a cache of `cache_dtype`, perhaps viewed `as_copyable`) as `dtype`
-    values: dequantized when 8-bit (in the cache's basis: rotated where `rotates`), else
-    converted."""
+def read_kv(stored: torch.Tensor, dtype: torch.dtype, cache_dtype: torch.dtype, *,
+            keys: bool = False) -> torch.Tensor:
+    """Cache contents (keys where `keys`, of a cache of `cache_dtype`, perhaps viewed
+    `as_copyable`) as `dtype` values: dequantized when 8-bit (in the cache's basis: rotated
+    where `rotates`), else converted."""
     if not is_quantized(cache_dtype):
         return stored.to(dtype)
-    return dequantize_kv(stored.view(cache_dtype), dtype)
+    return dequantize_kv(stored.view(key_dtype(cache_dtype) if keys else cache_dtype), dtype)

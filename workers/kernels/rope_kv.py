@@ -8,10 +8,11 @@ value heads at its slot of the cache. In 16-bit dtypes each product is rounded t
 before the sum, as torch's ops do one by one, so the result is the torch path's bit for bit.
 
 The torch fallback is the composition this replaces: `RotaryEmbedding.forward` then
-`workers.attention.torch_backend.write_kv`. An int8 cache's rows are Hadamard-rotated after
-RoPE, before their scales (`workers.kernels.kv_quant.rotate`): the matrix's entries are made in
-the kernel from their indices and each row multiplied by it, summed in fp32 (in another order
-than torch's matmul, so a stored value may differ from the torch path's by one rounding).
+`workers.attention.torch_backend.write_kv`. An 8-bit cache's rows are Hadamard-rotated after
+RoPE, before their scales (`workers.kernels.kv_quant.rotate`; an fp8 cache's keys are stored as
+int8, `kv_quant.key_dtype`): the matrix's entries are made in the kernel from their indices and
+each row multiplied by it, summed in fp32 (in another order than torch's matmul, so a stored
+value may differ from the torch path's by one rounding).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from workers.kernels.kv_quant import (
     is_quantized,
+    plane_views,
     qmax,
     rotates,
     rotation_block,
@@ -133,7 +135,8 @@ def _rope_store_kernel(
     BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, DIM: tl.constexpr,
     Q_HEADS_BLOCK: tl.constexpr, KV_HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
     DIM_BLOCK: tl.constexpr, ROUND: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr,
-    ROT_BLOCK: tl.constexpr, LOG2_ROT_BLOCK: tl.constexpr,
+    K_QMAX: tl.constexpr, K_INT8: tl.constexpr, ROT_BLOCK: tl.constexpr,
+    LOG2_ROT_BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -168,12 +171,12 @@ def _rope_store_kernel(
                      + _rotated(k2, HALF, DIM, HALF_BLOCK, DIM_BLOCK, ROT_BLOCK, LOG2_ROT_BLOCK))
                 v = _rotated(v, 0, DIM, DIM_BLOCK, DIM_BLOCK, ROT_BLOCK, LOG2_ROT_BLOCK)
                 _store_groups(k, dims, v_ok, heads_ok, k_row, (k_row + DIM).to(f32), 0, 4,
-                              DIM // 4, QMAX, INT8)
+                              DIM // 4, K_QMAX, K_INT8)
             else:
                 _store_groups(k1, d, ok, heads_ok, k_row, (k_row + DIM).to(f32), 0, 2,
-                              DIM // 4, QMAX, INT8)
+                              DIM // 4, K_QMAX, K_INT8)
                 _store_groups(k2, d + HALF, ok, heads_ok, k_row, (k_row + DIM).to(f32), 2, 2,
-                              DIM // 4, QMAX, INT8)
+                              DIM // 4, K_QMAX, K_INT8)
             _store_groups(v, dims, v_ok, heads_ok, v_row, (v_row + DIM).to(f32), 0, 4,
                           DIM // 4, QMAX, INT8)
         else:
@@ -214,7 +217,7 @@ def rope_and_store(
                          f"{k.dtype} and {cos_sin_cache.dtype}")
     if tokens == 0:
         return
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = plane_views(kv_cache)  # an fp8 cache's keys: int8
     half = dim // 2
     rot_block = rotation_block(dim) if rotates(kv_cache.dtype) else 0
     _rope_store_kernel[(tokens,)](
@@ -228,6 +231,8 @@ def rope_and_store(
         HALF_BLOCK=triton.next_power_of_2(half), DIM_BLOCK=triton.next_power_of_2(dim),
         ROUND=q.dtype != torch.float32,
         QMAX=qmax(kv_cache.dtype) if is_quantized(kv_cache.dtype) else 0.0,
-        INT8=kv_cache.dtype == torch.int8, ROT_BLOCK=rot_block,
+        INT8=kv_cache.dtype == torch.int8,
+        K_QMAX=qmax(k_cache.dtype) if is_quantized(k_cache.dtype) else 0.0,
+        K_INT8=k_cache.dtype == torch.int8, ROT_BLOCK=rot_block,
         LOG2_ROT_BLOCK=max(rot_block.bit_length() - 1, 0), num_warps=4,
     )
