@@ -7,10 +7,12 @@ into the columns not yet quantized, in proportion to the rows of the upper Chole
 H^-1 (e_j / U[j, j] times U[j, j+1:]), which is the least-squares update of the remaining
 weights given that column j is now fixed. Columns are processed in blocks (the update within a
 block is immediate, the rest lazily once per block), optionally in act-order (largest H[j, j]
-first). The scales are fixed before the pass from the whole row (here: one scale per output
-channel, symmetric), rounded to the dtype the checkpoint stores them in, so the integers are
-exactly the ones that will be read back. Damping: `damp` times H's mean diagonal is added to
-the diagonal; inputs that were always zero (H[j, j] = 0) get a unit diagonal and zero weight.
+first). A group's scale (and zero point, when asymmetric) is fixed when the pass reaches its
+first column, from its columns as updated so far (one group: the whole row, one scale per output
+channel; with act-order only that), rounded to the dtype the checkpoint stores it in, so the
+integers are exactly the ones that will be read back. Damping: `damp` times H's mean diagonal
+is added to the diagonal; inputs that were always zero (H[j, j] = 0) get a unit diagonal and
+zero weight.
 """
 
 from __future__ import annotations
