@@ -24,7 +24,11 @@ quantize` of the dequantized fp32 checkpoint, compressed-tensors: int8 a scale p
 channel, int4 groups of 32 with zero points; run dequantized in fp32, so the figure is the
 weights' rounding alone), `w_int8_gptq` (`cleave quantize --calibrate`: the same int8 layout,
 integers chosen by GPTQ on the built-in calibration text, which none of the corpus's passages
-is), and
+is), `w_int8_g32` (int8, a scale per 32 input columns, symmetric: GGUF's Q8_0 layout, in
+compressed-tensors), `w_int8_g32_gptq` / `w_int8_g16_gptq` (int8 in groups of 32 / 16 with
+zero points, by GPTQ: every decoder projection int8, the tied embedding in full precision as
+in every `w_` variant; Cleave's int kernels take int8 per channel only, so grouped int8 runs
+dequantized in any dtype), and
 `w_int8_kernels` (the int8 copy in Cleave's int kernels, activations quantized to int8 too).
 
     .venv/bin/python benchmarks/quality.py
@@ -60,6 +64,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "kv_fp8_e4m3": ("gguf", {"dtype": "float32", "kv_cache_dtype": "fp8"}),
     "w_int8": ("int8", {"dtype": "float32"}),
     "w_int8_gptq": ("int8_gptq", {"dtype": "float32"}),
+    "w_int8_g32": ("int8_g32", {"dtype": "float32"}),
+    "w_int8_g32_gptq": ("int8_g32_gptq", {"dtype": "float32"}),
+    "w_int8_g16_gptq": ("int8_g16_gptq", {"dtype": "float32"}),
     "w_int4": ("int4", {"dtype": "float32"}),
     "w_int8_kernels": ("int8", {"dtype": "float32", "fp32_int_kernels": True}),
     "hf_fp32": ("fp32", {"dtype": "float32"}),  # the dequantized folder: equal to fp32
@@ -72,6 +79,9 @@ EARLIER_FORMATS: dict[str, dict] = {
     "kv_fp8_e4m3": {"ROTATED_DTYPES": frozenset(), "KEY_DTYPES": {}}}
 QUANTIZE = {"int8": {"bits": 8, "group_size": None, "symmetric": True},
             "int8_gptq": {"bits": 8, "group_size": None, "symmetric": True, "calibrate": True},
+            "int8_g32": {"bits": 8, "group_size": 32, "symmetric": True},
+            "int8_g32_gptq": {"bits": 8, "group_size": 32, "symmetric": False, "calibrate": True},
+            "int8_g16_gptq": {"bits": 8, "group_size": 16, "symmetric": False, "calibrate": True},
             "int4": {"bits": 4, "group_size": 32, "symmetric": False}}
 
 

@@ -77,7 +77,7 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     quantize.add_argument("--calibrate", action="store_true", help=(
         "GPTQ instead of round-to-nearest: run the model on built-in calibration text (Python's "
         "reference manual) and fold each column's rounding error into the columns not yet "
-        "quantized; symmetric, one scale per output channel (--group-size -1)"))
+        "quantized; any --group-size (act-order only with -1) and --asymmetric"))
     quantize.add_argument("--calibration-file", default=None, help=(
         "as --calibrate, on this text file instead of the built-in text"))
     quantize.set_defaults(func=_cmd_quantize)

@@ -34,6 +34,7 @@ FORMATS = {  # name: (format, options)
     "ct-int4-g32": ("compressed-tensors", dict(bits=4, group_size=32)),
     "ct-int4-g32-asym": ("compressed-tensors", dict(bits=4, group_size=32, symmetric=False)),
     "ct-int8-channel": ("compressed-tensors", dict(bits=8, group_size=None)),
+    "ct-int8-g32-asym": ("compressed-tensors", dict(bits=8, group_size=32, symmetric=False)),
     "ct-fp8-channel": ("compressed-tensors-fp8", {}),
     "fp8-block32": ("fp8", dict(block=32)),
     "fp8-tensor": ("fp8", dict(block=None)),
@@ -129,6 +130,22 @@ def test_bf16_keeps_weights_packed_and_the_kernels_match_the_reference(name, ful
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
                                                    ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+
+
+@pytest.mark.parametrize("options", [dict(dtype="bfloat16"),
+                                     dict(dtype="float32", fp32_int_kernels=True)])
+def test_grouped_int8_runs_dequantized_where_no_kernel_reads_its_groups(options, full_precision,
+                                                                        tmp_path):
+    """int8 with a scale per 32 columns: no int kernel takes per-group int8 scales, so the
+    layers hold the dequantized weight (equal to the format's own reading) in either dtype."""
+    src, _ = full_precision
+    fmt, quant = FORMATS["ct-int8-g32-asym"]
+    path = quantize_checkpoint(src, tmp_path / "g32", fmt, **quant)
+    llm = LLM(str(path), block_size=4, num_blocks=64, **options)
+    assert modules_with_kernels(llm) == {}
+    want = dequantized_state_dict(path)["model.layers.0.mlp.down_proj.weight"]
+    got = llm.engine.runner.executor.model.model.layers[0].mlp.down_proj.weight
+    assert torch.equal(got.float(), want.to(got.dtype).float())
 
 
 def test_tensor_parallel_shards_packed_weights_and_scales(full_precision, tmp_path):

@@ -7,10 +7,12 @@ into the columns not yet quantized, in proportion to the rows of the upper Chole
 H^-1 (e_j / U[j, j] times U[j, j+1:]), which is the least-squares update of the remaining
 weights given that column j is now fixed. Columns are processed in blocks (the update within a
 block is immediate, the rest lazily once per block), optionally in act-order (largest H[j, j]
-first). The scales are fixed before the pass from the whole row (here: one scale per output
-channel, symmetric), rounded to the dtype the checkpoint stores them in, so the integers are
-exactly the ones that will be read back. Damping: `damp` times H's mean diagonal is added to
-the diagonal; inputs that were always zero (H[j, j] = 0) get a unit diagonal and zero weight.
+first). A group's scale (and zero point, when asymmetric) is fixed when the pass reaches its
+first column, from its columns as updated so far (one group: the whole row, one scale per output
+channel; with act-order only that), rounded to the dtype the checkpoint stores it in, so the
+integers are exactly the ones that will be read back. Damping: `damp` times H's mean diagonal
+is added to the diagonal; inputs that were always zero (H[j, j] = 0) get a unit diagonal and
+zero weight.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ from workers.quant.weights import IntWeight
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int = 8, damp: float = 0.01,
                   act_order: bool = False, scale_dtype: torch.dtype = torch.float16,
-                  block: int = 128) -> IntWeight:
-    """w [N, K] float, hessian [K, K] (X^T X up to a factor) -> a symmetric IntWeight with one
-    scale per output channel, integers chosen by GPTQ."""
+                  block: int = 128, group_size: int | None = None,
+                  symmetric: bool = True) -> IntWeight:
+    """w [N, K] float, hessian [K, K] (X^T X up to a factor) -> an IntWeight with one scale
+    (and zero point unless `symmetric`) per output channel (`group_size` None) or per group of
+    `group_size` input columns, integers chosen by GPTQ."""
     k = w.shape[1]
+    if group_size is not None and (group_size < 1 or k % group_size or act_order):
+        raise ValueError(f"group_size {group_size} for input size {k} (act_order "
+                         f"{act_order}); expected a divisor of {k} and no act-order")
     if hessian.shape != (k, k):
         raise ValueError(f"hessian of shape {list(hessian.shape)} for a weight of input size "
                          f"{k}; expected [{k}, {k}]")
@@ -40,8 +47,9 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int = 8, damp: f
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w32[:, dead] = 0.0
-    scales = (w32.abs().amax(1) / hi).to(scale_dtype).double()
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    size = group_size or k
+    group_scales = torch.empty(w32.shape[0], k // size, dtype=torch.float64)
+    group_zeros = torch.zeros_like(group_scales)
     perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else torch.arange(k)
     w32, h = w32[:, perm], h[perm][:, perm]
     h += damp * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
@@ -52,16 +60,37 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int = 8, damp: f
         wb, ub = w32[:, start:end].clone(), u[start:end, start:end]
         errors = torch.empty_like(wb)
         for j in range(end - start):
-            qj = torch.round(wb[:, j] / scales).clamp(lo, hi)
+            if (start + j) % size == 0:  # a group's scale from its columns as updated so far
+                first = start + j
+                cols = torch.cat([wb[:, j:j + size], w32[:, end:first + size]], 1)
+                group_scales[:, first // size], group_zeros[:, first // size] = _scales(
+                    cols, bits, symmetric, scale_dtype)
+            g = (start + j) // size
+            scales, zeros = group_scales[:, g], group_zeros[:, g]
+            qj = torch.round(wb[:, j] / scales + zeros).clamp(lo, hi)
             q[:, start + j] = qj
-            err = (wb[:, j] - qj * scales) / ub[j, j]
+            err = (wb[:, j] - (qj - zeros) * scales) / ub[j, j]
             wb[:, j:] -= err[:, None] * ub[j, j:][None, :]
             errors[:, j] = err
         w32[:, end:] -= errors @ u[start:end, end:]
     ints = torch.empty_like(q)
     ints[:, perm] = q
-    s = scales.float()[:, None]
-    return IntWeight(ints.to(torch.int8), s, torch.zeros_like(s), bits)
+    return IntWeight(ints.to(torch.int8), group_scales.float(), group_zeros.float(), bits)
+
+
+def _scales(cols: torch.Tensor, bits: int, symmetric: bool, scale_dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales (rounded to the dtype the checkpoint stores them in) and zero points of rows
+    `cols` [N, C], as `weights.quantize_int` chooses them."""
+    hi, lo = (1 << (bits - 1)) - 1, -(1 << (bits - 1))
+    if symmetric:
+        scales = (cols.abs().amax(1) / hi).to(scale_dtype).double()
+        zeros = torch.zeros_like(scales)
+    else:
+        wmin, wmax = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+        scales = ((wmax - wmin) / (hi - lo)).to(scale_dtype).double()
+        zeros = torch.round(lo - wmin / scales.clamp(min=1e-12)).clamp(lo, hi)
+    return torch.where(scales > 0, scales, torch.ones_like(scales)), zeros
 
 
 @torch.no_grad()

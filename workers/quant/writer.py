@@ -91,7 +91,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str,
                         calibration: Sequence[str] | None = None, **options: Any) -> Path:
     """Writes `src` quantized in `fmt` to `out` (see `quantization_config` for the options).
     `calibration`: texts to run `src` on, and GPTQ instead of round-to-nearest
-    (`workers.quant.gptq`; symmetric integer weights with one scale per output channel)."""
+    (`workers.quant.gptq`; integer weights, scales per output channel or per group)."""
     src, out = Path(src), Path(out)
     raw = json.loads((src / "config.json").read_text())
     if raw.get("quantization_config"):
@@ -105,10 +105,10 @@ def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str,
     scheme = parse_quantization(raw)
     assert scheme is not None
     if calibration is not None:
-        if scheme.kind != "int" or not scheme.symmetric or scheme.group_size:
-            raise ValueError(f"calibrated (GPTQ) weights are symmetric integers with one scale "
-                             f"per output channel; got {scheme.describe()}: pass an integer "
-                             f"format, group_size None and symmetric=True")
+        if scheme.kind != "int" or (scheme.act_order and scheme.group_size):
+            raise ValueError(f"calibrated (GPTQ) weights are integers, with act-order only for "
+                             f"one scale per output channel; got {scheme.describe()}: pass an "
+                             f"integer format, and group_size None with act_order")
         options = {**options, "hessians": checkpoint_hessians(str(src), calibration)}
     out.mkdir(parents=True, exist_ok=True)
     files = sorted(src.glob("*.safetensors"))
@@ -157,10 +157,11 @@ def _convert(scheme: QuantScheme, name: str, tensor: torch.Tensor, options: dict
             raise ValueError(f"{name}: input size {k} is not a multiple of group_size "
                              f"{scheme.group_size}; pass a group size that divides it")
         hessians = options.get("hessians")
-        if hessians is not None:  # per channel: act-order changes the pass, not the layout
+        if hessians is not None:  # act-order (per channel) changes the pass, not the layout
             scale_dtype = torch.bfloat16 if scheme.layout.startswith("ct") else torch.float16
             weight = gptq_quantize(tensor, hessians[prefix], scheme.bits,
-                                   act_order=scheme.act_order, scale_dtype=scale_dtype)
+                                   act_order=scheme.act_order, scale_dtype=scale_dtype,
+                                   group_size=scheme.group_size, symmetric=scheme.symmetric)
         else:
             g_idx = _act_order_groups(k, scheme.group_size or k) if scheme.act_order else None
             weight = quantize_int(tensor, scheme.bits, scheme.group_size, scheme.symmetric,
