@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -237,6 +238,9 @@ def run_chat(args: argparse.Namespace) -> int:
     start (without --model)."""
     import openai
 
+    # Ctrl-C is the chat's own key even where SIGINT came ignored (a shell's background job
+    # ignores it, and Python leaves an inherited SIG_IGN alone)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:  # line editing and history at the prompt, where the platform has it
         import readline  # noqa: F401
     except ImportError:

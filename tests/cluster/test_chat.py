@@ -24,8 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 KEY = "chat-key"
 WAIT_S = 90.0  # one line's deadline: a Python start and an answer on 2 busy cores
 # the child's controlling terminal is its stdin, a pty, so Ctrl-C there is a SIGINT
-# (subprocess starts it in a new session; pty.fork would fork this threaded process)
-CONTROLLING_TTY = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+# (subprocess starts it in a new session; pty.fork would fork this threaded process); it starts
+# with SIGINT ignored, as a shell's background job does (CI's was): Ctrl-C must still work
+CONTROLLING_TTY = ("import fcntl, os, signal, sys, termios; "
+                   "fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                   "signal.signal(signal.SIGINT, signal.SIG_IGN); "
                    "os.execv(sys.argv[1], sys.argv[1:])")
 USAGE = (r"cleave chat: usage: messages=(\d+) prompt_tokens=(\d+) "
                    r"completion_tokens=(\d+)")
