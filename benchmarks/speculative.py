@@ -104,10 +104,10 @@ def ray_app(speculative: dict | None, fp32: bool = False) -> RayApp:
 LAYERS = {"inprocess": Server, "ray": ray_app}
 
 
-async def _load(url: str, prompts: list[str], max_tokens: int, streams: int,
+async def chat_load(url: str, prompts: list[str], max_tokens: int, streams: int,
                 num_requests: int) -> dict[str, Any]:
-    """`num_requests` greedy chat requests over `streams` concurrent streams; tokens/s and the
-    texts (by request index)."""
+    """`num_requests` greedy chat requests over `streams` concurrent streams to Cleave or
+    llama-server: tokens/s, drafted and accepted tokens, and the texts (by request index)."""
     queue = list(range(num_requests))
     texts: dict[int, str] = {}
     tokens = drafted = accepted = 0
@@ -119,12 +119,15 @@ async def _load(url: str, prompts: list[str], max_tokens: int, streams: int,
             body = {"model": "smollm2", "max_tokens": max_tokens, "temperature": 0.0,
                     "messages": [{"role": "user", "content": prompts[i % len(prompts)]}]}
             reply = (await client.post(f"{url}/v1/chat/completions", json=body)).json()
+            if "choices" not in reply:
+                raise RuntimeError(f"{url}: {reply}")
             texts[i] = reply["choices"][0]["message"]["content"]
-            usage = reply["usage"]
-            tokens += usage["completion_tokens"]
-            spec = usage.get("speculative_tokens", {})
-            drafted += spec.get("drafted", 0)
-            accepted += spec.get("accepted", 0)
+            tokens += reply["usage"]["completion_tokens"]
+            # Cleave's counts in its usage extension, llama-server's in its `timings`
+            spec = reply["usage"].get("speculative_tokens") or {}
+            timings = reply.get("timings") or {}
+            drafted += spec.get("drafted", 0) + timings.get("draft_n", 0)
+            accepted += spec.get("accepted", 0) + timings.get("draft_n_accepted", 0)
 
     async with httpx.AsyncClient(timeout=600) as client:
         start = time.perf_counter()
@@ -154,11 +157,11 @@ def run(rounds: int, stream_counts: list[int], method: str = "ngram",
                 runs[key] = {"none": [], method: []}
                 # one request of each to warm both servers (compiled kernels, caches)
                 for server in servers.values():
-                    asyncio.run(_load(server.base_url, prompts, 8, 1, 1))
+                    asyncio.run(chat_load(server.base_url, prompts, 8, 1, 1))
                 for r in range(rounds):
                     order = ["none", method] if r % 2 == 0 else [method, "none"]
                     for mode in order:
-                        runs[key][mode].append(asyncio.run(_load(
+                        runs[key][mode].append(asyncio.run(chat_load(
                             servers[mode].base_url, prompts, MAX_TOKENS[name], streams,
                             _requests_for(streams))))
                 print(key, {m: [round(x["tokens_per_s"], 1) for x in v]

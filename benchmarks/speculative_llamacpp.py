@@ -33,15 +33,13 @@ import argparse
 import asyncio
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from peer_llamacpp import LlamaServer, llama_cpp
 from peer_llamacpp_gguf import f32_file, q4_1_file
 from results_io import RESULTS, command_line, emit
-from speculative import INT4_SELF, MAX_TOKENS, NGRAM, WORKLOADS, Server
+from speculative import INT4_SELF, MAX_TOKENS, NGRAM, WORKLOADS, Server, chat_load
 
 K = 4  # drafted tokens a step, every method
 REQUESTS = 4  # per measurement, one at a time
@@ -73,25 +71,7 @@ def servers(cache: Path, tree: Path, threads: int) -> dict[str, Any]:
 
 async def _measure(url: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     """`REQUESTS` greedy chat requests, one at a time: tokens/s, drafts, texts."""
-    tokens = drafted = accepted = 0
-    texts = []
-    async with httpx.AsyncClient(timeout=600) as client:
-        start = time.perf_counter()
-        for i in range(REQUESTS):
-            body = {"model": "smollm2", "max_tokens": max_tokens, "temperature": 0.0,
-                    "messages": [{"role": "user", "content": prompts[i % len(prompts)]}]}
-            reply = (await client.post(f"{url}/v1/chat/completions", json=body)).json()
-            if "choices" not in reply:
-                raise RuntimeError(f"{url}: {reply}")
-            texts.append(reply["choices"][0]["message"]["content"])
-            tokens += reply["usage"]["completion_tokens"]
-            spec = reply["usage"].get("speculative_tokens") or {}
-            timings = reply.get("timings") or {}
-            drafted += spec.get("drafted", 0) + timings.get("draft_n", 0)
-            accepted += spec.get("accepted", 0) + timings.get("draft_n_accepted", 0)
-        seconds = time.perf_counter() - start
-    return {"tokens_per_s": tokens / seconds, "drafted": drafted, "accepted": accepted,
-            "texts": texts}
+    return await chat_load(url, prompts, max_tokens, 1, REQUESTS)
 
 
 def run(rounds: int, workloads: list[str], threads: int, cache: Path,

@@ -200,6 +200,7 @@ class SloPlanner:
     def __init__(self, down_ticks: int = 3) -> None:
         if down_ticks < 1:
             raise ValueError(f"down_ticks must be >= 1, got {down_ticks}")
+        self.down_ticks = down_ticks
         self._wanted: deque[int] = deque(maxlen=down_ticks)
         self._candidate: tuple[int, int] | None = None  # (threshold, ticks it was the better)
         self.last: Plan | None = None
@@ -214,7 +215,7 @@ class SloPlanner:
         same = self._candidate is not None and self._candidate[0] == threshold
         ticks = self._candidate[1] + 1 if same and self._candidate else 1
         self._candidate = (threshold, ticks)
-        return ticks >= (self._wanted.maxlen or 1)
+        return ticks >= self.down_ticks
 
     def decide(self, inp: PlanInput) -> Plan:
         """This tick's plan (kept as `last`)."""
@@ -235,7 +236,7 @@ class SloPlanner:
         held = ""
         if decode != want.decode:
             held = (f"; {decode - want.decode} more decode held (the total shrinks after "
-                    f"{self._wanted.maxlen} ticks)")
+                    f"{self.down_ticks} ticks)")
         plan = Plan(want.prefill, decode, want.threshold_tokens, want.feasible, want.ttft_s,
                     want.itl_s, want.reason + held, want.gap_s)
         self.last = plan
