@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: the suite waits on servers, subprocesses and Ray as much as it computes,
+# so two workers finish it sooner on a 2-core machine (a module stays on one worker; the modules
+# that start a Ray run one after another: tests/conftest.py)
+TEST_WORKERS ?= 2
 
 .PHONY: test serve clean
 
@@ -20,7 +24,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m ruff check cluster router workers kvtransfer
 	$(PY) -m mypy cluster router workers kvtransfer
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 serve: $(STAMP)
 	$(VENV)/bin/cleave serve

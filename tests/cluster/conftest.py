@@ -86,7 +86,7 @@ def local_ray():
     import ray
 
     ray.shutdown()
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False,
              object_store_memory=256 * 1024**2)
     yield ray
     from ray import serve

@@ -27,7 +27,7 @@ def ray_with_state():
     import ray
 
     ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=True, dashboard_port=free_ports(1)[0],
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_port=free_ports(1)[0],
              log_to_driver=False, object_store_memory=128 * 1024**2)
     yield ray
     ray.shutdown()
