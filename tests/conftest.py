@@ -24,12 +24,12 @@ def warm_forkserver() -> Any:
     return ctx
 
 
-# Modules that start a Ray of their own (a fixture, `ray.cluster_utils.Cluster`, or `cleave
-# serve` without `--in-process`). `make test` runs the suite on two pytest-xdist workers; these
+# Modules that start a Ray of their own (a fixture, `ray.cluster_utils.Cluster`, `cleave serve`
+# without `--in-process`, the soak's Ray application). `make test` runs the suite on two pytest-xdist workers; these
 # run one after another on one of them, every other module as a whole on either.
 RAY_MODULES = {"test_ray_app", "test_ray_app_tp", "test_ray_burst", "test_role_switch_ray",
                "test_partial_cluster", "test_two_nodes", "test_rank_actors",
-               "test_serve_command", "test_launch"}
+               "test_serve_command", "test_launch", "test_soak"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

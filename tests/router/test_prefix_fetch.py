@@ -170,10 +170,13 @@ def test_the_router_sends_a_request_to_the_idle_worker_with_the_busy_ones_prefix
     # (a rate measured while other processes held the cores made the pull look dearer than
     # recomputing, and the router rightly fetched nothing)
     _worker(pair, 1).engine.kv_pull_bytes_per_s = 0.0
-    # worker 1 measures its prefill on an unrelated prompt while worker 0 is busy
+    # worker 1 measures its prefill on an unrelated prompt (sent to it: through the router, a
+    # loaded machine once sent it to worker 0 and worker 1 measured nothing) while worker 0 is
+    # busy
     long_run = asyncio.run_coroutine_threadsafe(generate("busy", first + [7], 200), pair.loop)
     assert wait_until(lambda: router.workers.stats("worker-0").num_running >= 1, 10)
-    pair.call(generate("warm-b", _prompt(5, 3 * BLOCK)))
+    _run(pair, _worker(pair, 1), Generate(WorkerRequest("warm-b", tuple(_prompt(5, 3 * BLOCK)),
+                                                        GREEDY)))
     assert wait_until(lambda: router.workers.stats("worker-1").prefill_s_per_token > 0)
     fetches = router.counters.num_prefix_fetches
     second = shared + _prompt(6, 7)
