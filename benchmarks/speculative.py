@@ -18,6 +18,8 @@ servers, `--no-gguf-packed`) >= 1.2x at one stream on `chat`; >= 0.95x at 32 str
         --out benchmarks/results/speculative_ray.json
     python benchmarks/speculative.py --method quantized_self --workloads chat --streams 1 \
         --rounds 6 --out benchmarks/results/speculative_int4_self.json
+    python benchmarks/speculative.py --control --streams 8 32 --workloads repeat --rounds 3 \
+        --out benchmarks/results/speculative_control.json   # A/A: the pairing's own ratio
 """
 
 from __future__ import annotations
@@ -142,10 +144,15 @@ def _requests_for(streams: int) -> int:
 
 
 def run(rounds: int, stream_counts: list[int], method: str = "ngram",
-        workloads: list[str] | None = None, layer: str = "inprocess") -> dict[str, Any]:
+        workloads: list[str] | None = None, layer: str = "inprocess",
+        control: bool = False) -> dict[str, Any]:
+    """`control`: the second server without speculation too, labelled "control" (an A/A run:
+    its ratio is what the pairing alone gives, the floor any method's ratio is read against)."""
     fp32 = method == "quantized_self"
     make = LAYERS[layer]
-    servers = {"none": make(None, fp32), method: make(METHODS[method], fp32)}
+    if control:
+        method = "control"
+    servers = {"none": make(None, fp32), method: make(METHODS.get(method), fp32)}
     for server in servers.values():
         server.start()
     try:
@@ -174,7 +181,7 @@ def run(rounds: int, stream_counts: list[int], method: str = "ngram",
 
 def _summary(runs: dict[str, dict[str, list[dict]]], method: str = "ngram") -> dict[str, Any]:
     result: dict[str, Any] = {}
-    k = METHODS[method]["num_speculative_tokens"]
+    k = (METHODS.get(method) or {}).get("num_speculative_tokens", 0)
     for key, modes in runs.items():
         base = statistics.median(x["tokens_per_s"] for x in modes["none"])
         spec = statistics.median(x["tokens_per_s"] for x in modes[method])
@@ -211,11 +218,14 @@ def main(argv: list[str] | None = None) -> dict:
                         default=list(WORKLOADS))
     parser.add_argument("--layer", choices=sorted(LAYERS), default="inprocess",
                         help="inprocess: cleave serve --in-process; ray: the Ray app")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A run: the second server without speculation too")
     parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
     args = parser.parse_args(argv)
-    result = run(args.rounds, args.streams, args.method, args.workloads, args.layer)
+    result = run(args.rounds, args.streams, args.method, args.workloads, args.layer,
+                 args.control)
     result["layer"] = args.layer
-    result["speculative_config"] = METHODS[args.method]
+    result["speculative_config"] = None if args.control else METHODS[args.method]
     result["command"] = command_line(argv)
     result["targets"] = ({"chat_1_ratio": ">= 1.2 (fp32 target)"}
                          if args.method == "quantized_self" else
