@@ -5,8 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # pytest-xdist workers: the suite waits on servers, subprocesses and Ray as much as it computes,
-# so two workers finish it sooner on a 2-core machine (a module stays on one worker; the modules
-# that start a Ray run one after another: tests/conftest.py)
+# so two workers finish it sooner on a 2-core machine. A file runs whole on one worker (its
+# fixtures set up once); two Ray-starting files may run at once, each on a Ray of its own.
+# (`--dist loadgroup` would keep them apart, but xdist 3.8 marks groups in a node id field that
+# pytest 9.2 no longer reads: it silently ran as `--dist load`.)
 TEST_WORKERS ?= 2
 
 .PHONY: test serve clean
@@ -24,7 +26,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m ruff check cluster router workers kvtransfer
 	$(PY) -m mypy cluster router workers kvtransfer
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 serve: $(STAMP)
 	$(VENV)/bin/cleave serve

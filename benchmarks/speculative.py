@@ -150,9 +150,8 @@ def run(rounds: int, stream_counts: list[int], method: str = "ngram",
     its ratio is what the pairing alone gives, the floor any method's ratio is read against)."""
     fp32 = method == "quantized_self"
     make = LAYERS[layer]
-    if control:
-        method = "control"
-    servers = {"none": make(None, fp32), method: make(METHODS.get(method), fp32)}
+    label = "control" if control else method
+    servers = {"none": make(None, fp32), label: make(None if control else METHODS[method], fp32)}
     for server in servers.values():
         server.start()
     try:
@@ -161,12 +160,12 @@ def run(rounds: int, stream_counts: list[int], method: str = "ngram",
             prompts = WORKLOADS[name]
             for streams in stream_counts:
                 key = f"{name}_{streams}"
-                runs[key] = {"none": [], method: []}
+                runs[key] = {"none": [], label: []}
                 # one request of each to warm both servers (compiled kernels, caches)
                 for server in servers.values():
                     asyncio.run(chat_load(server.base_url, prompts, 8, 1, 1))
                 for r in range(rounds):
-                    order = ["none", method] if r % 2 == 0 else [method, "none"]
+                    order = ["none", label] if r % 2 == 0 else [label, "none"]
                     for mode in order:
                         runs[key][mode].append(asyncio.run(chat_load(
                             servers[mode].base_url, prompts, MAX_TOKENS[name], streams,
@@ -176,7 +175,7 @@ def run(rounds: int, stream_counts: list[int], method: str = "ngram",
     finally:
         for server in servers.values():
             server.stop()
-    return _summary(runs, method)
+    return _summary(runs, label)
 
 
 def _summary(runs: dict[str, dict[str, list[dict]]], method: str = "ngram") -> dict[str, Any]:

@@ -24,23 +24,6 @@ def warm_forkserver() -> Any:
     return ctx
 
 
-# Modules that start a Ray of their own (a fixture, `ray.cluster_utils.Cluster`, `cleave serve`
-# without `--in-process`, the soak's Ray application). `make test` runs the suite on two pytest-xdist workers; these
-# run one after another on one of them, every other module as a whole on either.
-RAY_MODULES = {"test_ray_app", "test_ray_app_tp", "test_ray_burst", "test_role_switch_ray",
-               "test_partial_cluster", "test_two_nodes", "test_rank_actors",
-               "test_serve_command", "test_launch", "test_soak"}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Each test in an `xdist_group` (`--dist loadgroup`): its module's, or "ray" for a module
-    that starts a Ray: a module's fixtures set up once, and two Rays never share the cores."""
-    for item in items:
-        module = item.path.stem
-        ray = module in RAY_MODULES or "local_ray" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("ray" if ray else str(item.path)))
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The embedded default's shape (tiny Llama with tokenizer), written fresh for this run."""
