@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # pytest-xdist workers: the suite waits on servers, subprocesses and Ray as much as it computes,
 # so two workers finish it sooner on a 2-core machine. A file runs whole on one worker (its
-# fixtures set up once); two Ray-starting files may run at once, each on a Ray of its own.
-# (`--dist loadgroup` would keep them apart, but xdist 3.8 marks groups in a node id field that
-# pytest 9.2 no longer reads: it silently ran as `--dist load`.)
+# fixtures set up once), the longest files first (`tests/conftest.py`'s LONGEST_FIRST; hence
+# `--no-loadscope-reorder`, which keeps that order); two Ray-starting files may run at once,
+# each on a Ray of its own. (`--dist loadgroup` would keep them apart, but xdist 3.8 marks groups
+# in a node id field that pytest 9.2 no longer reads: it silently ran as `--dist load`.)
 TEST_WORKERS ?= 2
 
 .PHONY: test serve clean
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m ruff check cluster router workers kvtransfer
 	$(PY) -m mypy cluster router workers kvtransfer
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 serve: $(STAMP)
 	$(VENV)/bin/cleave serve

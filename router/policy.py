@@ -145,8 +145,9 @@ class PrefixAwarePolicy(RoutingPolicy):
         # recompute saved, in blocks: a host hit costs its copy, an adapter load its price (at
         # most the whole prompt's recompute, so a far lighter worker still wins)
         num_blocks = max(len(block_hashes), 1)
-        lora = min(self.lora_load_blocks, num_blocks) * table.lacks(rows, lora_name)
-        hit = held - in_host * table.host_hit_cost[rows] + fetch - lora
+        hit = held - in_host * table.host_hit_cost[rows] + fetch
+        if lora_name is not None:
+            hit -= min(self.lora_load_blocks, num_blocks) * table.lacks(rows, lora_name)
         queue_weight = self.w_queue / max(float(depth.sum()) / len(rows), self.queue_scale)
         score = (self.w_hit / num_blocks * hit - queue_weight * depth
                  - self.w_kv * table.kv_usage[rows])

@@ -30,7 +30,8 @@ class Residency:
         rows = [tuple(names) for names in held]
         residency = cls(len(rows))
         for row, names in enumerate(rows):
-            residency.set(row, names)
+            if names:  # a row holding none is already so (most rows: no adapters served)
+                residency.set(row, names)
         return residency
 
     def add_row(self) -> int:

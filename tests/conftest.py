@@ -24,6 +24,35 @@ def warm_forkserver() -> Any:
     return ctx
 
 
+# The test files that take longest, longest first (seconds in a two-worker `make test` on 2
+# cores, 2026-11-29: the soak 107, the Ray app 102, ..., the chat 15). `make test` hands whole
+# files to its workers in collection order (`--dist loadfile --no-loadscope-reorder`): xdist's
+# own order puts the files with fewest tests last, and the long Ray-app files have one to five,
+# so one worker ran the last of them alone for minutes (728 s in all; with this order, 618 s on
+# the same machine). These go first, the rest after in collection order; a file missing here
+# runs as any other, a stale entry costs only time. (Three workers: 623 s, three Ray apps at
+# once on 2 cores; four: 610 s with two tests failing their start-up deadlines.)
+LONGEST_FIRST = (
+    "tests/benchmarks/test_soak.py", "tests/cluster/test_ray_app.py",
+    "tests/cluster/test_ray_burst.py", "tests/cluster/test_partial_cluster.py",
+    "tests/cluster/test_ray_app_tp.py", "tests/cluster/test_two_nodes.py", "tests/test_cli.py",
+    "tests/workers/test_triton_attention.py", "tests/workers/test_faithfulness.py",
+    "tests/workers/test_parallel_engine.py", "tests/cluster/test_role_switch_ray.py",
+    "tests/cluster/test_serve_command.py", "tests/workers/test_gguf_smollm2.py",
+    "tests/cluster/test_rank_actors.py", "tests/benchmarks/test_serving.py",
+    "tests/workers/test_lora.py", "tests/benchmarks/test_scale_down.py",
+    "tests/workers/test_fused_kernels.py", "tests/router/test_migration.py",
+    "tests/cluster/test_in_process.py", "tests/workers/test_host_syncs.py",
+    "tests/cluster/test_chat.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest test files first (`LONGEST_FIRST`); a file's own tests keep their order."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The embedded default's shape (tiny Llama with tokenizer), written fresh for this run."""
