@@ -126,9 +126,12 @@ class RayApp(ServerProcess):
 
     def __init__(self, model: str, served_model_name: str, *, prefill: int = 1, decode: int = 1,
                  disagg_threshold: int = 64, num_cpus: float = 4, device: str = "cpu",
-                 extra_args: tuple[str, ...] = (), config: str | None = None) -> None:
+                 extra_args: tuple[str, ...] = (), config: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         """`config`: a Cleave config file whose pools (and router settings) are used as they
-        are; then `prefill`, `decode` and `disagg_threshold` are not passed."""
+        are; then `prefill`, `decode` and `disagg_threshold` are not passed. `env`: variables
+        set for `cleave serve` (and the Ray it starts) beside this process's."""
+        self.env = env or {}
         self.http_port, self.grpc_port = free_ports(2)
         self.served_model_name = served_model_name
         # short: Ray puts unix sockets under it (108-byte limit)
@@ -143,7 +146,7 @@ class RayApp(ServerProcess):
 
     def start(self, timeout_s: float = 300.0) -> RayApp:
         env = dict(os.environ, RAY_TMPDIR=self._tmp, RAY_AUTH_MODE="disabled",
-                   RAY_USAGE_STATS_ENABLED="0")
+                   RAY_USAGE_STATS_ENABLED="0", **self.env)
         env.pop("RAY_ADDRESS", None)  # its own local Ray, never a cluster this shell points at
         self._spawn(env, stdout=subprocess.PIPE)
         ready, deadline = "", time.monotonic() + timeout_s

@@ -232,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cluster.openmp_wait import set_spin_policy
+
+    if "torch" not in sys.modules:  # `cleave` itself; not a caller that already loaded torch
+        set_spin_policy()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

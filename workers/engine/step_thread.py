@@ -28,7 +28,8 @@ def build_on_step_thread(config: EngineConfig, rank_launcher: RankLauncher | Non
     parks idle workers after a short spin, so each of a step's ~40 parallel regions waits
     for a wake-up. Measured on this 2-core machine, `small` preset int8, one sequence:
     3.1-3.3 ms a decode step with one thread doing both, 5.3-6.0 ms with any parallel
-    region run on another thread first."""
+    region run on another thread first. Where two threads cannot be avoided (two engines in
+    one process), `cleave` lengthens the throttled spin (`cluster/openmp_wait.py`)."""
     thread = step_thread()
     try:
         engine = thread.submit(Engine, config, rank_launcher, detokenize=detokenize).result()
