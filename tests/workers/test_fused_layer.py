@@ -1,7 +1,7 @@
 """The fused decoder stack (`workers/models/fused_layer.py`, `csrc/decoder_layer.c`: a decode step's
 layers in one C call) against the same layers run one by one: the same hidden states and the
-same K/V written, bit for bit, at 1-8 rows, on any thread count; which models and batches take
-it; greedy tokens against transformers."""
+same K/V written, bit for bit, at 1-8 rows (up to 32 over a GGUF file's blocks), on any thread
+count; which models and batches take it; greedy tokens against transformers."""
 
 from __future__ import annotations
 
@@ -335,3 +335,33 @@ def test_what_quantized_takes_without_the_packed_fused_path(tiny_model, tmp_path
     monkeypatch.setattr(int_kernels, "available", lambda: False)
     model = _model(path, dtype="float32", fp32_int_kernels=True)
     assert {s.qkv.kind for s in model.model.fused_stack.structs} == {fused_abi.DENSE}
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tiny_model, tmp_path_factory):
+    """The tiny llama written as a Q4_1 GGUF file (its embedding Q4_1 too), served packed."""
+    pytest.importorskip("gguf")
+    from pathlib import Path
+
+    from tests.workers.gguf_files import write_gguf
+
+    path = write_gguf(Path(tiny_model), tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", "Q4_1")
+    return _model(str(path), dtype="float32")
+
+
+def test_a_gguf_stack_fuses_up_to_its_block_kernels_rows_and_equals_the_layers(gguf_model):
+    """A GGUF file's stack takes up to `MAX_GGUF_ROWS` rows (32 streams, a verification's
+    k + 1 past 8), each the unfused layers' result bit for bit; one more goes layer by layer."""
+    stack = gguf_model.model.fused_stack
+    assert {getattr(s, p).kind for s in stack.structs for p in ("qkv", "o", "gate_up", "down")
+            } == {fused_abi.GGUF_KINDS["Q4_1"]}
+    assert stack.max_rows == fused_module.MAX_GGUF_ROWS > fused_module.MAX_PACKED_ROWS
+    for rows in (1, 9, 17, stack.max_rows):
+        batch = decode_batch(gguf_model, rows, torch.float32, seed=rows)
+        want, want_caches = forward(gguf_model, batch, fused=False)
+        for threads in (1, 2):
+            got, got_caches = forward(gguf_model, batch, fused=True, threads=threads)
+            assert torch.equal(got, want), (rows, threads)
+            assert all(map(torch.equal, got_caches, want_caches)), (rows, threads)
+    _, _, caches, meta = decode_batch(gguf_model, stack.max_rows + 1, torch.float32)
+    assert not stack.takes(torch.empty(stack.max_rows + 1, 1), meta, caches)

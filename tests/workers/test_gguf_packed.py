@@ -50,12 +50,13 @@ def assert_within_summation_bound(got: torch.Tensor, x: torch.Tensor, w: torch.T
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_the_kernels_equal_dequantize_then_matmul(ggml_type):
-    # 301 rows: tiles of 4 and a tail; up to 9 rows of x: passes of 4 and a remainder
+    # 301 rows: tiles of 4 and a tail; up to DECODE_ROWS rows of x: passes of 4, wide passes
+    # of 8 and a remainder
     n, k = 301, 576
     blocks, values = quantized(ggml_type, n, k, seed=1)
     assert torch.equal(gguf_gemm.dequantize_rows(blocks, ggml_type, k), values)
     gen = torch.Generator().manual_seed(2)
-    for rows in (1, 2, 3, 4, 5, 9):
+    for rows in (1, 2, 3, 4, 5, 9, 19, DECODE_ROWS):
         x = torch.randn(rows, k, generator=gen)
         assert_within_summation_bound(gguf_gemm.gguf_gemm(x, blocks, ggml_type, n), x, values)
     x = torch.randn(40, k, generator=gen)  # a prefill's rows: dequantized tiles, torch's matmul
@@ -128,8 +129,8 @@ def test_packed_weights_are_the_files_values_and_the_output_projection_stays_pac
 
 def test_packed_logits_follow_the_dequantized_model_in_prefill_and_decode_rows(tiny_q4_1):
     packed, dequantized = _models(tiny_q4_1)
-    prompts = ([[3, 17, 99, 4, 250, 8, 61, 7, 12, 200, 33, 5, 90, 41, 18, 77]]  # tiles
-               + [[11, 5, 300][:DECODE_ROWS]])  # rows the block kernel takes
+    prompts = ([[(37 * i) % 250 + 3 for i in range(DECODE_ROWS + 8)]]  # tiles
+               + [[11, 5, 300, 8, 61, 7, 12, 200, 33]])  # rows the block kernel takes
     for prompt in prompts:
         got, want = (prompt_logits(m, prompt) for m in (packed, dequantized))
         assert want.std() > 0.1

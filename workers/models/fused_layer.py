@@ -12,7 +12,8 @@ then by `small_gemm.act_and_mul`'s C code, fused or not) or a GGUF file's Q8_0/Q
 sinks, one tensor-parallel rank and the `cpu` attention backend (a sliding window is fine: the
 attention kernel takes one). bf16 activations are refused: the stack's arithmetic is fp32.
 Per step (`FusedDecoderStack.takes`): at most `MAX_ROWS` rows (`MAX_PACKED_ROWS` with
-int8/int4/GGUF projections) over fp32 or bf16 caches; else the layers run one by one, unchanged.
+int8/int4 projections, `MAX_GGUF_ROWS` with GGUF ones only) over fp32 or bf16 caches; else the
+layers run one by one, unchanged.
 Rows need not be one per sequence: a speculative verification's k + 1 rows (or a short prefill
 chunk) are each attended as a decode row over its own prefix (`row_attention`), so a step of a
 few rows reads the weights once, as a decode step does. SmolLM2's Q4_1 file served packed, one
@@ -50,9 +51,10 @@ from workers.models.lora.projection import LoraBatch
 from workers.kernels.native import build_library, loads
 from workers.kernels import gguf_gemm as gguf_kernels
 from workers.kernels import int_gemm as int_kernels
+from workers.quant import gguf_packed
 from workers.quant.gguf_packed import GGUFMatmul
 from workers.quant.linear import QuantizedMatmul
-from workers.models.fused_abi import DENSE, Layer, LoraStep, layer_struct
+from workers.models.fused_abi import DENSE, GGUF_KINDS, Layer, LoraStep, layer_struct
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ MAX_ROWS = small_gemm.MAX_ROWS[torch.float32]  # the fused MLP's and the fp32 ma
 # a stack with int8/int4 projections: the rows the VNNI kernels are built for (more are
 # compute-bound there; the layers one by one give them to `QuantizedMatmul`'s choice)
 MAX_PACKED_ROWS = 8
+# a stack with GGUF projections only: the rows its block kernel is ahead of dequantizing for
+# (at 32 streams of SmolLM2's Q4_1 file, offline: 258-284 tokens/s against 131-143 with 8)
+MAX_GGUF_ROWS = gguf_packed.DECODE_ROWS
 _ERRORS = {-1: (IndexError, "a position is outside a layer's rotary cache"),
            -2: (IndexError, "a slot is outside the KV cache"),
            -3: (MemoryError, "the fused decoder layers could not allocate their scratch"),
@@ -147,9 +152,9 @@ class FusedDecoderStack:
         self.kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.kv_pointers = ctypes.c_void_p * len(layers)
         self.fn = load_kernel().decoder_stack_f32
-        packed = any(getattr(s, p).kind != DENSE for s in self.structs
-                     for p in Layer.PROJECTIONS)
-        self.max_rows = MAX_PACKED_ROWS if packed else MAX_ROWS
+        kinds = {getattr(s, p).kind for s in self.structs for p in Layer.PROJECTIONS}
+        self.max_rows = (MAX_ROWS if kinds == {DENSE} else
+                         MAX_GGUF_ROWS if kinds <= set(GGUF_KINDS.values()) else MAX_PACKED_ROWS)
 
     def link(self) -> ctypes.Array[Layer]:
         """The layers' structs, their LoRA stacks included: called again (`structs`) when

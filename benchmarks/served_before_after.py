@@ -1,0 +1,84 @@
+"""A change measured as users see it: two `cleave serve --in-process` servers of the real model
+(SmolLM2-135M-Instruct's Q4_1 file, served packed) side by side, one running an older checkout
+of Cleave (`--before`: a worktree, e.g. `git worktree add /tmp/before HEAD~1`, put first on its
+PYTHONPATH) and one this checkout, measured in alternation (the order flips each round), on the
+open-chat prompts of `speculative.py`, greedy, 96 tokens out, at 1, 8 and 32 concurrent streams.
+
+The bound is the older checkout in the same run: `after_<streams>_ratio` = output tokens/s of
+this checkout / the older one's (the rounds' medians); the texts must match (reported).
+
+    git worktree add /tmp/before <commit>
+    python benchmarks/served_before_after.py --before /tmp/before --label <name> [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+from typing import Any
+
+from results_io import RESULTS, command_line, emit
+from speculative import CHAT, MAX_TOKENS, Server, chat_load
+
+
+class Checkout(Server):
+    """`cleave serve --in-process` of SmolLM2 (`speculative.Server`) running the code at
+    `pythonpath` (None: this checkout)."""
+
+    def __init__(self, pythonpath: str | None) -> None:
+        super().__init__(None)
+        self.pythonpath = pythonpath
+
+    def start(self, timeout_s: float = 600.0) -> Checkout:
+        self._spawn(None if self.pythonpath is None
+                    else dict(os.environ, PYTHONPATH=self.pythonpath))
+        self._wait_healthy(timeout_s, 1.0)
+        return self
+
+
+def run(before: str, rounds: int, stream_counts: list[int]) -> dict[str, Any]:
+    servers = {"before": Checkout(before), "after": Checkout(None)}
+    for server in servers.values():
+        server.start()
+    result: dict[str, Any] = {}
+    try:
+        for server in servers.values():  # warm both (compiled kernels, caches)
+            asyncio.run(chat_load(server.base_url, CHAT, 8, 1, 1))
+        for streams in stream_counts:
+            runs: dict[str, list[dict]] = {"before": [], "after": []}
+            for r in range(rounds):
+                for name in (["before", "after"] if r % 2 == 0 else ["after", "before"]):
+                    runs[name].append(asyncio.run(chat_load(
+                        servers[name].base_url, CHAT, MAX_TOKENS["chat"], streams,
+                        max(6, streams))))
+            rates = {n: [round(x["tokens_per_s"], 2) for x in v] for n, v in runs.items()}
+            print(streams, rates, flush=True)
+            medians = {n: statistics.median(v) for n, v in rates.items()}
+            result[f"streams_{streams}"] = {
+                "before_tokens_per_s": medians["before"], "after_tokens_per_s": medians["after"],
+                "before_rounds": rates["before"], "after_rounds": rates["after"],
+                "same_texts": all(a["texts"] == b["texts"]
+                                  for a, b in zip(runs["before"], runs["after"]))}
+            result[f"after_{streams}_ratio"] = round(medians["after"] / medians["before"], 3)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="an older checkout's root (a worktree)")
+    parser.add_argument("--label", required=True, help="names the result file")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    args = parser.parse_args(argv)
+    result = run(args.before, args.rounds, args.streams)
+    result["command"] = command_line(argv)
+    return emit(result, RESULTS / f"served_before_after_{args.label}.json")
+
+
+if __name__ == "__main__":
+    main()
