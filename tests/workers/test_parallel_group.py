@@ -31,11 +31,17 @@ def ready_then_silent(rank: int, conn) -> None:
 
 
 def healthy_or_exit(rank: int, conn) -> None:
-    """Rank 0 waits for its shutdown; rank 1 dies at its first step."""
+    """Rank 0 takes its first step and waits for its shutdown (as a healthy rank waits for its
+    peers); rank 1 dies at its first step. (Rank 0 used to return after the step, exiting with
+    code 0 as rank 1 exited with 3, and the group named whichever exit it saw first.)"""
     if rank == 1:
         ready_then_exit(rank, conn)
     conn.send(Ready(rank))
-    conn.recv()
+    conn.recv()  # the step
+    try:
+        conn.recv()  # Shutdown, or the driver's end closing
+    except EOFError:
+        pass
 
 
 def test_a_rank_that_dies_mid_step_fails_the_step_and_stops_the_group():
