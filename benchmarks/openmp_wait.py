@@ -16,13 +16,12 @@ with libgomp's default (the rounds' medians); the texts must match (reported).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import statistics
 from typing import Any
 
 from results_io import RESULTS, command_line, emit
+from served_before_after import paired_rounds
 from serving_ray import RayApp
-from speculative import CHAT, MAX_TOKENS, Server, chat_load
+from speculative import Server
 
 LIBGOMP_DEFAULT = {"GOMP_SPINCOUNT": "300000"}
 
@@ -50,33 +49,17 @@ def make(layer: str, env: dict[str, str] | None) -> Any:
 
 
 def run(layer: str, rounds: int, stream_counts: list[int]) -> dict[str, Any]:
-    servers = {"libgomp": make(layer, LIBGOMP_DEFAULT), "cleave": make(layer, None)}
-    for server in servers.values():
-        server.start()
     result: dict[str, Any] = {}
-    try:
-        for server in servers.values():  # warm both (compiled kernels, caches)
-            asyncio.run(chat_load(server.base_url, CHAT, 8, 1, 1))
-        for streams in stream_counts:
-            runs: dict[str, list[dict]] = {"libgomp": [], "cleave": []}
-            for r in range(rounds):
-                for name in (["libgomp", "cleave"] if r % 2 == 0 else ["cleave", "libgomp"]):
-                    runs[name].append(asyncio.run(chat_load(
-                        servers[name].base_url, CHAT, MAX_TOKENS["chat"], streams,
-                        max(6, streams))))
-            rates = {n: [round(x["tokens_per_s"], 2) for x in v] for n, v in runs.items()}
-            print(layer, streams, rates, flush=True)
-            medians = {n: statistics.median(v) for n, v in rates.items()}
-            key = f"{layer}_{streams}"
-            result[key] = {"libgomp_tokens_per_s": medians["libgomp"],
-                           "cleave_tokens_per_s": medians["cleave"],
-                           "libgomp_rounds": rates["libgomp"], "cleave_rounds": rates["cleave"],
-                           "same_texts": all(a["texts"] == b["texts"] for a, b in
-                                             zip(runs["libgomp"], runs["cleave"]))}
-            result[f"{key}_ratio"] = round(medians["cleave"] / medians["libgomp"], 3)
-    finally:
-        for server in servers.values():
-            server.stop()
+    pairs = paired_rounds({"libgomp": make(layer, LIBGOMP_DEFAULT), "cleave": make(layer, None)},
+                          rounds, stream_counts)
+    for streams, pair in pairs.items():
+        medians, key = pair["median"], f"{layer}_{streams}"
+        result[key] = {"libgomp_tokens_per_s": medians["libgomp"],
+                       "cleave_tokens_per_s": medians["cleave"],
+                       "libgomp_rounds": pair["rounds"]["libgomp"],
+                       "cleave_rounds": pair["rounds"]["cleave"],
+                       "same_texts": pair["same_texts"]}
+        result[f"{key}_ratio"] = round(medians["cleave"] / medians["libgomp"], 3)
     return result
 
 

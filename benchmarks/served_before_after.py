@@ -38,33 +38,49 @@ class Checkout(Server):
         return self
 
 
-def run(before: str, rounds: int, stream_counts: list[int]) -> dict[str, Any]:
-    servers = {"before": Checkout(before), "after": Checkout(None)}
+def paired_rounds(servers: dict[str, Any], rounds: int, stream_counts: list[int],
+                  ) -> dict[int, dict[str, Any]]:
+    """Starts the two `servers` (name -> a server with `start`, `stop`, `base_url`), warms
+    both, then at each stream count runs `rounds` rounds of the chat prompts on each in turn
+    (the order flips each round); stops them. Per stream count: each server's tokens/s by
+    round and their median, and whether their texts matched round by round."""
     for server in servers.values():
         server.start()
-    result: dict[str, Any] = {}
+    out: dict[int, dict[str, Any]] = {}
+    first, second = servers
     try:
         for server in servers.values():  # warm both (compiled kernels, caches)
             asyncio.run(chat_load(server.base_url, CHAT, 8, 1, 1))
         for streams in stream_counts:
-            runs: dict[str, list[dict]] = {"before": [], "after": []}
+            runs: dict[str, list[dict]] = {first: [], second: []}
             for r in range(rounds):
-                for name in (["before", "after"] if r % 2 == 0 else ["after", "before"]):
+                for name in ([first, second] if r % 2 == 0 else [second, first]):
                     runs[name].append(asyncio.run(chat_load(
                         servers[name].base_url, CHAT, MAX_TOKENS["chat"], streams,
                         max(6, streams))))
             rates = {n: [round(x["tokens_per_s"], 2) for x in v] for n, v in runs.items()}
             print(streams, rates, flush=True)
-            medians = {n: statistics.median(v) for n, v in rates.items()}
-            result[f"streams_{streams}"] = {
-                "before_tokens_per_s": medians["before"], "after_tokens_per_s": medians["after"],
-                "before_rounds": rates["before"], "after_rounds": rates["after"],
-                "same_texts": all(a["texts"] == b["texts"]
-                                  for a, b in zip(runs["before"], runs["after"]))}
-            result[f"after_{streams}_ratio"] = round(medians["after"] / medians["before"], 3)
+            out[streams] = {"rounds": rates,
+                            "median": {n: statistics.median(v) for n, v in rates.items()},
+                            "same_texts": all(a["texts"] == b["texts"]
+                                              for a, b in zip(runs[first], runs[second]))}
     finally:
         for server in servers.values():
             server.stop()
+    return out
+
+
+def run(before: str, rounds: int, stream_counts: list[int]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    pairs = paired_rounds({"before": Checkout(before), "after": Checkout(None)}, rounds,
+                          stream_counts)
+    for streams, pair in pairs.items():
+        medians = pair["median"]
+        result[f"streams_{streams}"] = {
+            "before_tokens_per_s": medians["before"], "after_tokens_per_s": medians["after"],
+            "before_rounds": pair["rounds"]["before"], "after_rounds": pair["rounds"]["after"],
+            "same_texts": pair["same_texts"]}
+        result[f"after_{streams}_ratio"] = round(medians["after"] / medians["before"], 3)
     return result
 
 
