@@ -26,24 +26,9 @@ from speculative import Server
 LIBGOMP_DEFAULT = {"GOMP_SPINCOUNT": "300000"}
 
 
-class InProcess(Server):
-    """`cleave serve --in-process` of SmolLM2 (`speculative.Server`), with `env` added."""
-
-    def __init__(self, env: dict[str, str] | None) -> None:
-        super().__init__(None)
-        self.env = env
-
-    def start(self, timeout_s: float = 600.0) -> InProcess:
-        import os
-
-        self._spawn(None if self.env is None else dict(os.environ, **self.env))
-        self._wait_healthy(timeout_s, 1.0)
-        return self
-
-
 def make(layer: str, env: dict[str, str] | None) -> Any:
     if layer == "inprocess":
-        return InProcess(env)
+        return Server(None, env=env)
     return RayApp("smollm2", "smollm2", prefill=0, decode=1, num_cpus=2,
                   extra_args=("--max-num-seqs", "64"), env=env)
 

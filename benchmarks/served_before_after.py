@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 from typing import Any
 
@@ -23,19 +22,10 @@ from results_io import RESULTS, command_line, emit
 from speculative import CHAT, MAX_TOKENS, Server, chat_load
 
 
-class Checkout(Server):
-    """`cleave serve --in-process` of SmolLM2 (`speculative.Server`) running the code at
-    `pythonpath` (None: this checkout)."""
-
-    def __init__(self, pythonpath: str | None) -> None:
-        super().__init__(None)
-        self.pythonpath = pythonpath
-
-    def start(self, timeout_s: float = 600.0) -> Checkout:
-        self._spawn(None if self.pythonpath is None
-                    else dict(os.environ, PYTHONPATH=self.pythonpath))
-        self._wait_healthy(timeout_s, 1.0)
-        return self
+def checkout(pythonpath: str | None) -> Server:
+    """`cleave serve --in-process` of SmolLM2 running the code at `pythonpath` (None: this
+    checkout)."""
+    return Server(None, env=None if pythonpath is None else {"PYTHONPATH": pythonpath})
 
 
 def paired_rounds(servers: dict[str, Any], rounds: int, stream_counts: list[int],
@@ -72,7 +62,7 @@ def paired_rounds(servers: dict[str, Any], rounds: int, stream_counts: list[int]
 
 def run(before: str, rounds: int, stream_counts: list[int]) -> dict[str, Any]:
     result: dict[str, Any] = {}
-    pairs = paired_rounds({"before": Checkout(before), "after": Checkout(None)}, rounds,
+    pairs = paired_rounds({"before": checkout(before), "after": checkout(None)}, rounds,
                           stream_counts)
     for streams, pair in pairs.items():
         medians = pair["median"]

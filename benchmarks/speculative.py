@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -70,9 +71,12 @@ MAX_TOKENS = {"repeat": 128, "chat": 96}
 
 
 class Server(ServerProcess):
-    """`cleave serve --in-process` of SmolLM2 on the CPU, with `speculative` or none."""
+    """`cleave serve --in-process` of SmolLM2 on the CPU, with `speculative` or none; `env`:
+    variables set for it beside this process's (a PYTHONPATH, OpenMP's)."""
 
-    def __init__(self, speculative: dict | None, fp32: bool = False) -> None:
+    def __init__(self, speculative: dict | None, fp32: bool = False,
+                 env: dict[str, str] | None = None) -> None:
+        self.env = env
         self.http_port, grpc_port = free_ports(2)
         self.command = [CLEAVE, "serve", "--in-process", "--model", "smollm2", "--device", "cpu",
                         "--port", str(self.http_port), "--grpc-port", str(grpc_port),
@@ -83,7 +87,7 @@ class Server(ServerProcess):
             self.command += ["--no-gguf-packed"]
 
     def start(self, timeout_s: float = 600.0) -> Server:
-        self._spawn()
+        self._spawn(None if self.env is None else dict(os.environ, **self.env))
         self._wait_healthy(timeout_s, 1.0)
         return self
 

@@ -14,7 +14,8 @@ engine's step thread beside an event loop that ran a parallel torch op.
 `OMP_WAIT_POLICY=ACTIVE` raises the throttled count to 1,000 spins (tens of microseconds, about
 the gap between a step's regions), and `GOMP_SPINCOUNT=300000` keeps the unthrottled count at
 libgomp's default: ACTIVE alone spins 30 billion times, so an idle server would hold its cores.
-Measured in `benchmarks/openmp_wait.py` (in `benchmarks/results/openmp_wait.json`).
+Measured in `benchmarks/openmp_wait.py` (`benchmarks/results/openmp_wait_inprocess.json`,
+`openmp_wait_ray.json`).
 
 libgomp reads the variables once, when torch loads it: set before anything imports torch;
 the processes `cleave` starts (Ray's raylet and workers, `--process-per-worker`'s) inherit
