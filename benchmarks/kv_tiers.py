@@ -124,7 +124,8 @@ def report(results: list[tuple[int, RequestResult]], duration_s: float) -> dict:
 
 def kv_bytes_per_token(model: str) -> int:
     from workers.engine.kv_cache.spec import KVCacheSpec
-    from workers.models.model_config import ModelConfig, resolve_dtype
+    from workers.models.dtypes import resolve_dtype
+    from workers.models.model_config import ModelConfig
 
     mc = ModelConfig.from_pretrained(model)
     spec = KVCacheSpec(mc.num_hidden_layers, 1, 1, mc.kv_cache_heads, mc.kv_cache_head_dim,

@@ -62,3 +62,23 @@ def test_a_status_read_raises_what_serve_raised(monkeypatch):
     monkeypatch.setattr(serve, "status", broken)
     with pytest.raises(ConnectionError, match="controller is gone"):
         app_state.app_status(timeout_s=5)
+
+
+def test_the_serve_replicas_start_without_torch(tiny_model):
+    """Only a pool's `EngineActor` runs the engine: a pool replica (its module, the engine
+    spec and the model check it builds), a router and the directory import no torch, each ~2 s
+    of CPU less to start."""
+    code = f"""
+import sys
+import cluster.app, cluster.autoscaling, cluster.directory, cluster.ingress, cluster.pool
+from cluster.config import CleaveConfig
+from workers.models.model_config import ModelConfig
+from tests.cluster.conftest import app_config
+config = CleaveConfig.parse(app_config({tiny_model!r}))
+spec = cluster.pool.engine_spec(config, "decode", "decode-0")
+config.check_against_model(ModelConfig.from_pretrained(spec.engine.model))
+sys.exit(3 if "torch" in sys.modules else 0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, f"torch was imported (rc {out.returncode}): {out.stderr[-2000:]}"

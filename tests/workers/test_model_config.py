@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from workers.models.model_config import ModelConfig, RopeScaling, resolve_dtype
+from workers.models.dtypes import resolve_dtype
+from workers.models.model_config import ModelConfig, RopeScaling
 from workers.models.rotary import compute_inv_freq
 
 transformers = pytest.importorskip("transformers")

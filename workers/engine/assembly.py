@@ -16,7 +16,8 @@ from workers.attention import get_backend
 from workers.engine.config import EngineConfig
 from workers.models.loader import load_model
 from workers.kernels.kv_quant import KV_QUANT_DTYPES
-from workers.models.model_config import ModelConfig, resolve_dtype
+from workers.models.dtypes import resolve_dtype
+from workers.models.model_config import ModelConfig
 from workers.engine.parallel.executor import (GroupExecutor, GroupOptions, LocalExecutor,
                                               ModelExecutor)
 from workers.engine.parallel.group import SpawnLauncher

@@ -27,7 +27,8 @@ from workers.engine.grammar import Grammars
 from workers.engine.intake import Intake
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.load import engine_stats
-from workers.models.model_config import ModelConfig, resolve_dtype
+from workers.models.dtypes import resolve_dtype
+from workers.models.model_config import ModelConfig
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.parallel.validate import check_parallel
 from workers.contract.protocol import (

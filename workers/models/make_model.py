@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 
 from workers.models.checkpoint_shapes import hf_weight_shapes, random_weight
 from workers.models.kit_configs import ARCHITECTURES, TOKENIZER_FAMILY, PRESETS, hf_config
-from workers.models.model_config import ModelConfig, resolve_dtype
+from workers.models.dtypes import resolve_dtype
+from workers.models.model_config import ModelConfig
 
 # bump when the files make_model writes change, so cached defaults are rebuilt
 _FORMAT_VERSION = 2  # 2: chat templates that render tools (llama, mistral)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.models.dtypes import resolve_dtype
 from workers.models.mla_config import MLAConfig, parse_mla
 from workers.models.moe_config import MoEConfig, parse_moe
 from workers.quant.scheme import QuantScheme, parse_quantization
@@ -293,5 +292,4 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling",
-           "resolve_dtype"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling"]

@@ -102,7 +102,8 @@ def rank_main(setup: RankSetup, conn: RankConn) -> None:
 class _StageRunner:
     def __init__(self, setup: RankSetup) -> None:
         from workers.models.loader import load_model
-        from workers.models.model_config import ModelConfig, resolve_dtype
+        from workers.models.dtypes import resolve_dtype
+        from workers.models.model_config import ModelConfig
         from workers.models.layers import Shard
 
         self.setup = setup
