@@ -111,10 +111,14 @@ def _serve_in_process(config: CleaveConfig, process_per_worker: bool) -> int:
     plan = in_process_plan(config, model_path(config))
     count = {p.name: p.replicas for p in plan.pools}
     where = "worker processes behind this one" if process_per_worker else "this process"
-    print(f"cleave: serving {plan.router.model_path} in {where} on "
-          f"http://{plan.host}:{plan.http_port} (OpenAI API) and {plan.host}:{plan.grpc_port} "
-          f"(gRPC): {count}", file=sys.stderr)
-    serve_local(plan, process_per_worker)
+
+    def ready(http_port: int, grpc_port: int) -> None:
+        # said once both ports listen (a signal before then stops the start-up instead)
+        print(f"cleave: serving {plan.router.model_path} in {where} on "
+              f"http://{plan.host}:{http_port} (OpenAI API) and {plan.host}:{grpc_port} "
+              f"(gRPC): {count}", file=sys.stderr, flush=True)
+
+    serve_local(plan, process_per_worker, ready)
     return 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -136,12 +137,14 @@ class _Stack:
     def grpc_port(self) -> int:
         return self.front.grpc_port
 
-    async def serve(self, ready: threading.Event | None = None) -> None:
+    async def serve(self, ready: Callable[[int, int], None] | None = None) -> None:
+        """Serve until the HTTP server stops; `ready(http_port, grpc_port)` once both listen
+        (and the HTTP server holds SIGINT and SIGTERM)."""
         await self.router.start()
         await self.front.start()
         try:
             if ready is not None:
-                ready.set()
+                ready(self.http_port, self.grpc_port)
             logger.info("serving %s: HTTP on %s:%d, gRPC on %s:%d", self.router.model_name,
                         self.config.host, self.http_port, self.config.host, self.grpc_port)
             await self.front.wait()
@@ -155,11 +158,12 @@ class _Stack:
         self.front.request_stop()
 
 
-def serve_local(plan: InProcessPlan, process_per_worker: bool = False) -> None:
-    """Serve `plan` (`cluster.settings.in_process_plan`) until SIGINT or SIGTERM. Must run on
-    the main thread (uvicorn takes the signals)."""
+def serve_local(plan: InProcessPlan, process_per_worker: bool = False,
+                ready: Callable[[int, int], None] | None = None) -> None:
+    """Serve `plan` (`cluster.settings.in_process_plan`) until SIGINT or SIGTERM; `ready`
+    as `_Stack.serve`'s. Must run on the main thread (uvicorn takes the signals)."""
     stack = _Stack(plan, build_workers(plan, process_per_worker))
-    event_loop.run(stack.serve())
+    event_loop.run(stack.serve(ready))
 
 
 class LocalServer:
@@ -200,7 +204,7 @@ class LocalServer:
     def _run(self) -> None:
         self.loop = event_loop.new_event_loop()
         try:
-            self.loop.run_until_complete(self._stack.serve(self._ready))
+            self.loop.run_until_complete(self._stack.serve(lambda *_: self._ready.set()))
         except BaseException as exc:  # noqa: BLE001 -- surfaced by start()
             self._error = exc
             self._ready.set()

@@ -77,12 +77,16 @@ def serve(env: dict[str, str], stderr: Path, port: int, grpc_port: int) -> subpr
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops it: it must exit by itself. (Its "serving" line came before
+    the servers took the signals once, and a SIGINT right after it was lost where it started
+    with SIGINT ignored, as under a non-interactive shell's `&`: 60 s, then killed.)"""
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+        raise AssertionError("cleave serve did not stop within 60 s of SIGINT") from None
 
 
 def test_cleave_serve_with_no_index_says_so_once_and_serves_the_tiny_model(tmp_path):
