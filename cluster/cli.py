@@ -113,7 +113,8 @@ def _serve_in_process(config: CleaveConfig, process_per_worker: bool) -> int:
     where = "worker processes behind this one" if process_per_worker else "this process"
 
     def ready(http_port: int, grpc_port: int) -> None:
-        # said once both ports listen (a signal before then stops the start-up instead)
+        # said once both ports listen and uvicorn holds SIGINT/SIGTERM: whoever waits for
+        # this line can stop the server at once, even if it started with SIGINT ignored
         print(f"cleave: serving {plan.router.model_path} in {where} on "
               f"http://{plan.host}:{http_port} (OpenAI API) and {plan.host}:{grpc_port} "
               f"(gRPC): {count}", file=sys.stderr, flush=True)
