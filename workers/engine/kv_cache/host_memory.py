@@ -43,7 +43,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
           huge_pages: bool = True) -> torch.Tensor:
     """`torch.zeros(shape)`; on the host an anonymous mapping (committed when written), backed
     by huge pages when `huge_pages` (and allowed)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     # the tensor keeps the mapping alive (torch.frombuffer holds a reference to it)
