@@ -9,6 +9,7 @@ prefix cache kept apart per adapter. Under TP=2: `tests/workers/test_parallel_en
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -22,7 +23,10 @@ from workers import LLM, SamplingParams
 from workers.engine.parallel.messages import StepMessage
 from workers.models.lora import LoraAdapterError
 
-peft = pytest.importorskip("peft", reason="PEFT is the oracle (the test extras install it)")
+# PEFT is imported where a test uses it: at the top it cost every pytest-xdist worker 2.7 s
+# of collection, the one running this file included
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="PEFT is the oracle (the test extras install it)")
 
 STEPS = 32
 TOL = 1e-4
@@ -223,6 +227,7 @@ def test_lora_on_an_moe_s_experts_prefill_logits_match_peft_in_a_mixed_step(fami
     interleaved per-expert rank blocks): one prefill step of the base model, the experts-only
     adapter and the attention + experts one gives each sequence PEFT's logits within 1e-4, and
     each adapter's expert products are what moves them (the base model's are far off)."""
+    import peft
     import transformers
 
     path, folders, _ = family
