@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
+from types import FrameType
 
 import grpc
 import uvicorn
@@ -25,6 +27,20 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 5
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, which stops on SIGINT or SIGTERM as uvicorn does, without raising the
+    signal again once it has stopped (uvicorn does, for whoever embeds it): the process that
+    holds it stops on its own after. Re-raised, SIGINT ended `cleave serve --in-process` in a
+    KeyboardInterrupt traceback (killed by SIGINT) and SIGTERM in exit status 143, where a
+    graceful stop exits 0."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop without waiting for requests
+        else:
+            self.should_exit = True
+
+
 class FrontEnds:
     """HTTP and gRPC servers over one `Router`. `start()` returns once both listen;
     `http_port` and `grpc_port` are then the bound ports (0 asks for any free one)."""
@@ -36,7 +52,7 @@ class FrontEnds:
         self.http_port = http_port
         self.grpc_port = grpc_port
         self.reuse_port = reuse_port
-        self._uvicorn: uvicorn.Server | None = None
+        self._uvicorn: _Server | None = None
         self._grpc: grpc.aio.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
@@ -54,7 +70,7 @@ class FrontEnds:
         sock.bind((self.host, self.http_port))
         self._sock = sock
         self.http_port = sock.getsockname()[1]
-        self._uvicorn = uvicorn.Server(uvicorn.Config(
+        self._uvicorn = _Server(uvicorn.Config(
             create_app(self.router), log_level="warning", lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         await self._grpc.start()

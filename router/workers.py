@@ -126,9 +126,12 @@ class WorkerSet:
         await client.close()
 
     async def stop(self) -> None:
+        """Stop the background work and forget the workers: their clients, closed by their
+        owner as the server stops, report themselves unreachable, which is no news then."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.clients.clear()
 
     async def _seed(self, client: WorkerClient) -> None:
         """The worker's prefix cache and load as of now; then its pushed updates."""

@@ -137,7 +137,9 @@ def test_serve_in_process_answers_the_openai_client_then_stops(tmp_path, tiny_mo
         assert out.usage.completion_tokens == 4
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "unreachable" not in err, err[-2000:]  # stopping is not a worker going missing
 
 
 def test_every_flag_has_a_help_line():
