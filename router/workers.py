@@ -4,14 +4,12 @@ fed from the workers' KV events. Torch-free.
 Loads and KV events are pushed: each `WorkerClient` tells the set (`on_outputs`) what arrived on
 its worker's output channel, with every engine step and on the channel's heartbeat, so routing
 reads no stats per request. Requests routed to a worker since its last report count as waiting
-there (`note_routed`), so a burst does not pile onto the worker that looked idlest a moment ago; the
-LoRA adapters in each worker's slots come with its reports (`router.residency`).
-The loads live in one `router.loads.LoadTable`, a row per worker updated in place by each
-report; a pool's loads are that table with the pool's rows as candidates, so reading them costs
-nothing per worker. Rows are never reused: a table read before a worker left still names it
-(and `LoadTable.without` drops it as no longer present).
-The orchestrator, the policies' inputs and the metrics read this set through its public methods.
-"""
+there (`note_routed`), so a burst does not pile onto the worker that looked idlest a moment ago;
+the LoRA adapters in each worker's slots come with its reports (`router.residency`). The loads
+live in one `router.loads.LoadTable`, a row per worker updated in place by each report; a pool's
+loads are that table with the pool's rows as candidates (no cost per worker). Rows are never
+reused: a table read before a worker left still names it (`LoadTable.without` drops it). The
+orchestrator, the policies' inputs and the metrics read this set through its public methods."""
 
 from __future__ import annotations
 
@@ -126,8 +124,7 @@ class WorkerSet:
         await client.close()
 
     async def stop(self) -> None:
-        """Stop the background work and forget the workers: their clients, closed by their
-        owner as the server stops, report themselves unreachable, which is no news then."""
+        """Stop; forget the workers (their clients, closed as the server stops, are no news)."""
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
