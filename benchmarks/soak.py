@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -284,6 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
     time.sleep(2.0)
     result["shutdown_s"] = round(time.monotonic() - stop_started, 1)
     result["ray_processes_left"] = len(ray_processes(RAY_TMPDIR))
+    if not result["ray_processes_left"]:  # else kept: their logs are there
+        shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
     result["command"] = command_line(argv)
     return emit(result, args.out)
 
