@@ -365,3 +365,59 @@ def test_a_gguf_stack_fuses_up_to_its_block_kernels_rows_and_equals_the_layers(g
             assert all(map(torch.equal, got_caches, want_caches)), (rows, threads)
     _, _, caches, meta = decode_batch(gguf_model, stack.max_rows + 1, torch.float32)
     assert not stack.takes(torch.empty(stack.max_rows + 1, 1), meta, caches)
+
+
+@pytest.mark.parametrize("kind", ["int8", "gguf"])
+def test_lora_over_packed_weights_in_the_stack_is_torch_s_products(kind, tiny_model, tmp_path,
+                                                                    monkeypatch):
+    """Adapters over packed projections (int8; a GGUF file's Q4_1 blocks): their products added
+    inside the fused stack after each packed matmul (`lora_add_f32`, in a mixed batch with the
+    base model) give the tokens, and logprobs within 1e-5, of the layers one by one with the
+    products as torch's matmuls."""
+    from pathlib import Path
+
+    from workers.kernels import lora_add
+    from workers.models.lora.make_adapter import ATTENTION, MLP, make_adapter
+
+    if kind == "int8":
+        if not int_kernels.available():
+            pytest.skip("no AVX-512 VNNI here")
+        path, options = _quantized(tiny_model, tmp_path, "int8"), {"fp32_int_kernels": True}
+    else:
+        pytest.importorskip("gguf")
+        from tests.workers.gguf_files import write_gguf
+
+        path, options = str(write_gguf(Path(tiny_model), tmp_path / "q4_1.gguf", "Q4_1")), {}
+    folders = {n: make_adapter(tiny_model, tmp_path / n, rank=8, seed=s, targets=ATTENTION + MLP)
+               for s, n in enumerate(("a", "b"))}
+    modules = tuple(f"{n}={f}" for n, f in folders.items())
+    prompts = [[3 + i, 5, 7 + 2 * i] * (1 + i % 3) for i in range(6)]
+    loras = [None, "a", "b", "a", None, "b"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def run(fused: bool) -> list:
+        llm = LLM(path, num_blocks=64, block_size=4, dtype="float32", enable_lora=True,
+                  max_loras=2, max_lora_rank=8, lora_modules=modules, **options)
+        stack = llm.engine.runner.executor.model.model.fused_stack
+        assert {s.qkv.kind for s in stack.structs} != {fused_abi.DENSE}
+        if not fused:
+            llm.engine.runner.executor.model.model.fused_stack = None
+            monkeypatch.setattr(lora_add, "takes", lambda *args: False)
+        else:
+            fn, with_adapters = stack.fn, []
+
+            def counted(*args):
+                with_adapters.append(args[16] is not None)  # the step's adapter rows, or NULL
+                return fn(*args)
+
+            monkeypatch.setattr(stack, "fn", counted)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, lora_name=loras)]
+        if fused:
+            assert any(with_adapters), "no step with adapter rows ran fused"
+        return outs
+
+    got, want = run(fused=True), run(fused=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx(
+            [lp.logprob for lp in w.logprobs], abs=1e-5)

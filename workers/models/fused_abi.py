@@ -26,10 +26,15 @@ class Proj(ctypes.Structure):
                 ("kind", ctypes.c_int32), ("scales_bf16", ctypes.c_int32)]
 
 
-class LoraProj(ctypes.Structure):
-    """`lora_t`: one projection's LoRA stacks (`LoraProjection` a, b), a NULL: none."""
+MAX_SUBS = 4  # `lora_t`'s column_ends
 
-    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("width", ctypes.c_int64)]
+
+class LoraProj(ctypes.Structure):
+    """`lora_t`: one projection's LoRA stacks (`LoraProjection` a, bt, column_ends), a NULL:
+    none."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("bt", ctypes.c_void_p), ("width", ctypes.c_int64),
+                ("num_subs", ctypes.c_int64), ("column_ends", ctypes.c_int64 * MAX_SUBS)]
 
 
 class LoraStep(ctypes.Structure):
@@ -77,8 +82,10 @@ def _lora(layer: Any) -> LoraProj:
     """The C struct of a projection's LoRA stacks (workers.models.lora), zeros when it has none."""
     hook = getattr(layer, "lora", None)
     if hook is None:
-        return LoraProj(None, None, 0)
-    return LoraProj(hook.a.data_ptr(), hook.b.data_ptr(), hook.a.shape[1])
+        return LoraProj(None, None, 0, 0)
+    ends = hook.column_ends if len(hook.column_ends) <= MAX_SUBS else (hook.out_features,)
+    return LoraProj(hook.a.data_ptr(), hook.bt.data_ptr(), hook.a.shape[1], len(ends),
+                    (ctypes.c_int64 * MAX_SUBS)(*ends))
 
 
 def layer_struct(layer: Any) -> Layer:

@@ -44,10 +44,12 @@ typedef struct {
 } proj_t;
 
 /* One projection's LoRA stacks (workers/models/lora/projection.py `LoraProjection`): A [slots,
- * width, K], B [slots, N, width] scaled; a NULL: the projection takes none. */
+ * width, K], B transposed and scaled [slots, width, N], the subs' column ends (kernels.h
+ * `lora_args_t`); a NULL: the projection takes none. */
 typedef struct {
-    const float *a, *b;
-    int64_t width;
+    const float *a, *bt;
+    int64_t width, num_subs;
+    int64_t column_ends[4];
 } lora_t;
 
 /* A step's adapter rows, grouped by slot (`LoraBatch`): rows [num_rows] and segments
@@ -55,7 +57,7 @@ typedef struct {
 typedef struct {
     const int64_t *rows, *segments;
     int64_t num_segments, num_rows;
-    float *scratch; /* set here: num_rows * (K + width + N) floats for any projection */
+    float *scratch; /* set here: num_rows * width floats for each of a layer's projections */
 } lora_step_t;
 
 enum { DENSE = 0, INT8 = 1, INT4 = 2, GGUF_Q8_0 = 3, GGUF_Q4_0 = 4, GGUF_Q4_1 = 5 };
@@ -78,13 +80,11 @@ enum { OK = 0, BAD_POSITION = -1, BAD_SLOT = -2, NO_MEMORY = -3, INT_KERNEL = -4
 
 static int dense_mlp(const layer_t *L) { return L->gate_up.kind == DENSE && L->down.kind == DENSE; }
 
-/* floats of LoRA scratch (`lora_add_f32`) any projection of one layer needs for `rows` rows:
- * more than its largest input, stack width and output */
+/* floats of LoRA scratch (the shrunk rows) one layer's projections need for `rows` rows: the
+ * MLP's two side by side, an attention projection's at the start */
 static int64_t lora_floats(const layer_t *L, int64_t rows) {
-    const int64_t q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
-    const int64_t widths = L->qkv_lora.width + L->o_lora.width + L->gate_up_lora.width
-                           + L->down_lora.width;
-    return rows * ((L->hidden + q + L->inter) + widths + (q + 2 * kv + L->hidden + 2 * L->inter));
+    return rows * (L->gate_up_lora.width + L->down_lora.width + L->qkv_lora.width
+                   + L->o_lora.width);
 }
 
 /* The step's LoRA arguments of a projection's stacks `p` in `out`, with scratch at `scratch`;
@@ -92,8 +92,8 @@ static int64_t lora_floats(const layer_t *L, int64_t rows) {
 static const lora_args_t *lora_args(const lora_t *p, const lora_step_t *step, float *scratch,
                                     lora_args_t *out) {
     if (step == NULL || p->a == NULL) return NULL;
-    *out = (lora_args_t){p->a, p->b, p->width, step->rows, step->segments, step->num_segments,
-                         step->num_rows, scratch};
+    *out = (lora_args_t){p->a, p->bt, p->width, p->num_subs, p->column_ends, step->rows,
+                         step->segments, step->num_segments, step->num_rows, scratch};
     return out;
 }
 
@@ -135,8 +135,7 @@ static int mlp(const layer_t *L, const lora_step_t *step, const float *x, float 
     float *ls = step != NULL ? step->scratch : NULL;
     const lora_args_t *gl = lora_args(&L->gate_up_lora, step, ls, &gu_args);
     const lora_args_t *dl = lora_args(
-        &L->down_lora, step, ls == NULL ? NULL : ls + rows * (H + L->gate_up_lora.width + 2 * I),
-        &down_args);
+        &L->down_lora, step, ls == NULL ? NULL : ls + rows * L->gate_up_lora.width, &down_args);
     if (dense_mlp(L))
         return small_mlp_lora_f32(x, L->gate_up.w, L->down.w, y, rows, H, I, L->gelu, gl, dl,
                                   nt) != 0 ? NO_MEMORY : OK;

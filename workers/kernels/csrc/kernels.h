@@ -19,12 +19,15 @@ int small_mlp_f32(const float *x, const float *w_gate_up, const float *w_down, f
                   int64_t M, int64_t H, int64_t I, int gelu, int num_threads);
 int act_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int gelu,
                 int num_threads);
-/* One projection's LoRA for a step (small_gemm.c): A [slots, width, K], B [slots, N, width]
- * scaled; rows [num_rows] grouped by slot, segments [num_segments, 3] (slot, first, end) into
- * them; scratch: num_rows * (K + width + N) floats. */
+/* One projection's LoRA for a step (small_gemm.c): A [slots, width, K], B transposed and scaled
+ * [slots, width, N]; sub j of num_subs fills output columns [column_ends[j - 1] (0 for j = 0),
+ * column_ends[j]) from stack rows [j * width / num_subs, (j + 1) * width / num_subs) (B's other
+ * blocks are zeros); rows [num_rows] grouped by slot, segments [num_segments, 3] (slot, first,
+ * end) into them; scratch: num_rows * width floats. */
 typedef struct {
-    const float *a, *b;
-    int64_t width;
+    const float *a, *bt;
+    int64_t width, num_subs;
+    const int64_t *column_ends;
     const int64_t *rows, *segments;
     int64_t num_segments, num_rows;
     float *scratch;

@@ -177,7 +177,9 @@ class AdapterSlots:
                              f"and {max_rank}")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.batch = LoraBatch()
-        param = next(model.parameters())
+        # the activations' dtype: packed weights (int8, a GGUF file's blocks, its embedding's
+        # too) are integers, the norms are not
+        param = next(p for p in model.parameters() if p.is_floating_point())
         self.dtype, self.device = param.dtype, param.device
         self.projections: dict[str, LoraProjection] = {}  # our module path -> its hook
         self.targets: dict[str, TargetShape] = {}  # HF module path -> its shape, all ranks'
