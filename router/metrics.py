@@ -163,6 +163,9 @@ class _LoadCollector(Collector):
                                     "or decoded on the worker", labels=labels)
         kv = GaugeMetricFamily("cleave_worker_kv_usage", "Fraction of the worker's KV blocks "
                                "held by requests, 0 to 1", labels=labels)
+        lora_loads = CounterMetricFamily("cleave_worker_lora_adapter_loads", "LoRA adapters "
+                                         "copied into the worker's device slots (a slot taken "
+                                         "from another adapter included)", labels=labels)
         pools: dict[str, int] = {}
         w = self.workers
         for wid, info in w.infos.items():
@@ -173,11 +176,12 @@ class _LoadCollector(Collector):
                 waiting.add_metric([pool, wid], s.num_waiting)
                 running.add_metric([pool, wid], s.num_running)
                 kv.add_metric([pool, wid], s.kv_usage)
+                lora_loads.add_metric([pool, wid], s.num_lora_loads)
         workers = GaugeMetricFamily("cleave_pool_workers", "Workers (replicas) per pool",
                                     labels=["pool"])
         for pool, n in sorted(pools.items()):
             workers.add_metric([pool], n)
-        yield from (up, waiting, running, kv, workers)
+        yield from (up, waiting, running, kv, lora_loads, workers)
         yield from _speculation(w)
         yield GaugeMetricFamily("cleave_router_in_flight", "Requests admitted and not yet "
                                 "finished", value=self.in_flight())

@@ -350,8 +350,13 @@ def test_a_name_in_lora_dir_is_loaded_on_demand_once(lora_server, offline, folde
 
 def test_latency_per_adapter_is_scraped_from_metrics(lora_server):
     """TTFT and end-to-end latency histograms by adapter: a request under `sql` and one under
-    `tenant` (loaded on demand) each add one observation to their own adapter's series."""
+    `tenant` (loaded on demand) each add one observation to their own adapter's series; the
+    workers' counts of adapters copied into their slots grow by the on-demand one's."""
     from tests.router.test_metrics import scrape, total
+
+    loads = "cleave_worker_lora_adapter_loads_total"
+    if post(lora_server, "unload_lora_adapter", {"lora_name": "tenant"}).is_success:
+        assert settled(lora_server)  # an earlier test's copy gone: its next use copies it
 
     names = ("cleave_lora_time_to_first_token_seconds_count",
              "cleave_lora_e2e_request_latency_seconds_count")
@@ -365,5 +370,7 @@ def test_latency_per_adapter_is_scraped_from_metrics(lora_server):
                 total(before, name, adapter=adapter) + 1, (name, adapter)
         assert total(after, name) == total(before, name) + 2  # the base model's not counted
     assert total(after, "cleave_lora_time_to_first_token_seconds_sum", adapter="tenant") > 0
+    assert total(before, loads) >= 1  # `sql`, loaded at start, served by earlier tests
+    assert wait_until(lambda: total(scrape(lora_server), loads) > total(before, loads))
     assert post(lora_server, "unload_lora_adapter", {"lora_name": "tenant"}).is_success
     assert settled(lora_server)

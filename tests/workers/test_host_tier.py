@@ -241,3 +241,35 @@ def test_a_host_tier_too_small_for_a_block_is_refused(tiny_model):
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         LLM(tiny_model, num_blocks=20, host_kv_cache_memory_bytes=64 << 20,
             enable_prefix_caching=False)
+
+
+def test_host_tier_blocks_are_kept_apart_per_lora_adapter(tiny_model, tmp_path):
+    """A prompt's blocks under an adapter, evicted to host memory, come back for that adapter
+    (its text again) and never for the base model (nothing cached, the base model's text)."""
+    from workers.models.lora.make_adapter import ATTENTION, MLP, make_adapter
+
+    folder = make_adapter(tiny_model, tmp_path / "sql", rank=8, targets=ATTENTION + MLP, seed=1)
+    lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8,
+            "lora_modules": (f"sql={folder}",)}
+    llm = LLM(tiny_model, num_blocks=12, block_size=16, host_kv_cache_memory_bytes=64 << 20,
+              **lora)
+    reference = LLM(tiny_model, num_blocks=256, block_size=16, **lora)
+    rng = random.Random(3)
+    prompt = [rng.randrange(5, 500) for _ in range(80)]
+    want = {name: list(reference.generate([prompt], GREEDY, lora_name=name)[0].outputs[0]
+                       .token_ids) for name in ("sql", None)}
+    assert want["sql"] != want[None]
+
+    def run(name):
+        out = llm.generate([prompt], GREEDY, lora_name=name)[0]
+        return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+    assert run("sql") == (want["sql"], 0)
+    for _ in range(3):  # other prompts push its blocks out of the 12 on the device
+        llm.generate([[rng.randrange(5, 500) for _ in range(80)]], GREEDY)
+    host = llm.engine.kv.host
+    assert host.num_saved > 0
+    assert run(None) == (want[None], 0)
+    loaded = host.num_loaded
+    tokens, cached = run("sql")
+    assert tokens == want["sql"] and cached == 64 and host.num_loaded > loaded

@@ -477,3 +477,90 @@ def test_a_worker_switches_to_prefill_and_back_its_streams_moved_with_their_kv(p
     back = pair.call(router.switch_role(source, WorkerRole.BOTH))
     assert back.moved == 0 and router.pool(WorkerRole.PREFILL) == []
     assert wait_until(lambda: _idle(pair))
+
+
+@pytest.fixture(scope="module")
+def lora_pair(tiny_model, tmp_path_factory):
+    """Two aggregated workers with the adapter `sql` loaded at start, and the offline LLM with
+    it (the reference)."""
+    from cluster.local_server import LocalServeConfig, LocalServer
+    from workers.models.lora.make_adapter import ATTENTION, MLP, make_adapter
+
+    folder = make_adapter(tiny_model, tmp_path_factory.mktemp("lora") / "sql", rank=8,
+                          targets=ATTENTION + MLP, seed=1)
+    lora = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+            "lora_modules": (f"sql={folder}",)}
+    config = LocalServeConfig(tiny_model, num_workers=2, http_port=0, grpc_port=0,
+                              router={"api_keys": (API_KEY,), "kv_poll_interval_s": 0.2},
+                              engine={"num_blocks": NUM_BLOCKS, **lora})
+    server = slow_steps(LocalServer(config).start(), 0.005)
+    yield server, LLM(tiny_model, num_blocks=NUM_BLOCKS, **lora)
+    server.stop()
+
+
+def test_a_drain_moves_a_stream_under_an_adapter_with_its_kv_kept_apart_by_adapter(lora_pair):
+    """A stream under a LoRA adapter moves with its KV when its worker drains: the adapter's
+    undisturbed text (not the base model's), no prompt token computed on the target. The
+    blocks the target took stay the adapter's: while the source still drains, the same prompt
+    finds them cached under the adapter and not under the base model, whose text is the base
+    model's."""
+    import openai
+
+    pair, llm = lora_pair
+    prompt = list(_prompt(21, 37))
+    want = llm.generate([prompt], GREEDY, lora_name="sql")[0].outputs[0].text
+    base_text = llm.generate([prompt], GREEDY)[0].outputs[0].text
+    assert want != base_text  # the adapter changes the text: a dropped adapter would show
+    router = pair.router
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY)
+    chunks = iter(client.completions.create(
+        model="sql", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True}))
+    got = ""
+    while not got:
+        got += next(chunks).choices[0].text
+    source = next(w for w in ("worker-0", "worker-1") if router.migrations.on(w))
+    target = _worker(pair, 1 if source == "worker-0" else 0)
+    computed_on_target = _count_prompt_tokens(target)
+    try:
+        assert pair.call(router.drain(source)) == 1
+        got += "".join(c.choices[0].text for c in chunks)
+        assert got == want and computed_on_target[0] == 0
+
+        def cached(model: str) -> tuple[str, int]:
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                            temperature=0.0, extra_body={"ignore_eos": True})
+            return out.choices[0].text, out.usage.prompt_tokens_details.cached_tokens
+
+        assert cached("sql") == (want, 32)  # both full blocks of 16 of the prompt, on the target
+        assert cached(router.model_name) == (base_text, 0)
+    finally:
+        router.workers.draining.discard(source)
+    assert wait_until(lambda: _idle(pair))
+
+
+def test_a_stream_under_an_adapter_whose_worker_dies_goes_on_under_it(lora_pair):
+    """Its worker gone mid-stream (closed), a stream under an adapter is recomputed on the
+    other worker under the same adapter: the adapter's undisturbed text. (The module's last
+    test: it leaves one worker.)"""
+    import openai
+
+    pair, llm = lora_pair
+    prompt = list(_prompt(22, 30))
+    want = llm.generate([prompt], GREEDY, lora_name="sql")[0].outputs[0].text
+    router = pair.router
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY,
+                           max_retries=0)
+    chunks = iter(client.completions.create(
+        model="sql", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True}))
+    got = ""
+    while not got:
+        got += next(chunks).choices[0].text
+    source = next(w for w in ("worker-0", "worker-1") if router.migrations.on(w))
+    victim = pair.clients[0 if source == "worker-0" else 1]
+    failed = router.counters.fallbacks.get("decode_worker_failed", 0)
+    pair.call(victim.close())
+    got += "".join(c.choices[0].text for c in chunks)
+    assert got == want
+    assert router.counters.fallbacks.get("decode_worker_failed", 0) == failed + 1

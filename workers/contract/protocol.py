@@ -197,6 +197,7 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     lora_adapters: tuple[str, ...] = ()  # LoRA adapters in its device slots, least recent first
+    num_lora_loads: int = 0  # since start: adapters copied into a device slot, a counter
     # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):
     # the router routes nothing new there and moves the streams on it
     healthy: bool = True

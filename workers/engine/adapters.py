@@ -53,6 +53,10 @@ class NoAdapters:
         report's `lora_adapters`: the router routes by them)."""
         return ()
 
+    def num_loads(self) -> int:
+        """Adapters copied into a device slot since start (`SlotTable.num_loads`)."""
+        return 0
+
     def cache_name(self, lora_name: str | None) -> str | None:
         """What the prefix cache keys `lora_name`'s blocks by (`Adapters.cache_name`)."""
         return lora_name
@@ -108,6 +112,9 @@ class Adapters(NoAdapters):
 
     def resident(self) -> tuple[str, ...]:
         return tuple(self.slots.resident())
+
+    def num_loads(self) -> int:
+        return self.slots.num_loads
 
     def cache_name(self, lora_name: str | None) -> str | None:
         """What the prefix cache keys `lora_name`'s blocks by: its name, and from its second

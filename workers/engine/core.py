@@ -238,7 +238,7 @@ class Engine:
         steps: the async engine does after each step and publishes the copy for other threads."""
         return engine_stats(self.scheduler, self.kv, self.costs, self.speculator.method,
                             self.kv_pull_bytes_per_s, self.kv_fetch_fixed_s,
-                            self.adapters.resident())
+                            self.adapters.resident(), self.adapters.num_loads())
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.events.drain()

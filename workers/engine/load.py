@@ -12,10 +12,11 @@ from workers.engine.waiting_order import prompt_tokens_before_due
 
 def engine_stats(sched: Scheduler, kv: KVCacheManager, costs: StepCosts,
                  speculative_method: str | None, kv_pull_bytes_per_s: float,
-                 kv_fetch_fixed_s: float, lora_adapters: tuple[str, ...] = ()) -> EngineStats:
+                 kv_fetch_fixed_s: float, lora_adapters: tuple[str, ...] = (),
+                 num_lora_loads: int = 0) -> EngineStats:
     """An engine's stats now; call on its step thread, between steps. The two rates are the
     worker's transfer layer's measures, which the engine keeps; `lora_adapters`, those in its
-    device slots."""
+    device slots, and `num_lora_loads` the copies into them since start."""
     pool = kv.pool
     return EngineStats(len(sched.waiting), len(sched.running), pool.usage,
                        pool.num_free_blocks, pool.num_cached_blocks, pool.num_blocks,
@@ -28,6 +29,6 @@ def engine_stats(sched: Scheduler, kv: KVCacheManager, costs: StepCosts,
                        speculative_method=speculative_method,
                        num_draft_tokens=sched.num_draft_tokens,
                        num_accepted_tokens=sched.num_accepted_tokens,
-                       lora_adapters=lora_adapters,
+                       lora_adapters=lora_adapters, num_lora_loads=num_lora_loads,
                        num_due_prompt_tokens=(prompt_tokens_before_due(sched.running, sched.waiting)
                                               if sched.config.order_by_deadline else None))
