@@ -1,6 +1,6 @@
 """Adapter-affinity routing against round robin: a SIMULATION of the routing, not the served
-system. Issue 50's "4 workers, 16 adapters, 4 slots each": adapter loads per 1,000 requests
-and TTFT p90.
+system (`lora_affinity_served.py` measures that). Issue 50's "4 workers, 16 adapters, 4 slots
+each": adapter loads per 1,000 requests and TTFT p90.
 
 What is real: the router's routing policies (`router.policy`: `prefix_aware`, which prices an
 adapter load at its default `lora_load_blocks`, i.e. `RouterConfig.lora_load_cost_blocks`, and
