@@ -17,8 +17,8 @@ import pytest
 
 import torch
 
-from tests.workers.hf_oracle import (ATTENTION, DENSE_ADAPTERS, EXPERTS, greedy_reference,
-                                     peft_adapter, peft_family, save_hf_model)
+from tests.workers.hf_oracle import (ATTENTION, DENSE_ADAPTERS, EXPERTS, MLP,
+                                     greedy_reference, peft_adapter, peft_family, save_hf_model)
 from workers import LLM, SamplingParams
 from workers.engine.parallel.messages import StepMessage
 from workers.models.lora import LoraAdapterError
@@ -37,12 +37,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logp
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def family(request, tmp_path_factory):
-    """(checkpoint, adapter folders, references by (adapter or None, prompt)); an MoE's
-    adapters target its attention, and its experts (`MOE_ADAPTERS`), one its experts only
-    (Mixtral's: under `block_sparse_moe` here, transformers 5's `mlp`)."""
+    """(checkpoint, adapter folders, references by (adapter or None, prompt)): four adapters,
+    a dense family's on attention only, attention and MLP, MLP only, q and v (three ranks); an
+    MoE's on its attention, and its experts (`MOE_ADAPTERS`), one its experts only (Mixtral's:
+    under `block_sparse_moe` here, transformers 5's `mlp`), one k and v."""
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     moe = request.param in ("qwen3_moe", "mixtral")
-    extra = {"experts": ([], 4, 8, False, EXPERTS)} if moe else None
+    # four adapters each (the mixed batch: the base model, one adapter and three others)
+    extra = ({"experts": ([], 4, 8, False, EXPERTS), "kv": (["k_proj", "v_proj"], 2, 4, False)}
+             if moe else {"mlp": (MLP, 4, 4, False), "qv": (["q_proj", "v_proj"], 2, 4, False)})
     return peft_family(request.param, root, PROMPTS, STEPS, extra)
 
 
