@@ -223,8 +223,16 @@ def main(argv: list[str] | None = None) -> dict:
                         help="inprocess: cleave serve --in-process; ray: the Ray app")
     parser.add_argument("--control", action="store_true",
                         help="an A/A run: the second server without speculation too")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="the method's drafted tokens per step (default: its setting here)")
+    parser.add_argument("--adaptive-draft-length", action="store_true",
+                        help="each request's draft length follows its acceptance")
     parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
     args = parser.parse_args(argv)
+    if args.num_speculative_tokens is not None:
+        METHODS[args.method]["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.adaptive_draft_length:
+        METHODS[args.method]["adaptive_draft_length"] = True
     result = run(args.rounds, args.streams, args.method, args.workloads, args.layer,
                  args.control)
     result["layer"] = args.layer

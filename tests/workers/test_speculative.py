@@ -44,6 +44,47 @@ def test_ngram_copies_what_followed_the_latest_match_of_the_longest_suffix():
     assert NgramDrafter(min_n=2, max_n=2).propose([4, 1, 4, 2, 1], 3) == []  # "2 1" unseen
 
 
+class _Decoding:
+    """What `Speculator` reads of a decoding request (and its drafts' counters)."""
+
+    def __init__(self) -> None:
+        from workers.engine.request import RequestStatus
+
+        self.status, self.hold_kv, self.grammar = RequestStatus.RUNNING, False, None
+        self.params = SamplingParams(max_tokens=1000)
+        self.num_tokens, self.num_computed_tokens, self.num_output_tokens = 20, 19, 10
+        self.all_token_ids = list(range(20))
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.draft_token_ids: list[int] = []
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_an_adaptive_draft_length_follows_what_the_last_draft_earned(adaptive):
+    """Two tokens longer after a draft accepted whole (from 2, up to num_speculative_tokens),
+    one past the accepted ones after a rejection; without the setting, always the most."""
+    from workers.engine.speculative.speculator import Speculator
+
+    config = parse_speculative_config(json.dumps({
+        "method": "ngram", "num_speculative_tokens": 7, "min_acceptance_rate": 0.0,
+        "adaptive_draft_length": adaptive}))
+    asked: list[int] = []
+
+    class Drafter:
+        name = "stub"
+
+        def propose(self, token_ids, k):
+            asked.append(k)
+            return [1] * k
+
+    speculator, req = Speculator(config, Drafter(), 4096), _Decoding()
+    for accepted_of in ("all", 1, "all", "all", "all", "all", 0, "all"):
+        speculator.propose([req])
+        drafted = len(req.draft_token_ids)
+        req.num_draft_tokens += drafted
+        req.num_accepted_tokens += drafted if accepted_of == "all" else accepted_of
+    assert asked == ([2, 4, 2, 4, 6, 7, 7, 1] if adaptive else [7] * 8)
+
+
 def test_speculative_config_names_what_is_wrong():
     assert parse_speculative_config(None) is None
     assert parse_speculative_config(NGRAM).num_speculative_tokens == 4
@@ -51,6 +92,8 @@ def test_speculative_config_names_what_is_wrong():
                         ('{"method": "ngram"}', "num_speculative_tokens"),
                         ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
                         ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "'k'"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, '
+                         '"adaptive_draft_length": 1}', "adaptive_draft_length"),
                         ("ngram", "JSON object")]:
         with pytest.raises(ValueError, match=words):
             parse_speculative_config(text)

@@ -33,6 +33,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 2
     # a request whose recent acceptance falls below this stops drafting for a while
     min_acceptance_rate: float = 0.3
+    # Cleave's: each request's draft length follows its acceptance (`Speculator`): after a
+    # draft accepted whole, two tokens longer (up to num_speculative_tokens); after a
+    # rejection, one past the tokens accepted
+    adaptive_draft_length: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -47,6 +51,9 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} "
                              f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
+        if not isinstance(self.adaptive_draft_length, bool):
+            raise ValueError(f"speculative_config adaptive_draft_length must be true or false, "
+                             f"got {self.adaptive_draft_length!r}")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"speculative_config min_acceptance_rate must be in [0, 1], got "
                              f"{self.min_acceptance_rate!r}")

@@ -50,6 +50,7 @@ class _Backoff:
     seen_accepted: int = 0
     pause: int = 0  # decode steps left without drafting
     next_pause: int = 2  # the pause of the next back-off
+    length: int = 0  # its draft length now (`adaptive_draft_length`; 0: not set yet)
 
 
 class Speculator:
@@ -71,7 +72,7 @@ class Speculator:
             return
         for req in running:
             k = self._num_to_draft(req)
-            draft = (self.drafter.propose(req.all_token_ids, k)
+            draft = (self.drafter.propose(req.all_token_ids, min(k, self._length(req)))
                      if k > 0 and self._may_draft(req) else [])
             req.draft_token_ids = (cut_draft(req.grammar, draft, keep_refused=False)
                                    if draft and req.grammar is not None else draft)
@@ -105,6 +106,8 @@ class Speculator:
         drafted = req.num_draft_tokens - state.seen_drafted
         if drafted:
             accepted = req.num_accepted_tokens - state.seen_accepted
+            state.length = (min((state.length or 2) + 2, self.config.num_speculative_tokens)
+                            if accepted == drafted else accepted + 1)
             state.seen_drafted, state.seen_accepted = req.num_draft_tokens, req.num_accepted_tokens
             state.rate = (1 - EMA_WEIGHT) * state.rate + EMA_WEIGHT * accepted / drafted
             if state.rate < self.config.min_acceptance_rate:
@@ -115,6 +118,16 @@ class Speculator:
             state.pause -= 1
             return False
         return True
+
+    def _length(self, req: Request) -> int:
+        """The request's draft length now: `num_speculative_tokens`, or with
+        `adaptive_draft_length` what its last verified draft earned (`_may_draft` sets it),
+        starting at 2."""
+        k = self.config.num_speculative_tokens
+        if not self.config.adaptive_draft_length:
+            return k
+        length = self._backoff[req].length
+        return min(k, length or 2)
 
 
 class DraftModelSpeculator(Speculator):
@@ -139,7 +152,8 @@ class DraftModelSpeculator(Speculator):
             if len(running) > self.config.disable_by_batch_size:
                 continue
             k = self._num_to_draft(req)
-            if k > 0 and self._may_draft(req) and self.kv.allocate_slots(req, 1 + k):
+            k = min(k, self._length(req)) if k > 0 and self._may_draft(req) else 0
+            if k > 0 and self.kv.allocate_slots(req, 1 + k):
                 reqs.append(req)
                 ks.append(k)
         drafts = self.draft.propose(reqs, ks, [self.kv.block_table(r.request_id) for r in reqs])
