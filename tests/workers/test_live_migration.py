@@ -498,28 +498,36 @@ def lora_pair(tiny_model, tmp_path_factory):
     server.stop()
 
 
-def test_a_drain_moves_a_stream_under_an_adapter_with_its_kv_kept_apart_by_adapter(lora_pair):
-    """A stream under a LoRA adapter moves with its KV when its worker drains: the adapter's
-    undisturbed text (not the base model's), no prompt token computed on the target. The
-    blocks the target took stay the adapter's: while the source still drains, the same prompt
-    finds them cached under the adapter and not under the base model, whose text is the base
-    model's."""
+def _adapter_stream(pair, prompt: list[int]):
+    """A streamed completion under the adapter `sql`, read up to its first text: (the client,
+    the rest of its chunks, the text so far, the worker streaming it)."""
     import openai
 
-    pair, llm = lora_pair
-    prompt = list(_prompt(21, 37))
-    want = llm.generate([prompt], GREEDY, lora_name="sql")[0].outputs[0].text
-    base_text = llm.generate([prompt], GREEDY)[0].outputs[0].text
-    assert want != base_text  # the adapter changes the text: a dropped adapter would show
-    router = pair.router
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY,
+                           max_retries=0)
     chunks = iter(client.completions.create(
         model="sql", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
         extra_body={"ignore_eos": True}))
     got = ""
     while not got:
         got += next(chunks).choices[0].text
-    source = next(w for w in ("worker-0", "worker-1") if router.migrations.on(w))
+    source = next(w for w in ("worker-0", "worker-1") if pair.router.migrations.on(w))
+    return client, chunks, got, source
+
+
+def test_a_drain_moves_a_stream_under_an_adapter_with_its_kv_kept_apart_by_adapter(lora_pair):
+    """A stream under a LoRA adapter moves with its KV when its worker drains: the adapter's
+    undisturbed text (not the base model's), no prompt token computed on the target. The
+    blocks the target took stay the adapter's: while the source still drains, the same prompt
+    finds them cached under the adapter and not under the base model, whose text is the base
+    model's."""
+    pair, llm = lora_pair
+    prompt = list(_prompt(21, 37))
+    want = llm.generate([prompt], GREEDY, lora_name="sql")[0].outputs[0].text
+    base_text = llm.generate([prompt], GREEDY)[0].outputs[0].text
+    assert want != base_text  # the adapter changes the text: a dropped adapter would show
+    router = pair.router
+    client, chunks, got, source = _adapter_stream(pair, prompt)
     target = _worker(pair, 1 if source == "worker-0" else 0)
     computed_on_target = _count_prompt_tokens(target)
     try:
@@ -543,21 +551,11 @@ def test_a_stream_under_an_adapter_whose_worker_dies_goes_on_under_it(lora_pair)
     """Its worker gone mid-stream (closed), a stream under an adapter is recomputed on the
     other worker under the same adapter: the adapter's undisturbed text. (The module's last
     test: it leaves one worker.)"""
-    import openai
-
     pair, llm = lora_pair
     prompt = list(_prompt(22, 30))
     want = llm.generate([prompt], GREEDY, lora_name="sql")[0].outputs[0].text
     router = pair.router
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{pair.http_port}/v1", api_key=API_KEY,
-                           max_retries=0)
-    chunks = iter(client.completions.create(
-        model="sql", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
-        extra_body={"ignore_eos": True}))
-    got = ""
-    while not got:
-        got += next(chunks).choices[0].text
-    source = next(w for w in ("worker-0", "worker-1") if router.migrations.on(w))
+    _, chunks, got, source = _adapter_stream(pair, prompt)
     victim = pair.clients[0 if source == "worker-0" else 1]
     failed = router.counters.fallbacks.get("decode_worker_failed", 0)
     pair.call(victim.close())

@@ -356,23 +356,28 @@ static void lora_expand(float *y, int64_t N, const lora_args_t *l, int64_t start
     }
 }
 
+/* Inside a parallel region of `nt` threads: y = x w^T plus `l`'s products (l NULL: none), the
+ * shrink's units counted in `*done` (zero before the region). */
+static void rows_lora(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                      const lora_args_t *l, int64_t *done, int nt) {
+    const int64_t units = l != NULL ? shrink_units(l) : 0;
+    if (l != NULL) lora_shrink(x, K, l, done);
+    FOR_EACH_CHUNK(N, ROWS, nt, {
+        rows_f32(x, w, y, M, N, K, start, end);
+        if (l != NULL) {
+            lora_wait(done, units);
+            lora_expand(y, N, l, start, end);
+        }
+    });
+}
+
 /* small_gemm_f32 with `l`'s products added (l NULL: none). */
 int small_gemm_lora_f32(const float *x, const float *w, float *y, int64_t M, int64_t N,
                         int64_t K, const lora_args_t *l, int num_threads) {
     int64_t done = 0;
-    const int64_t units = l != NULL ? shrink_units(l) : 0;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
-    {
-        if (l != NULL) lora_shrink(x, K, l, &done);
-        FOR_EACH_CHUNK(N, ROWS, num_threads, {
-            rows_f32(x, w, y, M, N, K, start, end);
-            if (l != NULL) {
-                lora_wait(&done, units);
-                lora_expand(y, N, l, start, end);
-            }
-        });
-    }
+    rows_lora(x, w, y, M, N, K, l, &done, num_threads);
     return 0;
 }
 
@@ -430,31 +435,15 @@ int small_mlp_lora_f32(const float *x, const float *w_gate_up, const float *w_do
     if (gu == NULL) return -1;
     float *a = gu + M * 2 * I;
     int64_t gu_done = 0, down_done = 0;
-    const int64_t gu_units = gu_lora != NULL ? shrink_units(gu_lora) : 0;
-    const int64_t down_units = down_lora != NULL ? shrink_units(down_lora) : 0;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (gu_lora != NULL) lora_shrink(x, H, gu_lora, &gu_done);
-        FOR_EACH_CHUNK(2 * I, ROWS, nt, {
-            rows_f32(x, w_gate_up, gu, M, 2 * I, H, start, end);
-            if (gu_lora != NULL) {
-                lora_wait(&gu_done, gu_units);
-                lora_expand(gu, 2 * I, gu_lora, start, end);
-            }
-        });
+        rows_lora(x, w_gate_up, gu, M, 2 * I, H, gu_lora, &gu_done, nt);
 #pragma omp barrier
         act_run(gu, a, M, I, gelu, t, nt);
 #pragma omp barrier
-        if (down_lora != NULL) lora_shrink(a, I, down_lora, &down_done);
-        FOR_EACH_CHUNK(H, ROWS, nt, {
-            rows_f32(a, w_down, y, M, H, I, start, end);
-            if (down_lora != NULL) {
-                lora_wait(&down_done, down_units);
-                lora_expand(y, H, down_lora, start, end);
-            }
-        });
+        rows_lora(a, w_down, y, M, H, I, down_lora, &down_done, nt);
     }
     free(gu);
     return 0;
