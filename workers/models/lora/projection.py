@@ -31,6 +31,7 @@ import torch
 
 from workers.kernels import lora_add
 
+
 @dataclass(frozen=True)
 class Sub:
     """One PEFT module inside a (possibly fused) projection: its name and output columns."""
