@@ -50,6 +50,11 @@ class RouterConfig:
         "prefix_aware: w_hit, w_queue, w_kv, queue_scale."), key="policy_weights", flag=None)
     max_in_flight: int = setting(256, "Requests per router replica; more: 429.", ge=1)
     max_body_bytes: int = setting(16 * 1024**2, "Larger HTTP bodies get 413.", ge=1)
+    http_keep_alive_s: int = setting(75, (
+        "Seconds an idle HTTP connection stays open. Longer than clients' and load balancers' "
+        "own (aiohttp 15, httpx 5, a cloud load balancer's 60), so the client closes first: a "
+        "request sent on a connection the server is closing fails (uvicorn's default 5 s "
+        "raced aiohttp's pool)."), ge=1)
     max_n: int = setting(16, "Samples per request at most.", ge=1)
     max_prompts_per_request: int = setting(64, (
         "Prompts in one completions body at most (each takes an admission slot)."), ge=1)

@@ -72,6 +72,7 @@ class FrontEnds:
         self.http_port = sock.getsockname()[1]
         self._uvicorn = _Server(uvicorn.Config(
             create_app(self.router), log_level="warning", lifespan="off",
+            timeout_keep_alive=self.router.config.http_keep_alive_s,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         await self._grpc.start()
         self._http_task = asyncio.ensure_future(self._uvicorn.serve(sockets=[sock]))

@@ -34,6 +34,22 @@ def test_health_and_version(base_url):
     assert httpx.get(f"{base_url}/version", headers=AUTH).json()["version"]
 
 
+def test_an_idle_keep_alive_connection_outlives_the_clients_own_pool_timeouts(server):
+    """A connection left idle past uvicorn's default keep-alive (5 s, httpx's own) still takes
+    the next request: the client's pool closes it first, never the server while a request is on
+    its way (the race aiohttp met as "Server disconnected")."""
+    import socket
+    import time
+
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as sock:
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            sock.sendall(request)
+            reply = sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200"), (pause, reply[:80])
+
+
 def test_completion(client, model):
     out = client.completions.create(model=model, prompt="hello there", max_tokens=8,
                                     temperature=0, extra_body={"ignore_eos": True})
