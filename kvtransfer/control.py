@@ -10,7 +10,8 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from kvtransfer.errors import InvalidDescriptor, LayoutMismatch, PeerGone, TransferError
+from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, LeaseExpired, PeerGone,
+                               TransferError)
 from kvtransfer.transport import BlockSource, LayerSink, SourceRead
 from kvtransfer.wire import (ReadAccepted, ReadRejected, ReadRequest, recv_message,
                              send_message)
@@ -96,13 +97,34 @@ class StreamServer:
         self._listener.close()
 
 
+# How long a pull naming a lease its source does not hold waits for it: a remote driver
+# (`kvtransfer.remote.RemoteAgent.offer`) returns the handoff before its host has read the
+# offer, so a puller that is quick enough reaches the host first (seen once in a loaded test
+# run); a lease that really ended is refused this much later.
+LEASE_GRACE_S, LEASE_POLL_S = 0.1, 0.005
+
+
+async def open_read(source: BlockSource, request: ReadRequest) -> SourceRead:
+    """`source.open_read(request)`, retried for up to `LEASE_GRACE_S` while it names a lease
+    the source does not hold (the source's loop reads its offers meanwhile)."""
+    deadline = asyncio.get_running_loop().time() + LEASE_GRACE_S
+    while True:
+        try:
+            return source.open_read(request)
+        except LeaseExpired:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(LEASE_POLL_S)
+
+
 async def open_read_or_reject(conn: socket.socket, source: BlockSource) -> SourceRead | None:
-    """Read the pull's request and open it, or send the rejection and return None."""
+    """Read the pull's request and open it (`open_read`), or send the rejection and return
+    None."""
     request = await recv_message(conn)
     if not isinstance(request, ReadRequest):
         raise InvalidDescriptor(f"expected a ReadRequest, got {type(request).__name__}")
     try:
-        read = source.open_read(request)
+        read = await open_read(source, request)
     except TransferError as e:
         await send_message(conn, ReadRejected.of(e))
         return None

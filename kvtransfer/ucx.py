@@ -44,7 +44,7 @@ from collections.abc import Coroutine
 
 import torch
 
-from kvtransfer.control import CONNECTION_TIMEOUT_S, parse_address
+from kvtransfer.control import CONNECTION_TIMEOUT_S, open_read, parse_address
 from kvtransfer.errors import (InvalidDescriptor, LayoutMismatch, PeerGone, TransferError,
                                TransportUnavailable)
 from kvtransfer.transport import (BlockSource, LayerSink, TransferStats, Transport,
@@ -120,7 +120,7 @@ class UcxTransport(Transport):
             if not isinstance(request, ReadRequest):
                 raise InvalidDescriptor(f"expected a ReadRequest, got {type(request).__name__}")
             try:
-                read = source.open_read(request)
+                read = await open_read(source, request)
             except TransferError as e:
                 await ep.send_message(ReadRejected.of(e))
                 return True

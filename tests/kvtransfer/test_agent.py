@@ -76,6 +76,32 @@ def test_cancel_releases_at_once_and_a_later_pull_is_refused(kind: str) -> None:
     asyncio.run(run())
 
 
+def test_a_pull_that_reaches_its_source_before_the_offer_waits_for_it() -> None:
+    """A remote driver returns its handoff before its host has read the offer: a pull there
+    first waits for the lease (`kvtransfer.control.LEASE_GRACE_S`) and lands; a lease never
+    offered is still refused."""
+    import dataclasses
+
+    async def run() -> None:
+        src, dst = await make_pair("tcp")
+        ids = src.pool.allocate(3)
+        shape = src.agent.offer("shape", ids)  # a handoff's other fields
+        src.agent.release(shape.lease_id)
+        handoff = dataclasses.replace(shape, request_id="r", lease_id="minted-by-a-driver")
+        local = dst.pool.allocate(3)
+        pull = asyncio.ensure_future(dst.agent.pull(handoff, local))
+        await asyncio.sleep(0.02)  # the pull's request is at the source, the lease is not
+        assert not pull.done()
+        src.agent.offer("r", ids, lease_id="minted-by-a-driver")
+        await pull
+        assert blocks_equal(src.caches, ids, dst.caches, local)
+        with pytest.raises(LeaseExpired, match="never granted"):
+            await dst.agent.pull(dataclasses.replace(shape, lease_id="never"), local)
+        await close(src, dst)
+
+    asyncio.run(run())
+
+
 def test_expiry_timer_frees_an_unpulled_lease() -> None:
     async def run() -> None:
         src, dst = await make_pair("tcp")
