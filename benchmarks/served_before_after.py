@@ -6,9 +6,13 @@ open-chat prompts of `speculative.py`, greedy, 96 tokens out, at 1, 8 and 32 con
 
 The bound is the older checkout in the same run: `after_<streams>_ratio` = output tokens/s of
 this checkout / the older one's (the rounds' medians); the texts must match (reported).
+`--before .` with `--after-args` measures a setting instead: this checkout with and without
+those `cleave serve` arguments (texts then may differ, as a setting can change them).
 
     git worktree add /tmp/before <commit>
     python benchmarks/served_before_after.py --before /tmp/before --label <name> [--rounds 3]
+    python benchmarks/served_before_after.py --before . --after-args=--fp32-int-kernels \
+        --label int_kernels --streams 1 8
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from results_io import RESULTS, command_line, emit
 from speculative import CHAT, MAX_TOKENS, Server, chat_load
 
 
-def checkout(pythonpath: str | None) -> Server:
-    """`cleave serve --in-process` of SmolLM2 running the code at `pythonpath` (None: this
-    checkout)."""
-    return Server(None, env=None if pythonpath is None else {"PYTHONPATH": pythonpath})
+def checkout(pythonpath: str | None, extra: tuple[str, ...] = ()) -> Server:
+    """`cleave serve --in-process` of SmolLM2 running the code at `pythonpath` (None or ".":
+    this checkout), with `extra` arguments."""
+    env = None if pythonpath in (None, ".") else {"PYTHONPATH": str(pythonpath)}
+    return Server(None, env=env, extra=extra)
 
 
 def paired_rounds(servers: dict[str, Any], rounds: int, stream_counts: list[int],
@@ -60,10 +65,11 @@ def paired_rounds(servers: dict[str, Any], rounds: int, stream_counts: list[int]
     return out
 
 
-def run(before: str, rounds: int, stream_counts: list[int]) -> dict[str, Any]:
+def run(before: str, rounds: int, stream_counts: list[int],
+        after_args: tuple[str, ...] = ()) -> dict[str, Any]:
     result: dict[str, Any] = {}
-    pairs = paired_rounds({"before": checkout(before), "after": checkout(None)}, rounds,
-                          stream_counts)
+    pairs = paired_rounds({"before": checkout(before), "after": checkout(None, after_args)},
+                          rounds, stream_counts)
     for streams, pair in pairs.items():
         medians = pair["median"]
         result[f"streams_{streams}"] = {
@@ -80,8 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--label", required=True, help="names the result file")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--after-args", default="",
+                        help="`cleave serve` arguments of the second server (space-separated)")
     args = parser.parse_args(argv)
-    result = run(args.before, args.rounds, args.streams)
+    result = run(args.before, args.rounds, args.streams, tuple(args.after_args.split()))
     result["command"] = command_line(argv)
     return emit(result, RESULTS / f"served_before_after_{args.label}.json")
 

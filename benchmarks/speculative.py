@@ -75,7 +75,7 @@ class Server(ServerProcess):
     variables set for it beside this process's (a PYTHONPATH, OpenMP's)."""
 
     def __init__(self, speculative: dict | None, fp32: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> None:
         self.env = env
         self.http_port, grpc_port = free_ports(2)
         self.command = [CLEAVE, "serve", "--in-process", "--model", "smollm2", "--device", "cpu",
@@ -85,6 +85,7 @@ class Server(ServerProcess):
             self.command += ["--speculative-config", json.dumps(speculative)]
         if fp32:  # the GGUF file's weights dequantized at load: a full-precision target
             self.command += ["--no-gguf-packed"]
+        self.command += list(extra)
 
     def start(self, timeout_s: float = 600.0) -> Server:
         self._spawn(None if self.env is None else dict(os.environ, **self.env))
@@ -95,16 +96,17 @@ class Server(ServerProcess):
         self._terminate(60.0)
 
 
-def ray_app(speculative: dict | None, fp32: bool = False) -> RayApp:
+def ray_app(speculative: dict | None, fp32: bool = False, extra: tuple[str, ...] = ()
+            ) -> RayApp:
     """`cleave serve` (the Ray app) of SmolLM2: one decode-pool replica and no prefill pool
     (every request whole on it, as `--in-process` serves them), with `speculative` or none."""
-    extra = ["--max-num-seqs", "64"]
+    args = ["--max-num-seqs", "64"]
     if speculative is not None:
-        extra += ["--speculative-config", json.dumps(speculative)]
+        args += ["--speculative-config", json.dumps(speculative)]
     if fp32:
-        extra += ["--no-gguf-packed"]
+        args += ["--no-gguf-packed"]
     return RayApp("smollm2", "smollm2", prefill=0, decode=1, num_cpus=2,
-                  extra_args=tuple(extra))
+                  extra_args=(*args, *extra))
 
 
 LAYERS = {"inprocess": Server, "ray": ray_app}
@@ -149,13 +151,15 @@ def _requests_for(streams: int) -> int:
 
 def run(rounds: int, stream_counts: list[int], method: str = "ngram",
         workloads: list[str] | None = None, layer: str = "inprocess",
-        control: bool = False) -> dict[str, Any]:
+        control: bool = False, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """`control`: the second server without speculation too, labelled "control" (an A/A run:
-    its ratio is what the pairing alone gives, the floor any method's ratio is read against)."""
+    its ratio is what the pairing alone gives, the floor any method's ratio is read against);
+    `extra`: `cleave serve` arguments both servers take."""
     fp32 = method == "quantized_self"
     make = LAYERS[layer]
     label = "control" if control else method
-    servers = {"none": make(None, fp32), label: make(None if control else METHODS[method], fp32)}
+    servers = {"none": make(None, fp32, extra=extra),
+               label: make(None if control else METHODS[method], fp32, extra=extra)}
     for server in servers.values():
         server.start()
     try:
@@ -227,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the method's drafted tokens per step (default: its setting here)")
     parser.add_argument("--adaptive-draft-length", action="store_true",
                         help="each request's draft length follows its acceptance")
+    parser.add_argument("--int-kernels", action="store_true",
+                        help="both servers multiply the GGUF file's Q4_1 weights by int8 "
+                             "activations (--fp32-int-kernels: the VNNI int4 kernel)")
     parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
     args = parser.parse_args(argv)
     if args.num_speculative_tokens is not None:
@@ -234,8 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.adaptive_draft_length:
         METHODS[args.method]["adaptive_draft_length"] = True
     result = run(args.rounds, args.streams, args.method, args.workloads, args.layer,
-                 args.control)
+                 args.control, ("--fp32-int-kernels",) if args.int_kernels else ())
     result["layer"] = args.layer
+    result["int_kernels"] = args.int_kernels
     result["speculative_config"] = None if args.control else METHODS[args.method]
     result["command"] = command_line(argv)
     result["targets"] = ({"chat_1_ratio": ">= 1.2 (fp32 target)"}

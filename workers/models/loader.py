@@ -25,6 +25,7 @@ from workers.models.layers import LINEAR_LAYERS, Shard, WeightShapeError
 from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from workers.models.vocab import ParallelLMHead, VocabParallelEmbedding
 from workers.quant.decode import QuantizedTensorError, decode_checkpoint
+from workers.quant import gguf_packed as gguf_packed_layers
 from workers.quant.linear import prepare_layers, quantize_layers
 from workers.quant.scheme import QuantScheme
 from workers.kernels.small_gemm import use_small_batch_kernel, use_small_batch_mlp
@@ -61,9 +62,9 @@ def load_model(
     one: `workers.models.gguf_weights`); "safetensors" reads a folder's safetensors files;
     "dummy" ignores `path` and draws `random_weights(config, seed)` (what `make_model` writes).
     `shard` (overrides tp_rank/tp_size): the TP group, pipeline stage and expert split.
-    `fp32_int_kernels`: in fp32, int8/int4 weights stay packed for the VNNI kernels
-    (`EngineConfig.fp32_int_kernels`). `gguf_packed`: a GGUF file's Q8_0/Q4_0/Q4_1 weights
-    stay packed on the CPU (one rank; `EngineConfig.gguf_packed`), else dequantized at load.
+    `fp32_int_kernels`: in fp32, int8/int4 weights (a packed GGUF file's Q4_0/Q4_1 too) stay
+    packed for the VNNI kernels (`EngineConfig.fp32_int_kernels`). `gguf_packed`: a GGUF file's
+    Q8_0/Q4_0/Q4_1 weights stay packed on the CPU (one rank), else dequantized at load.
     Raises WeightLoadError when the checkpoint does not fit; no half-loaded model escapes.
     """
     if load_format not in LOAD_FORMATS:
@@ -86,7 +87,7 @@ def load_model(
                 model.load_weights(random_weights(config, seed))
             elif isinstance(source, Path):
                 packed = gguf_packed and torch.device(device).type == "cpu"
-                _load_gguf(model, source, config, dtype if packed else None)
+                _load_gguf(model, source, config, dtype if packed else None, fp32_int_kernels)
             else:
                 _load_safetensors(model, source, Path(path), scheme, kept)  # type: ignore[arg-type]  # files: path set
     except WeightLoadError as e:
@@ -176,9 +177,10 @@ def _weights_source(path: str | Path | None, config: ModelConfig,
 
 
 def _load_gguf(model: LlamaForCausalLM, file: Path, config: ModelConfig,
-               packed_dtype: torch.dtype | None) -> None:
+               packed_dtype: torch.dtype | None, int_kernels: bool = False) -> None:
     """`packed_dtype`: the model's dtype, when Q8_0/Q4_0/Q4_1 weights stay packed; None:
-    every tensor dequantized."""
+    every tensor dequantized. `int_kernels` (fp32): packed Q4_0/Q4_1 layers then move to the
+    VNNI int4 kernel."""
     try:
         packed = set() if packed_dtype is None else gguf_weights.keep_packed(
             model, file, config, packed_dtype, (*LINEAR_LAYERS, VocabParallelEmbedding))
@@ -186,6 +188,8 @@ def _load_gguf(model: LlamaForCausalLM, file: Path, config: ModelConfig,
     except (GGUFError, WeightShapeError, KeyError) as e:
         raise WeightLoadError(f"GGUF file {str(file)!r}: {e.args[0]}") from None
     _check_all_loaded(model, loaded, f"GGUF file {str(file)!r}")
+    if int_kernels and packed_dtype == torch.float32:
+        gguf_packed_layers.use_int_kernels(model)
 
 
 def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:

@@ -107,3 +107,55 @@ class GGUFLookup:
                                             ids=input_ids.reshape(-1))
         rows = rows.view(*input_ids.shape, self.k)
         return rows if rows.dtype == self.dtype else rows.to(self.dtype)
+
+
+INT4_TYPES = ("Q4_0", "Q4_1")  # the GGML types the VNNI int4 kernel takes as they are
+
+
+def int4_parts(blocks: torch.Tensor, ggml_type: str, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A Q4_0 / Q4_1 weight's blocks (uint8 [N, row bytes]) as the VNNI int4 kernel's parts:
+    signed q = u - 8 [N, k] (u: the nibbles), scales d and offsets -m [N, k / 32] (Q4_1's
+    w = d u + m; Q4_0's w = d (u - 8) has no offsets), all exact."""
+    n = blocks.shape[0]
+    b = blocks.view(n, k // gguf_kernels.BLOCK, gguf_kernels.TYPES[ggml_type][1])
+    scales = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    offsets = (-b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+               if ggml_type == "Q4_1" else None)
+    nibbles = b[..., 4:] if ggml_type == "Q4_1" else b[..., 2:]
+    u = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # byte j: column j, then j + 16
+    return (u.to(torch.int8) - 8).view(n, k), scales, offsets
+
+
+def use_int_kernels(model: nn.Module) -> int:
+    """Moves every packed Q4_0 / Q4_1 linear layer of `model` (after loading) onto the VNNI
+    int4 kernel (`EngineConfig.fp32_int_kernels`): the file's weights exactly, activations
+    quantized to int8 in blocks of 32 columns (as llama.cpp multiplies them), the fused
+    decoder stack's int4 path. Returns how many moved; none without AVX-512 VNNI."""
+    from workers.kernels import int_gemm as int_kernels
+    from workers.quant.linear import QuantizedMatmul
+
+    if not int_kernels.available():
+        return 0
+    moved, tables = 0, _tables(model)
+    with torch.no_grad():
+        for module in model.modules():  # typed Any: a layer's attributes are set at load
+            layer: Any = module
+            matmul = getattr(layer, "matmul", None)
+            if not (isinstance(matmul, GGUFMatmul) and matmul.ggml_type in INT4_TYPES
+                    and not hasattr(layer, "lookup")
+                    and layer.weight.data_ptr() not in tables):
+                continue
+            q, scales, offsets = int4_parts(layer.weight.data, matmul.ggml_type,
+                                            matmul.in_features)
+            del layer.weight
+            layer.matmul = QuantizedMatmul.int4_blocks(layer, q, scales, offsets)
+            moved += 1
+    return moved
+
+
+def _tables(model: nn.Module) -> set[int]:
+    """The addresses of packed embedding tables (a tied output projection shares one)."""
+    layers: list[Any] = list(model.modules())
+    return {m.weight.data_ptr() for m in layers
+            if isinstance(getattr(m, "lookup", None), GGUFLookup)}
