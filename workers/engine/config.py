@@ -128,9 +128,9 @@ class EngineConfig:
         "With dtype float32 and an int8 or int4 checkpoint on a CPU with AVX-512 VNNI: keep the "
         "weights packed for Cleave's int kernels (activations quantized to int8 in the kernel; "
         "1.3-2.1x a bfloat16 engine's decode step on the small preset) instead of dequantizing "
-        "them to fp32, the faithful reference. A GGUF file's packed Q4_0/Q4_1 layers move to "
-        "the int4 kernel too (as llama.cpp multiplies them; SmolLM2's Q4_1 file served one "
-        "stream 1.27x the block kernel's tokens/s)."))
+        "them to fp32, the faithful reference. A GGUF file's packed Q8_0/Q4_0/Q4_1 weights move "
+        "to a VNNI kernel too (int8 activations, as llama.cpp multiplies them; its output "
+        "differs from the fp32 block kernel's)."))
     # packed is the faster on the CPU (`benchmarks/gguf_packed.py`); dequantized at load is the
     # reference transformers' GGUF loading matches to fp32 1e-4 (packed: up to the order of sums)
     gguf_packed: bool = setting(True, (

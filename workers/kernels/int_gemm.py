@@ -109,15 +109,13 @@ def int8_gemm(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor,
     return out
 
 
-def block_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               offsets: torch.Tensor | None = None
+def block_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Signed int4 q [N, K] (K a multiple of 32) with per-group fp32 scales and zeros [N, G]
     -> the kernel's (weights, scales, offsets): tiles of 4 rows (the last padded with zero
     rows), each 32 columns as 4 runs of 16 bytes (byte i: column i + 8 in the low nibble,
     column i + 16 + 8 in the high one), scales and offsets (8 + zero) * scale as [tiles, G, 4]
-    (offsets None when every zero is 0: the kernel then takes 8 * scale itself; `offsets`
-    [N, G], when given, are those products as they are, and `zeros` is not read). The scales are
+    (offsets None when every zero is 0: the kernel then takes 8 * scale itself). The scales are
     bf16 when every one is a bf16 value (as compressed-tensors stores them): the same numbers in
     half the bytes; else fp32.
     """
@@ -131,10 +129,7 @@ def block_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
         return t.view(-1, 4, t.shape[1]).transpose(1, 2).contiguous().view(-1)
 
-    if offsets is not None:
-        offsets = per_tile(offsets)
-    elif bool(zeros.any()):
-        offsets = per_tile((8 + zeros) * scales)
+    offsets = per_tile((8 + zeros) * scales) if bool(zeros.any()) else None
     scales = per_tile(scales)
     as_bf16 = scales.to(torch.bfloat16)
     return packed, as_bf16 if torch.equal(as_bf16.float(), scales) else scales, offsets

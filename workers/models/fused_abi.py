@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from workers.kernels import gguf_gemm as gguf_kernels
-from workers.quant.gguf_packed import GGUFMatmul
+from workers.quant.gguf_packed import GGUFMatmul, GGUFVnniMatmul
 from workers.quant.linear import QuantizedMatmul
 
 DENSE, INT8, INT4 = 0, 1, 2  # a projection's kind; then a GGUF file's blocks, by type
 GGUF_KINDS = {name: 3 + kind for name, (kind, _) in gguf_kernels.TYPES.items()}
+GGUF_VNNI = 6  # GGUF blocks laid out for the VNNI kernel (`group`: the type's id)
 
 
 class Proj(ctypes.Structure):
@@ -68,6 +69,11 @@ def _proj(layer: Any) -> Proj:
     matmul = layer.matmul
     if isinstance(matmul, GGUFMatmul):
         return Proj(layer.weight.data_ptr(), None, None, 0, GGUF_KINDS[matmul.ggml_type], 0)
+    if isinstance(matmul, GGUFVnniMatmul):
+        offsets = layer.offsets
+        return Proj(layer.qweight.data_ptr(), layer.scales.data_ptr(),
+                    None if offsets is None else offsets.data_ptr(),
+                    gguf_kernels.TYPES[matmul.ggml_type][0], GGUF_VNNI, 0)
     if not isinstance(matmul, QuantizedMatmul):
         return Proj(layer.weight.data_ptr(), None, None, 0, DENSE, 0)
     if matmul.kernel == "int8":

@@ -50,17 +50,19 @@ from workers.models.norm import RMSNorm
 from workers.models.lora.projection import LoraBatch
 from workers.kernels.native import build_library, loads
 from workers.kernels import gguf_gemm as gguf_kernels
+from workers.kernels import gguf_vnni
 from workers.kernels import int_gemm as int_kernels
 from workers.quant import gguf_packed
-from workers.quant.gguf_packed import GGUFMatmul
+from workers.quant.gguf_packed import GGUFMatmul, GGUFVnniMatmul
 from workers.quant.linear import QuantizedMatmul
-from workers.models.fused_abi import DENSE, GGUF_KINDS, Layer, LoraStep, layer_struct
+from workers.models.fused_abi import (DENSE, GGUF_KINDS, GGUF_VNNI, Layer, LoraStep,
+                                     layer_struct)
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parents[1] / "kernels" / "csrc" / "decoder_layer.c"
 LINKED = (norm_rope.SOURCE, small_gemm.SOURCE, int_kernels.SOURCE, gguf_kernels.SOURCE,
-          cpu_backend.SOURCE)
+          gguf_vnni.SOURCE, cpu_backend.SOURCE)
 MAX_ROWS = small_gemm.MAX_ROWS[torch.float32]  # the fused MLP's and the fp32 matmul's limit
 # a stack with int8/int4 projections: the rows the VNNI kernels are built for (more are
 # compute-bound there; the layers one by one give them to `QuantizedMatmul`'s choice)
@@ -103,7 +105,7 @@ def _fusable(layer: Any) -> bool:
         return False
     if isinstance(layer.matmul, QuantizedMatmul):
         return layer.matmul.c_callable
-    if isinstance(layer.matmul, GGUFMatmul):
+    if isinstance(layer.matmul, (GGUFMatmul, GGUFVnniMatmul)):
         return True
     if not isinstance(layer.matmul, small_gemm.SmallBatchMatmul):
         return False  # torch's linear
@@ -154,7 +156,8 @@ class FusedDecoderStack:
         self.fn = load_kernel().decoder_stack_f32
         kinds = {getattr(s, p).kind for s in self.structs for p in Layer.PROJECTIONS}
         self.max_rows = (MAX_ROWS if kinds == {DENSE} else
-                         MAX_GGUF_ROWS if kinds <= set(GGUF_KINDS.values()) else MAX_PACKED_ROWS)
+                         MAX_GGUF_ROWS if kinds <= {*GGUF_KINDS.values(), GGUF_VNNI}
+                         else MAX_PACKED_ROWS)
 
     def link(self) -> ctypes.Array[Layer]:
         """The layers' structs, their LoRA stacks included: called again (`structs`) when

@@ -62,7 +62,7 @@ def load_model(
     one: `workers.models.gguf_weights`); "safetensors" reads a folder's safetensors files;
     "dummy" ignores `path` and draws `random_weights(config, seed)` (what `make_model` writes).
     `shard` (overrides tp_rank/tp_size): the TP group, pipeline stage and expert split.
-    `fp32_int_kernels`: in fp32, int8/int4 weights (a packed GGUF file's Q4_0/Q4_1 too) stay
+    `fp32_int_kernels`: in fp32, int8/int4 weights (a packed GGUF file's blocks too) stay
     packed for the VNNI kernels (`EngineConfig.fp32_int_kernels`). `gguf_packed`: a GGUF file's
     Q8_0/Q4_0/Q4_1 weights stay packed on the CPU (one rank), else dequantized at load.
     Raises WeightLoadError when the checkpoint does not fit; no half-loaded model escapes.
@@ -179,8 +179,8 @@ def _weights_source(path: str | Path | None, config: ModelConfig,
 def _load_gguf(model: LlamaForCausalLM, file: Path, config: ModelConfig,
                packed_dtype: torch.dtype | None, int_kernels: bool = False) -> None:
     """`packed_dtype`: the model's dtype, when Q8_0/Q4_0/Q4_1 weights stay packed; None:
-    every tensor dequantized. `int_kernels` (fp32): packed Q4_0/Q4_1 layers then move to the
-    VNNI int4 kernel."""
+    every tensor dequantized. `int_kernels` (fp32): the packed layers then move to the VNNI
+    kernel (`gguf_packed.use_int_kernels`)."""
     try:
         packed = set() if packed_dtype is None else gguf_weights.keep_packed(
             model, file, config, packed_dtype, (*LINEAR_LAYERS, VocabParallelEmbedding))

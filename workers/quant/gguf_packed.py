@@ -9,7 +9,9 @@ its `matmul` (or, for an embedding table, its `lookup`) reads those blocks
 Kernels: up to `DECODE_ROWS` rows of x (a decode step's), the block kernel, which reads the
 weight once for all rows; more (a prefill's), the weight dequantized a tile of rows at a time
 and torch's fp32 matmul. Both give dequantize-then-matmul's result up to the order of fp32 sums.
-Compared in `benchmarks/gguf_packed.py` with the weights dequantized at load.
+Compared in `benchmarks/gguf_packed.py` with the weights dequantized at load. With
+`EngineConfig.fp32_int_kernels`, `use_int_kernels` then moves them to `GGUFVnniMatmul`
+(`workers.kernels.gguf_vnni`: the same values, activations quantized to int8).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from workers.kernels import gguf_gemm as gguf_kernels
+from workers.kernels import gguf_vnni
 
 PACKED_TYPES = tuple(gguf_kernels.TYPES)  # the GGML types kept packed
 # up to this many rows, the block kernel (its time grows with each row); more,
@@ -109,53 +112,48 @@ class GGUFLookup:
         return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
 
-INT4_TYPES = ("Q4_0", "Q4_1")  # the GGML types the VNNI int4 kernel takes as they are
 
+class GGUFVnniMatmul:
+    """y = x W^T for a layer whose Q8_0 / Q4_0 / Q4_1 blocks were moved to the VNNI kernel
+    (`use_int_kernels`): `qweight`, `scales` and `offsets` as `gguf_vnni.block_gguf` lays them
+    out, any number of rows of x."""
 
-def int4_parts(blocks: torch.Tensor, ggml_type: str, k: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A Q4_0 / Q4_1 weight's blocks (uint8 [N, row bytes]) as the VNNI int4 kernel's parts:
-    signed q = u - 8 [N, k] (u: the nibbles), scales d and offsets -m [N, k / 32] (Q4_1's
-    w = d u + m; Q4_0's w = d (u - 8) has no offsets), all exact."""
-    n = blocks.shape[0]
-    b = blocks.view(n, k // gguf_kernels.BLOCK, gguf_kernels.TYPES[ggml_type][1])
-    scales = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    offsets = (-b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-               if ggml_type == "Q4_1" else None)
-    nibbles = b[..., 4:] if ggml_type == "Q4_1" else b[..., 2:]
-    u = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # byte j: column j, then j + 16
-    return (u.to(torch.int8) - 8).view(n, k), scales, offsets
+    c_callable = True
+
+    def __init__(self, ggml_type: str, out_features: int, in_features: int) -> None:
+        self.ggml_type, self.out_features, self.in_features = (
+            ggml_type, out_features, in_features)
+
+    def __call__(self, module: Any, x: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = gguf_vnni.gguf_vnni_gemm(x, (module.qweight, module.scales, module.offsets),
+                                     self.ggml_type, self.out_features)
+        out_dtype = out_dtype or x.dtype
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 def use_int_kernels(model: nn.Module) -> int:
-    """Moves every packed Q4_0 / Q4_1 linear layer of `model` (after loading) onto the VNNI
-    int4 kernel (`EngineConfig.fp32_int_kernels`): the file's weights exactly, activations
-    quantized to int8 in blocks of 32 columns (as llama.cpp multiplies them), the fused
-    decoder stack's int4 path. Returns how many moved; none without AVX-512 VNNI."""
-    from workers.kernels import int_gemm as int_kernels
-    from workers.quant.linear import QuantizedMatmul
-
-    if not int_kernels.available():
+    """Moves every packed GGUF matmul of `model` (after loading; a tied output projection too,
+    with a copy of the table laid out for it) onto the VNNI kernel (`EngineConfig.
+    fp32_int_kernels`): the file's values exactly, activations quantized to int8 in blocks of
+    32 columns (as llama.cpp multiplies them); the fused decoder stack takes them. Returns how
+    many moved; none without AVX-512 VNNI."""
+    if not gguf_vnni.available():
         return 0
-    moved, tables = 0, _tables(model)
+    moved = 0
     with torch.no_grad():
         for module in model.modules():  # typed Any: a layer's attributes are set at load
             layer: Any = module
             matmul = getattr(layer, "matmul", None)
-            if not (isinstance(matmul, GGUFMatmul) and matmul.ggml_type in INT4_TYPES
-                    and not hasattr(layer, "lookup")
-                    and layer.weight.data_ptr() not in tables):
+            if not isinstance(matmul, GGUFMatmul):
                 continue
-            q, scales, offsets = int4_parts(layer.weight.data, matmul.ggml_type,
-                                            matmul.in_features)
-            del layer.weight
-            layer.matmul = QuantizedMatmul.int4_blocks(layer, q, scales, offsets)
+            parts = gguf_vnni.block_gguf(layer.weight.data, matmul.ggml_type,
+                                         matmul.in_features)
+            if not getattr(layer, "tied", False):
+                del layer.weight  # a tied head's is the embedding table, still looked up
+            for name, value in zip(("qweight", "scales", "offsets"), parts, strict=True):
+                layer.register_buffer(name, value)
+            layer.matmul = GGUFVnniMatmul(matmul.ggml_type, matmul.out_features,
+                                          matmul.in_features)
             moved += 1
     return moved
-
-
-def _tables(model: nn.Module) -> set[int]:
-    """The addresses of packed embedding tables (a tied output projection shares one)."""
-    layers: list[Any] = list(model.modules())
-    return {m.weight.data_ptr() for m in layers
-            if isinstance(getattr(m, "lookup", None), GGUFLookup)}

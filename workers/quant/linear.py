@@ -188,7 +188,10 @@ class QuantizedMatmul:
         if self.vnni and self.kernel == "int8":
             module.register_buffer("qweight", int_kernels.block_int8(q))
         elif self.vnni:
-            self._register_int4(module, int_kernels.block_int4(q, scales, zeros))
+            packed, block_scales, offsets = int_kernels.block_int4(q, scales, zeros)
+            module.register_buffer("qweight", packed)
+            module.register_buffer("scales", block_scales)
+            module.register_buffer("offsets", offsets)
         elif self.kernel == "int8":
             module.register_buffer("qweight", q.contiguous())
             module.register_buffer("scales", scales[:, 0].to(torch.bfloat16).contiguous())
@@ -199,29 +202,6 @@ class QuantizedMatmul:
             # tinygemm's form: w = (u - 8) * scale + zero, so zero = -z * scale
             scale_zero = torch.stack([scales.t(), (-zeros * scales).t()], dim=-1)
             module.register_buffer("scale_zero", scale_zero.to(torch.bfloat16).contiguous())
-
-    @staticmethod
-    def _register_int4(module: nn.Module,
-                       blocked: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> None:
-        for name, value in zip(("qweight", "scales", "offsets"), blocked, strict=True):
-            module.register_buffer(name, value)
-
-    @classmethod
-    def int4_blocks(cls, module: nn.Module, q: torch.Tensor, scales: torch.Tensor,
-                    offsets: torch.Tensor | None) -> QuantizedMatmul:
-        """The VNNI int4 kernel's matmul for weights given as signed q [N, K] (u - 8 of the
-        unsigned nibbles u), per-group `scales` and `offsets` [N, K / 32]: w = scale * u -
-        offset (a GGUF file's Q4_1 blocks: scale d, offset -m; Q4_0: None); their buffers
-        registered on `module`. Needs `int_kernels.available()`."""
-        matmul = cls("int4")
-        matmul.out_features, k = q.shape
-        matmul.group_size = k // scales.shape[1]
-        matmul.has_zeros = offsets is not None
-        matmul.vnni = True
-        matmul.unpack_rows = UNPACK_ROWS["int4"] if int_kernels.dequant_available() else None
-        cls._register_int4(module, int_kernels.block_int4(q, scales, torch.zeros_like(scales),
-                                                                 offsets))
-        return matmul
 
     @property
     def c_callable(self) -> bool:

@@ -34,12 +34,13 @@
 /* One projection's weight [N, K]: dense fp32 rows (small_gemm_f32), int8 / int4 blocked by
  * workers/kernels/int_gemm.py for int_gemm.c (fp32 activations in and out: the unfused
  * layer's `QuantizedMatmul` with fp32 rows makes the same call), or a GGUF file's Q8_0 / Q4_0 /
- * Q4_1 rows for gguf_gemm.c (the unfused layer's `GGUFMatmul` makes the same call). */
+ * Q4_1 rows for gguf_gemm.c (the unfused layer's `GGUFMatmul` makes the same call), or laid out
+ * for gguf_vnni.c (`GGUFVnniMatmul`'s). */
 typedef struct {
     const void *w;
     const void *scales;    /* int8: fp32 [N]; int4: [tiles, groups, 4], bf16 when scales_bf16 */
-    const float *offsets;  /* int4: per group, or NULL (symmetric) */
-    int64_t group;         /* int4: columns per scale */
+    const float *offsets;  /* int4: per group, or NULL (symmetric); GGUF_VNNI: fp16 */
+    int64_t group;         /* int4: columns per scale; GGUF_VNNI: the GGUF type's id */
     int32_t kind, scales_bf16;
 } proj_t;
 
@@ -60,7 +61,8 @@ typedef struct {
     float *scratch; /* set here: num_rows * width floats for each of a layer's projections */
 } lora_step_t;
 
-enum { DENSE = 0, INT8 = 1, INT4 = 2, GGUF_Q8_0 = 3, GGUF_Q4_0 = 4, GGUF_Q4_1 = 5 };
+enum { DENSE = 0, INT8 = 1, INT4 = 2, GGUF_Q8_0 = 3, GGUF_Q4_0 = 4, GGUF_Q4_1 = 5,
+       GGUF_VNNI = 6 };
 
 /* One layer's weights and settings, fixed at load (workers/models/fused_layer.py `Layer` mirrors it). */
 typedef struct {
@@ -116,6 +118,9 @@ static int matmul(const proj_t *p, const lora_args_t *l, const float *x, float *
         small_gemm_lora_f32(x, p->w, y, M, N, K, l, nt);
     else if (p->kind == INT8)
         rc = int8_gemm(x, 0, p->w, p->scales, y, 0, M, N, K, nt);
+    else if (p->kind == GGUF_VNNI)
+        rc = gguf_vnni_gemm(x, p->w, p->scales, (const uint16_t *)p->offsets, (int)p->group, y,
+                            M, N, K, nt);
     else if (p->kind >= GGUF_Q8_0)
         rc = gguf_gemm(x, p->w, p->kind - GGUF_Q8_0, y, M, N, K, nt);
     else

@@ -257,14 +257,8 @@ static void rows_i4(const int8_t *xq, const float *xs, const float *xw, const in
 }
 #endif
 
-/* The quantized activations: x's int8 blocks and their scales, or NULL (out of memory). */
-typedef struct {
-    int8_t *xq;
-    float *xs, *xw;
-    int32_t *xsum;
-} acts_t;
-
-static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, acts_t *a) {
+/* The quantized activations (acts_t, kernels.h; gguf_vnni.c's too). */
+int int_acts_quantize(const void *x, int x_bf16, int64_t M, int64_t K, acts_t *a) {
     a->xq = malloc(M * K);
     a->xs = malloc(sizeof(float) * M * (K / BLOCK));
     a->xw = malloc(sizeof(float) * M * (K / BLOCK));
@@ -274,20 +268,20 @@ static int quantize(const void *x, int x_bf16, int64_t M, int64_t K, acts_t *a) 
     return 0;
 }
 
-static void release(acts_t *a) { free(a->xq), free(a->xs), free(a->xw), free(a->xsum); }
+void int_acts_release(acts_t *a) { free(a->xq), free(a->xs), free(a->xw), free(a->xsum); }
 
 /* Quantizes x, then runs `CALL` (a rows_* call over [start, end)) on `num_threads` threads,
  * over chunks of rows (chunks.h). */
 #define QUANTIZE_THEN_OVER_THREADS(CALL)                                                      \
     do {                                                                                      \
         acts_t a;                                                                             \
-        int rc = quantize(x, x_bf16, M, K, &a);                                               \
+        int rc = int_acts_quantize(x, x_bf16, M, K, &a);                                      \
         if (rc == 0) {                                                                        \
             if (num_threads < 1) num_threads = 1;                                             \
             _Pragma("omp parallel num_threads(num_threads)")                                  \
             FOR_EACH_CHUNK(N, ROWS, num_threads, CALL);                                       \
         }                                                                                     \
-        release(&a);                                                                          \
+        int_acts_release(&a);                                                                 \
         return rc;                                                                            \
     } while (0)
 

@@ -41,11 +41,25 @@ int lora_add_f32(const float *x, float *y, int64_t N, int64_t K, const lora_args
                  int num_threads);
 
 /* int_gemm.c */
+/* x quantized to int8 in blocks of 32 columns: xq [M, K], each block's scale xs, the sum of its
+ * integers xsum and that times its scale xw, all [M, K / 32]; NULLs when out of memory. */
+typedef struct {
+    int8_t *xq;
+    float *xs, *xw;
+    int32_t *xsum;
+} acts_t;
+int int_acts_quantize(const void *x, int x_bf16, int64_t M, int64_t K, acts_t *a);
+void int_acts_release(acts_t *a);
 int int8_gemm(const void *x, int x_bf16, const uint8_t *w, const float *scales, void *y,
               int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads);
 int int4_gemm(const void *x, int x_bf16, const uint8_t *w, const void *scales, int s_bf16,
               const float *offsets, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
               int64_t group, int num_threads);
+
+/* gguf_vnni.c */
+int gguf_vnni_gemm(const float *x, const uint8_t *w, const uint16_t *scales,
+                   const uint16_t *offsets, int type, float *y, int64_t M, int64_t N, int64_t K,
+                   int num_threads);
 
 /* gguf_gemm.c */
 int gguf_gemm(const float *x, const uint8_t *w, int type, float *y, int64_t M, int64_t N,
