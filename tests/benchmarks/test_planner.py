@@ -62,7 +62,7 @@ def test_each_layout_is_scored_per_phase_and_the_planner_against_the_best_fixed(
     agg = layouts["aggregated"]
     assert agg["phases"]["1"]["slo_met_fraction"] == 0 and agg["min_phase_attainment"] == 0
     assert agg["goodput"] == round((n[0] + n[2]) / 30.0, 3)
-    out = planner.compare(layouts, 3)
+    out = planner.compare(layouts, 3, sum(n) / 30.0)
     assert out["best_fixed"] == "aggregated"
     assert out["best_per_phase"] == {"0": "aggregated", "1": "conditional", "2": "aggregated"}
     assert out["planner_vs_best_fixed_goodput_ratio"] == pytest.approx(
@@ -70,6 +70,9 @@ def test_each_layout_is_scored_per_phase_and_the_planner_against_the_best_fixed(
     assert out["best_per_phase_vs_best_fixed_goodput_ratio"] == pytest.approx(
         out["planner_vs_best_fixed_goodput_ratio"], abs=2e-3)
     assert out["min_phase_attainment_planner"] == 1.0
+    # every request met: the planner is at the bound any layout has
+    assert out["offered_vs_best_fixed_goodput_ratio"] == pytest.approx(
+        out["planner_vs_best_fixed_goodput_ratio"], abs=2e-3)
 
 
 def test_the_planner_layout_is_one_aggregated_pool_with_targets_from_the_slo(planner):
