@@ -112,7 +112,6 @@ class GGUFLookup:
         return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
 
-
 class GGUFVnniMatmul:
     """y = x W^T for a layer whose Q8_0 / Q4_0 / Q4_1 blocks were moved to the VNNI kernel
     (`use_int_kernels`): `qweight`, `scales` and `offsets` as `gguf_vnni.block_gguf` lays them
