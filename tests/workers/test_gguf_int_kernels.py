@@ -12,13 +12,12 @@ import json
 import pytest
 import torch
 
-from tests.workers.gguf_files import WindowedPromptBackend, prompt_logits, write_gguf
+from tests.workers.gguf_files import WindowedPromptBackend, prompt_logits
 from tests.workers.smollm2 import smollm2_gguf
 from workers import LLM, SamplingParams
 from workers.kernels import gguf_gemm, gguf_vnni
 from workers.models.fused_abi import GGUF_VNNI, Layer
 from workers.models.loader import load_model
-from workers.models.make_model import make_model
 from workers.models.model_config import ModelConfig
 from workers.quant.gguf_packed import GGUFLookup, GGUFVnniMatmul
 
@@ -77,15 +76,6 @@ def test_the_vnni_kernel_refuses_a_row_of_partial_blocks():
     with pytest.raises(ValueError, match="unsupported"):
         gguf_vnni.gguf_vnni_gemm(torch.randn(1, 48), gguf_vnni.block_gguf(blocks, "Q4_1", 64),
                                  "Q4_1", 16)
-
-
-@pytest.fixture(scope="module")
-def tiny_q4_1(tmp_path_factory):
-    """A tiny llama as a Q4_1 GGUF file (its tied embedding Q4_1 too)."""
-    folder = tmp_path_factory.mktemp("tiny-hf")
-    hf_dir = make_model(folder, arch="llama", preset="tiny",
-                        overrides={"tie_word_embeddings": True})
-    return write_gguf(hf_dir, tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", "Q4_1")
 
 
 def test_a_q4_1_file_s_layers_and_head_take_the_vnni_kernel(tiny_q4_1):

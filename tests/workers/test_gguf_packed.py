@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.workers.gguf_files import WindowedPromptBackend, prompt_logits, write_gguf
+from tests.workers.gguf_files import WindowedPromptBackend, prompt_logits
 from tests.workers.smollm2 import smollm2_gguf
 from workers import LLM, SamplingParams
 from workers.kernels import gguf_gemm
 from workers.models.loader import load_model
-from workers.models.make_model import make_model
 from workers.models.model_config import ModelConfig
 from workers.quant.gguf_packed import DECODE_ROWS, GGUFLookup, GGUFMatmul
 
@@ -94,15 +93,6 @@ def test_a_lookup_gives_the_files_rows_and_refuses_ids_outside_the_table():
         gguf_gemm.dequantize_rows(blocks, "Q8_0", 64, ids=torch.tensor([3, 50]))
     with pytest.raises(ValueError, match="multiple of 32"):
         gguf_gemm.row_bytes("Q4_0", 48)
-
-
-@pytest.fixture(scope="module")
-def tiny_q4_1(tmp_path_factory):
-    """A tiny llama (tied embeddings) as a Q4_1 GGUF file, the embedding Q4_1 too."""
-    folder = tmp_path_factory.mktemp("tiny-hf")
-    hf_dir = make_model(folder, arch="llama", preset="tiny",
-                        overrides={"tie_word_embeddings": True})
-    return write_gguf(hf_dir, tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf", "Q4_1")
 
 
 def _models(path):

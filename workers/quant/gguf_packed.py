@@ -76,8 +76,9 @@ def tie_packed(lm_head: Any, embedding: Any) -> None:
     lm_head.matmul = GGUFMatmul(lookup.ggml_type, embedding.weight.shape[0], lookup.k)
 
 
-class GGUFMatmul:
-    """y = x W^T for a layer whose W is GGUF blocks (`weight`: uint8 [N, row bytes])."""
+class _BlocksMatmul:
+    """y = x W^T for a layer whose W is a GGUF file's blocks, by a kernel of `_product`'s: x
+    [T, K] -> [T, N] in out_dtype (default x's), fp32 inside."""
 
     # the fused decoder layers and `small_gemm.PackedMLP` may call its kernel from C
     c_callable = True
@@ -88,14 +89,22 @@ class GGUFMatmul:
 
     def __call__(self, module: Any, x: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        # x: [T, K] -> [T, N] in out_dtype (default x's); fp32 inside
-        w = module.weight
-        if x.shape[0] <= DECODE_ROWS:
-            y = gguf_kernels.gguf_gemm(x, w, self.ggml_type, self.out_features)
-        else:
-            y = gguf_kernels.tiled_mm(x, w, self.ggml_type, self.out_features)
+        y = self._product(module, x)
         out_dtype = out_dtype or x.dtype
         return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    def _product(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class GGUFMatmul(_BlocksMatmul):
+    """The blocks as the file stores them (`weight`: uint8 [N, row bytes])."""
+
+    def _product(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        w = module.weight
+        if x.shape[0] <= DECODE_ROWS:
+            return gguf_kernels.gguf_gemm(x, w, self.ggml_type, self.out_features)
+        return gguf_kernels.tiled_mm(x, w, self.ggml_type, self.out_features)
 
 
 class GGUFLookup:
@@ -112,23 +121,13 @@ class GGUFLookup:
         return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
 
-class GGUFVnniMatmul:
-    """y = x W^T for a layer whose Q8_0 / Q4_0 / Q4_1 blocks were moved to the VNNI kernel
-    (`use_int_kernels`): `qweight`, `scales` and `offsets` as `gguf_vnni.block_gguf` lays them
-    out, any number of rows of x."""
+class GGUFVnniMatmul(_BlocksMatmul):
+    """The blocks moved to the VNNI kernel (`use_int_kernels`): `qweight`, `scales` and
+    `offsets` as `gguf_vnni.block_gguf` lays them out, any number of rows of x."""
 
-    c_callable = True
-
-    def __init__(self, ggml_type: str, out_features: int, in_features: int) -> None:
-        self.ggml_type, self.out_features, self.in_features = (
-            ggml_type, out_features, in_features)
-
-    def __call__(self, module: Any, x: torch.Tensor,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = gguf_vnni.gguf_vnni_gemm(x, (module.qweight, module.scales, module.offsets),
-                                     self.ggml_type, self.out_features)
-        out_dtype = out_dtype or x.dtype
-        return y if y.dtype == out_dtype else y.to(out_dtype)
+    def _product(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        return gguf_vnni.gguf_vnni_gemm(x, (module.qweight, module.scales, module.offsets),
+                                        self.ggml_type, self.out_features)
 
 
 def use_int_kernels(model: nn.Module) -> int:
