@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--adaptive-draft-length", action="store_true",
                         help="each request's draft length follows its acceptance")
     parser.add_argument("--int-kernels", action="store_true",
-                        help="both servers multiply the GGUF file's Q4_1 weights by int8 "
-                             "activations (--fp32-int-kernels: the VNNI int4 kernel)")
+                        help="both servers multiply the GGUF file's blocks by int8 "
+                             "activations (--fp32-int-kernels: the GGUF VNNI kernel)")
     parser.add_argument("--out", default=str(RESULTS / "speculative.json"))
     args = parser.parse_args(argv)
     if args.num_speculative_tokens is not None:

@@ -16,6 +16,7 @@ Compared in `benchmarks/gguf_packed.py` with the weights dequantized at load. Wi
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -76,7 +77,7 @@ def tie_packed(lm_head: Any, embedding: Any) -> None:
     lm_head.matmul = GGUFMatmul(lookup.ggml_type, embedding.weight.shape[0], lookup.k)
 
 
-class _BlocksMatmul:
+class _BlocksMatmul(abc.ABC):
     """y = x W^T for a layer whose W is a GGUF file's blocks, by a kernel of `_product`'s: x
     [T, K] -> [T, N] in out_dtype (default x's), fp32 inside."""
 
@@ -93,8 +94,9 @@ class _BlocksMatmul:
         out_dtype = out_dtype or x.dtype
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
+    @abc.abstractmethod
     def _product(self, module: Any, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """x W^T in fp32, by the subclass's kernel."""
 
 
 class GGUFMatmul(_BlocksMatmul):

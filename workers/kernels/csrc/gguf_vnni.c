@@ -16,7 +16,8 @@
  * one fma by d times x's scale, and for Q4_1 one more by o times x's block sum. The 16 outputs
  * of a tile are one vector: no horizontal sums. A weight block is unpacked once for every row
  * of x (up to MB at a time), so extra rows cost their products, not the unpacking; `int_gemm.c`'s
- * int4 layout (4 rows, sums across lanes) spends about three times as many instructions a row.
+ * int4 layout (4 rows, sums across lanes) took three times as long at 5 rows (3072 x 576, one
+ * thread: 0.367 against 0.122 ms).
  *
  * A row's result has the same bits whatever the rows beside it and whichever thread took it.
  * Returns -1 without AVX-512 VNNI, -2 for a shape it does not take (K a multiple of 32), -3
