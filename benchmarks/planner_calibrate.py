@@ -27,7 +27,12 @@ What the simulator is given:
   the time of measuring (its p90 1.4x to 2.5x the median in runs minutes apart), so the
   default leaves it out and reports the count with it beside
   (`within_20_percent_with_the_measured_spread`).
-KV transfers cost nothing (both workers on one machine). `--measured` reuses an earlier
+- `--overheads` (`benchmarks/planner_overheads.py`'s result), measured on the Ray app: each
+  layout's co-run factor from the CPU its other processes (Ray's daemons, Serve's proxy and
+  router, the load generator) take under the trace's chat load, 2 / (2 - their cores), in
+  place of `--corun`; and the 1P+1D first token's path (`StepProfile.handoff_s`: the prefill
+  call's return with its KV offer), its single-request TTFTs over the aggregated layout's.
+KV pulls cost nothing (both workers on one machine). `--measured` reuses an earlier
 result's measurements (`measured_by` names the command that took them).
 
 The ITL is taken as the Ray report takes it: every gap between tokens of every request,
@@ -48,6 +53,7 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from loadgen import percentiles_ms
@@ -124,6 +130,20 @@ def anchored(measured: StepProfile, single: dict, setup: dict) -> StepProfile:
                        source="prefill from the Ray app's single-request TTFTs; decode: the "
                               "step measured here plus the Ray app's per-step overhead "
                               f"({overhead * 1e3:.1f} ms, from its single-request ITL)")
+
+
+def with_handoff(profile: StepProfile, overheads: dict, setup: dict) -> StepProfile:
+    """`profile` with the disaggregated path's first-token cost (`StepProfile.handoff_s`)
+    from `benchmarks/planner_overheads.py`: the 1P+1D layout's single-request TTFT over the
+    aggregated layout's, per class (the median of paired rounds), as a fixed cost and one
+    per prompt token (clamped at 0)."""
+    diff = overheads["single"]["disaggregated_minus_aggregated_ttft_ms"]
+    short, long = diff["short"]["median"] / 1e3, diff["long"]["median"] / 1e3
+    per_token = max(0.0, (long - short) / (setup["long_input"] - setup["short_input"]))
+    return replace(profile, handoff_fixed_s=max(0.0, short - per_token * setup["short_input"]),
+                   handoff_s_per_token=per_token,
+                   source=profile.source + "; the 1P+1D first token's path from "
+                                           "planner_overheads.py")
 
 
 def ray_trace(setup: dict) -> list[Req]:
@@ -225,6 +245,10 @@ def main() -> dict:
     p.add_argument("--corun", type=float, default=1.0,
                    help="a step's slowdown while the other worker steps (1: none, as the "
                         "measured CPU time has it)")
+    p.add_argument("--overheads", default=None,
+                   help="a planner_overheads.json: the 1P+1D first token's path and each "
+                        "layout's co-run factor from its other processes' CPU (measured; "
+                        "replaces --corun)")
     p.add_argument("--sweep", type=floats, default=[1.1, 1.2, 1.3, 1.5, 1.8],
                    help="co-run factors also simulated (the count within 20%% at each)")
     p.add_argument("--spread", action=argparse.BooleanOptionalAction, default=False,
@@ -241,20 +265,26 @@ def main() -> dict:
         raise ValueError("--spread needs a measured step spread (an earlier result without "
                          "one: --no-spread)")
 
-    def sim_at(corun: float, spread: dict | None) -> dict:
-        return {n: simulated(setup, profile, SIM_LAYOUT[n], corun, spread) for n in ray}
-
+    profiles, corun = layout_inputs(args, profile, list(ray), setup)
     used = spread if args.spread else None
-    sim = sim_at(args.corun, used)
+
+    def sim_at(factor: dict[str, float], spread: dict | None) -> dict:
+        return {n: simulated(setup, profiles[n], SIM_LAYOUT[n], factor[n], spread)
+                for n in ray}
+
+    sim = sim_at(corun, used)
     ratios = ratios_of(sim, ray, "sim_over_ray")
-    sweep = {str(c): within(ratios_of(sim_at(c, used), ray, "x")) for c in args.sweep}
+    sweep = {str(c): within(ratios_of(sim_at(dict.fromkeys(ray, c), used), ray, "x"))
+             for c in args.sweep}
     other = None if spread is None else within(ratios_of(
-        sim_at(args.corun, None if args.spread else spread), ray, "x"))
+        sim_at(corun, None if args.spread else spread), ray, "x"))
     out = {"benchmark": "planner_calibrate", "command": command_line(None),
            "ray_report": args.report, "ray_report_command": report["command"],
            "measured": dict(vars(measured)), "corun_measured": corun_measured,
            "measured_by": measured_by(args.measured) if args.measured else command_line(None),
-           "profile": dict(vars(profile)), "corun": args.corun, "step_spread": used,
+           "profile": dict(vars(profile)), "overheads": args.overheads,
+           "profiles": {n: dict(vars(v)) for n, v in profiles.items()}, "corun": corun,
+           "step_spread": used,
            "layouts": {n: {"ray": ray[n], "sim": sim[n]} for n in ray},
            "within_20_percent": within(ratios), "within_20_percent_by_corun": sweep,
            ("within_20_percent_steps_exact" if args.spread else
@@ -264,6 +294,19 @@ def main() -> dict:
         out.update(repeat_report=args.repeat, repeat_single_request=again["single_request"],
                    **repeat_check(ray, ray_cells(again), sim))
     return emit(out, Path(args.out))
+
+
+def layout_inputs(args: argparse.Namespace, profile: StepProfile, layouts: list[str],
+                  setup: dict) -> tuple[dict[str, StepProfile], dict[str, float]]:
+    """Each layout's profile and co-run factor: from `--overheads` (measured: the 1P+1D first
+    token's path, each layout's other processes' CPU under load), or else `profile` and
+    `--corun` for both."""
+    if not args.overheads:
+        return dict.fromkeys(layouts, profile), dict.fromkeys(layouts, args.corun)
+    overheads = json.loads(Path(args.overheads).read_text())
+    profiles = {n: with_handoff(profile, overheads, setup) if n == "disaggregated" else profile
+                for n in layouts}
+    return profiles, {n: overheads["load"][n]["corun"] for n in layouts}
 
 
 def measured_by(earlier_path: str) -> str:

@@ -186,6 +186,10 @@ class RayApp(ServerProcess):
         shutil.rmtree(self._tmp, ignore_errors=True)
         return {"exit_code": code, "killed_ray_pids": sorted(left)}
 
+    def ray_pids(self) -> list[int]:
+        """Pids of every Ray process of this app (its daemons and workers)."""
+        return ray_processes(self._tmp)
+
     def processes(self, name: str) -> list[int]:
         """Pids of this app's Ray worker processes whose title holds `name` (e.g.
         "EngineActor": Ray titles an actor's process `ray::<class>.<method>`)."""

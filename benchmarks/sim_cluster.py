@@ -267,7 +267,11 @@ class Cluster:
             self.messages += 1
 
     def first_token(self, w: SimWorker, req: Req, hand_off: bool, now: float) -> None:
-        req.first = now
+        """`req`'s prompt is in. A handed-off request's first token reaches the client with
+        its handoff (the prefill call returns both: `router.orchestrator`), the profile's
+        `handoff_s` later; it joins its decode worker once its KV is pulled (`transfer_s`)."""
+        hand_off = hand_off and req.output > 1  # one token: no handoff, done at the prefill
+        req.first = now + (self.profile.handoff_s(req.prompt) if hand_off else 0.0)
         if self.keep_gaps:
             req.gaps = []
         if req.output <= 1:
@@ -281,4 +285,4 @@ class Cluster:
             pick.release()
             target.incoming += 1  # `WorkerSet.note_routed`, then its reports count it
             self.table.waiting[self.table.row_of[target.wid]] += 1
-            self.at(now + self.profile.transfer_s(req.prompt), "joined", (target, req))
+            self.at(req.first + self.profile.transfer_s(req.prompt), "joined", (target, req))

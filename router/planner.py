@@ -62,7 +62,8 @@ def prefill_pool(classes: Sequence[RequestClass], inp: PlanInput, decode_step_s:
     if rate <= 0:
         return lo, 0.0
     rate += inp.backlog_tokens * p.prefill_s_per_token / service / t.ttft_s
-    alone = max(p.prefill_s(c.prompt_tokens) + p.transfer_s(c.prompt_tokens)
+    alone = max(p.prefill_s(c.prompt_tokens) + p.handoff_s(c.prompt_tokens)
+                + p.transfer_s(c.prompt_tokens)
                 for c in classes if c.rate > 0) + decode_step_s
 
     def ttft(n: int) -> float:

@@ -7,7 +7,10 @@ Torch-free.
                                    (steps: one per `chunk_tokens` of the prompt)
     decode_step_s(batch, ctx)    = decode_fixed_s + batch × (decode_s_per_seq
                                                             + ctx × decode_s_per_ctx_token)
-    transfer_s(tokens)           = tokens × transfer_s_per_token
+    handoff_s(tokens)            = handoff_fixed_s + tokens × handoff_s_per_token
+                                   (a disaggregated prompt's end to its first token: the
+                                   prefill call's return with its KV offer)
+    transfer_s(tokens)           = tokens × transfer_s_per_token (the KV pull after it)
 
 `ProfileFitter` fits one from a worker's steps as the router sees them: each pushed report is
 one engine step (`WorkerOutputs`, one per step), so a report's interval after the previous one,
@@ -36,13 +39,16 @@ class StepProfile:
     decode_s_per_seq: float
     decode_s_per_ctx_token: float = 0.0
     transfer_s_per_token: float = 0.0  # a handoff's KV pull, per prompt token
+    handoff_fixed_s: float = 0.0  # a prefill's end to its first token, disaggregated
+    handoff_s_per_token: float = 0.0  # ... and per prompt token
     max_batch: int = 256
     chunk_tokens: int = 2048
     source: str = "measured"  # where the figures come from ("measured", "gpu_roofline", ...)
 
     def __post_init__(self) -> None:
         for name in ("prefill_fixed_s", "prefill_s_per_token", "decode_fixed_s",
-                     "decode_s_per_seq", "decode_s_per_ctx_token", "transfer_s_per_token"):
+                     "decode_s_per_seq", "decode_s_per_ctx_token", "transfer_s_per_token",
+                     "handoff_fixed_s", "handoff_s_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"StepProfile.{name} must be >= 0, got {getattr(self, name)}")
         if self.prefill_s_per_token <= 0 or self.decode_fixed_s + self.decode_s_per_seq <= 0:
@@ -64,7 +70,12 @@ class StepProfile:
         return self.decode_fixed_s + batch * (self.decode_s_per_seq
                                               + context * self.decode_s_per_ctx_token)
 
+    def handoff_s(self, tokens: float) -> float:
+        """A disaggregated prompt of `tokens`: its prefill's end to its first token."""
+        return self.handoff_fixed_s + self.handoff_s_per_token * tokens
+
     def transfer_s(self, tokens: float) -> float:
+        """Its KV pulled by the decode worker, after the first token."""
         return self.transfer_s_per_token * tokens
 
 

@@ -5,6 +5,8 @@ from a measured spread. No timing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import benchmarks.simulate as simulate
@@ -15,9 +17,10 @@ from router.profiles import StepProfile
 PROFILE = StepProfile(0.0, 1e-3, 0.01, 0.0, chunk_tokens=2048)
 
 
-def replay(trace: list[Req], corun: float, spread: tuple | None = None) -> list[Req]:
-    simulate.PROFILE = PROFILE
-    run = simulate.Run("aggregated", 2, 10.0, 0, trace=trace)
+def replay(trace: list[Req], corun: float, spread: tuple | None = None,
+           layout: str = "aggregated", profile: StepProfile = PROFILE) -> list[Req]:
+    simulate.PROFILE = profile
+    run = simulate.Run(layout, 2, 10.0, 0, trace=trace)
     run.c.keep_gaps, run.c.corun, run.c.spread = True, corun, spread
     run.run(1.0)
     return run.requests
@@ -57,3 +60,17 @@ def test_a_measured_spread_stretches_every_step_by_its_draw() -> None:
     (r,) = replay([Req(0.0, 100, 200, 0)], corun=1.0, spread=((0.0, 1.0), (1.0, 3.0)))
     assert min(r.gaps) >= 0.01 and max(r.gaps) <= 0.03
     assert max(r.gaps) > 0.025 and min(r.gaps) < 0.015  # drawn across the whole range
+
+
+def test_a_handed_off_first_token_waits_for_the_handoffs_path_and_its_pull() -> None:
+    """1P+1D: the first token reaches the client `handoff_s` after the prefill (the prefill
+    call returns it with the KV offer); decoding starts once the KV is pulled."""
+    profile = dataclasses.replace(PROFILE, handoff_fixed_s=0.04, handoff_s_per_token=1e-4,
+                                  transfer_s_per_token=2e-4)
+    (r,) = replay([Req(1.0, 100, 3, 0)], 1.0, layout="disagg_1to1", profile=profile)
+    assert r.first == pytest.approx(1.0 + 0.1 + 0.04 + 100 * 1e-4)  # prefill, handoff_s
+    assert r.gaps == pytest.approx([100 * 2e-4 + 0.01, 0.01])  # the pull, then a step each
+    (one,) = replay([Req(1.0, 100, 1, 0)], 1.0, layout="disagg_1to1", profile=profile)
+    assert one.first == pytest.approx(1.1)  # done at its prefill: nothing handed off
+    (agg,) = replay([Req(1.0, 100, 3, 0)], 1.0, profile=profile)
+    assert agg.first == pytest.approx(1.1)  # aggregated: no handoff

@@ -4,6 +4,7 @@ steps, the traffic window's classes, and the role switches that carry a plan out
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -250,3 +251,13 @@ def test_between_layouts_that_both_miss_a_switch_waits_until_the_smaller_miss_la
     # three ticks in a row: it switches on the third
     assert [planner.decide(far).threshold_tokens for _ in range(3)] == [AGGREGATED,
                                                                         AGGREGATED, 0]
+
+
+def test_a_handoffs_path_counts_in_the_prefill_pools_ttft():
+    """A disaggregated prompt's first token waits for its handoff (`StepProfile.handoff_s`:
+    the prefill call's return with its KV offer, measured by benchmarks/planner_overheads.py)."""
+    slow = dataclasses.replace(GPU, handoff_fixed_s=0.05, handoff_s_per_token=1e-5)
+    inp = PlanInput((SUMMARIZE,), GPU, TARGETS, PoolBounds())
+    _, ttft = prefill_pool(inp.classes, inp, 0.005, at=8)
+    _, slower = prefill_pool(inp.classes, dataclasses.replace(inp, profile=slow), 0.005, at=8)
+    assert slower - ttft == pytest.approx(0.05 + 8192 * 1e-5)
