@@ -121,6 +121,50 @@ def test_a_split_of_few_heads_normalizes_them_as_the_whole_sequence_does(heads, 
             assert torch.equal(got, one), (seq_lens, threads)
 
 
+def verification_case(rows_per_seq, longest, heads, kv_heads, dim, block_size, seed):
+    """Sequences of `longest` tokens, each with `rows_per_seq` rows as a speculative
+    verification lays them out (its rows together, one block table, seq_lens one apart, the last
+    row's the longest): (q, cache, tables, lens) with one entry per row."""
+    q, cache, tables, _ = make_case(longest, heads, kv_heads, dim, block_size, seed=seed)
+    owner = [s for s, n in enumerate(rows_per_seq) for _ in range(n)]
+    lens = [length - n + 1 + i for length, n in zip(longest, rows_per_seq) for i in range(n)]
+    q = torch.randn(len(owner), heads, dim, generator=torch.Generator().manual_seed(seed))
+    return q, cache, tables[owner], torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 16), (6, 6, 24)])
+def test_a_sequence_s_rows_attended_together_equal_each_row_attended_alone(kv_dtype, heads,
+                                                                          kv_heads, dim):
+    """A verification's rows share a work item (each cached K/V row read once for all of them);
+    each row's result must still be the 1-row decode step's bit for bit, on any thread count,
+    or greedy output would change with speculation. Rows across block boundaries (16, 32), in
+    the first block, more rows than an item takes (10); with a window and sinks too."""
+    q, cache, tables, lens = verification_case([5, 3, 5, 10, 1], [18, 5, 34, 100, 40], heads,
+                                               kv_heads, dim, block_size=16, seed=dim)
+    cache = cache.to(kv_dtype)
+    sinks = torch.linspace(-1.0, 1.0, heads)
+    for window, sink in ((None, None), (20, sinks)):
+        alone = torch.cat([paged_decode(q[r:r + 1], cache, tables[r:r + 1], lens[r:r + 1],
+                                        0.125, num_threads=1, window=window, sinks=sink)
+                           for r in range(len(lens))])
+        for threads in (1, 2, 3):
+            together = paged_decode(q, cache, tables, lens, 0.125, num_threads=threads,
+                                    window=window, sinks=sink)
+            assert torch.equal(together, alone), (window, threads)
+        for r in (0, 4, 12):  # one sequence's rows alone on two threads (split heads and rows)
+            one = verification_case([5], [18 + r], heads, kv_heads, dim, 16, seed=r)
+            solo = [paged_decode(one[0][i:i + 1], one[1].to(kv_dtype), one[2][i:i + 1],
+                                 one[3][i:i + 1], 0.125, num_threads=2, window=window,
+                                 sinks=sink) for i in range(5)]
+            got = paged_decode(one[0], one[1].to(kv_dtype), one[2], one[3], 0.125,
+                               num_threads=2, window=window, sinks=sink)
+            assert torch.equal(got, torch.cat(solo)), (window, r)
+    want = naive_decode(q, cache.float(), tables, lens, 0.125)
+    torch.testing.assert_close(paged_decode(q, cache, tables, lens, 0.125), want, atol=1e-5,
+                               rtol=1e-5)
+
+
 def test_decode_writes_into_out_and_reads_strided_queries():
     q, cache, tables, lens = make_case([20, 9], 4, 2, 16, 16)
     wide = torch.randn(2, 4, 32)

@@ -72,8 +72,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     kv_cache: [2, num_blocks, block_size, Hkv, D] fp32 or bf16 (read as fp32); block_tables:
     [B, >= blocks needed]; seq_lens: [B] (context length including the new token); window:
     attend only the last `window` tokens; sinks: [Hq] fp32 attention-sink logits. Returns
-    [B, Hq, D] fp32. Threads default to torch's; each sequence is computed
-    by one thread, so the result does not depend on them."""
+    [B, Hq, D] fp32. Threads default to torch's. Consecutive rows with one context (a
+    verification's: the same blocks, seq_lens one apart) are attended in one pass over it; a
+    row's result is the same bit for bit alone or with them, on any thread count."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
     if q.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPES:

@@ -13,12 +13,29 @@
  * head_dim must be a multiple of 8 (the caller checks). A bf16 cache's rows are widened to fp32
  * as they are read (`kv_bf16`); the arithmetic is fp32 either way.
  *
- * A work item is one sequence, all heads (or, below one sequence per thread, a range of them). Per
- * block, head by head (the query, then the accumulator, held in registers over the block's tokens;
- * the block's K or V rows stay in L1 for the heads of a group): the scores (the next block's rows
- * of the head prefetched a token at a time between them), an online-softmax update, and the V
- * rows weighted into the accumulator.
- * Measured on 2 cores: 128 sequences of 250-500 tokens, 8 layers of 256 MiB, cold caches: 6.3-6.4
+ * A work item is a group of rows with one context and a range of its KV heads: consecutive rows
+ * whose block tables agree over every block each reads (a speculative verification's k + 1 rows:
+ * one sequence, seq_lens one apart) form a group of up to MAX_GROUP_ROWS (`group_rows`); a plain
+ * decode's rows are groups of one. Per block and KV head, the head's K and V rows (widened once
+ * from bf16) stay in L1 while each of the item's rows takes, for its query heads of that KV
+ * head (paged_block.h; the query, then the accumulator, in registers over the block's tokens),
+ * their scores, eight tokens at a time summed together, with the block max in vectors, then
+ * each head's online-softmax update and the V rows weighted into its accumulator; the first
+ * prefetches the next block's rows of the KV head, a token's at a time. A row's arithmetic is
+ * the same whatever shares its item, so each row of a verification is its 1-row decode step's
+ * bit for bit (tests/workers/test_cpu_attention.py).
+ * Why (SmolLM2-135M's heads: 9, 3 KV heads of 64; 30 layers' caches in turn, one thread): a
+ * verification of 5 rows took 4.5, 7.7 and 12.7 ms at 300, 500 and 800 tokens against 1.3, 2.9 and
+ * 5.0 for one row, 3.5-4.6x with one layer's cache warm too: the extra rows' arithmetic (16 FMAs
+ * of 8 floats per row, head and token), not their reads, and each score's horizontal sum and the
+ * scalar block max on top. Grouped (both builds alternating in one process): 5 rows 0.73-0.84x the
+ * time (2 threads 0.72-0.89x, a bf16 cache 0.52-0.55x), one row even (bf16 0.76-0.81x), plain
+ * decodes of 32-128 sequences 0.94-1.00x; the offline step of SmolLM2's Q4_1 file on the GGUF VNNI
+ * kernel, 5 rows over 1, 1.58 / 1.65 / 1.72 against 1.64 / 1.79 / 2.03 (medians of 30, one
+ * thread). The FMAs bound it now: 16-float vectors were no help, a 512-bit FMA taking twice a
+ * 256-bit one on this machine; splitting the V sum into even and odd tokens was 7% slower.
+ * Before that (one sequence per item, head by head, with the same prefetch), measured on 2
+ * cores: 128 sequences of 250-500 tokens, 8 layers of 256 MiB, cold caches: 6.3-6.4
  * ms a layer, as for the token-major order this replaced (the bytes bound it); 32 sequences of 190
  * tokens, warm: 0.24 ms against 0.36, and one sequence 13.6 us against 15.6. (Earlier: plain C
  * loops 8-9 ms and a head-major order over whole sequences 10-12 ms on the cold case, ~20 ms for
@@ -43,13 +60,15 @@
  *
  * Built at first use by workers/attention/cpu_backend.py: cc -O3 -march=native -ffast-math.
  */
-#include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
+#include "paged_block.h"
+
+enum { MAX_GROUP_ROWS = 8 }; /* rows of one sequence that share a work item's reads */
 
 typedef struct {
     const float *q, *sinks;
@@ -58,151 +77,105 @@ typedef struct {
     const int32_t *seq_lens;
     float *out;
     int64_t table_stride;
-    int num_heads, num_kv_heads, head_dim, block_size, num_items, window, kv_bf16;
-    int splits; /* work items per sequence, each a range of KV-head groups */
+    int num_heads, num_kv_heads, head_dim, block_size, window, kv_bf16;
+    const int *group_start; /* [num_groups + 1]: group i is rows [group_start[i], ..[i + 1]) */
+    int num_groups, head_splits, row_splits, num_items; /* an item: a group's heads x rows */
     float scale;
     atomic_int next;
     int failed;
 } job_t;
 
-/* Eight floats; GCC/Clang vector extensions compile to AVX (x86-64) or NEON pairs (AArch64). */
-typedef float vf __attribute__((vector_size(32)));
-#define VL 8
+/* Where one row of an item reads: tokens [first, len) of blocks [b0, nb). */
+typedef struct {
+    int len, first, b0, nb;
+} span_t;
 
-static inline vf load_vf(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
+static span_t row_span(const job_t *j, int r) {
+    const int len = j->seq_lens[r], bs = j->block_size;
+    const int first = j->window > 0 && len > j->window ? len - j->window : 0;
+    return (span_t){len, first, first / bs, len > 0 ? (len + bs - 1) / bs : 0};
 }
 
-static inline void store_vf(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-typedef uint16_t vh __attribute__((vector_size(16)));
-typedef uint32_t vu __attribute__((vector_size(32)));
-
-/* Eight cached values from element `i` of `base`, as fp32 (bf16: the high half of each). */
-static inline vf load_kv(const void *base, int64_t i, const int bf16) {
-    if (!bf16) return load_vf((const float *)base + i);
-    vh h;
-    memcpy(&h, (const uint16_t *)base + i, sizeof h);
-    vu u = __builtin_convertvector(h, vu) << 16;
-    vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float sum_vf(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-}
-
-/* One sequence, every head; `dv` = head_dim / 8. Inlined with dv a constant for the usual head
- * sizes, so the row loops are unrolled (head_dim 16, the embedded tiny model's: 64 sequences of
- * 170 tokens in 0.28 ms against 0.57 ms with dv a variable, on this project's 2-core machine). */
+/* One item: rows [r0, r1) of a group (one sequence's rows, one context) and its query heads of
+ * KV heads [g0, g1); `dv` = head_dim / 8. Inlined with dv a constant for the usual head sizes,
+ * so the row loops are unrolled (head_dim 16, the embedded tiny model's: 64 sequences of 170
+ * tokens in 0.28 ms against 0.57 ms with dv a variable, on this project's 2-core machine). */
 static inline __attribute__((always_inline)) int attend_dv(job_t *j, int item, const int dv,
                                                            const int bf16) {
-    const int64_t esize = bf16 ? 2 : 4; /* bytes per cached value */
     const int H = j->num_heads, Hkv = j->num_kv_heads, G = H / Hkv, bs = j->block_size;
-    /* this item's sequence and query heads [h0, h1): whole KV-head groups */
-    const int seq = item / j->splits, part = item % j->splits;
-    const int h0 = part * Hkv / j->splits * G, h1 = (part + 1) * Hkv / j->splits * G;
-    const int D = dv * VL, len = j->seq_lens[seq];
-    const int64_t row = (int64_t)Hkv * D;  /* floats per token in a block (every KV head) */
-    const int32_t *table = j->block_tables + (int64_t)seq * j->table_stride;
-    const float *q = j->q + (int64_t)seq * H * D;
-    float *out = j->out + (int64_t)seq * H * D;
-    if (len <= 0) {  /* nothing to attend to (callers never ask): zeros, not NaN */
-        memset(out + (size_t)h0 * D, 0, sizeof(float) * (size_t)(h1 - h0) * D);
-        return 0;
-    }
-    /* per query head: scaled query, accumulator, running max, sum and rescale; block scores */
-    float *mem = malloc(sizeof(float) * ((size_t)H * D * 2 + (size_t)H * 3 + (size_t)H * bs));
+    const int parts = j->head_splits * j->row_splits, grp = item / parts;
+    const int hp = item % parts / j->row_splits, rp = item % j->row_splits;
+    const int gs = j->group_start[grp], gn = j->group_start[grp + 1] - gs;
+    const int r0 = gs + rp * gn / j->row_splits, R = gs + (rp + 1) * gn / j->row_splits - r0;
+    const int g0 = hp * Hkv / j->head_splits, g1 = (hp + 1) * Hkv / j->head_splits;
+    const int nh = (g1 - g0) * G, D = dv * VL;
+    const int64_t esize = bf16 ? 2 : 4, row = (int64_t)Hkv * D; /* a token's values, all heads */
+    /* the group's first row's table: every row's equals it over the blocks that row reads */
+    const int32_t *table = j->block_tables + (int64_t)gs * j->table_stride;
+    if (R == 0) return 0;
+    /* per (row, head): scaled query, accumulator, running max and sum; a block's scores, a
+     * zero row, a bf16 block's K and V rows of one KV head widened */
+    const size_t nq = (size_t)R * nh, wide = bf16 ? (size_t)2 * bs * D : 0;
+    const int sn = bs + VL; /* floats of a head's block scores */
+    float *mem = malloc(sizeof(float) * (nq * (2 * D + 2) + (size_t)G * (sn + 1) + D + wide));
     if (mem == NULL) return -1;
-    float *qs = mem, *acc = qs + (size_t)H * D, *m = acc + (size_t)H * D, *l = m + H;
-    float *c = l + H, *s = c + H;  /* s: [H][bs] scores of a block */
-    for (int i = h0 * D; i < h1 * D; i++) {
-        qs[i] = q[i] * j->scale;
-        acc[i] = 0.0f;
+    float *qs = mem, *acc = qs + nq * D, *m = acc + nq * D, *l = m + nq, *s = l + nq;
+    float *top = s + G * sn, *zero = top + G, *kw = zero + D, *vw = kw + (wide / 2);
+    memset(zero, 0, sizeof(float) * (size_t)D);
+    span_t sp[MAX_GROUP_ROWS];
+    int lo = 1 << 30, hi = 0; /* the item's blocks */
+    for (int r = 0; r < R; r++) {
+        sp[r] = row_span(j, r0 + r);
+        if (sp[r].nb > 0) lo = sp[r].b0 < lo ? sp[r].b0 : lo;
+        hi = sp[r].nb > hi ? sp[r].nb : hi;
+        for (int h = 0; h < nh; h++) { /* a sink starts a softmax: max = its logit, sum 1 */
+            const float *q = j->q + ((int64_t)(r0 + r) * H + g0 * G + h) * D;
+            for (int i = 0; i < D; i++) {
+                qs[(r * nh + h) * D + i] = q[i] * j->scale;
+                acc[(r * nh + h) * D + i] = 0.0f;
+            }
+            l[r * nh + h] = j->sinks != NULL ? 1.0f : 0.0f;
+            m[r * nh + h] = j->sinks != NULL ? j->sinks[g0 * G + h] : 0.0f;
+        }
     }
-    /* a sink starts each head's softmax: running max = its logit, sum = exp(0) = 1 */
-    const float *sinks = j->sinks;
-    for (int h = h0; h < h1; h++) {
-        l[h] = sinks != NULL ? 1.0f : 0.0f;
-        m[h] = sinks != NULL ? sinks[h] : 0.0f;
-    }
-    const int num_blocks = (len + bs - 1) / bs;
-    /* a sliding window starts at token `first`: blocks before it are never read */
-    const int first = j->window > 0 && len > j->window ? len - j->window : 0, b0 = first / bs;
-    for (int b = b0; b < num_blocks; b++) {
-        const int n = b == num_blocks - 1 ? len - b * bs : bs;
-        const int t0 = b == b0 ? first - b * bs : 0;  /* tokens [t0, n) of this block */
-        /* element offsets of this block and the next in either half */
-        const int64_t kb = (int64_t)table[b] * bs * row;
-        const int has_next = b + 1 < num_blocks;
-        const char *kn = has_next ? (const char *)j->k + (int64_t)table[b + 1] * bs * row * esize
-                                  : NULL;
-        const char *vn = has_next ? (const char *)j->v + (int64_t)table[b + 1] * bs * row * esize
-                                  : NULL;
-        /* head-major within the block: a head's query stays in registers over the block's
-         * tokens (the block's K rows, 16 x 1 KiB here, stay in L1 for the group's heads) */
-        for (int h = h0; h < h1; h++) {
-            vf qv[dv];
-            for (int i = 0; i < dv; i++) qv[i] = load_vf(qs + h * D + i * VL);
-            const int64_t kh = kb + (h / G) * D;
-            /* the next block's rows of this KV head, a token's at a time between the dot
-             * products, into every cache level. (As non-temporal prefetches, which skip L2, the
-             * next block's 2 x 16 KiB were often evicted from L1 before their turn and read from
-             * memory again; issued all at once before the block, the prefetches stalled the
-             * core, their loop half of the kernel's time at one sequence.) */
-            const int64_t ahead = h % G == 0 && kn != NULL ? (int64_t)(h / G) * D * esize : -1;
-            for (int t = t0; t < n; t++) {
-                if (ahead >= 0)
-                    for (int64_t i = 0; i < D * esize; i += 64) {
-                        __builtin_prefetch(kn + ahead + t * row * esize + i, 0, 3);
-                        __builtin_prefetch(vn + ahead + t * row * esize + i, 0, 3);
-                    }
-                const int64_t kr = kh + t * row;
-                vf a0 = {0}, a1 = {0};
-                int i = 0;
-                for (; i + 1 < dv; i += 2) {
-                    a0 += qv[i] * load_kv(j->k, kr + i * VL, bf16);
-                    a1 += qv[i + 1] * load_kv(j->k, kr + (i + 1) * VL, bf16);
+    for (int b = lo; b < hi; b++) {
+        const int64_t kb = (int64_t)table[b] * bs * row, width = b * bs + bs; /* tokens so far */
+        const char *kn = b + 1 < hi ? (const char *)j->k + (int64_t)table[b + 1] * bs * row * esize
+                                    : NULL;
+        const char *vn = kn == NULL ? NULL : (const char *)j->v + (kn - (const char *)j->k);
+        for (int g = g0; g < g1; g++) {
+            const float *k = (const float *)j->k + kb + g * D;
+            const float *v = (const float *)j->v + kb + g * D;
+            int64_t ks = row;
+            if (bf16) { /* widened once for all the item's rows and heads */
+                int filled = 0;
+                for (int r = 0; r < R; r++) {
+                    const int end = sp[r].len < width ? sp[r].len - b * bs : bs;
+                    filled = end > filled ? end : filled;
                 }
-                if (i < dv) a0 += qv[i] * load_kv(j->k, kr + i * VL, bf16);
-                s[h * bs + t] = sum_vf(a0 + a1);
+                for (int t = 0; t < filled; t++) {
+                    widen_bf16((const uint16_t *)j->k + kb + t * row + g * D, kw + t * D, D);
+                    widen_bf16((const uint16_t *)j->v + kb + t * row + g * D, vw + t * D, D);
+                }
+                k = kw, v = vw, ks = D;
             }
-        }
-        for (int h = h0; h < h1; h++) {
-            float *sh = s + h * bs;
-            float block_max = sh[t0];
-            for (int t = t0 + 1; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
-            c[h] = 1.0f;  /* rescales what was accumulated under the old maximum */
-            if (b == b0 && sinks == NULL) {
-                m[h] = block_max;  /* no infinities anywhere, so -ffast-math is safe */
-            } else if (block_max > m[h]) {
-                c[h] = expf(m[h] - block_max);
-                m[h] = block_max;
+            const char *pf_k = kn == NULL ? NULL : kn + g * D * esize;
+            const char *pf_v = vn == NULL ? NULL : vn + g * D * esize;
+            for (int r = 0; r < R; r++) {
+                if (b < sp[r].b0 || b >= sp[r].nb) continue;
+                const int t0 = b == sp[r].b0 ? sp[r].first - b * bs : 0;
+                const int n = b == sp[r].nb - 1 ? sp[r].len - b * bs : bs;
+                const int x0 = r * nh + (g - g0) * G; /* the row's heads of this KV head */
+                for (int h = 0; h < G; h++) /* all their scores first, for the core to overlap */
+                    top[h] = head_scores(qs + (x0 + h) * D, k, ks, zero, t0, n, s + h * sn, dv);
+                for (int h = 0; h < G; h++) {
+                    const int x = x0 + h;
+                    head_weigh(v, ks, t0, n, s + h * sn, top[h], acc + x * D, m + x, l + x,
+                               b == sp[r].b0 && j->sinks == NULL, pf_k, pf_v, row * esize, bs,
+                               dv, bf16);
+                    pf_k = pf_v = NULL; /* prefetched once per block and KV head */
+                }
             }
-            float sum = 0.0f;
-            for (int t = t0; t < n; t++) {
-                sh[t] = expf(sh[t] - m[h]);
-                sum += sh[t];
-            }
-            l[h] = l[h] * c[h] + sum;
-        }
-        for (int h = h0; h < h1; h++) {  /* a head's accumulator in registers over the block */
-            vf av[dv];
-            float *ah = acc + h * D;
-            for (int i = 0; i < dv; i++) av[i] = load_vf(ah + i * VL) * c[h];
-            const int64_t vh = kb + (h / G) * D;  /* the V half has the K half's layout */
-            const float *sh = s + h * bs;
-            for (int t = t0; t < n; t++) {
-                const float p = sh[t];
-                const int64_t vr = vh + t * row;
-                for (int i = 0; i < dv; i++) av[i] += p * load_kv(j->v, vr + i * VL, bf16);
-            }
-            for (int i = 0; i < dv; i++) store_vf(ah + i * VL, av[i]);
         }
     }
     /* each head normalized in vector registers: as a loop of floats, GCC vectorized this across
@@ -211,12 +184,14 @@ static inline __attribute__((always_inline)) int attend_dv(job_t *j, int item, c
      * how many heads its item held, so on the thread count below one sequence per thread (the
      * tiny model's 4 heads: a last bit apart at 1 thread against 2, on GCC 12 for Cascade Lake).
      * Here every head takes the same scalar division, whatever the item's heads: the loop holds
-     * vector statements, which GCC does not vectorize again. */
-    for (int h = h0; h < h1; h++) {
-        const vf inv = (vf){0} + 1.0f / l[h];
-        for (int i = 0; i < dv; i++)
-            store_vf(out + h * D + i * VL, load_vf(acc + h * D + i * VL) * inv);
-    }
+     * vector statements, which GCC does not vectorize again. A row with no context gets zeros. */
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < nh; h++) {
+            const int x = r * nh + h;
+            const vf inv = (vf){0} + (sp[r].len > 0 ? 1.0f / l[x] : 0.0f);
+            float *o = j->out + ((int64_t)(r0 + r) * H + g0 * G + h) * D;
+            for (int i = 0; i < dv; i++) store_vf(o + i * VL, load_vf(acc + x * D + i * VL) * inv);
+        }
     free(mem);
     return 0;
 }
@@ -247,30 +222,54 @@ static void *work(void *arg) {
     return NULL;
 }
 
+/* The rows into groups in `start` (group i: rows [start[i], start[i + 1])); returns how many.
+ * A row joins the group before it (up to MAX_GROUP_ROWS rows) when its table holds the group's
+ * first row's blocks over all the blocks it reads: the same context, a verification's rows. */
+static int group_rows(const int32_t *tables, int64_t stride, const int32_t *seq_lens, int batch,
+                      int block_size, int *start) {
+    int groups = 0;
+    for (int r = 0; r < batch; r++) {
+        const int f = groups > 0 ? start[groups - 1] : -1;
+        const int64_t blocks = seq_lens[r] > 0 ? (seq_lens[r] + block_size - 1) / block_size : 0;
+        if (f < 0 || r - f >= MAX_GROUP_ROWS
+            || memcmp(tables + f * stride, tables + r * stride, sizeof(int32_t) * blocks) != 0)
+            start[groups++] = r;
+    }
+    start[groups] = batch;
+    return groups;
+}
+
 /* Returns 0 on success, -1 when memory for a work item's scratch could not be allocated.
  * k and v: fp32, or bf16 when kv_bf16 is 1. */
 int paged_decode_f32(const float *q, const void *k, const void *v, const float *sinks,
                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                      float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
                      int block_size, float scale, int window, int kv_bf16, int num_threads) {
+    int *start = malloc(sizeof(int) * ((size_t)batch + 1));
+    if (start == NULL) return -1;
     job_t j = {.q = q, .k = k, .v = v, .sinks = sinks, .block_tables = block_tables,
                .seq_lens = seq_lens, .out = out, .table_stride = table_stride,
                .num_heads = num_heads, .num_kv_heads = num_kv_heads, .head_dim = head_dim,
                .block_size = block_size, .scale = scale, .window = window,
-               .kv_bf16 = kv_bf16, .failed = 0};
-    /* fewer sequences than threads (one stream decoding): each sequence's KV-head groups are
-     * split over the threads, so none sits idle; a head's result is the same either way */
-    int splits = 1;
-    if (batch > 0 && batch < num_threads) {
-        splits = (num_threads + batch - 1) / batch;
-        if (splits > num_kv_heads) splits = num_kv_heads;
+               .kv_bf16 = kv_bf16, .group_start = start, .head_splits = 1, .row_splits = 1,
+               .failed = 0};
+    j.num_groups = group_rows(block_tables, table_stride, seq_lens, batch, block_size, start);
+    /* fewer groups than threads (one stream decoding): each group's KV heads, and its rows,
+     * are split over the threads, so none sits idle; a head's result is the same either way */
+    if (j.num_groups > 0 && j.num_groups < num_threads) {
+        const int want = (num_threads + j.num_groups - 1) / j.num_groups;
+        int most = 1;
+        for (int g = 0; g < j.num_groups; g++)
+            most = start[g + 1] - start[g] > most ? start[g + 1] - start[g] : most;
+        j.head_splits = want < num_kv_heads ? want : num_kv_heads;
+        j.row_splits = want < most ? want : most;
     }
-    j.splits = splits;
-    j.num_items = batch * splits;
+    j.num_items = j.num_groups * j.head_splits * j.row_splits;
     atomic_init(&j.next, 0);
     if (num_threads > j.num_items) num_threads = j.num_items;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     work(&j);
+    free(start);
     return j.failed ? -1 : 0;
 }
