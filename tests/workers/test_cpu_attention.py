@@ -152,14 +152,18 @@ def test_a_sequence_s_rows_attended_together_equal_each_row_attended_alone(kv_dt
             together = paged_decode(q, cache, tables, lens, 0.125, num_threads=threads,
                                     window=window, sinks=sink)
             assert torch.equal(together, alone), (window, threads)
-        for r in (0, 4, 12):  # one sequence's rows alone on two threads (split heads and rows)
-            one = verification_case([5], [18 + r], heads, kv_heads, dim, 16, seed=r)
-            solo = [paged_decode(one[0][i:i + 1], one[1].to(kv_dtype), one[2][i:i + 1],
-                                 one[3][i:i + 1], 0.125, num_threads=2, window=window,
-                                 sinks=sink) for i in range(5)]
-            got = paged_decode(one[0], one[1].to(kv_dtype), one[2], one[3], 0.125,
-                               num_threads=2, window=window, sinks=sink)
-            assert torch.equal(got, torch.cat(solo)), (window, r)
+        # on two threads: one sequence's rows (its heads and rows split), a verification
+        # beside a plain decode (its rows split)
+        for r, rows in ((0, [5]), (4, [5]), (12, [5]), (3, [5, 1]), (7, [1, 5])):
+            one = verification_case(rows, [18 + r] * len(rows), heads, kv_heads, dim, 16,
+                                    seed=r)
+            q1, cache1, tables1, lens1 = one[0], one[1].to(kv_dtype), one[2], one[3]
+            solo = [paged_decode(q1[i:i + 1], cache1, tables1[i:i + 1], lens1[i:i + 1], 0.125,
+                                 num_threads=1, window=window, sinks=sink)
+                    for i in range(len(lens1))]
+            got = paged_decode(q1, cache1, tables1, lens1, 0.125, num_threads=2, window=window,
+                               sinks=sink)
+            assert torch.equal(got, torch.cat(solo)), (window, r, rows)
     want = naive_decode(q, cache.float(), tables, lens, 0.125)
     torch.testing.assert_close(paged_decode(q, cache, tables, lens, 0.125), want, atol=1e-5,
                                rtol=1e-5)
