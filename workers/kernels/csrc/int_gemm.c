@@ -84,8 +84,10 @@ static void quantize_blocks(const void *x, int x_bf16, int64_t M, int64_t K, int
             for (int k = 0; k < BLOCK; k++) amax = fmaxf(amax, fabsf(src[k]));
             float scale = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / scale;
             int sum = 0;
+            /* rintf, not lrintf (the same nearest even): this loop vectorizes, where lrintf's
+             * long kept it scalar (5 rows of 1,536: 4.1 against 10.2 us, the same bits) */
             for (int k = 0; k < BLOCK; k++) {
-                int v = (int)lrintf(src[k] * inv);
+                const int v = (int)rintf(src[k] * inv);
                 xq[m * K + b * BLOCK + k] = (int8_t)v;
                 sum += v;
             }
