@@ -71,6 +71,21 @@ def test_the_vnni_kernel_multiplies_the_files_values_by_int8_activations(ggml_ty
         assert torch.equal(gguf_vnni.gguf_vnni_gemm(x, blocked, ggml_type, n, 1), got)
 
 
+def test_activations_tied_between_two_integers_round_to_the_even_one():
+    """Each block holds 127 (its scale exactly 1) and values halfway between integers: they
+    round to the even neighbour (2.5 -> 2, -2.5 -> -2, 3.5 -> 4); rounding half away from zero
+    would move each product by a whole weight, far outside the fp32 bound."""
+    n, k = 301, 576
+    blocks, values = blocks_of("Q8_0", n, k, seed=6)
+    blocked = gguf_vnni.block_gguf(blocks, "Q8_0", k)
+    ties = torch.arange(31, dtype=torch.float32) - 15.5  # -15.5 ... 14.5
+    x = torch.cat([torch.tensor([127.0]), ties]).repeat(k // 32).view(1, k)
+    quantized = x_as_the_kernel_quantizes_it(x)
+    assert quantized[0, 1:32].tolist() == [2 * round(v / 2) for v in ties.tolist()]
+    got = gguf_vnni.gguf_vnni_gemm(x, blocked, "Q8_0", n)
+    assert_within_fp32_bound(got, quantized, values.double())
+
+
 def test_the_vnni_kernel_refuses_a_row_of_partial_blocks():
     blocks, _ = blocks_of("Q4_1", 16, 64, seed=5)
     with pytest.raises(ValueError, match="unsupported"):
