@@ -21,8 +21,9 @@ Reported: each layout's SLO attainment and goodput per phase and its goodput ove
 trace (requests meeting the SLO per second of trace), the best fixed layout in hindsight,
 `planner_vs_best_fixed_goodput_ratio`, `min_phase_attainment_planner`, the bound any
 planner on these two workers has (`best_per_phase_vs_best_fixed_goodput_ratio`: the best fixed
-layout of each phase, stitched) and the one any layout has (`offered_vs_best_fixed_goodput_ratio`:
-the trace's requests per second, all meeting the SLO, over the best fixed layout's), the planner's decisions with their times (its `/metrics`,
+layout of each phase, stitched) and the one any layout has
+(`offered_vs_best_fixed_goodput_ratio`: the trace's requests per second, all meeting the SLO,
+over the best fixed layout's), the planner's decisions with their times (its `/metrics`,
 polled each second, and `cleave status` late in each phase, with the plan's reason), and each
 phase's TTFT and ITL percentiles (what `benchmarks/simulate.py` calibrates against). Last
 line: one JSON object, also written to benchmarks/results/planner.json with the command.

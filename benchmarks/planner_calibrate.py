@@ -135,7 +135,7 @@ def anchored(measured: StepProfile, single: dict, setup: dict) -> StepProfile:
 def with_handoff(profile: StepProfile, overheads: dict, setup: dict) -> StepProfile:
     """`profile` with the disaggregated path's first-token cost (`StepProfile.handoff_s`)
     from `benchmarks/planner_overheads.py`: the 1P+1D layout's single-request TTFT over the
-    aggregated layout's, per class (the median of paired rounds), as a fixed cost and one
+    aggregated layout's, per class (the median of its turns' differences), as a fixed cost and one
     per prompt token (clamped at 0)."""
     diff = overheads["single"]["disaggregated_minus_aggregated_ttft_ms"]
     short, long = diff["short"]["median"] / 1e3, diff["long"]["median"] / 1e3

@@ -125,7 +125,7 @@ def verification_case(rows_per_seq, longest, heads, kv_heads, dim, block_size, s
     """Sequences of `longest` tokens, each with `rows_per_seq` rows as a speculative
     verification lays them out (its rows together, one block table, seq_lens one apart, the last
     row's the longest): (q, cache, tables, lens) with one entry per row."""
-    q, cache, tables, _ = make_case(longest, heads, kv_heads, dim, block_size, seed=seed)
+    _, cache, tables, _ = make_case(longest, heads, kv_heads, dim, block_size, seed=seed)
     owner = [s for s, n in enumerate(rows_per_seq) for _ in range(n)]
     lens = [length - n + 1 + i for length, n in zip(longest, rows_per_seq) for i in range(n)]
     q = torch.randn(len(owner), heads, dim, generator=torch.Generator().manual_seed(seed))
