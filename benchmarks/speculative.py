@@ -1,6 +1,7 @@
 """Speculative decoding on the real model (SmolLM2-135M-Instruct), served by `cleave serve
---in-process`: output tokens/s with a method's drafts (`--method`: n-gram prompt lookup, or the
-int4 self-draft against the fp32 target) against none, two servers started side by side
+--in-process`: output tokens/s with a method's drafts (`--method`: n-gram prompt lookup, the
+int4 self-draft against the fp32 target, or the shipped Q4_1 file as a draft checkpoint for the
+fp32 target: `draft_q4_1`) against none, two servers started side by side
 and measured in alternation (the order flips each round), at 1, 8 and 32 concurrent streams, on
 two workloads of real text: `repeat` (the answer repeats or edits code and prose in the prompt)
 and `chat` (open questions). Greedy, so the two servers' texts must match exactly (reported).
@@ -18,6 +19,8 @@ servers, `--no-gguf-packed`) >= 1.2x at one stream on `chat`; >= 0.95x at 32 str
         --out benchmarks/results/speculative_ray.json
     python benchmarks/speculative.py --method quantized_self --workloads chat --streams 1 \
         --rounds 6 --out benchmarks/results/speculative_int4_self.json
+    python benchmarks/speculative.py --method draft_q4_1 --workloads chat repeat --streams 1 \
+        --rounds 3 --out benchmarks/results/speculative_draft_q4_1.json
     python benchmarks/speculative.py --control --streams 8 32 --workloads repeat --rounds 3 \
         --out benchmarks/results/speculative_control.json   # A/A: the pairing's own ratio
 """
@@ -39,7 +42,21 @@ from serving_ray import CLEAVE, RayApp, ServerProcess, free_ports
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 INT4_SELF = {"method": "quantized_self", "num_speculative_tokens": 4}
-METHODS = {"ngram": NGRAM, "quantized_self": INT4_SELF}
+# the shipped Q4_1 file drafting for its own weights in fp32 (llama.cpp's `-md` pairing); its
+# path filled in at run time (`method_config`)
+DRAFT_Q4_1 = {"method": "draft_model", "model": "", "num_speculative_tokens": 4}
+METHODS = {"ngram": NGRAM, "quantized_self": INT4_SELF, "draft_q4_1": DRAFT_Q4_1}
+FP32_TARGET = ("quantized_self", "draft_q4_1")  # the GGUF file dequantized: --no-gguf-packed
+
+
+def method_config(method: str) -> dict:
+    """`--speculative-config` of `method`, a draft checkpoint's path resolved."""
+    config = dict(METHODS[method])
+    if config.get("model") == "":
+        from workers.models.trained_default import smollm2_gguf
+
+        config["model"] = str(smollm2_gguf())
+    return config
 
 CODE = [
     ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
@@ -155,11 +172,11 @@ def run(rounds: int, stream_counts: list[int], method: str = "ngram",
     """`control`: the second server without speculation too, labelled "control" (an A/A run:
     its ratio is what the pairing alone gives, the floor any method's ratio is read against);
     `extra`: `cleave serve` arguments both servers take."""
-    fp32 = method == "quantized_self"
+    fp32 = method in FP32_TARGET
     make = LAYERS[layer]
     label = "control" if control else method
     servers = {"none": make(None, fp32, extra=extra),
-               label: make(None if control else METHODS[method], fp32, extra=extra)}
+               label: make(None if control else method_config(method), fp32, extra=extra)}
     for server in servers.values():
         server.start()
     try:
@@ -244,10 +261,10 @@ def main(argv: list[str] | None = None) -> dict:
                  args.control, ("--fp32-int-kernels",) if args.int_kernels else ())
     result["layer"] = args.layer
     result["int_kernels"] = args.int_kernels
-    result["speculative_config"] = None if args.control else METHODS[args.method]
+    result["speculative_config"] = None if args.control else method_config(args.method)
     result["command"] = command_line(argv)
     result["targets"] = ({"chat_1_ratio": ">= 1.2 (fp32 target)"}
-                         if args.method == "quantized_self" else
+                         if args.method in FP32_TARGET else
                          {"repeat_1_ratio": ">= 1.8",
                           "repeat_32_ratio and chat_32_ratio": ">= 0.95"})
     return emit(result, args.out)

@@ -22,7 +22,10 @@ from workers.engine.parallel.executor import (GroupExecutor, GroupOptions, Local
                                               ModelExecutor)
 from workers.engine.parallel.group import SpawnLauncher
 from workers.engine.parallel.rank_memory import KVProfile, KVSizing
-from workers.engine.runner import KVCacheSpec, allocate_kv_caches
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+from workers.engine.speculative.draft_checkpoint import load_draft_checkpoint
+from workers.engine.speculative.speculator import NoSpeculation, Speculator, build_speculator
 from workers.engine.speculative.mtp import mtp_model_config
 
 if TYPE_CHECKING:
@@ -189,3 +192,13 @@ def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLaunch
                 ", KV cache sized by profiling every rank" if sizing else "")
     executor = GroupExecutor(options, spec, launcher, sizing)
     return executor, device, dataclasses.replace(spec, num_blocks=executor.num_blocks)
+
+
+def speculator(config: EngineConfig, mc: ModelConfig, tokenizer: Tokenizer | None,
+               dtype: torch.dtype, max_model_len: int, runner: ModelRunner,
+               kv: KVCacheManager) -> Speculator | NoSpeculation:
+    """What drafts for the engine (`config.speculative`), a draft checkpoint loaded on the
+    runner's device in the target's `dtype` (`mc`, `tokenizer`: the target's)."""
+    checkpoint = load_draft_checkpoint(config, mc, tokenizer, dtype, runner.device,
+                                       max_model_len)
+    return build_speculator(config.speculative, max_model_len, runner, kv, checkpoint)

@@ -160,8 +160,10 @@ class EngineConfig:
     speculative_config: str | None = setting(None, (
         "Speculative decoding, as vLLM's JSON object, e.g. {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
-        "(Cleave's keys: disable_by_batch_size, min_acceptance_rate, the back-off). Unset: "
-        "none. A request turns it off with speculative=false."))
+        "(Cleave's keys: disable_by_batch_size, min_acceptance_rate, the back-off). Methods: "
+        "ngram, draft_model (with \"model\": a checkpoint sharing the tokenizer; without: the "
+        "target's first draft_num_layers layers), quantized_self, mtp. Unset: none. A request "
+        "turns it off with speculative=false."))
 
     def __post_init__(self) -> None:
         _check_lora(self)
@@ -205,11 +207,14 @@ class EngineConfig:
         _require(not self.fp32_int_kernels or self.world_size == 1,
                  f"fp32_int_kernels needs one rank (parallel ranks dequantize their shards), "
                  f"got world_size={self.world_size}")
-        _require(self.speculative is None or (self.world_size == 1 and not self.async_scheduling
-                                              and not self.enable_lora),
-                 f"speculative_config needs one rank, no async_scheduling and no enable_lora, got "
-                 f"world_size={self.world_size}, async_scheduling={self.async_scheduling}, "
-                 f"enable_lora={self.enable_lora}")
+        spec = self.speculative
+        _require(spec is None or not (self.async_scheduling or self.enable_lora),
+                 f"speculative_config needs no async_scheduling and no enable_lora, got "
+                 f"async_scheduling={self.async_scheduling}, enable_lora={self.enable_lora}")
+        _require(spec is None or self.world_size == 1 or spec.drafts_beside_the_target,
+                 f"speculative_config method {spec and spec.method!r} drafts with the target's "
+                 f"weights, which a group of {self.world_size} ranks holds: use 'ngram' or a "
+                 f"draft checkpoint of its own ('draft_model' with 'model')")
         _require(self.rank_timeout_s > 0,
                  f"rank_timeout_s must be positive, got {self.rank_timeout_s}")
 

@@ -44,7 +44,6 @@ from workers.engine.runner import KVCacheSpec, ModelRunner, RunnerOutput
 from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_records import SchedulerConfig, SchedulerOutput
 from workers.engine.speculative.grammar_draft import advance
-from workers.engine.speculative.speculator import build_speculator
 from workers.engine.step_costs import StepCosts
 
 if TYPE_CHECKING:
@@ -98,11 +97,12 @@ class Engine:
         self.runner = ModelRunner(executor, spec, self.device, seed=config.seed,
                                   num_microbatches=config.pipeline_microbatches
                                   or config.pipeline_parallel_size,
-                                  vocab_size=mc.vocab_size)
+                                  vocab_size=mc.vocab_size,
+                                  sample_on_ranks=config.speculative is None)
         self.adapters = adapters.attach_adapters(config, model, self.runner, self.scheduler)
         self.outputs = OutputProcessor(self.tokenizer, detokenize)
-        self.speculator = build_speculator(config.speculative, self.max_model_len, self.runner,
-                                           self.kv)
+        self.speculator = assembly.speculator(config, mc, self.tokenizer, self.dtype,
+                                              self.max_model_len, self.runner, self.kv)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset())
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)

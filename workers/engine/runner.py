@@ -78,17 +78,19 @@ class ModelRunner:
     `vocab_size`: the logits' width (a group's structured-output masks need it)."""
 
     def __init__(self, executor: ModelExecutor, spec: KVCacheSpec, device: torch.device,
-                 seed: int = 0, num_microbatches: int = 1, vocab_size: int = 0) -> None:
+                 seed: int = 0, num_microbatches: int = 1, vocab_size: int = 0,
+                 sample_on_ranks: bool = True) -> None:
         self.executor = executor
         self.spec = spec
         self.device = device
         self.num_microbatches = num_microbatches
         self.vocab_size = vocab_size
         self.sampler = Sampler(seed, device)
-        # the ranks' mirrors of the requests where the executor samples (a group); None: the
-        # logits come here and `sampler` samples them (a group can do either: tests compare)
-        self.sync = (SamplingSync(vocab_size) if isinstance(executor, SamplingExecutor)
-                     else None)
+        # the ranks' mirrors of the requests where the executor samples (a group, unless
+        # `sample_on_ranks` is False: speculation verifies drafts here); None: the logits come
+        # here and `sampler` samples them (a group can do either: tests compare)
+        self.sync = (SamplingSync(vocab_size)
+                     if sample_on_ranks and isinstance(executor, SamplingExecutor) else None)
         self._step_id = 0
         # which adapter is in which of the model's LoRA slots, set by the engine when it
         # serves adapters

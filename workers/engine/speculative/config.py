@@ -17,14 +17,18 @@ class SpeculativeConfig:
     """How a server drafts. Keys as vLLM's `--speculative-config` spells them; the back-off's
     two keys are Cleave's (vLLM's `disable_by_batch_size` kept its name)."""
 
-    # "ngram": prompt lookup; "draft_model": a truncated copy of the target; "quantized_self":
+    # "ngram": prompt lookup; "draft_model": a checkpoint of its own (`model`) or a truncated
+    # copy of the target; "quantized_self":
     # the target's own weights quantized to int4 at start, all layers, with a cache of its own;
     # "mtp" / "deepseek_mtp": the checkpoint's multi-token-prediction layer, with a cache of its own
     method: str
     num_speculative_tokens: int  # tokens drafted per request per step at most
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up in the request's tokens
     prompt_lookup_min: int = 2  # ngram: the shortest suffix that counts as a match
-    # draft_model: the target's first layers the draft keeps (with its final norm and head)
+    # draft_model: a checkpoint sharing the target's tokenizer (a folder or a GGUF file), on a
+    # cache of its own (`workers.engine.speculative.draft_checkpoint`); None: the target's first
+    # `draft_num_layers` layers (with its final norm and head) on the target's cache
+    model: str | None = None
     draft_num_layers: int = 1
     # no request drafts in a step with more running requests than this: verification costs
     # k + 1 positions a request, and on the CPU a verifying step leaves the fused decode path
@@ -51,12 +55,24 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} "
                              f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
+        if self.model is not None and (self.method != "draft_model"
+                                       or not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config model names a draft checkpoint for method "
+                             f"'draft_model' (a non-empty path), got model={self.model!r} with "
+                             f"method {self.method!r}")
         if not isinstance(self.adaptive_draft_length, bool):
             raise ValueError(f"speculative_config adaptive_draft_length must be true or false, "
                              f"got {self.adaptive_draft_length!r}")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"speculative_config min_acceptance_rate must be in [0, 1], got "
                              f"{self.min_acceptance_rate!r}")
+
+
+    @property
+    def drafts_beside_the_target(self) -> bool:
+        """Whether the drafts need none of the target's weights in this process (n-gram
+        lookup, a checkpoint of its own): so the target may run on a group of ranks."""
+        return self.method == "ngram" or self.model is not None
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:

@@ -7,7 +7,7 @@ at a verified position are the target's own (same weights, same inputs), so the 
 cache of its own and nothing to rebuild after a preemption, a prefix hit or a KV handoff. Its
 drafted positions' K/V land in the slots the verification then rewrites (the scheduler counts
 none of them as computed until the target has). A draft checkpoint of its own (another model
-sharing the tokenizer) would need a cache of its own: not served yet.
+sharing the tokenizer) drafts on a cache of its own (`workers.engine.speculative.own_cache`).
 """
 
 from __future__ import annotations

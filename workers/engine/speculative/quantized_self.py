@@ -9,26 +9,17 @@ the fused decoder stack in fp32; every other parameter (norms, embeddings, rotar
 the target's own tensor, not a copy. All layers draft, reading about 1/7 of the fp32 target's
 bytes per token.
 
-Its K/V differ from the target's (other weights), so it keeps a cache of its own: one tensor per
-layer shaped as the target's, addressed by the same block tables (a request's draft K/V sit in
-the same block ids of the draft's cache). `SelfDraft` remembers per request how many leading
-positions of its draft cache are valid (written by the draft with the tokens the request now
-has) and, before drafting, runs the missing ones in one prefill-style chunk: the whole prompt
-the first time (also after a KV handoff or a preemption), else the last verified token (and the
-last drafted one when all of a draft was accepted).
+Its K/V differ from the target's (other weights), so it drafts on a cache of its own
+(`workers.engine.speculative.own_cache.OwnCacheDraft`).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from workers.engine.request import Request
-from workers.engine.speculative.draft_model import Draft, TruncatedDraft, chunk_batch
 from workers.models.layers import LINEAR_LAYERS, Shard
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import use_cpu_kernels
@@ -115,59 +106,3 @@ def min_max_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     zeros = -8.0 - low / scales
     q = torch.round(groups / scales[..., None] + zeros[..., None]).clamp(-8, 7)
     return q.reshape(n, k).to(torch.int8), scales, zeros
-
-
-@dataclass
-class _Written:
-    positions: int  # leading positions of the request's draft cache written with its tokens
-    preemptions: int  # the request's preemption count then (a preemption frees its blocks)
-
-
-class SelfDraft(TruncatedDraft):
-    """Drafts with `model` (the target's quantized copy) over `caches` (its own, per layer,
-    shaped as the target's); see the module docstring."""
-
-    name = "quantized_self"
-
-    def __init__(self, model: LlamaForCausalLM, caches: list[torch.Tensor],
-                 device: torch.device, block_size: int, generator: torch.Generator) -> None:
-        self.model, self.caches, self.device = model, caches, device
-        self.block_size, self.generator = block_size, generator
-        self._seeded = torch.Generator(device=device)
-        self._written: weakref.WeakKeyDictionary[Request, _Written] = (
-            weakref.WeakKeyDictionary())
-        self._starts: list[int] = []  # this proposal's: where each request's cache is stale
-
-    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
-        return self.model(ids, positions, self.caches, meta)
-
-    def _start(self, req: Request) -> int:
-        """The first position of `req` whose draft K/V is not valid."""
-        state = self._written.get(req)
-        if state is None or state.preemptions != req.num_preemptions:
-            return 0
-        return min(state.positions, req.num_computed_tokens)
-
-    @torch.inference_mode()
-    def propose(self, reqs: Sequence[Request], ks: Sequence[int],
-                tables: Sequence[tuple[int, ...]]) -> list[Draft]:
-        """As `TruncatedDraft.propose`, each request's draft cache first caught up from what
-        this draft remembers writing (`_starts`, read by the first step)."""
-        self._starts = [self._start(r) for r in reqs]
-        drafts = super().propose(reqs, ks, tables)
-        for req, k in zip(reqs, ks):
-            self._written[req] = _Written(req.num_tokens - 1 + k, req.num_preemptions)
-        return drafts
-
-    def _step(self, reqs: Sequence[Request], live: list[int], j: int,
-              inputs: list[int], tables: Sequence[tuple[int, ...]]) -> torch.Tensor:
-        """After the first step, as the truncated draft's; the first: the logits after each
-        live request's last token [n, V], its draft cache first filled from `_starts[i]`
-        (decodes first in the batch, as the attention expects)."""
-        if j > 0:
-            return super()._step(reqs, live, j, inputs, tables)
-        batch = chunk_batch([(reqs[i].all_token_ids[self._starts[i]:reqs[i].num_tokens],
-                              range(self._starts[i], reqs[i].num_tokens)) for i in live],
-                            [tables[i] for i in live], self.block_size, self.device)
-        hidden = self._hidden(batch.ids, batch.positions, batch.meta)
-        return self.model.compute_logits(hidden[batch.ends])
