@@ -44,13 +44,16 @@ def cluster_status(address: str | None = None, timeout_s: float = 30.0) -> dict[
 
 def speculation(stats: EngineStats | None) -> dict[str, Any] | None:
     """A worker's speculative decoding as `cleave status` shows it: its method, drafted tokens
-    verified and the share accepted (None: unknown, or no speculation)."""
+    verified, the share accepted and the mean accepted length (vLLM's: tokens a verified draft
+    yields, its accepted ones and the target's next; None: unknown, or no speculation)."""
     if stats is None or stats.speculative_method is None:
         return None
-    drafted = stats.num_draft_tokens
+    drafted, accepted, drafts = (stats.num_draft_tokens, stats.num_accepted_tokens,
+                                 stats.num_drafts)
     return {"method": stats.speculative_method, "num_draft_tokens": drafted,
-            "num_accepted_tokens": stats.num_accepted_tokens,
-            "acceptance_rate": stats.num_accepted_tokens / drafted if drafted else None}
+            "num_accepted_tokens": accepted, "num_drafts": drafts,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
 def format_status(s: dict[str, Any]) -> str:
@@ -71,8 +74,10 @@ def format_status(s: dict[str, Any]) -> str:
                      f"{_num(w['num_waiting']):>7} {_num(w['num_running']):>7} {kv:>8}")
         spec = w.get("speculative")
         if spec is not None:
+            length = spec.get("mean_accepted_length")
             lines.append(f"    speculative {spec['method']}: {spec['num_draft_tokens']} drafted "
-                         f"tokens verified, {_pct(spec['acceptance_rate'])} accepted")
+                         f"tokens verified, {_pct(spec['acceptance_rate'])} accepted, mean "
+                         f"accepted length {'-' if length is None else f'{length:.2f}'}")
         if w.get("lora_adapters"):
             lines.append(f"    lora adapters in slots: {', '.join(w['lora_adapters'])}")
     hit = s["prefix_hit_rate"]

@@ -202,13 +202,16 @@ def _speculation(w: WorkerSet) -> Iterator[Metric]:
                                   "verified by the target model", labels=labels)
     accepted = CounterMetricFamily("cleave_spec_decode_num_accepted_tokens", "Drafted tokens "
                                    "the target model accepted", labels=labels)
+    drafts = CounterMetricFamily("cleave_spec_decode_num_drafts", "Drafts verified (one a "
+                                 "drafting request a step)", labels=labels)
     for wid, info in w.infos.items():
         s = w.stats(wid)
         if s is not None and s.speculative_method is not None:
-            drafted.add_metric([info.role.value, wid, s.speculative_method], s.num_draft_tokens)
-            accepted.add_metric([info.role.value, wid, s.speculative_method],
-                                s.num_accepted_tokens)
-    yield from (drafted, accepted)
+            key = [info.role.value, wid, s.speculative_method]
+            drafted.add_metric(key, s.num_draft_tokens)
+            accepted.add_metric(key, s.num_accepted_tokens)
+            drafts.add_metric(key, s.num_drafts)
+    yield from (drafted, accepted, drafts)
 
 
 def _kv_moves(c: RouterCounters) -> Iterator[Metric]:

@@ -23,6 +23,7 @@ from cluster.local_server import LocalServer
 from router.proto.cleave.v1 import generate_pb2 as pb
 from router.proto.cleave.v1 import generate_pb2_grpc as pb_grpc
 from tests.router.conftest import API_KEY, NUM_BLOCKS, start_pools, wait_until
+from tests.router.test_metrics import scrape, total
 from tests.schemas import random_schema
 
 THRESHOLD = 24  # prompt tokens: longer prompts are prefilled on the prefill worker
@@ -110,6 +111,14 @@ def test_fifty_random_schemas_each_constrain_a_request_that_validates(srv):
     # with speculation: drafts were verified under the grammars' masks, and accepted
     stats = [srv.call(c.stats()) for c in srv.clients]
     assert sum(s.num_accepted_tokens for s in stats) > 0, stats
+    # counted on /metrics as vLLM's spec_decode counters: drafted, accepted, drafts verified
+    metrics = scrape(srv)
+    for name, field in (("draft_tokens", "num_draft_tokens"),
+                        ("accepted_tokens", "num_accepted_tokens"), ("drafts", "num_drafts")):
+        assert total(metrics, f"cleave_spec_decode_num_{name}_total", method="ngram") == sum(
+            getattr(s, field) for s in stats)
+    drafts = sum(s.num_drafts for s in stats)
+    assert 0 < drafts <= sum(s.num_draft_tokens for s in stats) <= 4 * drafts
 
 
 class Pet(pydantic.BaseModel):

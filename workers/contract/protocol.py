@@ -192,10 +192,11 @@ class EngineStats:
     # context included), a counter
     num_prompt_tokens_computed: int = 0
     # speculative decoding: the server's method (None: none), and since start the drafted
-    # tokens verified and those accepted, counters
+    # tokens verified, those accepted, and the drafts verified (one a request a step), counters
     speculative_method: str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_drafts: int = 0
     lora_adapters: tuple[str, ...] = ()  # LoRA adapters in its device slots, least recent first
     num_lora_loads: int = 0  # since start: adapters copied into a device slot, a counter
     # False: a step past its watchdog bound or a lost rank (`AsyncEngine.unhealthy_reason`):

@@ -29,6 +29,7 @@ def engine_stats(sched: Scheduler, kv: KVCacheManager, costs: StepCosts,
                        speculative_method=speculative_method,
                        num_draft_tokens=sched.num_draft_tokens,
                        num_accepted_tokens=sched.num_accepted_tokens,
+                       num_drafts=sched.num_drafts,
                        lora_adapters=lora_adapters, num_lora_loads=num_lora_loads,
                        num_due_prompt_tokens=(prompt_tokens_before_due(sched.running, sched.waiting)
                                               if sched.config.order_by_deadline else None))

@@ -38,6 +38,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, wherever it is
         self.num_preemptions = 0  # since start, for metrics and tests
         self.num_draft_tokens = 0  # drafted tokens verified since start (speculative decoding)
+        self.num_drafts = 0  # drafts verified since start (one a drafting request a step)
         self.num_accepted_tokens = 0  # of those, accepted
         # prompt tokens of waiting and running requests not computed yet, kept as they move
         self.num_pending_prompt_tokens = 0  # (`_set_computed`), so reading it costs nothing
@@ -225,6 +226,7 @@ class Scheduler:
         req.num_accepted_tokens += len(tokens) - 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += len(tokens) - 1
+        self.num_drafts += num_drafted > 0
         appended, reason = append_checked(req, tokens, self.config.max_model_len)
         self._set_computed(req, start + appended)
         self.kv.cache_blocks(req)
