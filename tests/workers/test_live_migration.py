@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import time
 
@@ -64,7 +65,8 @@ def _count_prompt_tokens(worker) -> list[int]:
 
     def schedule():
         out = real()
-        computed[0] += out.num_batched_tokens - out.num_decodes
+        # a verification's chunk is a decode (its last token) and the drafted tokens
+        computed[0] += sum(n for c in out.chunks if (n := c.num_tokens - len(c.draft)) > 1)
         return out
 
     scheduler.schedule = schedule
@@ -116,6 +118,31 @@ def test_a_moved_stream_goes_on_with_nothing_recomputed(pair, expected, after, b
     assert computed_on_b[0] == 0  # nothing recomputed: every step on worker 1 was a decode
     assert _worker(pair, 1).migrations.num_moved_in >= 1
     assert wait_until(lambda: _idle(pair))
+
+
+def test_a_moved_stream_goes_on_speculating_on_its_target(tiny_model, expected):
+    """Both workers draft with a checkpoint of their own (the target's: greedy drafts all
+    accepted): the moved stream's text is the undisturbed one, the target verifies drafts for
+    it from a draft cache it fills itself, and computes no prompt token of its own cache."""
+    from cluster.local_server import LocalServeConfig, LocalServer
+
+    draft = json.dumps({"method": "draft_model", "model": tiny_model,
+                        "num_speculative_tokens": 3, "min_acceptance_rate": 0.0})
+    config = LocalServeConfig(tiny_model, num_workers=2, http_port=0, grpc_port=0,
+                              router={"api_keys": (API_KEY,)},
+                              engine={"num_blocks": NUM_BLOCKS, "speculative_config": draft})
+    server = slow_steps(LocalServer(config).start(), 0.005)
+    try:
+        prompt = _prompt(21, 37)
+        computed_on_b = _count_prompt_tokens(_worker(server, 1))
+        on_a, on_b, _ = _move(server, "move-speculating", prompt, 2, 1)
+        stats = server.call(server.clients[1].stats())
+        assert on_a + on_b == expected(list(prompt)) and on_b
+        assert computed_on_b[0] == 0
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        assert wait_until(lambda: _idle(server))
+    finally:
+        server.stop()
 
 
 def test_a_failed_second_pull_computes_the_kv_and_the_stream_still_goes_on(pair, expected):

@@ -1,6 +1,6 @@
 """Speculative decoding: the scheduler's drafts and blocks, and outputs identical to decoding
 without speculation (greedy and seeded, every sampling option, mixed batches, chunked prefill,
-preemption, a KV handoff) with n-gram drafts on several families and the real model, and with a
+preemption, a KV handoff) with n-gram drafts on every family and the real model, and with a
 truncated copy of the target as the draft."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from workers import LLM, SamplingParams
 from workers.contract.protocol import WorkerRequest
 from workers.engine.speculative.config import parse_speculative_config
 from workers.engine.speculative.drafter import NgramDrafter
+from workers.models.kit_archs import KIT_ARCHS
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                     "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
@@ -152,24 +153,62 @@ def test_a_stop_token_among_accepted_tokens_ends_the_request_there():
 
 # ---- exactness against decoding without speculation --------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "mixtral", "deepseek_v3"])
-def test_greedy_is_identical_in_mixed_batches_with_chunked_prefill_and_preemption(
-        arch, tmp_path_factory):
+# 24 blocks of 4 for 4 requests of up to 60 tokens: preemptions; 32-token steps: the 50-token
+# prompt is prefilled in chunks beside the others' verifications
+CRAMPED = dict(block_size=4, num_blocks=24, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """arch -> (its tiny checkpoint, its greedy outputs without speculation), made once."""
     from workers.models.make_model import make_model
 
-    model = str(make_model(tmp_path_factory.mktemp(arch), arch=arch, preset="tiny"))
-    # 24 blocks of 4 for 4 requests of up to 60 tokens: preemptions; 32-token steps: the
-    # 50-token prompt is prefilled in chunks beside the others' verifications
-    base, spec = pair(model, block_size=4, num_blocks=24, max_num_batched_tokens=32)
-    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
-                             speculative=i != 1) for i in range(len(PROMPTS))]
-    want = base.generate(PROMPTS, params)
-    got = spec.generate(PROMPTS, params)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    made: dict[str, tuple[str, list]] = {}
+
+    def get(arch: str) -> tuple[str, list]:
+        if arch not in made:
+            model = str(make_model(tmp_path_factory.mktemp(arch), arch=arch, preset="tiny"))
+            made[arch] = (model, [o.outputs[0].token_ids for o in LLM(model, **CRAMPED).generate(
+                PROMPTS, [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+                          for _ in PROMPTS])])
+        return made[arch]
+    return get
+
+
+def exact_with(model: str, want: list, config: str, speculative: list[bool]) -> LLM:
+    """The engine of `model` with `config`, having checked its greedy outputs are `want`, that
+    it verified drafts, preempted and gave every block back."""
+    spec = LLM(model, speculative_config=config, **CRAMPED)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, speculative=s)
+              for s in speculative]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == want
     stats = spec.engine.stats()
     assert stats.num_accepted_tokens > 0, "no drafted token was accepted: nothing verified"
     assert spec.engine.scheduler.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_blocks
+    return spec
+
+
+@pytest.mark.parametrize("arch", KIT_ARCHS)  # every family
+def test_greedy_is_identical_in_mixed_batches_with_chunked_prefill_and_preemption(arch, family):
+    model, want = family(arch)
+    exact_with(model, want, NGRAM, [i != 1 for i in range(len(PROMPTS))])
+
+
+@pytest.mark.parametrize("arch", KIT_ARCHS)
+def test_every_draft_model_is_exact_on_every_family(arch, family):
+    """A truncated copy, the int4 self-draft, and the checkpoint drafting for itself from a
+    cache of its own (its greedy drafts then all accepted: the cache is caught up right after
+    every preemption), with their caches' shapes (MLA's latent, sliding windows, sinks)."""
+    model, want = family(arch)
+    options = {"num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
+               "disable_by_batch_size": 8}
+    for method in ({"method": "draft_model", "draft_num_layers": 1},
+                   {"method": "quantized_self"}):
+        exact_with(model, want, json.dumps({**method, **options}), [True] * len(PROMPTS))
+    stats = exact_with(model, want, json.dumps({"method": "draft_model", "model": model,
+                                                **options}), [True] * len(PROMPTS)).engine.stats()
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
 @pytest.fixture(scope="module")

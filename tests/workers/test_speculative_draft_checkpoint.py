@@ -1,6 +1,6 @@
 """A draft checkpoint of its own (`{"method": "draft_model", "model": PATH}`) drafting on a
 cache of its own: exact in mixed batches with preemption and through a KV handoff, seeded
-requests reproducible, beside a target on one rank and on a tensor-parallel group of rank
+requests reproducible (every family's checkpoint drafting for itself: `test_speculative.py`), beside a target on one rank and on a tensor-parallel group of rank
 processes (n-gram drafts there too); a checkpoint that does not share the target's tokenizer
 refused naming what differs."""
 
@@ -51,21 +51,6 @@ def small_draft(tiny_model, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def plain(tiny_model) -> list:
     return LLM(tiny_model, **SMALL).generate(PROMPTS, MIXED)
-
-
-def test_the_target_drafting_for_itself_has_its_greedy_drafts_accepted(tiny_model, plain):
-    """The draft's own cache caught up from each prompt, refilled after every preemption:
-    drafting with the target's own weights, greedy drafts are the target's tokens."""
-    llm = LLM(tiny_model, speculative_config=draft_config(tiny_model), **SMALL)
-    draft = llm.engine.speculator.draft
-    assert draft.caches[0].data_ptr() != llm.engine.kv_caches[0].data_ptr()
-    got = llm.generate(PROMPTS, [GREEDY] * 4)
-    assert [texts(got)[i] for i in (0, 3)] == [texts(plain)[i] for i in (0, 3)]
-    stats = llm.engine.stats()
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert stats.speculative_method == "draft_model"
-    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
-    assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_a_smaller_draft_is_exact_in_mixed_batches_and_seeded_text_reproducible(

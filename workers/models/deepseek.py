@@ -232,9 +232,10 @@ class DeepseekV3ForCausalLM(MixtralForCausalLM):
     built as `mtp` and loaded where `config.mtp_layers` asks for it (it drafts:
     `workers.engine.speculative.mtp`), else skipped by the loader."""
 
-    # read as a matrix by the latent attention, never multiplied as a layer: a quantized
-    # checkpoint's copy is dequantized on load (workers.quant.linear)
-    dense_after_load = ("kv_b_proj",)
+    # read as matrices, never multiplied as layers (the latent attention's `kv_b_proj`, the
+    # router's `gate`, in fp32): a quantized checkpoint's copy is dequantized on load, and an
+    # int4 self-draft keeps them dense (workers.quant.linear)
+    dense_after_load = ("kv_b_proj", "gate")
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, tp_rank: int = 0,
                  tp_size: int = 1, *, shard: Shard | None = None) -> None:
