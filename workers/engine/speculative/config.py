@@ -67,7 +67,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config min_acceptance_rate must be in [0, 1], got "
                              f"{self.min_acceptance_rate!r}")
 
-
     @property
     def drafts_beside_the_target(self) -> bool:
         """Whether the drafts need none of the target's weights in this process (n-gram
