@@ -2,11 +2,12 @@
 real model's full-precision weights, on `benchmarks/speculative.py`'s two workloads of real text
 (`repeat`: the answer repeats code or prose from the prompt; `chat`: open questions).
 
-Seven servers, all up at once, measured in turn (the order rotates each round):
+Eight servers (`--methods` picks some), all up at once, measured in turn (the order rotates each round):
 
 - Cleave: `cleave serve --in-process --model smollm2 --no-gguf-packed` (the shipped Q4_1 file
-  dequantized to fp32 at load) without speculation, with n-gram prompt lookup, and with the int4
-  self-draft (`quantized_self`: the target's own int4 copy drafting);
+  dequantized to fp32 at load) without speculation, with n-gram prompt lookup, with the int4
+  self-draft (`quantized_self`: the target's own int4 copy drafting), and with the shipped Q4_1
+  file as its draft checkpoint (`draft_q4_1`: llama.cpp's `-md` pairing);
 - llama.cpp: `llama-server` on the F32 GGUF of the same weights (`peer_llamacpp_gguf.f32_file`)
   without speculation, with its n-gram drafting (`--spec-type ngram-simple`, sized as Cleave's
   and at llama.cpp's defaults: a 12-token match drafting up to 48), and with the
@@ -21,8 +22,8 @@ speedup over the same system without speculation (`<system>_<method>_<workload>_
 acceptance where the server reports it (Cleave's `usage.speculative_tokens`, llama-server's
 `timings.draft_n` / `draft_n_accepted`), and whether the speculative texts equal the same
 system's plain ones (greedy: they must). `cleave_over_llamacpp_<method>_<workload>_ratio`:
-Cleave's tokens/s over llama.cpp's with the matching method (int4 self-draft against the Q4_1
-draft model).
+Cleave's tokens/s over llama.cpp's with the matching method (the int4 self-draft and the Q4_1
+draft checkpoint against llama.cpp's Q4_1 draft model).
 
     python benchmarks/speculative_llamacpp.py [--rounds 3] [--workloads repeat chat]
 """
@@ -39,7 +40,7 @@ from typing import Any
 from peer_llamacpp import LlamaServer, llama_cpp
 from peer_llamacpp_gguf import f32_file, q4_1_file
 from results_io import RESULTS, command_line, emit
-from speculative import INT4_SELF, MAX_TOKENS, NGRAM, WORKLOADS, Server, chat_load
+from speculative import INT4_SELF, MAX_TOKENS, NGRAM, WORKLOADS, Server, chat_load, method_config
 
 K = 4  # drafted tokens a step, every method
 REQUESTS = 4  # per measurement, one at a time
@@ -52,17 +53,25 @@ LLAMA_METHODS = {
     "ngramdefault": ["--spec-type", "ngram-simple"],
     "draft_q4_1": ["--spec-type", "draft-simple", "--spec-draft-n-max", str(K),
                    "--spec-draft-n-min", "1"]}
-CLEAVE_METHODS = {"none": None, "ngram": NGRAM, "quantized_self": INT4_SELF}
-MATCHING = {"ngram": "ngram", "quantized_self": "draft_q4_1"}  # Cleave's -> llama.cpp's
+CLEAVE_METHODS = {"none": None, "ngram": NGRAM, "quantized_self": INT4_SELF,
+                  "draft_q4_1": "draft_q4_1"}  # its path resolved (`method_config`)
+# Cleave's -> llama.cpp's
+MATCHING = {"ngram": "ngram", "quantized_self": "draft_q4_1", "draft_q4_1": "draft_q4_1"}
 
 
-def servers(cache: Path, tree: Path, threads: int) -> dict[str, Any]:
-    """The seven servers, not started, by `<system>_<method>`."""
+def servers(cache: Path, tree: Path, threads: int,
+            methods: list[str] | None = None) -> dict[str, Any]:
+    """The servers of `methods` (default: all; "none" always), not started, by
+    `<system>_<method>`."""
     shipped = q4_1_file()
     f32 = f32_file(cache, tree, shipped)
-    found: dict[str, Any] = {f"cleave_{m}": Server(c, fp32=True)
-                             for m, c in CLEAVE_METHODS.items()}
+    keep = {"none", *(methods or [*CLEAVE_METHODS, *LLAMA_METHODS])}
+    found: dict[str, Any] = {
+        f"cleave_{m}": Server(method_config(c) if isinstance(c, str) else c, fp32=True)
+        for m, c in CLEAVE_METHODS.items() if m in keep}
     for method, extra in LLAMA_METHODS.items():
+        if method not in keep:
+            continue
         server = LlamaServer(tree, f32, 1, threads, 4096)
         server.command += extra + (["-md", str(shipped)] if method == "draft_q4_1" else [])
         found[f"llamacpp_{method}"] = server
@@ -75,9 +84,9 @@ async def _measure(url: str, prompts: list[str], max_tokens: int) -> dict[str, A
 
 
 def run(rounds: int, workloads: list[str], threads: int, cache: Path,
-        max_tokens: int | None = None) -> dict[str, Any]:
+        max_tokens: int | None = None, methods: list[str] | None = None) -> dict[str, Any]:
     tree = llama_cpp(cache)
-    found = servers(cache, tree, threads)
+    found = servers(cache, tree, threads, methods)
     runs: dict[str, dict[str, list[dict]]] = {w: {name: [] for name in found} for w in workloads}
     try:
         for server in found.values():
@@ -120,6 +129,8 @@ def summary(runs: dict[str, dict[str, list[dict]]]) -> dict[str, Any]:
                 result[f"{name}_{workload}_ratio"] = round(
                     f["tokens_per_s"] / figures[f"{system}_none"]["tokens_per_s"], 3)
         for mine, theirs in MATCHING.items():
+            if f"cleave_{mine}" not in figures or f"llamacpp_{theirs}" not in figures:
+                continue
             result[f"cleave_over_llamacpp_{mine}_{workload}_ratio"] = round(
                 figures[f"cleave_{mine}"]["tokens_per_s"]
                 / figures[f"llamacpp_{theirs}"]["tokens_per_s"], 3)
@@ -135,9 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["repeat", "chat"])
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--max-tokens", type=int, help="per request (default: speculative.py's)")
+    p.add_argument("--methods", nargs="+", choices=sorted({*CLEAVE_METHODS, *LLAMA_METHODS}),
+                   help="the servers' methods (default: all; each system's plain server always)")
     p.add_argument("--out", default=str(RESULTS / "speculative_llamacpp.json"))
     args = p.parse_args(argv)
-    result = run(args.rounds, args.workloads, args.threads, Path(args.cache), args.max_tokens)
+    result = run(args.rounds, args.workloads, args.threads, Path(args.cache), args.max_tokens,
+                 args.methods)
     result.update(command=command_line(argv), draft_tokens=K, streams=1, threads=args.threads,
                   requests_per_measurement=REQUESTS)
     return emit(result, args.out)
