@@ -8,7 +8,8 @@ tensor- or pipeline-parallel target it drafts on the driver, as vLLM's draft mod
 with a tensor-parallel size of 1. A GGUF draft stays packed (its blocks read by the CPU's block
 kernels, or the VNNI kernels with `fp32_int_kernels`): a draft is for speed, and verification
 decides every token. Its cache holds the target's number of blocks in the draft's shape, beside
-the target's KV budget (not carved out of it).
+the target's KV budget (not carved out of it: on a GPU, loaded after the target's budget was
+profiled, the draft's weights and cache need the room `gpu_memory_utilization` leaves).
 """
 
 from __future__ import annotations
