@@ -64,7 +64,7 @@ def test_greedy_is_identical_in_mixed_batches_with_preemption_and_the_draft_is_i
     assert stats.num_free_blocks == stats.num_blocks
 
 
-def test_the_real_model_greedy_is_identical_and_its_int4_copy_drafts_well():
+def test_the_real_model_greedy_is_identical_and_its_int4_copy_and_q4_1_file_draft_well():
     from tests.workers.smollm2 import smollm2_gguf
 
     path = str(smollm2_gguf())
@@ -84,6 +84,14 @@ def test_the_real_model_greedy_is_identical_and_its_int4_copy_drafts_well():
     # the int4 copy of the fp32 weights (which came from a Q4_1 file) agrees with the target
     # most of the time (0.72 measured): a draft that did not would make speculation useless
     assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0
+    # the shipped Q4_1 file as a draft checkpoint of its own (llama.cpp's -md pairing): the
+    # same weights, summed in another order, so nearly every draft is accepted
+    q4_1 = LLM(path, speculative_config=json.dumps({**json.loads(INT4_SELF),
+                                                    "method": "draft_model", "model": path}),
+               **options)
+    assert texts(q4_1.generate(prompts, params)) == texts(want)
+    stats = q4_1.engine.stats()
+    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens > 0
 
 
 def test_a_target_held_packed_is_refused_with_the_setting_named():
