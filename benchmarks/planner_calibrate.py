@@ -25,8 +25,15 @@ What the simulator is given:
   so the anchored p50s stand): time-sharing with other processes, which the Ray app's tails
   have and exact steps do not. Like the wall-time co-run factor it is the machine's load at
   the time of measuring (its p90 1.4x to 2.5x the median in runs minutes apart), so the
-  default leaves it out and reports the count with it beside
-  (`within_20_percent_with_the_measured_spread`).
+  default leaves it out;
+- `--stretch` (`benchmarks/planner_ttft_tail.py`'s result), measured on the Ray app replaying
+  the same trace: how its step loop's CPU time stretched in wall time (runnable, waiting for
+  its core while the app's other processes ran), per layout and phase, by a window's CPU time:
+  each simulated step drawn from the bin of its length (`sim_cluster.Stretch`), in place of
+  the co-run factor (the stretch's mean is that factor's contention, its spread the tails).
+  Also set beside: that run's own TTFT / ITL cells against the report's (how its load
+  compared) and the simulator against them. With a spread the count with exact steps is
+  reported beside (`within_20_percent_steps_exact`).
 - `--overheads` (`benchmarks/planner_overheads.py`'s result), measured on the Ray app: each
   layout's co-run factor from the CPU its other processes (Ray's daemons, Serve's proxy and
   router, the load generator) take under the trace's chat load, 2 / (2 - their cores), in
@@ -60,7 +67,7 @@ from loadgen import percentiles_ms
 from results_io import RESULTS, command_line, emit
 
 import benchmarks.simulate as simulate
-from benchmarks.sim_cluster import Req
+from benchmarks.sim_cluster import Req, Stretch
 from router.profiles import StepProfile
 
 SIM_LAYOUT = {"aggregated": "aggregated", "disaggregated": "disagg_1to1"}
@@ -164,17 +171,13 @@ def ray_trace(setup: dict) -> list[Req]:
 
 
 def simulated(setup: dict, profile: StepProfile, layout: str, corun: float = 1.0,
-              spread: dict | None = None) -> dict:
+              spreads: tuple[tuple[float, Stretch], ...] = ()) -> dict:
     """The simulator's per-phase TTFT and ITL percentiles for the report's trace (its own
     arrival times), as the Ray report takes them (`loadgen.percentiles_ms`: nearest rank; ITL
     over every gap between tokens of every request)."""
     simulate.PROFILE = profile
     run = simulate.Run(layout, 2, setup["phase_s"], setup["seed"], trace=ray_trace(setup))
-    run.c.keep_gaps, run.c.corun = True, corun
-    if spread:  # the measured quantiles, from the fastest (q 0) to the slowest (q 1) step
-        points = sorted((float(q), r) for q, r in spread["over_median"].items())
-        run.c.spread = ((0.0, points[0][1]), *points[:3], (0.5, 1.0), *points[3:],
-                        (1.0, points[-1][1]))
+    run.c.keep_gaps, run.c.corun, run.c.spreads = True, corun, spreads
     run.run(2 / 1000)  # simulate's rates are per 1,000 workers (unused: the trace is given)
     out = {}
     for k in range(3):
@@ -196,6 +199,15 @@ def ray_cells(report: dict) -> dict:
                        "itl": {q: v["itl"][q] for q in ("p50_ms", "p90_ms")}}
                    for k, v in report["layouts"][name]["phases"].items()}
             for name in SIM_LAYOUT if name in report["layouts"]}
+
+
+def tail_run_cells(got: dict) -> dict:
+    """A `benchmarks/planner_ttft_tail.py` run's own TTFT and ITL p50 / p90 per layout and
+    phase, shaped as `ray_cells` shapes a Ray report's (its requests' nearest ranks too)."""
+    pick = lambda t: {"p50_ms": t["p50"], "p90_ms": t["p90"]}  # noqa: E731
+    return {n: {k: {"ttft": pick(v["summary"]["ttft_ms"]), "itl": pick(v["itl"]["ttft_ms"])}
+                for k, v in got["layouts"][n]["phases"].items()}
+            for n in SIM_LAYOUT if n in got["layouts"]}
 
 
 def ratios_of(a: dict, b: dict, prefix: str) -> dict[str, float]:
@@ -254,41 +266,53 @@ def main() -> dict:
     p.add_argument("--spread", action=argparse.BooleanOptionalAction, default=False,
                    help="each step's time drawn from the measured spread of steps on this "
                         "machine with both cores busy (`planner_corun.step_spread`)")
+    p.add_argument("--stretch", default=None,
+                   help="a planner_ttft_tail.json: each layout's steps stretched as the Ray "
+                        "app's step loop was in each phase of the same trace (measured; "
+                        "replaces the co-run factor, which its mean holds)")
     args = p.parse_args()
     report = json.loads(Path(args.report).read_text())
     setup = report["setup"]
     measured, corun_measured = measurements(args.measured)
     profile = anchored(measured, report["single_request"], setup) if args.anchor else measured
     ray = ray_cells(report)
-    spread = (corun_measured or {}).get("step_spread", {}).get("both")
-    if args.spread and spread is None:
-        raise ValueError("--spread needs a measured step spread (an earlier result without "
-                         "one: --no-spread)")
-
     profiles, corun = layout_inputs(args, profile, list(ray), setup)
-    used = spread if args.spread else None
+    spreads, exact = step_spreads(args, corun_measured, list(ray), setup), dict.fromkeys(ray, ())
+    corun_exact = corun
+    if args.stretch:  # its mean holds what the co-run factor stood for
+        corun = dict.fromkeys(ray, 1.0)
 
-    def sim_at(factor: dict[str, float], spread: dict | None) -> dict:
-        return {n: simulated(setup, profiles[n], SIM_LAYOUT[n], factor[n], spread)
+    def sim_at(factor: dict[str, float], spread: dict[str, tuple]) -> dict:
+        return {n: simulated(setup, profiles[n], SIM_LAYOUT[n], factor[n], spread[n])
                 for n in ray}
 
-    sim = sim_at(corun, used)
+    sim = sim_at(corun, spreads)
     ratios = ratios_of(sim, ray, "sim_over_ray")
-    sweep = {str(c): within(ratios_of(sim_at(dict.fromkeys(ray, c), used), ray, "x"))
+    sweep = {str(c): within(ratios_of(sim_at(dict.fromkeys(ray, c), exact), ray, "x"))
              for c in args.sweep}
-    other = None if spread is None else within(ratios_of(
-        sim_at(corun, None if args.spread else spread), ray, "x"))
     out = {"benchmark": "planner_calibrate", "command": command_line(None),
            "ray_report": args.report, "ray_report_command": report["command"],
            "measured": dict(vars(measured)), "corun_measured": corun_measured,
            "measured_by": measured_by(args.measured) if args.measured else command_line(None),
            "profile": dict(vars(profile)), "overheads": args.overheads,
            "profiles": {n: dict(vars(v)) for n, v in profiles.items()}, "corun": corun,
-           "step_spread": used,
+           "step_spread": "--stretch " + args.stretch if args.stretch else (
+               "--spread" if args.spread else None),
            "layouts": {n: {"ray": ray[n], "sim": sim[n]} for n in ray},
-           "within_20_percent": within(ratios), "within_20_percent_by_corun": sweep,
-           ("within_20_percent_steps_exact" if args.spread else
-            "within_20_percent_with_the_measured_spread"): other, **ratios}
+           "within_20_percent": within(ratios), "within_20_percent_by_corun": sweep}
+    if args.stretch:  # the stretch's own run: how its load compared, and the sim against it
+        own = tail_run_cells(json.loads(Path(args.stretch).read_text()))
+        out["stretch_run_over_ray"] = ratios_of(own, ray, "x")
+        out["stretch_run_within_20_percent_of_ray"] = within(out["stretch_run_over_ray"])
+        out["sim_over_stretch_run"] = ratios_of(sim, own, "x")
+        out["within_20_percent_of_the_stretch_run"] = within(out["sim_over_stretch_run"])
+    if any(spreads.values()):  # the same inputs with exact steps at the co-run factors
+        sim_exact = sim_at(corun_exact, exact)
+        out["within_20_percent_steps_exact"] = within(ratios_of(sim_exact, ray, "x"))
+        if args.stretch:
+            out["within_20_percent_of_the_stretch_run_steps_exact"] = within(ratios_of(
+                sim_exact, own, "x"))
+    out.update(ratios)
     if args.repeat and Path(args.repeat).exists():
         again = json.loads(Path(args.repeat).read_text())
         out.update(repeat_report=args.repeat, repeat_single_request=again["single_request"],
@@ -307,6 +331,32 @@ def layout_inputs(args: argparse.Namespace, profile: StepProfile, layouts: list[
     profiles = {n: with_handoff(profile, overheads, setup) if n == "disaggregated" else profile
                 for n in layouts}
     return profiles, {n: overheads["load"][n]["corun"] for n in layouts}
+
+
+def step_spreads(args: argparse.Namespace, corun_measured: dict | None, layouts: list[str],
+                 setup: dict) -> dict[str, tuple[tuple[float, Stretch], ...]]:
+    """Each layout's step spreads (`Cluster.spreads`): `--stretch`'s (measured per layout and
+    phase, by a step's length; each from its phase's start), or `--spread`'s (single steps on
+    this machine, one for both), or none (exact steps)."""
+    if args.stretch:
+        from planner_ttft_tail import stretch_of
+
+        got = json.loads(Path(args.stretch).read_text())
+        if got["trace"]["phase_s"] != setup["phase_s"] or got["trace"]["rates"] != setup["rates"]:
+            raise ValueError(f"{args.stretch} replayed {got['trace']}, not the report's trace")
+        return {n: tuple((int(k) * setup["phase_s"], stretch_of(v["spread"]))
+                         for k, v in sorted(got["layouts"][n]["phases"].items()))
+                for n in layouts}
+    if not args.spread:
+        return dict.fromkeys(layouts, ())
+    spread = (corun_measured or {}).get("step_spread", {}).get("both")
+    if spread is None:
+        raise ValueError("--spread needs a measured step spread (an earlier result without "
+                         "one: --no-spread)")
+    # the measured quantiles over the median, from the fastest (q 0) to the slowest (q 1)
+    points = sorted((float(q), r) for q, r in spread["over_median"].items())
+    return dict.fromkeys(layouts, ((0.0, Stretch(((math.inf, (
+        (0.0, points[0][1]), *points[:3], (0.5, 1.0), *points[3:], (1.0, points[-1][1]))),))),))
 
 
 def measured_by(earlier_path: str) -> str:

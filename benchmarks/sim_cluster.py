@@ -16,8 +16,11 @@ prefills up to `chunk_tokens` of its queue in one step (chunked prefill); a pref
 prefills only, and hands each finished prompt to the decode worker the decode policy picks,
 where it joins after the KV transfer. Workers on one machine (`Cluster.corun` > 1, the
 calibration's two workers on two shared cores) slow each other: while more than one steps,
-each step's work advances at 1/corun. `Cluster.keep_gaps` keeps every gap between a request's
-tokens (the Ray benchmark's ITL is over those).
+each step's work advances at 1/corun. Or, measured per step (`Cluster.spreads`, each a
+`Stretch` from its time on): its time over its profile's drawn from how the Ray app's step
+loop stretched under the same load (runnable but waiting for its core while other processes
+ran: `benchmarks/planner_ttft_tail.py`), by the step's length. `Cluster.keep_gaps` keeps
+every gap between a request's tokens (the Ray benchmark's ITL is over those).
 """
 
 from __future__ import annotations
@@ -50,6 +53,22 @@ class Req:
     max_gap: float = 0.0
     refused: bool = False
     gaps: list[float] | None = None  # every gap between its tokens, where the run keeps them
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """A step's time over its profile's, drawn per step from a measured distribution that
+    depends on the step's length. `bins`: (upper edge of the step's profile time (s), its
+    (quantile, ratio) points from quantile 0 to 1, linear between them), edges ascending; a
+    step past the last edge draws from the last bin."""
+
+    bins: tuple[tuple[float, tuple[tuple[float, float], ...]], ...]
+
+    def draw(self, step_s: float, u: float) -> float:
+        """The ratio at quantile `u` (in [0, 1)) for a step of `step_s` seconds."""
+        points = next((pts for edge, pts in self.bins if step_s < edge), self.bins[-1][1])
+        q, ratio = zip(*points)
+        return float(np.interp(u, q, ratio))
 
 
 @dataclass
@@ -88,9 +107,9 @@ class Cluster:
         # a step's slowdown while another worker steps on the same machine (shared memory bus
         # and cache; `benchmarks/planner_corun.py`); 1: each worker on its own machine
         self.corun = 1.0
-        # a step's time over its profile's, drawn per step: (quantile, ratio) points of a
-        # measured spread (`planner_corun.step_spread`), linear between them; None: exact
-        self.spread: tuple[tuple[float, float], ...] | None = None
+        # a step's time over its profile's, drawn per step from a measured spread: (from this
+        # time (s) on, its `Stretch`), ascending from 0; (): exact
+        self.spreads: tuple[tuple[float, Stretch], ...] = ()
         self._rng = np.random.default_rng(0)
         self._running: dict[str, list] = {}  # worker id -> [work left (s), step, its end's token]
         self._mark = 0.0  # when `_running`'s work was last advanced
@@ -184,9 +203,9 @@ class Cluster:
             dur = p.decode_step_s(batch, ctx) + p.prefill_s_per_token * tokens
         else:
             dur = p.prefill_s(tokens)
-        if self.spread:
-            q, ratio = zip(*self.spread)
-            dur *= float(np.interp(self._rng.random(), q, ratio))
+        if self.spreads:
+            stretch = next(st for since, st in reversed(self.spreads) if since <= now)
+            dur *= stretch.draw(dur, self._rng.random())
         if batch and not tokens:
             self.fitter.observe_decode(batch, ctx, dur)
         if self.corun == 1.0:
