@@ -27,9 +27,9 @@ def engine_stats(sched: Scheduler, kv: KVCacheManager, costs: StepCosts,
                        recent_hit_blocks=kv.hot.recent_hit_blocks(),
                        num_prompt_tokens_computed=costs.num_prompt_tokens_computed,
                        speculative_method=speculative_method,
-                       num_draft_tokens=sched.num_draft_tokens,
-                       num_accepted_tokens=sched.num_accepted_tokens,
-                       num_drafts=sched.num_drafts,
+                       num_draft_tokens=sched.drafts.num_draft_tokens,
+                       num_accepted_tokens=sched.drafts.num_accepted_tokens,
+                       num_drafts=sched.drafts.num_drafts,
                        lora_adapters=lora_adapters, num_lora_loads=num_lora_loads,
                        num_due_prompt_tokens=(prompt_tokens_before_due(sched.running, sched.waiting)
                                               if sched.config.order_by_deadline else None))

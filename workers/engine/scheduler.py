@@ -23,7 +23,7 @@ from workers.engine.request import Request, RequestStatus
 from workers.engine.stops import append_checked, check_stop
 from workers.engine.waiting_order import due_position
 from workers.engine.scheduler_records import (
-    PROMPT_LOGPROB_TOKENS_PER_STEP, ScheduledChunk, SchedulerConfig, SchedulerOutput,
+    PROMPT_LOGPROB_TOKENS_PER_STEP, DraftCounts, ScheduledChunk, SchedulerConfig, SchedulerOutput,
     adapter_fits, prompt_left, takes_logprob_rows)
 
 
@@ -37,9 +37,7 @@ class Scheduler:
         self._kv_tokens: dict[str, int] = {}  # request id -> tokens whose KV is coming
         self.requests: dict[str, Request] = {}  # every unfinished request, wherever it is
         self.num_preemptions = 0  # since start, for metrics and tests
-        self.num_draft_tokens = 0  # drafted tokens verified since start (speculative decoding)
-        self.num_drafts = 0  # drafts verified since start (one a drafting request a step)
-        self.num_accepted_tokens = 0  # of those, accepted
+        self.drafts = DraftCounts()  # speculative decoding's, since start
         # prompt tokens of waiting and running requests not computed yet, kept as they move
         self.num_pending_prompt_tokens = 0  # (`_set_computed`), so reading it costs nothing
         # request id -> tokens sampled by launched steps but not recorded yet (async scheduling)
@@ -224,9 +222,7 @@ class Scheduler:
         the request's tokens (rejected positions') are returned."""
         req.num_draft_tokens += num_drafted
         req.num_accepted_tokens += len(tokens) - 1
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += len(tokens) - 1
-        self.num_drafts += num_drafted > 0
+        self.drafts.add(num_drafted, len(tokens) - 1)
         appended, reason = append_checked(req, tokens, self.config.max_model_len)
         self._set_computed(req, start + appended)
         self.kv.cache_blocks(req)

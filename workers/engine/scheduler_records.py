@@ -45,6 +45,22 @@ class ScheduledChunk(NamedTuple):
     draft: tuple[int, ...] = ()
 
 
+@dataclass
+class DraftCounts:
+    """Speculative decoding's counters since start: drafted tokens verified, those accepted,
+    and drafts verified (one a drafting request a step)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_drafts: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """One request's verified draft of `drafted` tokens, `accepted` of them accepted."""
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_drafts += drafted > 0
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk]  # single-token chunks (decodes) first, by context length
