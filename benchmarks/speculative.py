@@ -43,8 +43,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}
 INT4_SELF = {"method": "quantized_self", "num_speculative_tokens": 4}
 # the shipped Q4_1 file drafting for its own weights in fp32 (llama.cpp's `-md` pairing); its
-# path filled in at run time (`method_config`)
-DRAFT_Q4_1 = {"method": "draft_model", "model": "", "num_speculative_tokens": 4}
+# path ("model") filled in at run time (`method_config`)
+DRAFT_Q4_1 = {"method": "draft_model", "num_speculative_tokens": 4}
 # the target's first 22 of 30 layers with its head (offline, 2 prompts a workload, 64 tokens:
 # 8 layers accept 1% of drafts, 15: 2-3%, 22: 9%; an untrained early exit drafts poorly)
 TRUNCATED = {"method": "draft_model", "draft_num_layers": 22, "num_speculative_tokens": 4}
@@ -56,7 +56,7 @@ FP32_TARGET = ("quantized_self", "draft_q4_1")  # the GGUF file dequantized: --n
 def method_config(method: str) -> dict:
     """`--speculative-config` of `method`, a draft checkpoint's path resolved."""
     config = dict(METHODS[method])
-    if config.get("model") == "":
+    if method == "draft_q4_1":
         from workers.models.trained_default import smollm2_gguf
 
         config["model"] = str(smollm2_gguf())

@@ -40,7 +40,7 @@ from typing import Any
 from peer_llamacpp import LlamaServer, llama_cpp
 from peer_llamacpp_gguf import f32_file, q4_1_file
 from results_io import RESULTS, command_line, emit
-from speculative import INT4_SELF, MAX_TOKENS, NGRAM, WORKLOADS, Server, chat_load, method_config
+from speculative import MAX_TOKENS, WORKLOADS, Server, chat_load, method_config
 
 K = 4  # drafted tokens a step, every method
 REQUESTS = 4  # per measurement, one at a time
@@ -53,8 +53,8 @@ LLAMA_METHODS = {
     "ngramdefault": ["--spec-type", "ngram-simple"],
     "draft_q4_1": ["--spec-type", "draft-simple", "--spec-draft-n-max", str(K),
                    "--spec-draft-n-min", "1"]}
-CLEAVE_METHODS = {"none": None, "ngram": NGRAM, "quantized_self": INT4_SELF,
-                  "draft_q4_1": "draft_q4_1"}  # its path resolved (`method_config`)
+# `speculative.py`'s methods (`method_config`), and none
+CLEAVE_METHODS = ("none", "ngram", "quantized_self", "draft_q4_1")
 # Cleave's -> llama.cpp's
 MATCHING = {"ngram": "ngram", "quantized_self": "draft_q4_1", "draft_q4_1": "draft_q4_1"}
 
@@ -67,8 +67,8 @@ def servers(cache: Path, tree: Path, threads: int,
     f32 = f32_file(cache, tree, shipped)
     keep = {"none", *(methods or [*CLEAVE_METHODS, *LLAMA_METHODS])}
     found: dict[str, Any] = {
-        f"cleave_{m}": Server(method_config(c) if isinstance(c, str) else c, fp32=True)
-        for m, c in CLEAVE_METHODS.items() if m in keep}
+        f"cleave_{m}": Server(None if m == "none" else method_config(m), fp32=True)
+        for m in CLEAVE_METHODS if m in keep}
     for method, extra in LLAMA_METHODS.items():
         if method not in keep:
             continue

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +24,7 @@ from workers.engine.parallel.rank_memory import KVProfile, KVSizing
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from workers.engine.speculative.draft_checkpoint import load_draft_checkpoint
+from workers.engine.speculative.own_cache import OwnCacheDraft
 from workers.engine.speculative.speculator import NoSpeculation, Speculator, build_speculator
 from workers.engine.speculative.mtp import mtp_model_config
 
@@ -45,14 +45,12 @@ def spawns_ranks(launcher: RankLauncher | None) -> bool:
 
 
 def load_tokenizer(model_path: str) -> Tokenizer | None:
-    from workers.tokenizer.gguf_file import find_gguf_file
-
-    if find_gguf_file(model_path) is None and not (Path(model_path) / "tokenizer.json").exists():
-        logger.warning("no tokenizer.json in %s: prompts must be token ids", model_path)
-        return None
     from workers.tokenizer import Tokenizer
 
-    return Tokenizer.from_pretrained(model_path)
+    tokenizer = Tokenizer.found_in(model_path)
+    if tokenizer is None:
+        logger.warning("no tokenizer.json in %s: prompts must be token ids", model_path)
+    return tokenizer
 
 
 def load_local_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
@@ -197,8 +195,16 @@ def group_executor(config: EngineConfig, spec: KVCacheSpec, launcher: RankLaunch
 def speculator(config: EngineConfig, mc: ModelConfig, tokenizer: Tokenizer | None,
                dtype: torch.dtype, max_model_len: int, runner: ModelRunner,
                kv: KVCacheManager) -> Speculator | NoSpeculation:
-    """What drafts for the engine (`config.speculative`), a draft checkpoint loaded on the
-    runner's device in the target's `dtype` (`mc`, `tokenizer`: the target's)."""
+    """What drafts for the engine (`config.speculative`): a draft checkpoint loaded on the
+    runner's device in the target's `dtype` (`mc`, `tokenizer`: the target's), drafting on a
+    cache of its own (its layers and heads, the target's blocks), else `build_speculator`'s."""
     checkpoint = load_draft_checkpoint(config, mc, tokenizer, dtype, runner.device,
                                        max_model_len)
-    return build_speculator(config.speculative, max_model_len, runner, kv, checkpoint)
+    draft = None
+    if checkpoint is not None:
+        spec = dataclasses.replace(kv_cache_spec(config, checkpoint.config, dtype),
+                                   num_blocks=runner.spec.num_blocks)
+        draft = OwnCacheDraft(checkpoint, allocate_kv_caches(spec, runner.device),
+                              runner.device, spec.block_size, runner.sampler.generator,
+                              "draft_model")
+    return build_speculator(config.speculative, max_model_len, runner, kv, draft)

@@ -59,6 +59,14 @@ class Tokenizer:
             sorted(i for i, tok in added.items() if tok.special))
 
     @classmethod
+    def found_in(cls, path: Path | str) -> Tokenizer | None:
+        """`from_pretrained(path)` where `path` holds a tokenizer (a GGUF file, or a folder with
+        `tokenizer.json`); None where it holds none."""
+        if find_gguf_file(path) is None and not (Path(path) / "tokenizer.json").exists():
+            return None
+        return cls.from_pretrained(path)
+
+    @classmethod
     def from_pretrained(cls, path: Path | str) -> Tokenizer:
         """Load `tokenizer.json`, `tokenizer_config.json`, chat templates and eos ids from folder
         `path`, or the tokenizer a GGUF file describes (`path` names the file or a folder holding

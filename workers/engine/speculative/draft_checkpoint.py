@@ -14,7 +14,6 @@ profiled, the draft's weights and cache need the room `gpu_memory_utilization` l
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,10 +62,8 @@ def check_same_tokenizer(path: str, target: Tokenizer | None) -> None:
     """ValueError naming the first token the draft at `path` and the target map differently;
     nothing to compare when either has no tokenizer (its vocabulary size was checked)."""
     from workers.tokenizer import Tokenizer
-    from workers.tokenizer.gguf_file import find_gguf_file
 
-    readable = find_gguf_file(path) is not None or (Path(path) / "tokenizer.json").exists()
-    draft = Tokenizer.from_pretrained(path) if target is not None and readable else None
+    draft = Tokenizer.found_in(path) if target is not None else None
     if draft is None or target is None:
         return
     ours = target.backend.get_vocab(with_added_tokens=True)

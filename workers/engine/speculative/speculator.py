@@ -22,7 +22,7 @@ import torch
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.parallel.local import LocalExecutor
 from workers.engine.request import Request, RequestStatus
-from workers.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+from workers.engine.runner import ModelRunner, allocate_kv_caches
 from workers.engine.speculative.draft_model import TruncatedDraft
 from workers.engine.speculative.config import MTP_METHODS, SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
@@ -30,8 +30,6 @@ from workers.engine.speculative.grammar_draft import cut_draft
 from workers.engine.speculative.mtp import MTPDraft
 from workers.engine.speculative.own_cache import OwnCacheDraft
 from workers.engine.speculative.quantized_self import quantized_copy
-from workers.models.llama import LlamaForCausalLM
-from workers.models.model_config import ModelConfig
 
 EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
 MAX_PAUSE_STEPS = 64  # a backed-off request tries drafting again at least this often
@@ -173,23 +171,19 @@ class DraftModelSpeculator(Speculator):
 
 def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
                      runner: ModelRunner, kv: KVCacheManager,
-                     checkpoint: LlamaForCausalLM | None = None) -> Speculator | NoSpeculation:
-    """The speculator `config` asks for (`NoSpeculation` for None). `checkpoint`: the draft
-    checkpoint `config.model` names, loaded (`draft_checkpoint`), drafting on a cache of its
-    own whatever runs the target; the other draft models draft on `runner`'s model (one rank
-    in this process): a truncated copy on its KV cache, a quantized self-draft on a cache of its
-    own shaped as the target's, the checkpoint's MTP layer on a cache of its own of one layer,
-    fed the target's hidden states after each forward."""
+                     draft: TruncatedDraft | None = None) -> Speculator | NoSpeculation:
+    """The speculator `config` asks for (`NoSpeculation` for None). `draft`: one built beside
+    the target (a checkpoint of its own, `assembly.speculator`), whatever runs the target; the
+    other draft models draft on `runner`'s model (one rank in this process): a truncated copy
+    on its KV cache, a quantized self-draft on a cache of its own shaped as the target's, the
+    checkpoint's MTP layer on a cache of its own of one layer, fed the target's hidden states
+    after each forward."""
     if config is None:
         return NoSpeculation()
     if config.method == "ngram":
         return Speculator(config, NgramDrafter(config.prompt_lookup_min,
                                                config.prompt_lookup_max), max_model_len)
-    if checkpoint is not None:
-        draft: TruncatedDraft = OwnCacheDraft(
-            checkpoint, allocate_kv_caches(cache_spec(checkpoint.config, runner.spec),
-                                           runner.device),
-            runner.device, runner.spec.block_size, runner.sampler.generator, "draft_model")
+    if draft is not None:
         return DraftModelSpeculator(config, draft, kv, max_model_len)
     executor = runner.executor
     if not isinstance(executor, LocalExecutor):
@@ -210,11 +204,3 @@ def build_speculator(config: SpeculativeConfig | None, max_model_len: int,
                                runner.spec.block_size, config.draft_num_layers,
                                runner.sampler.generator)
     return DraftModelSpeculator(config, draft, kv, max_model_len)
-
-
-def cache_spec(mc: ModelConfig, target: KVCacheSpec) -> KVCacheSpec:
-    """The cache of a draft checkpoint `mc`: its layers and heads, the target's blocks and KV
-    dtype."""
-    return KVCacheSpec(mc.num_hidden_layers, target.num_blocks, target.block_size,
-                       mc.kv_cache_heads, mc.kv_cache_head_dim, target.dtype,
-                       latent=mc.mla is not None)
