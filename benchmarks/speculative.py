@@ -1,10 +1,11 @@
-"""Speculative decoding on the real model (SmolLM2-135M-Instruct), served by `cleave serve
---in-process`: output tokens/s with a method's drafts (`--method`: n-gram prompt lookup, the
-int4 self-draft against the fp32 target, the shipped Q4_1 file as a draft checkpoint for the
-fp32 target (`draft_q4_1`), or a truncated copy of the target: `truncated`) against none, two servers started side by side
-and measured in alternation (the order flips each round), at 1, 8 and 32 concurrent streams, on
-two workloads of real text: `repeat` (the answer repeats or edits code and prose in the prompt)
-and `chat` (open questions). Greedy, so the two servers' texts must match exactly (reported).
+"""Speculative decoding on the real model (SmolLM2-135M-Instruct), served by
+`cleave serve --in-process`: output tokens/s with a method's drafts (`--method`: n-gram prompt
+lookup, the int4 self-draft against the fp32 target, the shipped Q4_1 file as a draft checkpoint
+for the fp32 target (`draft_q4_1`), or a truncated copy of the target: `truncated`) against
+none, two servers started side by side and measured in alternation (the order flips each round),
+at 1, 8 and 32 concurrent streams, on two workloads of real text: `repeat` (the answer repeats
+or edits code and prose in the prompt) and `chat` (open questions). Greedy, so the two servers'
+texts must match exactly (reported).
 
 The bound it is compared against is the same server without speculation, in the same run:
 `<workload>_<streams>_ratio` = tokens/s with speculation / without (the median rounds'), and
@@ -250,8 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="an A/A run: the second server without speculation too")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="the method's drafted tokens per step (default: its setting here)")
-    parser.add_argument("--adaptive-draft-length", action="store_true",
-                        help="each request's draft length follows its acceptance")
+    parser.add_argument("--draft-length", choices=["cost", "fixed"], default=None,
+                        help="the method's draft_length (default: the server's, cost)")
     parser.add_argument("--int-kernels", action="store_true",
                         help="both servers multiply the GGUF file's blocks by int8 "
                              "activations (--fp32-int-kernels: the GGUF VNNI kernel)")
@@ -259,8 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.num_speculative_tokens is not None:
         METHODS[args.method]["num_speculative_tokens"] = args.num_speculative_tokens
-    if args.adaptive_draft_length:
-        METHODS[args.method]["adaptive_draft_length"] = True
+    if args.draft_length is not None:
+        METHODS[args.method]["draft_length"] = args.draft_length
     result = run(args.rounds, args.streams, args.method, args.workloads, args.layer,
                  args.control, ("--fp32-int-kernels",) if args.int_kernels else ())
     result["layer"] = args.layer

@@ -37,7 +37,7 @@ def long_prompt() -> str:
 
 # every worker drafts by prompt lookup: constrained requests verify drafts under their mask
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                    "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+                    "prompt_lookup_min": 1, "draft_length": "fixed",
                     "disable_by_batch_size": 64})
 
 

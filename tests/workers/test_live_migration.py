@@ -127,7 +127,7 @@ def test_a_moved_stream_goes_on_speculating_on_its_target(tiny_model, expected):
     from cluster.local_server import LocalServeConfig, LocalServer
 
     draft = json.dumps({"method": "draft_model", "model": tiny_model,
-                        "num_speculative_tokens": 3, "min_acceptance_rate": 0.0})
+                        "num_speculative_tokens": 3, "draft_length": "fixed"})
     config = LocalServeConfig(tiny_model, num_workers=2, http_port=0, grpc_port=0,
                               router={"api_keys": (API_KEY,)},
                               engine={"num_blocks": NUM_BLOCKS, "speculative_config": draft})

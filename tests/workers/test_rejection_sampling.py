@@ -66,7 +66,7 @@ def test_greedy_rows_accept_exactly_the_targets_argmax():
 PROMPT = [5, 6, 7, 8, 9] * 2
 TOP_K, SAMPLES = 4, 400
 DRAFT_MODEL = json.dumps({"method": "draft_model", "num_speculative_tokens": 2,
-                          "draft_num_layers": 1, "min_acceptance_rate": 0.0,
+                          "draft_num_layers": 1, "draft_length": "fixed",
                           "disable_by_batch_size": SAMPLES})
 
 

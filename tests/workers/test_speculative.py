@@ -18,7 +18,7 @@ from workers.engine.speculative.drafter import NgramDrafter
 from workers.models.kit_archs import KIT_ARCHS
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-                    "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+                    "prompt_lookup_min": 1, "draft_length": "fixed",
                     "disable_by_batch_size": 8})
 # token-id prompts with repeats (n-gram drafts find matches from the first step)
 PROMPTS = [[5, 6, 7, 8, 9] * 4, list(range(10, 60)), [40, 41, 42, 40, 41, 42, 40, 41],
@@ -54,20 +54,32 @@ class _Decoding:
         self.status, self.hold_kv, self.grammar = RequestStatus.RUNNING, False, None
         self.params = SamplingParams(max_tokens=1000)
         self.num_tokens, self.num_computed_tokens, self.num_output_tokens = 20, 19, 10
+        self.request_id = "r"
         self.all_token_ids = list(range(20))
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.draft_token_ids: list[int] = []
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_an_adaptive_draft_length_follows_what_the_last_draft_earned(adaptive):
-    """Two tokens longer after a draft accepted whole (from 2, up to num_speculative_tokens),
-    one past the accepted ones after a rejection; without the setting, always the most."""
+def test_a_draft_is_as_long_as_pays_for_its_acceptance_and_its_tokens_cost():
+    """The length with the most expected tokens (1 + p + ... + p^L) per step cost (1 + c L)."""
+    from workers.engine.speculative.draft_length import best_length
+
+    assert best_length(0.95, 0.02, 8) == 8  # predictable text, nearly free rows: all
+    assert best_length(0.6, 0.21, 8) == 2  # 1.6 / 1.21 < 1.96 / 1.42 > 2.176 / 1.63
+    assert best_length(0.1, 0.2, 8) == 0  # one token's 0.1 does not pay its 0.2
+    assert [best_length(0.8, c, 8) for c in (0.05, 0.1, 0.2, 0.4)] == sorted(
+        (best_length(0.8, c, 8) for c in (0.05, 0.1, 0.2, 0.4)), reverse=True)
+    assert best_length(1.0, 0.5, 3) == 3  # capped at what the request may draft
+
+
+@pytest.mark.parametrize("draft_length", ["cost", "fixed"])
+def test_a_request_drafts_long_while_accepted_and_pauses_while_rejected(draft_length):
+    """Whole drafts accepted: the most; every draft rejected: drafting pauses, then is tried
+    again. With "fixed", always the most."""
     from workers.engine.speculative.speculator import Speculator
 
     config = parse_speculative_config(json.dumps({
-        "method": "ngram", "num_speculative_tokens": 7, "min_acceptance_rate": 0.0,
-        "adaptive_draft_length": adaptive}))
+        "method": "ngram", "num_speculative_tokens": 6, "draft_length": draft_length}))
     asked: list[int] = []
 
     class Drafter:
@@ -77,13 +89,58 @@ def test_an_adaptive_draft_length_follows_what_the_last_draft_earned(adaptive):
             asked.append(k)
             return [1] * k
 
+    class Clock:  # a drafted token at the prior's cost, whatever these stub steps take
+        token_cost = 0.15
+
+        def lap(self, running):
+            pass
+
+        mark = lap
+
     speculator, req = Speculator(config, Drafter(), 4096), _Decoding()
-    for accepted_of in ("all", 1, "all", "all", "all", "all", 0, "all"):
+    speculator.clock = Clock()
+    lengths = []
+    for accepted_all in [True] * 6 + [False] * 10:
         speculator.propose([req])
         drafted = len(req.draft_token_ids)
+        lengths.append(drafted)
         req.num_draft_tokens += drafted
-        req.num_accepted_tokens += drafted if accepted_of == "all" else accepted_of
-    assert asked == ([2, 4, 2, 4, 6, 7, 7, 1] if adaptive else [7] * 8)
+        req.num_accepted_tokens += drafted if accepted_all else 0
+    if draft_length == "fixed":
+        assert lengths == [6] * 16
+        return
+    assert lengths[0] < 6 and lengths[2:6] == [6] * 4  # from the prior, growing to the most
+    rejected = lengths[6:]
+    assert rejected[0] == 6 and 0 < rejected[1] < 6  # one rejection shortens the next draft
+    assert 0 in rejected  # a run of rejections pauses drafting
+    paused = rejected.index(0)
+    assert rejected[paused + 1] == 0 and rejected[paused + 2] > 0  # for two steps, then again
+    assert asked == [n for n in lengths if n]  # a paused request's drafter is not asked
+
+
+def test_the_clock_fits_a_drafted_tokens_cost_from_a_lone_requests_steps(monkeypatch):
+    """Steps of 1 + L rows taking 10 ms + 2 ms L: a drafted token costs 0.2 of a one-row step;
+    steps with another request running, or before the fit has seen widths spread, do not
+    count (the prior)."""
+    from workers.engine.speculative import draft_length
+
+    now = [0.0]
+    monkeypatch.setattr(draft_length, "perf_counter", lambda: now[0])
+    clock, req, other = draft_length.StepClock(), _Decoding(), _Decoding()
+    req.request_id, other.request_id = "a", "b"
+    for step in range(40):
+        width = 1 + step % 5
+        req.draft_token_ids = [1] * (width - 1)
+        clock.lap([req])
+        clock.mark([req])
+        now[0] += 0.010 + 0.002 * (width - 1)
+        if step == 5:
+            assert clock.token_cost == draft_length.PRIOR_TOKEN_COST  # too few steps yet
+        if step % 7 == 3:  # a step beside another request: 5x as long, not counted
+            clock.lap([req, other])
+            clock.mark([req, other])
+            now[0] += 0.050
+    assert clock.token_cost == pytest.approx(0.2, rel=1e-6)
 
 
 def test_speculative_config_names_what_is_wrong():
@@ -93,8 +150,8 @@ def test_speculative_config_names_what_is_wrong():
                         ('{"method": "ngram"}', "num_speculative_tokens"),
                         ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
                         ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "'k'"),
-                        ('{"method": "ngram", "num_speculative_tokens": 2, '
-                         '"adaptive_draft_length": 1}', "adaptive_draft_length"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, "draft_length": 1}',
+                         "draft_length"),
                         ("ngram", "JSON object")]:
         with pytest.raises(ValueError, match=words):
             parse_speculative_config(text)
@@ -201,7 +258,7 @@ def test_every_draft_model_is_exact_on_every_family(arch, family):
     cache of its own (its greedy drafts then all accepted: the cache is caught up right after
     every preemption), with their caches' shapes (MLA's latent, sliding windows, sinks)."""
     model, want = family(arch)
-    options = {"num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
+    options = {"num_speculative_tokens": 3, "draft_length": "fixed",
                "disable_by_batch_size": 8}
     for method in ({"method": "draft_model", "draft_num_layers": 1},
                    {"method": "quantized_self"}):
@@ -256,7 +313,7 @@ def test_seeded_sampling_is_reproducible_and_follows_the_same_positions(llama_pa
 
 
 DRAFT_MODEL = json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
-                          "draft_num_layers": 1, "min_acceptance_rate": 0.0,
+                          "draft_num_layers": 1, "draft_length": "fixed",
                           "disable_by_batch_size": 8})
 
 
@@ -296,7 +353,7 @@ SEEDED_32 = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=32, ign
 
 
 INT4_SELF = json.dumps({"method": "quantized_self", "num_speculative_tokens": 3,
-                        "min_acceptance_rate": 0.0, "disable_by_batch_size": 8})
+                        "draft_length": "fixed", "disable_by_batch_size": 8})
 
 
 @pytest.mark.parametrize("config,params", [(NGRAM, GREEDY_32), (DRAFT_MODEL, GREEDY_32),
@@ -345,7 +402,11 @@ def test_the_real_model_greedy_is_identical(tmp_path_factory):
     from tests.workers.smollm2 import smollm2_gguf
 
     path = str(smollm2_gguf())
-    base, spec = pair(path, block_size=16, num_blocks=64, max_num_batched_tokens=64)
+    options = dict(block_size=16, num_blocks=64, max_num_batched_tokens=64)
+    # the default draft lengths (each request's, by its acceptance and the measured cost)
+    base, spec = LLM(path, **options), LLM(path, speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 8}), **options)
     tok = base.tokenizer
     text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     prompts = [tok.encode(f"Repeat this code exactly:\n{text}\nHere it is:\n"),

@@ -30,7 +30,7 @@ SMALL = dict(block_size=4, num_blocks=24, max_num_batched_tokens=32)  # preempts
 
 def draft_config(path: str, **extra: object) -> str:
     return json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 3,
-                       "min_acceptance_rate": 0.0, "disable_by_batch_size": 8, **extra})
+                       "draft_length": "fixed", "disable_by_batch_size": 8, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_a_tensor_parallel_target_speculates_with_drafts_made_beside_it(
     one-rank speculating engine's (draws come from (seed, position))."""
     config = (draft_config(small_draft) if method == "draft_model" else
               json.dumps({"method": "ngram", "num_speculative_tokens": 4,
-                          "prompt_lookup_min": 1, "min_acceptance_rate": 0.0,
+                          "prompt_lookup_min": 1, "draft_length": "fixed",
                           "disable_by_batch_size": 8}))
     one = LLM(tiny_model, speculative_config=config, **SMALL).generate(PROMPTS, MIXED)
     llm = LLM(tiny_model, speculative_config=config, tensor_parallel_size=2, **SMALL)

@@ -14,7 +14,7 @@ from workers.engine.config import EngineConfig
 from workers.serving.worker import Worker
 
 DRAFT_MODEL = json.dumps({"method": "draft_model", "num_speculative_tokens": 3,
-                          "draft_num_layers": 1, "min_acceptance_rate": 0.0})
+                          "draft_num_layers": 1, "draft_length": "fixed"})
 PROMPT = [5, 6, 7, 8, 9] * 8  # 40 tokens: 2 full blocks of 16 and a partial one
 
 

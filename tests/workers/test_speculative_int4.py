@@ -15,7 +15,7 @@ from workers import LLM, SamplingParams
 from workers.engine.speculative.quantized_self import min_max_int4
 
 INT4_SELF = json.dumps({"method": "quantized_self", "num_speculative_tokens": 3,
-                        "min_acceptance_rate": 0.0, "disable_by_batch_size": 8})
+                        "draft_length": "fixed", "disable_by_batch_size": 8})
 
 
 def test_min_max_int4_holds_a_q4_1_grid_exactly_and_rounds_others_near():

@@ -23,7 +23,7 @@ from workers.engine.speculative.mtp import MTPDraft
 from workers.contract.protocol import WorkerRequest
 from tests.workers.factories import hand_off
 
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "draft_length": "fixed",
                   "disable_by_batch_size": 8})
 PROMPTS = [[5, 6, 7, 8, 9] * 4, list(range(10, 60)), [40, 41, 42, 40, 41, 42, 40, 41],
            [3, 4] * 9]
@@ -119,7 +119,7 @@ def test_drafts_are_the_mtp_heads_argmax_over_the_targets_hidden_states(mtp_mode
     acceptance back-off pauses) is the one the MTP layer makes from scratch over the target's
     hidden states of the same tokens."""
     spec = LLM(mtp_model, num_blocks=64, max_num_batched_tokens=16, speculative_config=json.dumps(
-        {**json.loads(MTP), "num_speculative_tokens": 2, "min_acceptance_rate": 0.5}))
+        {**json.loads(MTP), "num_speculative_tokens": 2}))
     draft = spec.engine.speculator.draft
     seen: list[tuple[list[int], list[int]]] = []
     propose = draft.propose
@@ -160,7 +160,7 @@ def test_sampled_mtp_drafts_leave_the_targets_distribution(tmp_path, monkeypatch
     path = predicting_mtp(tmp_path / "m", head_scale=0.5)
     joint = target_joint(LLM(path, num_blocks=64), depth=3)
     config = json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2,
-                         "min_acceptance_rate": 0.0, "disable_by_batch_size": SAMPLES})
+                         "draft_length": "fixed", "disable_by_batch_size": SAMPLES})
     spec = LLM(path, num_blocks=4 * SAMPLES, max_num_seqs=SAMPLES,
                max_num_batched_tokens=16 * SAMPLES, speculative_config=config)
     assert pooled_p_value(first_tokens(spec, 3), joint) > 1e-3

@@ -160,7 +160,7 @@ class EngineConfig:
     speculative_config: str | None = setting(None, (
         "Speculative decoding, as vLLM's JSON object, e.g. {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} "
-        "(Cleave's keys: disable_by_batch_size, min_acceptance_rate, the back-off). Methods: "
+        "(Cleave's keys: disable_by_batch_size; draft_length, cost or fixed). Methods: "
         "ngram, draft_model (with \"model\": a checkpoint sharing the tokenizer; without: the "
         "target's first draft_num_layers layers), quantized_self, mtp. Unset: none. A request "
         "turns it off with speculative=false."))

@@ -10,12 +10,13 @@ from dataclasses import dataclass, fields
 # multi-token-prediction layer (DeepSeek-V3's)
 MTP_METHODS = ("mtp", "deepseek_mtp")
 METHODS = ("ngram", "draft_model", "quantized_self", *MTP_METHODS)
+DRAFT_LENGTHS = ("cost", "fixed")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How a server drafts. Keys as vLLM's `--speculative-config` spells them; the back-off's
-    two keys are Cleave's (vLLM's `disable_by_batch_size` kept its name)."""
+    """How a server drafts. Keys as vLLM's `--speculative-config` spells them; `draft_length`
+    is Cleave's (vLLM's `disable_by_batch_size` kept its name)."""
 
     # "ngram": prompt lookup; "draft_model": a checkpoint of its own (`model`) or a truncated
     # copy of the target; "quantized_self":
@@ -35,12 +36,11 @@ class SpeculativeConfig:
     # (`workers.models.fused_layer` takes decode rows only); 8 streams of SmolLM2 measured
     # 0.47x with drafting (benchmarks/results/speculative.json)
     disable_by_batch_size: int = 2
-    # a request whose recent acceptance falls below this stops drafting for a while
-    min_acceptance_rate: float = 0.3
-    # Cleave's: each request's draft length follows its acceptance (`Speculator`): after a
-    # draft accepted whole, two tokens longer (up to num_speculative_tokens); after a
-    # rejection, one past the tokens accepted
-    adaptive_draft_length: bool = False
+    # Cleave's: "cost", each request's draft length the one that yields the most tokens per
+    # second of steps, from its measured acceptance and the measured cost of a drafted token
+    # (0 where drafting does not pay: `workers.engine.speculative.draft_length`); "fixed",
+    # num_speculative_tokens whenever the method has that many (vLLM's)
+    draft_length: str = "cost"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -60,12 +60,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config model names a draft checkpoint for method "
                              f"'draft_model' (a non-empty path), got model={self.model!r} with "
                              f"method {self.method!r}")
-        if not isinstance(self.adaptive_draft_length, bool):
-            raise ValueError(f"speculative_config adaptive_draft_length must be true or false, "
-                             f"got {self.adaptive_draft_length!r}")
-        if not 0.0 <= self.min_acceptance_rate <= 1.0:
-            raise ValueError(f"speculative_config min_acceptance_rate must be in [0, 1], got "
-                             f"{self.min_acceptance_rate!r}")
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"speculative_config draft_length must be one of {DRAFT_LENGTHS}, "
+                             f"got {self.draft_length!r}")
 
     @property
     def drafts_beside_the_target(self) -> bool:

@@ -4,10 +4,10 @@ Before each step the engine asks the speculator to `propose`: every running requ
 `draft_token_ids` for the step (empty: it decodes one token as without speculation). A request
 drafts when it is decoding (its prompt computed), asked for speculation and is not a
 prefill-only request; a structured-output request's draft is cut where its grammar refuses a
-token (`workers.engine.speculative.grammar_draft`). Back-off, measured per request and per step:
-no request drafts while more than `disable_by_batch_size` run, and a request whose recent
-acceptance rate fell below `min_acceptance_rate` pauses drafting for a number of its steps that
-doubles each time it backs off again.
+token (`workers.engine.speculative.grammar_draft`). No request drafts while more than
+`disable_by_batch_size` run; otherwise each request's draft is as long as pays best for its
+measured acceptance and the measured cost of a drafted token, none where drafting does not pay
+(`workers.engine.speculative.draft_length`; `"draft_length": "fixed"`: always the most).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from workers.engine.runner import ModelRunner, allocate_kv_caches
 from workers.engine.speculative.draft_model import TruncatedDraft
 from workers.engine.speculative.config import MTP_METHODS, SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
+from workers.engine.speculative.draft_length import (ACCEPTANCE_WEIGHT, PAUSE_STEPS,
+                                                       PRIOR_ACCEPTANCE, StepClock,
+                                                       best_length)
 from workers.engine.speculative.grammar_draft import cut_draft
 from workers.engine.speculative.mtp import MTPDraft
 from workers.engine.speculative.own_cache import OwnCacheDraft
 from workers.engine.speculative.quantized_self import quantized_copy
-
-EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
-MAX_PAUSE_STEPS = 64  # a backed-off request tries drafting again at least this often
 
 
 class NoSpeculation:
@@ -45,13 +45,11 @@ class NoSpeculation:
 
 
 @dataclass
-class _Backoff:
-    rate: float = 1.0  # recent acceptance rate (an average over drafting steps)
+class _DraftState:
+    acceptance: float = PRIOR_ACCEPTANCE  # p: of the drafted tokens its drafts reached, accepted
     seen_drafted: int = 0  # the request's counters when last looked at
     seen_accepted: int = 0
     pause: int = 0  # decode steps left without drafting
-    next_pause: int = 2  # the pause of the next back-off
-    length: int = 0  # its draft length now (`adaptive_draft_length`; 0: not set yet)
 
 
 class Speculator:
@@ -62,21 +60,20 @@ class Speculator:
         self.drafter = drafter
         self.method: str | None = drafter.name
         self.max_model_len = max_model_len
-        self._backoff: weakref.WeakKeyDictionary[Request, _Backoff] = (
+        self.clock = StepClock()
+        self._states: weakref.WeakKeyDictionary[Request, _DraftState] = (
             weakref.WeakKeyDictionary())
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set `draft_token_ids` of every request in `running` for the next step."""
-        if len(running) > self.config.disable_by_batch_size:
-            for req in running:
-                req.draft_token_ids = []
-            return
+        self.clock.lap(running)
+        batched = len(running) > self.config.disable_by_batch_size
         for req in running:
-            k = self._num_to_draft(req)
-            draft = (self.drafter.propose(req.all_token_ids, min(k, self._length(req)))
-                     if k > 0 and self._may_draft(req) else [])
+            k = 0 if batched else self._length(req, self._num_to_draft(req))
+            draft = self.drafter.propose(req.all_token_ids, k) if k else []
             req.draft_token_ids = (cut_draft(req.grammar, draft, keep_refused=False)
                                    if draft and req.grammar is not None else draft)
+        self.clock.mark(running)
 
     def _num_to_draft(self, req: Request) -> int:
         """Tokens the request may draft now: 0 unless it is decoding and wants speculation;
@@ -98,37 +95,29 @@ class Speculator:
         refuses rather than before (`workers.engine.speculative.grammar_draft`)."""
         return False
 
-    def _may_draft(self, req: Request) -> bool:
-        """The acceptance back-off: folds the request's last verified step into its average,
-        and says whether it drafts this step."""
-        state = self._backoff.get(req)
+    def _length(self, req: Request, k: int) -> int:
+        """The request's draft length this step, at most `k`: folds its last verified draft
+        into its acceptance, then `best_length` at the measured token cost (`draft_length`)."""
+        if k <= 0:
+            return 0
+        state = self._states.get(req)
         if state is None:
-            state = self._backoff[req] = _Backoff()
+            state = self._states[req] = _DraftState()
         drafted = req.num_draft_tokens - state.seen_drafted
         if drafted:
             accepted = req.num_accepted_tokens - state.seen_accepted
-            state.length = (min((state.length or 2) + 2, self.config.num_speculative_tokens)
-                            if accepted == drafted else accepted + 1)
+            reached = accepted + (accepted < drafted)  # a rejection ends a draft
+            state.acceptance += ACCEPTANCE_WEIGHT * (accepted / reached - state.acceptance)
             state.seen_drafted, state.seen_accepted = req.num_draft_tokens, req.num_accepted_tokens
-            state.rate = (1 - EMA_WEIGHT) * state.rate + EMA_WEIGHT * accepted / drafted
-            if state.rate < self.config.min_acceptance_rate:
-                state.pause, state.next_pause = (state.next_pause,
-                                                 min(2 * state.next_pause, MAX_PAUSE_STEPS))
-                state.rate = 1.0  # tried afresh after the pause
+        if self.config.draft_length == "fixed":
+            return k
         if state.pause:
             state.pause -= 1
-            return False
-        return True
-
-    def _length(self, req: Request) -> int:
-        """The request's draft length now: `num_speculative_tokens`, or with
-        `adaptive_draft_length` what its last verified draft earned (`_may_draft` sets it),
-        starting at 2."""
-        k = self.config.num_speculative_tokens
-        if not self.config.adaptive_draft_length:
-            return k
-        length = self._backoff[req].length
-        return min(k, length or 2)
+            return 0
+        length = best_length(state.acceptance, self.clock.token_cost, k)
+        if not length:  # tried afresh after the pause
+            state.pause, state.acceptance = PAUSE_STEPS - 1, PRIOR_ACCEPTANCE
+        return length
 
 
 class DraftModelSpeculator(Speculator):
@@ -143,17 +132,17 @@ class DraftModelSpeculator(Speculator):
         self.config, self.draft, self.kv = config, draft, kv
         self.method = draft.name
         self.max_model_len = max_model_len
-        self._backoff = weakref.WeakKeyDictionary()
+        self.clock = StepClock()
+        self._states = weakref.WeakKeyDictionary()
 
     def propose(self, running: Sequence[Request]) -> None:
+        self.clock.lap(running)
         reqs: list[Request] = []
         ks: list[int] = []
+        batched = len(running) > self.config.disable_by_batch_size
         for req in running:
             req.draft_token_ids, req.draft_probs = [], None
-            if len(running) > self.config.disable_by_batch_size:
-                continue
-            k = self._num_to_draft(req)
-            k = min(k, self._length(req)) if k > 0 and self._may_draft(req) else 0
+            k = 0 if batched else self._length(req, self._num_to_draft(req))
             if k > 0 and self.kv.allocate_slots(req, 1 + k):
                 reqs.append(req)
                 ks.append(k)
@@ -163,6 +152,7 @@ class DraftModelSpeculator(Speculator):
                                    cut_draft(req.grammar, draft.tokens, self._keeps_refused(req)))
             if draft.probs:
                 req.draft_probs = torch.stack(draft.probs)  # [k, V]
+        self.clock.mark(running)
 
 
     def _keeps_refused(self, req: Request) -> bool:
