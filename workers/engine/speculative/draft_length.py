@@ -23,8 +23,8 @@ load. Until the steps' widths have varied enough to fit, c is `PRIOR_TOKEN_COST`
 
 from __future__ import annotations
 
-from time import perf_counter
 from collections.abc import Sequence
+from time import perf_counter
 
 from workers.engine.request import Request, RequestStatus
 

@@ -21,14 +21,14 @@ import torch
 
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.parallel.local import LocalExecutor
-from workers.engine.request import Request, RequestStatus
+from workers.engine.request import Request
 from workers.engine.runner import ModelRunner, allocate_kv_caches
 from workers.engine.speculative.draft_model import TruncatedDraft
 from workers.engine.speculative.config import MTP_METHODS, SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
 from workers.engine.speculative.draft_length import (ACCEPTANCE_WEIGHT, PAUSE_STEPS,
                                                        PRIOR_ACCEPTANCE, StepClock,
-                                                       best_length)
+                                                       best_length, decoding)
 from workers.engine.speculative.grammar_draft import cut_draft
 from workers.engine.speculative.mtp import MTPDraft
 from workers.engine.speculative.own_cache import OwnCacheDraft
@@ -81,8 +81,7 @@ class Speculator:
         structured-output request ignoring EOS whose draft is rejection-sampled does not draft:
         its draft would keep a drafted token that completes the grammar, and tokens after it
         (`workers.engine.speculative.grammar_draft`)."""
-        if (req.status is not RequestStatus.RUNNING or not req.params.speculative
-                or req.hold_kv or req.num_computed_tokens != req.num_tokens - 1
+        if (not decoding(req) or not req.params.speculative or req.hold_kv
                 or (req.grammar is not None and req.params.ignore_eos
                     and self._keeps_refused(req))):
             return 0
