@@ -13,9 +13,11 @@ step (ratio 1). Policies:
 - `fixed`: the most (`num_speculative_tokens`) whenever the drafter has them (vLLM's);
 - `threshold`: the back-off `cost` replaced (a request's acceptance, a moving average of its
   drafts' accepted share, below 0.3 pauses its drafting for 2, 4, 8 ... 64 steps);
-- `cost`: the engine's rule (`workers.engine.speculative.draft_length`: the length maximizing
-  expected tokens per step cost at the request's measured acceptance), at the c it is replayed
-  with.
+- `cost`: the length rule (`workers.engine.speculative.draft_length`: the length maximizing
+  expected tokens per step cost) at the request's measured acceptance, at the c it is replayed
+  with (a draft model's rule, and the n-gram one's until 2026-11-30);
+- `match`: the engine's n-gram rule (`MatchSpeculator`): the same length rule at the
+  acceptance measured for drafts copied after matches as long as the draft's own.
 
 c: 0 (free verification: the drafts' own bound), this CPU's (0.11 on the VNNI kernel, 0.21 on
 the block kernel: a 5-row step measured 1.45x and 1.85x a one-row step), and the c the engine's
@@ -36,7 +38,8 @@ from speculative import MAX_TOKENS, NGRAM, WORKLOADS
 
 from workers import LLM, SamplingParams
 from workers.engine.speculative.draft_length import (ACCEPTANCE_WEIGHT, PAUSE_STEPS,
-                                                       PRIOR_ACCEPTANCE, best_length)
+                                                       PRIOR_ACCEPTANCE, MatchAcceptance,
+                                                       best_length)
 from workers.engine.speculative.drafter import NgramDrafter
 
 COSTS = (0.0, 0.11, 0.21)
@@ -60,6 +63,7 @@ class Replay:
     def __init__(self, policy: str, k: int, c: float) -> None:
         self.policy, self.k, self.c = policy, k, c
         self.drafter = NgramDrafter(NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"])
+        self.matches = MatchAcceptance()  # the server's: over all requests replayed
 
     def run(self, outputs: list[tuple[list, list]]) -> dict[str, float]:
         tokens = steps = cost = 0.0
@@ -80,11 +84,15 @@ class Replay:
                 length = best_length(acceptance, self.c, length)
                 if not length:
                     pause, acceptance = PAUSE_STEPS - 1, PRIOR_ACCEPTANCE
-            draft = self.drafter.propose(prompt + output[:i], length) if length else []
+            draft, match = (self.drafter.lookup(prompt + output[:i], length) if length
+                            else ([], 0))
+            if self.policy == "match" and draft:
+                draft = draft[:best_length(self.matches.acceptance(match), self.c, len(draft))]
             accepted = 0
             while accepted < len(draft) and draft[accepted] == output[i + accepted]:
                 accepted += 1
             if draft:
+                self.matches.record(match, accepted, len(draft))
                 reached = accepted + (accepted < len(draft))
                 acceptance += ACCEPTANCE_WEIGHT * (accepted / reached - acceptance)
                 rate = 0.5 * rate + 0.5 * accepted / len(draft)
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         for k in args.k:
             for c in (*COSTS, measured):
                 label = "measured" if c == measured and c not in COSTS else f"c{c}"
-                for policy in ("fixed", "threshold", "cost"):
+                for policy in ("fixed", "threshold", "cost", "match"):
                     replay = Replay(policy, k, c).run(outputs)
                     result[f"{name}_{policy}_k{k}_{label}"] = replay
                     result[f"{name}_{policy}_k{k}_{label}_ratio"] = replay["ratio"]

@@ -52,7 +52,8 @@ def test_speculative_reports_mean_accepted_length_and_paired_ratios(speculative)
     out = speculative._summary(runs, "ngram")
     assert out["repeat_1"]["paired_ratios"] == [1.5, 2.0]
     assert out["repeat_1_ratio"] == round(27.5 / 15, 3)
-    assert out["repeat_1"]["mean_accepted_length"] == 1 + 60 * 4 / 80  # k = 4 drafted a step
+    k = speculative.NGRAM["num_speculative_tokens"]  # drafted a step
+    assert out["repeat_1"]["mean_accepted_length"] == 1 + 60 * k / 80
     assert out["repeat_1"]["same_texts"]
 
 
@@ -64,7 +65,7 @@ def replay():
 def test_a_replay_accepts_drafts_up_to_the_first_token_the_output_did_not_have(replay):
     """An output that copies its prompt, then leaves it: drafts are accepted while the copy
     lasts; a step costs 1 + c per drafted token; the threshold back-off drafts less than the
-    most, and the cost rule drafts nothing where no draft can pay (c = 4)."""
+    most, and the cost and match rules draft nothing where no draft can pay (c = 4)."""
     prompt = list(range(10, 40))
     output = [10, 11, *range(12, 40), *range(100, 105)]  # the prompt again, then new tokens
     fixed = replay.Replay("fixed", 4, 0.0).run([(prompt, output)])
@@ -74,5 +75,7 @@ def test_a_replay_accepts_drafts_up_to_the_first_token_the_output_did_not_have(r
     assert costed["ratio"] < fixed["ratio"]
     assert replay.Replay("threshold", 4, 0.0).run([(prompt, output)])["tokens_per_step"] <= (
         fixed["tokens_per_step"])
-    assert replay.Replay("cost", 4, 4.0).run([(prompt, output)]) == {"tokens_per_step": 1.0,
-                                                                      "ratio": 1.0}
+    for policy in ("cost", "match"):
+        assert replay.Replay(policy, 4, 4.0).run([(prompt, output)]) == {
+            "tokens_per_step": 1.0, "ratio": 1.0}
+    assert replay.Replay("match", 4, 0.0).run([(prompt, output)]) == fixed  # every row free

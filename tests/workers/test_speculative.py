@@ -43,6 +43,18 @@ def test_ngram_copies_what_followed_the_latest_match_of_the_longest_suffix():
     assert drafter.propose([1, 2, 3, 9, 1, 2, 3], 4) == [9, 1, 2, 3]
     assert drafter.propose([5, 6, 7], 3) == []  # no earlier occurrence
     assert NgramDrafter(min_n=2, max_n=2).propose([4, 1, 4, 2, 1], 3) == []  # "2 1" unseen
+    assert drafter.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == ([7, 8], 3)  # its match
+
+
+class _PriorClock:
+    """A drafted token at the prior's cost, whatever the stub steps take."""
+
+    token_cost = 0.15
+
+    def lap(self, running):
+        pass
+
+    mark = lap
 
 
 class _Decoding:
@@ -89,16 +101,8 @@ def test_a_request_drafts_long_while_accepted_and_pauses_while_rejected(draft_le
             asked.append(k)
             return [1] * k
 
-    class Clock:  # a drafted token at the prior's cost, whatever these stub steps take
-        token_cost = 0.15
-
-        def lap(self, running):
-            pass
-
-        mark = lap
-
     speculator, req = Speculator(config, Drafter(), 4096), _Decoding()
-    speculator.clock = Clock()
+    speculator.clock = _PriorClock()
     lengths = []
     for accepted_all in [True] * 6 + [False] * 10:
         speculator.propose([req])
@@ -116,6 +120,39 @@ def test_a_request_drafts_long_while_accepted_and_pauses_while_rejected(draft_le
     paused = rejected.index(0)
     assert rejected[paused + 1] == 0 and rejected[paused + 2] > 0  # for two steps, then again
     assert asked == [n for n in lengths if n]  # a paused request's drafter is not asked
+
+
+def test_an_ngram_draft_is_as_long_as_its_matchs_measured_acceptance_pays():
+    """Drafts copied after 6-token matches always accepted, after 2-token ones always rejected:
+    once measured, a draft after a long match is drafted whole and one after a short match not
+    at all, whatever the request's own average."""
+    from workers.engine.speculative.speculator import MatchSpeculator
+
+    config = parse_speculative_config(json.dumps({"method": "ngram",
+                                                  "num_speculative_tokens": 8}))
+
+    class Drafter:  # a long match on even calls, a short one on odd
+        name, calls = "ngram", 0
+
+        def lookup(self, token_ids, k):
+            self.calls += 1
+            return [1] * k, 6 if self.calls % 2 else 2
+
+    speculator, req = MatchSpeculator(config, Drafter(), 4096), _Decoding()
+    speculator.clock = _PriorClock()
+    lengths = []
+    for step in range(40):
+        speculator.propose([req])
+        drafted = len(req.draft_token_ids)
+        lengths.append(drafted)
+        req.num_draft_tokens += drafted
+        req.num_accepted_tokens += drafted if step % 2 == 0 else 0  # the long match's
+    assert lengths[:2] == [2, 2]  # both from the prior
+    assert lengths[-2:] == [8, 0]
+    assert speculator.matches.acceptance(6) > 0.95 > 0.2 > speculator.matches.acceptance(2)
+    for _ in range(200):  # short matches' drafts skipped: their p drifts back, to be tried again
+        speculator.matches.skip(2)
+    assert 0.45 < speculator.matches.acceptance(2) < 0.6
 
 
 def test_the_clock_fits_a_drafted_tokens_cost_from_a_lone_requests_steps(monkeypatch):

@@ -11,8 +11,12 @@ where it does not pay, per request, and drafts long where the text is predictabl
 cheap (a GPU's verification rows, nearly free) but short where they are not (this 2-core CPU's:
 a 5-row step 1.45-1.85x a one-row step).
 
-p is each request's: a moving average of the share of the drafted tokens its drafts reached
-that were accepted (a rejection ends a draft: the tokens after it were never judged).
+p is each request's where a model drafts: a moving average of the share of the drafted tokens
+its drafts reached that were accepted (a rejection ends a draft: the tokens after it were
+never judged). An n-gram draft's p is that of the server's drafts copied after a match as long
+as its own (`MatchAcceptance`): a draft after a long match is accepted far more often than one
+after two tokens (SmolLM2 repeating code: 0.5 after 2 tokens, 0.8 after 3, 0.9 after 4 and
+more), which a request's average blurs.
 
 c is the server's (`StepClock`): the time from one step's drafting to the next's is that whole
 step (drafting, the forward, sampling, the host's work on the outputs). Over the steps where one
@@ -37,6 +41,7 @@ MIN_WIDTH_VARIANCE = 0.25  # (rows^2) the steps' widths must spread by for a slo
 # the fit's least: a drafted token is never free (at 0, any acceptance would draft the most)
 MIN_TOKEN_COST = 0.02
 PAUSE_STEPS = 2
+MATCH_DECAY = 0.99  # of a match length's counts at each draft from such a match verified
 
 
 def best_length(acceptance: float, token_cost: float, k: int) -> int:
@@ -105,3 +110,30 @@ class StepClock:
         if one_row <= 0.0:
             return PRIOR_TOKEN_COST
         return min(max(slope / one_row, MIN_TOKEN_COST), 4.0)
+
+
+class MatchAcceptance:
+    """p by the length of the match an n-gram draft was copied after: of the drafted tokens that
+    the server's drafts from matches of that length reached, the share accepted; each length's
+    counts decay by `MATCH_DECAY` a draft, so they follow the text being served. Unseen
+    lengths start from the prior; the p of a length whose drafts do not pay (none drafted) moves
+    1 - `MATCH_DECAY` of its way back to the prior at each draft not made, so it is tried again
+    (at c = 0.2, some 20 skips from p = 0.1) rather than never measured again."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, tuple[float, float]] = {}  # match length -> (accepted, reached)
+
+    def acceptance(self, match: int) -> float:
+        accepted, reached = self.counts.get(match, (PRIOR_ACCEPTANCE, 1.0))
+        return accepted / reached
+
+    def record(self, match: int, accepted: int, drafted: int) -> None:
+        """A draft of `drafted` tokens copied after a `match`-token match had `accepted`."""
+        reached = accepted + (accepted < drafted)  # a rejection ends a draft
+        a, r = self.counts.get(match, (PRIOR_ACCEPTANCE, 1.0))
+        self.counts[match] = (MATCH_DECAY * a + accepted, MATCH_DECAY * r + reached)
+
+    def skip(self, match: int) -> None:
+        """A draft after a `match`-token match was not made (it did not pay)."""
+        a, r = self.counts.get(match, (PRIOR_ACCEPTANCE, 1.0))
+        self.counts[match] = (a + (1 - MATCH_DECAY) * (PRIOR_ACCEPTANCE * r - a), r)

@@ -38,9 +38,13 @@ class NgramDrafter:
         self.max_n = max_n
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return self.lookup(token_ids, k)[0]
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> tuple[list[int], int]:
+        """The draft and the length of the match it was copied after (0: none)."""
         length = len(token_ids)
         if k < 1 or length <= self.min_n:
-            return []
+            return [], 0
         tokens = np.asarray(token_ids, dtype=np.int64)
         # candidate starts i (< length - n): tokens[i:i + n] is followed by at least one token
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -48,5 +52,5 @@ class NgramDrafter:
             hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
-        return []
+                return tokens[start:start + k].tolist(), n
+        return [], 0
