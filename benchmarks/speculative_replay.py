@@ -87,7 +87,7 @@ class Replay:
             draft, match = (self.drafter.lookup(prompt + output[:i], length) if length
                             else ([], 0))
             if self.policy == "match" and draft:
-                draft = draft[:best_length(self.matches.acceptance(match), self.c, len(draft))]
+                draft = draft[:self.matches.length(match, self.c, len(draft))]
             accepted = 0
             while accepted < len(draft) and draft[accepted] == output[i + accepted]:
                 accepted += 1

@@ -133,6 +133,14 @@ class MatchAcceptance:
         a, r = self.counts.get(match, (PRIOR_ACCEPTANCE, 1.0))
         self.counts[match] = (MATCH_DECAY * a + accepted, MATCH_DECAY * r + reached)
 
+    def length(self, match: int, token_cost: float, k: int) -> int:
+        """`best_length` at the acceptance of drafts after `match`-token matches; 0 (the draft
+        not made) moves that acceptance back towards the prior (`skip`)."""
+        length = best_length(self.acceptance(match), token_cost, k)
+        if not length:
+            self.skip(match)
+        return length
+
     def skip(self, match: int) -> None:
         """A draft after a `match`-token match was not made (it did not pay)."""
         a, r = self.counts.get(match, (PRIOR_ACCEPTANCE, 1.0))

@@ -150,10 +150,7 @@ class MatchSpeculator(Speculator):
         k = self._num_to_draft(req)
         draft, match = self.drafter.lookup(req.all_token_ids, k) if k > 0 else ([], 0)
         if draft and self.config.draft_length == "cost":
-            draft = draft[:best_length(self.matches.acceptance(match), self.clock.token_cost,
-                                       len(draft))]
-            if not draft:
-                self.matches.skip(match)
+            draft = draft[:self.matches.length(match, self.clock.token_cost, len(draft))]
         if draft:
             self._drafted[req] = (match, req.num_draft_tokens, req.num_accepted_tokens)
         return draft
