@@ -229,7 +229,8 @@ def within(ratios: dict[str, float]) -> str:
 def repeat_check(ray: dict, again: dict, sim: dict) -> dict:
     """The Ray app against itself (the same command run again): how many cells its two runs
     agree on within 20%; the cells where they differ by more than 1.5x (no prediction is within
-    20% of both); the simulator within the runs' span widened by 20%."""
+    20% of both); the simulator (anchored on the first run) within 20% of the second, and
+    within the runs' span widened by 20%."""
     agree = ratios_of(again, ray, "repeat_over_ray")
     apart = [k for k, v in agree.items() if max(v, 1 / v) > 1.5]
     inside = sum(min(ray[n][k][w][q], again[n][k][w][q]) * 0.8 <= sim[n][k][w][q]
@@ -239,6 +240,7 @@ def repeat_check(ray: dict, again: dict, sim: dict) -> dict:
             "cells_the_runs_differ_over_1.5x": apart,
             "most_cells_any_prediction_within_20_percent_of_both_runs":
                 f"{len(agree) - len(apart)} of {len(agree)}",
+            "sim_within_20_percent_of_the_repeat": within(ratios_of(sim, again, "sim")),
             "sim_within_the_runs_span_widened_20_percent": f"{inside} of {len(agree)}",
             **agree}
 
