@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 
 import pytest
 
@@ -44,6 +45,28 @@ def test_ngram_copies_what_followed_the_latest_match_of_the_longest_suffix():
     assert drafter.propose([5, 6, 7], 3) == []  # no earlier occurrence
     assert NgramDrafter(min_n=2, max_n=2).propose([4, 1, 4, 2, 1], 3) == []  # "2 1" unseen
     assert drafter.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == ([7, 8], 3)  # its match
+
+
+def _lookup_by_definition(tokens: list[int], k: int, min_n: int, max_n: int):
+    """The latest earlier occurrence of the longest suffix of n in [min_n, max_n] tokens."""
+    if k < 1 or len(tokens) <= min_n:
+        return [], 0
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        hits = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+        if hits:
+            return tokens[hits[-1] + n:hits[-1] + n + k], n
+    return [], 0
+
+
+def test_ngram_lookup_agrees_with_its_definition_on_random_histories():
+    rng = random.Random(0)
+    for _ in range(3000):
+        alphabet = rng.randint(1, 4)  # few tokens: many matches of every length
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randint(0, 30))]
+        min_n = rng.randint(1, 4)
+        max_n, k = rng.randint(min_n, 8), rng.randint(0, 6)
+        assert NgramDrafter(min_n, max_n).lookup(tokens, k) == _lookup_by_definition(
+            tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
 
 
 class _PriorClock:

@@ -46,11 +46,17 @@ class NgramDrafter:
         if k < 1 or length <= self.min_n:
             return [], 0
         tokens = np.asarray(token_ids, dtype=np.int64)
-        # candidate starts i (< length - n): tokens[i:i + n] is followed by at least one token
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist(), n
-        return [], 0
+        # ends j (< length - 1) of earlier occurrences of the last token, then of the last
+        # n + 1 tokens for as long as any survive: one pass, n growing, the candidates shrinking
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        n, cap = 1, min(self.max_n, length - 1)
+        while ends.size and n < cap:
+            reach = ends[ends >= n]  # an occurrence of n + 1 tokens ends at n or later
+            longer = reach[tokens[reach - n] == tokens[length - 1 - n]]
+            if not longer.size:
+                break
+            ends, n = longer, n + 1
+        if not ends.size or n < self.min_n:
+            return [], 0
+        start = int(ends[-1]) + 1
+        return tokens[start:start + k].tolist(), n
