@@ -290,13 +290,9 @@ def compare(layouts: dict, phases: int, offered_per_s: float) -> dict:
     return out
 
 
-def main() -> dict:
-    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="model folder; default: the small preset")
-    p.add_argument("--phase-s", type=float, default=300.0, help="seconds of each phase")
-    p.add_argument("--rates", type=floats, default=[4.0, 0.4, 4.0],
-                   help="requests/s of each phase")
+def add_trace_options(p: argparse.ArgumentParser) -> None:
+    """The options `planner.py` and `planner_bound.py` share: the cores, the conditional
+    layout's threshold, the two classes' prompt and output tokens, the SLO's scales, the seed."""
     p.add_argument("--cores", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
     p.add_argument("--threshold", type=int, default=512, help="the conditional layout's")
     p.add_argument("--short-input", type=int, default=128)
@@ -306,6 +302,16 @@ def main() -> dict:
     p.add_argument("--ttft-scale", type=float, default=5.0)
     p.add_argument("--itl-scale", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
+
+
+def main() -> dict:
+    floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model folder; default: the small preset")
+    p.add_argument("--phase-s", type=float, default=300.0, help="seconds of each phase")
+    p.add_argument("--rates", type=floats, default=[4.0, 0.4, 4.0],
+                   help="requests/s of each phase")
+    add_trace_options(p)
     p.add_argument("--layouts", type=lambda s: s.split(","), default=list(LAYOUTS),
                    help="a subset (aggregated first: it sets the SLO)")
     p.add_argument("--out", default=str(RESULTS / "planner.json"))

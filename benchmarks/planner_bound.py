@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 from disagg_goodput import json_vocab, layout_config, run, single_request_latencies, summarize
 from loadgen import RequestSpec
-from planner import FIXED, Arrival, replay, slo_of, start_app
+from planner import FIXED, Arrival, add_trace_options, replay, slo_of, start_app
 from results_io import RESULTS, command_line, emit
 
 from workers.models.make_model import make_model
@@ -143,15 +143,7 @@ def main() -> dict:
     p.add_argument("--chat-rates", type=floats, default=[1.2, 1.8, 2.4, 3.0])
     p.add_argument("--summary-rates", type=floats, default=[0.2, 0.35, 0.5, 0.65])
     p.add_argument("--phase-s", type=float, default=60.0, help="seconds of arrivals a phase")
-    p.add_argument("--cores", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1])
-    p.add_argument("--threshold", type=int, default=512, help="the conditional layout's")
-    p.add_argument("--short-input", type=int, default=128)
-    p.add_argument("--short-output", type=int, default=128)
-    p.add_argument("--long-input", type=int, default=2048)
-    p.add_argument("--long-output", type=int, default=64)
-    p.add_argument("--ttft-scale", type=float, default=5.0)
-    p.add_argument("--itl-scale", type=float, default=20.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_trace_options(p)
     p.add_argument("--out", default=str(RESULTS / "planner_bound.json"))
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="planner-bound-")
