@@ -202,12 +202,8 @@ def run_layout(layout: str, model: str, args: argparse.Namespace, vocab: int, tm
     try:
         warm = [RequestSpec(a.spec.prompt, 2, a.spec.kind) for a in arrivals[:2]]
         run(app.base_url, warm, math.inf, None, 0)
-        single = None
-        if layout == "aggregated":
-            single = single_request_latencies(app.base_url, argparse.Namespace(
-                short_input=args.short_input, short_output=args.short_output,
-                long_min=args.long_input, long_max=args.long_input,
-                long_output=args.long_output), vocab)
+        single = single_latencies(app.base_url, args, vocab) if layout == "aggregated" \
+            else None
         watch, statuses, status_thread = None, [], None
         if layout == "planner":  # `cleave status` late in each phase
             watch = PlanWatch(app.base_url).start()
@@ -224,6 +220,15 @@ def run_layout(layout: str, model: str, args: argparse.Namespace, vocab: int, tm
                 "status": statuses or None}
     finally:
         app.stop()
+
+
+def single_latencies(base_url: str, args: argparse.Namespace, vocab: int) -> dict:
+    """Each class's single-request TTFT and the ITL (`disagg_goodput`'s), the classes
+    shaped by `args` (`add_trace_options`)."""
+    return single_request_latencies(base_url, argparse.Namespace(
+        short_input=args.short_input, short_output=args.short_output,
+        long_min=args.long_input, long_max=args.long_input, long_output=args.long_output),
+        vocab)
 
 
 def start_app(model: str, config: str, num_cpus: int, tries: int = 2) -> RayApp:

@@ -38,9 +38,10 @@ import time
 from pathlib import Path
 
 import yaml
-from disagg_goodput import json_vocab, layout_config, run, single_request_latencies, summarize
+from disagg_goodput import json_vocab, layout_config, run, summarize
 from loadgen import RequestSpec
-from planner import FIXED, Arrival, add_trace_options, replay, slo_of, start_app
+from planner import (FIXED, Arrival, add_trace_options, replay, single_latencies, slo_of,
+                     start_app)
 from results_io import RESULTS, command_line, emit
 
 from workers.models.make_model import make_model
@@ -78,12 +79,8 @@ def run_layout(layout: str, model: str, args: argparse.Namespace, vocab: int, tm
         first = [a for arrivals in steady.values() for a in arrivals[:1]]
         run(app.base_url, [RequestSpec(a.spec.prompt, 2, a.spec.kind) for a in first],
             math.inf, None, 0)
-        single = None
-        if layout == "aggregated":
-            single = single_request_latencies(app.base_url, argparse.Namespace(
-                short_input=args.short_input, short_output=args.short_output,
-                long_min=args.long_input, long_max=args.long_input,
-                long_output=args.long_output), vocab)
+        single = single_latencies(app.base_url, args, vocab) if layout == "aggregated" \
+            else None
         results = {}
         for key, arrivals in steady.items():
             started = time.perf_counter()

@@ -39,7 +39,7 @@ from speculative import MAX_TOKENS, NGRAM, WORKLOADS
 from workers import LLM, SamplingParams
 from workers.engine.speculative.draft_length import (ACCEPTANCE_WEIGHT, PAUSE_STEPS,
                                                        PRIOR_ACCEPTANCE, MatchAcceptance,
-                                                       best_length)
+                                                       best_length, reached)
 from workers.engine.speculative.drafter import NgramDrafter
 
 COSTS = (0.0, 0.11, 0.21)
@@ -93,8 +93,8 @@ class Replay:
                 accepted += 1
             if draft:
                 self.matches.record(match, accepted, len(draft))
-                reached = accepted + (accepted < len(draft))
-                acceptance += ACCEPTANCE_WEIGHT * (accepted / reached - acceptance)
+                acceptance += ACCEPTANCE_WEIGHT * (accepted / reached(accepted, len(draft))
+                                                   - acceptance)
                 rate = 0.5 * rate + 0.5 * accepted / len(draft)
                 if self.policy == "threshold" and rate < 0.3:
                     pause, next_pause, rate = next_pause, min(2 * next_pause, 64), 1.0

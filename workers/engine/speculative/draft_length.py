@@ -44,6 +44,12 @@ PAUSE_STEPS = 2
 MATCH_DECAY = 0.99  # of a match length's counts at each draft from such a match verified
 
 
+def reached(accepted: int, drafted: int) -> int:
+    """The drafted tokens a verification judged: the accepted ones and the first rejected one
+    (a rejection ends a draft: the tokens after it were never judged)."""
+    return accepted + (accepted < drafted)
+
+
 def best_length(acceptance: float, token_cost: float, k: int) -> int:
     """The draft length in 0..k with the most expected tokens per step cost (ties: shorter)."""
     best_rate, length = 1.0, 0
@@ -129,9 +135,9 @@ class MatchAcceptance:
 
     def record(self, match: int, accepted: int, drafted: int) -> None:
         """A draft of `drafted` tokens copied after a `match`-token match had `accepted`."""
-        reached = accepted + (accepted < drafted)  # a rejection ends a draft
         a, r = self.counts.get(match, (PRIOR_ACCEPTANCE, 1.0))
-        self.counts[match] = (MATCH_DECAY * a + accepted, MATCH_DECAY * r + reached)
+        self.counts[match] = (MATCH_DECAY * a + accepted,
+                              MATCH_DECAY * r + reached(accepted, drafted))
 
     def length(self, match: int, token_cost: float, k: int) -> int:
         """`best_length` at the acceptance of drafts after `match`-token matches; 0 (the draft

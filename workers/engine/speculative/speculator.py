@@ -30,7 +30,8 @@ from workers.engine.speculative.config import MTP_METHODS, SpeculativeConfig
 from workers.engine.speculative.drafter import Drafter, NgramDrafter
 from workers.engine.speculative.draft_length import (ACCEPTANCE_WEIGHT, PAUSE_STEPS,
                                                        PRIOR_ACCEPTANCE, MatchAcceptance,
-                                                       StepClock, best_length, decoding)
+                                                       StepClock, best_length, decoding,
+                                                       reached)
 from workers.engine.speculative.grammar_draft import cut_draft
 from workers.engine.speculative.mtp import MTPDraft
 from workers.engine.speculative.own_cache import OwnCacheDraft
@@ -110,8 +111,8 @@ class Speculator:
         drafted = req.num_draft_tokens - state.seen_drafted
         if drafted:
             accepted = req.num_accepted_tokens - state.seen_accepted
-            reached = accepted + (accepted < drafted)  # a rejection ends a draft
-            state.acceptance += ACCEPTANCE_WEIGHT * (accepted / reached - state.acceptance)
+            state.acceptance += ACCEPTANCE_WEIGHT * (accepted / reached(accepted, drafted)
+                                                     - state.acceptance)
             state.seen_drafted, state.seen_accepted = req.num_draft_tokens, req.num_accepted_tokens
         if self.config.draft_length == "fixed":
             return k
