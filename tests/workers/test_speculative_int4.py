@@ -43,7 +43,10 @@ def test_greedy_is_identical_in_mixed_batches_with_preemption_and_the_draft_is_i
                                                  **options)
     draft = spec.engine.speculator.draft
     target = spec.engine.runner.executor.model
-    assert type(draft.model.lm_head.matmul).__name__ == "QuantizedMatmul"
+    # int4 layers, the output projection in Q8_0 blocks (the GGUF VNNI kernel where the CPU
+    # has one), not the target's fp32 table
+    assert type(draft.model.model.layers[0].mlp.down_proj.matmul).__name__ == "QuantizedMatmul"
+    assert type(draft.model.lm_head.matmul).__name__ in ("GGUFVnniMatmul", "GGUFMatmul")
     assert draft.model.model.embed_tokens.weight.data_ptr() == \
         target.model.embed_tokens.weight.data_ptr()  # shared, not copied
     assert draft.caches[0].data_ptr() != spec.engine.kv_caches[0].data_ptr()
@@ -81,9 +84,10 @@ def test_the_real_model_greedy_is_identical_and_its_int4_copy_and_q4_1_file_draf
     assert texts(got) == texts(want)
     assert len(want[0].outputs[0].token_ids) >= 32
     stats = spec.engine.stats()
-    # the int4 copy of the fp32 weights (which came from a Q4_1 file) agrees with the target
-    # most of the time (0.72 measured): a draft that did not would make speculation useless
-    assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0
+    # the int4 copy of the fp32 weights (which came from a Q4_1 file, its output projection
+    # from Q8_0 blocks: all held again exactly) agrees with the target nearly always (0.72
+    # with the output projection in int4 too)
+    assert stats.num_accepted_tokens > 0.85 * stats.num_draft_tokens > 0
     # the shipped Q4_1 file as a draft checkpoint of its own (llama.cpp's -md pairing): the
     # same weights, summed in another order, so nearly every draft is accepted
     q4_1 = LLM(path, speculative_config=json.dumps({**json.loads(INT4_SELF),

@@ -66,6 +66,20 @@ def pack_layer(module: Any, ggml_type: str, dtype: torch.dtype) -> None:
         module.matmul = GGUFMatmul(ggml_type, n, k)
 
 
+def quantize_layer(module: Any, ggml_type: str, dtype: torch.dtype) -> None:
+    """Holds `module`'s full-precision weight [N, K] as `ggml_type` blocks quantized here as
+    llama.cpp quantizes (the `gguf` package's quantizer): `pack_layer`'s layer once its file is
+    read. A weight dequantized from such blocks is held again exactly."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    weight = module.weight.detach().float().cpu().numpy()
+    blocks = torch.from_numpy(quantize(weight, GGMLQuantizationType[ggml_type]))
+    pack_layer(module, ggml_type, dtype)
+    with torch.no_grad():
+        module.weight.copy_(blocks)
+
+
 def tie_packed(lm_head: Any, embedding: Any) -> None:
     """Points a tied output projection at the embedding's packed table (`pack_layer` replaced
     the parameter they shared)."""
