@@ -17,7 +17,10 @@ step (ratio 1). Policies:
   expected tokens per step cost) at the request's measured acceptance, at the c it is replayed
   with (a draft model's rule, and the n-gram one's until 2026-11-30);
 - `match`: the engine's n-gram rule (`MatchSpeculator`): the same length rule at the
-  acceptance measured for drafts copied after matches as long as the draft's own.
+  acceptance measured for drafts copied after matches as long as the draft's own;
+- `oracle` (`oracle`): the bound of every prompt-lookup policy, knowing the output: each step
+  drafts the longest continuation of any earlier occurrence that the output follows, never a
+  rejected row, in the fewest steps.
 
 c: 0 (free verification: the drafts' own bound), this CPU's (0.11 on the VNNI kernel, 0.21 on
 the block kernel: a 5-row step measured 1.45x and 1.85x a one-row step), and the c the engine's
@@ -104,6 +107,33 @@ class Replay:
         return len(output) - 1, steps, cost
 
 
+def oracle(outputs: list[tuple[list, list]], k: int, c: float) -> dict[str, float]:
+    """The bound of prompt lookup on `outputs`: at each position the longest run of the output
+    that a continuation after an earlier occurrence of the history's last token (a match of 1
+    or more) agrees with, at most k, and drafts cut to any length up to it (never a rejected
+    row); the fewest steps over the whole output, by dynamic programming. A step verifying r
+    tokens costs 1 + c r, so over n tokens the cost is c n + (1 - c) steps: no lookup policy
+    yields more tokens per step cost at c < 1."""
+    tokens = steps = 0
+    for prompt, output in outputs:
+        n = len(output)
+        fewest = [0] * (n + 1)  # steps from position i to the end
+        for i in range(n - 1, 0, -1):
+            history = prompt + output[:i]
+            most = 0
+            for j in range(len(history) - 1):
+                if history[j] == history[-1]:
+                    run = 0
+                    while (run < min(k, n - 1 - i) and j + 1 + run < len(history)
+                           and history[j + 1 + run] == output[i + run]):
+                        run += 1
+                    most = max(most, run)
+            fewest[i] = 1 + min(fewest[i + r + 1] for r in range(most + 1))
+        tokens, steps = tokens + n - 1, steps + fewest[1]
+    return {"tokens_per_step": round(tokens / steps, 3),
+            "ratio": round(tokens / (c * tokens + (1 - c) * steps), 3)}
+
+
 def measured_token_cost(path: str, prompts: list[str], max_tokens: int, k: int,
                         int_kernels: bool) -> float:
     """The c the engine's clock fits while it speculates on `prompts` (cost rule, at most k)."""
@@ -143,6 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
                     replay = Replay(policy, k, c).run(outputs)
                     result[f"{name}_{policy}_k{k}_{label}"] = replay
                     result[f"{name}_{policy}_k{k}_{label}_ratio"] = replay["ratio"]
+                bound = oracle(outputs, k, c)
+                result[f"{name}_oracle_k{k}_{label}"] = bound
+                result[f"{name}_oracle_k{k}_{label}_ratio"] = bound["ratio"]
         print(name, {key: v for key, v in result.items()
                      if key.startswith(name) and key.endswith("_ratio")}, flush=True)
     result["command"] = command_line(argv)
