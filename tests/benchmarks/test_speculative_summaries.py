@@ -79,3 +79,21 @@ def test_a_replay_accepts_drafts_up_to_the_first_token_the_output_did_not_have(r
         assert replay.Replay(policy, 4, 4.0).run([(prompt, output)]) == {
             "tokens_per_step": 1.0, "ratio": 1.0}
     assert replay.Replay("match", 4, 0.0).run([(prompt, output)]) == fixed  # every row free
+
+
+def test_the_oracle_bounds_every_policy_and_finds_the_occurrence_the_lookup_misses(replay):
+    """Prompt lookup's bound: the latest occurrence after the longest match is not the one the
+    output follows, an earlier one is; the oracle takes it, in one step, and no policy's replay
+    beats it at any c."""
+    prompt = [5, 1, 2, 3, 4, 6, 1, 2, 7, 8]
+    output = [1, 2, 3, 4, 99]  # after the prefill's token 1: the first occurrence's 2 3 4
+    assert replay.oracle([(prompt, output)], 4, 0.0) == {"tokens_per_step": 4.0, "ratio": 4.0}
+    # one step verifying 3 drafted tokens: 4 tokens for 1 + 0.5 * 3
+    assert replay.oracle([(prompt, output)], 4, 0.5)["ratio"] == 1.6
+    # the lookup: no match at 1, the latest "1 2" (drafting 7 8, rejected) at 2, "2 3" at 3
+    assert replay.Replay("fixed", 4, 0.0).run([(prompt, output)])["tokens_per_step"] == 1.333
+    copying = (list(range(10, 40)), [10, 11, *range(12, 40), *range(100, 105)])
+    for c in (0.0, 0.25):
+        bound = replay.oracle([copying], 4, c)["ratio"]
+        for policy in ("fixed", "threshold", "cost", "match"):
+            assert replay.Replay(policy, 4, c).run([copying])["ratio"] <= bound
