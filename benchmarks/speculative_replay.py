@@ -42,7 +42,7 @@ from speculative import MAX_TOKENS, NGRAM, WORKLOADS
 from workers import LLM, SamplingParams
 from workers.engine.speculative.draft_length import (ACCEPTANCE_WEIGHT, PAUSE_STEPS,
                                                        PRIOR_ACCEPTANCE, MatchAcceptance,
-                                                       best_length, reached)
+                                                       StepClock, best_length, reached)
 from workers.engine.speculative.drafter import NgramDrafter
 
 COSTS = (0.0, 0.11, 0.21)
@@ -134,15 +134,21 @@ def oracle(outputs: list[tuple[list, list]], k: int, c: float) -> dict[str, floa
             "ratio": round(tokens / (c * tokens + (1 - c) * steps), 3)}
 
 
-def measured_token_cost(path: str, prompts: list[str], max_tokens: int, k: int,
-                        int_kernels: bool) -> float:
-    """The c the engine's clock fits while it speculates on `prompts` (cost rule, at most k)."""
+def speculating_clock(path: str, prompts: list[str], max_tokens: int, k: int,
+                      int_kernels: bool) -> StepClock:
+    """The engine's clock after it speculated on `prompts`, twice (the match rule, at most k)."""
     config = {**NGRAM, "num_speculative_tokens": k}
     llm = LLM(path, speculative_config=json.dumps(config), fp32_int_kernels=int_kernels)
     for prompt in prompts * 2:
         llm.chat([{"role": "user", "content": prompt}],
                  SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    return round(llm.engine.speculator.clock.token_cost, 3)
+    return llm.engine.speculator.clock
+
+
+def measured_token_cost(path: str, prompts: list[str], max_tokens: int, k: int,
+                        int_kernels: bool) -> float:
+    """The c the engine's clock fits while it speculates on `prompts`."""
+    return round(speculating_clock(path, prompts, max_tokens, k, int_kernels).token_cost, 3)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -97,3 +97,45 @@ def test_the_oracle_bounds_every_policy_and_finds_the_occurrence_the_lookup_miss
         bound = replay.oracle([copying], 4, c)["ratio"]
         for policy in ("fixed", "threshold", "cost", "match"):
             assert replay.Replay(policy, 4, c).run([copying])["ratio"] <= bound
+
+
+@pytest.fixture(scope="module")
+def verify_cost():
+    yield from import_benchmark("verify_cost")
+
+
+def test_a_rows_floor_counts_its_products_at_the_probed_rates(verify_cost):
+    """SmolLM2-135M's shapes: the linear layers' and output projection's multiply-adds per row
+    (the figure verify_cost.json reports), attention's per token of context; the floor is
+    those at 64 a byte dot product and 16 an FMA, shared by the threads."""
+    from types import SimpleNamespace
+
+    smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                              num_key_value_heads=3, head_dim=64, num_hidden_layers=30,
+                              vocab_size=49152)
+    linear, attention = verify_cost.row_multiply_adds(smollm2)
+    assert linear == 30 * (576 * 15 * 64 + 576 * 576 + 576 * 3072 + 1536 * 576) + 49152 * 576
+    assert (linear, attention) == (134_479_872, 30 * 2 * 9 * 64)
+    # 64e9 products at one dot product a nanosecond: one second; attention 16e9 likewise
+    assert verify_cost.row_floor_seconds(64 * 10**9, 0, 100.0, 1.0, 1.0, 1) == 1.0
+    assert verify_cost.row_floor_seconds(64 * 10**9, 16 * 10**7, 100.0, 1.0, 2.0, 2) == 0.75
+
+
+def test_the_cost_for_a_target_is_the_largest_at_which_the_rule_still_reaches_it(
+        verify_cost):
+    copying = [(list(range(10, 40)), [10, 11, *range(12, 40), *range(100, 105)])]
+    c = verify_cost.cost_for(copying, 2.0)
+    assert 0.0 < c < 1.0
+    assert verify_cost.Replay("match", verify_cost.K, c).run(copying)["ratio"] >= 2.0
+    assert verify_cost.Replay("match", verify_cost.K, c + 0.01).run(copying)["ratio"] < 2.0
+    assert verify_cost.cost_for(copying, 100.0) == 0.0  # not even with free rows
+
+
+def test_the_port_probe_times_both_instructions(verify_cost):
+    from workers.kernels import gguf_vnni
+
+    if not gguf_vnni.available():
+        pytest.skip("the probe needs AVX-512 VNNI, which this CPU lacks")
+    # rates, not errors (2.1-2.3 a nanosecond measured here; timing is the benchmark's to judge)
+    for kind in (0, 1):
+        assert 0.0 < verify_cost.per_ns(kind, rounds=1_000_000, repeats=2) < float("inf")

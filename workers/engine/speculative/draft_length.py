@@ -102,19 +102,25 @@ class StepClock:
         self.moments = [m + weight * (x - m) for m, x in zip(self.moments, sample)]
         self.steps += 1
 
-    @property
-    def token_cost(self) -> float:
-        """c: a drafted token's seconds over a one-row step's, fitted; the prior until the
-        steps' widths have spread enough, and whatever the fit gives clamped to
-        [`MIN_TOKEN_COST`, 4]."""
+    def fit(self) -> tuple[float, float] | None:
+        """(a one-row step's seconds, the seconds a drafted token adds) as fitted; None until
+        the steps' widths have spread enough, or where the line's one-row step is not positive."""
         mean_w, mean_t, mean_ww, mean_wt = self.moments
         variance = mean_ww - mean_w * mean_w
         if self.steps < MIN_STEPS or variance < MIN_WIDTH_VARIANCE:
-            return PRIOR_TOKEN_COST
+            return None
         slope = (mean_wt - mean_w * mean_t) / variance
         one_row = mean_t - slope * (mean_w - 1.0)
-        if one_row <= 0.0:
+        return (one_row, slope) if one_row > 0.0 else None
+
+    @property
+    def token_cost(self) -> float:
+        """c: a drafted token's seconds over a one-row step's, fitted (`fit`); the prior until
+        then, and whatever the fit gives clamped to [`MIN_TOKEN_COST`, 4]."""
+        fitted = self.fit()
+        if fitted is None:
             return PRIOR_TOKEN_COST
+        one_row, slope = fitted
         return min(max(slope / one_row, MIN_TOKEN_COST), 4.0)
 
 
