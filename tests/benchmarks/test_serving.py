@@ -111,12 +111,17 @@ def test_layers_sweep_compares_every_layer_on_the_same_requests(serving, tiny_mo
                for m in ("itl", "tpot")}  # may be None: an ITL p50 that rounds to 0 ms
     assert latency <= set(result)
     assert "tiny_ray_vs_inprocess_c1_ratio" not in result  # ray did not run
+    measured = 0
     for a in servers:  # each server's CPU per token: its processes' and the load generator's
         for c, run in tiny["levels"][a].items():
             cpu = run["cpu_us_per_token"]
-            assert cpu["server"] > 0 and cpu["loadgen"] >= 0, (a, c, cpu)  # 10 ms ticks
+            assert cpu["server"] >= 0 and cpu["loadgen"] >= 0, (a, c, cpu)
             assert cpu["total"] == pytest.approx(sum(cpu.values()) - cpu["total"], abs=0.2)
-            assert result[f"tiny_{a}_c{c}_tokens_vs_cpu_bound_ratio"] > 0
+            # /proc counts 10 ms ticks: a run of 3 tiny requests may read none (no bound then)
+            ratio = result[f"tiny_{a}_c{c}_tokens_vs_cpu_bound_ratio"]
+            assert (ratio is None) == (cpu["total"] == 0) and (ratio is None or ratio > 0)
+            measured += cpu["server"] > 0
+    assert measured > 0  # the sweep read its servers' CPU
 
 
 def test_layers_flag_names_the_unknown_layer(serving, capsys):
