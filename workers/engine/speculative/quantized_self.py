@@ -8,8 +8,9 @@ VNNI kernels and the fused decoder stack in fp32, and whose output projection (u
 input embedding, which stays shared) holds GGUF Q8_0 blocks (int8 in groups of 32, as
 llama.cpp keeps a small model's output projection), on the GGUF VNNI kernel where the CPU has
 one; every other parameter (norms, embeddings, rotary tables) is the target's own tensor, not a
-copy. All layers draft. SmolLM2-135M's fp32 weights (its Q4_1 file's, Q8_0 output projection)
-are all held again exactly; a draft token reads about 1/5.5 of the target's bytes.
+copy. All layers draft. SmolLM2-135M's fp32 weights (its Q4_1 file's, the output projection
+Q8_0) are all held again exactly, and a draft token reads a fifth of the target's bytes (110 of
+540 MB).
 
 Why Q8_0 for the output projection (SmolLM2 in fp32, its 4 chat prompts of
 `benchmarks/speculative.py` three times, 96 tokens, offline, engines alternating): in int4 it
