@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ from speculative import MAX_TOKENS, WORKLOADS
 from speculative_replay import REQUESTS, Replay, greedy_outputs, oracle, speculating_clock
 
 from workers import LLM
+from workers.models.checkpoint_shapes import hf_weight_shapes
+from workers.models.model_config import ModelConfig
 from workers.kernels.native import build_library
 
 PROBE = Path(__file__).parent / "port_probe.c"
@@ -59,16 +62,15 @@ def per_ns(kind: int, rounds: int = 20_000_000, repeats: int = 5) -> float:
     return 12 * rounds / best / 1e9
 
 
-def row_multiply_adds(config: Any) -> tuple[int, int]:
+def row_multiply_adds(config: ModelConfig) -> tuple[int, int]:
     """(multiply-adds through the linear layers and the output projection, attention's per
-    token of context) of one row of a Llama-shaped `config`."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    layer = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-             + hidden * 2 * inter + inter * hidden)
-    linear = config.num_hidden_layers * layer + config.vocab_size * hidden
-    return linear, config.num_hidden_layers * 2 * heads * head_dim
+    token of context) of one row of a dense `config`: every weight matrix of its checkpoint
+    (`hf_weight_shapes`) but the input embedding, the output projection counted when tied too."""
+    linear = sum(math.prod(shape) for name, shape in hf_weight_shapes(config)
+                 if len(shape) == 2 and name != "model.embed_tokens.weight")
+    if config.tie_word_embeddings:
+        linear += config.vocab_size * config.hidden_size
+    return linear, config.num_hidden_layers * 2 * config.num_attention_heads * config.head_dim
 
 
 def row_floor_seconds(linear: int, attention_per_token: int, context: float,

@@ -108,11 +108,13 @@ def test_a_rows_floor_counts_its_products_at_the_probed_rates(verify_cost):
     """SmolLM2-135M's shapes: the linear layers' and output projection's multiply-adds per row
     (the figure verify_cost.json reports), attention's per token of context; the floor is
     those at 64 a byte dot product and 16 an FMA, shared by the threads."""
-    from types import SimpleNamespace
+    from workers.models.model_config import ModelConfig
 
-    smollm2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                              num_key_value_heads=3, head_dim=64, num_hidden_layers=30,
-                              vocab_size=49152)
+    smollm2 = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "num_hidden_layers": 30, "vocab_size": 49152,
+        "tie_word_embeddings": True, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5})
     linear, attention = verify_cost.row_multiply_adds(smollm2)
     assert linear == 30 * (576 * 15 * 64 + 576 * 576 + 576 * 3072 + 1536 * 576) + 49152 * 576
     assert (linear, attention) == (134_479_872, 30 * 2 * 9 * 64)
