@@ -16,8 +16,11 @@ step (ratio 1). Policies:
 - `cost`: the length rule (`workers.engine.speculative.draft_length`: the length maximizing
   expected tokens per step cost) at the request's measured acceptance, at the c it is replayed
   with (a draft model's rule, and the n-gram one's until 2026-11-30);
-- `match`: the engine's n-gram rule (`MatchSpeculator`): the same length rule at the
-  acceptance measured for drafts copied after matches as long as the draft's own;
+- `match_latest`: the same length rule at the acceptance measured for drafts copied after
+  matches as long as the draft's own, copied after the match's latest occurrence (the engine's
+  n-gram rule until 2026-12-01);
+- `match`: the engine's n-gram rule (`MatchSpeculator`): `match_latest`, copied after the first
+  occurrence onward of where the request's last draft reached in its source;
 - `oracle` (`oracle`): the bound of every prompt-lookup policy, knowing the output: each step
   drafts the longest continuation of any earlier occurrence that the output follows, never a
   rejected row, in the fewest steps.
@@ -77,7 +80,7 @@ class Replay:
 
     def _request(self, prompt: list[int], output: list[int]) -> tuple[int, int, float]:
         """Tokens after the first (the prefill's), steps, and their cost."""
-        i, steps, cost = 1, 0, 0.0
+        i, steps, cost, source = 1, 0, 0.0, None
         acceptance, rate, pause, next_pause = PRIOR_ACCEPTANCE, 1.0, 0, 2
         while i < len(output):
             length = min(self.k, len(output) - i)
@@ -87,15 +90,17 @@ class Replay:
                 length = best_length(acceptance, self.c, length)
                 if not length:
                     pause, acceptance = PAUSE_STEPS - 1, PRIOR_ACCEPTANCE
-            draft, match = (self.drafter.lookup(prompt + output[:i], length) if length
-                            else ([], 0))
-            if self.policy == "match" and draft:
+            after = source if self.policy == "match" else None
+            draft, match, start = (self.drafter.lookup(prompt + output[:i], length, after)
+                                   if length else ([], 0, 0))
+            if self.policy.startswith("match") and draft:
                 draft = draft[:self.matches.length(match, self.c, len(draft))]
             accepted = 0
             while accepted < len(draft) and draft[accepted] == output[i + accepted]:
                 accepted += 1
             if draft:
                 self.matches.record(match, accepted, len(draft))
+                source = start + accepted + 1
                 acceptance += ACCEPTANCE_WEIGHT * (accepted / reached(accepted, len(draft))
                                                    - acceptance)
                 rate = 0.5 * rate + 0.5 * accepted / len(draft)
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         for k in args.k:
             for c in (*COSTS, measured):
                 label = "measured" if c == measured and c not in COSTS else f"c{c}"
-                for policy in ("fixed", "threshold", "cost", "match"):
+                for policy in ("fixed", "threshold", "cost", "match_latest", "match"):
                     replay = Replay(policy, k, c).run(outputs)
                     result[f"{name}_{policy}_k{k}_{label}"] = replay
                     result[f"{name}_{policy}_k{k}_{label}_ratio"] = replay["ratio"]

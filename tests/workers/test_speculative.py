@@ -44,18 +44,22 @@ def test_ngram_copies_what_followed_the_latest_match_of_the_longest_suffix():
     assert drafter.propose([1, 2, 3, 9, 1, 2, 3], 4) == [9, 1, 2, 3]
     assert drafter.propose([5, 6, 7], 3) == []  # no earlier occurrence
     assert NgramDrafter(min_n=2, max_n=2).propose([4, 1, 4, 2, 1], 3) == []  # "2 1" unseen
-    assert drafter.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == ([7, 8], 3)  # its match
+    assert drafter.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == ([7, 8], 3, 7)  # its match
 
 
-def _lookup_by_definition(tokens: list[int], k: int, min_n: int, max_n: int):
-    """The latest earlier occurrence of the longest suffix of n in [min_n, max_n] tokens."""
+def _lookup_by_definition(tokens: list[int], k: int, min_n: int, max_n: int,
+                          after: int | None = None):
+    """The longest suffix of n in [min_n, max_n] tokens occurring earlier: its first occurrence
+    continuing at `after` or later, else its latest."""
     if k < 1 or len(tokens) <= min_n:
-        return [], 0
+        return [], 0, 0
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        hits = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
-        if hits:
-            return tokens[hits[-1] + n:hits[-1] + n + k], n
-    return [], 0
+        starts = [i + n for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+        if starts:
+            onward = [i for i in starts if after is not None and i >= after]
+            start = onward[0] if onward else starts[-1]
+            return tokens[start:start + k], n, start
+    return [], 0, 0
 
 
 def test_ngram_lookup_agrees_with_its_definition_on_random_histories():
@@ -65,8 +69,32 @@ def test_ngram_lookup_agrees_with_its_definition_on_random_histories():
         tokens = [rng.randrange(alphabet) for _ in range(rng.randint(0, 30))]
         min_n = rng.randint(1, 4)
         max_n, k = rng.randint(min_n, 8), rng.randint(0, 6)
-        assert NgramDrafter(min_n, max_n).lookup(tokens, k) == _lookup_by_definition(
-            tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+        after = rng.choice([None, rng.randint(0, 31)])
+        assert NgramDrafter(min_n, max_n).lookup(tokens, k, after) == _lookup_by_definition(
+            tokens, k, min_n, max_n, after), (tokens, k, min_n, max_n, after)
+
+
+def test_ngram_drafts_follow_the_source_a_request_is_copying():
+    """A request copying a source that says "def" twice, having edited one token, meets "def"
+    again: its draft is the source's second body, onward of where its copy had reached, where
+    the latest "def" (its own first one) would draft the first body over again."""
+    from workers.engine.speculative.speculator import MatchSpeculator
+
+    config = parse_speculative_config(json.dumps({**json.loads(NGRAM), "draft_length": "fixed",
+                                                  "num_speculative_tokens": 3}))
+    source = [50, 1, 11, 12, 60, 1, 21, 22, 61]  # "def" = 1, then a body; twice
+    speculator, req = MatchSpeculator(config, NgramDrafter(1, 4), 4096), _Decoding()
+    req.all_token_ids = source + [50, 1]
+    speculator.propose([req])
+    assert req.draft_token_ids == [11, 12, 60]  # "50 def": the first body
+    req.num_draft_tokens, req.num_accepted_tokens = 3, 2  # 11 12 accepted, 77 for 60
+    req.all_token_ids = source + [50, 1, 11, 12, 77]
+    speculator.propose([req])
+    assert req.draft_token_ids == []  # 77 occurs nowhere earlier
+    req.all_token_ids = source + [50, 1, 11, 12, 77, 1]
+    speculator.propose([req])
+    assert req.draft_token_ids == [21, 22, 61]  # from source position 5 on
+    assert NgramDrafter(1, 4).propose(req.all_token_ids, 3) == [11, 12, 77]  # the latest
 
 
 class _PriorClock:
@@ -157,9 +185,9 @@ def test_an_ngram_draft_is_as_long_as_its_matchs_measured_acceptance_pays():
     class Drafter:  # a long match on even calls, a short one on odd
         name, calls = "ngram", 0
 
-        def lookup(self, token_ids, k):
+        def lookup(self, token_ids, k, after=None):
             self.calls += 1
-            return [1] * k, 6 if self.calls % 2 else 2
+            return [1] * k, 6 if self.calls % 2 else 2, 0
 
     speculator, req = MatchSpeculator(config, Drafter(), 4096), _Decoding()
     speculator.clock = _PriorClock()

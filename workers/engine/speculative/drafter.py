@@ -9,7 +9,7 @@ proposal (`workers.engine.speculative.rejection`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -24,9 +24,22 @@ class Drafter(Protocol):
         ...
 
 
+class Lookup(NamedTuple):
+    """A prompt lookup's draft, the length of the match it was copied after (0: none) and where
+    in the history it was copied from."""
+
+    draft: list[int]
+    match: int
+    start: int
+
+
 class NgramDrafter:
-    """Prompt lookup (vLLM's `ngram`): find the latest earlier occurrence of the history's last
-    n tokens (n from `max_n` down to `min_n`) and copy the up-to-`k` tokens that followed it."""
+    """Prompt lookup (vLLM's `ngram`): find an earlier occurrence of the history's last n
+    tokens (n from `max_n` down to `min_n`) and copy the up-to-`k` tokens that followed it: the
+    latest occurrence, or, given where the request's copying had reached (`after`), the first
+    occurrence from there on: a text being copied or edited follows its source in order, and
+    where the source repeats a phrase (`def mean` ... `def variance`) the latest occurrence is
+    often the one already copied."""
 
     name = "ngram"
 
@@ -38,13 +51,14 @@ class NgramDrafter:
         self.max_n = max_n
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        return self.lookup(token_ids, k)[0]
+        return self.lookup(token_ids, k).draft
 
-    def lookup(self, token_ids: Sequence[int], k: int) -> tuple[list[int], int]:
-        """The draft and the length of the match it was copied after (0: none)."""
+    def lookup(self, token_ids: Sequence[int], k: int, after: int | None = None) -> Lookup:
+        """The draft of up to `k` tokens, copied after the first occurrence of the longest match
+        that continues at `after` or later, else after its latest occurrence."""
         length = len(token_ids)
         if k < 1 or length <= self.min_n:
-            return [], 0
+            return Lookup([], 0, 0)
         tokens = np.asarray(token_ids, dtype=np.int64)
         # ends j (< length - 1) of earlier occurrences of the last token, then of the last
         # n + 1 tokens for as long as any survive: one pass, n growing, the candidates shrinking
@@ -57,6 +71,7 @@ class NgramDrafter:
                 break
             ends, n = longer, n + 1
         if not ends.size or n < self.min_n:
-            return [], 0
-        start = int(ends[-1]) + 1
-        return tokens[start:start + k].tolist(), n
+            return Lookup([], 0, 0)
+        onward = ends[ends + 1 >= after] if after is not None else ends[:0]
+        start = int(onward[0] if onward.size else ends[-1]) + 1
+        return Lookup(tokens[start:start + k].tolist(), n, start)

@@ -125,12 +125,26 @@ class Speculator:
         return length
 
 
+@dataclass
+class _Copied:
+    """A request's n-gram draft awaiting verification: its match's length, where it was copied
+    from, and the request's counters when it was drafted."""
+
+    match: int
+    start: int
+    drafted: int
+    accepted: int
+
+
 class MatchSpeculator(Speculator):
     """N-gram drafts (`NgramDrafter.lookup`), each as long as pays at the acceptance measured
     for drafts copied after matches as long as its own (`MatchAcceptance`) rather than at its
-    request's average. Replayed on SmolLM2's greedy outputs repeating code, at most 8 tokens:
-    1.67x against 1.65x by the request's average at a drafted token's cost of 0.21 of a step,
-    1.92x against 1.85x at 0.11 on the VNNI kernel's texts (`benchmarks/speculative_replay.py`).
+    request's average, and copied, where the match occurs more than once, from the first
+    occurrence at or after where the request's last draft reached in its source (its accepted
+    tokens and the target's own one past them). Replayed on SmolLM2's greedy outputs repeating
+    code, at most 8 tokens (`benchmarks/speculative_replay.py`): by match length 1.67x against
+    1.65x by the request's average at a drafted token's cost of 0.21 of a step; following the
+    source 1.70x against 1.64x at 0.194 on the VNNI kernel's texts.
     """
 
     drafter: NgramDrafter
@@ -139,21 +153,26 @@ class MatchSpeculator(Speculator):
                  max_model_len: int) -> None:
         super().__init__(config, drafter, max_model_len)
         self.matches = MatchAcceptance()
-        # a request's draft awaiting verification: (match length, its counters at drafting)
-        self._drafted: weakref.WeakKeyDictionary[Request, tuple[int, int, int]] = (
-            weakref.WeakKeyDictionary())
+        self._copied: weakref.WeakKeyDictionary[Request, _Copied] = weakref.WeakKeyDictionary()
+        # where each request's copying had reached in its history: its last verified draft's
+        # source position one past its accepted tokens and the target's own
+        self._source: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
     def _draft(self, req: Request) -> list[int]:
-        pending = self._drafted.pop(req, None)
-        if pending is not None and req.num_draft_tokens > pending[1]:  # verified
-            self.matches.record(pending[0], req.num_accepted_tokens - pending[2],
-                                req.num_draft_tokens - pending[1])
+        copied = self._copied.pop(req, None)
+        if copied is not None and req.num_draft_tokens > copied.drafted:  # verified
+            accepted = req.num_accepted_tokens - copied.accepted
+            self.matches.record(copied.match, accepted, req.num_draft_tokens - copied.drafted)
+            self._source[req] = copied.start + accepted + 1
         k = self._num_to_draft(req)
-        draft, match = self.drafter.lookup(req.all_token_ids, k) if k > 0 else ([], 0)
+        if k <= 0:
+            return []
+        draft, match, start = self.drafter.lookup(req.all_token_ids, k, self._source.get(req))
         if draft and self.config.draft_length == "cost":
             draft = draft[:self.matches.length(match, self.clock.token_cost, len(draft))]
         if draft:
-            self._drafted[req] = (match, req.num_draft_tokens, req.num_accepted_tokens)
+            self._copied[req] = _Copied(match, start, req.num_draft_tokens,
+                                        req.num_accepted_tokens)
         return draft
 
 
