@@ -9,6 +9,12 @@
 #include <immintrin.h>
 #endif
 
+/* the 12 chains held in registers and opaque to the compiler: each round's products are done */
+#define KEEP_CHAINS(a)                                                                      \
+    __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]),        \
+                     "+v"(a[5]), "+v"(a[6]), "+v"(a[7]), "+v"(a[8]), "+v"(a[9]), "+v"(a[10]), \
+                     "+v"(a[11]))
+
 static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -25,9 +31,7 @@ double port_probe(int kind, int64_t n, int32_t *sink) {
         for (int i = 0; i < 12; i++) a[i] = _mm512_set1_epi32(i);
         for (int64_t r = 0; r < n; r++) {
             for (int i = 0; i < 12; i++) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
-            __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]),
-                             "+v"(a[5]), "+v"(a[6]), "+v"(a[7]), "+v"(a[8]), "+v"(a[9]),
-                             "+v"(a[10]), "+v"(a[11]));
+            KEEP_CHAINS(a);
         }
         int32_t s = 0;
         for (int i = 0; i < 12; i++) s += _mm512_reduce_add_epi32(a[i]);
@@ -38,9 +42,7 @@ double port_probe(int kind, int64_t n, int32_t *sink) {
         for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i);
         for (int64_t r = 0; r < n; r++) {
             for (int i = 0; i < 12; i++) a[i] = _mm512_fmadd_ps(a[i], x, y);
-            __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]),
-                             "+v"(a[5]), "+v"(a[6]), "+v"(a[7]), "+v"(a[8]), "+v"(a[9]),
-                             "+v"(a[10]), "+v"(a[11]));
+            KEEP_CHAINS(a);
         }
         float s = 0.0f;
         for (int i = 0; i < 12; i++) s += _mm512_reduce_add_ps(a[i]);
